@@ -1,0 +1,50 @@
+"""Errors that GML-Lab raises on purpose.
+
+Every failure a user can cause (a model that will not trace, a corrupt checkpoint, a wrong input
+shape, ...) surfaces as a :class:`GMLError` whose message says what happened *and what to do*.
+The CLI prints the message and exits with the error's ``exit_code``; it never shows a torch
+traceback for these.
+"""
+
+from __future__ import annotations
+
+
+class GMLError(Exception):
+    """Base class for user-facing errors. ``hint`` says what the user can do about it."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}\nWhat you can do: {hint}")
+
+
+class ModelLoadError(GMLError):
+    """A model name, ``file.py:Class`` reference or checkpoint could not be loaded."""
+
+    exit_code = 3
+
+
+class TraceFailure(GMLError):
+    """``torch.fx`` could not capture the model (data-dependent control flow, unsupported Python)."""
+
+    exit_code = 4
+
+
+class InputError(GMLError):
+    """Example or calibration inputs do not fit the model (shape, dtype, NaN/Inf, empty)."""
+
+    exit_code = 5
+
+
+class PassFailure(GMLError):
+    """A pass broke lint or numerics and the pass manager runs with ``strict=True``."""
+
+    exit_code = 6
+
+
+class UnsupportedError(GMLError):
+    """The model uses something a requested stage cannot handle (e.g. BN in training mode)."""
+
+    exit_code = 7

@@ -1,0 +1,111 @@
+"""The pass contract every GML-Lab graph pass follows.
+
+It keeps the shape of ``torch.fx.passes.infra`` (a pass maps a ``GraphModule`` to a result that says
+whether it changed anything) and adds what a user needs to trust a rewrite: how many patterns
+matched, and every candidate the pass *declined* with a reason a person can read.
+
+A pass is either a subclass of :class:`GraphPass` or a plain function ``gm -> PassResult``; wrap the
+function with :class:`FunctionPass` to give it a name and a tolerance. Options are constructor
+arguments; there are no global flags.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from torch import fx
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a pass may move the model's outputs: ``|a-b| <= atol + rtol*|b|`` elementwise.
+
+    ``None`` as a pass's tolerance means the pass changes numerics on purpose (quantization) and
+    the manager only checks that outputs stay finite and keep their shapes.
+    """
+
+    atol: float = 1e-5
+    rtol: float = 1e-4
+
+
+@dataclass
+class Skip:
+    """A candidate a pass looked at and declined."""
+
+    node: str
+    reason: str
+    pattern: str = ""
+
+    def __str__(self) -> str:
+        where = f"{self.pattern} at {self.node}" if self.pattern else self.node
+        return f"{where}: {self.reason}"
+
+
+@dataclass
+class PassResult:
+    """What a pass did: the module, whether it changed, matches rewritten, candidates skipped."""
+
+    graph_module: fx.GraphModule
+    modified: bool
+    matches: int = 0
+    skips: list[Skip] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class GraphPass(ABC):
+    """Base class of a graph pass: one job, named, with a numeric tolerance.
+
+    Subclasses implement :meth:`call`. They may mutate ``gm`` in place (the
+    :class:`~gml.passes.manager.PassManager` snapshots it first) and must leave it lint-clean and
+    recompiled; see ``passes/INVARIANTS.md``.
+    """
+
+    name: ClassVar[str] = ""
+    tolerance: Tolerance | None = Tolerance()
+
+    def __call__(self, gm: fx.GraphModule) -> PassResult:
+        self.requires(gm)
+        result = self.call(gm)
+        self.ensures(result.graph_module)
+        return result
+
+    @abstractmethod
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        """Rewrite ``gm`` and report what changed."""
+
+    def requires(self, gm: fx.GraphModule) -> None:  # noqa: B027 - optional hook
+        """Check preconditions; raise :class:`~gml.errors.GMLError` if the pass cannot run."""
+
+    def ensures(self, gm: fx.GraphModule) -> None:  # noqa: B027 - optional hook
+        """Check postconditions after :meth:`call`."""
+
+    @property
+    def pass_name(self) -> str:
+        return self.name or type(self).__name__
+
+    def __repr__(self) -> str:
+        return f"<pass {self.pass_name}>"
+
+
+class FunctionPass(GraphPass):
+    """Adapts a plain function ``gm -> PassResult`` to the pass contract."""
+
+    def __init__(
+        self,
+        fn: Callable[[fx.GraphModule], PassResult],
+        name: str | None = None,
+        tolerance: Tolerance | None = Tolerance(),
+    ) -> None:
+        self.fn = fn
+        self._name = name or fn.__name__
+        self.tolerance = tolerance
+
+    @property
+    def pass_name(self) -> str:
+        return self._name
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        return self.fn(gm)
