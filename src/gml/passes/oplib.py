@@ -38,9 +38,7 @@ OPS: tuple[OpSpec, ...] = (
         (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d),
         (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d),
     ),
-    OpSpec(
-        "batchnorm", (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), (F.batch_norm,), frozenset()
-    ),
+    OpSpec("batchnorm", (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), (F.batch_norm,), frozenset()),
     OpSpec("layernorm", (nn.LayerNorm,), (F.layer_norm,)),
     OpSpec("linear", (nn.Linear,), (F.linear,)),
     OpSpec("matmul", (), (torch.matmul, torch.mm, torch.bmm, operator.matmul), ("matmul", "mm", "bmm")),

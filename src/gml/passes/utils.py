@@ -85,7 +85,7 @@ def remove_unused_nodes(graph: fx.Graph, nodes: Iterable[fx.Node], recursive: bo
 def _element_matches(element: Element, node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     if isinstance(element, str):
         return op_kind(node, modules) == element
-    if isinstance(element, type) or isinstance(element, tuple):
+    if isinstance(element, type | tuple):
         mod = modules.get(str(node.target)) if node.op == "call_module" else None
         return mod is not None and isinstance(mod, element)
     return bool(element(node, modules))

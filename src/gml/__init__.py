@@ -1,0 +1,10 @@
+"""GML-Lab: torch.fx graph rewriting for fast, verified CPU inference."""
+
+from __future__ import annotations
+
+from gml.capture import capture
+from gml.errors import GMLError
+from gml.verify import VerifyResult, verify_pass
+
+__all__ = ["GMLError", "VerifyResult", "capture", "verify_pass"]
+__version__ = "0.1.0"

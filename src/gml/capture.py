@@ -1,0 +1,181 @@
+"""Capture a model as a ``torch.fx.GraphModule`` and fill shape metadata.
+
+``torch.fx.symbolic_trace`` fails on data-dependent control flow (``if x.sum() > 0``), on iterating
+over tensors, and on some Python constructs. Its errors point deep inside torch; :func:`capture`
+turns them into a :class:`~gml.errors.TraceFailure` that names the submodule, the user's source
+line and what to do about it (leaf modules, ``concrete_args``, ``torch.where``).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from gml.errors import InputError, TraceFailure, UnsupportedError
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_GML_DIR = os.path.dirname(__file__)
+
+
+class _Tracer(fx.Tracer):
+    """A tracer with configurable leaf modules that remembers which submodule it was inside."""
+
+    def __init__(self, leaf_types: tuple[type, ...] = (), leaf_names: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.leaf_types = leaf_types
+        self.leaf_names = set(leaf_names)
+        self.stack: list[str] = []
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        self.stack.append(self.path_of_module(m))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                self.failed_in = self.stack[-1]
+            raise
+        finally:
+            self.stack.pop()
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost traceback frame outside torch and gml: the user's line that failed."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _GML_DIR))]
+    return user[-1] if user else None
+
+
+def _explain(exc: BaseException) -> str:
+    text = str(exc)
+    if "control flow" in text:
+        return "data-dependent control flow (a Python `if`/`while` on a tensor value)"
+    if "iterate" in text or "len(" in text or "__len__" in text:
+        return "iteration over, or len() of, a traced tensor"
+    if "Proxy" in text or "symbolically traced" in text:
+        return f"a Python operation torch.fx cannot record ({text.splitlines()[0]})"
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _leaf_spec(leaf_modules: Sequence[str | type]) -> tuple[tuple[type, ...], list[str]]:
+    types = tuple(m for m in leaf_modules if isinstance(m, type))
+    names = [m for m in leaf_modules if isinstance(m, str)]
+    return types, names
+
+
+def trace(
+    model: nn.Module,
+    *,
+    leaf_modules: Sequence[str | type] = (),
+    concrete_args: dict[str, Any] | None = None,
+) -> fx.GraphModule:
+    """Symbolically trace ``model``; raise :class:`TraceFailure` with a readable reason on failure."""
+    types, names = _leaf_spec(leaf_modules)
+    tracer = _Tracer(types, names)
+    model_name = type(model).__name__
+    try:
+        graph = tracer.trace(model, concrete_args=concrete_args)
+    except Exception as exc:
+        frame = _user_frame(exc)
+        where = f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}()" if frame else ""
+        code = f": `{frame.line.strip()}`" if frame and frame.line else ""
+        inside = f" (inside submodule '{tracer.failed_in}')" if tracer.failed_in else ""
+        leaf_hint = (
+            f"mark '{tracer.failed_in}' as a leaf module (--leaf {tracer.failed_in} / "
+            f"leaf_modules=['{tracer.failed_in}']) so it runs as one opaque node, "
+            if tracer.failed_in
+            else ""
+        )
+        raise TraceFailure(
+            f"Cannot capture {model_name} with torch.fx: {_explain(exc)}{where}{inside}{code}.",
+            hint=(
+                f"{leaf_hint}fix the value with concrete_args (e.g. a flag argument), or rewrite the "
+                "branch without Python control flow on tensors (torch.where, masking)."
+            ),
+        ) from None
+    name = model_name if isinstance(model, nn.Module) else "GraphModule"
+    return fx.GraphModule(tracer.root, graph, name)
+
+
+class _RecordingShapeProp(ShapeProp):
+    """ShapeProp that remembers the node it was running when something failed."""
+
+    current: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        return super().run_node(n)
+
+
+def _shape_str(args: Sequence[Any]) -> str:
+    return ", ".join(
+        f"{tuple(a.shape)}:{str(a.dtype).removeprefix('torch.')}" if isinstance(a, torch.Tensor) else repr(a)
+        for a in args
+    )
+
+
+def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+    """Fill ``node.meta['tensor_meta']`` by running ``example_inputs``; return the outputs.
+
+    A shape or dtype mismatch becomes an :class:`InputError` naming the node that rejected it.
+    """
+    prop = _RecordingShapeProp(gm)
+    n_placeholders = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+    if len(example_inputs) > n_placeholders:
+        raise InputError(
+            f"{len(example_inputs)} example inputs given, but the model takes {n_placeholders}.",
+            hint="pass one tensor per forward() argument (--input-shape takes a comma-separated list).",
+        )
+    try:
+        with torch.no_grad():
+            return prop.propagate(*example_inputs)
+    except Exception as exc:
+        node = prop.current
+        cause = exc.__cause__ or exc
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        at = f" at node '{node.name}' ({node.op} {node.target})" if node is not None else ""
+        raise InputError(
+            f"Example inputs [{_shape_str(example_inputs)}] do not fit the model{at}: {first}",
+            hint="pass --input-shape (e.g. 1x3x224x224) / example_inputs matching what forward() expects.",
+        ) from None
+
+
+def check_eval_mode(model: nn.Module, *, what: str = "optimization") -> None:
+    """Raise if ``model`` (or any submodule) is in training mode: inference rewrites assume eval."""
+    training = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
+    if training:
+        shown = ", ".join(training[:3]) + (" ..." if len(training) > 3 else "")
+        raise UnsupportedError(
+            f"The model is in training mode ({shown}); {what} is for inference (BatchNorm would use batch "
+            "statistics, Dropout would drop).",
+            hint="call model.eval() first.",
+        )
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | None = None,
+    *,
+    leaf_modules: Sequence[str | type] = (),
+    concrete_args: dict[str, Any] | None = None,
+) -> fx.GraphModule:
+    """Trace ``model`` and, given ``example_inputs``, propagate shapes into node metadata."""
+    gm = (
+        model
+        if isinstance(model, fx.GraphModule)
+        else trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+    )
+    if example_inputs is not None:
+        propagate_shapes(gm, example_inputs)
+    return gm

@@ -1,0 +1,207 @@
+"""The ``gml`` command line: inspect, optimize, quantize, bench, demo.
+
+Every command takes a MODEL: a torchvision name (``resnet18``; random weights, nothing is
+downloaded) or ``path/to/file.py:ClassName``. Errors a user can cause print one paragraph that says
+what went wrong and what to do, and exit non-zero; ``--debug`` shows the Python traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from gml.errors import GMLError
+
+console = Console(highlight=False)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="torchvision model name (e.g. resnet18) or path/to/file.py:ClassName")
+    p.add_argument(
+        "--input-shape",
+        metavar="SHAPE",
+        help="example input shape(s), e.g. 1x3x224x224; several inputs: 1x3x32x32,1x10 "
+        "(default: what the model declares, else 1x3x224x224)",
+    )
+    p.add_argument("--weights", metavar="FILE", help="state_dict checkpoint to load (weights_only=True)")
+    p.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help="allow pickled objects in --weights (runs code from the file: only for files you trust)",
+    )
+    p.add_argument(
+        "--leaf",
+        action="append",
+        default=[],
+        metavar="SUBMODULE",
+        help="keep this submodule opaque while tracing (repeatable); helps with untraceable code",
+    )
+
+
+def load_from_args(args: argparse.Namespace, batch: int | None = None):
+    """(model, example_inputs) from the common model arguments."""
+    from gml.models import default_input_shapes, example_inputs, load_model, parse_shapes
+
+    model = load_model(args.model, weights=args.weights, unsafe_load=args.unsafe_load)
+    shapes = parse_shapes(args.input_shape) if args.input_shape else default_input_shapes(model, args.model)
+    return model, example_inputs(shapes, batch=batch)
+
+
+def _fmt_meta(node) -> str:
+    meta = node.meta.get("tensor_meta")
+    if meta is None:
+        return ""
+    if hasattr(meta, "shape"):
+        return f"{tuple(meta.shape)} {str(meta.dtype).removeprefix('torch.')}"
+    if isinstance(meta, list | tuple):
+        return ", ".join(str(tuple(m.shape)) for m in meta if hasattr(m, "shape"))
+    return ""
+
+
+def _short(value: object, limit: int = 48) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from gml.capture import capture
+    from gml.passes.catalog import find_patterns, sibling_groups
+    from gml.passes.oplib import node_label
+    from gml.passes.utils import modules_of
+
+    model, inputs = load_from_args(args)
+    gm = capture(model, inputs, leaf_modules=args.leaf)
+    modules = modules_of(gm)
+    n_params = sum(p.numel() for p in gm.parameters())
+    console.print(
+        f"[bold]{args.model}[/]: {len(gm.graph.nodes)} nodes, {n_params:,} parameters, inputs "
+        + ", ".join(str(tuple(t.shape)) for t in inputs)
+    )
+    if not args.no_nodes:
+        t = Table(title="Nodes")
+        for col in ("#", "op", "name", "target", "args", "shape / dtype"):
+            t.add_column(col)
+        for i, node in enumerate(gm.graph.nodes):
+            target = node_label(node, modules) if node.op.startswith("call") else str(node.target)
+            if node.op == "call_module":
+                target = f"{node.target}: {target}"
+            t.add_row(str(i), node.op, node.name, _short(target), _short(node.args), _fmt_meta(node))
+        console.print(t)
+
+    kinds = Counter(n.op for n in gm.graph.nodes)
+    labels = Counter(node_label(n, modules) for n in gm.graph.nodes if n.op.startswith("call"))
+    h = Table(title="Op histogram")
+    h.add_column("node kind")
+    h.add_column("count", justify="right")
+    for k in ("placeholder", "get_attr", "call_function", "call_method", "call_module", "output"):
+        h.add_row(k, str(kinds.get(k, 0)))
+    o = Table(title="Ops")
+    o.add_column("op")
+    o.add_column("count", justify="right")
+    for label, c in labels.most_common():
+        o.add_row(label, str(c))
+    console.print(h)
+    console.print(o)
+
+    found, blocked = find_patterns(gm)
+    p = Table(title="Fusible patterns")
+    for col in ("pattern", "count", "rewrite", "e.g."):
+        p.add_column(col)
+    by_pattern: dict[str, list] = {}
+    for occ in found:
+        by_pattern.setdefault(occ.pattern.name, []).append(occ)
+    for name, occs in by_pattern.items():
+        p.add_row(name, str(len(occs)), occs[0].pattern.rewrite, " → ".join(occs[0].nodes))
+    for group in sibling_groups(gm):
+        p.add_row("sibling linears", "1", "horizontal merge into one wider linear", ", ".join(group))
+    console.print(p if p.row_count else "[dim]No known fusible patterns.[/]")
+    for pat, skip in blocked:
+        console.print(f"[yellow]blocked[/] {pat.name} at {skip.node}: {skip.reason}")
+
+    if args.svg:
+        _write_graph_drawing(gm, args.svg)
+    return 0
+
+
+def _write_graph_drawing(gm, path: str) -> None:
+    import shutil
+
+    from torch.fx.passes.graph_drawer import FxGraphDrawer
+
+    dot = FxGraphDrawer(gm, type(gm).__name__).get_dot_graph()
+    if path.endswith(".dot"):
+        with open(path, "w") as f:
+            f.write(dot.to_string())
+    elif shutil.which("dot") is None:
+        raise GMLError(
+            "Drawing an SVG needs Graphviz's `dot` program, which is not installed.",
+            hint="install it (Debian/Ubuntu: apt-get install graphviz; macOS: brew install graphviz), "
+            "or write the graph source with --svg FILE.dot and render it elsewhere.",
+        )
+    else:
+        with open(path, "wb") as f:
+            f.write(dot.create_svg())
+    console.print(f"graph drawn to {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gml",
+        description="GML-Lab: make PyTorch models faster for CPU inference by rewriting their torch.fx "
+        "graphs (fold, fuse, INT8), with every rewrite verified and explained.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "inspect",
+        help="print the captured graph: node table, op histogram, fusible patterns",
+        description="Trace MODEL with torch.fx, propagate shapes and print every node (kind, target, "
+        "args, shape), a histogram of node kinds and ops, and the known fusible patterns it contains.",
+    )
+    _add_model_args(p)
+    p.add_argument("--no-nodes", action="store_true", help="skip the per-node table")
+    p.add_argument("--svg", metavar="FILE", help="draw the graph to FILE (.svg needs Graphviz; .dot does not)")
+    p.set_defaults(func=cmd_inspect)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+# Commands contributed by other modules: each is a function(subparsers) that adds one parser.
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except GMLError as exc:
+        if args.debug:
+            raise
+        console.print(f"[bold red]error:[/] {exc.message}")
+        if exc.hint:
+            console.print(f"[bold]what you can do:[/] {exc.hint}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        console.print(
+            f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\n"
+            "This is a bug in gml, not in your model. Re-run with --debug for the traceback and report it."
+        )
+        return 70
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Turn what a user names into a model and example inputs.
+
+A model spec is one of
+
+* a torchvision model name (``resnet18``, ``mobilenet_v2``, ...), built with random weights:
+  GML-Lab never downloads anything;
+* ``path/to/file.py:ClassName``: the class is imported from that file and built with no arguments.
+  If the file defines ``example_inputs()`` (or the class an ``example_input_shape`` attribute) it
+  gives the default inputs;
+* an ``nn.Module`` (Python API).
+
+Checkpoints load with ``torch.load(..., weights_only=True)``, which refuses pickled code; opting
+out (``unsafe_load=True`` / ``--unsafe-load``) is explicit.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import pickle
+import sys
+import zipfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gml.errors import InputError, ModelLoadError
+
+DEFAULT_VISION_SHAPE = (1, 3, 224, 224)
+_SPECIAL_SHAPES = {"inception_v3": (1, 3, 299, 299)}
+
+
+def torchvision_names() -> list[str]:
+    import torchvision.models as tvm
+
+    return sorted(tvm.list_models())
+
+
+def _load_torchvision(name: str) -> nn.Module:
+    import torchvision.models as tvm
+
+    names = tvm.list_models()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=3)
+        raise ModelLoadError(
+            f"Unknown model '{name}': not a torchvision model and not a path like file.py:Class.",
+            hint=(f"did you mean {', '.join(close)}? " if close else "")
+            + "`python -c 'import torchvision; print(torchvision.models.list_models())'` lists the names.",
+        )
+    kwargs: dict[str, Any] = {"weights": None}
+    if name == "inception_v3" or name.startswith("googlenet"):
+        kwargs.update(aux_logits=False, init_weights=True)
+    return tvm.get_model(name, **kwargs)
+
+
+def _user_module_name(path: str) -> str:
+    return "gml_user_" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(path))
+
+
+def _import_file(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"Model file '{path}' does not exist.", hint="check the path before ':Class'.")
+    mod_name = _user_module_name(path)
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ModelLoadError(f"'{path}' is not an importable Python file.", hint="give a .py file.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"Importing '{path}' failed: {type(exc).__name__}: {exc}",
+            hint="run `python {path}` to see the error in your file.",
+        ) from None
+    return module
+
+
+def load_model(
+    spec: str | nn.Module,
+    *,
+    weights: str | None = None,
+    unsafe_load: bool = False,
+    eval_mode: bool = True,
+) -> nn.Module:
+    """Build the model ``spec`` names; optionally load a checkpoint; put it in eval mode."""
+    if isinstance(spec, nn.Module):
+        model = spec
+    elif ":" in spec and spec.rsplit(":", 1)[0].endswith(".py"):
+        path, cls_name = spec.rsplit(":", 1)
+        module = _import_file(path)
+        cls = getattr(module, cls_name, None)
+        if cls is None:
+            found = [k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, nn.Module)]
+            raise ModelLoadError(
+                f"'{path}' has no class '{cls_name}'.",
+                hint=f"nn.Module classes in that file: {', '.join(found) or 'none'}.",
+            )
+        try:
+            model = cls()
+        except TypeError as exc:
+            raise ModelLoadError(
+                f"Cannot build {cls_name}() with no arguments: {exc}",
+                hint="give the class default arguments, or build the model in Python and call gml's API.",
+            ) from None
+        if not isinstance(model, nn.Module):
+            raise ModelLoadError(f"{cls_name} is not an nn.Module.", hint="point at an nn.Module subclass.")
+    elif spec.endswith(".py"):
+        raise ModelLoadError(f"'{spec}' names a file but no class.", hint=f"use {spec}:ClassName.")
+    else:
+        model = _load_torchvision(spec)
+    if weights is not None:
+        load_checkpoint(model, weights, unsafe_load=unsafe_load)
+    return model.eval() if eval_mode else model
+
+
+def load_checkpoint(model: nn.Module, path: str, *, unsafe_load: bool = False) -> None:
+    """Load a state dict from ``path`` into ``model``, refusing pickled code unless ``unsafe_load``."""
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"Checkpoint '{path}' does not exist.")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=not unsafe_load)
+    except pickle.UnpicklingError as exc:
+        raise ModelLoadError(
+            f"Refused to load '{path}': it contains pickled objects that are not plain tensors "
+            f"({str(exc).splitlines()[0][:200]}). Loading it could run arbitrary code.",
+            hint="use a state_dict saved with torch.save(model.state_dict(), ...), or pass --unsafe-load "
+            "if you trust the file.",
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise ModelLoadError(
+            f"Checkpoint '{path}' is corrupt or truncated ({type(exc).__name__}: {str(exc)[:200]}).",
+            hint="re-save it with torch.save(model.state_dict(), path).",
+        ) from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if isinstance(state, nn.Module):
+        state = state.state_dict()
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"Checkpoint '{path}' holds a {type(state).__name__}, not a state_dict.")
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ModelLoadError(
+            f"Checkpoint '{path}' does not match the model: {len(result.missing_keys)} missing keys "
+            f"(e.g. {result.missing_keys[:3]}), {len(result.unexpected_keys)} unexpected "
+            f"(e.g. {result.unexpected_keys[:3]}).",
+            hint="check that the checkpoint belongs to this architecture.",
+        )
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """``"1x3x224x224"`` or ``"1x3x32x32,1x10"`` → list of shapes."""
+    shapes = []
+    for part in text.split(","):
+        try:
+            dims = tuple(int(d) for d in part.strip().lower().split("x"))
+        except ValueError:
+            raise InputError(
+                f"Cannot read input shape '{part}'.", hint="write shapes like 1x3x224x224; separate inputs by ','."
+            ) from None
+        if not dims or any(d <= 0 for d in dims):
+            raise InputError(f"Input shape '{part}' has a non-positive dimension.")
+        shapes.append(dims)
+    return shapes
+
+
+def default_input_shapes(model: nn.Module, spec: str | nn.Module | None = None) -> list[tuple[int, ...]]:
+    """Shapes the model's author declared, else the torchvision default 1x3x224x224."""
+    if isinstance(spec, str) and spec in _SPECIAL_SHAPES:
+        return [_SPECIAL_SHAPES[spec]]
+    declared = getattr(model, "example_input_shape", None)
+    if declared is not None:
+        return [tuple(declared)] if isinstance(declared[0], int) else [tuple(s) for s in declared]
+    if isinstance(spec, str) and ".py:" in spec:
+        module = sys.modules.get(_user_module_name(spec.rsplit(":", 1)[0]))
+        fn = getattr(module, "example_inputs", None)
+        if callable(fn):
+            return [tuple(t.shape) for t in fn()]
+    return [DEFAULT_VISION_SHAPE]
+
+
+def example_inputs(
+    shapes: Sequence[Sequence[int]],
+    *,
+    batch: int | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, ...]:
+    """Deterministic random inputs of the given shapes (``batch`` overrides dim 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for s in shapes:
+        shape = (batch, *s[1:]) if batch is not None else tuple(s)
+        out.append(torch.randn(*shape, generator=gen, dtype=dtype))
+    return tuple(out)

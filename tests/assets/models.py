@@ -1,0 +1,68 @@
+"""Small models used by the tests and by `gml inspect tests/assets/models.py:ClassName`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SmallCNN(nn.Module):
+    """Conv-BN-ReLU, a residual block, pooling and a classifier head."""
+
+    example_input_shape = (1, 3, 32, 32)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(x))
+        x = self.relu(x + y)
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class MLP(nn.Module):
+    example_input_shape = (4, 32)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class DataDependent(nn.Module):
+    """Branches on a tensor value: torch.fx cannot trace this."""
+
+    example_input_shape = (1, 8)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Gate()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.inner(x))
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+class NeedsArgs(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from assets.models import DataDependent, SmallCNN
+from gml.capture import capture, check_eval_mode, propagate_shapes, trace
+from gml.errors import InputError, TraceFailure, UnsupportedError
+
+
+def test_untraceable_model_names_submodule_line_and_remedy():
+    with pytest.raises(TraceFailure) as info:
+        trace(DataDependent())
+    msg = str(info.value)
+    assert "data-dependent control flow" in msg
+    assert "models.py:" in msg and "in forward()" in msg
+    assert "`if x.sum() > 0:`" in msg
+    assert "inside submodule 'inner'" in msg
+    assert "--leaf inner" in msg
+    assert "Proxy" not in msg and "Traceback" not in msg
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_leaf_module_makes_it_traceable():
+    model = DataDependent().eval()
+    gm = trace(model, leaf_modules=["inner"])
+    x = torch.ones(1, 8)
+    torch.testing.assert_close(gm(x), model(x))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["inner", "fc"]
+
+
+def test_capture_fills_shapes():
+    gm = capture(SmallCNN().eval(), (torch.randn(2, 3, 32, 32),))
+    metas = {n.name: n.meta["tensor_meta"] for n in gm.graph.nodes if "tensor_meta" in n.meta}
+    assert tuple(metas["conv1"].shape) == (2, 16, 32, 32)
+    assert tuple(metas["fc"].shape) == (2, 10)
+
+
+def test_wrong_input_shape_names_the_node():
+    gm = trace(SmallCNN().eval())
+    with pytest.raises(InputError) as info:
+        propagate_shapes(gm, (torch.randn(1, 4, 32, 32),))
+    msg = str(info.value)
+    assert "at node 'conv1'" in msg and "(1, 4, 32, 32):float32" in msg
+    assert "--input-shape" in msg
+
+
+def test_too_many_inputs():
+    with pytest.raises(InputError, match="2 example inputs given, but the model takes 1"):
+        capture(SmallCNN().eval(), (torch.randn(1, 3, 8, 8), torch.randn(1)))
+
+
+def test_training_mode_is_refused_with_hint():
+    with pytest.raises(UnsupportedError, match=r"(?s)training mode .*call model.eval\(\)"):
+        check_eval_mode(nn.Sequential(nn.BatchNorm2d(3)))
+    check_eval_mode(nn.Sequential(nn.BatchNorm2d(3)).eval())

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gml.cli import main
+
+ASSETS = os.path.join(os.path.dirname(__file__), "assets", "models.py")
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr().out
+    return code, out
+
+
+def test_inspect_resnet18_prints_table_histogram_and_patterns(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out = _run(capsys, "inspect", "resnet18")
+    assert code == 0
+    assert "resnet18: 71 nodes, 11,689,512 parameters" in out
+    assert "layer1.0.conv1: Conv2d" in out and "(1, 64, 56, 56) float32" in out
+    assert "call_module   │    60" in out
+    assert "BatchNorm2d       │    20" in out
+    assert "conv → batchnorm " in out
+
+
+def test_inspect_file_model(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out = _run(capsys, "inspect", f"{ASSETS}:SmallCNN", "--no-nodes")
+    assert code == 0
+    assert "inputs (1, 3, 32, 32)" in out
+    assert "Conv2d" in out
+
+
+def test_inspect_untraceable_is_one_paragraph_error(capsys):
+    code, out = _run(capsys, "inspect", f"{ASSETS}:DataDependent")
+    assert code == 4
+    assert "error: Cannot capture DataDependent" in out
+    assert "Traceback" not in out
+    assert "--leaf inner" in " ".join(out.split())
+
+
+def test_inspect_with_leaf_succeeds(capsys):
+    code, _ = _run(capsys, "inspect", f"{ASSETS}:DataDependent", "--leaf", "inner", "--no-nodes")
+    assert code == 0
+
+
+def test_inspect_dot_file(tmp_path, capsys):
+    path = tmp_path / "g.dot"
+    code, _ = _run(capsys, "inspect", f"{ASSETS}:MLP", "--no-nodes", "--svg", str(path))
+    assert code == 0
+    assert "fc1" in path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "text"),
+    [
+        (["inspect", "resnet81"], 3, "did you mean resnet18"),
+        (["inspect", "resnet18", "--input-shape", "1x4x224x224"], 5, "do not fit the model"),
+        (["inspect", "resnet18", "--input-shape", "1xfoo"], 5, "Cannot read input shape"),
+    ],
+)
+def test_bad_inputs_exit_codes(capsys, argv, code, text):
+    got, out = _run(capsys, *argv)
+    assert got == code
+    assert text in " ".join(out.split())
+    assert "Traceback" not in out
+
+
+def test_help_is_complete():
+    out = subprocess.run([sys.executable, "-m", "gml.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("inspect",):
+        assert command in out
+    sub = subprocess.run(
+        [sys.executable, "-m", "gml.cli", "inspect", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for flag in ("--input-shape", "--weights", "--unsafe-load", "--leaf", "--svg", "--no-nodes"):
+        assert flag in sub
