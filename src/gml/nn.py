@@ -1,0 +1,75 @@
+"""Small modules that give a module form to ops PyTorch only ships as functions.
+
+:class:`~gml.passes.normalize.Normalize` rewrites ``x + y``, ``torch.add(x, y, alpha=a)``,
+``x.mul(0.5)`` and friends into calls of these modules, so that later passes (fusion, INT8
+lowering) match one node kind by *module type* instead of every function/method spelling.
+
+Each forward runs exactly the op it replaces (same broadcasting, type promotion and rounding), so
+the rewrite is bit-exact. Scalar operands are stored as plain Python numbers (not buffers): they
+are constants of the graph, and a buffer would change ``x + 1`` (int scalar) into a tensor add with
+different type promotion.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+Number = int | float | bool
+
+
+class Add(nn.Module):
+    """``x + alpha * y`` for two tensors (``alpha=1``: plain ``x + y``)."""
+
+    def __init__(self, alpha: Number = 1) -> None:
+        super().__init__()
+        self.alpha = alpha
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.alpha == 1:
+            return x + y
+        return torch.add(x, y, alpha=self.alpha)
+
+    def extra_repr(self) -> str:
+        return "" if self.alpha == 1 else f"alpha={self.alpha}"
+
+
+class AddScalar(nn.Module):
+    """``x + alpha * other`` where ``other`` is a Python number fixed at trace time."""
+
+    def __init__(self, other: Number, alpha: Number = 1) -> None:
+        super().__init__()
+        self.other = other
+        self.alpha = alpha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.alpha == 1:
+            return x + self.other
+        return torch.add(x, self.other, alpha=self.alpha)
+
+    def extra_repr(self) -> str:
+        return f"other={self.other}" + ("" if self.alpha == 1 else f", alpha={self.alpha}")
+
+
+class Mul(nn.Module):
+    """``x * y`` for two tensors."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * y
+
+
+class MulScalar(nn.Module):
+    """``x * other`` where ``other`` is a Python number fixed at trace time."""
+
+    def __init__(self, other: Number) -> None:
+        super().__init__()
+        self.other = other
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.other
+
+    def extra_repr(self) -> str:
+        return f"other={self.other}"
+
+
+__all__ = ["Add", "AddScalar", "Mul", "MulScalar"]

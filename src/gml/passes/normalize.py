@@ -1,0 +1,605 @@
+"""Normalize: one node kind per op, so later passes match ``call_module`` nodes by module type (ADR 001).
+
+Before → after (``%m`` is a fresh submodule, placed in the scope the call came from, e.g.
+``layer1.0.add``)::
+
+    F.relu(x) / torch.relu(x) / x.relu() / x.relu_() / F.relu(x, inplace=True)  →  %m(x), m = nn.ReLU()
+    F.relu6, F.hardtanh(x, lo, hi)                                  →  nn.ReLU6(), nn.Hardtanh(lo, hi)
+    sigmoid, tanh, silu, hardswish, hardsigmoid (any spelling)      →  nn.Sigmoid(), nn.Tanh(), ...
+    F.gelu(x, approximate=a), F.leaky_relu(x, s), F.elu(x, a)       →  nn.GELU(a), nn.LeakyReLU(s), nn.ELU(a)
+    x + y, torch.add(x, y, alpha=a), x.add(y), x.add_(y), x += y    →  gml.nn.Add(a)(x, y)
+    x + 2.0, 1 + x, torch.add(x, 2, alpha=a)                        →  gml.nn.AddScalar(2.0, a)(x)
+    x * y, torch.mul, x.mul(y), x.mul_(y), x *= y / x * 0.5         →  gml.nn.Mul()(x, y) / gml.nn.MulScalar(0.5)(x)
+    torch.flatten(x, s, e), x.flatten(s, e)                         →  nn.Flatten(s, e)
+    F.adaptive_avg_pool{1,2,3}d(x, size)                            →  nn.AdaptiveAvgPool{1,2,3}d(size)
+    F.max_pool{1,2,3}d / torch.max_pool{1,2,3}d (all arguments)     →  nn.MaxPool{1,2,3}d(...)
+    F.dropout(x, p, training=False), nn.Dropout in eval mode        →  removed (it is the identity)
+    nn.ReLU(inplace=True) and other in-place activation modules     →  same module with inplace=False
+
+Every replacement module runs the very op it replaces, so the rewrite is bit-exact (tolerance 0).
+
+**In-place ops.** ``x.relu_()`` overwrites ``x``; a later reader of ``x`` sees the new value. The pass
+turns the op out-of-place and points every *later* reader of ``x`` at the new result (the rewrite
+``torch.func.functionalize`` does, restricted to the case it can prove). It declines, with a reason,
+when the mutation is visible elsewhere: ``x`` is a model input, parameter or buffer (state the caller
+or the next call would see), or ``x`` shares storage with a tensor read later (a view of it, or a
+tensor it is a view of). In-place *modules* shared by several call sites (torchvision's BasicBlock
+reuses ``self.relu``) are flipped only when every site is safe. Modules are never mutated: after
+``symbolic_trace`` the leaf modules are the user's own objects, so the pass installs copies.
+
+**Skipped, with a reason** (the PassResult's ``skips``): calls whose arguments are computed at run
+time (``F.leaky_relu(x, slope_tensor)``), ``out=`` arguments, dropout that is active (``training=True``
+or a module in training mode: it is random, not an op to keep), scalar operands computed at run time
+(``x * x.size(1)``), and every tensor op with no module form here (``torch.cat``, ``.view()``,
+``torch.cumsum``; "no module form for torch.cumsum"). Shape arithmetic (``x.size(0) * 2``) is not
+a tensor op and is ignored. The notes give the coverage: rewritten / (rewritten + left).
+
+Tensor-ness of an operand comes from ``node.meta['type']`` when shape propagation ran
+(:func:`gml.capture`, the PassManager); otherwise it is inferred from the graph (``size()``,
+``.shape`` and arithmetic on them are numbers; placeholders are tensors).
+"""
+
+from __future__ import annotations
+
+import builtins
+import copy
+import operator
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.fx.passes.shape_prop import TensorMetadata
+
+from gml import nn as gnn
+from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
+from gml.passes.oplib import node_label, op_kind
+from gml.passes.utils import modules_of
+
+# Spellings oplib does not list yet (candidates to move there).
+_EXTRA_KINDS: dict[Callable, str] = {
+    torch.max_pool1d: "max_pool",
+    torch.max_pool2d: "max_pool",
+    torch.max_pool3d: "max_pool",
+    torch.adaptive_avg_pool1d: "adaptive_avg_pool",
+    torch.dropout: "dropout",
+    F.dropout1d: "dropout",
+    F.dropout3d: "dropout",
+    F.alpha_dropout: "dropout",
+    F.feature_alpha_dropout: "dropout",
+    torch.sigmoid_: "sigmoid",
+    torch.tanh_: "tanh",
+    F.elu_: "elu",
+}
+
+
+@dataclass(frozen=True)
+class _Sig:
+    """Positional parameter names of one spelling (``input`` first; ``self`` for methods) and defaults."""
+
+    params: tuple[str, ...]
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+_ACT_INPLACE = _Sig(("input", "inplace"), {"inplace": False})
+_UNARY = _Sig(("input",))
+_DROPOUT = _Sig(("input", "p", "training", "inplace"), {"p": 0.5, "training": True, "inplace": False})
+_BINARY = _Sig(("input", "other"))
+
+_SIG_BY_KIND: dict[str, _Sig] = {
+    "relu": _ACT_INPLACE,
+    "relu6": _ACT_INPLACE,
+    "silu": _ACT_INPLACE,
+    "hardswish": _ACT_INPLACE,
+    "hardsigmoid": _ACT_INPLACE,
+    "sigmoid": _UNARY,
+    "tanh": _UNARY,
+    "hardtanh": _Sig(("input", "min_val", "max_val", "inplace"), {"min_val": -1.0, "max_val": 1.0, "inplace": False}),
+    "gelu": _Sig(("input", "approximate"), {"approximate": "none"}),
+    "leaky_relu": _Sig(("input", "negative_slope", "inplace"), {"negative_slope": 0.01, "inplace": False}),
+    "elu": _Sig(("input", "alpha", "inplace"), {"alpha": 1.0, "inplace": False}),
+    "add": _Sig(("input", "other", "alpha"), {"alpha": 1}),
+    "mul": _BINARY,
+    "flatten": _Sig(("input", "start_dim", "end_dim"), {"start_dim": 0, "end_dim": -1}),
+    "adaptive_avg_pool": _Sig(("input", "output_size")),
+    "max_pool": _Sig(
+        ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
+        {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False},
+    ),
+    "dropout": _DROPOUT,
+}
+
+_ATEN_POOL = _Sig(
+    ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode"),
+    {"stride": (), "padding": 0, "dilation": 1, "ceil_mode": False},
+)
+# Spellings whose parameters differ from their kind's default signature.
+_SIG_BY_TARGET: dict[Any, _Sig] = {
+    operator.add: _BINARY,
+    operator.iadd: _BINARY,
+    operator.mul: _BINARY,
+    operator.imul: _BINARY,
+    torch.dropout: _Sig(("input", "p", "training")),  # aten spells it `train`; renamed in _bind
+    F.alpha_dropout: _Sig(("input", "p", "training", "inplace"), {"p": 0.5, "training": False, "inplace": False}),
+    F.feature_alpha_dropout: _Sig(
+        ("input", "p", "training", "inplace"), {"p": 0.5, "training": False, "inplace": False}
+    ),
+    torch.max_pool1d: _ATEN_POOL,
+    torch.max_pool2d: _ATEN_POOL,
+    torch.max_pool3d: _ATEN_POOL,
+    F.hardtanh_: _Sig(("input", "min_val", "max_val"), {"min_val": -1.0, "max_val": 1.0}),
+    F.leaky_relu_: _Sig(("input", "negative_slope"), {"negative_slope": 0.01}),
+    F.elu_: _Sig(("input", "alpha"), {"alpha": 1.0}),
+}
+_KWARG_ALIASES = {"train": "training", "self": "input"}
+
+# Activation modules whose ``inplace=True`` overwrites their input.
+_INPLACE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.Hardtanh,
+    nn.SiLU,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.CELU,
+    nn.SELU,
+    nn.Mish,
+    nn.Threshold,
+    nn.RReLU,
+)
+_DROPOUT_MODULES = (nn.modules.dropout._DropoutNd,)
+
+# Ops whose result shares storage with their first argument.
+_VIEW_METHODS = frozenset(
+    [
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "permute",
+        "transpose",
+        "t",
+        "squeeze",
+        "unsqueeze",
+        "flatten",
+        "unflatten",
+        "expand",
+        "expand_as",
+        "narrow",
+        "select",
+        "contiguous",
+        "split",
+        "chunk",
+        "unbind",
+        "as_strided",
+        "detach",
+        "movedim",
+        "swapaxes",
+        "diagonal",
+        "__getitem__",
+        "unfold",
+    ]
+)
+_VIEW_FUNCTIONS: frozenset[Any] = frozenset(
+    {
+        operator.getitem,
+        torch.reshape,
+        torch.flatten,
+        torch.transpose,
+        torch.permute,
+        torch.squeeze,
+        torch.unsqueeze,
+        torch.narrow,
+        torch.select,
+        torch.split,
+        torch.chunk,
+        torch.unbind,
+        torch.t,
+        torch.movedim,
+        torch.swapaxes,
+        torch.as_strided,
+        torch.detach,
+        torch.diagonal,
+    }
+)
+_ALIAS_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, *_DROPOUT_MODULES)
+
+# Methods / attributes that yield Python numbers, shapes or dtypes rather than tensors.
+_NON_TENSOR_METHODS = frozenset(
+    ["size", "dim", "numel", "item", "tolist", "element_size", "stride", "nelement", "__len__"]
+)
+_NON_TENSOR_ATTRS = frozenset(["shape", "ndim", "dtype", "device", "layout", "is_cuda", "requires_grad", "names"])
+
+
+class _Decline(Exception):
+    """A candidate this pass will not rewrite; the message is the user-facing reason."""
+
+
+def _is_inplace_spelling(node: fx.Node) -> bool:
+    if node.target in (operator.iadd, operator.imul):
+        return True
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+
+
+def _bind(node: fx.Node, sig: _Sig) -> dict[str, Any]:
+    """Map the node's args/kwargs onto ``sig``'s parameter names (method ``self`` is ``input``)."""
+    if len(node.args) > len(sig.params):
+        raise _Decline(f"{len(node.args)} positional arguments; expected at most {len(sig.params)}")
+    bound = dict(zip(sig.params, node.args))
+    for key, value in node.kwargs.items():
+        key = _KWARG_ALIASES.get(key, key)
+        if key == "out":
+            raise _Decline("writes into an `out=` tensor")
+        if key not in sig.params or key in bound:
+            raise _Decline(f"unsupported argument {key}=")
+        bound[key] = value
+    for key in sig.params:
+        if key not in bound:
+            if key not in sig.defaults:
+                raise _Decline(f"missing argument {key}")
+            bound[key] = sig.defaults[key]
+    return bound
+
+
+def _constant(bound: dict[str, Any], key: str) -> Any:
+    """A non-tensor argument, which must be fixed at trace time to be stored on a module."""
+    value = bound[key]
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, found.append)
+    if found:
+        raise _Decline(f"argument {key} is computed at run time ({found[0].name}), so it cannot be stored on a module")
+    return value
+
+
+def _dims(target: Any) -> int:
+    name = getattr(target, "__name__", "")
+    for d in (1, 2, 3):
+        if f"{d}d" in name:
+            return d
+    raise _Decline(f"cannot tell the dimensionality of {name}")
+
+
+class Normalize(GraphPass):
+    """Rewrite function and method calls of common ops into ``call_module`` nodes (see module doc)."""
+
+    name = "normalize"
+    tolerance = Tolerance(atol=0.0, rtol=0.0)  # same kernels, same order: bit-exact
+
+    def __init__(self, *, remove_dropout: bool = True) -> None:
+        self.remove_dropout = remove_dropout
+
+    # ------------------------------------------------------------------ driver
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        self._gm = gm
+        self._modules = modules_of(gm)
+        self._order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self._tensor_cache: dict[fx.Node, bool] = {}
+        self._skips: list[Skip] = []
+        self._declined: set[fx.Node] = set()
+        self._rewritten: Counter[str] = Counter()
+
+        self._uninplace_modules()
+        for node in list(gm.graph.nodes):
+            if node.op == "call_module":
+                self._maybe_drop_dropout_module(node)
+            elif node.op in ("call_function", "call_method"):
+                try:
+                    self._rewrite(node)
+                except _Decline as d:
+                    self._decline(node, str(d))
+
+        notes = self._coverage()
+        modified = sum(self._rewritten.values()) > 0
+        if modified:
+            gm.delete_all_unused_submodules()
+            gm.graph.lint()
+            gm.recompile()
+        return PassResult(gm, modified, sum(self._rewritten.values()), self._skips, notes)
+
+    def _decline(self, node: fx.Node, reason: str) -> None:
+        self._declined.add(node)
+        self._skips.append(Skip(node.name, reason, f"normalize {node_label(node, self._modules)}"))
+
+    # ------------------------------------------------------------------ tensor-ness
+    def _is_tensor(self, value: Any) -> bool:
+        if not isinstance(value, fx.Node):
+            return isinstance(value, torch.Tensor)
+        if value not in self._tensor_cache:
+            self._tensor_cache[value] = self._infer_tensor(value)
+        return self._tensor_cache[value]
+
+    def _infer_tensor(self, n: fx.Node) -> bool:
+        t = n.meta.get("type")
+        if isinstance(t, type):
+            return issubclass(t, torch.Tensor)
+        if isinstance(n.meta.get("tensor_meta"), TensorMetadata):
+            return True
+        if n.op == "placeholder":
+            return n.type not in (int, float, bool)
+        if n.op == "get_attr":
+            obj: Any = self._gm
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part, None)
+            return isinstance(obj, torch.Tensor)
+        if n.op == "call_method":
+            return n.target not in _NON_TENSOR_METHODS
+        if n.op == "call_function":
+            if n.target is builtins.getattr:
+                return n.args[1] not in _NON_TENSOR_ATTRS
+            if n.target is builtins.len:
+                return False
+            if n.target is operator.getitem:
+                return self._is_tensor(n.args[0])
+            if getattr(n.target, "__module__", None) in ("_operator", "operator", "builtins"):
+                return any(self._is_tensor(a) for a in n.all_input_nodes)
+        return True
+
+    def _is_tensor_op(self, n: fx.Node) -> bool:
+        """Produces a tensor, or a tuple/list of them (``torch.split``), from tensor inputs."""
+        if self._is_tensor(n):
+            return True
+        return n.meta.get("type") in (tuple, list) and any(self._is_tensor(a) for a in n.all_input_nodes)
+
+    # ------------------------------------------------------------------ aliasing and in-place ops
+    def _returns_alias(self, n: fx.Node) -> bool:
+        """Whether ``n``'s result may share storage with its first argument."""
+        if n.op == "call_method":
+            return n.target in _VIEW_METHODS or _is_inplace_spelling(n)
+        if n.op == "call_function":
+            return n.target in _VIEW_FUNCTIONS or _is_inplace_spelling(n) or n.kwargs.get("inplace") is True
+        if n.op == "call_module":
+            mod = self._modules.get(str(n.target))
+            return isinstance(mod, _ALIAS_MODULES) or (
+                isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False)
+            )
+        return False
+
+    def _mutation_hazard(self, site: fx.Node, mutated: Any) -> str | None:
+        """Why overwriting ``mutated`` at ``site`` cannot be turned out-of-place, or ``None`` if it can."""
+        if not isinstance(mutated, fx.Node):
+            return "the overwritten operand is not a graph value"
+        root = mutated
+        while self._returns_alias(root) and root.args and isinstance(root.args[0], fx.Node):
+            root = root.args[0]
+        if root.op == "placeholder":
+            return f"it overwrites model input {root.name} in place, which the caller can observe"
+        if root.op == "get_attr":
+            return f"it overwrites parameter/buffer {root.target} in place, which persists across calls"
+        pos = self._order[site]
+        aliases, work = {root}, [root]
+        while work:
+            current = work.pop()
+            for user in current.users:
+                if current is mutated and self._order[user] > pos:
+                    continue  # later readers of the operand get redirected to the new result
+                if user not in aliases and user is not site and self._returns_alias(user) and user.args[0] is current:
+                    aliases.add(user)
+                    work.append(user)
+        for alias in aliases - {mutated}:
+            late = [u for u in alias.users if u is not site and self._order[u] > pos]
+            if late:
+                return (
+                    f"{alias.name} shares storage with the overwritten {mutated.name} and is read later "
+                    f"by {late[0].name}"
+                )
+        return None
+
+    def _redirect_later_readers(self, site: fx.Node, mutated: fx.Node, result: fx.Node) -> None:
+        """After an in-place op became out-of-place, later readers of the old tensor read the result."""
+        pos = self._order[site]
+        for user in list(mutated.users):
+            if user is not site and user is not result and self._order[user] > pos:
+                user.replace_input_with(mutated, result)
+
+    def _uninplace_modules(self) -> None:
+        sites: dict[str, list[fx.Node]] = {}
+        for node in self._gm.graph.nodes:
+            mod = self._modules.get(str(node.target)) if node.op == "call_module" else None
+            if isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False):
+                sites.setdefault(str(node.target), []).append(node)
+        for target, nodes in sites.items():
+            hazards = [(n, self._mutation_hazard(n, n.args[0] if n.args else None)) for n in nodes]
+            bad = [(n, h) for n, h in hazards if h is not None]
+            if bad:
+                for n, h in bad:
+                    self._decline(n, f"cannot make {target} out-of-place: {h}")
+                for n, _ in hazards:
+                    if all(n is not b for b, _ in bad):
+                        self._decline(n, f"{target} is also called in place at {bad[0][0].name}, which must stay")
+                continue
+            # Install a copy: the module object may be the user's own (symbolic_trace shares leaves).
+            clone = copy.deepcopy(self._modules[target])
+            clone.inplace = False
+            parent, _, attr = target.rpartition(".")
+            setattr(self._gm.get_submodule(parent) if parent else self._gm, attr, clone)
+            self._modules[target] = clone
+            for n in nodes:
+                self._redirect_later_readers(n, n.args[0], n)
+                self._rewritten[f"{type(clone).__name__}(inplace=True)"] += 1
+
+    # ------------------------------------------------------------------ dropout
+    def _maybe_drop_dropout_module(self, node: fx.Node) -> None:
+        mod = self._modules.get(str(node.target))
+        if not isinstance(mod, _DROPOUT_MODULES) or not self.remove_dropout:
+            return
+        if mod.training and mod.p > 0:
+            self._decline(node, "dropout module is in training mode (random); call model.eval() first")
+            return
+        node.replace_all_uses_with(node.args[0])
+        self._gm.graph.erase_node(node)
+        self._rewritten["dropout"] += 1
+
+    # ------------------------------------------------------------------ functions and methods
+    def _kind(self, node: fx.Node) -> str | None:
+        kind = op_kind(node, self._modules)
+        if kind is None and node.op == "call_function":
+            try:
+                kind = _EXTRA_KINDS.get(node.target)  # type: ignore[arg-type]
+            except TypeError:
+                kind = None
+        return kind
+
+    def _rewrite(self, node: fx.Node) -> None:
+        kind = self._kind(node)
+        if kind not in _SIG_BY_KIND:
+            return  # no module form; counted in _coverage
+        sig = _SIG_BY_TARGET.get(node.target, _SIG_BY_KIND[kind]) if node.op == "call_function" else _SIG_BY_KIND[kind]
+        bound = _bind(node, sig)
+        if kind == "dropout":
+            self._drop_dropout_call(node, bound)
+            return
+        if kind in ("add", "mul"):
+            built = self._binary(kind, bound)
+            if built is None:
+                return  # arithmetic on Python numbers, not a tensor op
+            module, inputs = built
+        else:
+            if not self._is_tensor(bound["input"]):
+                raise _Decline("the input is not a tensor")
+            module, inputs = self._build(kind, node, bound), (bound["input"],)
+        inplace = _is_inplace_spelling(node) or bound.get("inplace") is True
+        mutated = bound["input"]
+        if inplace:
+            hazard = self._mutation_hazard(node, mutated)
+            if hazard is not None:
+                raise _Decline(f"in-place op kept: {hazard}")
+        new = self._insert_module(node, kind, module, inputs)
+        if inplace:
+            self._redirect_later_readers(node, mutated, new)
+        self._rewritten[node_label(node, self._modules)] += 1
+
+    def _insert_module(self, node: fx.Node, base: str, module: nn.Module, inputs: tuple[Any, ...]) -> fx.Node:
+        target = self._fresh_name(node, base)
+        self._gm.add_submodule(target, module)
+        self._modules[target] = module
+        with self._gm.graph.inserting_before(node):
+            new = self._gm.graph.call_module(target, tuple(inputs))
+        new.meta = dict(node.meta)
+        self._order[new] = self._order[node]
+        node.replace_all_uses_with(new)
+        self._gm.graph.erase_node(node)
+        return new
+
+    def _fresh_name(self, node: fx.Node, base: str) -> str:
+        """``<scope>.<base>[_k]``: the new module lives in the submodule whose forward made the call."""
+        stack = node.meta.get("nn_module_stack") or {}
+        scope = next(reversed(stack.values()))[0] if stack else ""
+        prefix = f"{scope}." if scope else ""
+        candidate, k = f"{prefix}{base}", 0
+        while self._name_taken(candidate):
+            k += 1
+            candidate = f"{prefix}{base}_{k}"
+        return candidate
+
+    def _name_taken(self, path: str) -> bool:
+        obj: Any = self._gm
+        for part in path.split("."):
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+
+    def _drop_dropout_call(self, node: fx.Node, bound: dict[str, Any]) -> None:
+        if not self.remove_dropout:
+            return
+        training, p = _constant(bound, "training"), _constant(bound, "p")
+        if training and p > 0:
+            raise _Decline("dropout called with training=True is random even in eval mode; pass training=self.training")
+        node.replace_all_uses_with(bound["input"])
+        self._gm.graph.erase_node(node)
+        self._rewritten["dropout"] += 1
+
+    def _binary(self, kind: str, bound: dict[str, Any]) -> tuple[nn.Module, tuple[Any, ...]] | None:
+        a, b = bound["input"], bound["other"]
+        alpha = _constant(bound, "alpha") if "alpha" in bound else 1
+        ta, tb = self._is_tensor(a), self._is_tensor(b)
+        number = (int, float, bool)
+        if ta and tb:
+            return (gnn.Add(alpha) if kind == "add" else gnn.Mul()), (a, b)
+        if ta and isinstance(b, number):
+            return (gnn.AddScalar(b, alpha) if kind == "add" else gnn.MulScalar(b)), (a,)
+        if tb and isinstance(a, number) and alpha == 1:
+            # a + x == x + a and a * x == x * a exactly (IEEE add and multiply commute).
+            return (gnn.AddScalar(a) if kind == "add" else gnn.MulScalar(a)), (b,)
+        if not ta and not tb:
+            return None
+        other = b if ta else a
+        if isinstance(other, fx.Node):
+            raise _Decline(f"operand {other.name} is a Python number computed at run time")
+        raise _Decline(f"unsupported operand {other!r} (alpha={alpha})")
+
+    def _build(self, kind: str, node: fx.Node, bound: dict[str, Any]) -> nn.Module:
+        c = lambda key: _constant(bound, key)  # noqa: E731
+        if kind == "relu":
+            return nn.ReLU()
+        if kind == "relu6":
+            return nn.ReLU6()
+        if kind == "hardtanh":
+            return nn.Hardtanh(c("min_val"), c("max_val"))
+        if kind == "gelu":
+            return nn.GELU(approximate=c("approximate"))
+        if kind == "leaky_relu":
+            return nn.LeakyReLU(c("negative_slope"))
+        if kind == "elu":
+            return nn.ELU(c("alpha"))
+        simple = {"sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "silu": nn.SiLU, "hardswish": nn.Hardswish}
+        simple["hardsigmoid"] = nn.Hardsigmoid
+        if kind in simple:
+            return simple[kind]()
+        if kind == "flatten":
+            start, end = c("start_dim"), c("end_dim")
+            if not (isinstance(start, int) and isinstance(end, int)):
+                raise _Decline("flatten over named dimensions has no module form")
+            return nn.Flatten(start, end)
+        if kind == "adaptive_avg_pool":
+            cls = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}[_dims(node.target)]
+            return cls(c("output_size"))
+        if kind == "max_pool":
+            cls = {1: nn.MaxPool1d, 2: nn.MaxPool2d, 3: nn.MaxPool3d}[_dims(node.target)]
+            stride = c("stride")
+            return cls(
+                c("kernel_size"),
+                stride=None if stride in ((), []) else stride,
+                padding=c("padding"),
+                dilation=c("dilation"),
+                return_indices=bool(bound.get("return_indices", False)),
+                ceil_mode=c("ceil_mode"),
+            )
+        raise _Decline(f"no module builder for {kind}")  # pragma: no cover - table and builders agree
+
+    # ------------------------------------------------------------------ report
+    def _coverage(self) -> list[str]:
+        no_form: Counter[str] = Counter()
+        ignored = 0
+        for node in self._gm.graph.nodes:
+            if node.op not in ("call_function", "call_method") or node in self._declined:
+                continue
+            if not self._is_tensor_op(node):
+                ignored += 1  # shape arithmetic / metadata: not a tensor op
+                continue
+            label = node_label(node, self._modules)
+            no_form[label] += 1
+            self._skips.append(Skip(node.name, f"no module form for {label}", f"normalize {label}"))
+        done = sum(self._rewritten.values())
+        left = len(self._declined) + sum(no_form.values())
+        total = done + left
+        pct = 100.0 * done / total if total else 100.0
+        notes = [f"coverage: {done}/{total} op call sites normalized ({pct:.1f}%)"]
+        if self._rewritten:
+            notes.append("rewritten: " + ", ".join(f"{k} ×{v}" for k, v in self._rewritten.most_common()))
+        if self._declined:
+            notes.append(f"declined: {len(self._declined)} (see skips)")
+        if no_form:
+            notes.append("no module form: " + ", ".join(f"{k} ×{v}" for k, v in no_form.most_common()))
+        if ignored:
+            notes.append(f"ignored {ignored} shape/scalar nodes (not tensor ops)")
+        return notes
+
+
+__all__ = ["Normalize"]

@@ -1,0 +1,302 @@
+from __future__ import annotations
+
+import operator
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.testing import FileCheck
+
+from gml import nn as gnn
+from gml.passes.manager import PassManager
+from gml.passes.normalize import Normalize
+
+
+def module_types(gm: fx.GraphModule) -> Counter[str]:
+    mods = dict(gm.named_modules())
+    return Counter(type(mods[n.target]).__name__ for n in gm.graph.nodes if n.op == "call_module")
+
+
+def op_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+class EveryVariant(nn.Module):
+    """Uses every function/method spelling Normalize promises to rewrite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.relu_ip = nn.ReLU(inplace=True)
+        self.hswish_ip = nn.Hardswish(inplace=True)
+        self.drop = nn.Dropout(0.3)
+        self.drop2d = nn.Dropout2d(0.1)
+
+    def forward(self, x):
+        x = self.conv(x)
+        a = torch.relu(F.relu(x)).relu()
+        b = x * 1.0
+        b.relu_()
+        b = F.relu(b, inplace=True)
+        c = torch.relu_(x * 2)
+        c = F.relu6(c) + F.relu6(c, inplace=False) + F.hardtanh(c, -0.5, 0.5)
+        c = F.hardtanh_(c * 1.5) + torch.sigmoid(c) + c.sigmoid() + F.sigmoid(c)
+        s = c * 0.25
+        s.sigmoid_()
+        d = torch.tanh(c) + c.tanh() + F.tanh(c) + s
+        t = d * 1.0
+        t.tanh_()
+        e = F.gelu(d) + F.gelu(d, approximate="tanh") + F.silu(d) + F.hardswish(d) + F.hardsigmoid(d) + t
+        e = F.leaky_relu(e, 0.2) + F.leaky_relu(e, negative_slope=0.3, inplace=False) + F.elu(e, 0.5)
+        f = operator.add(e, a)
+        f = torch.add(f, b, alpha=0.5)
+        f = f.add(c)
+        f += d
+        f = f.add_(e)
+        f = torch.add(f + 1, 3, alpha=2)
+        f = 2 + f
+        g = torch.mul(f, a) * b
+        g = g.mul(c)
+        g *= 0.5
+        g.mul_(d)
+        g = 0.5 * g
+        g = self.relu_ip(g)
+        g = self.hswish_ip(g)
+        g = self.drop2d(self.drop(g))
+        h = F.max_pool2d(g, 2)
+        h = F.max_pool2d(h, kernel_size=3, stride=1, padding=1, dilation=1, ceil_mode=True)
+        h = torch.max_pool2d(h, 2)
+        h = F.dropout(h, 0.2, training=self.training)
+        h = F.adaptive_avg_pool2d(h, (2, 2))
+        h = torch.flatten(h, 1) + h.flatten(1) + h.flatten(start_dim=1, end_dim=-1)
+        return h
+
+
+def test_every_variant_normalizes_completely_and_bit_exactly():
+    model = EveryVariant().eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        ref = model(x)
+    gm = fx.symbolic_trace(model)
+    result = Normalize()(gm)
+
+    assert op_nodes(gm) == []  # 0 call_function / call_method left
+    assert result.skips == []
+    assert result.notes[0] == f"coverage: {result.matches}/{result.matches} op call sites normalized (100.0%)"
+    types = module_types(gm)
+    assert "Dropout" not in types and "Dropout2d" not in types
+    assert types["Add"] == 22 and types["AddScalar"] == 3
+    assert types["Mul"] == 4 and types["MulScalar"] == 7
+    assert types["ReLU"] == 7 and types["Sigmoid"] == 4 and types["Tanh"] == 4
+    assert types["Flatten"] == 3 and types["MaxPool2d"] == 3 and types["Hardswish"] == 2
+    assert not any(getattr(m, "inplace", False) for m in gm.modules())
+    with torch.no_grad():
+        assert torch.equal(gm(x), ref)
+
+
+def test_golden_graph_small_block():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = F.relu(self.conv(x))
+            return torch.flatten(F.adaptive_avg_pool2d(y + x, 1), 1)
+
+    gm = fx.symbolic_trace(Block().eval())
+    Normalize()(gm)
+    FileCheck().check("self.conv").check("self.relu").check("self.add").check("self.adaptive_avg_pool").check(
+        "self.flatten"
+    ).run(gm.code)
+    assert isinstance(gm.add, gnn.Add)
+    assert gm.adaptive_avg_pool.output_size == 1
+    assert (gm.flatten.start_dim, gm.flatten.end_dim) == (1, -1)
+
+
+def test_arguments_are_kept():
+    class M(nn.Module):
+        def forward(self, x):
+            x = F.gelu(x, approximate="tanh")
+            x = F.leaky_relu(x, 0.17)
+            x = F.hardtanh(x, -2.0, 3.0)
+            x = F.max_pool2d(x, 3, 2, 1, 1, True)
+            return torch.add(x, x, alpha=-0.25)
+
+    gm = fx.symbolic_trace(M())
+    Normalize()(gm)
+    assert gm.gelu.approximate == "tanh"
+    assert gm.leaky_relu.negative_slope == 0.17
+    assert (gm.hardtanh.min_val, gm.hardtanh.max_val) == (-2.0, 3.0)
+    mp = gm.max_pool
+    assert (mp.kernel_size, mp.stride, mp.padding, mp.dilation, mp.ceil_mode) == (3, 2, 1, 1, True)
+    assert gm.add.alpha == -0.25
+    x = torch.randn(1, 2, 9, 9)
+    assert torch.equal(gm(x), M()(x))
+
+
+def test_new_modules_live_in_the_calling_submodule():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 1)
+
+        def forward(self, x):
+            return F.relu(self.conv(x) + x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Sequential(Block(), Block())
+
+        def forward(self, x):
+            return self.layer(x)
+
+    gm = fx.symbolic_trace(Net())
+    Normalize()(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert targets == [
+        "layer.0.conv", "layer.0.add", "layer.0.relu", "layer.1.conv", "layer.1.add", "layer.1.relu",
+    ]  # fmt: skip
+
+
+def test_shape_arithmetic_is_ignored_and_runtime_scalars_are_declined():
+    class M(nn.Module):
+        def forward(self, x):
+            n = x.size(0) * 2 + 1  # Python ints: not a tensor op
+            return torch.cumsum(x, 1) * x.size(1), n
+
+    gm = fx.symbolic_trace(M())
+    result = Normalize()(gm)
+    reasons = {s.node: s.reason for s in result.skips}
+    assert reasons == {"mul_1": "operand size_1 is a Python number computed at run time",
+                       "cumsum": "no module form for torch.cumsum"}  # fmt: skip
+    assert not result.modified and result.matches == 0
+    assert result.notes[0] == "coverage: 0/2 op call sites normalized (0.0%)"
+    assert "ignored 4 shape/scalar nodes (not tensor ops)" in result.notes
+
+
+def test_runtime_argument_declined():
+    class M(nn.Module):
+        def forward(self, x, lo: float):
+            return F.hardtanh(x, lo, 1.0)
+
+    gm = fx.symbolic_trace(M())
+    result = Normalize()(gm)
+    assert [s.reason for s in result.skips] == [
+        "argument min_val is computed at run time (lo), so it cannot be stored on a module"
+    ]
+
+
+def test_active_dropout_is_kept_with_reason():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return F.dropout(self.drop(x), 0.1)  # training defaults to True in F.dropout
+
+    gm = fx.symbolic_trace(M().train())
+    result = Normalize()(gm)
+    assert sorted(s.reason for s in result.skips) == [
+        "dropout called with training=True is random even in eval mode; pass training=self.training",
+        "dropout module is in training mode (random); call model.eval() first",
+    ]
+    assert module_types(gm)["Dropout"] == 1
+
+
+class TestInPlace:
+    def test_later_readers_see_the_out_of_place_result(self):
+        class M(nn.Module):
+            def forward(self, x):
+                y = x * 2
+                z = y.relu_()  # overwrites y; `y` below must read the relu'd values
+                y.mul_(3)
+                return y + z
+
+        gm = fx.symbolic_trace(M())
+        result = Normalize()(gm)
+        assert result.skips == []
+        x = torch.randn(3, 5)
+        assert torch.equal(gm(x), M()(x))
+
+    def test_view_read_later_is_declined(self):
+        class M(nn.Module):
+            def forward(self, x):
+                y = x * 2
+                v = y.view(-1)
+                y.relu_()  # also changes v
+                return v + 1
+
+        gm = fx.symbolic_trace(M())
+        result = Normalize()(gm)
+        (skip,) = [s for s in result.skips if s.node == "relu_"]
+        assert skip.reason == (
+            "in-place op kept: view shares storage with the overwritten mul_1 and is read later by add"
+        )
+        x = torch.randn(2, 3)
+        assert torch.equal(gm(x), M()(x))
+
+    def test_input_and_buffer_mutation_declined(self):
+        # symbolic_trace runs `self.count.add_(1)` eagerly on the real buffer, so build the graph by hand.
+        root = nn.Module()
+        root.register_buffer("count", torch.zeros(1))
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        count = graph.get_attr("count")
+        bumped = graph.call_method("add_", (count, 1))
+        relu = graph.call_function(F.relu, (x,), {"inplace": True})
+        graph.output(graph.call_function(operator.add, (relu, bumped)))
+        gm = fx.GraphModule(root, graph)
+        result = Normalize()(gm)
+        assert sorted(s.reason for s in result.skips) == [
+            "in-place op kept: it overwrites model input x in place, which the caller can observe",
+            "in-place op kept: it overwrites parameter/buffer count in place, which persists across calls",
+        ]
+        assert gm(torch.ones(1)).item() == 2.0 and gm(torch.ones(1)).item() == 3.0  # state still advances
+
+    def test_shared_inplace_module_flipped_only_if_every_site_is_safe(self):
+        class M(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.act = nn.ReLU(inplace=True)
+
+            def forward(self, x):
+                a = self.act(x * 1)
+                b = x - 1
+                keep = b.view(-1)
+                self.act(b)  # overwrites b, visible through `keep`
+                return a, keep
+
+        model = M()
+        gm = fx.symbolic_trace(model)
+        result = Normalize()(gm)
+        assert gm.act.inplace is True  # left alone: one site depends on the in-place write
+        assert {s.node: s.reason for s in result.skips if s.node.startswith("act")} == {
+            "act_1": "cannot make act out-of-place: view shares storage with the overwritten sub and is read later "
+            "by output",
+            "act": "act is also called in place at act_1, which must stay",
+        }
+
+    def test_user_module_objects_are_not_mutated(self):
+        model = nn.Sequential(nn.Conv2d(1, 1, 1), nn.ReLU(inplace=True)).eval()
+        gm = fx.symbolic_trace(model)
+        Normalize()(gm)
+        assert model[1].inplace is True
+        assert gm.get_submodule("1").inplace is False
+
+
+def test_torchvision_resnet18_under_pass_manager():
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(weights=None).eval()
+    gm = fx.symbolic_trace(model)
+    x = torch.randn(1, 3, 64, 64)
+    out = PassManager([Normalize()]).run(gm, [(x,)])
+    rec = out.report.record("normalize")
+    assert rec.status == "applied" and rec.skips == []
+    assert rec.matches == 8 + 17 + 1  # 8 residual adds, 17 in-place ReLU call sites, 1 flatten
+    assert op_nodes(out.graph_module) == []
+    assert rec.max_abs_err == 0.0
