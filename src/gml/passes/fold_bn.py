@@ -1,0 +1,254 @@
+"""FoldBatchNorm: fold an eval-mode BatchNorm into the conv or linear that feeds it.
+
+Before: ``x → Conv(W, b) → BN(γ, β, μ, σ², ε) → y``      After: ``x → Conv(W', b') → y``
+
+In eval mode BN is the per-channel affine map ``y_c = s_c·(z_c − μ_c) + β_c`` with
+``s_c = γ_c / sqrt(σ²_c + ε)`` and constants ``μ, σ²`` (the running statistics). ``z = W∗x + b`` is
+linear in ``W`` and ``b`` per output channel, so::
+
+    W'[c, ...] = s_c · W[c, ...]        b'_c = s_c · (b_c − μ_c) + β_c       (b = 0 if the conv has none)
+
+exactly (up to float rounding). ``affine=False`` means ``γ = 1, β = 0``. The arithmetic is torch's own
+``torch.nn.utils.fusion.fuse_conv_bn_weights`` / ``fuse_linear_bn_weights``.
+
+Handled: ``Conv{1,2,3}d`` (any groups, depthwise included, any padding mode, with or without bias)
++ ``BatchNorm{1,2,3}d``; ``ConvTranspose{1,2,3}d`` + BN; ``Linear`` + ``BatchNorm1d`` on a 2-D
+``(N, features)`` output. ConvTranspose stores its weight as ``(in, out/groups, k...)``: output
+channel ``g·(out/groups) + j`` is column ``j`` of the rows of group ``g``. With one group that is
+torch's ``transpose=True`` (scale on dim 1); with several groups the weight is regrouped to
+``(out, in/groups, k...)`` first, scaled per output channel, and put back.
+
+The fused conv replaces the original module at the same path when that conv has no other call
+site and none of its parameters is read elsewhere; otherwise it is installed beside it
+(``<path>_folded``) so the other uses keep the unfolded weights. The BN node is erased and
+unused submodules are deleted. Modules are never edited in place (after ``symbolic_trace`` they
+are the user's objects).
+
+Skipped, each with a reason: BN in training mode (batch statistics), BN without running
+statistics (``track_running_stats=False``: batch statistics even in eval), a conv output that
+something else also reads (folding would change that reader), channel-count mismatch, a BN that
+reads anything but a module conv/linear (including ``F.conv2d`` calls: not supported), conv/linear
+subclasses and modules with forward hooks (their forward may not be the plain op), a Linear output
+that is not known to be 2-D (``BatchNorm1d`` on ``(N, C, L)`` normalises dim 1, not the features;
+run shape propagation first), and an unbatched conv output.
+
+**LayerNorm is not folded** (docs/adr/003-no-layernorm-folding.md). LayerNorm normalises every row
+with *that row's* mean and variance, computed at run time from the input; unlike BN's running
+statistics they are not constants, so ``Linear → LayerNorm`` has nothing to fold and the
+"W' = diag(γ/sqrt(var+ε))·W" recipe is wrong for any input but the one it was computed on. Only
+LayerNorm's affine tail ``γ·n + β`` is constant; it could move into a *following* Linear
+(``W' = W·diag(γ)``, ``b' = W·β + b``), which is a different rewrite that keeps the normalisation
+and that this pass does not do. The pass reports both ``Linear → LayerNorm`` and
+``LayerNorm → Linear`` as skips with that reason.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import TensorMetadata
+from torch.nn.modules.conv import _ConvTransposeNd
+from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
+
+from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
+from gml.passes.oplib import node_label, op_kind
+from gml.passes.utils import modules_of, replace_module
+
+_CONVS: tuple[type[nn.Module], ...] = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+_BNS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+LAYERNORM_REASON = (
+    "LayerNorm normalises each row with that row's own mean and variance, computed at run time; "
+    "they are not constants, so there is nothing to fold into the Linear (ADR 003)"
+)
+LAYERNORM_AFFINE_REASON = (
+    "only LayerNorm's affine part (gamma, beta) could move into the following Linear; "
+    "that is a different rewrite that keeps the normalisation, not done by this pass (ADR 003)"
+)
+
+
+def _rank(node: fx.Node) -> int | None:
+    meta = node.meta.get("tensor_meta")
+    return len(meta.shape) if isinstance(meta, TensorMetadata) else None
+
+
+def _has_hooks(mod: nn.Module) -> bool:
+    return bool(mod._forward_hooks or mod._forward_pre_hooks)
+
+
+def fold_conv_bn(conv: nn.Module, bn: nn.modules.batchnorm._BatchNorm) -> nn.Module:
+    """A new conv computing ``bn(conv(x))`` in eval mode; ``conv`` and ``bn`` are left untouched."""
+    assert bn.running_mean is not None and bn.running_var is not None
+    fused = copy.deepcopy(conv)
+    w = conv.weight
+    transposed = isinstance(conv, _ConvTransposeNd)
+    if transposed and conv.groups > 1:
+        g = conv.groups
+        cin, out_per_group, *k = w.shape
+        # (in, out/g, k...) → (out, in/g, k...): row g*(out/g)+j is output channel g*(out/g)+j.
+        out_major = w.reshape(g, cin // g, out_per_group, *k).transpose(1, 2).reshape(g * out_per_group, cin // g, *k)
+        fw, fb = fuse_conv_bn_weights(
+            out_major, conv.bias, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias, transpose=False
+        )
+        back = fw.detach().reshape(g, out_per_group, cin // g, *k).transpose(1, 2).reshape(w.shape)
+        fw = nn.Parameter(back.contiguous(), w.requires_grad)
+    else:
+        fw, fb = fuse_conv_bn_weights(
+            w, conv.bias, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias, transpose=transposed
+        )
+    fused.weight, fused.bias = fw, fb
+    return fused
+
+
+def fold_linear_bn(linear: nn.Linear, bn: nn.modules.batchnorm._BatchNorm) -> nn.Linear:
+    """A new Linear computing ``bn(linear(x))`` for 2-D ``x`` in eval mode."""
+    assert bn.running_mean is not None and bn.running_var is not None
+    fused = copy.deepcopy(linear)
+    ones, zeros = torch.ones_like(bn.running_mean), torch.zeros_like(bn.running_mean)
+    gamma = bn.weight if bn.weight is not None else ones  # affine=False: gamma = 1, beta = 0
+    beta = bn.bias if bn.bias is not None else zeros
+    fused.weight, fused.bias = fuse_linear_bn_weights(
+        linear.weight, linear.bias, bn.running_mean, bn.running_var, bn.eps, gamma, beta
+    )
+    return fused
+
+
+class FoldBatchNorm(GraphPass):
+    """Fold eval-mode BatchNorm into the preceding Conv/ConvTranspose/Linear (see module doc)."""
+
+    name = "fold_bn"
+    tolerance = Tolerance(atol=1e-5, rtol=1e-4)
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        modules = modules_of(gm)
+        skips: list[Skip] = []
+        folded: Counter[str] = Counter()
+        for node in list(gm.graph.nodes):
+            kind = op_kind(node, modules)
+            if kind == "layernorm":
+                skips.extend(self._layernorm_skips(node, modules))
+                continue
+            if kind != "batchnorm":
+                continue
+            if node.op != "call_module":
+                skips.append(Skip(node.name, "functional batch_norm: only BatchNorm modules are folded", "bn"))
+                continue
+            producer = node.args[0] if node.args else None
+            pattern = f"{node_label(producer, modules) if isinstance(producer, fx.Node) else '?'} → BatchNorm"
+            reason = self._why_not(gm, node, producer, modules)
+            if reason is not None:
+                skips.append(Skip(node.name, reason, pattern))
+                continue
+            assert isinstance(producer, fx.Node)
+            layer, bn = modules[str(producer.target)], modules[str(node.target)]
+            fused = fold_linear_bn(layer, bn) if isinstance(layer, nn.Linear) else fold_conv_bn(layer, bn)
+            self._install(gm, producer, fused, modules)
+            node.replace_all_uses_with(producer)
+            gm.graph.erase_node(node)
+            folded[type(layer).__name__] += 1
+
+        matches = sum(folded.values())
+        notes = []
+        if matches:
+            gm.delete_all_unused_submodules()
+            gm.graph.lint()
+            gm.recompile()
+            notes.append("folded BatchNorm into " + ", ".join(f"{k} ×{v}" for k, v in folded.most_common()))
+        return PassResult(gm, matches > 0, matches, skips, notes)
+
+    def _why_not(
+        self, gm: fx.GraphModule, bn_node: fx.Node, producer: Any, modules: dict[str, nn.Module]
+    ) -> str | None:
+        bn = modules[str(bn_node.target)]
+        if type(bn) not in _BNS:
+            return f"{type(bn).__name__} is a BatchNorm subclass; its forward may differ"
+        if bn.training:
+            return "BatchNorm is in training mode: it normalises with batch statistics (call model.eval())"
+        if bn.running_mean is None or bn.running_var is None:
+            return (
+                "BatchNorm has no running statistics (track_running_stats=False): it normalises with "
+                "batch statistics even in eval mode, so there are no constants to fold"
+            )
+        if not isinstance(producer, fx.Node):
+            return "BatchNorm input is not a graph value"
+        kind = op_kind(producer, modules)
+        if producer.op != "call_module" or kind not in ("conv", "conv_transpose", "linear"):
+            if kind in ("conv", "conv_transpose", "linear"):
+                return f"conv/linear is a function call ({node_label(producer, modules)}); only modules are folded"
+            return (
+                f"BatchNorm reads {producer.name} ({node_label(producer, modules)}), not a conv or linear "
+                "output; nothing to fold it into"
+            )
+        layer = modules[str(producer.target)]
+        if type(layer) not in (*_CONVS, nn.Linear):
+            return f"{type(layer).__name__} is a subclass of a conv/linear; its forward may not be the plain op"
+        if _has_hooks(layer) or _has_hooks(bn):
+            return "conv/linear or BatchNorm has forward hooks, which would see different values"
+        if len(producer.users) > 1:
+            others = [u.name for u in producer.users if u is not bn_node]
+            return f"{producer.name} output is also read by {', '.join(others)}; folding would change what they see"
+        channels = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+        if channels != bn.num_features:
+            return f"channel mismatch: {type(layer).__name__} has {channels} outputs, BatchNorm {bn.num_features}"
+        rank = _rank(producer)
+        if isinstance(layer, nn.Linear):
+            if rank is None:
+                return (
+                    "cannot tell whether the Linear output is 2-D (no shape metadata; run shape propagation "
+                    "first): BatchNorm1d on (N, C, L) normalises dim 1, not the Linear's features"
+                )
+            if rank != 2:
+                return f"Linear output is {rank}-D: BatchNorm1d normalises dim 1, not the Linear's features"
+        elif rank is not None and rank != layer.weight.dim():
+            return "unbatched conv output: BatchNorm would normalise a different dimension"
+        if layer.weight.dtype != bn.running_mean.dtype:
+            return f"dtype mismatch: {layer.weight.dtype} weights, {bn.running_mean.dtype} BatchNorm statistics"
+        return None
+
+    @staticmethod
+    def _install(gm: fx.GraphModule, site: fx.Node, fused: nn.Module, modules: dict[str, nn.Module]) -> None:
+        """Point ``site`` at ``fused``: in place of the old module if nothing else uses it, else beside it."""
+        target = str(site.target)
+        shared = any(
+            n is not site
+            and (
+                (n.op == "call_module" and n.target == target)
+                or (n.op == "get_attr" and str(n.target).startswith(target + "."))
+            )
+            for n in gm.graph.nodes
+        )
+        if not shared:
+            replace_module(gm, target, fused)
+            modules[target] = fused
+            return
+        name, k = f"{target}_folded", 0
+        while name in modules or hasattr(gm, name):
+            k += 1
+            name = f"{target}_folded_{k}"
+        gm.add_submodule(name, fused)
+        modules[name] = fused
+        site.target = name
+
+    @staticmethod
+    def _layernorm_skips(node: fx.Node, modules: dict[str, nn.Module]) -> list[Skip]:
+        skips = []
+        producer = node.args[0] if node.args else None
+        if isinstance(producer, fx.Node) and op_kind(producer, modules) == "linear":
+            skips.append(Skip(node.name, LAYERNORM_REASON, "Linear → LayerNorm"))
+        if any(op_kind(u, modules) == "linear" for u in node.users):
+            skips.append(Skip(node.name, LAYERNORM_AFFINE_REASON, "LayerNorm → Linear"))
+        return skips
+
+
+__all__ = ["FoldBatchNorm", "fold_conv_bn", "fold_linear_bn"]
