@@ -1,0 +1,411 @@
+"""LiftCombineQuant: move quantize ops up to the tensor they really quantize, then de-duplicate them.
+
+Three rewrites, in this order, on per-tensor ``torch.quantize_per_tensor`` (and, for 2 and 3,
+``torch.quantize_per_channel``) nodes, plus quantize/dequantize *modules* (see
+:func:`quantize_of`):
+
+1. **Lift** across a chain of single-user view ops (view/reshape/flatten/permute/transpose/
+   squeeze/unsqueeze/contiguous, ``nn.Flatten``, ``nn.Identity``)::
+
+       p → view → flatten → quantize(s, z)      ⇒      p → quantize(s, z) → view → flatten
+
+   Per-tensor quantization is elementwise with one ``(s, z)``, so
+   ``quantize(view(x)) == view(quantize(x))`` bit for bit; the views then move int8 data instead
+   of fp32, and the quantize now sits on the producer's output where a lowering can fuse it.
+2. **Combine** quantize ops that read the same tensor with *equal* scale, zero point and dtype
+   into one. Equality is decided on the values (``get_attr`` buffers are fetched, Python numbers
+   compared as numbers): torch.ao gives every observer its own ``_scale_k`` attribute, so two
+   quantize ops with identical parameters are never the same node. A tensor read through
+   ``getitem(p, i)`` (a multi-output producer) is identified by ``(p, i)``, so two ``getitem``
+   nodes for the same output count as one tensor.
+3. **Drop dequantize → quantize** with equal parameters::
+
+       a(int8, s, z) → dequantize → quantize(s, z) → users      ⇒      a → users
+
+   ``round((q - z)·s / s) + z == q`` exactly, so the quantized tensor flows straight through
+   (the dequantize stays if something else reads it).
+
+Skipped, each with a reason (``PassResult.skips``): a view in the chain with several users
+("flatten has 2 users", lifting would need the fp32 value too), per-channel quantize ops for
+lifting (a view can move the channel axis), parameters computed at run time, and differing
+parameters ("qparams differ: scale 0.02 vs 0.03") for combining and for dequantize → quantize
+(that pair is a requantization, not a no-op).
+
+All three rewrites are exact: tolerance 0.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
+from gml.passes.oplib import node_label, op_kind
+from gml.passes.utils import modules_of, remove_unused_nodes
+
+_QUANTIZE_FNS = (torch.quantize_per_tensor, torch.quantize_per_channel)
+_VIEW_KINDS = ("view", "flatten", "identity")
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Resolved quantization parameters. ``axis`` is ``None`` for per-tensor."""
+
+    scale: torch.Tensor  # float64, 1-D
+    zero_point: torch.Tensor  # int64, 1-D
+    dtype: torch.dtype
+    axis: int | None = None
+
+    def equals(self, other: QParams) -> bool:
+        return (
+            self.dtype == other.dtype
+            and self.axis == other.axis
+            and torch.equal(self.scale, other.scale)
+            and torch.equal(self.zero_point, other.zero_point)
+        )
+
+    def difference(self, other: QParams) -> str:
+        """Human reason why two parameter sets differ, e.g. ``scale 0.02 vs 0.03``."""
+        if self.dtype != other.dtype:
+            return f"dtype {str(self.dtype).removeprefix('torch.')} vs {str(other.dtype).removeprefix('torch.')}"
+        if self.axis != other.axis:
+            return f"axis {self.axis} vs {other.axis}"
+        if self.scale.shape != other.scale.shape:
+            return f"{self.scale.numel()} vs {other.scale.numel()} scales"
+        parts = []
+        if not torch.equal(self.scale, other.scale):
+            parts.append(f"scale {_fmt(self.scale)} vs {_fmt(other.scale)}")
+        if not torch.equal(self.zero_point, other.zero_point):
+            parts.append(f"zero_point {_fmt(self.zero_point)} vs {_fmt(other.zero_point)}")
+        return ", ".join(parts)
+
+
+def _fmt(t: torch.Tensor) -> str:
+    if t.numel() == 1:
+        v = t.item()
+        return f"{v:.6g}" if isinstance(v, float) else str(v)
+    return f"[{t.numel()} values]"
+
+
+@dataclass
+class QuantizeOp:
+    """A quantize node: its fp32 input and the (possibly unresolved) parameters."""
+
+    node: fx.Node
+    input: fx.Node
+    qparams: QParams | None
+    unresolved: str = ""  # why qparams is None
+
+
+class _Unresolved(Exception):
+    pass
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _value(gm: fx.GraphModule, arg: Any, what: str) -> Any:
+    """A constant argument: Python number/dtype, tensor, or a ``get_attr`` node fetched to its value."""
+    if isinstance(arg, fx.Node):
+        if arg.op == "get_attr":
+            return _fetch_attr(gm, str(arg.target))
+        raise _Unresolved(f"{what} is computed at run time ({arg.name})")
+    return arg
+
+
+def _as_f64(x: Any) -> torch.Tensor:
+    return torch.as_tensor(x).detach().to(torch.float64).flatten()
+
+
+def _as_i64(x: Any) -> torch.Tensor:
+    return torch.as_tensor(x).detach().to(torch.int64).flatten()
+
+
+def _bind(node: fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs)
+    return bound
+
+
+def quantize_of(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module]) -> QuantizeOp | None:
+    """Recognise a quantize node and resolve its parameters.
+
+    Forms: ``torch.quantize_per_tensor(x, scale, zero_point, dtype)``,
+    ``torch.quantize_per_channel(x, scales, zero_points, axis, dtype)``, and ``call_module`` of a
+    module of a class named ``Quantize``: GML's (``output_scale``/``output_zp`` buffers, ADR 002;
+    its output is a plain ``uint8`` tensor, so its dtype is ``torch.uint8`` unless the module
+    says ``output_dtype``) or ``torch.ao.nn.quantized.Quantize`` (``scale``/``zero_point``/``dtype``).
+    """
+    if node.op == "call_function" and node.target in _QUANTIZE_FNS:
+        per_channel = node.target is torch.quantize_per_channel
+        names = (
+            ("input", "scales", "zero_points", "axis", "dtype")
+            if per_channel
+            else ("input", "scale", "zero_point", "dtype")
+        )
+        b = _bind(node, names)
+        x = b.get("input")
+        if not isinstance(x, fx.Node):
+            return None
+        try:
+            qp = QParams(
+                _as_f64(_value(gm, b[names[1]], "scale")),
+                _as_i64(_value(gm, b[names[2]], "zero point")),
+                _value(gm, b["dtype"], "dtype"),
+                int(_value(gm, b["axis"], "axis")) if per_channel else None,
+            )
+        except _Unresolved as e:
+            return QuantizeOp(node, x, None, str(e))
+        return QuantizeOp(node, x, qp)
+    if node.op == "call_module" and node.args and isinstance(node.args[0], fx.Node):
+        mod = modules.get(str(node.target))
+        if mod is None or type(mod).__name__ != "Quantize":
+            return None
+        if hasattr(mod, "output_scale") and hasattr(mod, "output_zp"):  # GML (ADR 002): plain uint8 out
+            qp = QParams(_as_f64(mod.output_scale), _as_i64(mod.output_zp), getattr(mod, "output_dtype", torch.uint8))
+            return QuantizeOp(node, node.args[0], qp)
+        if all(hasattr(mod, a) for a in ("scale", "zero_point", "dtype")):  # torch.ao.nn.quantized.Quantize
+            return QuantizeOp(node, node.args[0], QParams(_as_f64(mod.scale), _as_i64(mod.zero_point), mod.dtype))
+    return None
+
+
+def is_dequantize(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_method" and node.target == "dequantize":
+        return True
+    if node.op == "call_function" and node.target is torch.dequantize:
+        return True
+    if node.op == "call_module":
+        mod = modules.get(str(node.target))
+        return mod is not None and type(mod).__name__ in ("DeQuantize", "Dequantize")  # torch.ao / GML
+    return False
+
+
+def output_qparams(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module]) -> QParams | None:
+    """Parameters of the quantized tensor ``node`` produces, or ``None`` if they are not known.
+
+    Polymorphic over producers: a quantize op; a view of a per-tensor quantized tensor (views keep
+    the parameters); a module that declares its output parameters (ADR 002 INT8 modules register
+    ``output_scale``/``output_zp`` buffers and produce plain ``uint8`` unless they declare
+    ``output_dtype``).
+    """
+    for _ in range(64):  # view chains are short; the bound only guards against cycles in bad graphs
+        q = quantize_of(gm, node, modules)
+        if q is not None:
+            return q.qparams
+        if _is_view(node, modules) and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+            continue
+        break
+    mod = modules.get(str(node.target)) if node.op == "call_module" else None
+    if mod is not None and hasattr(mod, "output_scale") and hasattr(mod, "output_zp"):
+        dtype = getattr(mod, "output_dtype", torch.uint8)
+        return QParams(_as_f64(mod.output_scale), _as_i64(mod.output_zp), dtype)
+    return None
+
+
+def _is_view(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op not in ("call_function", "call_method", "call_module") or not node.args:
+        return False
+    return op_kind(node, modules) in _VIEW_KINDS and isinstance(node.args[0], fx.Node)
+
+
+def _tensor_key(node: fx.Node) -> Hashable:
+    """Identity of the tensor a node yields; ``getitem(p, i)`` nodes of one output are one tensor."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return ("getitem", node.args[0], node.args[1])
+    return node
+
+
+def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
+    # The value changed shape/dtype, so tensor_meta is left for the next shape propagation.
+    for key in ("stack_trace", "nn_module_stack"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def _erase_with_args(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and whatever only it read (its dequantize, its scale/zero-point get_attrs)."""
+    inputs = node.all_input_nodes
+    graph.erase_node(node)
+    remove_unused_nodes(graph, inputs)
+
+
+class LiftCombineQuant(GraphPass):
+    """Lifts quantize ops above view chains, merges equal quantize ops of one tensor, and drops
+    dequantize → quantize pairs with equal parameters (see the module docstring)."""
+
+    name = "lift_combine_quant"
+    tolerance = Tolerance(atol=0.0, rtol=0.0)
+
+    def __init__(self, *, lift: bool = True, combine: bool = True, drop_dq_q: bool = True) -> None:
+        self.lift = lift
+        self.combine = combine
+        self.drop_dq_q = drop_dq_q
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        skips: list[Skip] = []
+        counts = {"lifted": 0, "combined": 0, "dq→q dropped": 0}
+        if self.lift:
+            counts["lifted"] = self._lift(gm, skips)
+        if self.combine:
+            counts["combined"] = self._combine(gm, skips)
+        if self.drop_dq_q:
+            counts["dq→q dropped"] = self._drop_dq_q(gm, skips)
+        matches = sum(counts.values())
+        if matches:
+            gm.delete_all_unused_submodules()  # merged quantize modules
+            gm.graph.lint()
+            gm.recompile()
+        notes = [", ".join(f"{k}: {v}" for k, v in counts.items())]
+        return PassResult(gm, matches > 0, matches, skips, notes)
+
+    # ------------------------------------------------------------------ 1. lift
+    def _lift(self, gm: fx.GraphModule, skips: list[Skip]) -> int:
+        graph = gm.graph
+        modules = modules_of(gm)
+        lifted = 0
+        for node in list(graph.nodes):
+            q = quantize_of(gm, node, modules)
+            if q is None:
+                continue
+            chain: list[fx.Node] = []
+            producer = q.input
+            blocked = ""
+            while _is_view(producer, modules):
+                if len(producer.users) > 1:
+                    blocked = (
+                        f"{producer.name} ({node_label(producer, modules)}) has {len(producer.users)} users; "
+                        "lifting past it would need its fp32 value too"
+                    )
+                    break
+                chain.append(producer)
+                producer = producer.args[0]
+            if blocked:
+                done = f"lifted above {len(chain)} view(s), then stopped: " if chain else ""
+                skips.append(Skip(node.name, done + blocked, "lift quantize"))
+            if not chain:
+                continue
+            if q.qparams is not None and q.qparams.axis is not None:
+                skips.append(
+                    Skip(
+                        node.name,
+                        f"per-channel quantize (axis {q.qparams.axis}): a view may move the axis",
+                        "lift quantize",
+                    )
+                )
+                continue
+            # New nodes go right before the old quantize: every argument is defined by then.
+            with graph.inserting_before(node):
+                new_q = graph.create_node(node.op, node.target, (producer, *node.args[1:]), dict(node.kwargs))
+                _copy_meta(node, new_q)
+                current = new_q
+                for view in reversed(chain):
+                    current = graph.create_node(view.op, view.target, (current, *view.args[1:]), dict(view.kwargs))
+                    _copy_meta(view, current)
+            node.replace_all_uses_with(current)
+            graph.erase_node(node)
+            remove_unused_nodes(graph, [chain[0]])
+            lifted += 1
+        return lifted
+
+    # ------------------------------------------------------------------ 2. combine
+    def _combine(self, gm: fx.GraphModule, skips: list[Skip]) -> int:
+        graph = gm.graph
+        modules = modules_of(gm)
+        groups: dict[Hashable, list[QuantizeOp]] = {}
+        for node in graph.nodes:
+            q = quantize_of(gm, node, modules)
+            if q is not None:
+                groups.setdefault(_tensor_key(q.input), []).append(q)
+        merged = 0
+        for ops in groups.values():
+            if len(ops) < 2:
+                continue
+            kept: list[QuantizeOp] = []  # representatives, in graph order
+            for q in ops:
+                if q.qparams is None:
+                    skips.append(Skip(q.node.name, f"cannot compare qparams: {q.unresolved}", "combine quantize"))
+                    continue
+                same = next((k for k in kept if k.qparams is not None and k.qparams.equals(q.qparams)), None)
+                if same is None:
+                    if kept:
+                        diff = kept[0].qparams.difference(q.qparams)  # type: ignore[union-attr]
+                        skips.append(
+                            Skip(q.node.name, f"qparams differ from {kept[0].node.name}: {diff}", "combine quantize")
+                        )
+                    kept.append(q)
+                    continue
+                q.node.replace_all_uses_with(same.node)
+                _erase_with_args(graph, q.node)
+                self._merge_views(graph, same.node, modules)
+                merged += 1
+        return merged
+
+    def _merge_views(self, graph: fx.Graph, node: fx.Node, modules: dict[str, nn.Module]) -> None:
+        """Identical view calls on one (now shared) quantized tensor become one node."""
+        seen: dict[Hashable, fx.Node] = {}
+        for user in list(node.users):
+            if not _is_view(user, modules) or user.args[0] is not node:
+                continue
+            try:
+                sig = (user.op, user.target, tuple(user.args[1:]), tuple(sorted(user.kwargs.items())))
+                hash(sig)
+            except TypeError:  # unhashable arguments (lists): leave the view alone
+                continue
+            first = seen.setdefault(sig, user)
+            if first is not user:
+                user.replace_all_uses_with(first)
+                graph.erase_node(user)
+                self._merge_views(graph, first, modules)
+
+    # ------------------------------------------------------------------ 3. dequantize → quantize
+    def _drop_dq_q(self, gm: fx.GraphModule, skips: list[Skip]) -> int:
+        graph = gm.graph
+        modules = modules_of(gm)
+        dropped = 0
+        for node in list(graph.nodes):
+            q = quantize_of(gm, node, modules)
+            if q is None or not is_dequantize(q.input, modules):
+                continue
+            dq = q.input
+            source = dq.args[0] if dq.args else None
+            if not isinstance(source, fx.Node):
+                continue
+            if q.qparams is None:
+                skips.append(Skip(node.name, f"cannot compare qparams: {q.unresolved}", "dequantize → quantize"))
+                continue
+            src_qp = output_qparams(gm, source, modules)
+            if src_qp is None:
+                skips.append(
+                    Skip(
+                        node.name,
+                        f"qparams of {source.name} (the dequantized tensor) are unknown",
+                        "dequantize → quantize",
+                    )
+                )
+                continue
+            if not src_qp.equals(q.qparams):
+                skips.append(
+                    Skip(
+                        node.name,
+                        f"requantization, qparams differ: {src_qp.difference(q.qparams)}",
+                        "dequantize → quantize",
+                    )
+                )
+                continue
+            node.replace_all_uses_with(source)
+            _erase_with_args(graph, node)
+            dropped += 1
+        return dropped
+
+
+__all__ = ["LiftCombineQuant", "QParams", "QuantizeOp", "is_dequantize", "output_qparams", "quantize_of"]

@@ -1,0 +1,163 @@
+"""Calibration: run a prepared (observed) model over representative inputs.
+
+The observers that ``prepare`` inserted record activation ranges while the model runs in fp32;
+the quality of the INT8 model is decided here. This module knows nothing about how the observers
+got there (torch.ao today, a PT2E frontend tomorrow): it feeds batches, validates them and shows
+progress.
+
+Accepted data: any iterable of batches, where a batch is a tensor, or a tuple/list of tensors (one
+per ``forward`` argument). A ``DataLoader`` over ``(inputs, labels)`` pairs works as is: extra
+trailing items beyond the model's argument count are dropped. With no user data,
+:func:`generate_batches` makes seeded random batches shaped like the example inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from gml.errors import InputError
+
+
+@dataclass
+class CalibrationStats:
+    """What calibration saw."""
+
+    batches: int
+    samples: int
+    seconds: float
+    source: str = "user data"  # or "generated"
+
+
+def generate_batches(
+    example_inputs: Sequence[Any], n: int, *, seed: int = 0, batch_size: int | None = None
+) -> list[tuple[Any, ...]]:
+    """``n`` seeded random batches shaped like ``example_inputs``.
+
+    Floating inputs are drawn from N(0, 1) (what torchvision models see after normalization);
+    integer and non-tensor inputs are repeated as given. ``batch_size`` replaces dim 0.
+    """
+    if n < 1:
+        raise InputError(f"cannot generate {n} calibration batches.", hint="ask for at least 1 batch.")
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        batch = []
+        for x in example_inputs:
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                shape = (batch_size, *x.shape[1:]) if batch_size and x.dim() else tuple(x.shape)
+                batch.append(torch.randn(shape, generator=gen, dtype=x.dtype))
+            else:
+                batch.append(x)
+        batches.append(tuple(batch))
+    return batches
+
+
+def _arity(model: nn.Module) -> int | None:
+    if isinstance(model, fx.GraphModule):
+        return sum(1 for n in model.graph.nodes if n.op == "placeholder")
+    return None
+
+
+def _as_args(batch: Any, arity: int | None) -> tuple[Any, ...]:
+    if isinstance(batch, torch.Tensor):
+        return (batch,)
+    if isinstance(batch, dict):
+        raise InputError(
+            "calibration batches are dicts; GML-Lab feeds batches positionally.",
+            hint="yield tensors or tuples of tensors (one per forward() argument).",
+        )
+    if isinstance(batch, tuple | list):
+        args = tuple(batch)
+        # (inputs, labels) pairs from a DataLoader: keep the model's own arguments only.
+        return args[:arity] if arity is not None and len(args) > arity else args
+    raise InputError(
+        f"calibration batch of type {type(batch).__name__} is not a tensor or a tuple of tensors.",
+        hint="yield tensors or tuples of tensors (one per forward() argument).",
+    )
+
+
+def _check_finite(args: tuple[Any, ...], index: int) -> None:
+    for j, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and not torch.isfinite(a).all():
+            n_bad = int((~torch.isfinite(a)).sum())
+            raise InputError(
+                f"calibration batch {index} (input {j}, shape {tuple(a.shape)}) contains {n_bad} NaN/Inf "
+                "values; observers would record an infinite range.",
+                hint="clean or drop that batch (torch.nan_to_num, or filter with torch.isfinite).",
+            )
+
+
+def _progress_bar(enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = [TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    return Progress(*columns, transient=True, disable=not enabled)
+
+
+def _iterate(data: Iterable[Any]) -> Iterator[Any]:
+    try:
+        yield from data
+    except TypeError as exc:
+        raise InputError(
+            f"calibration data of type {type(data).__name__} is not iterable.",
+            hint="pass a DataLoader, a list of tensors / tuples, or a number of batches to generate.",
+        ) from exc
+
+
+def calibrate(
+    prepared: nn.Module,
+    data: Iterable[Any],
+    progress: bool = True,
+    *,
+    max_batches: int | None = None,
+    source: str = "user data",
+) -> CalibrationStats:
+    """Run ``prepared`` over ``data`` (no grad) so its observers record ranges.
+
+    Raises :class:`~gml.errors.InputError` if ``data`` is empty, a batch holds NaN/Inf (naming the
+    batch index), or a batch does not fit the model.
+    """
+    arity = _arity(prepared)
+    total = None
+    if hasattr(data, "__len__"):
+        total = len(data)  # type: ignore[arg-type]
+        if max_batches is not None:
+            total = min(total, max_batches)
+    bar = _progress_bar(progress)
+    t0 = time.perf_counter()
+    batches = samples = 0
+    with bar, torch.no_grad():
+        task = bar.add_task("calibrating", total=total)
+        for i, batch in enumerate(_iterate(data)):
+            if max_batches is not None and i >= max_batches:
+                break
+            args = _as_args(batch, arity)
+            _check_finite(args, i)
+            try:
+                prepared(*args)
+            except Exception as exc:
+                shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
+                raise InputError(
+                    f"calibration batch {i} (shapes {shapes}) does not fit the model: "
+                    f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+                    hint="calibration batches must look like the example inputs (same rank, channels, dtype).",
+                ) from None
+            batches += 1
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            samples += int(first.shape[0]) if first is not None and first.dim() else 1
+            bar.advance(task)
+    if batches == 0:
+        raise InputError(
+            "calibration data is empty: the observers saw nothing, so every scale would be a guess.",
+            hint="pass at least one batch, or a number of batches to generate (e.g. --calib 8).",
+        )
+    return CalibrationStats(batches, samples, time.perf_counter() - t0, source)
+
+
+__all__ = ["CalibrationStats", "calibrate", "generate_batches"]

@@ -1,0 +1,408 @@
+"""INT8 frontend: an fp32 model in, a calibrated *reference* Q/DQ graph out.
+
+Pipeline (each step is a function here, :func:`prepare_reference` runs them in order)::
+
+    model ─ capture ─ Normalize → UntieSharedModules → FoldBatchNorm   (fp32 PassManager, checked)
+          ─ prepare  (torch.ao prepare_fx + GML BackendConfig: fuse conv+relu, conv+add+relu, ...;
+                      insert observers)
+          ─ calibrate (user batches or generated ones; progress bar)
+          ─ convert_reference (torch.ao convert_to_reference_fx)
+
+The result is torch.ao's reference representation: every INT8 tensor is spelled
+``torch.quantize_per_tensor(x, scale, zero_point, torch.quint8)`` followed by ``.dequantize()``,
+and each quantized op is an fp32 op between them (weighted ops are reference modules whose
+weights quantize→dequantize inside). That graph simulates the INT8 model closely and is what
+the INT8 lowering pattern-matches.
+
+This is the *only* module that drives ``torch.ao.quantization`` (with
+:mod:`gml.quant.backend_config` for its config objects). torch.ao's FX quantization is
+deprecated upstream; a torchao PT2E frontend can replace this file behind the same functions.
+Its deprecation warnings are silenced with filters that match only those messages: the
+"torch.ao.quantization is deprecated" notice around our calls into it, and torch's one-time
+notice about quantized-tensor creation functions when a reference graph runs.
+
+Also produced: the *float twin* of the reference graph (the prepared model with its observers
+removed): the same fused modules in fp32 and the same node names, so per-layer accuracy can be
+matched node by node (:mod:`gml.quant.accuracy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import operator
+import re
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from gml.errors import InputError
+from gml.passes.manager import PassManager, PipelineReport
+from gml.quant.backend_config import NORMALIZED_MODULES, get_backend_config, qconfig_mapping
+from gml.quant.calibrate import CalibrationStats, calibrate, generate_batches
+
+# torch.ao.quantization's removal notice starts with this sentence (torch/ao/quantization/utils.py).
+_DEPRECATION = re.compile(r"torch\.ao\.quantization is deprecated", re.IGNORECASE)
+
+QUANTIZE_FNS = (torch.quantize_per_tensor, torch.quantize_per_channel)
+
+# Running a reference graph makes torch warn once that QTensor creation functions are deprecated.
+# The graphs this frontend returns are meant to be run, so that one notice is filtered for the
+# process; the filter matches only that message.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor creation",
+    category=UserWarning,
+)
+
+
+@contextlib.contextmanager
+def quiet_torch_ao() -> Iterator[None]:
+    """Hide torch.ao.quantization's deprecation notice (and nothing else) while we call it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_DEPRECATION.pattern, category=DeprecationWarning)
+        warnings.filterwarnings("ignore", message=_DEPRECATION.pattern, category=FutureWarning)
+        yield
+
+
+# ---------------------------------------------------------------- report
+@dataclass
+class OpStatus:
+    """How one op of the reference graph ended up."""
+
+    node: str
+    op: str  # module type / function label, e.g. "ConvReLU2d", "Add", "torch.cat"
+    int8: bool
+    detail: str = ""  # fused pattern, or why the op stays fp32
+
+
+@dataclass
+class FrontendReport:
+    """What the frontend did: fp32 passes, fusions, quantized and fp32 ops, calibration."""
+
+    backend: str
+    observer: str
+    per_channel: bool
+    ops: list[OpStatus] = field(default_factory=list)
+    calibration: CalibrationStats | None = None
+    fp32_passes: PipelineReport | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fused(self) -> list[OpStatus]:
+        return [o for o in self.ops if o.detail.startswith("fused")]
+
+    @property
+    def quantized(self) -> list[OpStatus]:
+        return [o for o in self.ops if o.int8]
+
+    @property
+    def fp32(self) -> list[OpStatus]:
+        return [o for o in self.ops if not o.int8]
+
+    def summary(self) -> str:
+        cal = self.calibration
+        seen = f"{cal.batches} batches / {cal.samples} samples ({cal.source})" if cal else "not calibrated"
+        return (
+            f"{len(self.quantized)} ops INT8 ({len(self.fused)} fused), {len(self.fp32)} fp32; "
+            f"observer={self.observer}, weights per-{'channel' if self.per_channel else 'tensor'}, "
+            f"backend={self.backend}; calibration: {seen}"
+        )
+
+    def table(self, title: str = "INT8 frontend: reference graph"):  # -> rich.table.Table
+        from rich.table import Table
+
+        t = Table(title=title, caption=self.summary())
+        for col in ("node", "op", "precision", "detail"):
+            t.add_column(col)
+        for o in self.ops:
+            t.add_row(o.node, o.op, "[green]int8[/]" if o.int8 else "[yellow]fp32[/]", o.detail)
+        return t
+
+
+@dataclass
+class ReferenceResult:
+    """The calibrated reference Q/DQ graph, its float twin and the report."""
+
+    graph_module: fx.GraphModule
+    float_module: fx.GraphModule
+    report: FrontendReport
+
+
+# ---------------------------------------------------------------- fp32 passes
+def _fp32_passes() -> list:
+    from gml.passes.normalize import Normalize
+
+    passes: list = [Normalize()]
+    try:
+        from gml.passes.untie import UntieSharedModules
+
+        passes.append(UntieSharedModules())
+    except ImportError:  # pragma: no cover - until the pass lands
+        pass
+    try:
+        from gml.passes.fold_bn import FoldBatchNorm
+
+        passes.append(FoldBatchNorm())
+    except ImportError:  # pragma: no cover - until the pass lands
+        from gml.passes.base import FunctionPass, PassResult
+
+        def torch_fold_bn(gm: fx.GraphModule) -> PassResult:
+            from torch.fx.experimental.optimization import fuse
+
+            before = len(gm.graph.nodes)
+            folded = fuse(gm, inplace=True, no_trace=True)
+            return PassResult(folded, len(folded.graph.nodes) != before, before - len(folded.graph.nodes))
+
+        passes.append(FunctionPass(torch_fold_bn, "fold_bn (torch fallback)"))
+    return passes
+
+
+def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PipelineReport]:
+    """Capture (if needed) and run Normalize → UntieSharedModules → FoldBatchNorm, checked."""
+    from gml.capture import capture, check_eval_mode
+
+    check_eval_mode(model, what="INT8 quantization")
+    gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else capture(model, example_inputs)
+    result = PassManager(_fp32_passes()).run(gm, [tuple(example_inputs)])
+    return result.graph_module, result.report
+
+
+# ---------------------------------------------------------------- torch.ao steps
+def prepare(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    observer: str = "minmax",
+    per_channel: bool = True,
+    backend: str = "onednn",
+    percentile: float = 99.99,
+) -> fx.GraphModule:
+    """Fuse with the GML BackendConfig and insert observers (``gm`` is not modified).
+
+    Every ``call_module`` of ``gm`` stays a leaf: torch.ao re-traces the module and would
+    otherwise inline modules outside ``torch.nn`` (the normalized ``gml.nn.Add``, user leaves).
+    """
+    from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
+    from torch.ao.quantization.quantize_fx import prepare_fx
+
+    gm = copy.deepcopy(gm)
+    leaves = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_module"})
+    custom = (
+        PrepareCustomConfig()
+        .set_non_traceable_module_classes(list(NORMALIZED_MODULES))
+        .set_non_traceable_module_names(leaves)
+    )
+    qmap = qconfig_mapping(observer, per_channel=per_channel, backend=backend, percentile=percentile)
+    with quiet_torch_ao():
+        return prepare_fx(
+            gm,
+            qmap,
+            tuple(example_inputs),
+            prepare_custom_config=custom,
+            backend_config=get_backend_config(backend),
+        )
+
+
+def _is_observer(mod: nn.Module | None) -> bool:
+    from torch.ao.quantization.observer import ObserverBase
+
+    return isinstance(mod, ObserverBase)
+
+
+def float_twin(prepared: fx.GraphModule) -> fx.GraphModule:
+    """The prepared model without observers: fp32, same fused modules and node names as the
+    reference graph that :func:`convert_reference` makes from it."""
+    twin = copy.deepcopy(prepared)
+    modules = dict(twin.named_modules())
+    for node in list(twin.graph.nodes):
+        if node.op == "call_module" and _is_observer(modules.get(str(node.target))):
+            node.replace_all_uses_with(node.args[0])
+            twin.graph.erase_node(node)
+    twin.delete_all_unused_submodules()
+    twin.graph.lint()
+    twin.recompile()
+    return twin
+
+
+def convert_reference(prepared: fx.GraphModule, *, backend: str = "onednn") -> fx.GraphModule:
+    """torch.ao ``convert_to_reference_fx``: observers become quantize_per_tensor → dequantize."""
+    from torch.ao.quantization.quantize_fx import convert_to_reference_fx
+
+    with quiet_torch_ao():
+        return convert_to_reference_fx(prepared, backend_config=get_backend_config(backend))
+
+
+# ---------------------------------------------------------------- graph helpers
+def is_quantize(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in QUANTIZE_FNS
+
+
+def is_dequantize(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target == "dequantize") or (
+        node.op == "call_function" and node.target is torch.dequantize
+    )
+
+
+def keep_outputs_fp32(gm: fx.GraphModule) -> list[str]:
+    """Drop quantize → dequantize pairs right before the graph output when the quantized value
+    comes from a weighted op (conv/linear): their INT8 kernels can write fp32 directly, and
+    rounding the logits to 8 bits only costs accuracy. Returns the nodes whose output stays fp32."""
+    modules = dict(gm.named_modules())
+    kept: list[str] = []
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    for dq in list(output.all_input_nodes):
+        if not is_dequantize(dq) or len(dq.users) != 1:
+            continue
+        q = dq.args[0]
+        if not (isinstance(q, fx.Node) and is_quantize(q) and len(q.users) == 1):
+            continue
+        src = q.args[0]
+        mod = modules.get(str(src.target)) if isinstance(src, fx.Node) and src.op == "call_module" else None
+        root = mod[0] if isinstance(mod, nn.Sequential) and len(mod) else mod  # fused nni modules
+        if not isinstance(root, nn.Conv2d | nn.Linear):
+            continue
+        output.replace_input_with(dq, src)
+        for n in (dq, q, *[a for a in q.args[1:] if isinstance(a, fx.Node)]):
+            if not n.users:
+                gm.graph.erase_node(n)
+        kept.append(src.name)
+    if kept:
+        gm.delete_all_unused_submodules()
+        gm.graph.lint()
+        gm.recompile()
+    return kept
+
+
+def _label(node: fx.Node, modules: dict[str, nn.Module]) -> str:
+    from gml.passes.oplib import node_label
+
+    return node_label(node, modules)
+
+
+def summarize_reference(gm: fx.GraphModule) -> list[OpStatus]:
+    """Which ops of a reference graph are INT8 (read a dequantize or feed a quantize) and which
+    stay fp32, with fused patterns spelled out."""
+    from torch.ao.nn.intrinsic import _FusedModule
+
+    modules = dict(gm.named_modules())
+    out: list[OpStatus] = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_module", "call_function", "call_method"):
+            continue
+        if is_quantize(node) or is_dequantize(node) or node.target is operator.getitem:
+            continue
+        reads_dq = any(is_dequantize(a) for a in node.all_input_nodes)
+        feeds_q = _feeds_quantize(node)
+        mod = modules.get(str(node.target)) if node.op == "call_module" else None
+        detail = ""
+        if isinstance(mod, _FusedModule):
+            parts = [type(c).__name__ for c in mod.children()]
+            detail = "fused " + " + ".join(p for p in parts if p != "SwappedAdd")
+        int8 = reads_dq or feeds_q
+        if not int8:
+            detail = "no INT8 pattern for this op in the GML BackendConfig"
+        elif not feeds_q and not any(u.op == "output" for u in node.users):
+            detail = (detail + "; " if detail else "") + "output stays fp32"
+        elif not feeds_q:
+            detail = (detail + "; " if detail else "") + "model output kept fp32"
+        out.append(OpStatus(node.name, _label(node, modules), int8, detail))
+    return out
+
+
+def _feeds_quantize(node: fx.Node) -> bool:
+    """Output reaches a quantize directly or through a single-user chain (Add → ReLU → quantize)."""
+    current = node
+    for _ in range(4):
+        if any(is_quantize(u) for u in current.users):
+            return True
+        if len(current.users) != 1:
+            return False
+        current = next(iter(current.users))
+        if current.op == "output" or is_dequantize(current):
+            return False
+    return False
+
+
+# ---------------------------------------------------------------- the whole frontend
+def _calibration_source(
+    calib_data: Iterable[Any] | int | None, example_inputs: Sequence[Any], seed: int
+) -> tuple[Iterable[Any], str]:
+    if calib_data is None:
+        calib_data = 8
+    if isinstance(calib_data, int) and not isinstance(calib_data, bool):
+        return generate_batches(example_inputs, calib_data, seed=seed), "generated N(0,1) batches"
+    if isinstance(calib_data, torch.Tensor):
+        raise InputError(
+            "calib_data is a single tensor; GML-Lab needs an iterable of batches.",
+            hint="wrap it: [x], or split it: list(x.split(32)).",
+        )
+    return calib_data, "user data"
+
+
+def prepare_reference(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    calib_data: Iterable[Any] | int | None = None,
+    *,
+    observer: str = "minmax",
+    per_channel: bool = True,
+    backend: str = "onednn",
+    percentile: float = 99.99,
+    fp32_output: bool = True,
+    progress: bool = True,
+    max_batches: int | None = None,
+    seed: int = 0,
+) -> ReferenceResult:
+    """fp32 model → calibrated reference Q/DQ graph (see the module docstring).
+
+    Args:
+        model: an ``nn.Module`` in eval mode, or an ``fx.GraphModule`` (e.g. from :func:`gml.capture`).
+        example_inputs: one tuple of example tensors (shapes, dtypes).
+        calib_data: iterable of batches (tensors or tuples; ``(x, label)`` pairs are fine), or an
+            ``int`` N to calibrate on N seeded random batches shaped like ``example_inputs``
+            (default 8). Real data gives better scales than random data.
+        observer: ``minmax`` | ``moving_average`` | ``histogram`` | ``percentile``.
+        per_channel: per-output-channel symmetric weights (default) or per-tensor.
+        backend: ``onednn`` (u8 activations, full range) or ``fbgemm`` (reduce_range).
+        percentile: clipping percentile of the ``percentile`` observer.
+        fp32_output: keep conv/linear results that are model outputs in fp32
+            (see :func:`keep_outputs_fp32`).
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    gm, fp32_report = run_fp32_passes(model, example_inputs)
+    prepared = prepare(
+        gm, example_inputs, observer=observer, per_channel=per_channel, backend=backend, percentile=percentile
+    )
+    data, source = _calibration_source(calib_data, example_inputs, seed)
+    stats = calibrate(prepared, data, progress, max_batches=max_batches, source=source)
+    twin = float_twin(prepared)
+    ref = convert_reference(prepared, backend=backend)
+    report = FrontendReport(backend, observer, per_channel, calibration=stats, fp32_passes=fp32_report)
+    if fp32_output:
+        kept = keep_outputs_fp32(ref)
+        if kept:
+            report.notes.append(f"model outputs kept fp32 (INT8 kernel writes fp32): {', '.join(kept)}")
+    report.ops = summarize_reference(ref)
+    return ReferenceResult(ref, twin, report)
+
+
+__all__ = [
+    "FrontendReport",
+    "OpStatus",
+    "ReferenceResult",
+    "calibrate",
+    "convert_reference",
+    "float_twin",
+    "keep_outputs_fp32",
+    "prepare",
+    "prepare_reference",
+    "quiet_torch_ao",
+    "run_fp32_passes",
+    "summarize_reference",
+]
