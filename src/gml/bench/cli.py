@@ -1,0 +1,114 @@
+"""``gml bench`` arguments and command; ``gml.cli`` wires them with one call each."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from gml.bench.variants import DEFAULT_VARIANTS, VARIANTS
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``gml bench``'s arguments (including the positional MODEL) to ``p``."""
+    p.add_argument("model", help="torchvision model name (e.g. resnet18) or path/to/file.py:ClassName")
+    p.add_argument(
+        "--input-shape",
+        metavar="SHAPE",
+        help="input shape(s) like 1x3x224x224 (dim 0 is replaced by each batch size; several inputs: "
+        "1x3x32x32,1x10). Default: what the model declares, else 1x3x224x224",
+    )
+    p.add_argument("--batch-sizes", type=_int_list, default=[1], metavar="N[,N...]", help="batch sizes (default: 1)")
+    p.add_argument(
+        "--variants",
+        default=None,
+        metavar="NAMES",
+        help=f"comma-separated variants, 'all' or 'default' (default: {','.join(DEFAULT_VARIANTS)}). "
+        f"Known: {', '.join(VARIANTS)}",
+    )
+    p.add_argument("--rounds", type=_positive, default=20, help="interleaved timing rounds (default: 20)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up calls per variant (default: 3)")
+    p.add_argument("--threads", type=_positive, default=None, help="threads for every runtime (default: all cores)")
+    p.add_argument(
+        "--calib-batches", type=_positive, default=8, help="generated calibration batches for INT8 (default: 8)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of inputs and round order (default: 0)")
+    p.add_argument("--json", metavar="FILE", help="write every sample and statistic as JSON")
+    p.add_argument("--md", metavar="FILE", help="write the tables as Markdown")
+    p.add_argument("--png", metavar="FILE", help="draw a latency bar chart with the roofline floor")
+    p.add_argument("--no-floor", action="store_true", help="do not measure the machine's peak (no roofline)")
+    p.add_argument("--refresh-peak", action="store_true", help="re-measure the cached compute peak")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def bench_command(args: argparse.Namespace, console: Console | None = None) -> int:
+    """Run ``gml bench`` from parsed arguments; returns the exit code."""
+    from gml.bench.report import render_png, render_table, write_json, write_markdown
+    from gml.bench.roofline import cached_peak
+    from gml.bench.runner import _default_threads, run_bench
+
+    console = console or Console(highlight=False)
+    shapes = None
+    if args.input_shape:
+        from gml.models import parse_shapes
+
+        shapes = parse_shapes(args.input_shape)
+    peak: object = None
+    if not args.no_floor:
+        threads = args.threads or _default_threads()
+        peak = cached_peak(threads, refresh=args.refresh_peak)
+    result = run_bench(
+        args.model,
+        input_shape=shapes,
+        batch_sizes=args.batch_sizes,
+        variants=args.variants,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        threads=args.threads,
+        calib_batches=args.calib_batches,
+        seed=args.seed,
+        peak=peak,  # type: ignore[arg-type]
+        console=console,
+        progress=not args.no_progress,
+    )
+    console.print(render_table(result))
+    for path, write, what in ((args.json, write_json, "JSON"), (args.md, write_markdown, "Markdown")):
+        if path:
+            write(result, path)
+            console.print(f"{what} written to {path}")
+    if args.png:
+        render_png(result, args.png)
+        console.print(f"chart written to {args.png}")
+    ok = sum(1 for b in result.batches for v in b.variants if v.ok)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gml.bench.cli MODEL ...`` until ``gml bench`` is wired into ``gml.cli``."""
+    parser = argparse.ArgumentParser(prog="gml bench", description="Benchmark a model against every peer.")
+    add_bench_arguments(parser)
+    return bench_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

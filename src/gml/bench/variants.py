@@ -1,0 +1,421 @@
+"""The benchmark's contestants: one builder per way of running the same model.
+
+Every variant turns the eager fp32 model into something callable, built under the same rules:
+
+* it starts from its own ``copy.deepcopy`` of the eager model (no builder sees another's changes);
+* INT8 variants calibrate on the *same* generated batches (``BuildContext.calib``);
+* the runtime is pinned to ``BuildContext.threads`` threads (torch, ONNX Runtime, OpenVINO);
+* shapes are static (the benchmark builds each batch size separately), which is every tool's
+  best case.
+
+A builder that cannot run here raises :class:`VariantSkipped` with a one-line reason (a peer
+runtime is not installed, or a GML stage is not implemented yet); anything else it raises is
+reported as a failure of that variant and the others go on.
+
+Peer-specific choices, stated so the comparison can be judged:
+
+* ``compile``: ``torch.compile(backend="inductor", dynamic=False)`` with
+  ``torch._inductor.config.freezing=True`` (weights become constants, conv weights are prepacked
+  for oneDNN, Conv+BN is folded), i.e. Inductor's CPU inference mode.
+* ``ao-int8``: FX graph mode PTQ, ``prepare_fx``/``convert_fx`` with
+  ``get_default_qconfig_mapping("x86")`` (reference path lowered to ``torch.ops.quantized`` fbgemm/
+  oneDNN kernels). ``ao-int8-jit`` additionally ``torch.jit.trace`` + ``torch.jit.freeze``\\s it.
+* ``ort-*``: ``torch.onnx.export`` (dynamo exporter, falling back to the TorchScript one),
+  all graph optimisations on; INT8 is ``quantize_static`` in QDQ format, U8 activations / S8
+  per-channel weights, MinMax calibration, after ``quant_pre_process``.
+* ``ov-*``: ``openvino.convert_model`` from the torch module. ``ov-fp32`` pins
+  ``INFERENCE_PRECISION_HINT=f32``: on CPUs with AVX-512 BF16 OpenVINO otherwise runs fp32 models
+  in bf16, which is a different precision; ``ov-bf16`` is that default, measured separately.
+  ``ov-int8`` is NNCF ``nncf.quantize`` (default mixed preset, fast bias correction) with the
+  non-quantized remainder also pinned to f32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import importlib.util
+import io
+import logging
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+BENCH_EXTRA_HINT = "pip install 'gml-lab[bench]'"
+
+
+class VariantSkipped(Exception):
+    """This variant cannot run here; the message is the one line the report shows."""
+
+
+@dataclass
+class BuildContext:
+    """What every builder gets. ``model`` is the shared eager model: deep-copy before changing it."""
+
+    model: nn.Module
+    example: tuple[torch.Tensor, ...]
+    calib: list[tuple[torch.Tensor, ...]]
+    threads: int
+    workdir: Path
+    cache: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Built:
+    """A ready variant.
+
+    ``native(inputs)`` converts torch inputs into what ``run`` takes (numpy feeds for ONNX Runtime,
+    ...) outside the timed region; ``run(native_inputs)`` is the timed call; ``output(result)``
+    turns its result into tensors/arrays for the accuracy check. ``shared_build_s`` is time spent in
+    a step shared with another variant (an ONNX export) and counted into both build times.
+    """
+
+    run: Callable[[Any], Any]
+    native: Callable[[tuple[torch.Tensor, ...]], Any] = lambda args: args
+    output: Callable[[Any], Any] = lambda out: out
+    graph_module: fx.GraphModule | None = None
+    notes: list[str] = field(default_factory=list)
+    shared_build_s: float = 0.0
+    keepalive: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    name: str
+    label: str
+    precision: str  # "fp32" | "int8" | "bf16": which measured peak bounds it
+    build: Callable[[BuildContext], Built]
+    group: str = "torch"
+
+
+def require(module: str, what: str | None = None) -> None:
+    """Skip with the install hint when an optional peer runtime is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise VariantSkipped(f"{what or module} not installed: {BENCH_EXTRA_HINT}")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence deprecation chatter and stdout banners of third-party builders."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _torch_built(module: Callable[..., Any], gm: fx.GraphModule | None = None, notes: list[str] | None = None) -> Built:
+    return Built(run=lambda args: module(*args), graph_module=gm, notes=notes or [])
+
+
+# --- torch -----------------------------------------------------------------------------------
+
+
+def build_eager(ctx: BuildContext) -> Built:
+    return _torch_built(ctx.model)
+
+
+def _gml_api() -> Any:
+    try:
+        return importlib.import_module("gml.api")
+    except ImportError as exc:
+        raise VariantSkipped(f"not available: gml.api cannot be imported ({exc})") from None
+
+
+def _gml_call(fn_name: str, *args: Any, **kwargs: Any) -> Any:
+    api = _gml_api()
+    fn = getattr(api, fn_name, None)
+    if fn is None:
+        raise VariantSkipped(f"not available: gml.{fn_name} is not implemented yet")
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError as exc:
+        raise VariantSkipped(f"not available: gml.{fn_name}: {exc or 'not implemented yet'}") from None
+    except ImportError as exc:
+        if not (exc.name or "").startswith("gml"):
+            raise
+        # a stage the API calls into has not landed yet
+        raise VariantSkipped(f"not available: gml.{fn_name} needs {exc.name}, which does not exist yet") from None
+
+
+def _report_notes(report: Any) -> list[str]:
+    records = getattr(report, "records", None)
+    if not records:
+        return []
+    applied = [f"{r.name}×{r.matches}" if r.matches else r.name for r in records if r.status == "applied"]
+    notes = [f"passes applied: {', '.join(applied) or 'none'}"]
+    rolled = [r.name for r in records if r.status == "rolled back"]
+    if rolled:
+        notes.append(f"rolled back: {', '.join(rolled)}")
+    return notes
+
+
+def build_gml_fp32(ctx: BuildContext) -> Built:
+    res = _gml_call("optimize", copy.deepcopy(ctx.model), ctx.example)
+    mod = res.module
+    return _torch_built(mod, mod if isinstance(mod, fx.GraphModule) else None, _report_notes(res.report))
+
+
+def build_gml_int8(ctx: BuildContext) -> Built:
+    res = _gml_call("quantize", copy.deepcopy(ctx.model), ctx.calib, example_inputs=ctx.example)
+    mod = res.module
+    return _torch_built(mod, mod if isinstance(mod, fx.GraphModule) else None, _report_notes(res.report))
+
+
+def build_compile(ctx: BuildContext) -> Built:
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    # A fresh dynamo cache: a second batch size would otherwise recompile with dynamic shapes.
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(ctx.model), backend="inductor", dynamic=False)
+    with inductor_config.patch(freezing=True), _quiet():
+        compiled(*ctx.example)  # compiles here, so the build time includes Inductor's codegen
+    return _torch_built(compiled, notes=["inductor, freezing=True, dynamic=False"])
+
+
+def _ao_int8(ctx: BuildContext) -> tuple[fx.GraphModule, float]:
+    """torch.ao FX PTQ module, built once per batch size and shared with the jit variant."""
+    if "ao-int8" not in ctx.cache:
+        from torch.ao.quantization import get_default_qconfig_mapping
+        from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+        t0 = time.perf_counter()
+        with _quiet():
+            prepared = prepare_fx(copy.deepcopy(ctx.model), get_default_qconfig_mapping("x86"), ctx.example)
+            for batch in ctx.calib:
+                prepared(*batch)
+            converted = convert_fx(prepared)
+        ctx.cache["ao-int8"] = (converted, time.perf_counter() - t0)
+    return ctx.cache["ao-int8"]
+
+
+def build_ao_int8(ctx: BuildContext) -> Built:
+    module, _ = _ao_int8(ctx)
+    return _torch_built(module, module, ["prepare_fx/convert_fx, qconfig_mapping x86"])
+
+
+def build_ao_int8_jit(ctx: BuildContext) -> Built:
+    module, ao_s = _ao_int8(ctx)
+    with _quiet():
+        frozen = torch.jit.freeze(torch.jit.trace(module, ctx.example).eval())
+    built = _torch_built(frozen, notes=["torch.jit.trace + torch.jit.freeze of ao-int8"])
+    built.shared_build_s = ao_s
+    return built
+
+
+# --- ONNX Runtime ----------------------------------------------------------------------------
+
+
+def _onnx_file(ctx: BuildContext) -> tuple[Path, float, str]:
+    """Export once per batch size; the export time is charged to each ORT variant."""
+    if "onnx" not in ctx.cache:
+        require("onnx")
+        path = ctx.workdir / "model.onnx"
+        t0 = time.perf_counter()
+        how = "dynamo exporter"
+        try:
+            if importlib.util.find_spec("onnxscript") is None:
+                raise ImportError("onnxscript missing")
+            with _quiet():
+                torch.onnx.export(copy.deepcopy(ctx.model), ctx.example, str(path), dynamo=True, verbose=False)
+        except Exception:  # the dynamo exporter needs onnxscript and fails on some models
+            how = "TorchScript exporter"
+            with _quiet():
+                torch.onnx.export(copy.deepcopy(ctx.model), ctx.example, str(path), dynamo=False)
+        ctx.cache["onnx"] = (path, time.perf_counter() - t0, how)
+    return ctx.cache["onnx"]
+
+
+def _ort_session(path: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _ort_built(sess: Any, notes: list[str], shared_s: float) -> Built:
+    names = [i.name for i in sess.get_inputs()]
+
+    def native(args: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        return {n: a.detach().numpy() for n, a in zip(names, args)}
+
+    return Built(run=lambda feed: sess.run(None, feed), native=native, notes=notes, shared_build_s=shared_s)
+
+
+def build_ort_fp32(ctx: BuildContext) -> Built:
+    require("onnxruntime")
+    path, export_s, how = _onnx_file(ctx)
+    return _ort_built(_ort_session(path, ctx.threads), [f"torch.onnx.export ({how})"], export_s)
+
+
+def build_ort_int8(ctx: BuildContext) -> Built:
+    require("onnxruntime")
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    path, export_s, how = _onnx_file(ctx)
+    pre = ctx.workdir / "model.pre.onnx"
+    qpath = ctx.workdir / "model.int8.onnx"
+    names = [i.name for i in _ort_session(path, 1).get_inputs()]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._it = iter([{n: a.numpy() for n, a in zip(names, b)} for b in ctx.calib])
+
+        def get_next(self) -> dict[str, Any] | None:
+            return next(self._it, None)
+
+    with _quiet():
+        logging.getLogger("onnxruntime").setLevel(logging.ERROR)
+        quant_pre_process(str(path), str(pre))
+        quantize_static(
+            str(pre),
+            str(qpath),
+            Reader(),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=True,
+        )
+    notes = [f"torch.onnx.export ({how}) + quantize_static QDQ U8S8 per-channel"]
+    return _ort_built(_ort_session(qpath, ctx.threads), notes, export_s)
+
+
+# --- OpenVINO --------------------------------------------------------------------------------
+
+
+def _ov_model(ctx: BuildContext) -> tuple[Any, float]:
+    if "ov" not in ctx.cache:
+        import openvino as ov
+
+        t0 = time.perf_counter()
+        with _quiet():
+            model = ov.convert_model(copy.deepcopy(ctx.model), example_input=ctx.example)
+        ctx.cache["ov"] = (model, time.perf_counter() - t0)
+    return ctx.cache["ov"]
+
+
+def _ov_compile(model: Any, threads: int, precision: str) -> Any:
+    import openvino as ov
+
+    config = {
+        "INFERENCE_NUM_THREADS": threads,
+        "PERFORMANCE_HINT": "LATENCY",
+        "NUM_STREAMS": 1,
+        "INFERENCE_PRECISION_HINT": precision,
+    }
+    return ov.Core().compile_model(model, "CPU", config)
+
+
+def _ov_built(compiled: Any, notes: list[str], shared_s: float) -> Built:
+    request = compiled.create_infer_request()
+
+    def native(args: tuple[torch.Tensor, ...]) -> list[Any]:
+        return [a.detach().numpy() for a in args]
+
+    return Built(
+        run=lambda inputs: request.infer(inputs),
+        native=native,
+        output=lambda res: [v for v in res.values()],
+        notes=notes,
+        shared_build_s=shared_s,
+        keepalive=[compiled],
+    )
+
+
+def _ov_precision_variant(precision: str) -> Callable[[BuildContext], Built]:
+    def build(ctx: BuildContext) -> Built:
+        require("openvino")
+        model, convert_s = _ov_model(ctx)
+        compiled = _ov_compile(model, ctx.threads, precision)
+        return _ov_built(compiled, [f"convert_model, INFERENCE_PRECISION_HINT={precision}"], convert_s)
+
+    build.__name__ = f"build_ov_{precision}"
+    return build
+
+
+def build_ov_int8(ctx: BuildContext) -> Built:
+    require("openvino")
+    require("nncf")
+    import nncf
+
+    model, convert_s = _ov_model(ctx)
+    with _quiet():
+        nncf.set_log_level(logging.ERROR)
+        data = nncf.Dataset([[a.numpy() for a in b] for b in ctx.calib])
+        # clone: the converted model is shared with ov-fp32/ov-bf16
+        quantized = nncf.quantize(model.clone(), data, subset_size=len(ctx.calib))
+    compiled = _ov_compile(quantized, ctx.threads, "f32")
+    return _ov_built(compiled, ["NNCF PTQ (nncf.quantize), remainder f32"], convert_s)
+
+
+# --- registry --------------------------------------------------------------------------------
+
+VARIANTS: dict[str, VariantSpec] = {
+    v.name: v
+    for v in (
+        VariantSpec("eager", "eager fp32", "fp32", build_eager),
+        VariantSpec("gml-fp32", "GML fp32", "fp32", build_gml_fp32, "gml"),
+        VariantSpec("gml-int8", "GML INT8", "int8", build_gml_int8, "gml"),
+        VariantSpec("compile", "torch.compile (inductor)", "fp32", build_compile),
+        VariantSpec("ao-int8", "torch.ao FX INT8 (x86)", "int8", build_ao_int8),
+        VariantSpec("ao-int8-jit", "torch.ao INT8 + jit.freeze", "int8", build_ao_int8_jit),
+        VariantSpec("ort-fp32", "ONNX Runtime fp32", "fp32", build_ort_fp32, "onnxruntime"),
+        VariantSpec("ort-int8", "ONNX Runtime INT8 (QDQ)", "int8", build_ort_int8, "onnxruntime"),
+        VariantSpec("ov-fp32", "OpenVINO fp32", "fp32", _ov_precision_variant("f32"), "openvino"),
+        VariantSpec("ov-bf16", "OpenVINO bf16 (its default)", "bf16", _ov_precision_variant("bf16"), "openvino"),
+        VariantSpec("ov-int8", "OpenVINO INT8 (NNCF)", "int8", build_ov_int8, "openvino"),
+    )
+}
+
+# What `gml bench` runs when --variants is not given: every contestant of the issue, plus the
+# jit-frozen torch.ao module (cheap once ao-int8 exists).
+DEFAULT_VARIANTS: tuple[str, ...] = (
+    "eager",
+    "gml-fp32",
+    "gml-int8",
+    "compile",
+    "ao-int8",
+    "ao-int8-jit",
+    "ort-fp32",
+    "ort-int8",
+    "ov-fp32",
+    "ov-int8",
+)
+
+
+def resolve_variants(names: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """``"eager,compile"`` / ``["eager", ...]`` / ``"all"`` / ``None`` (defaults) → ordered names.
+
+    ``eager`` is always included (first): it is the reference for speedups and accuracy.
+    """
+    from gml.errors import InputError
+
+    if names is None:
+        chosen = list(DEFAULT_VARIANTS)
+    else:
+        items = names.split(",") if isinstance(names, str) else list(names)
+        items = [s.strip() for s in items if s.strip()]
+        chosen = []
+        for s in items:
+            expanded = list(VARIANTS) if s == "all" else list(DEFAULT_VARIANTS) if s == "default" else [s]
+            chosen.extend(expanded)
+        unknown = [s for s in chosen if s not in VARIANTS]
+        if unknown:
+            raise InputError(
+                f"Unknown benchmark variant(s): {', '.join(unknown)}.",
+                hint=f"choose from {', '.join(VARIANTS)} (or 'all', 'default').",
+            )
+    ordered = ["eager"] + [s for s in dict.fromkeys(chosen) if s != "eager"]
+    return ordered
