@@ -127,11 +127,16 @@ def _gml_api() -> Any:
         raise VariantSkipped(f"not available: gml.api cannot be imported ({exc})") from None
 
 
-def _gml_call(fn_name: str, *args: Any, **kwargs: Any) -> Any:
-    api = _gml_api()
-    fn = getattr(api, fn_name, None)
+def _gml_fn(fn_name: str) -> Callable[..., Any]:
+    """``gml.api.<fn_name>``, or a skip saying that stage has not landed yet."""
+    fn = getattr(_gml_api(), fn_name, None)
     if fn is None:
         raise VariantSkipped(f"not available: gml.{fn_name} is not implemented yet")
+    return fn
+
+
+def _gml_call(fn_name: str, *args: Any, **kwargs: Any) -> Any:
+    fn = _gml_fn(fn_name)
     try:
         return fn(*args, **kwargs)
     except NotImplementedError as exc:
@@ -156,12 +161,14 @@ def _report_notes(report: Any) -> list[str]:
 
 
 def build_gml_fp32(ctx: BuildContext) -> Built:
+    _gml_fn("optimize")  # before the deep copy: a missing stage costs nothing
     res = _gml_call("optimize", copy.deepcopy(ctx.model), ctx.example)
     mod = res.module
     return _torch_built(mod, mod if isinstance(mod, fx.GraphModule) else None, _report_notes(res.report))
 
 
 def build_gml_int8(ctx: BuildContext) -> Built:
+    _gml_fn("quantize")
     res = _gml_call("quantize", copy.deepcopy(ctx.model), ctx.calib, example_inputs=ctx.example)
     mod = res.module
     return _torch_built(mod, mod if isinstance(mod, fx.GraphModule) else None, _report_notes(res.report))
