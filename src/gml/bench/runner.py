@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 import math
 import os
 import platform
@@ -194,6 +195,41 @@ def per_call_estimate(run: Any, arg: Any, min_block_ms: float, cap: int = 10_000
         n *= 4
 
 
+def _timer_class() -> Any:
+    # importing torch.utils.benchmark loads cpp_extension, which logs a CUDA warning on CPU machines
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    from torch.utils.benchmark import Timer
+
+    return Timer
+
+
+def time_interleaved(
+    calls: dict[str, Any],
+    *,
+    rounds: int,
+    seed: int = 0,
+    target_sample_ms: float = 20.0,
+    threads: int | None = None,
+) -> dict[str, list[float]]:
+    """Per-call latency samples (ms) of zero-argument callables, timed in interleaved rounds.
+
+    The same method as :func:`run_bench` (shuffled order per round, ``Timer.timeit`` blocks sized
+    by :func:`per_call_estimate`) for code that already holds its callables, such as the demo.
+    """
+    Timer = _timer_class()
+    threads = threads or torch.get_num_threads()
+    inner = {
+        n: pick_inner(per_call_estimate(lambda f: f(), fn, target_sample_ms / 4), target_sample_ms)
+        for n, fn in calls.items()
+    }
+    samples: dict[str, list[float]] = {n: [] for n in calls}
+    for order in interleaved_schedule(list(calls), rounds, seed):
+        for n in order:
+            timer = Timer(stmt="fn()", globals={"fn": calls[n]}, num_threads=threads)
+            samples[n].append(timer.timeit(inner[n]).mean * 1e3)
+    return samples
+
+
 def machine_info(threads: int) -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -338,9 +374,7 @@ def run_bench(
         shapes = [tuple(input_shape)]  # type: ignore[arg-type]
     else:
         shapes = [tuple(s) for s in input_shape]  # type: ignore[union-attr]
-    from torch.utils.benchmark import Timer
-
-    runner = _Runner(console, progress, Timer, target_sample_ms)
+    runner = _Runner(console, progress, _timer_class(), target_sample_ms)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
