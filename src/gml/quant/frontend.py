@@ -134,32 +134,15 @@ class ReferenceResult:
 
 
 # ---------------------------------------------------------------- fp32 passes
-def _fp32_passes() -> list:
+def fp32_passes() -> list:
+    """The fp32 pipeline that runs before ``prepare``, in order: normalize first so the other
+    passes (and the BackendConfig) see one module type per op; untie so every fusion owns its
+    modules; fold BN so the convs carry final weights when their ranges are observed."""
+    from gml.passes.fold_bn import FoldBatchNorm
     from gml.passes.normalize import Normalize
+    from gml.passes.untie import UntieSharedModules
 
-    passes: list = [Normalize()]
-    try:
-        from gml.passes.untie import UntieSharedModules
-
-        passes.append(UntieSharedModules())
-    except ImportError:  # pragma: no cover - until the pass lands
-        pass
-    try:
-        from gml.passes.fold_bn import FoldBatchNorm
-
-        passes.append(FoldBatchNorm())
-    except ImportError:  # pragma: no cover - until the pass lands
-        from gml.passes.base import FunctionPass, PassResult
-
-        def torch_fold_bn(gm: fx.GraphModule) -> PassResult:
-            from torch.fx.experimental.optimization import fuse
-
-            before = len(gm.graph.nodes)
-            folded = fuse(gm, inplace=True, no_trace=True)
-            return PassResult(folded, len(folded.graph.nodes) != before, before - len(folded.graph.nodes))
-
-        passes.append(FunctionPass(torch_fold_bn, "fold_bn (torch fallback)"))
-    return passes
+    return [Normalize(), UntieSharedModules(), FoldBatchNorm()]
 
 
 def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PipelineReport]:
@@ -168,7 +151,7 @@ def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx
 
     check_eval_mode(model, what="INT8 quantization")
     gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else capture(model, example_inputs)
-    result = PassManager(_fp32_passes()).run(gm, [tuple(example_inputs)])
+    result = PassManager(fp32_passes()).run(gm, [tuple(example_inputs)])
     return result.graph_module, result.report
 
 
@@ -399,6 +382,7 @@ __all__ = [
     "calibrate",
     "convert_reference",
     "float_twin",
+    "fp32_passes",
     "keep_outputs_fp32",
     "prepare",
     "prepare_reference",

@@ -1,0 +1,290 @@
+"""How much accuracy INT8 costs: output agreement and per-layer SQNR, fp32 vs INT8.
+
+Model level, on held-out inputs: cosine similarity of all outputs, max abs difference, top-1
+agreement (same argmax on dim 1), and with labels the top-1 accuracy of both models.
+
+Layer level: SQNR (signal-to-quantization-noise ratio) of each INT8 activation against the fp32
+activation of the same node::
+
+    SQNR = 10·log10( Σ fp32² / Σ (fp32 − int8)² )  dB      (+6 dB per extra bit; 8-bit ≈ 30-45 dB)
+
+Matching is by node *name*: the frontend's float twin (:attr:`ReferenceResult.float_module`) has
+the same fused modules and node names as the reference graph, so every op pairs up without
+guessing. The INT8 value of a node is taken after its quantize op when it has one (the rounding is
+part of the layer's error); a quantized or GML uint8 output (``output_scale``/``output_zp``
+buffers, ADR 002) is dequantized first. A lowering that replaces a node keeps the pairing by
+naming the new node like the old one or recording the old name in ``node.meta["gml_source"]``.
+
+torch.ao's numeric suite (``torch.ao.ns``) is not used: it matches subgraphs of torch.ao's own
+quantized modules and does not know GML's lowered modules, while name matching works for both.
+The error accumulates batch by batch, so only one batch's activations are held at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_flatten
+
+from gml.errors import InputError
+from gml.passes.oplib import node_label
+
+
+@dataclass
+class LayerError:
+    """fp32-vs-INT8 error of one node's activation over all batches."""
+
+    node: str
+    op: str
+    sqnr_db: float
+    max_abs_diff: float
+
+    @property
+    def bits(self) -> float:
+        """Effective bits (SQNR of an ideal b-bit quantizer of a full-scale uniform signal is ~6.02·b dB)."""
+        return self.sqnr_db / 6.02 if math.isfinite(self.sqnr_db) else math.inf
+
+
+@dataclass
+class AccuracyReport:
+    """Model-level agreement and per-layer SQNR of an INT8 model against its fp32 source."""
+
+    samples: int
+    cosine: float
+    max_abs_diff: float
+    top1_agreement: float | None = None  # fraction of samples with the same argmax
+    fp32_top1: float | None = None  # accuracy (fraction) against labels, when given
+    int8_top1: float | None = None
+    layers: list[LayerError] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)  # INT8 nodes with no fp32 counterpart
+
+    @property
+    def accuracy_drop(self) -> float | None:
+        """fp32 minus INT8 top-1 accuracy, in percentage points."""
+        if self.fp32_top1 is None or self.int8_top1 is None:
+            return None
+        return 100.0 * (self.fp32_top1 - self.int8_top1)
+
+    def worst(self, k: int = 5) -> list[LayerError]:
+        return sorted(self.layers, key=lambda e: e.sqnr_db)[:k]
+
+    def summary(self) -> str:
+        parts = [f"{self.samples} samples", f"output cosine {self.cosine:.6f}", f"max |diff| {self.max_abs_diff:.4g}"]
+        if self.top1_agreement is not None:
+            parts.append(f"top-1 agreement {100 * self.top1_agreement:.2f}%")
+        if self.fp32_top1 is not None and self.int8_top1 is not None:
+            parts.append(f"top-1 accuracy fp32 {100 * self.fp32_top1:.2f}% / int8 {100 * self.int8_top1:.2f}%")
+        return ", ".join(parts)
+
+    def table(self, title: str = "INT8 accuracy (fp32 vs INT8)"):  # -> rich.table.Table
+        from rich.table import Table
+
+        t = Table(title=title, caption=self.summary())
+        for col in ("node", "op", "SQNR dB", "max |diff|"):
+            t.add_column(col, justify="right" if col in ("SQNR dB", "max |diff|") else "left")
+        for e in self.layers:
+            style = "red" if e.sqnr_db < 20 else "yellow" if e.sqnr_db < 30 else ""
+            sq = f"{e.sqnr_db:.1f}" if math.isfinite(e.sqnr_db) else "inf"
+            t.add_row(e.node, e.op, f"[{style}]{sq}[/]" if style else sq, f"{e.max_abs_diff:.3g}")
+        return t
+
+
+# ---------------------------------------------------------------- helpers
+def _to_float(value: Any, module: nn.Module | None = None) -> torch.Tensor | None:
+    """A dense fp32 view of an activation: QTensors are dequantized, GML uint8 outputs are mapped
+    back with the module's output qparams; non-tensors give ``None``."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.is_quantized:
+        return value.dequantize()
+    if value.dtype in (torch.uint8, torch.int8) and module is not None and hasattr(module, "output_scale"):
+        return (value.to(torch.float32) - float(module.output_zp)) * float(module.output_scale)
+    return value.float() if value.is_floating_point() else None
+
+
+def sqnr_db(signal_power: float, noise_power: float) -> float:
+    """``10·log10(signal/noise)``; ``inf`` when there is no noise, ``-inf`` for a zero signal."""
+    if noise_power == 0:
+        return math.inf
+    return 10 * math.log10(signal_power / noise_power) if signal_power > 0 else -math.inf
+
+
+def _flat_outputs(out: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(out)
+    return [x.dequantize() if x.is_quantized else x for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def _is_quantize(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (torch.quantize_per_tensor, torch.quantize_per_channel)
+
+
+def _match_key(node: fx.Node) -> str:
+    return str(node.meta.get("gml_source", node.name))
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a graph and keeps the fp32 value of selected nodes (by match key)."""
+
+    def __init__(self, gm: fx.GraphModule, keys: set[str] | None, *, after_quantize: bool) -> None:
+        super().__init__(gm)
+        self.keys = keys
+        self.after_quantize = after_quantize
+        self.values: dict[str, torch.Tensor] = {}
+        self.modules = dict(gm.named_modules())
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.op in ("placeholder", "output", "get_attr"):
+            return result
+        if self.after_quantize and _is_quantize(n) and isinstance(n.args[0], fx.Node):
+            key = _match_key(n.args[0])  # the INT8 value of the op the quantize reads
+        else:
+            key = _match_key(n)
+            if key in self.values:  # already holds the post-quantize value
+                return result
+        if self.keys is None or key in self.keys:
+            mod = self.modules.get(str(n.target)) if n.op == "call_module" else None
+            value = _to_float(result, mod)
+            if value is not None:
+                self.values[key] = value.detach()
+        return result
+
+
+def _compute_nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op in ("call_module", "call_function", "call_method") and not _is_quantize(n):
+            if n.op == "call_method" and n.target == "dequantize":
+                continue
+            out[_match_key(n)] = n
+    return out
+
+
+def _as_args(batch: Any) -> tuple[Any, ...]:
+    return (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+
+
+# ---------------------------------------------------------------- main entry
+def accuracy_report(
+    fp32_model: nn.Module,
+    int8_model: nn.Module,
+    inputs: Iterable[Any],
+    *,
+    labels: Sequence[torch.Tensor] | None = None,
+    fp32_graph: fx.GraphModule | None = None,
+    per_layer: bool = True,
+) -> AccuracyReport:
+    """Compare ``int8_model`` with ``fp32_model`` on held-out ``inputs``.
+
+    Args:
+        fp32_model: the original model (eager or GraphModule); gives the reference outputs.
+        int8_model: reference Q/DQ graph or lowered INT8 GraphModule.
+        inputs: batches (tensors or tuples of tensors), *not* the calibration data.
+        labels: one label tensor per batch, for top-1 accuracy of both models.
+        fp32_graph: the fp32 graph whose node names match ``int8_model`` (the frontend's float
+            twin); defaults to ``fp32_model`` if that is a GraphModule. Needed for per-layer SQNR.
+        per_layer: compute per-layer SQNR (runs both graphs node by node: slower).
+    """
+    fp32_graph = (
+        fp32_graph if fp32_graph is not None else fp32_model if isinstance(fp32_model, fx.GraphModule) else None
+    )
+    layer_graphs = per_layer and fp32_graph is not None and isinstance(int8_model, fx.GraphModule)
+    int8_nodes = _compute_nodes(int8_model) if layer_graphs else {}  # type: ignore[arg-type]
+    fp32_nodes = _compute_nodes(fp32_graph) if layer_graphs else {}  # type: ignore[arg-type]
+    keys = set(int8_nodes) & set(fp32_nodes)
+    sig = dict.fromkeys(keys, 0.0)
+    noise = dict.fromkeys(keys, 0.0)
+    worst = dict.fromkeys(keys, 0.0)
+    compared = dict.fromkeys(keys, 0)  # batches in which both values existed with one shape
+
+    dot = na = nb = 0.0
+    max_diff = 0.0
+    samples = agree = 0
+    correct_fp32 = correct_int8 = 0
+    classified = 0
+    labels_list = list(labels) if labels is not None else None
+    batches = 0
+    with torch.no_grad():
+        for i, batch in enumerate(inputs):
+            args = _as_args(batch)
+            ref_out = _flat_outputs(fp32_model(*args))
+            if layer_graphs:
+                rec_q = _Recorder(int8_model, keys, after_quantize=True)  # type: ignore[arg-type]
+                q_out = _flat_outputs(rec_q.run(*args))
+                rec_f = _Recorder(fp32_graph, keys, after_quantize=False)  # type: ignore[arg-type]
+                rec_f.run(*args)
+                for k in keys:
+                    a, b = rec_f.values.get(k), rec_q.values.get(k)
+                    if a is None or b is None or a.shape != b.shape:
+                        continue
+                    d = a - b
+                    compared[k] += 1
+                    sig[k] += float((a.double() ** 2).sum())
+                    noise[k] += float((d.double() ** 2).sum())
+                    worst[k] = max(worst[k], float(d.abs().max()) if d.numel() else 0.0)
+            else:
+                q_out = _flat_outputs(int8_model(*args))
+            if len(ref_out) != len(q_out):
+                raise InputError(
+                    f"batch {i}: the INT8 model returns {len(q_out)} outputs, the fp32 model {len(ref_out)}.",
+                    hint="compare a model with the INT8 graph made from it.",
+                )
+            for r, q in zip(ref_out, q_out):
+                r64, q64 = r.double().flatten(), q.double().flatten()
+                dot += float(r64 @ q64)
+                na += float(r64 @ r64)
+                nb += float(q64 @ q64)
+                if r64.numel():
+                    max_diff = max(max_diff, float((r64 - q64).abs().max()))
+            first_r, first_q = ref_out[0], q_out[0]
+            n = int(first_r.shape[0]) if first_r.dim() else 1
+            samples += n
+            if first_r.dim() == 2 and first_r.shape[1] > 1:
+                pr, pq = first_r.argmax(1), first_q.argmax(1)
+                agree += int((pr == pq).sum())
+                classified += n
+                if labels_list is not None:
+                    y = labels_list[i]
+                    correct_fp32 += int((pr == y).sum())
+                    correct_int8 += int((pq == y).sum())
+            batches += 1
+    if batches == 0:
+        raise InputError("no inputs to compare on.", hint="pass at least one held-out batch.")
+    cosine = dot / math.sqrt(na * nb) if na > 0 and nb > 0 else float("nan")
+    layers = []
+    if layer_graphs:
+        modules = dict(int8_model.named_modules())
+        for key, node in int8_nodes.items():  # graph order
+            if key not in keys or not compared[key]:
+                continue
+            layers.append(LayerError(key, node_label(node, modules), sqnr_db(sig[key], noise[key]), worst[key]))
+    unmatched = [k for k in int8_nodes if k not in keys or not compared[k]]
+    with_labels = labels_list is not None and classified
+    return AccuracyReport(
+        samples=samples,
+        cosine=cosine,
+        max_abs_diff=max_diff,
+        top1_agreement=agree / classified if classified else None,
+        fp32_top1=correct_fp32 / classified if with_labels else None,
+        int8_top1=correct_int8 / classified if with_labels else None,
+        layers=layers,
+        unmatched=unmatched,
+    )
+
+
+def top1_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> float:
+    """Fraction of ``x`` that ``model`` classifies as ``y`` (argmax over dim 1)."""
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(x), batch_size):
+            out = _flat_outputs(model(x[i : i + batch_size]))[0]
+            correct += int((out.argmax(1) == y[i : i + batch_size]).sum())
+    return correct / len(x)
+
+
+__all__ = ["AccuracyReport", "LayerError", "accuracy_report", "sqnr_db", "top1_accuracy"]
