@@ -202,7 +202,7 @@ def test_active_dropout_is_kept_with_reason():
     gm = fx.symbolic_trace(M().train())
     result = Normalize()(gm)
     assert sorted(s.reason for s in result.skips) == [
-        "dropout called with training=True is random even in eval mode; pass training=self.training",
+        "dropout called with training=True is random; call model.eval() and pass training=self.training to F.dropout",
         "dropout module is in training mode (random); call model.eval() first",
     ]
     assert module_types(gm)["Dropout"] == 1
@@ -300,3 +300,18 @@ def test_torchvision_resnet18_under_pass_manager():
     assert rec.matches == 8 + 17 + 1  # 8 residual adds, 17 in-place ReLU call sites, 1 flatten
     assert op_nodes(out.graph_module) == []
     assert rec.max_abs_err == 0.0
+
+
+def test_stochastic_depth_is_dropout():
+    ops = pytest.importorskip("torchvision.ops")
+    # StochasticDepth.forward calls the fx-wrapped torchvision.ops.stochastic_depth(x, p, mode, self.training)
+    model = nn.Sequential(ops.StochasticDepth(0.2, "row"))
+
+    gm = fx.symbolic_trace(model.eval())
+    result = Normalize()(gm)
+    assert result.notes[1] == "rewritten: dropout ×1" and op_nodes(gm) == []
+
+    result = Normalize()(fx.symbolic_trace(model.train()))
+    assert [s.reason for s in result.skips] == [
+        "dropout called with training=True is random; call model.eval() and pass training=self.training to F.dropout"
+    ]

@@ -14,6 +14,7 @@ Before → after (``%m`` is a fresh submodule, placed in the scope the call came
     F.adaptive_avg_pool{1,2,3}d(x, size)                            →  nn.AdaptiveAvgPool{1,2,3}d(size)
     F.max_pool{1,2,3}d / torch.max_pool{1,2,3}d (all arguments)     →  nn.MaxPool{1,2,3}d(...)
     F.dropout(x, p, training=False), nn.Dropout in eval mode        →  removed (it is the identity)
+    torchvision.ops.stochastic_depth(x, p, mode, training=False)    →  removed (likewise)
     nn.ReLU(inplace=True) and other in-place activation modules     →  same module with inplace=False
 
 Every replacement module runs the very op it replaces, so the rewrite is bit-exact (tolerance 0).
@@ -74,6 +75,12 @@ _EXTRA_KINDS: dict[Callable, str] = {
     torch.tanh_: "tanh",
     F.elu_: "elu",
 }
+try:  # torchvision's stochastic depth (EfficientNet, ConvNeXt) is dropout of whole residual branches
+    from torchvision.ops import stochastic_depth as _stochastic_depth
+except ImportError:  # pragma: no cover - torchvision is optional
+    _stochastic_depth = None
+if _stochastic_depth is not None:
+    _EXTRA_KINDS[_stochastic_depth] = "dropout"
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,7 @@ _SIG_BY_TARGET: dict[Any, _Sig] = {
     F.feature_alpha_dropout: _Sig(
         ("input", "p", "training", "inplace"), {"p": 0.5, "training": False, "inplace": False}
     ),
+    _stochastic_depth: _Sig(("input", "p", "mode", "training"), {"training": True}),
     torch.max_pool1d: _ATEN_POOL,
     torch.max_pool2d: _ATEN_POOL,
     torch.max_pool3d: _ATEN_POOL,
@@ -510,7 +518,10 @@ class Normalize(GraphPass):
             return
         training, p = _constant(bound, "training"), _constant(bound, "p")
         if training and p > 0:
-            raise _Decline("dropout called with training=True is random even in eval mode; pass training=self.training")
+            raise _Decline(
+                "dropout called with training=True is random; call model.eval() and pass "
+                "training=self.training to F.dropout"
+            )
         node.replace_all_uses_with(bound["input"])
         self._gm.graph.erase_node(node)
         self._rewritten["dropout"] += 1
