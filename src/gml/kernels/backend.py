@@ -1,0 +1,225 @@
+"""The INT8 kernel-backend interface the GML quantized modules call.
+
+A backend turns dense INT8 weights into whatever its kernels want (``prepack_*``) and runs the
+quantized ops on **plain uint8 activation tensors** whose scale / zero point travel separately as
+:class:`QParams` (the modules keep them in buffers). That is exactly what oneDNN's
+``qconv2d_pointwise`` takes, and it avoids the QTensor wrapper on the hot path; a backend whose
+kernels want QTensors (PyTorch's ``quantized::*``) wraps and unwraps inside its methods.
+
+Conventions every backend keeps, so modules and the lowering pass need no backend-specific code:
+
+* activations: ``torch.uint8``, per-tensor affine ``real = (q - zero_point) * scale``; 4-D
+  activations are channels-last (NHWC in memory), which both CPU backends compute in natively;
+* weights: ``torch.int8`` symmetric (zero point 0), per output channel (``weight_scale`` has one
+  entry per output channel) or per tensor (one entry); bias in fp32;
+* ``conv2d`` post-ops: ``"none"``, ``"relu"``, ``"add"`` and ``"add_relu"`` (the residual case:
+  ``relu(conv(x) + other)``, with ``other`` a uint8 tensor of the output's shape). A backend that
+  computes the add *into* ``other``'s memory sets :attr:`Int8Backend.conv_add_writes_other`, and
+  the caller must not read ``other`` afterwards (the lowering pass checks this).
+
+A GPU backend would implement the same methods on device tensors; nothing above this module needs
+to change.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from gml.errors import InputError, UnsupportedError
+
+PostOp = Literal["none", "relu", "add", "add_relu"]
+POST_OPS: tuple[str, ...] = ("none", "relu", "add", "add_relu")
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Per-tensor affine quantization parameters of a uint8 activation."""
+
+    scale: float
+    zero_point: int
+
+    def __post_init__(self) -> None:
+        if not self.scale > 0:
+            raise ValueError(f"scale must be positive, got {self.scale}")
+        if not 0 <= self.zero_point <= 255:
+            raise ValueError(f"uint8 zero point must be in [0, 255], got {self.zero_point}")
+
+    def close_to(self, other: QParams, rtol: float = 1e-6) -> bool:
+        """Same values (not the same object): what lets two quantized tensors share a kernel."""
+        return self.zero_point == other.zero_point and abs(self.scale - other.scale) <= rtol * other.scale
+
+
+@dataclass(frozen=True)
+class Conv2dSpec:
+    """Static geometry of a 2-D convolution."""
+
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+
+
+class Int8Backend(ABC):
+    """INT8 kernels over uint8 activations; one stateless instance per backend is enough.
+
+    ``prepack_*`` return an opaque handle owned by the calling module; the module keeps the dense
+    weight in its ``state_dict`` and prepacks again after loading, so handles are never saved.
+    """
+
+    name: ClassVar[str] = ""
+    #: ``conv2d`` accepts the ``"add"`` / ``"add_relu"`` post-ops (one fused residual kernel).
+    supports_conv_add: ClassVar[bool] = True
+    #: ``conv2d(..., post_op="add*", other=t)`` overwrites ``t``.
+    conv_add_writes_other: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this PyTorch build has the backend's kernels."""
+
+    # ------------------------------------------------------------------ weights
+    @abstractmethod
+    def prepack_conv2d(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: Conv2dSpec,
+        input_qparams: QParams,
+        input_shape: Sequence[int] | None = None,
+    ) -> Any:
+        """Pack an int8 ``[O, I/groups, kH, kW]`` weight; ``input_shape`` lets the kernel pick a layout."""
+
+    @abstractmethod
+    def prepack_linear(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_qparams: QParams,
+        input_shape: Sequence[int] | None = None,
+    ) -> Any:
+        """Pack an int8 ``[O, I]`` weight."""
+
+    # ------------------------------------------------------------------ compute
+    @abstractmethod
+    def conv2d(
+        self,
+        x: torch.Tensor,
+        x_qparams: QParams,
+        packed: Any,
+        out_qparams: QParams | None,
+        post_op: PostOp = "none",
+        other: torch.Tensor | None = None,
+        other_qparams: QParams | None = None,
+    ) -> torch.Tensor:
+        """``post_op(conv(x) [+ other])`` requantized to ``out_qparams`` (``None``: fp32 output,
+        post-ops ``none``/``relu`` only)."""
+
+    @abstractmethod
+    def linear(
+        self, x: torch.Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, relu: bool = False
+    ) -> torch.Tensor:
+        """``[relu](x @ W.T + b)`` over the last dimension (``out_qparams=None``: fp32 output)."""
+
+    @abstractmethod
+    def add(
+        self,
+        a: torch.Tensor,
+        a_qparams: QParams,
+        b: torch.Tensor,
+        b_qparams: QParams,
+        out_qparams: QParams,
+        relu: bool = False,
+    ) -> torch.Tensor:
+        """Elementwise ``[relu](a + b)`` of two same-shape tensors."""
+
+    @abstractmethod
+    def max_pool2d(
+        self,
+        x: torch.Tensor,
+        kernel_size: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int],
+        dilation: tuple[int, int],
+        ceil_mode: bool,
+    ) -> torch.Tensor:
+        """Max pooling; the output keeps the input's qparams (max commutes with the affine map)."""
+
+    @abstractmethod
+    def adaptive_avg_pool2d(
+        self, x: torch.Tensor, x_qparams: QParams, output_size: tuple[int, int], out_qparams: QParams
+    ) -> torch.Tensor:
+        """Adaptive average pooling, requantized to ``out_qparams``."""
+
+    @abstractmethod
+    def cat(
+        self, xs: Sequence[torch.Tensor], qparams: Sequence[QParams], dim: int, out_qparams: QParams
+    ) -> torch.Tensor:
+        """Concatenate, requantizing each input to ``out_qparams``."""
+
+    # -------------------------------------------- ops with one obvious implementation
+    def relu(self, x: torch.Tensor, x_qparams: QParams) -> torch.Tensor:
+        """ReLU in the integer domain: real 0 is the zero point, so ``max(q, zp)``."""
+        return torch.clamp_min(x, x_qparams.zero_point)
+
+    def quantize(self, x: torch.Tensor, qparams: QParams) -> torch.Tensor:
+        """fp32 → uint8 (round half to even, saturating), channels-last for 4-D inputs."""
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        q = torch.quantize_per_tensor(x, qparams.scale, qparams.zero_point, torch.quint8)
+        return q.int_repr()
+
+    def dequantize(self, x: torch.Tensor, qparams: QParams) -> torch.Tensor:
+        """uint8 → fp32: ``(q - zero_point) * scale``."""
+        return torch._make_per_tensor_quantized_tensor(x, qparams.scale, qparams.zero_point).dequantize()
+
+    def requantize(self, x: torch.Tensor, x_qparams: QParams, out_qparams: QParams) -> torch.Tensor:
+        """Change a uint8 tensor's qparams (identity if they are equal)."""
+        if x_qparams.close_to(out_qparams):
+            return x
+        return self.quantize(self.dequantize(x, x_qparams), out_qparams)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+    # Backends are stateless: every instance of a class is interchangeable (and cheap to copy).
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the class on unpickling/deepcopy: op handles inside are not picklable.
+        return (type(self), ())
+
+
+BACKENDS: tuple[str, ...] = ("onednn", "fbgemm")
+
+
+def get_backend(name: str | Int8Backend | None = None) -> Int8Backend:
+    """The backend called ``name`` (``None``: oneDNN if this build has it, else FBGEMM)."""
+    if isinstance(name, Int8Backend):
+        return name
+    # Imported here: the implementations import this module for the interface.
+    from gml.kernels.fbgemm_int8 import FbgemmBackend
+    from gml.kernels.onednn_int8 import OneDNNBackend
+
+    classes: dict[str, type[Int8Backend]] = {"onednn": OneDNNBackend, "fbgemm": FbgemmBackend}
+    if name is None:
+        name = "onednn" if OneDNNBackend.is_available() else "fbgemm"
+    cls = classes.get(name)
+    if cls is None:
+        raise InputError(f"unknown INT8 backend {name!r}.", hint=f"choose one of: {', '.join(BACKENDS)}.")
+    if not cls.is_available():
+        raise UnsupportedError(
+            f"the {name} INT8 kernels are not in this PyTorch build.",
+            hint="use --backend " + ("fbgemm" if name == "onednn" else "onednn") + ".",
+        )
+    return cls()

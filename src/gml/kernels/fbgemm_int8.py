@@ -1,0 +1,165 @@
+"""Fallback INT8 backend on PyTorch's ``quantized::*`` CPU kernels (FBGEMM).
+
+Used when oneDNN is missing from the PyTorch build, or on request (``--backend fbgemm``). These
+kernels take and return QTensors, so activations cross the interface as uint8 tensors and are
+wrapped without a copy (``_make_per_tensor_quantized_tensor``); results are unwrapped with
+``int_repr()``, which copies (one pass over the output, the price of the fallback).
+
+Ops: ``quantized::conv2d_prepack`` / ``conv2d`` / ``conv2d_relu``, ``quantized::linear_prepack`` /
+``linear`` / ``linear_relu``, ``quantized::add`` / ``add_relu``, ``quantized::max_pool2d``,
+``quantized::cat``. FBGEMM has no conv kernel with a residual-add post-op, so
+:attr:`FbgemmBackend.supports_conv_add` is False: the lowering keeps conv and add as two modules
+(each with its calibrated output qparams) instead of fusing them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from gml.kernels.backend import Conv2dSpec, Int8Backend, PostOp, QParams
+from gml.kernels.onednn_int8 import (
+    _adaptive_avg_pool2d,
+    _cat,
+    _fp32,
+    as_qtensor,
+    silence_quantized_tensor_warnings,
+)
+
+
+@contextlib.contextmanager
+def quantized_engine(name: str) -> Iterator[None]:
+    """Temporarily select the engine ``quantized::*_prepack`` packs for (it is a process global)."""
+    old = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = old
+
+
+def _qweight(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    scale = weight_scale.double().flatten()
+    if scale.numel() == 1:
+        return torch._make_per_tensor_quantized_tensor(weight, float(scale[0]), 0)
+    zp = torch.zeros(scale.numel(), dtype=torch.int64)
+    return torch._make_per_channel_quantized_tensor(weight, scale, zp, 0)
+
+
+class FbgemmBackend(Int8Backend):
+    """PyTorch ``quantized::*`` kernels (FBGEMM engine)."""
+
+    name = "fbgemm"
+    supports_conv_add: ClassVar[bool] = False
+    engine: ClassVar[str] = "fbgemm"
+
+    def __init__(self) -> None:
+        silence_quantized_tensor_warnings()
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return cls.engine in torch.backends.quantized.supported_engines
+
+    def prepack_conv2d(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: Conv2dSpec,
+        input_qparams: QParams,
+        input_shape: Sequence[int] | None = None,
+    ) -> Any:
+        with quantized_engine(self.engine):
+            return torch.ops.quantized.conv2d_prepack(
+                _qweight(weight, weight_scale),
+                _fp32(bias),
+                list(spec.stride),
+                list(spec.padding),
+                list(spec.dilation),
+                spec.groups,
+            )
+
+    def prepack_linear(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_qparams: QParams,
+        input_shape: Sequence[int] | None = None,
+    ) -> Any:
+        with quantized_engine(self.engine):
+            return torch.ops.quantized.linear_prepack(_qweight(weight, weight_scale), _fp32(bias))
+
+    def conv2d(
+        self,
+        x: torch.Tensor,
+        x_qparams: QParams,
+        packed: Any,
+        out_qparams: QParams | None,
+        post_op: PostOp = "none",
+        other: torch.Tensor | None = None,
+        other_qparams: QParams | None = None,
+    ) -> torch.Tensor:
+        if post_op not in ("none", "relu"):
+            raise NotImplementedError("the fbgemm backend has no conv kernel with an add post-op")
+        if out_qparams is None:  # no fp32-output kernel: dequantized weights, fp32 conv
+            w, b = packed.unpack()
+            y = torch.nn.functional.conv2d(
+                self.dequantize(x, x_qparams),
+                w.dequantize(),
+                b,
+                packed.stride(),
+                packed.padding(),
+                packed.dilation(),
+                packed.groups(),
+            )
+            return y.relu_() if post_op == "relu" else y
+        op = torch.ops.quantized.conv2d_relu.new if post_op == "relu" else torch.ops.quantized.conv2d.new
+        return op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point).int_repr()
+
+    def linear(
+        self, x: torch.Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, relu: bool = False
+    ) -> torch.Tensor:
+        if out_qparams is None:  # no fp32-output kernel: dequantized weights, fp32 linear
+            w, b = torch.ops.quantized.linear_unpack(packed)
+            y = torch.nn.functional.linear(self.dequantize(x, x_qparams), w.dequantize(), b)
+            return y.relu_() if relu else y
+        op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
+        return op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point).int_repr()
+
+    def add(
+        self,
+        a: torch.Tensor,
+        a_qparams: QParams,
+        b: torch.Tensor,
+        b_qparams: QParams,
+        out_qparams: QParams,
+        relu: bool = False,
+    ) -> torch.Tensor:
+        op = torch.ops.quantized.add_relu if relu else torch.ops.quantized.add
+        out = op(as_qtensor(a, a_qparams), as_qtensor(b, b_qparams), out_qparams.scale, out_qparams.zero_point)
+        return out.int_repr()
+
+    def max_pool2d(
+        self,
+        x: torch.Tensor,
+        kernel_size: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int],
+        dilation: tuple[int, int],
+        ceil_mode: bool,
+    ) -> torch.Tensor:
+        return torch.ops.quantized.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
+
+    def adaptive_avg_pool2d(
+        self, x: torch.Tensor, x_qparams: QParams, output_size: tuple[int, int], out_qparams: QParams
+    ) -> torch.Tensor:
+        return _adaptive_avg_pool2d(self, x, x_qparams, output_size, out_qparams)
+
+    def cat(
+        self, xs: Sequence[torch.Tensor], qparams: Sequence[QParams], dim: int, out_qparams: QParams
+    ) -> torch.Tensor:
+        return _cat(self, xs, qparams, dim, out_qparams)

@@ -1,0 +1,330 @@
+"""oneDNN INT8 kernels, as PyTorch exposes them to Inductor (``torch.ops.onednn.*``).
+
+Ops used (signatures as registered by torch 2.14, ``op._schema``)::
+
+    onednn::qconv_prepack(Tensor weight, Tensor w_scales, float x_scale, int x_zp, int[] stride,
+                          int[] padding, int[] dilation, int groups, int[]? x_shape=None) -> Tensor
+    onednn::qconv2d_pointwise(Tensor qx, float x_scale, int x_zero_point, Tensor qw, Tensor w_scale,
+                              Tensor w_zero_point, Tensor? bias, int[] stride, int[] padding,
+                              int[] dilation, int groups, float output_scale, int output_zero_point,
+                              ScalarType? output_dtype, str attr, Scalar?[] scalars, str? algorithm)
+    onednn::qconv2d_pointwise.binary(..., Tensor(a!) qaccum, Tensor? bias, ..., float output_scale,
+                              int output_zero_point, ScalarType? output_dtype, float accum_scale,
+                              int accum_zero_point, str binary_attr, Scalar? alpha, str? unary_attr,
+                              Scalar?[] unary_scalars, str? unary_algorithm)
+    onednn::qlinear_prepack(Tensor weight, int[]? x_shape) -> Tensor
+    onednn::qlinear_pointwise(Tensor qx, float x_scale, int x_zero_point, Tensor qw, Tensor w_scale,
+                              Tensor w_zero_point, Tensor? bias, float output_scale,
+                              int output_zero_point, ScalarType? output_dtype, str post_op_name,
+                              Scalar?[] post_op_args, str post_op_algorithm)
+
+Facts checked on this build (tests/kernels/test_onednn_int8.py pins them):
+
+* activations are plain ``uint8`` tensors, weights plain ``int8`` prepacked into an opaque
+  ``torch._mkldnn`` tensor; ``output_scale`` is the scale itself (not its reciprocal);
+* the residual add is the oneDNN ``sum`` post-op: the kernel accumulates *into* ``qaccum``
+  (which must be channels-last and is overwritten) and returns a copy; the ``add`` binary post-op
+  is rejected for quantized conv on CPU, so ``sum`` is the only fused residual form;
+* ``qconv_prepack`` picks the weight layout for ``x_shape``; a call with another input shape still
+  works but reorders the weight on every call, so the handle keeps one packing per batch size;
+* ``onednn::qadd.tensor`` returns wrong values on this build (all zero point on a plain 1+1 test), so
+  the standalone add and the pools use PyTorch's ``quantized::*`` CPU kernels instead, through a
+  zero-copy QTensor view of the uint8 data.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from gml.kernels.backend import Conv2dSpec, Int8Backend, PostOp, QParams
+
+_CL = torch.channels_last
+
+
+def silence_quantized_tensor_warnings() -> None:
+    """PyTorch warns once per process that QTensor creation is deprecated; GML only uses QTensors as
+    zero-copy views inside kernels, so trigger that one warning here, silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = torch.zeros(1, dtype=torch.uint8)
+        torch._make_per_tensor_quantized_tensor(x, 1.0, 0)
+        torch.quantize_per_tensor(torch.zeros(1), 1.0, 0, torch.quint8)
+
+
+def as_qtensor(x: torch.Tensor, qp: QParams) -> torch.Tensor:
+    """A quint8 QTensor view of a uint8 tensor (shares memory, keeps strides)."""
+    return torch._make_per_tensor_quantized_tensor(x, qp.scale, qp.zero_point)
+
+
+class OneDNNPackedConv:
+    """Prepacked conv weight plus everything ``qconv2d_pointwise`` needs besides the activation.
+
+    Packings are made per input batch size on first use (see the module docstring)."""
+
+    __slots__ = ("bias", "input_qparams", "packs", "spec", "w_scale", "w_zp", "weight")
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        w_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: Conv2dSpec,
+        input_qparams: QParams,
+    ) -> None:
+        self.weight = weight
+        self.w_scale = w_scale
+        self.w_zp = torch.zeros(w_scale.numel(), dtype=torch.int64)
+        self.bias = bias
+        self.spec = spec
+        self.input_qparams = input_qparams
+        self.packs: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def pack_for(self, shape: Sequence[int]) -> torch.Tensor:
+        key = tuple(shape)
+        packed = self.packs.get(key)
+        if packed is None:
+            s, qp = self.spec, self.input_qparams
+            packed = torch.ops.onednn.qconv_prepack(
+                self.weight,
+                self.w_scale,
+                qp.scale,
+                qp.zero_point,
+                list(s.stride),
+                list(s.padding),
+                list(s.dilation),
+                s.groups,
+                list(key),
+            )
+            self.packs[key] = packed
+        return packed
+
+
+class OneDNNPackedLinear:
+    __slots__ = ("bias", "packs", "w_scale", "w_zp", "weight")
+
+    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.w_scale = w_scale
+        self.w_zp = torch.zeros(w_scale.numel(), dtype=torch.int64)
+        self.bias = bias
+        self.packs: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def pack_for(self, shape: Sequence[int]) -> torch.Tensor:
+        key = tuple(shape)
+        packed = self.packs.get(key)
+        if packed is None:
+            packed = torch.ops.onednn.qlinear_prepack(self.weight, list(key))
+            self.packs[key] = packed
+        return packed
+
+
+class OneDNNBackend(Int8Backend):
+    """oneDNN (x86, VNNI/AMX) INT8 kernels: fused conv+post-ops, linear, and the residual sum."""
+
+    name = "onednn"
+    conv_add_writes_other = True
+
+    def __init__(self) -> None:
+        silence_quantized_tensor_warnings()
+        self._qconv = torch.ops.onednn.qconv2d_pointwise.default
+        self._qconv_sum = torch.ops.onednn.qconv2d_pointwise.binary
+        self._qlinear = torch.ops.onednn.qlinear_pointwise.default
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return (
+            torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.onednn, "qconv2d_pointwise")
+            and "onednn" in torch.backends.quantized.supported_engines
+        )
+
+    # ------------------------------------------------------------------ weights
+    def prepack_conv2d(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: Conv2dSpec,
+        input_qparams: QParams,
+        input_shape: Sequence[int] | None = None,
+    ) -> OneDNNPackedConv:
+        packed = OneDNNPackedConv(
+            weight.contiguous(), weight_scale.float().contiguous(), _fp32(bias), spec, input_qparams
+        )
+        if input_shape is not None:
+            packed.pack_for(input_shape)
+        return packed
+
+    def prepack_linear(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_qparams: QParams,
+        input_shape: Sequence[int] | None = None,
+    ) -> OneDNNPackedLinear:
+        packed = OneDNNPackedLinear(weight.contiguous(), weight_scale.float().contiguous(), _fp32(bias))
+        if input_shape is not None:
+            packed.pack_for(_linear_key(input_shape))
+        return packed
+
+    # ------------------------------------------------------------------ compute
+    def conv2d(
+        self,
+        x: torch.Tensor,
+        x_qparams: QParams,
+        packed: OneDNNPackedConv,
+        out_qparams: QParams | None,
+        post_op: PostOp = "none",
+        other: torch.Tensor | None = None,
+        other_qparams: QParams | None = None,
+    ) -> torch.Tensor:
+        s = packed.spec
+        w = packed.pack_for(x.shape)
+        out_scale, out_zp, out_dtype = _out_args(out_qparams)
+        if post_op == "none" or post_op == "relu":
+            return self._qconv(
+                x,
+                x_qparams.scale,
+                x_qparams.zero_point,
+                w,
+                packed.w_scale,
+                packed.w_zp,
+                packed.bias,
+                s.stride,
+                s.padding,
+                s.dilation,
+                s.groups,
+                out_scale,
+                out_zp,
+                out_dtype,
+                post_op,
+                [],
+                "",
+            )
+        if other is None or other_qparams is None or out_qparams is None:
+            raise ValueError(f"post-op {post_op!r} needs `other`, `other_qparams` and a uint8 output")
+        if not other.is_contiguous(memory_format=_CL):
+            other = other.contiguous(memory_format=_CL)
+        return self._qconv_sum(
+            x,
+            x_qparams.scale,
+            x_qparams.zero_point,
+            w,
+            packed.w_scale,
+            packed.w_zp,
+            other,
+            packed.bias,
+            s.stride,
+            s.padding,
+            s.dilation,
+            s.groups,
+            out_scale,
+            out_zp,
+            None,
+            other_qparams.scale,
+            other_qparams.zero_point,
+            "sum",
+            1.0,
+            "relu" if post_op == "add_relu" else "none",
+            [],
+            "",
+        )
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        x_qparams: QParams,
+        packed: OneDNNPackedLinear,
+        out_qparams: QParams | None,
+        relu: bool = False,
+    ) -> torch.Tensor:
+        out_scale, out_zp, out_dtype = _out_args(out_qparams)
+        return self._qlinear(
+            x,
+            x_qparams.scale,
+            x_qparams.zero_point,
+            packed.pack_for(_linear_key(x.shape)),
+            packed.w_scale,
+            packed.w_zp,
+            packed.bias,
+            out_scale,
+            out_zp,
+            out_dtype,
+            "relu" if relu else "none",
+            [],
+            "",
+        )
+
+    def add(
+        self,
+        a: torch.Tensor,
+        a_qparams: QParams,
+        b: torch.Tensor,
+        b_qparams: QParams,
+        out_qparams: QParams,
+        relu: bool = False,
+    ) -> torch.Tensor:
+        op = torch.ops.quantized.add_relu if relu else torch.ops.quantized.add
+        out = op(as_qtensor(a, a_qparams), as_qtensor(b, b_qparams), out_qparams.scale, out_qparams.zero_point)
+        return out.int_repr()
+
+    def max_pool2d(
+        self,
+        x: torch.Tensor,
+        kernel_size: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int],
+        dilation: tuple[int, int],
+        ceil_mode: bool,
+    ) -> torch.Tensor:
+        # quantized::max_pool2d accepts plain uint8 (channels-last in, channels-last out).
+        return torch.ops.quantized.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
+
+    def adaptive_avg_pool2d(
+        self, x: torch.Tensor, x_qparams: QParams, output_size: tuple[int, int], out_qparams: QParams
+    ) -> torch.Tensor:
+        return _adaptive_avg_pool2d(self, x, x_qparams, output_size, out_qparams)
+
+    def cat(
+        self, xs: Sequence[torch.Tensor], qparams: Sequence[QParams], dim: int, out_qparams: QParams
+    ) -> torch.Tensor:
+        return _cat(self, xs, qparams, dim, out_qparams)
+
+
+# ---------------------------------------------------------------- helpers shared with fbgemm
+def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+def _out_args(qp: QParams | None) -> tuple[float, int, torch.dtype | None]:
+    # oneDNN's convention: fp32 output is requested with scale 1.0, zero point 0.
+    return (1.0, 0, torch.float32) if qp is None else (qp.scale, qp.zero_point, None)
+
+
+def _linear_key(shape: Sequence[int]) -> tuple[int, ...]:
+    # qlinear flattens leading dims: the packing depends on (rows, in_features) only.
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    return (rows, int(shape[-1]))
+
+
+def _adaptive_avg_pool2d(
+    backend: Int8Backend, x: torch.Tensor, x_qp: QParams, output_size: tuple[int, int], out_qp: QParams
+) -> torch.Tensor:
+    # PyTorch's quantized kernel keeps the input's qparams; requantize only if the output's differ.
+    y = torch.nn.functional.adaptive_avg_pool2d(as_qtensor(x, x_qp), output_size).int_repr()
+    return backend.requantize(y, x_qp, out_qp)
+
+
+def _cat(
+    backend: Int8Backend, xs: Sequence[torch.Tensor], qps: Sequence[QParams], dim: int, out_qp: QParams
+) -> torch.Tensor:
+    if all(qp.close_to(out_qp) for qp in qps):
+        return torch.cat(list(xs), dim)  # same qparams: concatenating the integers is exact
+    qs = [as_qtensor(x, qp) for x, qp in zip(xs, qps)]
+    return torch.ops.quantized.cat(qs, dim, out_qp.scale, out_qp.zero_point).int_repr()

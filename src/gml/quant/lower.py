@@ -1,0 +1,738 @@
+"""Lower a reference Q/DQ graph to GML INT8 modules that pass uint8 tensors to each other.
+
+Before (what torch.ao's ``convert_to_reference_fx`` produces; every quantized value is a
+``quantize`` node read through ``dequantize`` nodes)::
+
+    q0 = quantize(x, s0, z0);  a = conv_relu(q0.dequantize());  q1 = quantize(a, s1, z1)
+    b = add(q1.dequantize(), q0.dequantize());                  q2 = quantize(b, s2, z2)
+    y = q2.dequantize()
+
+After::
+
+    u0 = Quantize(s0, z0)(x)            # fp32 → uint8, once, at the edge of the INT8 region
+    u2 = QConv2dAdd(relu?)(u0, u0')     # conv(u0) + u0 in one oneDNN kernel (sum post-op)
+    y  = Dequantize(s2, z2)(u2)         # uint8 → fp32, once, at the edge
+
+Math. A pattern ``Q_out(f(DQ(u_1), ..., DQ(u_n)))`` with ``DQ(u) = (u - z) * s`` becomes one module
+``F(u_1, ..., u_n)`` that computes ``f`` on the integers with the input and output qparams folded in
+(the kernel's job), so each value is quantized exactly once. Fusions: conv/linear + relu (eltwise
+post-op); conv + add (+ relu) for residuals (sum post-op). The sum post-op fusion also applies when
+the reference graph quantizes the conv output before the add (``conv → Q → DQ → add``): the
+intermediate rounding disappears, which moves results by at most about one output step — one
+reason this pass has no tolerance (``None``); the tests check it against the reference graph by
+cosine instead.
+
+Phases of :meth:`LowerToGML.call`:
+
+1. every quantize node, in graph order: match its producer against the rules (conv, conv+relu,
+   conv+add(+relu) fused modules, linear(+relu), add(+relu), relu, max/avg pool, flatten, cat);
+   on a match, a GML module replaces the pattern; otherwise the quantize node becomes a
+   :class:`~gml.quant.modules.Quantize` module and the op stays in fp32 (a Skip with the reason,
+   e.g. "no INT8 kernel for GELU; kept in fp32", unless it is the model input);
+2. ``QConv2d → QAdd`` pairs fuse into ``QConv2dAdd`` when the backend has the kernel;
+3. dequantize nodes still read by fp32 ops or the output become :class:`Dequantize` modules;
+4. dead nodes go through :func:`~gml.passes.utils.remove_unused_nodes` only (a node still read by
+   another branch is never erased), then unused submodules and qparam attributes are dropped;
+5. oneDNN's sum post-op writes into the skip tensor: ``clone_other`` is set on a fused node whose
+   skip tensor (or a view of it) is still read after it.
+
+Declined, with a reason: ops with no INT8 kernel, inputs that are not quantized (fp32 regions),
+non-uint8 or per-channel activation qparams, asymmetric or non-int8 weights, conv with non-zero
+padding modes / string padding, pools that change qparams in ways the kernel cannot express,
+add with ``alpha != 1`` or broadcasting operands, fp32 op outputs read by other ops as well.
+The coverage (which nodes became which module, which stayed fp32 and why) is in
+:attr:`LowerToGML.coverage` after a run, and in the result's notes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.ao.nn.intrinsic as nni
+from torch import fx, nn
+
+from gml.errors import UnsupportedError
+from gml.kernels.backend import Conv2dSpec, Int8Backend, QParams, get_backend
+from gml.passes.base import GraphPass, PassResult, Skip
+from gml.passes.oplib import node_label, op_kind
+from gml.passes.utils import add_module, remove_unused_nodes
+from gml.quant.modules import (
+    Dequantize,
+    GMLQuantModuleBase,
+    QAdaptiveAvgPool2d,
+    QAdd,
+    QCat,
+    QConv2d,
+    QConv2dAdd,
+    QFlatten,
+    QLinear,
+    QMaxPool2d,
+    QReLU,
+    Quantize,
+    extract_qparams,
+    is_dequantize,
+    is_quantize,
+    quantize_args,
+    reference_weight,
+)
+
+try:  # gml.nn.Add is the normalized form of every add spelling (ADR 001)
+    from gml.nn import Add as _GmlAdd
+except ImportError:  # pragma: no cover
+    _GmlAdd = None  # type: ignore[assignment,misc]
+
+
+@dataclass
+class CoverageEntry:
+    """One pattern: the fp32 node(s) it covered, what they computed, and what they became."""
+
+    nodes: list[str]
+    op: str
+    result: str  # GML module class name, or "fp32"
+    reason: str = ""
+
+
+@dataclass
+class LoweringCoverage:
+    """Which nodes became which GML module, and which stayed fp32 and why."""
+
+    lowered: list[CoverageEntry] = field(default_factory=list)
+    kept_fp32: list[CoverageEntry] = field(default_factory=list)
+    fused_conv_add: int = 0
+
+    def counts(self) -> Counter[str]:
+        return Counter(e.result for e in self.lowered)
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{n} {name}" for name, n in sorted(self.counts().items()))
+        kept = f"; {len(self.kept_fp32)} op(s) kept in fp32" if self.kept_fp32 else ""
+        return f"lowered to INT8: {parts or 'nothing'}{kept}"
+
+    def table(self, title: str = "INT8 lowering coverage"):  # -> rich.table.Table
+        from rich.table import Table
+
+        t = Table(title=title)
+        for col in ("node(s)", "op", "became", "why fp32"):
+            t.add_column(col)
+        for e in self.lowered:
+            t.add_row(", ".join(e.nodes), e.op, f"[green]{e.result}[/]", "")
+        for e in self.kept_fp32:
+            t.add_row(", ".join(e.nodes), e.op, "[yellow]fp32[/]", e.reason)
+        return t
+
+
+@dataclass
+class LoweringResult(PassResult):
+    coverage: LoweringCoverage = field(default_factory=LoweringCoverage)
+
+
+class Decline(Exception):
+    """A rule saw its pattern but cannot lower it; the message is the reason shown to the user."""
+
+
+@dataclass
+class _Plan:
+    module: nn.Module
+    inputs: list[fx.Node]  # uint8 producers, in the module's argument order
+    covered: list[fx.Node]  # the fp32 op nodes the module replaces
+    label: str
+
+
+Rule = Callable[["_Ctx", fx.Node, "QParams | None"], "_Plan | None"]
+
+
+@dataclass
+class _Ctx:
+    gm: fx.GraphModule
+    backend: Int8Backend
+    modules: dict[str, nn.Module]
+
+    def module(self, node: fx.Node) -> nn.Module | None:
+        return self.modules.get(str(node.target)) if node.op == "call_module" else None
+
+    def produces_u8(self, node: Any) -> bool:
+        """A lowered node whose output is a uint8 tensor (not an fp32-output kernel)."""
+        mod = self.module(node) if isinstance(node, fx.Node) else None
+        return isinstance(mod, GMLQuantModuleBase) and mod.output_qparams is not None
+
+    def u8_input(self, arg: Any) -> tuple[fx.Node, QParams]:
+        """The uint8 producer behind a dequantize argument, with its qparams."""
+        if not isinstance(arg, fx.Node) or not is_dequantize(arg):
+            raise Decline("an input is not quantized (it comes from an fp32 region)")
+        src = arg.args[0]
+        if not self.produces_u8(src):
+            raise Decline("an input's quantize op could not be lowered")
+        qp = extract_qparams(src, self.gm)
+        assert qp is not None
+        return src, qp
+
+    def label(self, node: fx.Node) -> str:
+        return node_label(node, self.modules)
+
+
+def _single_user(node: fx.Node) -> bool:
+    return len(node.users) == 1
+
+
+def _shape(node: fx.Node) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta")
+    shape = getattr(meta, "shape", None)
+    return tuple(int(d) for d in shape) if shape is not None else None
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+# ---------------------------------------------------------------- op recognisers
+def _as_conv(mod: nn.Module | None) -> tuple[nn.Conv2d, bool] | None:
+    """(conv, fused relu) for Conv2d, reference Conv2d and ``nni.ConvReLU2d``."""
+    if isinstance(mod, nni.ConvReLU2d) and isinstance(mod[0], nn.Conv2d):
+        return mod[0], True
+    if isinstance(mod, nn.Conv2d):
+        return mod, False
+    return None
+
+
+def _as_linear(mod: nn.Module | None) -> tuple[nn.Linear, bool] | None:
+    if isinstance(mod, nni.LinearReLU) and isinstance(mod[0], nn.Linear):
+        return mod[0], True
+    if isinstance(mod, nn.Linear):
+        return mod, False
+    return None
+
+
+def _is_plain_add_module(mod: nn.Module | None) -> bool:
+    return _GmlAdd is not None and isinstance(mod, _GmlAdd) and mod.alpha == 1
+
+
+def _add_operands(ctx: _Ctx, node: fx.Node) -> tuple[Any, Any] | None:
+    """The two operands of a tensor-tensor add in any spelling, or None if ``node`` is no add."""
+    mod = ctx.module(node)
+    if node.op == "call_module":
+        if _GmlAdd is not None and isinstance(mod, _GmlAdd):
+            if mod.alpha != 1:
+                raise Decline(f"add with alpha={mod.alpha} has no INT8 kernel")
+            return node.args[0], node.args[1]
+        return None
+    if op_kind(node, ctx.modules) != "add" or node.target in (operator.iadd,):
+        return None
+    if node.kwargs.get("alpha", 1) != 1:
+        raise Decline("add with alpha != 1 has no INT8 kernel")
+    args = list(node.args)
+    if len(args) != 2 or not all(isinstance(a, fx.Node) for a in args):
+        return None  # add of a constant: handled (declined) by the generic fallback
+    return args[0], args[1]
+
+
+def _is_relu(ctx: _Ctx, node: fx.Node) -> bool:
+    return op_kind(node, ctx.modules) == "relu"
+
+
+# ---------------------------------------------------------------- builders
+def _conv_spec(conv: nn.Conv2d) -> Conv2dSpec:
+    if isinstance(conv.padding, str):
+        raise Decline(f"conv padding={conv.padding!r} (string padding) is not supported by the INT8 conv")
+    if conv.padding_mode != "zeros":
+        raise Decline(f"conv padding_mode={conv.padding_mode!r}; the INT8 conv pads with zeros only")
+    return Conv2dSpec(_pair(conv.stride), _pair(conv.padding), _pair(conv.dilation), int(conv.groups))
+
+
+def _weights(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    try:
+        w, ws = reference_weight(mod)
+    except ValueError as e:
+        raise Decline(f"{e}; no INT8 kernel for it") from None
+    bias = mod.bias.detach() if getattr(mod, "bias", None) is not None else None
+    return w, ws, bias
+
+
+def _qconv(ctx: _Ctx, conv: nn.Conv2d, x_arg: Any, out_qp: QParams | None, relu: bool, covered, label) -> _Plan:
+    spec = _conv_spec(conv)
+    src, in_qp = ctx.u8_input(x_arg)
+    w, ws, b = _weights(conv)
+    mod = QConv2d(w, ws, b, spec, in_qp, out_qp, relu=relu, input_shape=_shape(x_arg), backend=ctx.backend)
+    return _Plan(mod, [src], covered, label)
+
+
+def _qconv_add(
+    ctx: _Ctx, conv: nn.Conv2d, x_arg: Any, other_arg: Any, out_qp: QParams, relu: bool, covered, label
+) -> _Plan:
+    if not ctx.backend.supports_conv_add:
+        raise Decline(f"the {ctx.backend.name} backend has no fused conv+add kernel")
+    spec = _conv_spec(conv)
+    src, in_qp = ctx.u8_input(x_arg)
+    other, other_qp = ctx.u8_input(other_arg)
+    xs, os_ = _shape(x_arg), _shape(other_arg)
+    w, ws, b = _weights(conv)
+    mod = QConv2dAdd(w, ws, b, spec, in_qp, other_qp, out_qp, relu=relu, input_shape=xs, backend=ctx.backend)
+    if os_ is not None and covered and _shape(covered[-1]) not in (None, os_):
+        raise Decline("the residual operand is broadcast; the fused kernel needs equal shapes")
+    return _Plan(mod, [src, other], covered, label)
+
+
+def _conv_add_module(ctx: _Ctx, node: fx.Node, mod: nn.Module | None) -> tuple[nn.Conv2d, bool] | None:
+    if isinstance(mod, nni.ConvAdd2d | nni.ConvAddReLU2d):
+        if not _is_plain_add_module(mod.add) and mod.add not in (operator.add, torch.add):
+            alpha = getattr(getattr(mod.add, "add", mod.add), "alpha", "?")
+            raise Decline(f"conv+add with a scaled or swapped add (alpha={alpha}) has no INT8 kernel")
+        return mod[0], isinstance(mod, nni.ConvAddReLU2d)
+    return None
+
+
+# ---------------------------------------------------------------- rules: producer node → plan
+def _rule_conv(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    hit = _as_conv(ctx.module(node))
+    if hit is None:
+        return None
+    conv, relu = hit
+    return _qconv(ctx, conv, node.args[0], out_qp, relu, [node], ctx.label(node))
+
+
+def _rule_conv_add(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    if out_qp is None:
+        return None
+    hit = _conv_add_module(ctx, node, ctx.module(node))
+    if hit is None:
+        return None
+    conv, relu = hit
+    return _qconv_add(ctx, conv, node.args[0], node.args[1], out_qp, relu, [node], ctx.label(node))
+
+
+def _rule_linear(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    hit = _as_linear(ctx.module(node))
+    if hit is None:
+        return None
+    lin, relu = hit
+    return _qlinear(ctx, lin, node.args[0], out_qp, relu, [node], ctx.label(node))
+
+
+def _qlinear(ctx: _Ctx, lin: nn.Linear, x_arg: Any, out_qp: QParams | None, relu: bool, covered, label) -> _Plan:
+    src, in_qp = ctx.u8_input(x_arg)
+    w, ws, b = _weights(lin)
+    mod = QLinear(w, ws, b, in_qp, out_qp, relu=relu, input_shape=_shape(x_arg), backend=ctx.backend)
+    return _Plan(mod, [src], covered, label)
+
+
+def _qadd(ctx: _Ctx, node: fx.Node, operands: tuple[Any, Any], out_qp: QParams, relu: bool, covered) -> _Plan:
+    a, a_qp = ctx.u8_input(operands[0])
+    b, b_qp = ctx.u8_input(operands[1])
+    sa, sb = _shape(operands[0]), _shape(operands[1])
+    if sa is not None and sb is not None and sa != sb:
+        raise Decline(f"add of shapes {list(sa)} and {list(sb)} (broadcasting) has no INT8 kernel")
+    mod = QAdd(a_qp, b_qp, out_qp, relu=relu, backend=ctx.backend)
+    return _Plan(mod, [a, b], covered, "add" + (" → relu" if relu else ""))
+
+
+def _rule_add(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    if out_qp is None:
+        return None
+    operands = _add_operands(ctx, node)
+    if operands is None:
+        return None
+    return _qadd(ctx, node, operands, out_qp, False, [node])
+
+
+def _rule_relu(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    """relu fused into its producer (conv, conv+add, linear, add) when it is the only reader."""
+    if not _is_relu(ctx, node):
+        return None
+    prod = node.args[0]
+    if isinstance(prod, fx.Node) and not is_dequantize(prod) and _single_user(prod):
+        pmod = ctx.module(prod)
+        label = f"{ctx.label(prod)} → relu"
+        conv = _as_conv(pmod)
+        if conv is not None and not conv[1]:
+            return _qconv(ctx, conv[0], prod.args[0], out_qp, True, [prod, node], label)
+        lin = _as_linear(pmod)
+        if lin is not None and not lin[1]:
+            return _qlinear(ctx, lin[0], prod.args[0], out_qp, True, [prod, node], label)
+        if out_qp is None:
+            return None  # only the weighted kernels write fp32
+        conv_add = _conv_add_module(ctx, prod, pmod)
+        if conv_add is not None and not conv_add[1]:
+            return _qconv_add(ctx, conv_add[0], prod.args[0], prod.args[1], out_qp, True, [prod, node], label)
+        operands = _add_operands(ctx, prod)
+        if operands is not None:
+            return _qadd(ctx, prod, operands, out_qp, True, [prod, node])
+    if out_qp is None:
+        return None
+    src, in_qp = ctx.u8_input(prod)
+    return _Plan(QReLU(in_qp, out_qp, backend=ctx.backend), [src], [node], "relu")
+
+
+def _rule_max_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    if out_qp is None:
+        return None
+    mod = ctx.module(node)
+    if not isinstance(mod, nn.MaxPool2d):
+        return None
+    if mod.return_indices:
+        raise Decline("max pool returning indices has no INT8 kernel")
+    src, in_qp = ctx.u8_input(node.args[0])
+    stride = mod.stride if mod.stride is not None else mod.kernel_size
+    q = QMaxPool2d(
+        _pair(mod.kernel_size),
+        _pair(stride),
+        _pair(mod.padding),
+        _pair(mod.dilation),
+        bool(mod.ceil_mode),
+        in_qp,
+        out_qp,
+        backend=ctx.backend,
+    )
+    return _Plan(q, [src], [node], ctx.label(node))
+
+
+def _rule_avg_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    if out_qp is None:
+        return None
+    mod = ctx.module(node)
+    if not isinstance(mod, nn.AdaptiveAvgPool2d):
+        return None
+    size = mod.output_size
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    if any(s is None for s in size):
+        raise Decline("adaptive avg pool with a None output size has no INT8 kernel")
+    src, in_qp = ctx.u8_input(node.args[0])
+    q = QAdaptiveAvgPool2d((int(size[0]), int(size[1])), in_qp, out_qp, backend=ctx.backend)
+    return _Plan(q, [src], [node], ctx.label(node))
+
+
+def _rule_flatten(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    if out_qp is None:
+        return None
+    mod = ctx.module(node)
+    if isinstance(mod, nn.Flatten):
+        start, end = mod.start_dim, mod.end_dim
+    elif op_kind(node, ctx.modules) == "flatten" and node.op != "call_module":
+        extra = list(node.args[1:])
+        start = extra[0] if extra else node.kwargs.get("start_dim", 0)
+        end = extra[1] if len(extra) > 1 else node.kwargs.get("end_dim", -1)
+        if not isinstance(start, int) or not isinstance(end, int):
+            raise Decline("flatten with dims computed at run time")
+    else:
+        return None
+    src, in_qp = ctx.u8_input(node.args[0])
+    return _Plan(QFlatten(start, end, in_qp, out_qp, backend=ctx.backend), [src], [node], ctx.label(node))
+
+
+def _rule_cat(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    if out_qp is None:
+        return None
+    if op_kind(node, ctx.modules) != "cat" or node.op != "call_function":
+        return None
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(tensors, list | tuple) or not isinstance(dim, int):
+        raise Decline("cat with inputs or dim computed at run time")
+    inputs = [ctx.u8_input(t) for t in tensors]
+    q = QCat(dim, [qp for _, qp in inputs], out_qp, backend=ctx.backend)
+    return _Plan(q, [n for n, _ in inputs], [node], ctx.label(node))
+
+
+# Order matters only where patterns nest: relu first, so conv → relu fuses instead of the conv
+# being claimed alone (the conv is not the quantize node's producer then anyway).
+# Rules return None for a pattern they do not recognise (or for ``out_qp=None``, an fp32
+# output, unless they are a weighted op whose kernel writes fp32), and raise Decline with a reason.
+RULES: tuple[Rule, ...] = (
+    _rule_relu,
+    _rule_conv,
+    _rule_conv_add,
+    _rule_linear,
+    _rule_add,
+    _rule_max_pool,
+    _rule_avg_pool,
+    _rule_flatten,
+    _rule_cat,
+)
+
+
+class LowerToGML(GraphPass):
+    """Replace ``DQ → op → Q`` patterns of a reference graph with GML INT8 modules.
+
+    Args:
+        backend: kernel backend name or instance (``None``: oneDNN if available, else FBGEMM).
+        fuse_conv_add: fuse ``QConv2d → QAdd`` into one residual kernel when the backend has it.
+    """
+
+    name = "lower_to_gml"
+    tolerance = None
+
+    def __init__(self, backend: str | Int8Backend | None = None, *, fuse_conv_add: bool = True) -> None:
+        self.backend = get_backend(backend)
+        self.fuse_conv_add = fuse_conv_add
+        self.coverage = LoweringCoverage()
+
+    def requires(self, gm: fx.GraphModule) -> None:
+        for node in gm.graph.nodes:
+            if is_quantize(node):
+                bad = [u.name for u in node.users if not is_dequantize(u)]
+                if bad:
+                    raise UnsupportedError(
+                        f"quantized value {node.name} is read directly by {', '.join(bad)}; the "
+                        "lowering expects a reference graph (quantized values read through dequantize).",
+                        hint="produce the graph with convert_to_reference_fx (gml.quant.frontend).",
+                    )
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        ctx = _Ctx(gm, self.backend, dict(gm.named_modules(remove_duplicate=False)))
+        cov = LoweringCoverage()
+        skips: list[Skip] = []
+        notes: list[str] = []
+        graph = gm.graph
+        dead: list[fx.Node] = []
+        matches = 0
+
+        # 1. every quantize node: lower its producer, or make it the start of an INT8 region
+        for q in list(graph.nodes):
+            if not is_quantize(q):
+                continue
+            src = q.args[0]
+            try:
+                out_qp, _ = quantize_args(q, gm)
+            except ValueError as e:
+                skips.append(Skip(q.name, f"{e}; left as a torch quantize op", "quantize"))
+                continue
+            plan, reason = self._match(ctx, src, out_qp) if isinstance(src, fx.Node) else (None, "")
+            if plan is not None:
+                new = self._insert(ctx, q, plan.module, plan.inputs, plan.covered[-1].name)
+                entry = CoverageEntry([n.name for n in plan.covered], plan.label, type(plan.module).__name__)
+                cov.lowered.append(entry)
+                new.meta["gml_coverage"] = entry
+                matches += 1
+            else:
+                new = self._insert(ctx, q, Quantize(out_qp, backend=self.backend), [src], f"{q.name}_u8")
+                if reason:  # an op between DQ and Q that stays fp32 (not the model input)
+                    skips.append(Skip(src.name, reason, ctx.label(src)))
+                    cov.kept_fp32.append(CoverageEntry([src.name], ctx.label(src), "fp32", reason))
+            q.replace_all_uses_with(new)
+            dead.append(q)
+
+        # 2. drop the replaced patterns (quantize → op → dequantize chains nobody reads now)
+        qparam_attrs = {str(a.target) for q in dead for a in q.all_input_nodes if a.op == "get_attr"}
+        remove_unused_nodes(graph, dead)
+
+        # 2b. conv / linear whose result stays fp32 (e.g. the logits): their kernels write fp32
+        matches += self._lower_fp32_outputs(ctx, cov, skips)
+
+        # 3. conv + add → one residual kernel
+        if self.fuse_conv_add and self.backend.supports_conv_add:
+            fused = self._fuse_conv_add(ctx, cov)
+            cov.fused_conv_add = fused
+            if fused:
+                notes.append(
+                    f"fused {fused} QConv2d → QAdd pair(s) into QConv2dAdd; the conv output is no longer "
+                    "rounded to its own scale before the add"
+                )
+
+        # 4. dequantize nodes still read by fp32 code become Dequantize modules
+        reported = {n for e in cov.kept_fp32 for n in e.nodes}
+        dequantize_nodes = [n for n in graph.nodes if is_dequantize(n)]
+        for node in dequantize_nodes:
+            if node.users and ctx.produces_u8(node.args[0]):
+                qp = extract_qparams(node.args[0], gm)
+                assert qp is not None
+                deq = Dequantize(qp, backend=self.backend)
+                new = self._insert(ctx, node, deq, [node.args[0]], f"{node.name}_fp32")
+                node.replace_all_uses_with(new)
+                for user in new.users:
+                    if user.op != "output" and user.name not in reported:
+                        reported.add(user.name)
+                        why = "its output is not quantized in the reference graph"
+                        cov.kept_fp32.append(CoverageEntry([user.name], ctx.label(user), "fp32", why))
+        remove_unused_nodes(graph, dequantize_nodes)
+        self._drop_unused_attributes(gm, qparam_attrs)
+
+        # 5. the sum post-op overwrites its skip tensor: clone it where it is read later
+        cloned = self._protect_residuals(ctx)
+        if cloned:
+            notes.append(f"{cloned} fused residual(s) copy their skip tensor, which is read after the add")
+
+        graph.lint()
+        gm.recompile()
+        self.coverage = cov
+        notes.insert(0, cov.summary())
+        return LoweringResult(
+            gm, modified=matches > 0 or bool(dead), matches=matches, skips=skips, notes=notes, coverage=cov
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _match(self, ctx: _Ctx, src: fx.Node, out_qp: QParams) -> tuple[_Plan | None, str]:
+        """A plan for the producer of a quantize node, or the reason it stays fp32 ("" at the input)."""
+        if not _reads_int8(ctx, src):
+            return None, ""  # fp32 → quantize: the INT8 region starts here
+        if len(src.users) != 1:
+            return None, f"{src.name}'s fp32 result is also read elsewhere ({len(src.users)} users); kept in fp32"
+        for rule in RULES:
+            try:
+                plan = rule(ctx, src, out_qp)
+            except Decline as e:
+                return None, f"{e}; kept in fp32"
+            if plan is not None:
+                return plan, ""
+        return None, f"no INT8 kernel for {_op_name(ctx, src)}; kept in fp32"
+
+    def _lower_fp32_outputs(self, ctx: _Ctx, cov: LoweringCoverage, skips: list[Skip]) -> int:
+        graph = ctx.gm.graph
+        lowered = 0
+        for node in list(graph.nodes):
+            if node.op not in ("call_module", "call_function", "call_method") or is_dequantize(node):
+                continue
+            if any(is_quantize(u) for u in node.users) or not _reads_int8(ctx, node):
+                continue
+            if _single_user(node) and _is_relu(ctx, next(iter(node.users))):
+                continue  # the relu reading it fuses it
+            plan, reason = None, ""
+            for rule in (_rule_relu, _rule_conv, _rule_linear):
+                try:
+                    plan = rule(ctx, node, None)
+                except Decline as e:
+                    reason = f"{e}; kept in fp32"
+                    break
+                if plan is not None:
+                    break
+            if plan is None:
+                if reason:
+                    skips.append(Skip(node.name, reason, ctx.label(node)))
+                    cov.kept_fp32.append(CoverageEntry([node.name], ctx.label(node), "fp32", reason))
+                continue
+            new = self._insert(ctx, node, plan.module, plan.inputs, node.name)
+            entry = CoverageEntry(
+                [n.name for n in plan.covered], f"{plan.label} (fp32 out)", type(plan.module).__name__
+            )
+            cov.lowered.append(entry)
+            new.meta["gml_coverage"] = entry
+            node.replace_all_uses_with(new)
+            remove_unused_nodes(graph, [node])
+            lowered += 1
+        return lowered
+
+    def _insert(self, ctx: _Ctx, before: fx.Node, module: nn.Module, inputs: list[Any], name: str) -> fx.Node:
+        target = add_module(ctx.gm, f"q_{name}", module)
+        ctx.modules[target] = module
+        with ctx.gm.graph.inserting_before(before):
+            node = ctx.gm.graph.call_module(target, tuple(inputs))
+        node.meta["gml_int8"] = type(module).__name__
+        return node
+
+    def _fuse_conv_add(self, ctx: _Ctx, cov: LoweringCoverage) -> int:
+        graph = ctx.gm.graph
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        fused = 0
+        for add in list(graph.nodes):
+            add_mod = ctx.module(add)
+            if not isinstance(add_mod, QAdd):
+                continue
+            a, b = add.args
+            candidates = [
+                (i, op)
+                for i, op in enumerate((a, b))
+                if isinstance(ctx.module(op), QConv2d) and not ctx.module(op).relu and _single_user(op) and a is not b
+            ]
+            if not candidates:
+                continue
+            i, conv_node = max(candidates, key=lambda c: order[c[1]])  # the later conv: its skip is ready
+            other = (a, b)[1 - i]
+            conv: QConv2d = ctx.module(conv_node)  # type: ignore[assignment]
+            other_qp = add_mod.other_qparams if i == 0 else add_mod.input_qparams
+            mod = QConv2dAdd(
+                conv.weight,
+                conv.weight_scale,
+                conv.bias,
+                conv.spec,
+                conv.input_qparams,
+                other_qp,
+                add_mod.output_qparams,
+                relu=add_mod.relu,
+                input_shape=conv.input_shape,
+                backend=self.backend,
+            )
+            new = self._insert(ctx, add, mod, [conv_node.args[0], other], add.name)
+            add.replace_all_uses_with(new)
+            remove_unused_nodes(graph, [add])
+            fused += 1
+            self._merge_coverage(cov, conv_node, add, new)
+        return fused
+
+    @staticmethod
+    def _merge_coverage(cov: LoweringCoverage, conv: fx.Node, add: fx.Node, fused: fx.Node) -> None:
+        conv_entry, add_entry = conv.meta.get("gml_coverage"), add.meta.get("gml_coverage")
+        if conv_entry is None or add_entry is None:
+            return
+        cov.lowered.remove(conv_entry)
+        add_entry.nodes = conv_entry.nodes + add_entry.nodes
+        add_entry.op = f"{conv_entry.op} + {add_entry.op}"
+        add_entry.result = "QConv2dAdd"
+        fused.meta["gml_coverage"] = add_entry
+
+    def _protect_residuals(self, ctx: _Ctx) -> int:
+        if not self.backend.conv_add_writes_other:
+            return 0
+        order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
+        cloned = 0
+        for node in ctx.gm.graph.nodes:
+            mod = ctx.module(node)
+            if not isinstance(mod, QConv2dAdd):
+                continue
+            aliases = _aliases(ctx, node.args[1])
+            read_later = any(
+                order[u] > order[node] for a in aliases for u in a.users if u is not node and u not in aliases
+            )
+            if read_later or node.args[0] in aliases or any(a.op in ("placeholder", "get_attr") for a in aliases):
+                mod.clone_other = True
+                cloned += 1
+        return cloned
+
+    @staticmethod
+    def _drop_unused_attributes(gm: fx.GraphModule, qparam_attrs: set[str]) -> None:
+        """Remove submodules, and the qparam tensors of erased quantize ops, no node refers to any more."""
+        gm.delete_all_unused_submodules()
+        used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        for target in sorted(qparam_attrs - used):
+            parent_name, _, attr = target.rpartition(".")
+            parent = gm.get_submodule(parent_name) if parent_name else gm
+            if hasattr(parent, attr):
+                delattr(parent, attr)
+
+
+def _reads_int8(ctx: _Ctx, node: fx.Node) -> bool:
+    """Whether ``node`` (or the producer a relu would fuse with) reads a dequantized value."""
+    inputs = node.all_input_nodes
+    if any(is_dequantize(a) for a in inputs):
+        return True
+    if _is_relu(ctx, node) and inputs and _single_user(inputs[0]):
+        return any(is_dequantize(a) for a in inputs[0].all_input_nodes)
+    return False
+
+
+def _aliases(ctx: _Ctx, node: fx.Node) -> set[fx.Node]:
+    """``node`` and every GML value sharing its memory (through view modules, both directions)."""
+    seen: set[fx.Node] = set()
+    work = [node]
+    while work:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        mod = ctx.module(n)
+        if isinstance(mod, GMLQuantModuleBase) and mod.is_view and n.args:
+            work.append(n.args[0])  # a view: its base shares memory
+        for u in n.users:
+            umod = ctx.module(u)
+            if isinstance(umod, GMLQuantModuleBase) and umod.is_view:
+                work.append(u)  # a view of it
+    return seen
+
+
+def _op_name(ctx: _Ctx, node: fx.Node) -> str:
+    mod = ctx.module(node)
+    if mod is not None:
+        return type(mod).__name__
+    kind = op_kind(node, ctx.modules)
+    return kind.upper() if kind else ctx.label(node)

@@ -1,0 +1,601 @@
+"""GML INT8 modules: what :class:`~gml.quant.lower.LowerToGML` puts in place of ``DQ → op → Q``.
+
+Hierarchy (ADR 002)::
+
+    GMLQuantModuleBase            output_scale / output_zp buffers; forward returns uint8
+    ├── UnaryOpsBase              + input_scale / input_zp:  QConv2d, QLinear, QReLU, QMaxPool2d,
+    │                               QAdaptiveAvgPool2d, QFlatten
+    ├── BinaryOpsBase             + other_scale / other_zp:  QAdd, QConv2dAdd (residual)
+    ├── QCat                      one (scale, zp) per input, as 1-D buffers
+    └── Quantize                  fp32 → uint8 at the edge of the INT8 region
+    Dequantize (plain Module)     uint8 → fp32; its output is not quantized, so no output qparams
+
+Between GML modules activations are **plain uint8 tensors** (channels-last when 4-D); each module
+knows the qparams of its inputs and output from its buffers, so no QTensor and no per-op
+quantize/dequantize runs. Because every module stores its *output* qparams the same way,
+:func:`extract_qparams` reads a lowered node exactly like a torch quantize node: a residual add whose
+operand was lowered earlier needs no special case.
+
+Saving: qparams, the dense int8 weight, its per-channel scales and the fp32 bias are buffers, so
+``state_dict`` / ``load_state_dict`` round-trip them; the backend's prepacked weight is derived state,
+rebuilt after ``load_state_dict``, deepcopy and unpickling (it is never serialized).
+Each module takes its kernel backend in the constructor (name or instance; default oneDNN).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from gml.kernels.backend import Conv2dSpec, Int8Backend, QParams, get_backend
+
+BackendArg = str | Int8Backend | None
+
+
+def _scalar_buffer(value: float | int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(value, dtype=dtype)
+
+
+def _refresh_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    # A named function, not a lambda: hooks are pickled with the module by torch.save.
+    module.refresh()  # type: ignore[operator]
+
+
+class GMLQuantModuleBase(nn.Module, ABC):
+    """An INT8 op whose output is a uint8 tensor with the qparams in ``output_scale``/``output_zp``.
+
+    Subclasses call ``super().__init__(output_qparams, backend)`` first, register their own
+    buffers, and implement :meth:`forward`. Python-float copies of the buffers are cached for the hot
+    path and refreshed by :meth:`refresh` (called after ``load_state_dict``); a subclass that derives
+    state from buffers (a prepacked weight) extends :meth:`refresh`.
+
+    ``output_qparams=None`` is allowed for the weighted ops only (:class:`QConv2d`,
+    :class:`QLinear`): their kernels can write fp32 directly, which is how a model's last layer
+    avoids rounding its logits. Such a module has ``output_dtype == torch.float32``, buffers
+    (1.0, 0), and :attr:`output_qparams` is ``None``.
+    """
+
+    #: The output shares memory with the first input (a view): the lowering must not let a kernel
+    #: write into it while the input is still read.
+    is_view: bool = False
+
+    def __init__(self, output_qparams: QParams | None, backend: BackendArg = None) -> None:
+        super().__init__()
+        self.backend = get_backend(backend)
+        self.output_dtype = torch.uint8 if output_qparams is not None else torch.float32
+        qp = output_qparams or QParams(1.0, 0)
+        self.register_buffer("output_scale", _scalar_buffer(qp.scale, torch.float64))
+        self.register_buffer("output_zp", _scalar_buffer(qp.zero_point, torch.int64))
+        self._out_qp = output_qparams
+        self.register_load_state_dict_post_hook(_refresh_after_load)
+
+    @property
+    def output_qparams(self) -> QParams | None:
+        """qparams of the uint8 output; ``None`` when the module writes fp32."""
+        return self._out_qp
+
+    def refresh(self) -> None:
+        """Re-read cached values from the buffers (after they were loaded or edited)."""
+        if self.output_dtype == torch.uint8:
+            self._out_qp = QParams(float(self.output_scale), int(self.output_zp))
+
+    @abstractmethod
+    def forward(self, *args: torch.Tensor) -> torch.Tensor: ...
+
+    def _qp_repr(self) -> str:
+        qp = self._out_qp
+        return "out=fp32" if qp is None else f"out=({qp.scale:.4g}, {qp.zero_point})"
+
+
+class UnaryOpsBase(GMLQuantModuleBase):
+    """One uint8 input with qparams ``input_scale``/``input_zp``."""
+
+    def __init__(self, input_qparams: QParams, output_qparams: QParams, backend: BackendArg = None) -> None:
+        super().__init__(output_qparams, backend)
+        self.register_buffer("input_scale", _scalar_buffer(input_qparams.scale, torch.float64))
+        self.register_buffer("input_zp", _scalar_buffer(input_qparams.zero_point, torch.int64))
+        self._in_qp = input_qparams
+
+    @property
+    def input_qparams(self) -> QParams:
+        return self._in_qp
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._in_qp = QParams(float(self.input_scale), int(self.input_zp))
+
+    def _qp_repr(self) -> str:
+        return f"in=({self._in_qp.scale:.4g}, {self._in_qp.zero_point}), " + super()._qp_repr()
+
+
+class BinaryOpsBase(UnaryOpsBase):
+    """Two uint8 inputs: ``input_*`` for the first, ``other_*`` for the second."""
+
+    def __init__(
+        self,
+        input_qparams: QParams,
+        other_qparams: QParams,
+        output_qparams: QParams,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        self.register_buffer("other_scale", _scalar_buffer(other_qparams.scale, torch.float64))
+        self.register_buffer("other_zp", _scalar_buffer(other_qparams.zero_point, torch.int64))
+        self._other_qp = other_qparams
+
+    @property
+    def other_qparams(self) -> QParams:
+        return self._other_qp
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._other_qp = QParams(float(self.other_scale), int(self.other_zp))
+
+    def _qp_repr(self) -> str:
+        other = f"other=({self._other_qp.scale:.4g}, {self._other_qp.zero_point}), "
+        return other + super()._qp_repr()
+
+
+# ---------------------------------------------------------------- weights
+def quantize_weight(weight: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of an fp32 weight (dim 0 = output channels): ``(int8, scales)``.
+
+    Uses [-127, 127] so that the VNNI u8×s8 dot product cannot saturate its 16-bit pairs.
+    """
+    w = weight.detach().float()
+    amax = w.abs().flatten(1).amax(1) if per_channel else w.abs().amax().reshape(1)
+    scale = (amax / 127.0).clamp_min(1e-12)
+    shape = (-1,) + (1,) * (w.dim() - 1)
+    q = torch.round(w / scale.reshape(shape if per_channel else ())).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def reference_weight(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 weight and its scales from a torch.ao reference module (the weight observer's choice),
+    or from a float module by symmetric per-channel quantization."""
+    get_q = getattr(mod, "get_quantized_weight", None)
+    if get_q is None:
+        return quantize_weight(mod.weight)
+    qw = get_q()
+    if qw.dtype != torch.qint8:
+        raise ValueError(f"weight dtype {qw.dtype} (the INT8 kernels take qint8 weights)")
+    if qw.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+        if qw.q_per_channel_axis() != 0:
+            raise ValueError("per-channel weight quantized along a non-output axis")
+        scale, zp = qw.q_per_channel_scales(), qw.q_per_channel_zero_points()
+    else:
+        scale, zp = torch.tensor([qw.q_scale()]), torch.tensor([qw.q_zero_point()])
+    if bool((zp != 0).any()):
+        raise ValueError("asymmetric weight (non-zero weight zero point)")
+    return qw.int_repr(), scale.float()
+
+
+class _Weighted(nn.Module):
+    """Dense int8 ``weight`` + ``weight_scale`` + fp32 ``bias`` buffers, prepacked into ``_packed``."""
+
+    _packed: Any
+
+    def _register_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if weight.dtype != torch.int8:
+            raise ValueError(f"weight must be int8, got {weight.dtype}")
+        scale = weight_scale.detach().float().flatten().contiguous()
+        if scale.numel() not in (1, weight.shape[0]):
+            raise ValueError(f"{scale.numel()} weight scales for {weight.shape[0]} output channels")
+        self.register_buffer("weight", weight.detach().contiguous())
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_packed"] = None  # backend handles are not picklable; rebuilt in __setstate__
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._prepack()
+
+    def _prepack(self) -> None:
+        raise NotImplementedError
+
+
+class QConv2d(UnaryOpsBase, _Weighted):
+    """``relu?(conv2d(x))`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
+    ``qconv2d_pointwise`` with an eltwise post-op)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: Conv2dSpec,
+        input_qparams: QParams,
+        output_qparams: QParams | None,
+        *,
+        relu: bool = False,
+        input_shape: Sequence[int] | None = None,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        self._register_weight(weight, weight_scale, bias)
+        self.spec = spec
+        self.relu = relu
+        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
+        self._post_op = "relu" if relu else "none"
+        self._prepack()
+
+    def _prepack(self) -> None:
+        self._packed = self.backend.prepack_conv2d(
+            self.weight, self.weight_scale, self.bias, self.spec, self._in_qp, self.input_shape
+        )
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._prepack()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.conv2d(x, self._in_qp, self._packed, self._out_qp, self._post_op)
+
+    def extra_repr(self) -> str:
+        o, i, kh, kw = self.weight.shape
+        s = self.spec
+        geo = f"{i * s.groups}→{o}, k={kh}x{kw}, stride={s.stride}, pad={s.padding}"
+        if s.groups != 1:
+            geo += f", groups={s.groups}"
+        return f"{geo}{', relu' if self.relu else ''}, {self._qp_repr()}, {self.backend.name}"
+
+
+class QConv2dAdd(BinaryOpsBase, _Weighted):
+    """``relu?(conv2d(x) + other)``: the residual join as one kernel (oneDNN ``sum`` post-op).
+
+    ``other`` is the skip branch. oneDNN accumulates into ``other``'s memory; the lowering sets
+    ``clone_other`` when anything reads ``other`` after this op (or ``other`` is a view of such a
+    tensor), so the overwrite is never visible.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: Conv2dSpec,
+        input_qparams: QParams,
+        other_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        relu: bool = False,
+        clone_other: bool = False,
+        input_shape: Sequence[int] | None = None,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, other_qparams, output_qparams, backend)
+        if not self.backend.supports_conv_add:
+            raise ValueError(f"the {self.backend.name} backend has no fused conv+add kernel")
+        self._register_weight(weight, weight_scale, bias)
+        self.spec = spec
+        self.relu = relu
+        self.clone_other = clone_other
+        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
+        self._post_op = "add_relu" if relu else "add"
+        self._prepack()
+
+    _prepack = QConv2d._prepack
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._prepack()
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if self.clone_other and self.backend.conv_add_writes_other:
+            other = other.clone(memory_format=torch.channels_last)
+        return self.backend.conv2d(x, self._in_qp, self._packed, self._out_qp, self._post_op, other, self._other_qp)
+
+    def extra_repr(self) -> str:
+        o, i, kh, kw = self.weight.shape
+        s = self.spec
+        geo = f"{i * s.groups}→{o}, k={kh}x{kw}, stride={s.stride}, pad={s.padding}"
+        flags = " + other" + (", relu" if self.relu else "") + (", clone_other" if self.clone_other else "")
+        return f"{geo}{flags}, {self._qp_repr()}, {self.backend.name}"
+
+
+class QLinear(UnaryOpsBase, _Weighted):
+    """``relu?(x @ W.T + b)`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
+    ``qlinear_pointwise``)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_qparams: QParams,
+        output_qparams: QParams | None,
+        *,
+        relu: bool = False,
+        input_shape: Sequence[int] | None = None,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        self._register_weight(weight, weight_scale, bias)
+        self.relu = relu
+        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
+        self._prepack()
+
+    def _prepack(self) -> None:
+        self._packed = self.backend.prepack_linear(
+            self.weight, self.weight_scale, self.bias, self._in_qp, self.input_shape
+        )
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._prepack()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.linear(x, self._in_qp, self._packed, self._out_qp, self.relu)
+
+    def extra_repr(self) -> str:
+        o, i = self.weight.shape
+        return f"{i}→{o}{', relu' if self.relu else ''}, {self._qp_repr()}, {self.backend.name}"
+
+
+class QAdd(BinaryOpsBase):
+    """``relu?(a + b)`` of two uint8 tensors, requantized to the output qparams."""
+
+    def __init__(
+        self,
+        input_qparams: QParams,
+        other_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        relu: bool = False,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, other_qparams, output_qparams, backend)
+        self.relu = relu
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.backend.add(a, self._in_qp, b, self._other_qp, self._out_qp, self.relu)
+
+    def extra_repr(self) -> str:
+        return f"{'relu, ' if self.relu else ''}{self._qp_repr()}, {self.backend.name}"
+
+
+class QReLU(UnaryOpsBase):
+    """ReLU in the integer domain (``max(q, zero_point)``), requantized if the output qparams differ."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.requantize(self.backend.relu(x, self._in_qp), self._in_qp, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return self._qp_repr()
+
+
+class QMaxPool2d(UnaryOpsBase):
+    """Max pooling on uint8 (max commutes with the affine map, so no arithmetic on qparams)."""
+
+    def __init__(
+        self,
+        kernel_size: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int],
+        dilation: tuple[int, int],
+        ceil_mode: bool,
+        input_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        self.kernel_size, self.stride, self.padding, self.dilation = kernel_size, stride, padding, dilation
+        self.ceil_mode = ceil_mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.backend.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+        return self.backend.requantize(y, self._in_qp, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return f"k={self.kernel_size}, stride={self.stride}, pad={self.padding}, {self._qp_repr()}"
+
+
+class QAdaptiveAvgPool2d(UnaryOpsBase):
+    """Adaptive average pooling on uint8, requantized to the output qparams."""
+
+    def __init__(
+        self,
+        output_size: tuple[int, int],
+        input_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        self.output_size = output_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.adaptive_avg_pool2d(x, self._in_qp, self.output_size, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return f"output_size={self.output_size}, {self._qp_repr()}"
+
+
+class QFlatten(UnaryOpsBase):
+    """``torch.flatten`` of the integers (a view when the layout allows)."""
+
+    is_view = True
+
+    def __init__(
+        self,
+        start_dim: int,
+        end_dim: int,
+        input_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        self.start_dim, self.end_dim = start_dim, end_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.flatten(x, self.start_dim, self.end_dim)
+        return self.backend.requantize(y, self._in_qp, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return f"start_dim={self.start_dim}, end_dim={self.end_dim}, {self._qp_repr()}"
+
+
+class QCat(GMLQuantModuleBase):
+    """``torch.cat`` of uint8 tensors, each requantized to the output qparams (exact when equal)."""
+
+    def __init__(
+        self, dim: int, input_qparams: Sequence[QParams], output_qparams: QParams, *, backend: BackendArg = None
+    ) -> None:
+        super().__init__(output_qparams, backend)
+        if not input_qparams:
+            raise ValueError("QCat needs at least one input")
+        self.dim = dim
+        self.register_buffer("input_scales", torch.tensor([q.scale for q in input_qparams], dtype=torch.float64))
+        self.register_buffer("input_zps", torch.tensor([q.zero_point for q in input_qparams], dtype=torch.int64))
+        self._in_qps = tuple(input_qparams)
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._in_qps = tuple(QParams(float(s), int(z)) for s, z in zip(self.input_scales, self.input_zps))
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.backend.cat(xs, self._in_qps, self.dim, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, inputs={len(self._in_qps)}, {self._qp_repr()}"
+
+
+class Quantize(GMLQuantModuleBase):
+    """fp32 → uint8 where the INT8 region starts (model input, or after an op kept in fp32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.quantize(x, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return self._qp_repr()
+
+
+class Dequantize(nn.Module):
+    """uint8 → fp32 where the INT8 region ends. Not a :class:`GMLQuantModuleBase`: its output
+    carries no qparams, so :func:`extract_qparams` correctly finds none on it."""
+
+    def __init__(self, input_qparams: QParams, *, backend: BackendArg = None) -> None:
+        super().__init__()
+        self.backend = get_backend(backend)
+        self.register_buffer("input_scale", _scalar_buffer(input_qparams.scale, torch.float64))
+        self.register_buffer("input_zp", _scalar_buffer(input_qparams.zero_point, torch.int64))
+        self._in_qp = input_qparams
+        self.register_load_state_dict_post_hook(_refresh_after_load)
+
+    @property
+    def input_qparams(self) -> QParams:
+        return self._in_qp
+
+    def refresh(self) -> None:
+        self._in_qp = QParams(float(self.input_scale), int(self.input_zp))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.dequantize(x, self._in_qp)
+
+    def extra_repr(self) -> str:
+        return f"in=({self._in_qp.scale:.4g}, {self._in_qp.zero_point})"
+
+
+GML_MODULES: tuple[type[nn.Module], ...] = (
+    QConv2d,
+    QConv2dAdd,
+    QLinear,
+    QAdd,
+    QReLU,
+    QMaxPool2d,
+    QAdaptiveAvgPool2d,
+    QFlatten,
+    QCat,
+    Quantize,
+    Dequantize,
+)
+
+
+# ---------------------------------------------------------------- reading qparams off the graph
+_QUANTIZE_FUNCS: set[Any] = {torch.quantize_per_tensor}
+_DEQUANTIZE_FUNCS: set[Any] = {torch.dequantize}
+_DECOMPOSED_Q: set[Any] = set()
+_DECOMPOSED_DQ: set[Any] = set()
+try:  # the decomposed ops are registered on import of torch.ao's quantize_fx machinery
+    import torch.ao.quantization.fx._decomposed
+
+    _qd = torch.ops.quantized_decomposed
+    _DECOMPOSED_Q = {_qd.quantize_per_tensor.default, _qd.quantize_per_tensor.tensor}
+    _DECOMPOSED_DQ = {_qd.dequantize_per_tensor.default, _qd.dequantize_per_tensor.tensor}
+except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
+    pass
+
+
+def is_quantize(node: fx.Node) -> bool:
+    """A per-tensor quantize op of a reference graph (torch or ``quantized_decomposed`` spelling)."""
+    return node.op == "call_function" and (node.target in _QUANTIZE_FUNCS or node.target in _DECOMPOSED_Q)
+
+
+def is_dequantize(node: fx.Node) -> bool:
+    """``x.dequantize()``, ``torch.dequantize(x)`` or ``quantized_decomposed.dequantize_per_tensor``."""
+    if node.op == "call_method":
+        return node.target == "dequantize"
+    return node.op == "call_function" and (node.target in _DEQUANTIZE_FUNCS or node.target in _DECOMPOSED_DQ)
+
+
+def _constant(arg: Any, gm: fx.GraphModule) -> Any:
+    """The value of a literal or ``get_attr`` argument (a tensor scalar becomes a Python number)."""
+    if isinstance(arg, fx.Node):
+        if arg.op != "get_attr":
+            raise ValueError(f"{arg.name} is computed at run time")
+        value: Any = gm
+        for part in str(arg.target).split("."):
+            value = getattr(value, part)
+        arg = value
+    if isinstance(arg, torch.Tensor):
+        if arg.numel() != 1:
+            raise ValueError("per-channel activation qparams")
+        return arg.item()
+    return arg
+
+
+def quantize_args(node: fx.Node, gm: fx.GraphModule) -> tuple[QParams, torch.dtype]:
+    """``(qparams, dtype)`` of a quantize (or decomposed dequantize) node; raises ValueError with a
+    human reason if the values are not static per-tensor numbers or the dtype is not 8-bit unsigned."""
+    if node.target in _DECOMPOSED_Q or node.target in _DECOMPOSED_DQ:
+        scale, zp, dtype = node.args[1], node.args[2], node.args[5]
+    else:
+        scale = node.args[1] if len(node.args) > 1 else node.kwargs.get("scale")
+        zp = node.args[2] if len(node.args) > 2 else node.kwargs.get("zero_point")
+        dtype = node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
+    s, z = float(_constant(scale, gm)), int(_constant(zp, gm))
+    if dtype not in (torch.quint8, torch.uint8):
+        raise ValueError(f"activation dtype {dtype} (the INT8 kernels take unsigned 8-bit activations)")
+    return QParams(s, z), dtype
+
+
+def extract_qparams(node: fx.Node, gm: fx.GraphModule) -> QParams | None:
+    """The qparams of the uint8 value ``node`` produces, or ``None`` if it produces no quantized value.
+
+    Polymorphic over what the node is: a torch quantize op (read its scale/zero point arguments), a
+    dequantize op (the qparams of the value it reads), or an already-lowered GML module (its
+    ``output_scale``/``output_zp`` buffers). The last case is what lets a pattern whose operand was
+    lowered earlier, such as a residual add, be lowered without knowing which module produced it.
+    Unsupported quantize ops (per-channel activations, int8) raise ``ValueError`` with the reason.
+    """
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        return mod.output_qparams if isinstance(mod, GMLQuantModuleBase) else None
+    if is_quantize(node):
+        return quantize_args(node, gm)[0]
+    if is_dequantize(node):
+        if node.target in _DECOMPOSED_DQ:
+            return quantize_args(node, gm)[0]
+        src = node.args[0]
+        return extract_qparams(src, gm) if isinstance(src, fx.Node) else None
+    return None
