@@ -80,3 +80,11 @@ def test_help_is_complete():
     ).stdout
     for flag in ("--input-shape", "--weights", "--unsafe-load", "--leaf", "--svg", "--no-nodes"):
         assert flag in sub
+
+
+def test_optimize_prints_report(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out = _run(capsys, "optimize", f"{ASSETS}:SmallCNN", "--no-time")
+    assert code == 0
+    assert "fold_bn" in out and "applied" in out
+    assert "max abs error vs eager" in out

@@ -149,6 +149,52 @@ def _write_graph_drawing(gm, path: str) -> None:
     console.print(f"graph drawn to {path}")
 
 
+def _time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 15) -> dict[str, float]:
+    """Median ms per call of each function, measured in interleaved rounds after one warm-up call."""
+    import statistics
+    import time
+
+    import torch
+
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    with torch.no_grad():
+        for fn in fns.values():
+            fn()
+        for _ in range(rounds):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from gml.api import optimize
+    from gml.passes.pipeline import passes_by_name
+
+    model, inputs = load_from_args(args)
+    passes = passes_by_name([p.strip() for p in args.passes.split(",") if p.strip()]) if args.passes else None
+    res = optimize(model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf)
+    console.print(res.report.table(title=f"gml optimize {args.model}"))
+    if res.report.skips or res.report.rolled_back:
+        console.print(res.report.skip_table())
+    for rec in res.report.records:
+        for note in rec.notes:
+            console.print(f"[dim]{rec.name}: {note}[/]")
+    console.print(f"max abs error vs eager: {res.max_abs_err:.2e}")
+    if not args.no_time:
+        t = _time_interleaved({"eager": lambda: model(*inputs), "optimized": lambda: res.module(*inputs)})
+        console.print(
+            f"latency (median of 15 interleaved calls): eager {t['eager']:.2f} ms, "
+            f"optimized {t['optimized']:.2f} ms ({t['eager'] / t['optimized']:.2f}x); "
+            "use `gml bench` for a full measurement"
+        )
+    if args.out:
+        res.save(args.out)
+        console.print(f"saved to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gml",
@@ -168,6 +214,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-nodes", action="store_true", help="skip the per-node table")
     p.add_argument("--svg", metavar="FILE", help="draw the graph to FILE (.svg needs Graphviz; .dot does not)")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser(
+        "optimize",
+        help="run the fp32 pipeline (normalize, untie, fold BN, fuse) and report every pass",
+        description="Capture MODEL, run the fp32 pass pipeline with per-pass verification (a pass that "
+        "breaks lint or numerics is rolled back), print the per-pass report and every declined candidate "
+        "with its reason, and optionally save the optimized module.",
+    )
+    _add_model_args(p)
+    p.add_argument(
+        "--passes",
+        metavar="LIST",
+        help="comma-separated pass names to run instead of the default pipeline, in that order "
+        "(e.g. normalize,untie,fold_bn)",
+    )
+    p.add_argument("--strict", action="store_true", help="fail on the first broken pass instead of rolling it back")
+    p.add_argument("--no-time", action="store_true", help="skip the quick eager-vs-optimized latency check")
+    p.add_argument("--out", metavar="FILE", help="save the optimized module (see docs/adr/004)")
+    p.set_defaults(func=cmd_optimize)
 
     for register in _EXTRA_COMMANDS:
         register(sub)

@@ -1,0 +1,44 @@
+"""The default pass pipelines, as explicit ordered lists.
+
+Order matters and is fixed here, not discovered:
+
+* ``Normalize`` first, so every later pass sees one node kind per op (ADR 001).
+* ``UntieSharedModules`` before anything that rewrites a module, so a rewrite at one call site
+  can never change another (BasicBlock's shared ``relu``).
+* ``FoldBatchNorm`` before fusion: conv+BN+ReLU becomes conv+ReLU, which the fused kernels take.
+* fusions last, since they replace modules with kernel modules that other passes do not look into.
+"""
+
+from __future__ import annotations
+
+from gml.passes.base import GraphPass
+from gml.passes.fold_bn import FoldBatchNorm
+from gml.passes.normalize import Normalize
+from gml.passes.untie import UntieSharedModules
+
+
+def canonical_passes() -> list[GraphPass]:
+    """Normalize → untie → fold BN: the exact rewrites both the fp32 and INT8 pipelines start with."""
+    return [Normalize(), UntieSharedModules(), FoldBatchNorm()]
+
+
+def fp32_passes() -> list[GraphPass]:
+    """The default fp32 pipeline of ``gml optimize`` / :func:`gml.optimize`."""
+    return [*canonical_passes()]
+
+
+def available_passes() -> dict[str, type[GraphPass]]:
+    """Pass name → class, for ``gml optimize --passes``; names are the passes' own ``name``."""
+    classes: list[type[GraphPass]] = [Normalize, UntieSharedModules, FoldBatchNorm]
+    return {cls.name: cls for cls in classes}
+
+
+def passes_by_name(names: list[str]) -> list[GraphPass]:
+    """Instantiate passes with default options, in the order given; unknown names raise GMLError."""
+    from gml.errors import GMLError
+
+    table = available_passes()
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise GMLError(f"Unknown pass(es): {', '.join(unknown)}.", hint=f"available: {', '.join(table)}.")
+    return [table[n]() for n in names]
