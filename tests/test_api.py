@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from assets.models import SmallCNN
 from torch import nn
 
 import gml
+from assets.models import SmallCNN
 from gml.errors import GMLError, UnsupportedError
 from gml.passes.fold_bn import FoldBatchNorm
 

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from gml.capture import capture, check_eval_mode
