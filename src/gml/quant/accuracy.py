@@ -12,8 +12,9 @@ Matching is by node *name*: the frontend's float twin (:attr:`ReferenceResult.fl
 the same fused modules and node names as the reference graph, so every op pairs up without
 guessing. The INT8 value of a node is taken after its quantize op when it has one (the rounding is
 part of the layer's error); a quantized or GML uint8 output (``output_scale``/``output_zp``
-buffers, ADR 002) is dequantized first. A lowering that replaces a node keeps the pairing by
-naming the new node like the old one or recording the old name in ``node.meta["gml_source"]``.
+buffers, ADR 002) is dequantized first. A lowering that replaces nodes keeps the pairing through
+``node.meta["gml_coverage"].nodes`` (the fp32 nodes it covered; the last one's output is the
+module's output), as :class:`~gml.quant.lower.LowerToGML` records, or ``node.meta["gml_source"]``.
 
 torch.ao's numeric suite (``torch.ao.ns``) is not used: it matches subgraphs of torch.ao's own
 quantized modules and does not know GML's lowered modules, while name matching works for both.
@@ -124,7 +125,11 @@ def _is_quantize(node: fx.Node) -> bool:
 
 
 def _match_key(node: fx.Node) -> str:
-    return str(node.meta.get("gml_source", node.name))
+    """The fp32 node name an INT8 node stands for: its own name, or what a lowering recorded."""
+    if "gml_source" in node.meta:
+        return str(node.meta["gml_source"])
+    covered = getattr(node.meta.get("gml_coverage"), "nodes", None)  # LowerToGML's CoverageEntry
+    return str(covered[-1]) if covered else node.name
 
 
 class _Recorder(fx.Interpreter):

@@ -263,6 +263,30 @@ def get_backend_config(backend: str = "onednn") -> BackendConfig:
     return BackendConfig(f"gml_{backend}").set_backend_pattern_configs(configs)
 
 
+def _pattern_ops(pattern: Any) -> list[Any]:
+    if isinstance(pattern, tuple):
+        return [op for p in pattern for op in _pattern_ops(p)]
+    return [] if pattern is MatchAllNode else [pattern]
+
+
+def int8_ops(config: BackendConfig | None = None) -> tuple[tuple[type[nn.Module], ...], tuple[Any, ...]]:
+    """``(module types, functions)`` that appear in ``config``'s patterns: the ops that run INT8.
+
+    Reference modules subclass their float module (``nnqr.Conv2d`` is an ``nn.Conv2d``), so an
+    ``isinstance`` test on these types also recognises converted graphs.
+    """
+    config = config if config is not None else get_backend_config()
+    types: list[type[nn.Module]] = []
+    fns: list[Any] = []
+    for c in config.configs:
+        pattern = c.pattern if c.pattern is not None else c._pattern_complex_format
+        for op in _pattern_ops(pattern):
+            bucket: list[Any] = types if isinstance(op, type) and issubclass(op, nn.Module) else fns
+            if op not in bucket:
+                bucket.append(op)
+    return tuple(types), tuple(fns)
+
+
 def describe_patterns(config: BackendConfig) -> list[str]:
     """Readable names of the patterns in ``config`` (for reports and docs)."""
 
@@ -289,6 +313,7 @@ __all__ = [
     "SwappedAdd",
     "activation_observer",
     "get_backend_config",
+    "int8_ops",
     "qconfig_mapping",
     "weight_observer",
 ]

@@ -42,7 +42,7 @@ from torch import fx, nn
 
 from gml.errors import InputError
 from gml.passes.manager import PassManager, PipelineReport
-from gml.quant.backend_config import NORMALIZED_MODULES, get_backend_config, qconfig_mapping
+from gml.quant.backend_config import NORMALIZED_MODULES, get_backend_config, int8_ops, qconfig_mapping
 from gml.quant.calibrate import CalibrationStats, calibrate, generate_batches
 
 # torch.ao.quantization's removal notice starts with this sentence (torch/ao/quantization/utils.py).
@@ -50,14 +50,20 @@ _DEPRECATION = re.compile(r"torch\.ao\.quantization is deprecated", re.IGNORECAS
 
 QUANTIZE_FNS = (torch.quantize_per_tensor, torch.quantize_per_channel)
 
-# Running a reference graph makes torch warn once that QTensor creation functions are deprecated.
-# The graphs this frontend returns are meant to be run, so that one notice is filtered for the
-# process; the filter matches only that message.
-warnings.filterwarnings(
-    "ignore",
-    message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor creation",
-    category=UserWarning,
-)
+_QTENSOR_NOTICE = r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor creation"
+
+
+def silence_qtensor_notice() -> None:
+    """Filter torch's one-time "quantized tensor creation functions are deprecated" warning.
+
+    Running a reference graph triggers it, and the graphs this frontend returns are meant to be
+    run, so the filter is process-wide; it matches only that message. Called on import and again
+    by :func:`prepare_reference` (a second identical filter replaces the first).
+    """
+    warnings.filterwarnings("ignore", message=_QTENSOR_NOTICE, category=UserWarning)
+
+
+silence_qtensor_notice()
 
 
 @contextlib.contextmanager
@@ -267,11 +273,16 @@ def _label(node: fx.Node, modules: dict[str, nn.Module]) -> str:
     return node_label(node, modules)
 
 
-def summarize_reference(gm: fx.GraphModule) -> list[OpStatus]:
-    """Which ops of a reference graph are INT8 (read a dequantize or feed a quantize) and which
-    stay fp32, with fused patterns spelled out."""
+def summarize_reference(gm: fx.GraphModule, backend: str = "onednn") -> list[OpStatus]:
+    """Which ops of a reference graph are INT8 and which stay fp32, with fused patterns spelled out.
+
+    An op is INT8 when the BackendConfig has a pattern for it *and* it sits in the quantized
+    region (reads a dequantize or feeds a quantize). Other ops between a dequantize and a
+    quantize run in fp32 there (torch.ao quantizes their output because an INT8 op reads it).
+    """
     from torch.ao.nn.intrinsic import _FusedModule
 
+    types, fns = int8_ops(get_backend_config(backend))
     modules = dict(gm.named_modules())
     out: list[OpStatus] = []
     for node in gm.graph.nodes:
@@ -286,9 +297,12 @@ def summarize_reference(gm: fx.GraphModule) -> list[OpStatus]:
         if isinstance(mod, _FusedModule):
             parts = [type(c).__name__ for c in mod.children()]
             detail = "fused " + " + ".join(p for p in parts if p != "SwappedAdd")
-        int8 = reads_dq or feeds_q
-        if not int8:
-            detail = "no INT8 pattern for this op in the GML BackendConfig"
+        has_pattern = isinstance(mod, types) if mod is not None else node.target in fns
+        int8 = has_pattern and (reads_dq or feeds_q)
+        if not has_pattern:
+            detail = "no INT8 pattern for this op in the GML BackendConfig: runs in fp32"
+        elif not int8:
+            detail = "outside the quantized region (no quantized input or output)"
         elif not feeds_q and not any(u.op == "output" for u in node.users):
             detail = (detail + "; " if detail else "") + "output stays fp32"
         elif not feeds_q:
@@ -358,6 +372,7 @@ def prepare_reference(
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    silence_qtensor_notice()
     gm, fp32_report = run_fp32_passes(model, example_inputs)
     prepared = prepare(
         gm, example_inputs, observer=observer, per_channel=per_channel, backend=backend, percentile=percentile
@@ -371,7 +386,7 @@ def prepare_reference(
         kept = keep_outputs_fp32(ref)
         if kept:
             report.notes.append(f"model outputs kept fp32 (INT8 kernel writes fp32): {', '.join(kept)}")
-    report.ops = summarize_reference(ref)
+    report.ops = summarize_reference(ref, backend)
     return ReferenceResult(ref, twin, report)
 
 
@@ -388,5 +403,6 @@ __all__ = [
     "prepare_reference",
     "quiet_torch_ao",
     "run_fp32_passes",
+    "silence_qtensor_notice",
     "summarize_reference",
 ]
