@@ -170,6 +170,7 @@ def test_scripted_run_statistics_speedup_accuracy_and_failures(scripted):
         threads=1,
         peak=FAKE_PEAK,
         target_sample_ms=0.5,
+        settle_ms=0,
         console=_quiet_console(),
         progress=False,
     )
@@ -272,6 +273,10 @@ def test_reports_json_md_png(real_result, tmp_path: Path):
 
     md = render_markdown(real_result)
     assert "#### batch size 1" in md and "#### batch size 2" in md
+    header = next(line for line in md.splitlines() if line.startswith("| variant"))
+    separator = md.splitlines()[md.splitlines().index(header) + 1]
+    # a literal "|" inside a cell (max |Δ|) must be escaped or the table gains columns
+    assert header.replace("\\|", "").count("|") == separator.count("|")
     assert "| eager fp32 |" in md and "| torch.ao FX INT8 (x86) |" in md
     assert "Roofline:" in md
 
@@ -340,3 +345,24 @@ def test_peer_runtimes_build_and_agree_with_eager():
         assert v.ok, v.message
         assert v.cosine > 0.98 and v.max_abs_diff > 0  # quantized, yet close
         assert len(v.samples_ms) == 2
+
+
+def test_cached_peak_keeps_the_best_measurement(monkeypatch, tmp_path: Path):
+    from gml.bench import roofline
+
+    measured = iter([(100.0, 400.0), (50.0, 500.0), (60.0, 300.0)])
+
+    def fake_measure(threads: int) -> Peak:
+        fp32, int8 = next(measured)
+        return Peak(fp32, int8, threads, "cpu", torch.__version__)
+
+    monkeypatch.setattr(roofline, "measure_peak", fake_measure)
+    cache = tmp_path / "peak.json"
+    first = roofline.cached_peak(2, cache=cache)
+    assert (first.fp32_flops, first.int8_ops, first.source) == (100.0, 400.0, "measured")
+    busy = roofline.cached_peak(2, cache=cache)  # a low fp32 measurement must not lower the peak
+    assert (busy.fp32_flops, busy.int8_ops, busy.source) == (100.0, 500.0, "cache")
+    reset = roofline.cached_peak(2, cache=cache, reset=True)
+    assert (reset.fp32_flops, reset.int8_ops) == (60.0, 300.0)
+    assert reset.floor_ms(120.0, "fp32") == pytest.approx(2000.0)  # 120 FLOP at 60 FLOP/s
+    assert reset.floor_ms(120.0, "int8") == pytest.approx(400.0)

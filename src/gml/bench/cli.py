@@ -52,12 +52,18 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--calib-batches", type=_positive, default=8, help="generated calibration batches for INT8 (default: 8)"
     )
+    p.add_argument(
+        "--settle-ms",
+        type=float,
+        default=100.0,
+        help="pause before each sample so the previous runtime's spinning threads go idle (default: 100)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of inputs and round order (default: 0)")
     p.add_argument("--json", metavar="FILE", help="write every sample and statistic as JSON")
     p.add_argument("--md", metavar="FILE", help="write the tables as Markdown")
     p.add_argument("--png", metavar="FILE", help="draw a latency bar chart with the roofline floor")
     p.add_argument("--no-floor", action="store_true", help="do not measure the machine's peak (no roofline)")
-    p.add_argument("--refresh-peak", action="store_true", help="re-measure the cached compute peak")
+    p.add_argument("--reset-peak", action="store_true", help="forget the best compute peak measured in earlier runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -76,7 +82,7 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
     peak: object = None
     if not args.no_floor:
         threads = args.threads or _default_threads()
-        peak = cached_peak(threads, refresh=args.refresh_peak)
+        peak = cached_peak(threads, reset=args.reset_peak)
     result = run_bench(
         args.model,
         input_shape=shapes,
@@ -87,6 +93,7 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
         threads=args.threads,
         calib_batches=args.calib_batches,
         seed=args.seed,
+        settle_ms=args.settle_ms,
         peak=peak,  # type: ignore[arg-type]
         console=console,
         progress=not args.no_progress,

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gml.bench.runner import BatchResult, BenchResult, VariantResult
+from gml.bench.variants import BENCH_EXTRA_HINT as BENCH_HINT
 
 COLUMNS = (
     "variant",
@@ -155,7 +156,7 @@ def render_markdown(result: BenchResult) -> str:
     ]
     for b in result.batches:
         out += [f"#### batch size {b.batch_size}", ""]
-        out.append("| " + " | ".join(COLUMNS) + " |")
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in COLUMNS) + " |")
         out.append("|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|")
         for v in b.variants:
             if v.ok and v.stats is not None:
@@ -184,8 +185,12 @@ _COLORS = {"fp32": "#4c72b0", "int8": "#dd8452", "bf16": "#55a868"}
 
 def render_png(result: BenchResult, path: str | Path) -> None:
     """Bar chart per batch size: median latency per variant, p10–p90 error bars, roofline floors."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        from gml.errors import GMLError
 
+        raise GMLError("Drawing the chart needs matplotlib, which is not installed.", hint=BENCH_HINT) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -19,7 +19,10 @@ Method, per batch size:
    one :meth:`torch.utils.benchmark.Timer.timeit` of ``inner`` calls, i.e. the mean time of a call
    in that block. ``timeit`` first runs ``max(inner // 100, 2)`` untimed calls, which here re-warms
    caches and thread pools after the previous variant ran; Timer also pins torch's thread count
-   and disables the garbage collector while timing.
+   and disables the garbage collector while timing. Before each sample the harness sleeps
+   ``settle_ms``: some runtimes' worker threads keep spinning after a call returns (measured here
+   with ``getrusage``: ONNX Runtime's for 50–100 ms, OpenMP's for under 20 ms), and without the
+   pause they would steal a core from whichever variant runs next.
 5. **Summarise**: median, p10 and p90 over the samples, speedup = eager median / variant median.
 
 Every sample is kept (``BenchResult.to_dict()``), with the round order that produced it.
@@ -210,6 +213,7 @@ def time_interleaved(
     seed: int = 0,
     target_sample_ms: float = 20.0,
     threads: int | None = None,
+    settle_ms: float = 20.0,
 ) -> dict[str, list[float]]:
     """Per-call latency samples (ms) of zero-argument callables, timed in interleaved rounds.
 
@@ -225,6 +229,7 @@ def time_interleaved(
     samples: dict[str, list[float]] = {n: [] for n in calls}
     for order in interleaved_schedule(list(calls), rounds, seed):
         for n in order:
+            time.sleep(settle_ms / 1e3)
             timer = Timer(stmt="fn()", globals={"fn": calls[n]}, num_threads=threads)
             samples[n].append(timer.timeit(inner[n]).mean * 1e3)
     return samples
@@ -284,8 +289,11 @@ def _resolve_peak(peak: Peak | str | None, threads: int) -> Peak | None:
 
 
 class _Runner:
-    def __init__(self, console: Console, progress: bool, timer_cls: Any, target_sample_ms: float) -> None:
+    def __init__(
+        self, console: Console, progress: bool, timer_cls: Any, target_sample_ms: float, settle_ms: float = 0.0
+    ) -> None:
         self.target_sample_ms = target_sample_ms
+        self.settle_ms = settle_ms
         self.console = console
         self.progress = progress
         self.timer_cls = timer_cls
@@ -343,6 +351,7 @@ def run_bench(
     check_batches: int = 2,
     seed: int = 0,
     target_sample_ms: float = 20.0,
+    settle_ms: float = 100.0,
     peak: Peak | str | None = "cache",
     footprint: bool = True,
     console: Console | None = None,
@@ -356,7 +365,7 @@ def run_bench(
         batch_sizes: each is a separate experiment: every variant is rebuilt for it (static shapes).
         variants: names from :data:`gml.bench.variants.VARIANTS`, comma-separated or a list;
             ``"all"``; ``None`` for the defaults. ``eager`` is always added: it is the reference.
-        rounds, warmup, target_sample_ms: see the module docstring.
+        rounds, warmup, target_sample_ms, settle_ms: see the module docstring.
         threads: threads for every runtime (default: all cores this process may use).
         calib_batches: generated batches every INT8 variant calibrates on (the same ones).
         check_batches: held-out generated batches for the accuracy check.
@@ -374,7 +383,7 @@ def run_bench(
         shapes = [tuple(input_shape)]  # type: ignore[arg-type]
     else:
         shapes = [tuple(s) for s in input_shape]  # type: ignore[union-attr]
-    runner = _Runner(console, progress, _timer_class(), target_sample_ms)
+    runner = _Runner(console, progress, _timer_class(), target_sample_ms, settle_ms)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -412,6 +421,7 @@ def run_bench(
         "check_batches": check_batches,
         "seed": seed,
         "target_sample_ms": target_sample_ms,
+        "settle_ms": settle_ms,
         "timer": "torch.utils.benchmark.Timer.timeit",
     }
     return BenchResult(
@@ -506,6 +516,8 @@ def _timed_rounds(
     def one(round_i: int, name: str) -> None:
         built, native = live[name]
         try:
+            if runner.settle_ms > 0:
+                time.sleep(runner.settle_ms / 1e3)
             by_name[name].samples_ms.append(runner.sample(built, native, inner[name], threads))
             by_name[name].sample_rounds.append(round_i)
         except Exception as exc:  # a variant that dies mid-run is reported, the others go on
