@@ -46,7 +46,7 @@ from torch import fx, nn
 
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import node_label, op_kind
-from gml.passes.utils import modules_of, remove_unused_nodes
+from gml.passes.utils import remove_unused_nodes
 
 _QUANTIZE_FNS = (torch.quantize_per_tensor, torch.quantize_per_channel)
 _VIEW_KINDS = ("view", "flatten", "identity")
@@ -79,16 +79,19 @@ class QParams:
             return f"{self.scale.numel()} vs {other.scale.numel()} scales"
         parts = []
         if not torch.equal(self.scale, other.scale):
-            parts.append(f"scale {_fmt(self.scale)} vs {_fmt(other.scale)}")
+            a, b = _fmt(self.scale), _fmt(other.scale)
+            if a == b:  # differ only beyond 6 digits (e.g. a float32 vs a float64 scale)
+                a, b = _fmt(self.scale, 17), _fmt(other.scale, 17)
+            parts.append(f"scale {a} vs {b}")
         if not torch.equal(self.zero_point, other.zero_point):
             parts.append(f"zero_point {_fmt(self.zero_point)} vs {_fmt(other.zero_point)}")
         return ", ".join(parts)
 
 
-def _fmt(t: torch.Tensor) -> str:
+def _fmt(t: torch.Tensor, digits: int = 6) -> str:
     if t.numel() == 1:
         v = t.item()
-        return f"{v:.6g}" if isinstance(v, float) else str(v)
+        return f"{v:.{digits}g}" if isinstance(v, float) else str(v)
     return f"[{t.numel()} values]"
 
 
@@ -123,11 +126,16 @@ def _value(gm: fx.GraphModule, arg: Any, what: str) -> Any:
 
 
 def _as_f64(x: Any) -> torch.Tensor:
-    return torch.as_tensor(x).detach().to(torch.float64).flatten()
+    # A Python float is a double: convert it directly, never through the float32 default dtype.
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(torch.float64).flatten()
+    return torch.tensor(x, dtype=torch.float64).flatten()
 
 
 def _as_i64(x: Any) -> torch.Tensor:
-    return torch.as_tensor(x).detach().to(torch.int64).flatten()
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(torch.int64).flatten()
+    return torch.tensor(x, dtype=torch.int64).flatten()
 
 
 def _bind(node: fx.Node, names: tuple[str, ...]) -> dict[str, Any]:
@@ -225,6 +233,11 @@ def _tensor_key(node: fx.Node) -> Hashable:
     return node
 
 
+def _modules(gm: fx.GraphModule) -> dict[str, nn.Module]:
+    # Every path, including a module object reachable under two names.
+    return dict(gm.named_modules(remove_duplicate=False))
+
+
 def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
     # The value changed shape/dtype, so tensor_meta is left for the next shape propagation.
     for key in ("stack_trace", "nn_module_stack"):
@@ -271,7 +284,7 @@ class LiftCombineQuant(GraphPass):
     # ------------------------------------------------------------------ 1. lift
     def _lift(self, gm: fx.GraphModule, skips: list[Skip]) -> int:
         graph = gm.graph
-        modules = modules_of(gm)
+        modules = _modules(gm)
         lifted = 0
         for node in list(graph.nodes):
             q = quantize_of(gm, node, modules)
@@ -320,7 +333,7 @@ class LiftCombineQuant(GraphPass):
     # ------------------------------------------------------------------ 2. combine
     def _combine(self, gm: fx.GraphModule, skips: list[Skip]) -> int:
         graph = gm.graph
-        modules = modules_of(gm)
+        modules = _modules(gm)
         groups: dict[Hashable, list[QuantizeOp]] = {}
         for node in graph.nodes:
             q = quantize_of(gm, node, modules)
@@ -370,7 +383,7 @@ class LiftCombineQuant(GraphPass):
     # ------------------------------------------------------------------ 3. dequantize → quantize
     def _drop_dq_q(self, gm: fx.GraphModule, skips: list[Skip]) -> int:
         graph = gm.graph
-        modules = modules_of(gm)
+        modules = _modules(gm)
         dropped = 0
         for node in list(graph.nodes):
             q = quantize_of(gm, node, modules)

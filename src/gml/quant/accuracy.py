@@ -140,7 +140,7 @@ class _Recorder(fx.Interpreter):
         self.keys = keys
         self.after_quantize = after_quantize
         self.values: dict[str, torch.Tensor] = {}
-        self.modules = dict(gm.named_modules())
+        self.modules = dict(gm.named_modules(remove_duplicate=False))
 
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
@@ -263,7 +263,7 @@ def accuracy_report(
     cosine = dot / math.sqrt(na * nb) if na > 0 and nb > 0 else float("nan")
     layers = []
     if layer_graphs:
-        modules = dict(int8_model.named_modules())
+        modules = dict(int8_model.named_modules(remove_duplicate=False))
         for key, node in int8_nodes.items():  # graph order
             if key not in keys or not compared[key]:
                 continue

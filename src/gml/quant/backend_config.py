@@ -28,9 +28,9 @@ same. :class:`nni.ConvAdd2d` computes ``add(conv(x1), x2)``, i.e. the conv outpu
 operand of the :class:`gml.nn.Add`; for a conv on the right of an ``Add(alpha != 1)`` (where the
 operand order matters) the fused module gets a :class:`SwappedAdd` so the math stays the same.
 
-Observers: activations per-tensor affine quint8 (``reduce_range=False`` for oneDNN/VNNI;
-``True`` for fbgemm, whose non-VNNI path can saturate 16-bit accumulators), weights per-channel
-symmetric qint8 (or per-tensor symmetric). Activation observer choices:
+Observers: activations per-tensor affine quint8 (the full 0..255 range for oneDNN/VNNI; 0..127,
+torch's "reduce_range", for fbgemm, whose non-VNNI path can saturate 16-bit accumulators),
+weights per-channel symmetric qint8 (or per-tensor symmetric). Activation observer choices:
 
 * ``minmax``: running min/max, the default; on ResNet18 (random init, N(0,1) inputs) it is as
   good as the histogram search and 3x cheaper.
@@ -135,7 +135,8 @@ def activation_observer(observer: str = "minmax", *, backend: str = "onednn", pe
     _check_choice(observer, OBSERVERS, "observer")
     _check_choice(backend, BACKENDS, "backend")
     kw: dict[str, Any] = {"dtype": torch.quint8, "qscheme": torch.per_tensor_affine}
-    kw["reduce_range"] = backend == "fbgemm"
+    if backend == "fbgemm":  # 7-bit activations (torch's reduce_range, spelled the non-deprecated way)
+        kw.update(quant_min=0, quant_max=127)
     if observer == "minmax":
         return MinMaxObserver.with_args(**kw)
     if observer == "moving_average":

@@ -207,7 +207,7 @@ def float_twin(prepared: fx.GraphModule) -> fx.GraphModule:
     """The prepared model without observers: fp32, same fused modules and node names as the
     reference graph that :func:`convert_reference` makes from it."""
     twin = copy.deepcopy(prepared)
-    modules = dict(twin.named_modules())
+    modules = dict(twin.named_modules(remove_duplicate=False))
     for node in list(twin.graph.nodes):
         if node.op == "call_module" and _is_observer(modules.get(str(node.target))):
             node.replace_all_uses_with(node.args[0])
@@ -241,7 +241,7 @@ def keep_outputs_fp32(gm: fx.GraphModule) -> list[str]:
     """Drop quantize → dequantize pairs right before the graph output when the quantized value
     comes from a weighted op (conv/linear): their INT8 kernels can write fp32 directly, and
     rounding the logits to 8 bits only costs accuracy. Returns the nodes whose output stays fp32."""
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))
     kept: list[str] = []
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for dq in list(output.all_input_nodes):
@@ -283,7 +283,7 @@ def summarize_reference(gm: fx.GraphModule, backend: str = "onednn") -> list[OpS
     from torch.ao.nn.intrinsic import _FusedModule
 
     types, fns = int8_ops(get_backend_config(backend))
-    modules = dict(gm.named_modules())
+    modules = dict(gm.named_modules(remove_duplicate=False))
     out: list[OpStatus] = []
     for node in gm.graph.nodes:
         if node.op not in ("call_module", "call_function", "call_method"):

@@ -1,0 +1,292 @@
+"""INT8 frontend: BackendConfig fusions, observers, calibration errors, reference graph quality."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.ao.nn.intrinsic as nni
+import torch.nn.functional as F
+from torch import fx, nn
+
+from gml import nn as gnn
+from gml.errors import InputError
+from gml.quant.backend_config import (
+    OBSERVERS,
+    PercentileObserver,
+    SwappedAdd,
+    get_backend_config,
+    int8_ops,
+    qconfig_mapping,
+)
+from gml.quant.calibrate import calibrate, generate_batches
+from gml.quant.frontend import keep_outputs_fp32, prepare, prepare_reference, run_fp32_passes
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+
+
+class ResBlockNet(nn.Module):
+    """Every pattern of the BackendConfig in the spellings users write (functional relu, +=, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(8)
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.avg = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn0(self.stem(x)))
+        y = self.bn1(self.conv1(x))
+        y += x  # conv + add + relu
+        y = y.relu()
+        z = self.pool(y) + self.pool(x)  # add (no conv) → fp32-free quantized add
+        z = torch.cat([self.avg(z), self.avg(self.conv2(z))], 1)
+        return self.fc2(F.relu(self.fc1(torch.flatten(z, 1))))
+
+
+def _net() -> ResBlockNet:
+    torch.manual_seed(0)
+    m = ResBlockNet()
+    for bn in (m.bn0, m.bn1):  # non-trivial statistics so folding matters
+        bn.running_mean.uniform_(-0.2, 0.2)
+        bn.running_var.uniform_(0.5, 1.5)
+    return m.eval()
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+
+
+def _types(gm: fx.GraphModule) -> list[str]:
+    mods = dict(gm.named_modules())
+    return [type(mods[str(n.target)]).__name__ for n in gm.graph.nodes if n.op == "call_module"]
+
+
+@pytest.fixture(scope="module")
+def ref_result():
+    m = _net()
+    x = torch.randn(2, 3, 16, 16)
+    calib = generate_batches((torch.randn(4, 3, 16, 16),), 6, seed=1)
+    return m, prepare_reference(m, (x,), calib, progress=False)
+
+
+def test_reference_graph_fuses_and_quantizes_every_pattern(ref_result):
+    _, res = ref_result
+    types = _types(res.graph_module)
+    assert types.count("ConvReLU2d") == 1  # stem (+BN folded) + relu
+    assert types.count("ConvAddReLU2d") == 1  # conv1 (+BN) + residual add + relu
+    assert types.count("Conv2d") == 1  # conv2 alone
+    assert types.count("LinearReLU") == 1 and types.count("Linear") == 1
+    assert "BatchNorm2d" not in types
+    ops = {o.node: o for o in res.report.ops}
+    assert not res.report.fp32, [(o.node, o.detail) for o in res.report.fp32]
+    assert ops["stem"].detail == "fused Conv2d + ReLU"
+    assert ops["conv1"].detail == "fused Conv2d + Add + ReLU"
+    assert {o.op for o in res.report.quantized} >= {"Add", "MaxPool2d", "AdaptiveAvgPool2d", "torch.cat", "Flatten"}
+    # q/dq pairs around every INT8 value; the logits stay fp32 (fc2 writes them directly)
+    code = res.graph_module.code
+    n_q = code.count("torch.quantize_per_tensor(")
+    assert n_q == code.count(".dequantize()") and n_q >= 10
+    out = next(n for n in res.graph_module.graph.nodes if n.op == "output")
+    assert out.args[0].name == "fc2"
+    assert res.report.notes == ["model outputs kept fp32 (INT8 kernel writes fp32): fc2"]
+
+
+def test_reference_graph_is_close_to_fp32_and_float_twin_is_fp32(ref_result):
+    m, res = ref_result
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        want, got, twin = m(x), res.graph_module(x), res.float_module(x)
+    assert _cos(got, want) > 0.999
+    assert 0 < (got - want).abs().max() < 0.1  # quantized, not identical
+    torch.testing.assert_close(twin, want, atol=1e-5, rtol=1e-4)  # BN folded: fp32 up to rounding
+    # the twin and the reference graph share node names op for op
+    twin_names = {n.name for n in res.float_module.graph.nodes if n.op == "call_module"}
+    ref_names = {n.name for n in res.graph_module.graph.nodes if n.op == "call_module"}
+    assert ref_names == twin_names
+
+
+def test_report_lists_fp32_passes_and_calibration(ref_result):
+    _, res = ref_result
+    rep = res.report
+    assert [r.name for r in rep.fp32_passes.records] == ["normalize", "untie", "fold_bn"]
+    assert rep.fp32_passes.record("fold_bn").matches == 2
+    assert rep.calibration.batches == 6 and rep.calibration.samples == 24
+    assert "ops INT8" in rep.summary() and "observer=minmax" in rep.summary()
+    from rich.console import Console
+
+    console = Console(record=True, width=140)
+    console.print(rep.table())
+    text = console.export_text()
+    assert "ConvAddReLU2d" in text and "fused Conv2d + Add + ReLU" in text
+
+
+def test_op_without_pattern_stays_fp32_with_reason():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.c2 = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            return self.c2(F.gelu(self.c1(x)))
+
+    x = torch.randn(1, 3, 8, 8)
+    res = prepare_reference(Net().eval(), (x,), 2, progress=False)
+    (gelu,) = res.report.fp32
+    assert gelu.op == "GELU"
+    assert gelu.detail == "no INT8 pattern for this op in the GML BackendConfig: runs in fp32"
+    assert len(res.report.quantized) == 2
+
+
+def test_fp32_output_false_keeps_the_final_quantize():
+    m = nn.Sequential(nn.Linear(8, 4)).eval()
+    x = torch.randn(3, 8)
+    res = prepare_reference(m, (x,), 2, progress=False, fp32_output=False)
+    out = next(n for n in res.graph_module.graph.nodes if n.op == "output")
+    assert out.args[0].target == "dequantize"
+    assert keep_outputs_fp32(res.graph_module) == ["_0"]
+    out = next(n for n in res.graph_module.graph.nodes if n.op == "output")
+    assert out.args[0].op == "call_module"
+    assert res.graph_module.code.count("quantize_per_tensor(") == 1  # only the input quantize left
+
+
+def test_backend_config_is_small_and_covers_the_normalized_ops():
+    config = get_backend_config("onednn")
+    assert len(config.configs) <= 20  # torch's own onednn config has well over 100
+    types, fns = int8_ops(config)
+    for t in (nn.Conv2d, nn.Linear, nn.ReLU, gnn.Add, nn.MaxPool2d, nn.AdaptiveAvgPool2d, nn.Flatten):
+        assert t in types
+    assert nni.ConvAddReLU2d in types and fns == (torch.cat,)
+    assert nn.BatchNorm2d not in types  # BN is folded before prepare, never quantized
+    with pytest.raises(InputError, match="unknown backend 'tensorrt'"):
+        get_backend_config("tensorrt")
+
+
+def test_swapped_add_keeps_operand_order_for_alpha():
+    add = gnn.Add(alpha=2)
+    a, b = torch.randn(3), torch.randn(3)
+    torch.testing.assert_close(SwappedAdd(add)(a, b), b + 2 * a)
+
+
+def test_conv_on_the_right_of_add_with_alpha_keeps_the_math():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = F.relu(self.c1(x))
+            return F.relu(torch.add(y, self.c2(y), alpha=0.5))
+
+    m = Net().eval()
+    x = torch.randn(2, 3, 8, 8)
+    res = prepare_reference(m, (x,), 4, progress=False)
+    fused = [mod for mod in res.float_module.modules() if isinstance(mod, nni.ConvAddReLU2d)]
+    assert len(fused) == 1 and isinstance(fused[0].add, SwappedAdd)
+    torch.testing.assert_close(res.float_module(x), m(x), atol=1e-5, rtol=1e-4)
+    assert _cos(res.graph_module(x), m(x)) > 0.999
+
+
+@pytest.mark.parametrize("observer", OBSERVERS)
+def test_every_observer_builds_a_working_reference_graph(observer):
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    res = prepare_reference(m, (x,), [x, x], observer=observer, progress=False)
+    assert res.report.observer == observer
+    assert _cos(res.graph_module(x), m(x)) > 0.995
+
+
+def test_percentile_observer_clips_outliers_that_minmax_keeps():
+    x = torch.randn(100_000)
+    x[0] = 50.0  # one outlier
+    pct = PercentileObserver(percentile=99.9)
+    pct(x)
+    scale, _ = pct.calculate_qparams()
+    mm = torch.ao.quantization.MinMaxObserver()
+    mm(x)
+    mm_scale, _ = mm.calculate_qparams()
+    assert float(mm_scale) > (50 + 4) / 255  # min/max spans the outlier
+    assert float(scale) < 10 / 255  # ~[-3.3, 3.3] at 99.9%
+    with pytest.raises(InputError, match="percentile"):
+        PercentileObserver(percentile=30)
+
+
+def test_fbgemm_uses_reduced_range_and_per_tensor_option():
+    qmap = qconfig_mapping("minmax", backend="fbgemm", per_channel=False)
+    qc = qmap.global_qconfig
+    act, w = qc.activation(), qc.weight()
+    assert (act.quant_min, act.quant_max) == (0, 127)
+    assert w.qscheme == torch.per_tensor_symmetric and w.dtype == torch.qint8
+    onednn = qconfig_mapping("minmax").global_qconfig
+    assert onednn.activation().quant_max == 255
+    assert onednn.weight().qscheme == torch.per_channel_symmetric
+    with pytest.raises(InputError, match="unknown observer 'best'"):
+        qconfig_mapping("best")
+
+
+def test_calibrate_rejects_empty_data_and_nan_with_batch_index():
+    gm, _ = run_fp32_passes(nn.Sequential(nn.Linear(4, 2)).eval(), (torch.randn(1, 4),))
+    prepared = prepare(gm, (torch.randn(1, 4),))
+    with pytest.raises(InputError, match="calibration data is empty"):
+        calibrate(prepared, [], progress=False)
+    bad = [torch.randn(2, 4), torch.randn(2, 4), torch.full((2, 4), float("nan"))]
+    with pytest.raises(InputError, match=r"calibration batch 2 \(input 0, shape \(2, 4\)\) contains 8 NaN/Inf"):
+        calibrate(prepared, bad, progress=False)
+    with pytest.raises(InputError, match=r"calibration batch 0 \(shapes \(2, 5\)\) does not fit the model"):
+        calibrate(prepared, [torch.randn(2, 5)], progress=False)
+
+
+def test_calibrate_accepts_labelled_pairs_and_counts_samples():
+    gm, _ = run_fp32_passes(nn.Sequential(nn.Linear(4, 2)).eval(), (torch.randn(1, 4),))
+    prepared = prepare(gm, (torch.randn(1, 4),))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(10, 4), torch.arange(10)), batch_size=4
+    )
+    stats = calibrate(prepared, loader, progress=True)  # the labels are dropped; the bar is transient
+    assert (stats.batches, stats.samples) == (3, 10)
+    assert stats.seconds > 0
+
+
+def test_prepare_reference_rejects_a_single_tensor_and_training_mode():
+    m = nn.Sequential(nn.Linear(4, 2))
+    with pytest.raises(InputError, match="single tensor"):
+        prepare_reference(m.eval(), (torch.randn(1, 4),), torch.randn(8, 4), progress=False)
+    from gml.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="training mode"):
+        prepare_reference(m.train(), (torch.randn(1, 4),), 2, progress=False)
+
+
+def test_no_torch_ao_deprecation_warning_reaches_the_user():
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = prepare_reference(m, (x,), 2, progress=False)
+        res.graph_module(x)
+    messages = [str(w.message) for w in caught]
+    assert not [msg for msg in messages if "deprecated" in msg], messages
+
+
+@pytest.mark.slow
+def test_resnet18_reference_graph_reaches_cosine_target():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    m = torchvision.models.resnet18(weights=None).eval()
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randn(4, 3, 224, 224, generator=g) for _ in range(4)]
+    test = torch.randn(4, 3, 224, 224, generator=g)
+    res = prepare_reference(m, (test[:1],), calib, progress=False)
+    types = _types(res.graph_module)
+    assert (types.count("ConvReLU2d"), types.count("ConvAddReLU2d"), types.count("Conv2d")) == (9, 8, 3)
+    assert not res.report.fp32
+    with torch.no_grad():
+        cos = _cos(res.graph_module(test), m(test))
+    assert cos >= 0.9998, cos
