@@ -74,7 +74,8 @@ class Built:
     ``native(inputs)`` converts torch inputs into what ``run`` takes (numpy feeds for ONNX Runtime,
     ...) outside the timed region; ``run(native_inputs)`` is the timed call; ``output(result)``
     turns its result into tensors/arrays for the accuracy check. ``shared_build_s`` is time spent in
-    a step shared with another variant (an ONNX export) and counted into both build times.
+    a step shared with another variant (an ONNX export) that an earlier variant ran; it is counted
+    into both build times.
     """
 
     run: Callable[[Any], Any]
@@ -186,20 +187,32 @@ def build_compile(ctx: BuildContext) -> Built:
     return _torch_built(compiled, notes=["inductor, freezing=True, dynamic=False"])
 
 
+def _shared_step(ctx: BuildContext, key: str, make: Callable[[], Any]) -> tuple[Any, float]:
+    """Run a step several variants share (an export, a conversion, a calibration) once per batch
+    size. Returns ``(value, seconds to charge)``: the variant that runs the step pays for it inside
+    its own timed build (0 here); a variant reusing it is charged the step's time on top."""
+    if key in ctx.cache:
+        return ctx.cache[key]
+    t0 = time.perf_counter()
+    value = make()
+    ctx.cache[key] = (value, time.perf_counter() - t0)
+    return value, 0.0
+
+
 def _ao_int8(ctx: BuildContext) -> tuple[fx.GraphModule, float]:
-    """torch.ao FX PTQ module, built once per batch size and shared with the jit variant."""
-    if "ao-int8" not in ctx.cache:
+    """torch.ao FX PTQ module, shared with the jit variant."""
+
+    def make() -> fx.GraphModule:
         from torch.ao.quantization import get_default_qconfig_mapping
         from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-        t0 = time.perf_counter()
         with _quiet():
             prepared = prepare_fx(copy.deepcopy(ctx.model), get_default_qconfig_mapping("x86"), ctx.example)
             for batch in ctx.calib:
                 prepared(*batch)
-            converted = convert_fx(prepared)
-        ctx.cache["ao-int8"] = (converted, time.perf_counter() - t0)
-    return ctx.cache["ao-int8"]
+            return convert_fx(prepared)
+
+    return _shared_step(ctx, "ao-int8", make)
 
 
 def build_ao_int8(ctx: BuildContext) -> Built:
@@ -219,24 +232,24 @@ def build_ao_int8_jit(ctx: BuildContext) -> Built:
 # --- ONNX Runtime ----------------------------------------------------------------------------
 
 
-def _onnx_file(ctx: BuildContext) -> tuple[Path, float, str]:
-    """Export once per batch size; the export time is charged to each ORT variant."""
-    if "onnx" not in ctx.cache:
+def _onnx_file(ctx: BuildContext) -> tuple[tuple[Path, str], float]:
+    """``((path, exporter), seconds to charge)``: the export runs once per batch size."""
+
+    def make() -> tuple[Path, str]:
         require("onnx")
         path = ctx.workdir / "model.onnx"
-        t0 = time.perf_counter()
-        how = "dynamo exporter"
         try:
             if importlib.util.find_spec("onnxscript") is None:
                 raise ImportError("onnxscript missing")
             with _quiet():
                 torch.onnx.export(copy.deepcopy(ctx.model), ctx.example, str(path), dynamo=True, verbose=False)
+            return path, "dynamo exporter"
         except Exception:  # the dynamo exporter needs onnxscript and fails on some models
-            how = "TorchScript exporter"
             with _quiet():
                 torch.onnx.export(copy.deepcopy(ctx.model), ctx.example, str(path), dynamo=False)
-        ctx.cache["onnx"] = (path, time.perf_counter() - t0, how)
-    return ctx.cache["onnx"]
+            return path, "TorchScript exporter"
+
+    return _shared_step(ctx, "onnx", make)
 
 
 def _ort_session(path: Path, threads: int) -> Any:
@@ -262,7 +275,7 @@ def _ort_built(sess: Any, notes: list[str], shared_s: float) -> Built:
 
 def build_ort_fp32(ctx: BuildContext) -> Built:
     require("onnxruntime")
-    path, export_s, how = _onnx_file(ctx)
+    (path, how), export_s = _onnx_file(ctx)
     return _ort_built(_ort_session(path, ctx.threads), [f"torch.onnx.export ({how})"], export_s)
 
 
@@ -271,7 +284,7 @@ def build_ort_int8(ctx: BuildContext) -> Built:
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    path, export_s, how = _onnx_file(ctx)
+    (path, how), export_s = _onnx_file(ctx)
     pre = ctx.workdir / "model.pre.onnx"
     qpath = ctx.workdir / "model.int8.onnx"
     names = [i.name for i in _ort_session(path, 1).get_inputs()]
@@ -303,14 +316,13 @@ def build_ort_int8(ctx: BuildContext) -> Built:
 
 
 def _ov_model(ctx: BuildContext) -> tuple[Any, float]:
-    if "ov" not in ctx.cache:
+    def make() -> Any:
         import openvino as ov
 
-        t0 = time.perf_counter()
         with _quiet():
-            model = ov.convert_model(copy.deepcopy(ctx.model), example_input=ctx.example)
-        ctx.cache["ov"] = (model, time.perf_counter() - t0)
-    return ctx.cache["ov"]
+            return ov.convert_model(copy.deepcopy(ctx.model), example_input=ctx.example)
+
+    return _shared_step(ctx, "ov", make)
 
 
 def _ov_compile(model: Any, threads: int, precision: str) -> Any:
