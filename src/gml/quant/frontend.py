@@ -42,7 +42,13 @@ from torch import fx, nn
 
 from gml.errors import InputError
 from gml.passes.manager import PassManager, PipelineReport
-from gml.quant.backend_config import NORMALIZED_MODULES, get_backend_config, int8_ops, qconfig_mapping
+from gml.quant.backend_config import (
+    NORMALIZED_MODULES,
+    SwappedAdd,
+    get_backend_config,
+    int8_ops,
+    qconfig_mapping,
+)
 from gml.quant.calibrate import CalibrationStats, calibrate, generate_batches
 
 # torch.ao.quantization's removal notice starts with this sentence (torch/ao/quantization/utils.py).
@@ -295,8 +301,8 @@ def summarize_reference(gm: fx.GraphModule, backend: str = "onednn") -> list[OpS
         mod = modules.get(str(node.target)) if node.op == "call_module" else None
         detail = ""
         if isinstance(mod, _FusedModule):
-            parts = [type(c).__name__ for c in mod.children()]
-            detail = "fused " + " + ".join(p for p in parts if p != "SwappedAdd")
+            parts = ["Add" if isinstance(c, SwappedAdd) else type(c).__name__ for c in mod.children()]
+            detail = "fused " + " + ".join(parts)
         has_pattern = isinstance(mod, types) if mod is not None else node.target in fns
         int8 = has_pattern and (reads_dq or feeds_q)
         if not has_pattern:
