@@ -6,6 +6,7 @@ script of samples (to check the statistics exactly) or only counted.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import math
@@ -259,8 +260,26 @@ def test_gml_api_missing_function_is_not_available(monkeypatch):
         variants.build_gml_int8(None)  # type: ignore[arg-type]  # fails before touching ctx
 
 
-def test_reports_json_md_png(real_result, tmp_path: Path):
-    jpath, png = tmp_path / "r.json", tmp_path / "r.png"
+def test_png_chart(real_result, tmp_path: Path):
+    pytest.importorskip("matplotlib")  # part of the [bench] extra
+    png = tmp_path / "r.png"
+    render_png(real_result, png)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_png_without_matplotlib_says_what_to_install(real_result, tmp_path: Path, monkeypatch):
+    import sys
+
+    from gml.errors import GMLError
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(GMLError, match="needs matplotlib") as info:
+        render_png(real_result, tmp_path / "r.png")
+    assert info.value.hint == "pip install 'gml-lab[bench]'"
+
+
+def test_reports_json_md_table(real_result, tmp_path: Path):
+    jpath = tmp_path / "r.json"
     write_json(real_result, jpath)
     data = json.loads(jpath.read_text())
     for b_json, b in zip(data["batches"], real_result.batches):
@@ -280,9 +299,6 @@ def test_reports_json_md_png(real_result, tmp_path: Path):
     assert header.replace("\\|", "").count("|") == separator.count("|")
     assert "| eager fp32 |" in md and "| torch.ao FX INT8 (x86) |" in md
     assert "Roofline:" in md
-
-    render_png(real_result, png)
-    assert png.read_bytes()[:8] == PNG_MAGIC
 
     console = Console(record=True, width=160)
     console.print(render_table(real_result))
@@ -305,14 +321,17 @@ def test_cli_writes_all_outputs(tmp_path: Path, monkeypatch, scripted):
     p = argparse.ArgumentParser()
     add_bench_arguments(p)
     out = tmp_path / "o"
+    png = importlib.util.find_spec("matplotlib") is not None
     args = p.parse_args(
         [f"{model_file}:M", "--input-shape", "1x4", "--variants", "fast", "--rounds", "5", "--no-floor",
-         "--threads", "1", "--no-progress", "--json", f"{out}.json", "--md", f"{out}.md", "--png", f"{out}.png"]
+         "--threads", "1", "--no-progress", "--json", f"{out}.json", "--md", f"{out}.md"]
+        + (["--png", f"{out}.png"] if png else [])
     )  # fmt: skip
     assert bench_command(args, console=_quiet_console()) == 0
     assert json.loads(Path(f"{out}.json").read_text())["batches"][0]["variants"][1]["stats_ms"]["median"] == 6.0
     assert "fast label" in Path(f"{out}.md").read_text()
-    assert Path(f"{out}.png").read_bytes()[:8] == PNG_MAGIC
+    if png:
+        assert Path(f"{out}.png").read_bytes()[:8] == PNG_MAGIC
     with pytest.raises(SystemExit):
         p.parse_args(["m", "--batch-sizes", "0"])
 
