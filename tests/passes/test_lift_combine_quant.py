@@ -196,6 +196,27 @@ def test_combine_through_getitem_of_multi_output_producer():
     _exact_pair(expected, gm(x_in))
 
 
+def test_merged_views_keep_the_earliest_so_order_stays_valid():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    q1 = g.call_function(Q, (x, 0.1, 0, torch.quint8))
+    late = g.call_method("reshape", (q1, -1))  # created first, so first among q1's users...
+    with g.inserting_before(late):  # ...but the other view and its reader come earlier in the graph
+        q2 = g.call_function(Q, (x, 0.1, 0, torch.quint8))
+        early = g.call_method("reshape", (q2, -1))
+        d = g.call_method("dequantize", (early,))
+    g.output((d, late))
+    gm = _gm(g)
+    x_in = torch.rand(2, 3)
+    expected = gm(x_in)
+    res = _run_pass(gm)
+    assert res.matches == 1
+    gm.graph.lint()  # the surviving view precedes both readers
+    assert _count(gm, "reshape") == 1 and _count(gm, Q) == 1
+    got = gm(x_in)
+    assert torch.equal(got[0], expected[0]) and _same(got[1], expected[1])
+
+
 def test_drop_dequantize_quantize_with_equal_qparams():
     # q1 → dq → flatten → q2(same values): after lift, q2 reads dq; the pair is a no-op.
     g = fx.Graph()

@@ -339,6 +339,7 @@ class LiftCombineQuant(GraphPass):
             q = quantize_of(gm, node, modules)
             if q is not None:
                 groups.setdefault(_tensor_key(q.input), []).append(q)
+        order = {n: i for i, n in enumerate(graph.nodes)}  # combining only erases: stays valid
         merged = 0
         for ops in groups.values():
             if len(ops) < 2:
@@ -359,14 +360,17 @@ class LiftCombineQuant(GraphPass):
                     continue
                 q.node.replace_all_uses_with(same.node)
                 _erase_with_args(graph, q.node)
-                self._merge_views(graph, same.node, modules)
+                self._merge_views(graph, same.node, modules, order)
                 merged += 1
         return merged
 
-    def _merge_views(self, graph: fx.Graph, node: fx.Node, modules: dict[str, nn.Module]) -> None:
-        """Identical view calls on one (now shared) quantized tensor become one node."""
+    def _merge_views(
+        self, graph: fx.Graph, node: fx.Node, modules: dict[str, nn.Module], order: dict[fx.Node, int]
+    ) -> None:
+        """Identical view calls on one (now shared) quantized tensor become one node: the first in
+        graph order, which precedes every reader of the others."""
         seen: dict[Hashable, fx.Node] = {}
-        for user in list(node.users):
+        for user in sorted(node.users, key=order.__getitem__):
             if not _is_view(user, modules) or user.args[0] is not node:
                 continue
             try:
@@ -378,7 +382,7 @@ class LiftCombineQuant(GraphPass):
             if first is not user:
                 user.replace_all_uses_with(first)
                 graph.erase_node(user)
-                self._merge_views(graph, first, modules)
+                self._merge_views(graph, first, modules, order)
 
     # ------------------------------------------------------------------ 3. dequantize → quantize
     def _drop_dq_q(self, gm: fx.GraphModule, skips: list[Skip]) -> int:
