@@ -38,6 +38,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="input shape(s) like 1x3x224x224 (dim 0 is replaced by each batch size; several inputs: "
         "1x3x32x32,1x10). Default: what the model declares, else 1x3x224x224",
     )
+    p.add_argument("--weights", metavar="FILE", help="state_dict checkpoint to load (weights_only=True)")
+    p.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help="allow pickled objects in --weights (runs code from the file: only for files you trust)",
+    )
     p.add_argument("--batch-sizes", type=_int_list, default=[1], metavar="N[,N...]", help="batch sizes (default: 1)")
     p.add_argument(
         "--variants",
@@ -94,6 +100,8 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
         calib_batches=args.calib_batches,
         seed=args.seed,
         settle_ms=args.settle_ms,
+        weights=args.weights,
+        unsafe_load=args.unsafe_load,
         peak=peak,  # type: ignore[arg-type]
         console=console,
         progress=not args.no_progress,

@@ -252,7 +252,9 @@ def machine_info(threads: int) -> dict[str, Any]:
     }
 
 
-def _load(model: str | nn.Module) -> tuple[nn.Module, str, list[tuple[int, ...]] | None]:
+def _load(
+    model: str | nn.Module, weights: str | None = None, unsafe_load: bool = False
+) -> tuple[nn.Module, str, list[tuple[int, ...]] | None]:
     """The eager model, its display name and declared input shapes (None: use the default)."""
     name = model if isinstance(model, str) else type(model).__name__
     try:
@@ -262,7 +264,7 @@ def _load(model: str | nn.Module) -> tuple[nn.Module, str, list[tuple[int, ...]]
 
         m = model if isinstance(model, nn.Module) else torchvision.models.get_model(model, weights=None)
         return m.eval(), name, None
-    m = load_model(model)
+    m = load_model(model, weights=weights, unsafe_load=unsafe_load)
     return m, name, [tuple(s) for s in default_input_shapes(m, model if isinstance(model, str) else None)]
 
 
@@ -354,6 +356,8 @@ def run_bench(
     settle_ms: float = 100.0,
     peak: Peak | str | None = "cache",
     footprint: bool = True,
+    weights: str | None = None,
+    unsafe_load: bool = False,
     console: Console | None = None,
     progress: bool = True,
 ) -> BenchResult:
@@ -372,11 +376,12 @@ def run_bench(
         peak: compute peak for the roofline floor: ``"cache"`` (measure once, then reuse),
             ``"measure"``, a :class:`Peak`, or ``None`` for no floor.
         footprint: compute the activation footprint of variants that are FX graphs.
+        weights, unsafe_load: a state_dict checkpoint to load into the model (see ``gml.models``).
     """
     console = console or Console(stderr=True)
     names = resolve_variants(variants if variants is None or isinstance(variants, str) else list(variants))
     threads = threads or _default_threads()
-    eager_model, model_name, declared = _load(model)
+    eager_model, model_name, declared = _load(model, weights, unsafe_load)
     if input_shape is None:
         shapes = declared or [(1, 3, 224, 224)]
     elif input_shape and isinstance(input_shape[0], int):
