@@ -1,0 +1,181 @@
+"""Helpers the fp32 fusion passes share: op kinds, shape metadata, layout safety, node surgery.
+
+Kept out of :mod:`gml.passes.utils` because they encode fusion policy (which producers return a fresh
+tensor, how a channels-last conv output must be protected from ``.view``), not general graph tools.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import TensorMetadata
+
+from gml import nn as gnn
+from gml.kernels import fp32 as k32
+from gml.passes.oplib import SPECS, op_kind
+
+CONV_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+ACTIVATION_KINDS = frozenset(name for name, spec in SPECS.items() if "activation" in spec.tags)
+
+
+def kind_of(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
+    """:func:`~gml.passes.oplib.op_kind`, plus the module spellings Normalize introduces."""
+    if node.op == "call_module":
+        mod = modules.get(str(node.target))
+        if isinstance(mod, gnn.Add):
+            return "add"
+        if isinstance(mod, gnn.Mul):
+            return "mul"
+    return op_kind(node, modules)
+
+
+def add_operands(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[fx.Node, fx.Node] | str:
+    """The two tensor operands of a plain ``a + b`` in any spelling, or why it is not one."""
+    if node.op == "call_module":
+        mod = modules[str(node.target)]
+        if isinstance(mod, gnn.Add) and mod.alpha != 1:
+            return f"add with alpha={mod.alpha}"
+        args = list(node.args) + list(node.kwargs.values())
+    else:
+        if node.kwargs.get("alpha", 1) != 1:
+            return f"add with alpha={node.kwargs['alpha']}"
+        if node.target in (operator.iadd,) or str(node.target) == "add_":
+            return "in-place add (run Normalize first)"
+        if len(node.args) > 2 and node.args[2] != 1:
+            return f"add with alpha={node.args[2]}"
+        args = list(node.args[:2]) + [v for k, v in node.kwargs.items() if k == "other"]
+    tensors = [a for a in args if isinstance(a, fx.Node)]
+    if len(tensors) != 2 or len(args) != 2:
+        return "add of a tensor and a constant"
+    return tensors[0], tensors[1]
+
+
+def meta(node: fx.Node) -> TensorMetadata | None:
+    m = node.meta.get("tensor_meta")
+    return m if isinstance(m, TensorMetadata) else None
+
+
+def shape_of(node: fx.Node) -> tuple[int, ...] | None:
+    m = meta(node)
+    return tuple(m.shape) if m is not None else None
+
+
+def dtype_problem(*nodes: fx.Node) -> str | None:
+    """Why these values are not fp32 (from ``tensor_meta``), or ``None`` (fp32 or unknown)."""
+    for n in nodes:
+        m = meta(n)
+        if m is not None and m.dtype != torch.float32:
+            return f"{n.name} is {m.dtype}, the fp32 kernels take float32"
+    return None
+
+
+def call_sites(gm: fx.GraphModule, target: str) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == target)
+
+
+def conv_problem(gm: fx.GraphModule, node: fx.Node, mod: nn.Module) -> str | None:
+    """Why this ``nn.ConvNd`` call cannot become a oneDNN fused conv, or ``None``."""
+    if type(mod) not in CONV_TYPES:
+        return f"{type(mod).__name__} is not a plain nn.Conv1d/2d/3d"
+    if mod.padding_mode != "zeros":
+        return f"padding_mode={mod.padding_mode!r} (oneDNN pads with zeros only)"
+    pad = k32.conv_padding(mod)
+    if isinstance(pad, str):
+        return pad
+    if mod.weight.dtype != torch.float32:
+        return f"weight is {mod.weight.dtype}, the fp32 kernels take float32"
+    if len(node.args) != 1 or node.kwargs:
+        return "conv called with extra arguments"
+    why = dtype_problem(node.args[0])
+    if why:
+        return why
+    sites = call_sites(gm, str(node.target))
+    if sites > 1:
+        return f"conv module {node.target} is called at {sites} sites (run UntieSharedModules first)"
+    return None
+
+
+def graph_order(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def fresh_output_types() -> tuple[type[nn.Module], ...]:
+    """Modules whose output is a new tensor (not a view of an input): safe to overwrite once dead."""
+    return (
+        *CONV_TYPES,
+        *k32.fp32_kernel_modules(),
+        nn.MaxPool2d,
+        nn.MaxPool3d,
+        nn.AvgPool2d,
+        nn.AvgPool3d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+        gnn.Add,
+    )
+
+
+def fallback_notes() -> list[str]:
+    why = k32.kernel_unavailable_reason()
+    if why is None:
+        return []
+    return [f"oneDNN fp32 kernels unavailable ({why}): fused modules compute with unfused ATen ops"]
+
+
+def make_views_layout_safe(gm: fx.GraphModule, roots: Iterable[fx.Node]) -> int:
+    """Turn ``.view(...)`` downstream of ``roots`` into ``.reshape(...)``; returns how many.
+
+    The fused convs return channels-last tensors; ``x.view(n, -1)`` on one raises where the NCHW
+    original worked. ``reshape`` gives the same values (copying only when the strides require it).
+    """
+    seen: set[fx.Node] = set()
+    work = list(roots)
+    changed = 0
+    while work:
+        node = work.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if (
+                user.op == "call_method"
+                and user.target == "view"
+                and not any(isinstance(a, torch.dtype) for a in user.args[1:])
+            ):
+                user.target = "reshape"
+                changed += 1
+            work.append(user)
+    return changed
+
+
+def restore_output_layout(gm: fx.GraphModule, roots: Iterable[fx.Node]) -> int:
+    """Make graph outputs computed from channels-last fused convs contiguous again (NCHW)."""
+    roots = set(roots)
+    reach: set[fx.Node] = set()
+    work = list(roots)
+    while work:
+        n = work.pop()
+        for u in n.users:
+            if u not in reach:
+                reach.add(u)
+                work.append(u)
+    reach |= roots
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    changed = 0
+
+    def fix(a: object) -> object:
+        nonlocal changed
+        if isinstance(a, fx.Node) and a in reach:
+            m = meta(a)
+            if m is not None and len(m.shape) in (4, 5):
+                with gm.graph.inserting_before(out):
+                    c = gm.graph.call_method("contiguous", (a,))
+                c.meta = dict(a.meta)
+                changed += 1
+                return c
+        return a
+
+    out.args = (fx.node.map_aggregate(out.args[0], fix),)
+    return changed

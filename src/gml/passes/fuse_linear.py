@@ -1,0 +1,104 @@
+"""Fuse ``nn.Linear`` with the activation after it onto oneDNN's fused inner product.
+
+Before → after::
+
+    y = linear(x); out = act(y)   →   out = FusedLinear[act](x)     math: act(x W^T + b)
+    y = linear(x)                 →   y = FusedLinear[none](x)      (prepacked weight)
+
+This is the fusion practice's manual pass (phase 2): a walker over the nodes that checks the
+*module type* of each ``call_module`` (``torch.fx.subgraph_rewriter`` would compare attribute names),
+finds the single activation user of each Linear and swaps in one fused module.
+
+``act`` is any activation oneDNN fuses (see :func:`gml.kernels.fp32.post_op_of`). The fused module
+keeps the Linear's dotted name, so ``state_dict`` keys do not change. Plain Linears are lowered onto
+the faster of oneDNN's prepacked inner product and MKL's packed GEMM for their row count
+(:func:`gml.kernels.fp32.choose_linear_backend`, measured in docs/fp32-kernels.md).
+
+Skipped, with the reason: Linear output read by more than the activation ("linear output has 2
+users"), activations with no oneDNN post-op, non-fp32 weights/inputs, Linear modules called at
+several sites (run UntieSharedModules first), subclasses of nn.Linear (their forward may differ).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import fx, nn
+
+from gml.kernels import fp32 as k32
+from gml.passes import fuse_common as fc
+from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
+from gml.passes.utils import get_module, modules_of, remove_unused_nodes, replace_module
+
+
+class FuseLinearActivation(GraphPass):
+    """Replaces ``act(linear(x))`` with one :class:`~gml.kernels.fp32.FusedLinear`; lowers other Linears."""
+
+    name = "fuse_linear"
+    tolerance = Tolerance(atol=1e-4, rtol=1e-4)  # different GEMM blocking: a few ulp per output
+
+    def __init__(self, *, lower_unfused: bool = True) -> None:
+        self.lower_unfused = lower_unfused
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        modules = modules_of(gm)
+        skips: list[Skip] = []
+        notes = fc.fallback_notes()
+        fused = lowered = 0
+        backends: dict[str, int] = {}
+        for node in list(gm.graph.nodes):
+            mod = get_module(gm, node)
+            if not isinstance(mod, nn.Linear):
+                continue
+            why = self._problem(gm, node, mod)
+            if why:
+                skips.append(Skip(node.name, why, "linear → act"))
+                continue
+            post, tail = k32.NO_POST_OP, node
+            acts = [u for u in node.users if fc.kind_of(u, modules) in fc.ACTIVATION_KINDS]
+            if acts and len(node.users) > 1:
+                skips.append(Skip(node.name, f"linear output has {len(node.users)} users", "linear → act"))
+            elif acts:
+                found = k32.post_op_of(acts[0], modules)
+                if isinstance(found, str):
+                    skips.append(Skip(acts[0].name, f"post-op not fused: {found}", "linear → act"))
+                else:
+                    post, tail = found, acts[0]
+            if tail is node and not self.lower_unfused:
+                continue
+            shape = fc.shape_of(node.args[0])
+            rows = math.prod(shape[:-1]) if shape else None
+            new_mod = k32.FusedLinear.from_linear(mod, post, rows=rows)
+            backends[new_mod.backend] = backends.get(new_mod.backend, 0) + 1
+            replace_module(gm, str(node.target), new_mod)
+            if tail is not node:
+                node.meta = dict(tail.meta)
+                tail.replace_all_uses_with(node)
+                remove_unused_nodes(gm.graph, [tail])
+                fused += 1
+            else:
+                lowered += 1
+        if fused or lowered:
+            per = ", ".join(f"{n} on {b}" for b, n in sorted(backends.items()))
+            notes.append(f"{fused} linear+activation fused, {lowered} linear(s) lowered without post-op ({per})")
+            gm.graph.lint()
+            gm.delete_all_unused_submodules()
+            gm.recompile()
+        return PassResult(gm, bool(fused or lowered), fused, skips, notes)
+
+    @staticmethod
+    def _problem(gm: fx.GraphModule, node: fx.Node, mod: nn.Linear) -> str | None:
+        if type(mod) is not nn.Linear:
+            return f"{type(mod).__name__} is a subclass of nn.Linear (its forward may differ)"
+        if mod.weight.dtype != torch.float32:
+            return f"weight is {mod.weight.dtype}, the fp32 kernels take float32"
+        if len(node.args) != 1 or node.kwargs:
+            return "linear called with extra arguments"
+        why = fc.dtype_problem(node.args[0])
+        if why:
+            return why
+        sites = fc.call_sites(gm, str(node.target))
+        if sites > 1:
+            return f"linear module {node.target} is called at {sites} sites (run UntieSharedModules first)"
+        return None
