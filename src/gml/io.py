@@ -1,0 +1,375 @@
+"""Save and load optimized models without the user's model source (ADR 004).
+
+:func:`save` writes a ``torch.export`` program (``.pt2``): the optimized graph as ATen and oneDNN
+ops, with the **dense** fp32 weights. Opaque prepacked oneDNN tensors have no storage and cannot be
+serialized, so the fused modules emit their op with the dense weight while being exported
+(``torch.compiler.is_compiling()``). The batch dimension is exported as dynamic when the graph
+allows it.
+
+:func:`load` reads it back with ``torch.export.load`` (no pickle of arbitrary objects), takes the
+program's ``GraphModule`` and *lifts* every fused-kernel call whose weights are constants back into
+its GML module (``_convolution_pointwise`` → :class:`~gml.kernels.fp32.FusedConv`, ...), which
+prepacks the weights again for this machine on first call. Loading needs ``gml`` and ``torch``,
+never the original model's Python code. Other kernel families (INT8) extend the lifting by passing
+their own :data:`Lifter` functions.
+
+A pickled ``GraphModule`` (``format="pickle"``) is the escape hatch for graphs ``torch.export``
+cannot take. Unpickling runs code from the file, so :func:`load` refuses it unless the caller passes
+``trust_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from gml.errors import GMLError, ModelLoadError
+from gml.kernels import fp32 as k32
+from gml.passes.utils import replace_module
+
+FORMAT_EXPORT = "gml-export-v1"
+FORMAT_PICKLE = "gml-pickle-v1"
+_META_FILE = "gml.json"
+
+#: ``lifter(gm, node) -> nn.Module | None``: the module that computes ``node`` (a call of a kernel op
+#: with constant weights) with its arguments ``node.args[0:k]`` (see :class:`Lift`), or ``None``.
+Lifter = Callable[[fx.GraphModule, fx.Node], "Lift | None"]
+
+
+class Lift:
+    """A lifted node: ``module`` replaces the call, taking ``inputs`` (graph values) as arguments."""
+
+    def __init__(self, module: nn.Module, inputs: Sequence[fx.Node], weight_target: str | None) -> None:
+        self.module = module
+        self.inputs = tuple(inputs)
+        self.weight_target = weight_target
+
+
+# --------------------------------------------------------------------------------------------------
+# save
+# --------------------------------------------------------------------------------------------------
+
+
+def _example_inputs(gm: fx.GraphModule) -> tuple[torch.Tensor, ...]:
+    args = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        meta = node.meta.get("tensor_meta")
+        if meta is None:
+            raise GMLError(
+                f"cannot save: input {node.name!r} has no shape metadata",
+                hint="pass example_inputs=(x,) to gml.io.save, or capture the model with gml.capture(model, (x,))",
+            )
+        args.append(torch.zeros(tuple(meta.shape), dtype=meta.dtype))
+    return tuple(args)
+
+
+def _export(gm: nn.Module, args: tuple, dynamic_batch: bool) -> tuple[Any, bool]:
+    if dynamic_batch and all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):
+        batch = torch.export.Dim("batch", min=1, max=4096)
+        # export specializes a dimension whose example size is 1, so trace the dynamic one at 2
+        wide = tuple(a.new_zeros((2, *a.shape[1:])) for a in args)
+        try:
+            return torch.export.export(gm, wide, dynamic_shapes=tuple({0: batch} for _ in args), strict=False), True
+        except Exception:  # the graph specializes the batch (e.g. a reshape to a fixed size): go static
+            pass
+    return torch.export.export(gm, args, strict=False), False
+
+
+def save(
+    gm: nn.Module,
+    path: str | Path,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    *,
+    dynamic_batch: bool = True,
+    format: str = "export",
+) -> Path:
+    """Save an optimized module so :func:`load` can rebuild it without the original source.
+
+    ``format="export"`` (default) writes a ``torch.export`` program; ``"pickle"`` pickles the
+    ``GraphModule`` (loading it then needs ``trust_pickle=True``). Returns the path written.
+    """
+    path = Path(path)
+    if format == "pickle":
+        torch.save({"gml_format": FORMAT_PICKLE, "module": gm}, path)
+        return path
+    if format != "export":
+        raise GMLError(f"unknown save format {format!r}", hint="use format='export' or format='pickle'")
+    if example_inputs is None:
+        if not isinstance(gm, fx.GraphModule):
+            raise GMLError("cannot save: no example inputs", hint="pass example_inputs=(x,)")
+        example_inputs = _example_inputs(gm)
+    args = tuple(example_inputs)
+    k32.register_export_support()
+    was_training = gm.training
+    gm.eval()
+    try:
+        with torch.no_grad():
+            ep, dynamic = _export(gm, args, dynamic_batch)
+    except Exception as e:
+        raise GMLError(
+            f"torch.export could not capture the optimized model: {type(e).__name__}: {str(e).splitlines()[0]}",
+            hint="save(..., format='pickle') writes a pickled GraphModule instead (loading it needs trust_pickle=True)",
+        ) from e
+    finally:
+        gm.train(was_training)
+    info = {"format": FORMAT_EXPORT, "torch": torch.__version__, "dynamic_batch": dynamic}
+    torch.export.save(ep, path, extra_files={_META_FILE: json.dumps(info)})
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# load
+# --------------------------------------------------------------------------------------------------
+
+
+def _const(gm: fx.GraphModule, node: Any) -> torch.Tensor | None:
+    if node is None:
+        return None
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        value = gm
+        for part in str(node.target).split("."):
+            value = getattr(value, part)
+        return value if isinstance(value, torch.Tensor) else None
+    raise _NotConst
+
+
+class _NotConst(Exception):
+    pass
+
+
+def _static_shape(node: fx.Node) -> list[int] | None:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    return [s if isinstance(s, int) else 1 for s in val.shape]  # symbolic batch: pack for one row
+
+
+def _post_op(attr: str, scalars: Sequence[Any], algorithm: str | None) -> k32.PostOp:
+    return k32.PostOp(attr, tuple(float(s) for s in scalars if s is not None), algorithm or "")
+
+
+def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
+    """Lifter for the oneDNN fp32 ops :mod:`gml.kernels.fp32` emits."""
+    mk = torch.ops.mkldnn
+    try:
+        if node.target == mk._convolution_pointwise.default:
+            x, w, b, pad, stride, dil, groups, attr, scalars, algo = node.args
+            weight, bias = _const(gm, w), _const(gm, b)
+            if weight is None:
+                return None
+            mod = k32.FusedConv(
+                weight,
+                bias,
+                stride=stride,
+                padding=pad,
+                dilation=dil,
+                groups=groups,
+                post_op=_post_op(attr, scalars, algo),
+                input_size=_static_shape(x),
+            )
+            return Lift(mod, (x,), str(w.target))
+        if node.target == mk._convolution_pointwise.binary:
+            x, other, w, b, pad, stride, dil, groups, binary, alpha, unary, _, _ = node.args
+            weight, bias = _const(gm, w), _const(gm, b)
+            if weight is None or binary != "add" or alpha not in (None, 1) or unary not in (None, "relu"):
+                return None
+            mod = k32.FusedConvAdd(
+                weight,
+                bias,
+                stride=stride,
+                padding=pad,
+                dilation=dil,
+                groups=groups,
+                relu=unary == "relu",
+                input_size=_static_shape(x),
+            )
+            return Lift(mod, (x, other), str(w.target))
+        if node.target == mk._linear_pointwise.default:
+            x, w, b, attr, scalars, algo = node.args
+            weight, bias = _const(gm, w), _const(gm, b)
+            if weight is None:
+                return None
+            shape = _static_shape(x)
+            rows = int(torch.tensor(shape[:-1]).prod()) if shape else None
+            mod = k32.FusedLinear(weight, bias, post_op=_post_op(attr, scalars, algo), rows=rows)
+            return Lift(mod, (x,), str(w.target))
+    except _NotConst:
+        return None
+    return None
+
+
+DEFAULT_LIFTERS: tuple[Lifter, ...] = (lift_fp32,)
+
+
+def _owner_path(weight_target: str | None) -> str | None:
+    if weight_target is None or not weight_target.endswith(".weight"):
+        return None
+    return weight_target[: -len(".weight")]
+
+
+def _delete_attr(gm: fx.GraphModule, target: str) -> None:
+    parent_name, _, attr = target.rpartition(".")
+    parent = gm.get_submodule(parent_name) if parent_name else gm
+    if hasattr(parent, attr):
+        delattr(parent, attr)
+
+
+def lift_kernels(gm: fx.GraphModule, lifters: Sequence[Lifter] = DEFAULT_LIFTERS) -> int:
+    """Replace kernel-op calls with constant weights by their GML modules; returns how many.
+
+    The new module takes the dotted path of the weight's owner when that path is free after the
+    old constants are dropped (so ``state_dict`` keys survive a save/load round trip).
+    """
+    lifted = 0
+    dead_attrs: set[str] = set()
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        lift = next((r for r in (f(gm, node) for f in lifters) if r is not None), None)
+        if lift is None:
+            continue
+        consts = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+        name = _owner_path(lift.weight_target) or f"lifted_{lifted}"
+        placeholder = f"_gml_lift_{lifted}"
+        gm.add_submodule(placeholder, lift.module)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(placeholder, lift.inputs)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        for c in consts:
+            if not c.users:
+                dead_attrs.add(str(c.target))
+                gm.graph.erase_node(c)
+        new._gml_name = name  # type: ignore[attr-defined]
+        lifted += 1
+    for target in dead_attrs:
+        _delete_attr(gm, target)
+    # Move each lifted module to its owner's path when that container is now empty.
+    for node in gm.graph.nodes:
+        name = getattr(node, "_gml_name", None)
+        if name is None:
+            continue
+        mod = gm.get_submodule(str(node.target))
+        try:
+            old = gm.get_submodule(name)
+        except AttributeError:
+            old = None
+        if old is not None and _is_empty(old):
+            replace_module(gm, name, mod)
+            delattr(gm, str(node.target))
+            node.target = name
+        del node._gml_name
+    _set_inplace_residuals(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return lifted
+
+
+def _is_empty(mod: nn.Module) -> bool:
+    return (
+        not any(True for _ in mod.children())
+        and not any(True for _ in mod.parameters())
+        and not any(True for _ in mod.buffers())
+    )
+
+
+def _set_inplace_residuals(gm: fx.GraphModule) -> None:
+    """Re-enable in-place residual accumulation where it is safe (the rule of FuseConvAdd)."""
+    from gml.passes.fuse_common import fresh_output_types, graph_order
+
+    order = graph_order(gm)
+    modules = dict(gm.named_modules())
+    fresh = fresh_output_types()
+    aten = torch.ops.aten
+    fresh_ops = {aten.max_pool2d.default, aten.avg_pool2d.default, aten.add.Tensor, aten._add_relu.Tensor}
+    for node in gm.graph.nodes:
+        mod = modules.get(str(node.target)) if node.op == "call_module" else None
+        if not isinstance(mod, k32.FusedConvAdd):
+            continue
+        other = node.args[1]
+        if not isinstance(other, fx.Node):
+            continue
+        made_fresh = (other.op == "call_module" and isinstance(modules.get(str(other.target)), fresh)) or (
+            other.op == "call_function" and other.target in fresh_ops
+        )
+        if not made_fresh:
+            continue
+        if all(u is node or order[u] < order[node] for u in other.users):
+            mod.inplace = True
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        with zipfile.ZipFile(path) as z:
+            for name in z.namelist():
+                if name.endswith(f"extra/{_META_FILE}") or name.endswith(f"/{_META_FILE}"):
+                    return json.loads(z.read(name))
+    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError):
+        return None
+    return None
+
+
+def load(
+    path: str | Path,
+    *,
+    trust_pickle: bool = False,
+    lift: bool = True,
+    lifters: Sequence[Lifter] = DEFAULT_LIFTERS,
+) -> fx.GraphModule:
+    """Load a module written by :func:`save`; fused kernels are rebuilt with packed weights.
+
+    ``trust_pickle=True`` is required for ``format="pickle"`` files: unpickling runs code from the
+    file. ``lift=False`` returns the exported program's module as is (dense weights, slower).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"no such file: {path}", hint="check the path given to gml.io.load")
+    info = _read_meta(path)
+    if info is not None and info.get("format") == FORMAT_EXPORT:
+        k32.register_export_support()
+        try:
+            ep = torch.export.load(path)
+        except Exception as e:
+            raise ModelLoadError(
+                f"could not read the exported program {path}: {type(e).__name__}: {str(e).splitlines()[0]}",
+                hint=f"it was written with torch {info.get('torch')}; load it with the same torch version",
+            ) from e
+        gm = ep.module()
+        if lift:
+            lift_kernels(gm, lifters)
+        return gm
+    if not trust_pickle:
+        raise ModelLoadError(
+            f"{path} is not a gml torch.export file; refusing to unpickle it",
+            hint="if you wrote it with gml.io.save(..., format='pickle') and trust it, "
+            "call gml.io.load(path, trust_pickle=True)",
+        )
+    try:
+        blob = torch.load(path, weights_only=False)
+    except Exception as e:
+        raise ModelLoadError(f"could not read {path}: {type(e).__name__}: {e}") from e
+    if not (isinstance(blob, dict) and blob.get("gml_format") == FORMAT_PICKLE):
+        raise ModelLoadError(f"{path} is not a file written by gml.io.save", hint="re-save it with gml.io.save")
+    return blob["module"]
+
+
+__all__ = [
+    "DEFAULT_LIFTERS",
+    "FORMAT_EXPORT",
+    "FORMAT_PICKLE",
+    "Lift",
+    "Lifter",
+    "lift_fp32",
+    "lift_kernels",
+    "load",
+    "save",
+]
