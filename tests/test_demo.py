@@ -1,12 +1,14 @@
-"""``gml demo``: every phase runs (or says which stage is missing) and the demo's own fusion is real."""
+"""``gml demo``: every phase runs (or says which stage is missing) and ends with the summary."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 from rich.console import Console
 from torch import fx, nn
 
-from gml.demo import DemoMLP, FusedLinearReLU, MatmulBlock, _pattern, _replacement, fuse_linear_relu, run_demo
+from gml.demo import DemoMLP, MatmulBlock, run_demo
 
 
 class SmallConvNet(nn.Module):
@@ -25,6 +27,10 @@ class SmallConvNet(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def test_demo_walks_every_phase_and_ends_with_the_summary():
     console = Console(record=True, width=140)
     code = run_demo(console, model=SmallConvNet(), rounds=3, calib_batches=2)
@@ -40,53 +46,29 @@ def test_demo_walks_every_phase_and_ends_with_the_summary():
         "GML-Lab tour",
     ):
         assert phase in text
-    assert "2 pairs fused, nodes 7 → 5" in text
-    assert "2 matches rewritten" in text
-    assert "2 → 0 BatchNorm nodes" in text
-    assert "KiB unfused" in text and "intermediate tensors" in text
     assert "failed:" not in text
+    assert "| placeholder   |" in text.replace("│", "|")  # the node-kind table of phase 1
+    if _has("gml.passes.fuse_linear"):
+        # 2 Linear+ReLU pairs fused; fc3 (read twice) declined with its reason; head lowered alone
+        assert "fuse_linear on DemoMLP" in text and "nodes 10 → 8" in text
+        assert "2 users" in text
+    else:
+        assert "not available yet: gml.passes.fuse_linear" in text
+    if _has("gml.passes.fuse_matmul"):
+        assert "fuse_matmul on MatmulBlock" in text and "nodes 12 → 4" in text
+    if _has("gml.passes.fuse_linear") and _has("gml.passes.fuse_matmul"):
+        assert "KiB unfused" in text and "intermediate tensors" in text
+    assert "2 → 0 BatchNorm nodes" in text
 
 
-def test_manual_fusion_uses_the_onednn_kernel_and_matches_eager():
-    model = DemoMLP(64).eval()
-    gm = fx.symbolic_trace(model)
-    assert fuse_linear_relu(gm) == 2
-    kinds = [type(m) for m in gm.modules()]
-    assert kinds.count(FusedLinearReLU) == 2 and nn.ReLU not in kinds
-    assert kinds.count(nn.Linear) == 1  # the head has no ReLU after it
-    x = torch.randn(5, 64)
-    with torch.no_grad():
-        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
-    # the fused module is one kernel call, not Linear then ReLU
-    fused_gm = fx.symbolic_trace(gm.fc1_relu)
-    torch.testing.FileCheck().check_count("mkldnn._linear_pointwise", 1, exactly=True).check_not("relu(").run(
-        fused_gm.code
-    )
-
-
-def test_manual_fusion_leaves_a_linear_with_two_readers():
-    class TwoReaders(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.fc(x)
-            return torch.relu(y) + y
-
-    gm = fx.symbolic_trace(TwoReaders().eval())
-    assert fuse_linear_relu(gm) == 0
-    assert not any(isinstance(m, FusedLinearReLU) for m in gm.modules())
-
-
-def test_pattern_rewrite_replaces_both_blocks():
-    from torch.fx import subgraph_rewriter
-
-    model = MatmulBlock(32).eval()
-    gm = fx.symbolic_trace(model)
-    assert len(subgraph_rewriter.replace_pattern(gm, _pattern, _replacement)) == 2
-    torch.testing.FileCheck().check_count("torch.ops.mkldnn._linear_pointwise(", 2, exactly=True).run(gm.code)
-    assert "matmul" not in gm.code and "relu" not in gm.code.replace("'relu'", "")
-    x = torch.randn(3, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-5)
+def test_demo_models_compute_what_their_docstrings_say():
+    x = torch.randn(4, 16)
+    mlp = DemoMLP(16).eval()
+    h = mlp.fc3(torch.relu(mlp.fc2(torch.relu(mlp.fc1(x)))))
+    torch.testing.assert_close(mlp(x), mlp.head(torch.relu(h) + h))
+    # fc3's output feeds both the ReLU and the add: the fusion pass must see two readers
+    gm = fx.symbolic_trace(mlp)
+    assert len(next(n for n in gm.graph.nodes if n.target == "fc3").users) == 2
+    mm = MatmulBlock(16).eval()
+    y = torch.relu(torch.relu(x @ mm.w1 + mm.b1) @ mm.w2 + mm.b2)
+    torch.testing.assert_close(mm(x), y)

@@ -1,10 +1,10 @@
 """``gml demo``: a guided tour of the lab, in the order of the operator-fusion practice.
 
 1. **Trace basics**: capture ResNet18 with torch.fx; what kinds of nodes a graph holds.
-2. **Manual fusion**: walk the graph by hand and fuse every ``Linear → ReLU`` into one oneDNN
-   kernel call (``mkldnn._linear_pointwise`` with a ReLU post-op).
-3. **Pattern rewrite**: the same idea with ``torch.fx.subgraph_rewriter.replace_pattern`` on
-   ``relu(matmul(x, W) + b)``, then constant-folding of the transposed weight.
+2. **Manual fusion**: the project's ``FuseLinearActivation`` walks the graph and fuses every
+   ``Linear → ReLU`` into one oneDNN kernel call, declining (with a reason) a Linear read twice.
+3. **Pattern rewrite**: ``FuseMatmulAddRelu`` does it with ``torch.fx.subgraph_rewriter`` on
+   ``relu(matmul(x, W) + b)``.
 4. **Fused vs unfused**: latency in interleaved rounds, and the activation bytes fusion removes.
 5. **Conv+BN folding** on ResNet18 with the project's ``FoldBatchNorm`` pass.
 6. **INT8**: ``gml.quantize`` calibrates, quantizes and lowers ResNet18 to fused INT8 kernels.
@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import importlib
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -35,35 +34,25 @@ from gml.bench.memory import activation_footprint
 from gml.bench.runner import time_interleaved
 from gml.bench.stats import cosine, flat_output, max_abs_diff, summarize, top1_agreement
 from gml.passes.oplib import node_label, op_kind
-from gml.passes.utils import add_module, modules_of
+from gml.passes.utils import modules_of
 
 NODE_KINDS = ("placeholder", "get_attr", "call_module", "call_function", "call_method", "output")
 
 
-class FusedLinearReLU(nn.Module):
-    """``relu(x @ W.T + b)`` in one oneDNN call: the ReLU runs as a post-op on the GEMM's output
-    while it is still in registers, so the pre-activation tensor is never written to memory."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "relu", [], "")
-
-
 class DemoMLP(nn.Module):
-    """Three Linear layers, two of them followed by ReLU modules."""
+    """Linear → ReLU twice, then a Linear whose output is read twice (so it cannot be fused), then a head."""
 
     def __init__(self, width: int = 512) -> None:
         super().__init__()
         self.fc1, self.act1 = nn.Linear(width, width), nn.ReLU()
         self.fc2, self.act2 = nn.Linear(width, width), nn.ReLU()
+        self.fc3, self.act3 = nn.Linear(width, width), nn.ReLU()
         self.head = nn.Linear(width, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.act2(self.fc2(self.act1(self.fc1(x)))))
+        x = self.act2(self.fc2(self.act1(self.fc1(x))))
+        h = self.fc3(x)
+        return self.head(self.act3(h) + h)
 
 
 class MatmulBlock(nn.Module):
@@ -79,41 +68,6 @@ class MatmulBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(torch.matmul(x, self.w1) + self.b1)
         return torch.relu(torch.matmul(x, self.w2) + self.b2)
-
-
-def fuse_linear_relu(gm: fx.GraphModule) -> int:
-    """Phase 2's hand-written pass: every Linear whose only reader is a ReLU becomes one
-    :class:`FusedLinearReLU` node. Returns the number of fused pairs."""
-    modules = modules_of(gm)
-    fused = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_module" or type(modules.get(node.target)) is not nn.Linear:
-            continue
-        if len(node.users) != 1:
-            continue  # another reader needs the pre-activation values
-        relu = next(iter(node.users))
-        if op_kind(relu, modules) != "relu":
-            continue
-        name = add_module(gm, f"{node.target}_relu", FusedLinearReLU(modules[node.target]))
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_module(name, node.args, node.kwargs)
-        relu.replace_all_uses_with(new)
-        gm.graph.erase_node(relu)
-        gm.graph.erase_node(node)
-        fused += 1
-    gm.graph.lint()
-    gm.delete_all_unused_submodules()
-    gm.recompile()
-    return fused
-
-
-def _pattern(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.relu(torch.matmul(x, w) + b)
-
-
-def _replacement(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    # F.linear's weight layout is (out, in): W.T, made contiguous once by constant folding below
-    return torch.ops.mkldnn._linear_pointwise(x, w.t().contiguous(), b, "relu", [], "")
 
 
 def _kinds_table(gm: fx.GraphModule, title: str) -> Table:
@@ -211,50 +165,75 @@ class _Tour:
         calls = sum(1 for n in gm.graph.nodes if n.op.startswith("call"))
         return f"{len(gm.graph.nodes)} nodes, {calls} ops"
 
+    def _run_pass(self, module: str, cls: str, model: nn.Module, x: torch.Tensor, title: str) -> fx.GraphModule:
+        """Capture ``model``, run the project's pass ``module.cls`` under the PassManager, show the report."""
+        try:
+            pass_cls = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError) as exc:
+            raise _NotAvailable(f"{module}.{cls} ({exc})") from None
+        from gml.capture import capture
+        from gml.passes.manager import PassManager
+
+        gm = capture(copy.deepcopy(model), (x,))
+        res = PassManager([pass_cls()]).run(gm, [(x,)])
+        self.c.print(res.report.table(title))
+        if res.report.skips or res.report.rolled_back:
+            self.c.print(res.report.skip_table())
+        out = res.graph_module
+        self.c.print("[dim]forward() after the pass:[/]\n" + out.code.strip())
+        t = Table(title="What each call_module now runs")
+        t.add_column("node")
+        t.add_column("module")
+        modules = modules_of(out)
+        for node in out.graph.nodes:
+            if node.op == "call_module":
+                mod = modules[node.target]
+                extra = mod.extra_repr()
+                t.add_row(node.name, f"{type(mod).__name__}({extra[:60]})")
+        self.c.print(t)
+        return out
+
     # 2 ---------------------------------------------------------------------------------------
     def manual_fusion(self) -> str:
+        self.c.print(
+            "FuseLinearActivation walks the nodes in order. A call_module whose module *type* is Linear "
+            "and whose only reader is an activation becomes one FusedLinear: oneDNN's inner product with "
+            "the activation as a post-op, applied while the output tile is still in registers. Insert "
+            "the new node, point the activation's readers at it, erase both, recompile. A Linear whose "
+            "output is read twice is declined, with the reason."
+        )
         model = DemoMLP().eval()
         x = torch.randn(32, 512)
-        gm = fx.symbolic_trace(copy.deepcopy(model))
-        before = len(gm.graph.nodes)
-        n = fuse_linear_relu(gm)
+        before = len(fx.symbolic_trace(model).graph.nodes)
+        gm = self._run_pass("gml.passes.fuse_linear", "FuseLinearActivation", model, x, "fuse_linear on DemoMLP")
         with torch.no_grad():
             err, _ = _err(model(x), gm(x))
-        self.c.print(
-            "Walk the nodes in order; a call_module Linear whose only user is a ReLU becomes one "
-            "FusedLinearReLU (oneDNN GEMM with a ReLU post-op): insert the new node, point the ReLU's "
-            "users at it, erase both old nodes, recompile."
-        )
-        self.c.print("[dim]after:[/]\n" + gm.code.strip())
-        self.c.print(f"fused {n} Linear+ReLU pairs; nodes {before} → {len(gm.graph.nodes)}; max |Δ| {err:.2e}")
         self._mlp = (model, gm, x)
-        return f"{n} pairs fused, nodes {before} → {len(gm.graph.nodes)}, max |Δ| {err:.1e}"
+        return f"nodes {before} → {len(gm.graph.nodes)}, max |Δ| {err:.1e}"
 
     # 3 ---------------------------------------------------------------------------------------
     def pattern_rewrite(self) -> str:
-        from torch.fx import subgraph_rewriter
-        from torch.fx.experimental import const_fold
-
+        try:
+            fm = importlib.import_module("gml.passes.fuse_matmul")
+            n_patterns = len(fm.patterns())
+        except (ImportError, AttributeError) as exc:
+            raise _NotAvailable(f"gml.passes.fuse_matmul ({exc})") from None
+        self.c.print(
+            "FuseMatmulAddRelu is a pattern rule: torch.fx.subgraph_rewriter matches the graph of\n"
+            "    def pattern(x, w, b): return relu(matmul(x, w) + b)\n"
+            f"({n_patterns} spellings: @ or torch.matmul, + or torch.add, F.relu / torch.relu / .relu()) and\n"
+            "    def replacement(x, w, b): return fused_matmul_add_relu(x, w, b)\n"
+            "with a filter that declines what the kernel cannot compute. Constant w, b are then lowered to "
+            "a FusedLinear holding Wᵀ prepacked, so nothing is transposed per call."
+        )
         model = MatmulBlock().eval()
         x = torch.randn(32, 512)
-        gm = fx.symbolic_trace(copy.deepcopy(model))
-        before = len(gm.graph.nodes)
-        matches = subgraph_rewriter.replace_pattern(gm, _pattern, _replacement)
-        with warnings.catch_warnings():  # const_fold's own get_attr bookkeeping warns; harmless
-            warnings.simplefilter("ignore")
-            folded = const_fold.split_const_subgraphs(gm)
+        before = len(fx.symbolic_trace(model).graph.nodes)
+        gm = self._run_pass("gml.passes.fuse_matmul", "FuseMatmulAddRelu", model, x, "fuse_matmul on MatmulBlock")
         with torch.no_grad():
-            err, _ = _err(model(x), folded(x))
-        self.c.print(
-            "pattern:     relu(matmul(x, w) + b)\n"
-            "replacement: mkldnn._linear_pointwise(x, w.t().contiguous(), b, 'relu')\n"
-            "replace_pattern matches the pattern's graph structurally; w.t().contiguous() only reads "
-            "parameters, so const_fold.split_const_subgraphs computes it once instead of per call."
-        )
-        self.c.print("[dim]after:[/]\n" + folded.code.strip())
-        self.c.print(f"{len(matches)} matches; max |Δ| {err:.2e}")
-        self._matmul = (model, folded, x)
-        return f"{len(matches)} matches rewritten, nodes {before} → {len(folded.graph.nodes)}, max |Δ| {err:.1e}"
+            err, _ = _err(model(x), gm(x))
+        self._matmul = (model, gm, x)
+        return f"nodes {before} → {len(gm.graph.nodes)}, max |Δ| {err:.1e}"
 
     # 4 ---------------------------------------------------------------------------------------
     def fused_benchmark(self) -> str:
