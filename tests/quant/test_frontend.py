@@ -15,7 +15,6 @@ from gml.errors import InputError
 from gml.quant.backend_config import (
     OBSERVERS,
     PercentileObserver,
-    SwappedAdd,
     get_backend_config,
     int8_ops,
     qconfig_mapping,
@@ -116,7 +115,7 @@ def test_reference_graph_is_close_to_fp32_and_float_twin_is_fp32(ref_result):
 def test_report_lists_fp32_passes_and_calibration(ref_result):
     _, res = ref_result
     rep = res.report
-    assert [r.name for r in rep.fp32_passes.records] == ["normalize", "untie", "fold_bn"]
+    assert [r.name for r in rep.fp32_passes.records] == ["normalize", "untie", "fold_bn", "conv_operand_first"]
     assert rep.fp32_passes.record("fold_bn").matches == 2
     assert rep.calibration.batches == 6 and rep.calibration.samples == 24
     assert "ops INT8" in rep.summary() and "observer=minmax" in rep.summary()
@@ -169,32 +168,40 @@ def test_backend_config_is_small_and_covers_the_normalized_ops():
         get_backend_config("tensorrt")
 
 
-def test_swapped_add_keeps_operand_order_for_alpha():
-    add = gnn.Add(alpha=2)
-    a, b = torch.randn(3), torch.randn(3)
-    torch.testing.assert_close(SwappedAdd(add)(a, b), b + 2 * a)
+class RightConvNet(nn.Module):
+    """``x + conv(...)`` where ``x`` is itself a conv output read twice (MobileNetV2's blocks)."""
+
+    def __init__(self, alpha: float = 1) -> None:
+        super().__init__()
+        self.alpha = alpha
+        self.stem = nn.Conv2d(3, 4, 1)
+        self.expand, self.project = nn.Conv2d(4, 8, 1), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        x = self.stem(x)
+        return torch.add(x, self.project(F.relu(self.expand(x))), alpha=self.alpha)
 
 
-def test_conv_on_the_right_of_add_with_alpha_keeps_the_math():
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.c1, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
-
-        def forward(self, x):
-            y = F.relu(self.c1(x))
-            return F.relu(torch.add(y, self.c2(y), alpha=0.5))
-
-    m = Net().eval()
+def test_conv_on_the_right_of_add_is_fused_with_the_right_conv():
+    m = RightConvNet().eval()
     x = torch.randn(2, 3, 8, 8)
-    res = prepare_reference(m, (x,), 4, progress=False)
-    fused = [mod for mod in res.float_module.modules() if isinstance(mod, nni.ConvAddReLU2d)]
-    assert len(fused) == 1 and isinstance(fused[0].add, SwappedAdd)
-    assert [o.detail for o in res.report.fused] == [
-        "fused Conv2d + ReLU",
-        "fused Conv2d + Add + ReLU; model output kept fp32",
-    ]
+    res = prepare_reference(m, (x,), [x], progress=False)
+    assert res.report.fp32_passes.record("conv_operand_first").matches == 1
+    (fused,) = [mod for mod in res.float_module.modules() if isinstance(mod, nni.ConvAdd2d)]
+    assert fused[0].weight.shape == (4, 8, 1, 1)  # the projection conv, not the stem
     torch.testing.assert_close(res.float_module(x), m(x), atol=1e-5, rtol=1e-4)
+    assert _cos(res.graph_module(x), m(x)) > 0.999
+
+
+def test_conv_on_the_right_of_add_with_alpha_is_left_unfused():
+    m = RightConvNet(alpha=0.5).eval()
+    x = torch.randn(2, 3, 8, 8)
+    res = prepare_reference(m, (x,), [x], progress=False)
+    rec = res.report.fp32_passes.record("conv_operand_first")
+    assert rec.matches == 0 and [s.reason for s in rec.skips] == ["conv on the right of an add with alpha=0.5"]
+    assert not [mod for mod in res.graph_module.modules() if isinstance(mod, nni.ConvAdd2d)]
+    ops = {o.node: o for o in res.report.ops}
+    assert ops["add"].int8 and ops["project"].int8  # still INT8, as two ops
     assert _cos(res.graph_module(x), m(x)) > 0.999
 
 

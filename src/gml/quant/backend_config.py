@@ -14,7 +14,7 @@ pattern                                    fused module                       lo
 =========================================  =================================  =====================
 Conv2d                                     -                                  qconv2d_pointwise
 Conv2d → ReLU                              ``nni.ConvReLU2d``                 qconv2d + relu
-Add(Conv2d(x), y) / Add(y, Conv2d(x))      ``nni.ConvAdd2d``                  qconv2d.binary sum
+Add(Conv2d(x), y)                          ``nni.ConvAdd2d``                  qconv2d.binary sum
 … → ReLU                                   ``nni.ConvAddReLU2d``              qconv2d.binary sum+relu
 Linear / Linear → ReLU                     - / ``nni.LinearReLU``             qlinear_pointwise
 Add / Add → ReLU                           - (observed as a pair)             quantized add(+relu)
@@ -24,9 +24,9 @@ Flatten, torch.cat                         observer: same scale/zero point)
 
 The conv+add patterns use torch.ao's "complex" (reversed, nested) pattern format, the only one
 that can say "the other operand is anything" (``MatchAllNode``); torch's onednn config does the
-same. :class:`nni.ConvAdd2d` computes ``add(conv(x1), x2)``, i.e. the conv output is the *first*
-operand of the :class:`gml.nn.Add`; for a conv on the right of an ``Add(alpha != 1)`` (where the
-operand order matters) the fused module gets a :class:`SwappedAdd` so the math stays the same.
+same. Only ``Add(conv, y)`` is listed: the frontend first swaps ``Add(y, conv)`` (alpha 1, where
+``+`` commutes bit for bit), because torch.ao picks a fuser by the matched module *types* and
+could not tell the two orders apart when both operands are convs.
 
 Observers: activations per-tensor affine quint8 (the full 0..255 range for oneDNN/VNNI; 0..127,
 torch's "reduce_range", for fbgemm, whose non-VNNI path can saturate 16-bit accumulators),
@@ -42,7 +42,6 @@ weights per-channel symmetric qint8 (or per-tensor symmetric). Activation observ
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,18 +112,6 @@ class PercentileObserver(HistogramObserver):
         return f"percentile={self.percentile}, " + super().extra_repr()
 
 
-class SwappedAdd(nn.Module):
-    """``add(b, a)``: lets ``nni.ConvAdd2d`` (which calls ``add(conv_out, other)``) keep the order
-    of an ``Add(alpha != 1)`` whose conv operand is on the right."""
-
-    def __init__(self, add: nn.Module) -> None:
-        super().__init__()
-        self.add = add
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self.add(b, a)
-
-
 def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
     if value not in choices:
         raise InputError(f"unknown {what} {value!r}.", hint=f"choose one of: {', '.join(choices)}.")
@@ -163,53 +150,39 @@ def qconfig_mapping(
 
 # ---------------------------------------------------------------- conv + add (+ relu)
 # Complex-format patterns are reversed and nested: (Add, Conv2d, MatchAllNode) is Add(Conv2d(x), y).
-def _conv_add_fuser(conv_index: int) -> Callable[..., nn.Module]:
-    def fuse(is_qat: bool, add: nn.Module, *operands: Any) -> nn.Module:
-        conv = operands[conv_index]
-        if conv_index == 1 and getattr(add, "alpha", 1) != 1:
-            add = SwappedAdd(add)
-        return nni.ConvAdd2d(conv, add)
-
-    return fuse
+# Only the conv-first operand order is listed: torch.ao looks fuser methods up by the *types* it
+# matched, so with a conv on both sides, (Add, Conv2d, *) and (Add, *, Conv2d) are
+# indistinguishable and the fuser could pick the wrong conv. The frontend puts the fusable conv
+# first instead (:func:`gml.quant.frontend.conv_operand_first`).
+def _fuse_conv_add(is_qat: bool, add: nn.Module, conv: nn.Conv2d, other: Any) -> nn.Module:
+    return nni.ConvAdd2d(conv, add)
 
 
-def _conv_add_relu_fuser(conv_index: int) -> Callable[..., nn.Module]:
-    def fuse(is_qat: bool, relu: nn.Module, add_pattern: tuple[Any, ...]) -> nn.Module:
-        add, *operands = add_pattern
-        conv = operands[conv_index]
-        if conv_index == 1 and getattr(add, "alpha", 1) != 1:
-            add = SwappedAdd(add)
-        return nni.ConvAddReLU2d(conv, add, relu)
-
-    return fuse
+def _fuse_conv_add_relu(is_qat: bool, relu: nn.Module, add_pattern: tuple[Any, ...]) -> nn.Module:
+    add, conv, _ = add_pattern
+    return nni.ConvAddReLU2d(conv, add, relu)
 
 
 def _conv_add_configs() -> list[BackendPatternConfig]:
-    configs = []
-    for conv_index in (0, 1):
-        operands = [nn.Conv2d, MatchAllNode] if conv_index == 0 else [MatchAllNode, nn.Conv2d]
-        add_pattern = (gnn.Add, *operands)
-        configs.append(
-            BackendPatternConfig()
-            ._set_pattern_complex_format(add_pattern)
-            .set_observation_type(_OWN_OBSERVER)
-            .set_dtype_configs([WEIGHTED_INT8])
-            .set_fuser_method(_conv_add_fuser(conv_index))
-            ._set_root_node_getter(lambda p, i=conv_index: p[1 + i])
-            ._set_extra_inputs_getter(lambda p, i=conv_index: [p[2 - i]])
-            .set_fused_module(nni.ConvAdd2d)
-        )
-        configs.append(
-            BackendPatternConfig()
-            ._set_pattern_complex_format((nn.ReLU, add_pattern))
-            .set_observation_type(_OWN_OBSERVER)
-            .set_dtype_configs([WEIGHTED_INT8])
-            .set_fuser_method(_conv_add_relu_fuser(conv_index))
-            ._set_root_node_getter(lambda p, i=conv_index: p[1][1 + i])
-            ._set_extra_inputs_getter(lambda p, i=conv_index: [p[1][2 - i]])
-            .set_fused_module(nni.ConvAddReLU2d)
-        )
-    return configs
+    add_pattern = (gnn.Add, nn.Conv2d, MatchAllNode)
+    return [
+        BackendPatternConfig()
+        ._set_pattern_complex_format(add_pattern)
+        .set_observation_type(_OWN_OBSERVER)
+        .set_dtype_configs([WEIGHTED_INT8])
+        .set_fuser_method(_fuse_conv_add)
+        ._set_root_node_getter(lambda p: p[1])
+        ._set_extra_inputs_getter(lambda p: [p[2]])
+        .set_fused_module(nni.ConvAdd2d),
+        BackendPatternConfig()
+        ._set_pattern_complex_format((nn.ReLU, add_pattern))
+        .set_observation_type(_OWN_OBSERVER)
+        .set_dtype_configs([WEIGHTED_INT8])
+        .set_fuser_method(_fuse_conv_add_relu)
+        ._set_root_node_getter(lambda p: p[1][1])
+        ._set_extra_inputs_getter(lambda p: [p[1][2]])
+        .set_fused_module(nni.ConvAddReLU2d),
+    ]
 
 
 def _weighted(pattern: Any, root: type[nn.Module], reference: type[nn.Module]) -> BackendPatternConfig:
@@ -311,7 +284,6 @@ __all__ = [
     "OBSERVERS",
     "WEIGHTED_INT8",
     "PercentileObserver",
-    "SwappedAdd",
     "activation_observer",
     "get_backend_config",
     "int8_ops",

@@ -2,7 +2,8 @@
 
 Pipeline (each step is a function here, :func:`prepare_reference` runs them in order)::
 
-    model ─ capture ─ Normalize → UntieSharedModules → FoldBatchNorm   (fp32 PassManager, checked)
+    model ─ capture ─ Normalize → UntieSharedModules → FoldBatchNorm → conv_operand_first
+                      (fp32 PassManager, every pass checked against the one before)
           ─ prepare  (torch.ao prepare_fx + GML BackendConfig: fuse conv+relu, conv+add+relu, ...;
                       insert observers)
           ─ calibrate (user batches or generated ones; progress bar)
@@ -40,15 +41,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from gml import nn as gnn
 from gml.errors import InputError
+from gml.passes.base import PassResult, Skip, Tolerance
 from gml.passes.manager import PassManager, PipelineReport
-from gml.quant.backend_config import (
-    NORMALIZED_MODULES,
-    SwappedAdd,
-    get_backend_config,
-    int8_ops,
-    qconfig_mapping,
-)
+from gml.quant.backend_config import NORMALIZED_MODULES, get_backend_config, int8_ops, qconfig_mapping
 from gml.quant.calibrate import CalibrationStats, calibrate, generate_batches
 
 # torch.ao.quantization's removal notice starts with this sentence (torch/ao/quantization/utils.py).
@@ -149,16 +146,60 @@ class ReferenceResult:
 def fp32_passes() -> list:
     """The fp32 pipeline that runs before ``prepare``, in order: normalize first so the other
     passes (and the BackendConfig) see one module type per op; untie so every fusion owns its
-    modules; fold BN so the convs carry final weights when their ranges are observed."""
+    modules; fold BN so the convs carry final weights when their ranges are observed; then put
+    the fusable conv first in each add (the one operand order the BackendConfig lists)."""
+    from gml.passes.base import FunctionPass
     from gml.passes.fold_bn import FoldBatchNorm
     from gml.passes.normalize import Normalize
     from gml.passes.untie import UntieSharedModules
 
-    return [Normalize(), UntieSharedModules(), FoldBatchNorm()]
+    exact = Tolerance(atol=0.0, rtol=0.0)
+    return [
+        Normalize(),
+        UntieSharedModules(),
+        FoldBatchNorm(),
+        FunctionPass(conv_operand_first, "conv_operand_first", exact),  # after the fold: BN is gone
+    ]
+
+
+def _fusable_conv(node: Any, modules: dict[str, nn.Module]) -> bool:
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_module"
+        and type(modules.get(str(node.target))) is nn.Conv2d
+        and len(node.users) == 1
+    )
+
+
+def conv_operand_first(gm: fx.GraphModule) -> PassResult:
+    """``Add(y, conv(x))`` → ``Add(conv(x), y)`` so the conv+add(+relu) pattern sees the conv first.
+
+    Only for ``alpha == 1`` (then ``y + c == c + y`` bit for bit) and a single-user conv on the
+    right with none on the left; a conv+add whose conv is on the right of ``Add(alpha != 1)`` is
+    skipped (swapping would change the math) and stays an unfused conv and add.
+    """
+    modules = dict(gm.named_modules(remove_duplicate=False))
+    swapped = 0
+    skips: list[Skip] = []
+    for node in gm.graph.nodes:
+        mod = modules.get(str(node.target)) if node.op == "call_module" else None
+        if not isinstance(mod, gnn.Add) or len(node.args) != 2 or node.kwargs:
+            continue
+        a, b = node.args
+        if _fusable_conv(a, modules) or not _fusable_conv(b, modules):
+            continue
+        if mod.alpha != 1:
+            skips.append(Skip(node.name, f"conv on the right of an add with alpha={mod.alpha}", "conv + add"))
+            continue
+        node.args = (b, a)
+        swapped += 1
+    if swapped:
+        gm.recompile()
+    return PassResult(gm, swapped > 0, swapped, skips)
 
 
 def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PipelineReport]:
-    """Capture (if needed) and run Normalize → UntieSharedModules → FoldBatchNorm, checked."""
+    """Capture (if needed) and run :func:`fp32_passes` under the PassManager's checks."""
     from gml.capture import capture, check_eval_mode
 
     check_eval_mode(model, what="INT8 quantization")
@@ -301,7 +342,7 @@ def summarize_reference(gm: fx.GraphModule, backend: str = "onednn") -> list[OpS
         mod = modules.get(str(node.target)) if node.op == "call_module" else None
         detail = ""
         if isinstance(mod, _FusedModule):
-            parts = ["Add" if isinstance(c, SwappedAdd) else type(c).__name__ for c in mod.children()]
+            parts = [type(c).__name__ for c in mod.children()]
             detail = "fused " + " + ".join(parts)
         has_pattern = isinstance(mod, types) if mod is not None else node.target in fns
         int8 = has_pattern and (reads_dq or feeds_q)
@@ -401,6 +442,7 @@ __all__ = [
     "OpStatus",
     "ReferenceResult",
     "calibrate",
+    "conv_operand_first",
     "convert_reference",
     "float_twin",
     "fp32_passes",
