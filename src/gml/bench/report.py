@@ -34,6 +34,13 @@ def _f(x: float | None, fmt: str, dash: str = "–") -> str:
     return format(x, fmt)
 
 
+def _ms(x: float | None) -> str:
+    """Milliseconds with 3 decimals, or 2 significant digits below 0.01 ms (tiny-model floors)."""
+    if x is None:
+        return "–"
+    return f"{x:.3f}" if x >= 0.01 else f"{x:.2g}"
+
+
 def _row(v: VariantResult) -> list[str]:
     if not v.ok or v.stats is None:
         return [v.label, f"{v.status}: {v.message}" if v.message else v.status] + [""] * (len(COLUMNS) - 2)
@@ -69,10 +76,10 @@ def _floor_line(result: BenchResult, b: BatchResult) -> str:
     if result.peak is not None and b.flops is not None:
         p = result.peak
         parts.append(
-            f"measured peak fp32 {p.fp32_flops / 1e9:.0f} GFLOP/s → floor {p.floor_ms(b.flops, 'fp32'):.3f} ms"
+            f"measured peak fp32 {p.fp32_flops / 1e9:.0f} GFLOP/s → floor {_ms(p.floor_ms(b.flops, 'fp32'))} ms"
         )
         if p.int8_ops:
-            parts.append(f"int8 {p.int8_ops / 1e9:.0f} GOP/s → floor {p.floor_ms(b.flops, 'int8'):.3f} ms")
+            parts.append(f"int8 {p.int8_ops / 1e9:.0f} GOP/s → floor {_ms(p.floor_ms(b.flops, 'int8'))} ms")
     return "; ".join(parts)
 
 
@@ -97,35 +104,37 @@ def _mem_cells(v: VariantResult) -> list[str]:
     return [peak, delta, kept, total, live]
 
 
+def _table(title: str, columns: tuple[str, ...]) -> Table:
+    t = Table(title=title)
+    t.add_column(columns[0], no_wrap=True)
+    for col in columns[1:]:
+        t.add_column(col, justify="right")
+    return t
+
+
 def render_table(result: BenchResult) -> Group:
-    """Rich renderable: per batch size a latency table and an accuracy/memory table (short names
-    keep them inside a terminal), then the roofline line and the skipped/failed variants."""
+    """Rich renderable: per batch size three narrow tables (latency; outputs vs eager; build and
+    memory) that fit an 80-column terminal, then the roofline line and skipped/failed variants."""
     parts: list[Any] = [Text(_header(result), style="dim")]
     for b in result.batches:
-        ok = [v for v in b.variants if v.ok and v.stats is not None]
-        lat = Table(title=f"{result.model}, batch size {b.batch_size}: latency per call")
-        for col in ("variant", "median ms", "p10–p90 ms", "× eager", "floor ms", "build s"):
-            lat.add_column(col, justify="left" if col == "variant" else "right")
-        acc = Table(title=f"{result.model}, batch size {b.batch_size}: outputs vs eager fp32, memory")
-        for col in ("variant", "max |Δ|", "cosine", "top-1", "peak RSS MB", "build +MB", "kept +MB",
-                    "act. MB", "live MB"):  # fmt: skip
-            acc.add_column(col, justify="left" if col == "variant" else "right")
-        for v in ok:
+        head = f"{result.model}, batch {b.batch_size}"
+        lat = _table(f"{head}: latency per call", ("variant", "median ms", "p10–p90 ms", "× eager", "floor ms"))
+        acc = _table(f"{head}: outputs vs eager fp32", ("variant", "max |Δ|", "cosine", "top-1"))
+        mem = _table(
+            f"{head}: build and memory (MB)",
+            ("variant", "build s", "peak RSS", "build +", "kept +", "act.", "live act."),
+        )
+        for v in b.variants:
+            if not v.ok or v.stats is None:
+                continue
             s = v.stats
-            assert s is not None
             style = "bold" if v.name.startswith("gml") else ""
-            lat.add_row(
-                v.name,
-                f"{s.median:.3f}",
-                f"{s.p10:.3f}–{s.p90:.3f}",
-                "–" if v.speedup is None else f"{v.speedup:.2f}×",
-                _f(v.floor_ms, ".3f"),
-                _f(v.build_s, ".1f"),
-                style=style,
-            )
+            speed = "–" if v.speedup is None else f"{v.speedup:.2f}×"
+            lat.add_row(v.name, f"{s.median:.3f}", f"{s.p10:.3f}–{s.p90:.3f}", speed, _ms(v.floor_ms), style=style)
             row = _row(v)
-            acc.add_row(v.name, row[4], row[5], row[6], *_mem_cells(v), style=style)
-        parts += [lat, acc]
+            acc.add_row(v.name, row[4], row[5], row[6], style=style)
+            mem.add_row(v.name, _f(v.build_s, ".1f"), *_mem_cells(v), style=style)
+        parts += [lat, acc, mem]
         line = _floor_line(result, b)
         if line:
             parts.append(Text(f"roofline: {line}"))
