@@ -247,6 +247,8 @@ def test_calibrate_rejects_empty_data_and_nan_with_batch_index():
     prepared = prepare(gm, (torch.randn(1, 4),))
     with pytest.raises(InputError, match="calibration data is empty"):
         calibrate(prepared, [], progress=False)
+    with pytest.raises(InputError, match="calibration data of type float is not iterable"):
+        calibrate(prepared, 3.0, progress=False)  # type: ignore[arg-type]
     bad = [torch.randn(2, 4), torch.randn(2, 4), torch.full((2, 4), float("nan"))]
     with pytest.raises(InputError, match=r"calibration batch 2 \(input 0, shape \(2, 4\)\) contains 8 NaN/Inf"):
         calibrate(prepared, bad, progress=False)

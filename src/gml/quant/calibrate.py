@@ -100,14 +100,14 @@ def _progress_bar(enabled: bool):
     return Progress(*columns, transient=True, disable=not enabled)
 
 
-def _iterate(data: Iterable[Any]) -> Iterator[Any]:
+def _iterator(data: Iterable[Any]) -> Iterator[Any]:
     try:
-        yield from data
-    except TypeError as exc:
+        return iter(data)
+    except TypeError:
         raise InputError(
             f"calibration data of type {type(data).__name__} is not iterable.",
             hint="pass a DataLoader, a list of tensors / tuples, or a number of batches to generate.",
-        ) from exc
+        ) from None
 
 
 def calibrate(
@@ -134,7 +134,7 @@ def calibrate(
     batches = samples = 0
     with bar, torch.no_grad():
         task = bar.add_task("calibrating", total=total)
-        for i, batch in enumerate(_iterate(data)):
+        for i, batch in enumerate(_iterator(data)):
             if max_batches is not None and i >= max_batches:
                 break
             args = _as_args(batch, arity)
