@@ -284,7 +284,7 @@ def _is_empty(mod: nn.Module) -> bool:
 
 def _set_inplace_residuals(gm: fx.GraphModule) -> None:
     """Re-enable in-place residual accumulation where it is safe (the rule of FuseConvAdd)."""
-    from gml.passes.fuse_common import fresh_output_types, graph_order
+    from gml.passes.fuse_common import aliases, fresh_output_types, graph_order
 
     order = graph_order(gm)
     modules = dict(gm.named_modules())
@@ -301,7 +301,7 @@ def _set_inplace_residuals(gm: fx.GraphModule) -> None:
         made_fresh = (other.op == "call_module" and isinstance(modules.get(str(other.target)), fresh)) or (
             other.op == "call_function" and other.target in fresh_ops
         )
-        if not made_fresh:
+        if not made_fresh or aliases(node.args[0], other, modules):
             continue
         if all(u is node or order[u] < order[node] for u in other.users):
             mod.inplace = True

@@ -231,7 +231,12 @@ def _post_op_of_function(node: fx.Node) -> PostOp | str:
     if kind is not None:
         return PostOp(kind)
     name = getattr(fn, "__name__", str(fn))
-    args = _bound(fn, node) if fn in (F.relu6, F.hardtanh, F.hardtanh_, F.leaky_relu, F.leaky_relu_, F.gelu) else None
+    if fn is F.gelu:  # a C builtin: no Python signature to bind
+        approx = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        if approx not in ("none", "tanh"):
+            return f"gelu(approximate={approx!r}) has no oneDNN post-op"
+        return PostOp("gelu", (), approx)
+    args = _bound(fn, node) if fn in (F.relu6, F.hardtanh, F.hardtanh_, F.leaky_relu, F.leaky_relu_) else None
     if args is None:
         return f"{name} has no oneDNN post-op (supported: {', '.join(UNARY_ATTRS)})"
     consts = {k: v for k, v in args.items() if k not in ("input", "inplace")}
@@ -241,12 +246,7 @@ def _post_op_of_function(node: fx.Node) -> PostOp | str:
         return PostOp("hardtanh", (0.0, 6.0))
     if fn in (F.hardtanh, F.hardtanh_):
         return PostOp("hardtanh", (float(consts["min_val"]), float(consts["max_val"])))
-    if fn in (F.leaky_relu, F.leaky_relu_):
-        return PostOp("leaky_relu", (float(consts["negative_slope"]),))
-    approx = consts.get("approximate", "none")
-    if approx not in ("none", "tanh"):
-        return f"gelu(approximate={approx!r}) has no oneDNN post-op"
-    return PostOp("gelu", (), approx)
+    return PostOp("leaky_relu", (float(consts["negative_slope"]),))
 
 
 def post_op_of(node: fx.Node, modules: dict[str, nn.Module]) -> PostOp | str:

@@ -117,6 +117,27 @@ def fresh_output_types() -> tuple[type[nn.Module], ...]:
     )
 
 
+_VIEW_METHODS = frozenset({"view", "reshape", "flatten", "contiguous", "permute", "transpose", "squeeze", "unsqueeze"})
+
+
+def aliases(node: fx.Node, base: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``node`` may share memory with ``base``: it is ``base`` or a view chain of it."""
+    seen = 0
+    while isinstance(node, fx.Node) and seen < 64:
+        if node is base:
+            return True
+        viewish = (
+            (node.op == "call_method" and node.target in _VIEW_METHODS)
+            or (node.op == "call_function" and node.target is operator.getitem)
+            or kind_of(node, modules) in ("view", "flatten", "identity")
+        )
+        if not viewish or not node.args:
+            return False
+        node = node.args[0]
+        seen += 1
+    return False
+
+
 def fallback_notes() -> list[str]:
     why = k32.kernel_unavailable_reason()
     if why is None:
@@ -169,7 +190,7 @@ def restore_output_layout(gm: fx.GraphModule, roots: Iterable[fx.Node]) -> int:
         nonlocal changed
         if isinstance(a, fx.Node) and a in reach:
             m = meta(a)
-            if m is not None and len(m.shape) in (4, 5):
+            if m is not None and len(m.shape) >= 3:
                 with gm.graph.inserting_before(out):
                     c = gm.graph.call_method("contiguous", (a,))
                 c.meta = dict(a.meta)

@@ -118,7 +118,7 @@ class FuseConvAdd(GraphPass):
                                 "conv → add → act",
                             )
                         )
-            inplace = self.inplace and self._can_overwrite(other, add, order, modules) is None
+            inplace = self.inplace and self._can_overwrite(other, conv, add, order, modules) is None
             mod = modules[str(conv.target)]
             new_mod = k32.FusedConvAdd.from_conv(mod, relu=relu, inplace=inplace, input_size=fc.shape_of(conv.args[0]))
             replace_module(gm, str(conv.target), new_mod)
@@ -162,10 +162,12 @@ class FuseConvAdd(GraphPass):
 
     @staticmethod
     def _can_overwrite(
-        other: fx.Node, add: fx.Node, order: dict[fx.Node, int], modules: dict[str, nn.Module]
+        other: fx.Node, conv: fx.Node, add: fx.Node, order: dict[fx.Node, int], modules: dict[str, nn.Module]
     ) -> str | None:
         if other.op != "call_module" or not isinstance(modules.get(str(other.target)), fc.fresh_output_types()):
             return "residual is not a fresh module output"
+        if fc.aliases(conv.args[0], other, modules):
+            return "the conv reads the residual itself (the kernel would overwrite its own input)"
         late = [u for u in other.users if u is not add and order[u] > order[add]]
         if late:
             return f"residual is read after the add by {late[0].name}"

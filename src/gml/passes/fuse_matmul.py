@@ -184,7 +184,8 @@ class FuseMatmulAddRelu(GraphPass):
         shape = fc.shape_of(x)
         rows = int(torch.tensor(shape[:-1]).prod()) if shape else None
         mod = k32.FusedLinear(weight.detach().t().contiguous(), bias, post_op=k32.PostOp("relu"), rows=rows)
-        name = add_module(gm, f"{str(w.target).rpartition('.')[0] or 'matmul'}_linear", mod)
+        prefix = str(w.target).rpartition(".")[0]
+        name = add_module(gm, f"{prefix}.fused_matmul" if prefix else "fused_matmul", mod)
         with gm.graph.inserting_before(call):
             new = gm.graph.call_module(name, (x,))
         new.meta = dict(call.meta)

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torchvision
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
+
+from gml import io
+from gml.capture import capture
+from gml.errors import GMLError, ModelLoadError
+from gml.kernels import fp32 as k32
+from gml.passes.fuse_conv import FuseConvActivation, FuseConvAdd
+from gml.passes.fuse_elementwise import FuseElementwise
+from gml.passes.fuse_linear import FuseLinearActivation
+from gml.passes.manager import PassManager
+from gml.passes.pipeline import canonical_passes
+
+needs_onednn = pytest.mark.skipif(not k32.kernels_available(), reason="oneDNN fp32 kernels unavailable")
+FUSIONS = [FuseConvAdd(), FuseConvActivation(), FuseLinearActivation(), FuseElementwise()]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.down = nn.Conv2d(8, 8, 1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        s = torch.relu(self.bn(self.stem(x)))
+        y = torch.relu(self.conv(s) + self.down(s))
+        return torch.nn.functional.gelu(self.fc(torch.flatten(self.pool(y), 1)))
+
+
+def optimized(model: nn.Module, x: torch.Tensor) -> fx.GraphModule:
+    gm = capture(model.eval(), (x,))
+    return PassManager([*canonical_passes(), *FUSIONS], strict=True).run(gm, [(x,)]).graph_module
+
+
+def kernel_types(gm: nn.Module) -> Counter[str]:
+    return Counter(type(m).__name__ for m in gm.modules() if type(m).__module__ == k32.__name__)
+
+
+@needs_onednn
+def test_round_trip_rebuilds_fused_kernels_and_keeps_state_dict(tmp_path):
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 3, 8, 8)
+    gm = optimized(model, x)
+    path = io.save(gm, tmp_path / "net.pt2")
+    loaded = io.load(path)
+    assert kernel_types(loaded) == kernel_types(gm) == Counter({"FusedConv": 2, "FusedConvAdd": 1, "FusedLinear": 1})
+    assert set(loaded.state_dict()) == set(gm.state_dict())
+    assert loaded.get_submodule("fc").post_op == k32.PostOp("gelu", (), "none")
+    with torch.no_grad():
+        assert (loaded(x) - model(x)).abs().max().item() < 1e-4
+        x5 = torch.randn(5, 3, 8, 8)  # the batch dimension was exported as dynamic
+        assert (loaded(x5) - model(x5)).abs().max().item() < 1e-4
+
+
+@needs_onednn
+@pytest.mark.slow
+def test_resnet18_round_trip(tmp_path):
+    model, x = torchvision.models.resnet18(weights=None).eval(), torch.randn(1, 3, 64, 64)
+    gm = optimized(model, x)
+    loaded = io.load(io.save(gm, tmp_path / "r18.pt2"))
+    assert kernel_types(loaded) == Counter({"FusedConv": 12, "FusedConvAdd": 8, "FusedLinear": 1})
+    # in-place residual accumulation is re-derived after loading
+    assert sum(m.inplace for m in loaded.modules() if isinstance(m, k32.FusedConvAdd)) == 8
+    with torch.no_grad():
+        assert (loaded(x) - model(x)).abs().max().item() < 1e-4
+
+
+def test_lift_false_runs_the_exported_ops_with_dense_weights(tmp_path):
+    model, x = Net(), torch.randn(1, 3, 8, 8)
+    gm = optimized(model, x)
+    loaded = io.load(io.save(gm, tmp_path / "net.pt2"), lift=False)
+    assert not kernel_types(loaded)
+    with torch.no_grad():
+        assert (loaded(x) - model(x)).abs().max().item() < 1e-4
+
+
+def test_pickle_format_needs_explicit_trust(tmp_path):
+    model, x = Net(), torch.randn(1, 3, 8, 8)
+    gm = optimized(model, x)
+    path = io.save(gm, tmp_path / "net.pkl", format="pickle")
+    with pytest.raises(ModelLoadError, match="refusing to unpickle") as err:
+        io.load(path)
+    assert "trust_pickle=True" in err.value.hint
+    loaded = io.load(path, trust_pickle=True)
+    with torch.no_grad():
+        assert (loaded(x) - model(x)).abs().max().item() < 1e-4
+
+
+def test_errors_are_actionable(tmp_path):
+    with pytest.raises(ModelLoadError, match="no such file"):
+        io.load(tmp_path / "missing.pt2")
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2)))  # no shape metadata
+    with pytest.raises(GMLError, match="has no shape metadata") as err:
+        io.save(gm, tmp_path / "x.pt2")
+    assert "example_inputs" in err.value.hint
+    ShapeProp(gm).propagate(torch.randn(3, 2))
+    with pytest.raises(GMLError, match="unknown save format"):
+        io.save(gm, tmp_path / "x.bin", format="onnx")
+    torch.save({"not": "gml"}, tmp_path / "other.pt")
+    with pytest.raises(ModelLoadError, match=r"not a file written by gml\.io\.save"):
+        io.load(tmp_path / "other.pt", trust_pickle=True)
