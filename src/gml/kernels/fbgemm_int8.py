@@ -2,8 +2,8 @@
 
 Used when oneDNN is missing from the PyTorch build, or on request (``--backend fbgemm``). These
 kernels take and return QTensors, so activations cross the interface as uint8 tensors and are
-wrapped without a copy (``_make_per_tensor_quantized_tensor``); results are unwrapped with
-``int_repr()``, which copies (one pass over the output, the price of the fallback).
+wrapped (``_make_per_tensor_quantized_tensor``, one memcpy) and results are read back through a
+zero-copy uint8 view (:func:`~gml.kernels.backend.as_uint8`).
 
 Ops: ``quantized::conv2d_prepack`` / ``conv2d`` / ``conv2d_relu``, ``quantized::linear_prepack`` /
 ``linear`` / ``linear_relu``, ``quantized::add`` / ``add_relu``, ``quantized::max_pool2d``,
@@ -20,14 +20,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from gml.kernels.backend import Conv2dSpec, Int8Backend, PostOp, QParams
-from gml.kernels.onednn_int8 import (
-    _adaptive_avg_pool2d,
-    _cat,
-    _fp32,
+from gml.kernels.backend import (
+    Conv2dSpec,
+    Int8Backend,
+    PostOp,
+    QParams,
     as_qtensor,
+    as_uint8,
     silence_quantized_tensor_warnings,
 )
+from gml.kernels.onednn_int8 import _adaptive_avg_pool2d, _cat, _fp32
 
 
 @contextlib.contextmanager
@@ -118,7 +120,7 @@ class FbgemmBackend(Int8Backend):
             )
             return y.relu_() if post_op == "relu" else y
         op = torch.ops.quantized.conv2d_relu.new if post_op == "relu" else torch.ops.quantized.conv2d.new
-        return op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point).int_repr()
+        return as_uint8(op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point))
 
     def linear(
         self, x: torch.Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, relu: bool = False
@@ -128,7 +130,7 @@ class FbgemmBackend(Int8Backend):
             y = torch.nn.functional.linear(self.dequantize(x, x_qparams), w.dequantize(), b)
             return y.relu_() if relu else y
         op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
-        return op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point).int_repr()
+        return as_uint8(op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point))
 
     def add(
         self,
@@ -141,7 +143,7 @@ class FbgemmBackend(Int8Backend):
     ) -> torch.Tensor:
         op = torch.ops.quantized.add_relu if relu else torch.ops.quantized.add
         out = op(as_qtensor(a, a_qparams), as_qtensor(b, b_qparams), out_qparams.scale, out_qparams.zero_point)
-        return out.int_repr()
+        return as_uint8(out)
 
     def max_pool2d(
         self,

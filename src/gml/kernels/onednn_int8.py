@@ -28,35 +28,27 @@ Facts checked on this build (tests/kernels/test_onednn_int8.py pins them):
 * ``qconv_prepack`` picks the weight layout for ``x_shape``; a call with another input shape still
   works but reorders the weight on every call, so the handle keeps one packing per batch size;
 * ``onednn::qadd.tensor`` returns wrong values on this build (all zero point on a plain 1+1 test), so
-  the standalone add and the pools use PyTorch's ``quantized::*`` CPU kernels instead, through a
-  zero-copy QTensor view of the uint8 data.
+  the standalone add and the pools use PyTorch's ``quantized::*`` CPU kernels instead (inputs
+  wrapped as QTensors, results read back through a zero-copy uint8 view, see ``as_uint8``).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 
-from gml.kernels.backend import Conv2dSpec, Int8Backend, PostOp, QParams
+from gml.kernels.backend import (
+    Conv2dSpec,
+    Int8Backend,
+    PostOp,
+    QParams,
+    as_qtensor,
+    as_uint8,
+    silence_quantized_tensor_warnings,
+)
 
 _CL = torch.channels_last
-
-
-def silence_quantized_tensor_warnings() -> None:
-    """PyTorch warns once per process that QTensor creation is deprecated; GML only uses QTensors as
-    zero-copy views inside kernels, so trigger that one warning here, silenced."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        x = torch.zeros(1, dtype=torch.uint8)
-        torch._make_per_tensor_quantized_tensor(x, 1.0, 0)
-        torch.quantize_per_tensor(torch.zeros(1), 1.0, 0, torch.quint8)
-
-
-def as_qtensor(x: torch.Tensor, qp: QParams) -> torch.Tensor:
-    """A quint8 QTensor view of a uint8 tensor (shares memory, keeps strides)."""
-    return torch._make_per_tensor_quantized_tensor(x, qp.scale, qp.zero_point)
 
 
 class OneDNNPackedConv:
@@ -270,7 +262,7 @@ class OneDNNBackend(Int8Backend):
     ) -> torch.Tensor:
         op = torch.ops.quantized.add_relu if relu else torch.ops.quantized.add
         out = op(as_qtensor(a, a_qparams), as_qtensor(b, b_qparams), out_qparams.scale, out_qparams.zero_point)
-        return out.int_repr()
+        return as_uint8(out)
 
     def max_pool2d(
         self,
@@ -316,9 +308,12 @@ def _linear_key(shape: Sequence[int]) -> tuple[int, ...]:
 def _adaptive_avg_pool2d(
     backend: Int8Backend, x: torch.Tensor, x_qp: QParams, output_size: tuple[int, int], out_qp: QParams
 ) -> torch.Tensor:
-    # PyTorch's quantized kernel keeps the input's qparams; requantize only if the output's differ.
-    y = torch.nn.functional.adaptive_avg_pool2d(as_qtensor(x, x_qp), output_size).int_repr()
-    return backend.requantize(y, x_qp, out_qp)
+    if x_qp.close_to(out_qp):  # PyTorch's quantized kernel averages on the input's own grid
+        return as_uint8(torch.nn.functional.adaptive_avg_pool2d(as_qtensor(x, x_qp), output_size))
+    # Otherwise average the integers in fp32 and round once onto the output grid (rounding the
+    # mean to the input grid first would lose the finer output resolution).
+    y = torch.nn.functional.adaptive_avg_pool2d(x.float(), output_size).sub_(x_qp.zero_point).mul_(x_qp.scale)
+    return backend.quantize(y, out_qp)
 
 
 def _cat(
@@ -327,4 +322,4 @@ def _cat(
     if all(qp.close_to(out_qp) for qp in qps):
         return torch.cat(list(xs), dim)  # same qparams: concatenating the integers is exact
     qs = [as_qtensor(x, qp) for x, qp in zip(xs, qps)]
-    return torch.ops.quantized.cat(qs, dim, out_qp.scale, out_qp.zero_point).int_repr()
+    return as_uint8(torch.ops.quantized.cat(qs, dim, out_qp.scale, out_qp.zero_point))
