@@ -73,7 +73,7 @@ def test_bad_inputs_exit_codes(capsys, argv, code, text):
 
 def test_help_is_complete():
     out = subprocess.run([sys.executable, "-m", "gml.cli", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("inspect",):
+    for command in ("inspect", "optimize", "bench", "demo"):
         assert command in out
     sub = subprocess.run(
         [sys.executable, "-m", "gml.cli", "inspect", "--help"], capture_output=True, text=True, check=True

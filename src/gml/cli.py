@@ -234,13 +234,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", help="save the optimized module (see docs/adr/004)")
     p.set_defaults(func=cmd_optimize)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    from gml.bench.cli import add_bench_arguments, bench_command
+
+    p = sub.add_parser(
+        "bench",
+        help="measure every variant (eager, GML fp32/INT8, torch.compile, torch.ao, ONNX Runtime, OpenVINO)",
+        description="Benchmark MODEL's variants side by side in one interleaved run: median/p10/p90 latency, "
+        "speedup vs eager, output error vs eager, build time, memory, and the roofline floor. Peer runtimes "
+        "come from the optional [bench] extra (pip install 'gml-lab[bench]'); a missing one is skipped.",
+    )
+    add_bench_arguments(p)
+    p.set_defaults(func=lambda a: bench_command(a, console))
+
+    p = sub.add_parser(
+        "demo",
+        help="guided tour of the lab on the embedded default (ResNet18), offline",
+        description="Walk the fusion practice's phases in order: trace basics, manual Linear+ReLU fusion, "
+        "matmul+add+relu pattern rewrite, fused vs unfused benchmark, Conv+BN folding, INT8 quantize + "
+        "lower of ResNet18, summary table.",
+    )
+    p.set_defaults(func=cmd_demo)
     return parser
 
 
-# Commands contributed by other modules: each is a function(subparsers) that adds one parser.
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gml.demo import run_demo
+
+    return run_demo(console)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
