@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 
+import pytest
 import torch
 from torch import fx, nn
 from torch.testing import FileCheck
@@ -13,6 +14,7 @@ from gml.passes.manager import PassManager
 from gml.passes.utils import modules_of
 
 Q = torch.quantize_per_tensor
+pytestmark = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
 
 
 def _gm(graph: fx.Graph, attrs: dict[str, torch.Tensor] | None = None) -> fx.GraphModule:
