@@ -21,7 +21,11 @@ from torch import fx
 
 @dataclass(frozen=True)
 class Tolerance:
-    """How far a pass may move the model's outputs: ``|a-b| <= atol + rtol*|b|`` elementwise.
+    """How far a pass may move the model's outputs: ``max|a-b| <= atol + rtol*max|b|`` per output.
+
+    The bound scales with the output's largest magnitude rather than each element's: reordering
+    float sums (folding, fused kernels) moves every element by an amount proportional to the
+    magnitudes involved, so an element that happens to be near zero gets no smaller error.
 
     ``None`` as a pass's tolerance means the pass changes numerics on purpose (quantization) and
     the manager only checks that outputs stay finite and keep their shapes.
