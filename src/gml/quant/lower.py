@@ -507,7 +507,7 @@ class LowerToGML(GraphPass):
                 new.meta["gml_coverage"] = entry
                 matches += 1
             else:
-                new = self._insert(ctx, q, Quantize(out_qp, backend=self.backend), [src], f"{q.name}_u8")
+                new = self._insert(ctx, q, Quantize(out_qp, backend=self.backend), [src], f"{_base(src)}_u8")
                 if reason:  # an op between DQ and Q that stays fp32 (not the model input)
                     skips.append(Skip(src.name, reason, ctx.label(src)))
                     cov.kept_fp32.append(CoverageEntry([src.name], ctx.label(src), "fp32", reason))
@@ -539,7 +539,7 @@ class LowerToGML(GraphPass):
                 qp = extract_qparams(node.args[0], gm)
                 assert qp is not None
                 deq = Dequantize(qp, backend=self.backend)
-                new = self._insert(ctx, node, deq, [node.args[0]], f"{node.name}_fp32")
+                new = self._insert(ctx, node, deq, [node.args[0]], f"{_base(node.args[0])}_fp32")
                 node.replace_all_uses_with(new)
                 for user in new.users:
                     if user.op != "output" and user.name not in reported:
@@ -699,6 +699,12 @@ class LowerToGML(GraphPass):
             parent = gm.get_submodule(parent_name) if parent_name else gm
             if hasattr(parent, attr):
                 delattr(parent, attr)
+
+
+def _base(node: Any) -> str:
+    """Readable stem for a boundary module's name: the value it converts."""
+    name = node.name if isinstance(node, fx.Node) else "const"
+    return name[2:] if name.startswith("q_") else name
 
 
 def _reads_int8(ctx: _Ctx, node: fx.Node) -> bool:
