@@ -37,3 +37,30 @@ def test_unknown_pass_name():
 
     with pytest.raises(GMLError, match="Unknown pass"):
         passes_by_name(["fold_bn", "nope"])
+
+
+def test_quantize_lowers_every_op_of_a_residual_cnn():
+    from gml.quant.modules import GMLQuantModuleBase
+
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = torch.randn(2, 3, 16, 16)
+    res = gml.quantize(model, [(torch.randn(2, 3, 16, 16),) for _ in range(4)], example_inputs=x)
+    counts = res.coverage.counts()
+    assert counts["QConv2d"] == 1 and counts["QConv2dAdd"] == 1 and counts["QLinear"] == 1
+    assert res.coverage.kept_fp32 == []
+    assert res.accuracy.cosine > 0.999
+    kinds = {type(m).__name__ for m in res.module.modules() if isinstance(m, GMLQuantModuleBase)}
+    assert {"Quantize", "QConv2d", "QConv2dAdd", "QLinear"} <= kinds
+    out = res.module(x)
+    cos = torch.nn.functional.cosine_similarity(out.flatten(), model(x).flatten(), dim=0)
+    assert float(cos) > 0.999
+
+
+def test_quantize_needs_example_inputs_for_generated_calibration():
+    from gml.errors import InputError
+
+    with pytest.raises(InputError, match="example_inputs are needed"):
+        gml.quantize(SmallCNN().eval(), 4)
+    with pytest.raises(InputError, match="calib_data is empty"):
+        gml.quantize(SmallCNN().eval(), [])

@@ -73,7 +73,7 @@ def test_bad_inputs_exit_codes(capsys, argv, code, text):
 
 def test_help_is_complete():
     out = subprocess.run([sys.executable, "-m", "gml.cli", "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("inspect", "optimize", "bench", "demo"):
+    for command in ("inspect", "optimize", "quantize", "bench", "demo"):
         assert command in out
     sub = subprocess.run(
         [sys.executable, "-m", "gml.cli", "inspect", "--help"], capture_output=True, text=True, check=True
@@ -88,3 +88,11 @@ def test_optimize_prints_report(capsys, monkeypatch):
     assert code == 0
     assert "fold_bn" in out and "applied" in out
     assert "max abs error vs eager" in out
+
+
+def test_quantize_prints_coverage_and_accuracy(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out = _run(capsys, "quantize", f"{ASSETS}:SmallCNN", "--calib", "2", "--no-time")
+    assert code == 0
+    assert "INT8 lowering coverage" in out and "QConv2dAdd" in out
+    assert "output cosine" in out

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from gml.api import OptimizeResult, optimize, verify
+from gml.api import OptimizeResult, QuantizeResult, optimize, quantize, verify
 from gml.capture import capture
 from gml.errors import GMLError
 from gml.verify import VerifyResult, verify_pass
 
-__all__ = ["GMLError", "OptimizeResult", "VerifyResult", "capture", "optimize", "verify", "verify_pass"]
+__all__ = [
+    "GMLError",
+    "OptimizeResult",
+    "QuantizeResult",
+    "VerifyResult",
+    "capture",
+    "optimize",
+    "quantize",
+    "verify",
+    "verify_pass",
+]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from gml.capture import capture, check_eval_mode
@@ -64,3 +65,102 @@ def optimize(
     err, _ = compare_outputs(ref, run_outputs(result.graph_module, samples[:1]), None)
     return OptimizeResult(result.graph_module, result.report, err)
 
+
+@dataclass
+class QuantizeResult:
+    """An INT8 module lowered onto GML kernel modules, with everything that explains it.
+
+    ``report``: the post-convert passes (lowering, quantize clean-up) with per-pass checks;
+    ``frontend``: the fp32 passes, fusions, which ops are INT8 and which stay fp32, calibration;
+    ``coverage``: which nodes became which GML INT8 module, which stayed fp32 and why;
+    ``accuracy``: output cosine / max diff / top-1 agreement and per-layer SQNR vs fp32;
+    ``reference``: torch.ao's reference Q/DQ graph the lowering started from;
+    ``seconds``: wall time of each stage.
+    """
+
+    module: fx.GraphModule
+    report: PipelineReport
+    frontend: Any
+    coverage: Any
+    accuracy: Any
+    reference: fx.GraphModule
+    seconds: dict[str, float]
+
+    def save(self, path: str) -> None:
+        from gml.io import save
+
+        save(self.module, path)
+
+
+def quantize(
+    model: nn.Module,
+    calib_data: Any = None,
+    *,
+    example_inputs: Any = None,
+    backend: str = "onednn",
+    observer: str = "minmax",
+    per_channel: bool = True,
+    eval_data: Any = None,
+    eval_labels: Sequence[Any] | None = None,
+    per_layer: bool = True,
+    progress: bool = False,
+    strict: bool = False,
+) -> QuantizeResult:
+    """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
+
+    Args:
+        calib_data: iterable of batches (tensors, tuples, or ``(x, label)`` pairs), or an int N for
+            N generated batches shaped like ``example_inputs`` (default 8 generated batches).
+        example_inputs: one input tuple; defaults to the first calibration batch.
+        backend: ``onednn`` (oneDNN INT8 kernels, VNNI) or ``fbgemm`` (``quantized::*`` ops).
+        observer: ``minmax`` | ``moving_average`` | ``histogram`` | ``percentile``.
+        eval_data / eval_labels: held-out batches for the accuracy report (default: 2 generated
+            batches that the calibration did not see).
+    """
+    import time
+
+    from gml.errors import InputError
+    from gml.passes.lift_combine_quant import LiftCombineQuant
+    from gml.quant.accuracy import accuracy_report
+    from gml.quant.calibrate import generate_batches
+    from gml.quant.frontend import prepare_reference
+    from gml.quant.lower import LowerToGML
+
+    check_eval_mode(model, what="INT8 quantization")
+    if example_inputs is None:
+        if calib_data is None or isinstance(calib_data, int):
+            raise InputError(
+                "example_inputs are needed when calib_data is not a list of batches.",
+                hint="pass example_inputs=(x,) with the model's input shape.",
+            )
+        calib_data = list(calib_data)
+        if not calib_data:
+            raise InputError("calib_data is empty.", hint="give at least one calibration batch.")
+        first = calib_data[0]
+        example_inputs = first if isinstance(first, torch.Tensor) else first[0]
+    inputs = _as_tuple(example_inputs)
+    seconds: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    ref = prepare_reference(
+        model, inputs, calib_data, observer=observer, per_channel=per_channel, backend=backend, progress=progress
+    )
+    seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
+
+    # Lower first (it reads the reference Q/DQ form), then clean up the quantize ops it leaves.
+    lower = LowerToGML(backend)
+    samples = [inputs]
+    t0 = time.perf_counter()
+    result = PassManager([lower, LiftCombineQuant()], strict=strict).run(copy.deepcopy(ref.graph_module), samples)
+    seconds["lower + clean up"] = time.perf_counter() - t0
+
+    if eval_data is None:
+        eval_data = generate_batches(inputs, 2, seed=12345)
+    t0 = time.perf_counter()
+    acc = accuracy_report(
+        model, result.graph_module, eval_data, labels=eval_labels, fp32_graph=ref.float_module, per_layer=per_layer
+    )
+    seconds["accuracy report"] = time.perf_counter() - t0
+    return QuantizeResult(
+        result.graph_module, result.report, ref.report, lower.coverage, acc, ref.graph_module, seconds
+    )

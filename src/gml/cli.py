@@ -195,6 +195,49 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from gml.api import quantize
+
+    model, inputs = load_from_args(args)
+    if args.calib < 1:
+        raise GMLError("--calib must be at least 1.", hint="e.g. --calib 8")
+    res = quantize(
+        model,
+        args.calib,
+        example_inputs=inputs,
+        backend=args.backend,
+        observer=args.observer,
+        per_channel=not args.per_tensor,
+        per_layer=not args.no_per_layer,
+        progress=True,
+    )
+    fe = res.frontend
+    if fe.fp32_passes is not None:
+        console.print(fe.fp32_passes.table(title="fp32 passes before quantization"))
+    console.print(res.report.table(title="INT8 passes after convert"))
+    if res.report.skips or res.report.rolled_back:
+        console.print(res.report.skip_table(title="Declined candidates"))
+    console.print(res.coverage.table())
+    console.print(res.coverage.summary())
+    console.print(f"frontend: {fe.summary()}")
+    acc = res.accuracy
+    if acc.layers:
+        worst = type(acc)(acc.samples, acc.cosine, acc.max_abs_diff, acc.top1_agreement, layers=acc.worst(10))
+        console.print(worst.table(title="INT8 accuracy: the 10 layers with the lowest SQNR"))
+    console.print(f"accuracy: {acc.summary()}")
+    console.print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in res.seconds.items()))
+    if not args.no_time:
+        t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.module(*inputs)})
+        console.print(
+            f"latency (median of 15 interleaved calls): fp32 eager {t['fp32']:.2f} ms, "
+            f"INT8 {t['int8']:.2f} ms ({t['fp32'] / t['int8']:.2f}x); use `gml bench` for a full measurement"
+        )
+    if args.out:
+        res.save(args.out)
+        console.print(f"saved to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gml",
@@ -233,6 +276,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-time", action="store_true", help="skip the quick eager-vs-optimized latency check")
     p.add_argument("--out", metavar="FILE", help="save the optimized module (see docs/adr/004)")
     p.set_defaults(func=cmd_optimize)
+
+    p = sub.add_parser(
+        "quantize",
+        help="quantize to INT8 and lower onto fused INT8 kernels; report coverage and accuracy",
+        description="Capture MODEL, run the fp32 passes, quantize with GML's BackendConfig (per-channel "
+        "symmetric weights, per-tensor activations), calibrate, lower to GML INT8 kernel modules, and print "
+        "the pass report, the lowering coverage (which nodes became which INT8 module, which stayed fp32 and "
+        "why), the accuracy report (per-layer SQNR, output cosine, top-1 agreement) and fp32-vs-INT8 latency.",
+    )
+    _add_model_args(p)
+    p.add_argument("--calib", type=int, default=8, metavar="N", help="generated calibration batches (default 8)")
+    p.add_argument("--backend", choices=("onednn", "fbgemm"), default="onednn", help="INT8 kernels (default onednn)")
+    p.add_argument(
+        "--observer",
+        choices=("minmax", "moving_average", "histogram", "percentile"),
+        default="minmax",
+        help="activation range observer (default minmax)",
+    )
+    p.add_argument("--per-tensor", action="store_true", help="per-tensor instead of per-channel weight scales")
+    p.add_argument("--no-per-layer", action="store_true", help="skip the per-layer SQNR table (faster)")
+    p.add_argument("--no-time", action="store_true", help="skip the quick fp32-vs-INT8 latency check")
+    p.add_argument("--out", metavar="FILE", help="save the INT8 module (see docs/adr/004)")
+    p.set_defaults(func=cmd_quantize)
 
     from gml.bench.cli import add_bench_arguments, bench_command
 
