@@ -19,6 +19,7 @@ import difflib
 import importlib.util
 import os
 import pickle
+import re
 import sys
 import zipfile
 from collections.abc import Sequence
@@ -74,7 +75,7 @@ def _import_file(path: str) -> Any:
     except Exception as exc:
         raise ModelLoadError(
             f"Importing '{path}' failed: {type(exc).__name__}: {exc}",
-            hint="run `python {path}` to see the error in your file.",
+            hint=f"run `python {path}` to see the error in your file.",
         ) from None
     return module
 
@@ -124,11 +125,19 @@ def load_checkpoint(model: nn.Module, path: str, *, unsafe_load: bool = False) -
     try:
         state = torch.load(path, map_location="cpu", weights_only=not unsafe_load)
     except pickle.UnpicklingError as exc:
+        # weights_only=True names the first non-tensor global it refused ("GLOBAL posix.system");
+        # without one, the bytes are simply not a readable pickle: a corrupt file, not an attack.
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if found is None or unsafe_load:
+            raise ModelLoadError(
+                f"Checkpoint '{path}' is corrupt or truncated: not readable PyTorch checkpoint data.",
+                hint="re-save it with torch.save(model.state_dict(), path).",
+            ) from None
         raise ModelLoadError(
-            f"Refused to load '{path}': it contains pickled objects that are not plain tensors "
-            f"({str(exc).splitlines()[0][:200]}). Loading it could run arbitrary code.",
-            hint="use a state_dict saved with torch.save(model.state_dict(), ...), or pass --unsafe-load "
-            "if you trust the file.",
+            f"Refused to load '{path}': it contains a pickled reference to {found.group(1)}, not only "
+            "tensors; unpickling it could run arbitrary code, so nothing in it was executed.",
+            hint="save a state_dict with torch.save(model.state_dict(), path) (a whole pickled model "
+            "also triggers this), or pass --unsafe-load if you trust the file.",
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
         raise ModelLoadError(
