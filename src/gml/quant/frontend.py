@@ -144,27 +144,15 @@ class ReferenceResult:
 
 # ---------------------------------------------------------------- fp32 passes
 def fp32_passes() -> list:
-    """The fp32 pipeline that runs before ``prepare``, in order: normalize first so the other
-    passes (and the BackendConfig) see one module type per op; untie so every fusion owns its
-    modules; fold BN so the convs carry final weights when their ranges are observed; then put
-    the fusable conv first in each add (the one operand order the BackendConfig lists)."""
+    """The fp32 pipeline that runs before ``prepare``: the canonical passes (normalize so the
+    BackendConfig sees one module type per op; untie so every fusion owns its modules; fold BN so
+    the convs carry final weights when their ranges are observed), then put the fusable conv first
+    in each add (the one operand order the BackendConfig lists)."""
     from gml.passes.base import FunctionPass
-    from gml.passes.fold_bn import FoldBatchNorm
-    from gml.passes.normalize import Normalize
-    from gml.passes.untie import UntieSharedModules
+    from gml.passes.pipeline import canonical_passes
 
     exact = Tolerance(atol=0.0, rtol=0.0)
-    fold = FoldBatchNorm()
-    # Folding reorders float math; on deep nets (ResNet50) the elementwise error reaches a few
-    # 1e-5 and the fp32 default tolerance would roll the fold back, leaving every BN unfused. INT8
-    # steps are ~1e-2 of the range, so 1e-3 still catches a wrong fold with room to spare.
-    fold.tolerance = Tolerance(atol=1e-3, rtol=1e-3)
-    return [
-        Normalize(),
-        UntieSharedModules(),
-        fold,
-        FunctionPass(conv_operand_first, "conv_operand_first", exact),  # after the fold: BN is gone
-    ]
+    return [*canonical_passes(), FunctionPass(conv_operand_first, "conv_operand_first", exact)]
 
 
 def _fusable_conv(node: Any, modules: dict[str, nn.Module]) -> bool:
