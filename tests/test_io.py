@@ -19,7 +19,7 @@ from gml.passes.manager import PassManager
 from gml.passes.pipeline import canonical_passes
 
 needs_onednn = pytest.mark.skipif(not k32.kernels_available(), reason="oneDNN fp32 kernels unavailable")
-FUSIONS = [FuseConvAdd(), FuseConvActivation(), FuseLinearActivation(), FuseElementwise()]
+FUSIONS = [FuseConvAdd(), FuseConvActivation(), FuseLinearActivation(backend="onednn"), FuseElementwise()]
 
 
 class Net(nn.Module):

@@ -182,12 +182,13 @@ def test_fused_linear_post_op_always_runs_on_onednn():
 def test_choose_linear_backend_rule(monkeypatch):
     monkeypatch.setattr(k32, "kernel_unavailable_reason", lambda: None)
     monkeypatch.setattr(k32, "mkl_linear_available", lambda: True)
-    assert k32.choose_linear_backend(1, k32.NO_POST_OP) == "mkl"
-    assert k32.choose_linear_backend(k32.MKL_MAX_ROWS + 1, k32.NO_POST_OP) == "onednn"
-    assert k32.choose_linear_backend(1, PostOp("relu")) == "onednn"
-    assert k32.choose_linear_backend(None, k32.NO_POST_OP) == "onednn"
+    assert k32.choose_linear_backend(8, 512, 1000) == "onednn"  # batch: oneDNN ~2x MKL here
+    assert k32.choose_linear_backend(1, 512, 1000) == "mkl"  # GEMV with a large weight
+    assert k32.choose_linear_backend(1, 64, 32) == "aten"  # tiny: oneDNN's call cost dominates
+    assert k32.choose_linear_backend(4, 64, 32) == "aten"
+    assert k32.choose_linear_backend(None, 64, 32) == "onednn"
     monkeypatch.setattr(k32, "kernel_unavailable_reason", lambda: "no oneDNN")
-    assert k32.choose_linear_backend(1, k32.NO_POST_OP) == "aten"
+    assert k32.choose_linear_backend(8, 512, 1000) == "aten"
 
 
 @needs_onednn

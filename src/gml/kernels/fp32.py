@@ -507,30 +507,40 @@ class FusedConvAdd(_Prepacked):
         return s + ("" if self.fused else ", UNFUSED fallback")
 
 
-# Measured on the development machine (2-core Zen 5, AVX-512; docs/fp32-kernels.md): oneDNN's
-# prepacked inner product beats MKL's ``F.linear`` (which takes a slow path on AMD) once there are
-# a few rows, while for a single row (a GEMV) MKL's packed GEMM is as fast or faster.
-MKL_MAX_ROWS = 1
+# Measured on the development machine (Zen 5, AVX-512; single-thread CPU time, docs/fp32-kernels.md):
+# oneDNN's prepacked inner product runs at 130-235 GF/s from 2 rows up, about 2x MKL's F.linear
+# (which takes a slow path on AMD), but costs ~10 us per call, so tiny layers stay on ATen; for one
+# row (a GEMV) MKL's packed GEMM is the fastest once the weight is large.
+ONEDNN_MIN_ROWS = 2
+ONEDNN_MIN_MACS = 1 << 20  # rows*K*N below this, oneDNN's fixed cost beats its speed
+MKL_MIN_WEIGHT = 1 << 18  # K*N from which MKL's packed GEMV beats F.linear at one row
 
 
-def choose_linear_backend(rows: int | None, post_op: PostOp) -> str:
-    """``"onednn"`` or ``"mkl"`` for an ``rows x K`` by ``K x N`` linear; see docs/fp32-kernels.md.
+def choose_linear_backend(rows: int | None, in_features: int, out_features: int) -> str:
+    """Fastest backend for a ``rows x K`` by ``K x N`` linear here: ``"onednn"``, ``"mkl"`` or ``"aten"``.
 
-    A post-op always goes to oneDNN (MKL has no epilogue, so it would not be a fusion).
+    ``rows`` is the product of the input's leading dims (``None``: unknown, assume a batch).
+    Only ``"onednn"`` can fuse a post-op; see docs/fp32-kernels.md for the measurements.
     """
     if not kernels_available():
         return "aten"
-    if post_op.attr == "none" and rows is not None and rows <= MKL_MAX_ROWS and mkl_linear_available():
+    if rows is None:
+        return "onednn"
+    weight = in_features * out_features
+    if rows >= ONEDNN_MIN_ROWS and rows * weight >= ONEDNN_MIN_MACS:
+        return "onednn"
+    if rows == 1 and weight >= MKL_MIN_WEIGHT and mkl_linear_available():
         return "mkl"
-    return "onednn"
+    return "aten"
 
 
 class FusedLinear(_Prepacked):
     """``post_op(x @ W^T + b)``: oneDNN inner product with the post-op fused and a prepacked weight.
 
-    ``backend="mkl"`` runs MKL's packed GEMM (``mkl._mkl_linear``) instead, only for plain linears
-    (no post-op) of the row counts where it measured faster; ``"auto"`` picks by
-    :func:`choose_linear_backend` from ``rows`` (the product of the input's leading dims).
+    ``backend="mkl"`` runs MKL's packed GEMM (``mkl._mkl_linear``) instead, for plain linears (no
+    post-op: MKL has no epilogue) of the shapes where it measured faster; ``"auto"`` picks by
+    :func:`choose_linear_backend` from ``rows`` (the product of the input's leading dims). A post-op
+    always runs on oneDNN, fused; ``"aten"`` (``F.linear``) is the fallback without oneDNN.
     """
 
     def __init__(
@@ -548,11 +558,11 @@ class FusedLinear(_Prepacked):
         self.post_op = post_op
         self.rows = rows
         if backend == "auto":
-            backend = choose_linear_backend(rows, post_op)
+            backend = choose_linear_backend(rows, weight.shape[1], weight.shape[0])
         if backend not in ("onednn", "mkl", "aten"):
             raise ValueError(f"unknown linear backend {backend!r}")
-        if backend == "mkl" and (post_op.attr != "none" or not mkl_linear_available()):
-            backend = "onednn"
+        if post_op.attr != "none" or (backend == "mkl" and not mkl_linear_available()):
+            backend = "onednn"  # a post-op is fused by oneDNN only
         if not self.fused:
             backend = "aten"
         self.backend = backend
@@ -560,8 +570,10 @@ class FusedLinear(_Prepacked):
         self._mkl_rows = int(rows) if rows else 1
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, post_op: PostOp = NO_POST_OP, rows: int | None = None) -> FusedLinear:
-        return cls(linear.weight, linear.bias, post_op=post_op, rows=rows)
+    def from_linear(
+        cls, linear: nn.Linear, post_op: PostOp = NO_POST_OP, rows: int | None = None, backend: str = "auto"
+    ) -> FusedLinear:
+        return cls(linear.weight, linear.bias, post_op=post_op, rows=rows, backend=backend)
 
     @property
     def in_features(self) -> int:
@@ -625,7 +637,7 @@ def describe_kernels() -> str:
     why = kernel_unavailable_reason()
     if why is not None:
         return f"fp32 kernels: unfused ATen fallback ({why})"
-    mkl = "MKL packed GEMM for single-row linears" if mkl_linear_available() else "no MKL packed GEMM"
+    mkl = "MKL packed GEMV for large single-row linears" if mkl_linear_available() else "no MKL packed GEMM"
     return f"fp32 kernels: oneDNN fused conv/linear with prepacked weights; {mkl}"
 
 

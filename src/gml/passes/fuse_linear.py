@@ -10,13 +10,18 @@ This is the fusion practice's manual pass (phase 2): a walker over the nodes tha
 finds the single activation user of each Linear and swaps in one fused module.
 
 ``act`` is any activation oneDNN fuses (see :func:`gml.kernels.fp32.post_op_of`). The fused module
-keeps the Linear's dotted name, so ``state_dict`` keys do not change. Plain Linears are lowered onto
-the faster of oneDNN's prepacked inner product and MKL's packed GEMM for their row count
-(:func:`gml.kernels.fp32.choose_linear_backend`, measured in docs/fp32-kernels.md).
+keeps the Linear's dotted name, so ``state_dict`` keys do not change.
+
+Backend per shape (:func:`gml.kernels.fp32.choose_linear_backend`, measured in docs/fp32-kernels.md):
+oneDNN's prepacked inner product from 2 rows and ~1M multiply-adds up (about 2x MKL's ``F.linear``
+here), MKL's packed GEMV for one row and a large weight, and plain ``nn.Linear`` for tiny layers,
+where oneDNN's ~10 us call cost dominates. Only the oneDNN path fuses the activation; a Linear+act
+left on MKL/ATen because that measured faster is reported as a skip with the reason.
 
 Skipped, with the reason: Linear output read by more than the activation ("linear output has 2
-users"), activations with no oneDNN post-op, non-fp32 weights/inputs, Linear modules called at
-several sites (run UntieSharedModules first), subclasses of nn.Linear (their forward may differ).
+users"), activations with no oneDNN post-op, shapes where the unfused kernels are faster,
+non-fp32 weights/inputs, Linear modules called at several sites (run UntieSharedModules first),
+subclasses of nn.Linear (their forward may differ).
 """
 
 from __future__ import annotations
@@ -38,14 +43,17 @@ class FuseLinearActivation(GraphPass):
     name = "fuse_linear"
     tolerance = Tolerance(atol=1e-4, rtol=1e-4)  # different GEMM blocking: a few ulp per output
 
-    def __init__(self, *, lower_unfused: bool = True) -> None:
+    def __init__(self, *, lower_unfused: bool = True, backend: str = "auto") -> None:
+        if backend not in ("auto", "onednn", "mkl"):
+            raise ValueError(f"backend must be 'auto', 'onednn' or 'mkl', not {backend!r}")
         self.lower_unfused = lower_unfused
+        self.backend = backend
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         modules = modules_of(gm)
         skips: list[Skip] = []
         notes = fc.fallback_notes()
-        fused = lowered = 0
+        fused = 0
         backends: dict[str, int] = {}
         for node in list(gm.graph.nodes):
             mod = get_module(gm, node)
@@ -55,6 +63,9 @@ class FuseLinearActivation(GraphPass):
             if why:
                 skips.append(Skip(node.name, why, "linear → act"))
                 continue
+            shape = fc.shape_of(node.args[0])
+            rows = math.prod(shape[:-1]) if shape else None
+            backend = self._backend(rows, mod)
             post, tail = k32.NO_POST_OP, node
             acts = [u for u in node.users if fc.kind_of(u, modules) in fc.ACTIVATION_KINDS]
             if acts and len(node.users) > 1:
@@ -63,13 +74,22 @@ class FuseLinearActivation(GraphPass):
                 found = k32.post_op_of(acts[0], modules)
                 if isinstance(found, str):
                     skips.append(Skip(acts[0].name, f"post-op not fused: {found}", "linear → act"))
+                elif backend != "onednn":
+                    where = "MKL's packed GEMV" if backend == "mkl" else "ATen's F.linear"
+                    skips.append(
+                        Skip(
+                            acts[0].name,
+                            f"not fused: for {rows} row(s) x {mod.in_features}->{mod.out_features}, {where} "
+                            "measured faster than oneDNN's fused kernel (docs/fp32-kernels.md)",
+                            "linear → act",
+                        )
+                    )
                 else:
                     post, tail = found, acts[0]
-            if tail is node and not self.lower_unfused:
+            if tail is node and (not self.lower_unfused or backend == "aten"):
+                backends["aten (kept nn.Linear)"] = backends.get("aten (kept nn.Linear)", 0) + 1
                 continue
-            shape = fc.shape_of(node.args[0])
-            rows = math.prod(shape[:-1]) if shape else None
-            new_mod = k32.FusedLinear.from_linear(mod, post, rows=rows)
+            new_mod = k32.FusedLinear.from_linear(mod, post, rows=rows, backend=backend)
             backends[new_mod.backend] = backends.get(new_mod.backend, 0) + 1
             replace_module(gm, str(node.target), new_mod)
             if tail is not node:
@@ -77,15 +97,23 @@ class FuseLinearActivation(GraphPass):
                 tail.replace_all_uses_with(node)
                 remove_unused_nodes(gm.graph, [tail])
                 fused += 1
-            else:
-                lowered += 1
-        if fused or lowered:
+        lowered = sum(n for b, n in backends.items() if not b.startswith("aten")) - fused
+        if backends:
             per = ", ".join(f"{n} on {b}" for b, n in sorted(backends.items()))
             notes.append(f"{fused} linear+activation fused, {lowered} linear(s) lowered without post-op ({per})")
+        modified = fused + lowered > 0
+        if modified:
             gm.graph.lint()
             gm.delete_all_unused_submodules()
             gm.recompile()
-        return PassResult(gm, bool(fused or lowered), fused, skips, notes)
+        return PassResult(gm, modified, fused, skips, notes)
+
+    def _backend(self, rows: int | None, mod: nn.Linear) -> str:
+        if not k32.kernels_available():
+            return "aten"
+        if self.backend != "auto":
+            return self.backend
+        return k32.choose_linear_backend(rows, mod.in_features, mod.out_features)
 
     @staticmethod
     def _problem(gm: fx.GraphModule, node: fx.Node, mod: nn.Linear) -> str | None:
