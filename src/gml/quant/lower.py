@@ -3,15 +3,17 @@
 Before (what torch.ao's ``convert_to_reference_fx`` produces; every quantized value is a
 ``quantize`` node read through ``dequantize`` nodes)::
 
-    q0 = quantize(x, s0, z0);  a = conv_relu(q0.dequantize());  q1 = quantize(a, s1, z1)
-    b = add(q1.dequantize(), q0.dequantize());                  q2 = quantize(b, s2, z2)
-    y = q2.dequantize()
+    q0 = quantize(x, s0, z0)
+    a  = conv1_relu(q0.dequantize());                     q1 = quantize(a, s1, z1)
+    b  = relu(conv2(q1.dequantize()) + q0.dequantize());  q2 = quantize(b, s2, z2)
+    y  = q2.dequantize()
 
 After::
 
-    u0 = Quantize(s0, z0)(x)            # fp32 → uint8, once, at the edge of the INT8 region
-    u2 = QConv2dAdd(relu?)(u0, u0')     # conv(u0) + u0 in one oneDNN kernel (sum post-op)
-    y  = Dequantize(s2, z2)(u2)         # uint8 → fp32, once, at the edge
+    u0 = Quantize(s0, z0)(x)          # fp32 → uint8, once, where the INT8 region starts
+    u1 = QConv2d(relu)(u0)            # uint8 → uint8
+    u2 = QConv2dAdd(relu)(u1, u0)     # relu(conv2(u1) + u0): one oneDNN kernel (sum post-op)
+    y  = Dequantize(s2, z2)(u2)       # uint8 → fp32, once, where it ends
 
 Math. A pattern ``Q_out(f(DQ(u_1), ..., DQ(u_n)))`` with ``DQ(u) = (u - z) * s`` becomes one module
 ``F(u_1, ..., u_n)`` that computes ``f`` on the integers with the input and output qparams folded in
@@ -24,15 +26,18 @@ cosine instead.
 
 Phases of :meth:`LowerToGML.call`:
 
-1. every quantize node, in graph order: match its producer against the rules (conv, conv+relu,
+1. every quantize node, in graph order: match its producer against :data:`RULES` (conv, conv+relu,
    conv+add(+relu) fused modules, linear(+relu), add(+relu), relu, max/avg pool, flatten, cat);
    on a match, a GML module replaces the pattern; otherwise the quantize node becomes a
    :class:`~gml.quant.modules.Quantize` module and the op stays in fp32 (a Skip with the reason,
    e.g. "no INT8 kernel for GELU; kept in fp32", unless it is the model input);
-2. ``QConv2d → QAdd`` pairs fuse into ``QConv2dAdd`` when the backend has the kernel;
-3. dequantize nodes still read by fp32 ops or the output become :class:`Dequantize` modules;
-4. dead nodes go through :func:`~gml.passes.utils.remove_unused_nodes` only (a node still read by
-   another branch is never erased), then unused submodules and qparam attributes are dropped;
+2. the replaced patterns are deleted through :func:`~gml.passes.utils.remove_unused_nodes` only (a
+   node still read by another branch, such as a residual's dequantize, is never erased); then
+   conv / linear whose result is *not* quantized (e.g. logits the frontend keeps fp32) become
+   modules whose kernel writes fp32 directly;
+3. ``QConv2d → QAdd`` pairs fuse into ``QConv2dAdd`` when the backend has the kernel;
+4. dequantize nodes still read by fp32 code become :class:`Dequantize` modules; unused submodules
+   and the reference graph's qparam attributes are dropped;
 5. oneDNN's sum post-op writes into the skip tensor: ``clone_other`` is set on a fused node whose
    skip tensor (or a view of it) is still read after it.
 
