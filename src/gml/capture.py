@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.node import map_aggregate
+from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 
 from gml.errors import InputError, TraceFailure, UnsupportedError
 
@@ -109,13 +110,32 @@ def trace(
 
 
 class _RecordingShapeProp(ShapeProp):
-    """ShapeProp that remembers the node it was running when something failed."""
+    """ShapeProp that remembers the node it was running when something failed.
+
+    ``ShapeProp.run_node`` prints the full torch traceback to stderr before re-raising; a CLI user
+    must see only our one-paragraph error, so this runs the node itself (no fake mode is used here)
+    and records the same ``tensor_meta`` / ``type`` metadata.
+    """
 
     current: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
-        return super().run_node(n)
+        result = fx.Interpreter.run_node(self, n)
+        found = False
+
+        def extract(obj: Any) -> Any:
+            nonlocal found
+            if isinstance(obj, torch.Tensor):
+                found = True
+                return _extract_tensor_metadata(obj)
+            return obj
+
+        meta = map_aggregate(result, extract)
+        if found:
+            n.meta["tensor_meta"] = meta
+        n.meta["type"] = type(result)
+        return result
 
 
 def _shape_str(args: Sequence[Any]) -> str:
