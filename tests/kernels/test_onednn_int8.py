@@ -216,7 +216,7 @@ def test_get_backend():
 
 
 def test_onednn_qadd_op_is_still_wrong_on_this_build():
-    """Why QAdd uses quantized::add: onednn::qadd.tensor gives 0 for 1.4 + ... here. If this test
+    """Why QAdd uses quantized::add: onednn::qadd.tensor gives 0 for 1.2 + 0.2 here. If this test
     fails, PyTorch fixed the op and the backend can switch to it."""
     a = torch.full((1, 4, 2, 2), 140, dtype=torch.uint8)
     b = torch.full((1, 4, 2, 2), 130, dtype=torch.uint8)
