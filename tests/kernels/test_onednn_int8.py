@@ -222,3 +222,14 @@ def test_onednn_qadd_op_is_still_wrong_on_this_build():
     b = torch.full((1, 4, 2, 2), 130, dtype=torch.uint8)
     y = torch.ops.onednn.qadd.tensor(a, 0.1, 128, b, 0.1, 128, 0.1, 128, torch.uint8)
     assert int(y.flatten()[0]) != 142  # (12 + 2) * 0.1 = 1.4 → 1.4 / 0.1 + 128 = 142
+
+
+def test_onednn_packings_are_bounded():
+    from gml.kernels.onednn_int8 import MAX_PACKINGS
+
+    be = get_backend("onednn")
+    w, ws = _weights(4, (4, 1, 1), seed=8)
+    packed = be.prepack_conv2d(w, ws, None, Conv2dSpec(), X_QP)
+    for batch in range(1, MAX_PACKINGS + 3):
+        be.conv2d(_activation((batch, 4, 3, 3), X_QP, be, seed=batch), X_QP, packed, X_QP)
+    assert sorted(packed.packs) == [(b, 4, 3, 3) for b in range(3, MAX_PACKINGS + 3)]

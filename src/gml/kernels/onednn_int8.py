@@ -26,7 +26,8 @@ Facts checked on this build (tests/kernels/test_onednn_int8.py pins them):
   (which must be channels-last and is overwritten) and returns a copy; the ``add`` binary post-op
   is rejected for quantized conv on CPU, so ``sum`` is the only fused residual form;
 * ``qconv_prepack`` picks the weight layout for ``x_shape``; a call with another input shape still
-  works but reorders the weight on every call, so the handle keeps one packing per batch size;
+  works but reorders the weight on every call, so the handle keeps one packing per input shape
+  (at most :data:`MAX_PACKINGS`, oldest dropped first);
 * ``onednn::qadd.tensor`` returns wrong values on this build (all zero point on a plain 1+1 test), so
   the standalone add and the pools use PyTorch's ``quantized::*`` CPU kernels instead (inputs
   wrapped as QTensors, results read back through a zero-copy uint8 view, see ``as_uint8``).
@@ -49,6 +50,8 @@ from gml.kernels.backend import (
 )
 
 _CL = torch.channels_last
+#: Packings kept per weight (one per input shape seen); the oldest goes first beyond this.
+MAX_PACKINGS = 4
 
 
 class OneDNNPackedConv:
@@ -79,6 +82,7 @@ class OneDNNPackedConv:
         packed = self.packs.get(key)
         if packed is None:
             s, qp = self.spec, self.input_qparams
+            _make_room(self.packs)
             packed = torch.ops.onednn.qconv_prepack(
                 self.weight,
                 self.w_scale,
@@ -108,6 +112,7 @@ class OneDNNPackedLinear:
         key = tuple(shape)
         packed = self.packs.get(key)
         if packed is None:
+            _make_room(self.packs)
             packed = torch.ops.onednn.qlinear_prepack(self.weight, list(key))
             self.packs[key] = packed
         return packed
@@ -290,6 +295,13 @@ class OneDNNBackend(Int8Backend):
 # ---------------------------------------------------------------- helpers shared with fbgemm
 def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().float().contiguous()
+
+
+def _make_room(packs: dict[tuple[int, ...], torch.Tensor]) -> None:
+    # Each packing is a full copy of the weight: a model served at many batch sizes must not grow
+    # without bound.
+    while len(packs) >= MAX_PACKINGS:
+        packs.pop(next(iter(packs)))
 
 
 def _out_args(qp: QParams | None) -> tuple[float, int, torch.dtype | None]:
