@@ -8,6 +8,7 @@ line and what to do about it (leaf modules, ``concrete_args``, ``torch.where``).
 
 from __future__ import annotations
 
+import math
 import os
 import traceback
 from collections.abc import Iterable, Sequence
@@ -17,6 +18,7 @@ import torch
 from torch import fx, nn
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
+from torch.utils._pytree import tree_flatten
 
 from gml.errors import InputError, TraceFailure, UnsupportedError
 
@@ -180,6 +182,56 @@ def check_eval_mode(model: nn.Module, *, what: str = "optimization") -> None:
             f"The model is in training mode ({shown}); {what} is for inference (BatchNorm would use batch "
             "statistics, Dropout would drop).",
             hint="call model.eval() first.",
+        )
+
+
+def _same(a: Any, b: Any) -> tuple[bool, float]:
+    """Whether two output structures are equal (NaN equals NaN), and the max abs difference."""
+    xs, ys = tree_flatten(a)[0], tree_flatten(b)[0]
+    if len(xs) != len(ys):
+        return False, math.inf
+    worst = 0.0
+    for x, y in zip(xs, ys):
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            if x != y:
+                return False, math.inf
+            continue
+        if x.shape != y.shape:
+            return False, math.inf
+        if x.is_floating_point():
+            differ = (x != y) & ~(torch.isnan(x) & torch.isnan(y))
+            if differ.any():
+                worst = max(worst, float((x - y)[differ].abs().max()))
+        elif not torch.equal(x, y):
+            worst = math.inf
+    return worst == 0.0, worst
+
+
+def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what: str = "optimization") -> None:
+    """Raise if two eval-mode runs of ``model`` on the same inputs differ.
+
+    A model whose submodules are all in eval mode can still be random where it matters:
+    ``F.dropout(x, p, training=True)`` hard-coded in ``forward``, ``torch.rand``/``bernoulli`` noise.
+    Every rewrite is verified by comparing outputs, so a random model makes each check fail for a
+    reason that has nothing to do with the pass (and an INT8 model calibrated on it is noise).
+    If the model does not even run on ``example_inputs``, nothing is raised here: :func:`capture`
+    reports that with the node that failed.
+    """
+    clones = [x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    try:
+        with torch.no_grad():
+            first = model(*clones)
+            second = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs])
+    except Exception:
+        return
+    same, diff = _same(first, second)
+    if not same:
+        raise UnsupportedError(
+            f"The model is random in eval mode: two runs on the same input differ (max abs difference "
+            f"{diff:.3g}); {what} checks every rewrite against the model's outputs, which needs a "
+            "deterministic model.",
+            hint="look for dropout called with training=True in forward() (pass training=self.training) "
+            "or random ops (torch.rand*, torch.bernoulli); make them depend on self.training.",
         )
 
 
