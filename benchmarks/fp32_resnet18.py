@@ -6,8 +6,8 @@ Variants (one random-init torchvision ResNet18 in eval mode, built separately pe
 every contender specializes on the static input shape):
 
 * ``eager``: the model as is (NCHW, BatchNorm unfolded);
-* ``gml``: :func:`gml.capture` → Normalize → UntieSharedModules → FoldBatchNorm → FuseConvAdd →
-  FuseConvActivation → FuseLinearActivation under the PassManager (every pass checked);
+* ``gml``: :func:`gml.capture` → Normalize → UntieSharedModules → FoldBatchNorm → the fusion passes
+  of :func:`gml.passes.fuse_all.fusion_passes` under the PassManager (every pass checked);
 * ``inductor``: ``torch.compile(backend="inductor")`` with ``torch._inductor.config.freezing = True``;
 * ``openvino`` (``--openvino``, if installed): ``openvino.convert_model``, CPU, f32 inference
   precision, latency hint, one stream, the same thread count.
@@ -34,8 +34,7 @@ from rich.table import Table
 from gml.bench.runner import time_interleaved
 from gml.bench.stats import summarize
 from gml.capture import capture
-from gml.passes.fuse_conv import FuseConvActivation, FuseConvAdd
-from gml.passes.fuse_linear import FuseLinearActivation
+from gml.passes.fuse_all import fusion_passes
 from gml.passes.manager import PassManager
 from gml.passes.pipeline import canonical_passes
 
@@ -45,7 +44,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 def build_gml(model: torch.nn.Module, x: torch.Tensor) -> tuple[Any, float, Any]:
     t0 = time.perf_counter()
     gm = capture(copy.deepcopy(model), (x,))
-    passes = [*canonical_passes(), FuseConvAdd(), FuseConvActivation(), FuseLinearActivation()]
+    passes = [*canonical_passes(), *fusion_passes()]
     result = PassManager(passes).run(gm, [(x,)])
     return result.graph_module, time.perf_counter() - t0, result.report
 

@@ -67,7 +67,7 @@ def test_conv_siblings_with_a_shared_activation_then_fuse():
 
     model, x = Branches(), torch.randn(1, 8, 6, 6)
     gm = traced(model, x)
-    result = PassManager([HorizontalMerge(), FuseConvActivation()], strict=True).run(gm, [(x,)])
+    result = PassManager([HorizontalMerge(convs=True), FuseConvActivation()], strict=True).run(gm, [(x,)])
     out = result.graph_module
     assert result.report.record("horizontal_merge").matches == 1
     if k32.kernels_available():
@@ -98,12 +98,30 @@ def test_mismatched_siblings_are_reported():
 
     model, x = M(), torch.randn(1, 4, 5, 5)
     gm = traced(model, x)
-    result = HorizontalMerge()(gm)
+    assert HorizontalMerge()(gm).skips == []  # convs are opt-in
+    result = HorizontalMerge(convs=True)(gm)
     assert not result.modified
     assert [(s.node, s.reason) for s in result.skips] == [
         ("dw", "groups=4"),
         ("x", "siblings one, three differ in shape or geometry"),
     ]
+
+
+def test_siblings_feeding_different_activations_stay_apart():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.relu, self.gelu = nn.ReLU(), nn.GELU()
+
+        def forward(self, x):
+            return self.relu(self.a(x)) + self.gelu(self.b(x))
+
+    model, x = M(), torch.randn(2, 8)
+    gm = traced(model, x)
+    result = HorizontalMerge()(gm)
+    assert not result.modified
+    assert [s.reason for s in result.skips] == ["siblings a, b feed different activations (merging would unfuse them)"]
 
 
 def test_single_linear_is_not_a_candidate():

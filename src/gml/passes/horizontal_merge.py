@@ -8,9 +8,13 @@ Before → after (Q/K/V projections are the classic case)::
 The merged layer stacks the weights along the output dimension (rows of a Linear weight, output
 channels of a Conv weight) and concatenates the biases (a missing bias counts as zeros), so each
 slice of the output is exactly one sibling's output. One GEMM/conv with N = nq+nk+nv reads ``x`` once
-and keeps the cores busier than three narrow ones, which is what pays at small batch. Convs merge
-when they share kernel size, stride, padding, dilation and have ``groups == 1`` (1x1 branches of an
-Inception block, say); the split is along channels (``dim=1``).
+and keeps the cores busier than three narrow ones, which is what pays at small batch.
+
+Convs (``convs=True``, off by default) merge when they share kernel size, stride, padding, dilation
+and have ``groups == 1`` (1x1 branches of an Inception block, say); the split is along channels
+(``dim=1``). It is off by default because a channel slice of a channels-last tensor is strided, and
+the oneDNN conv that reads it first copies it to a dense tensor: on ResNet50 (``layer1.0.conv1`` +
+``downsample``) that copy costs more than the saved read of the input.
 
 If every sibling feeds exactly one activation of the same kind and parameters, the activation is
 applied once to the merged output, before the split, so the conv/linear fusions can still fuse it.
@@ -20,8 +24,9 @@ sibling's output in place still touches only its own slice. Run this pass before
 / FuseLinearActivation, which then lower the merged ``nn.Linear``/``nn.Conv2d``. The merged module's
 weights live under a new name (``q_k_v``), so ``state_dict`` keys of the siblings change.
 
-Skipped, with the reason: siblings whose geometry differs ("kernel sizes differ"), subclasses and
-modules called at several sites, siblings called with extra arguments.
+Skipped, with the reason: siblings whose geometry differs, siblings that feed different
+activations (merging would leave those activations unfused on strided slices), modules called at
+several sites, siblings called with extra arguments.
 """
 
 from __future__ import annotations
@@ -94,20 +99,23 @@ class HorizontalMerge(GraphPass):
     name = "horizontal_merge"
     tolerance = Tolerance(atol=1e-5, rtol=1e-5)
 
-    def __init__(self, *, min_siblings: int = 2) -> None:
+    def __init__(self, *, min_siblings: int = 2, convs: bool = False) -> None:
         self.min_siblings = max(2, min_siblings)
+        self.convs = convs
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         modules = modules_of(gm)
         skips: list[Skip] = []
         merged = 0
         notes: list[str] = []
+        types = (nn.Linear, *fc.CONV_TYPES) if self.convs else (nn.Linear,)
         for src in list(gm.graph.nodes):
+            candidates = [u for u in src.users if isinstance(get_module(gm, u), types)]
+            if len(candidates) < self.min_siblings:
+                continue
             groups: dict[tuple, list[fx.Node]] = defaultdict(list)
-            for user in src.users:
+            for user in candidates:
                 mod = get_module(gm, user)
-                if not isinstance(mod, (nn.Linear, *fc.CONV_TYPES)):
-                    continue
                 why = self._problem(gm, user, src, mod)
                 geo = _geometry(mod)
                 if isinstance(geo, str):
@@ -121,15 +129,38 @@ class HorizontalMerge(GraphPass):
                 names = ", ".join(n.name for g in groups.values() for n in g)
                 skips.append(Skip(src.name, f"siblings {names} differ in shape or geometry", "sibling merge"))
             for siblings in groups.values():
-                if len(siblings) >= self.min_siblings:
-                    self._merge(gm, src, siblings, modules)
-                    merged += 1
-                    notes.append(f"merged {', '.join(str(s.target) for s in siblings)}")
+                if len(siblings) < self.min_siblings:
+                    continue
+                tails = {self._tail(s, modules) for s in siblings}
+                if len(tails) > 1 and any(isinstance(t, k32.PostOp) for t in tails):
+                    names = ", ".join(s.name for s in siblings)
+                    skips.append(
+                        Skip(
+                            src.name,
+                            f"siblings {names} feed different activations (merging would unfuse them)",
+                            "sibling merge",
+                        )
+                    )
+                    continue
+                self._merge(gm, src, siblings, modules)
+                merged += 1
+                notes.append(f"merged {', '.join(str(s.target) for s in siblings)}")
         if merged:
             gm.graph.lint()
             gm.delete_all_unused_submodules()
             gm.recompile()
         return PassResult(gm, bool(merged), merged, skips, notes)
+
+    @staticmethod
+    def _tail(node: fx.Node, modules: dict[str, nn.Module]) -> k32.PostOp | str:
+        """The activation module a sibling feeds alone (its fusable tail), or "other"."""
+        if len(node.users) == 1:
+            (user,) = node.users
+            if user.op == "call_module" and fc.kind_of(user, modules) in fc.ACTIVATION_KINDS:
+                post = k32.post_op_of(user, modules)
+                if isinstance(post, k32.PostOp):
+                    return post
+        return "other"
 
     @staticmethod
     def _problem(gm: fx.GraphModule, node: fx.Node, src: fx.Node, mod: nn.Module) -> str | None:
@@ -140,21 +171,11 @@ class HorizontalMerge(GraphPass):
             return f"module {node.target} is called at {sites} sites (run UntieSharedModules first)"
         return None
 
-    @staticmethod
-    def _shared_activation(siblings: list[fx.Node], modules: dict[str, nn.Module]) -> k32.PostOp | None:
+    def _shared_activation(self, siblings: list[fx.Node], modules: dict[str, nn.Module]) -> k32.PostOp | None:
         """The activation every sibling feeds (alone), if they all feed the same one."""
-        posts = []
-        for s in siblings:
-            if len(s.users) != 1:
-                return None
-            (user,) = s.users
-            if fc.kind_of(user, modules) not in fc.ACTIVATION_KINDS or user.op != "call_module":
-                return None
-            post = k32.post_op_of(user, modules)
-            if not isinstance(post, k32.PostOp):
-                return None
-            posts.append(post)
-        return posts[0] if all(p == posts[0] for p in posts) else None
+        tails = {self._tail(s, modules) for s in siblings}
+        (tail,) = tails if len(tails) == 1 else (None,)
+        return tail if isinstance(tail, k32.PostOp) else None
 
     def _merge(self, gm: fx.GraphModule, src: fx.Node, siblings: list[fx.Node], modules: dict[str, nn.Module]) -> None:
         order = fc.graph_order(gm)
