@@ -273,11 +273,11 @@ def _qconv_add(
     spec = _conv_spec(conv)
     src, in_qp = ctx.u8_input(x_arg)
     other, other_qp = ctx.u8_input(other_arg)
-    xs, os_ = _shape(x_arg), _shape(other_arg)
-    w, ws, b = _weights(conv)
-    mod = QConv2dAdd(w, ws, b, spec, in_qp, other_qp, out_qp, relu=relu, input_shape=xs, backend=ctx.backend)
-    if os_ is not None and covered and _shape(covered[-1]) not in (None, os_):
+    other_shape, out_shape = _shape(other_arg), _shape(covered[-1])
+    if other_shape is not None and out_shape is not None and other_shape != out_shape:
         raise Decline("the residual operand is broadcast; the fused kernel needs equal shapes")
+    w, ws, b = _weights(conv)
+    mod = QConv2dAdd(w, ws, b, spec, in_qp, other_qp, out_qp, relu=relu, input_shape=_shape(x_arg), backend=ctx.backend)
     return _Plan(mod, [src, other], covered, label)
 
 
