@@ -6,13 +6,15 @@ Order matters and is fixed here, not discovered:
 * ``UntieSharedModules`` before anything that rewrites a module, so a rewrite at one call site
   can never change another (BasicBlock's shared ``relu``).
 * ``FoldBatchNorm`` before fusion: conv+BN+ReLU becomes conv+ReLU, which the fused kernels take.
-* fusions last, since they replace modules with kernel modules that other passes do not look into.
+* fusions last, since they replace modules with kernel modules that other passes do not look into;
+  their own order (and why) is in :mod:`gml.passes.fuse_all`.
 """
 
 from __future__ import annotations
 
 from gml.passes.base import GraphPass
 from gml.passes.fold_bn import FoldBatchNorm
+from gml.passes.fuse_all import FUSION_PASS_CLASSES, fusion_passes
 from gml.passes.normalize import Normalize
 from gml.passes.untie import UntieSharedModules
 
@@ -24,12 +26,12 @@ def canonical_passes() -> list[GraphPass]:
 
 def fp32_passes() -> list[GraphPass]:
     """The default fp32 pipeline of ``gml optimize`` / :func:`gml.optimize`."""
-    return [*canonical_passes()]
+    return [*canonical_passes(), *fusion_passes()]
 
 
 def available_passes() -> dict[str, type[GraphPass]]:
     """Pass name → class, for ``gml optimize --passes``; names are the passes' own ``name``."""
-    classes: list[type[GraphPass]] = [Normalize, UntieSharedModules, FoldBatchNorm]
+    classes: list[type[GraphPass]] = [Normalize, UntieSharedModules, FoldBatchNorm, *FUSION_PASS_CLASSES]
     return {cls.name: cls for cls in classes}
 
 
