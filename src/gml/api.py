@@ -87,9 +87,11 @@ class QuantizeResult:
     seconds: dict[str, float]
 
     def save(self, path: str) -> None:
+        """Pickle the INT8 GraphModule (torch.export cannot capture the uint8 views between the INT8
+        kernels yet, docs/adr/004); ``gml.io.load(path, trust_pickle=True)`` reads it back."""
         from gml.io import save
 
-        save(self.module, path)
+        save(self.module, path, format="pickle")
 
 
 def quantize(

@@ -234,7 +234,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         )
     if args.out:
         res.save(args.out)
-        console.print(f"saved to {args.out}")
+        console.print(
+            f"saved to {args.out} (pickled GraphModule: load it with gml.io.load(path, trust_pickle=True), "
+            "only from a source you trust)"
+        )
     return 0
 
 

@@ -25,7 +25,8 @@ Element = type[nn.Module] | tuple[type[nn.Module], ...] | str | Callable[[fx.Nod
 
 
 def modules_of(gm: fx.GraphModule) -> dict[str, nn.Module]:
-    return dict(gm.named_modules())
+    # remove_duplicate=False: a module reachable under two names (shared relu) is listed under both.
+    return dict(gm.named_modules(remove_duplicate=False))
 
 
 def get_module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
