@@ -214,7 +214,7 @@ SHARED_QPARAM_OPS: tuple[Any, ...] = (nn.ReLU, nn.MaxPool2d, nn.AdaptiveAvgPool2
 
 
 def get_backend_config(backend: str = "onednn") -> BackendConfig:
-    """The GML-Lab BackendConfig (same patterns for oneDNN and fbgemm; the observers differ).
+    """The GML-Lab BackendConfig (oneDNN adds the conv+add(+relu) residual fusions; observers differ).
 
     Fused modules convert to themselves with the root conv/linear swapped for torch.ao's reference
     module (weights quantize→dequantize inside), which is what the INT8 lowering matches.
@@ -224,9 +224,17 @@ def get_backend_config(backend: str = "onednn") -> BackendConfig:
         _weighted(nn.Conv2d, nn.Conv2d, nnqr.Conv2d),
         _fusion((nn.Conv2d, nn.ReLU), nni.ConvReLU2d),
         _weighted(nni.ConvReLU2d, nn.Conv2d, nnqr.Conv2d),
-        *_conv_add_configs(),
-        _weighted(nni.ConvAdd2d, nn.Conv2d, nnqr.Conv2d),
-        _weighted(nni.ConvAddReLU2d, nn.Conv2d, nnqr.Conv2d),
+        # conv+add(+relu) only where a fused residual kernel exists (oneDNN's sum post-op); with
+        # fbgemm the add stays a separate INT8 add instead of falling back to fp32.
+        *(
+            [
+                *_conv_add_configs(),
+                _weighted(nni.ConvAdd2d, nn.Conv2d, nnqr.Conv2d),
+                _weighted(nni.ConvAddReLU2d, nn.Conv2d, nnqr.Conv2d),
+            ]
+            if backend == "onednn"
+            else []
+        ),
         _weighted(nn.Linear, nn.Linear, nnqr.Linear),
         _fusion((nn.Linear, nn.ReLU), nni.LinearReLU),
         _weighted(nni.LinearReLU, nn.Linear, nnqr.Linear),
