@@ -172,4 +172,176 @@ def check_fp32(
     return outcome
 
 
-__all__ = ["FP32_RTOL", "FuzzFailure", "Outcome", "check_fp32", "default_fp32_passes", "rel_err"]
+# ---------------------------------------------------------------------------------------- INT8
+# An INT8 output may differ from fp32 by at most INT8_FACTOR times what simulated rounding noise moves
+# it (see quantization_noise and docs/fuzzing.md for the derivation and the measured ratios).
+INT8_FACTOR = 4.0
+NOISE_TRIALS = 6
+
+
+def _weighted_params(model: nn.Module) -> list[tuple[torch.Tensor, int]]:
+    """(weight, output-channel axis) of every conv / convT / linear weight, module or functional."""
+    out: list[tuple[torch.Tensor, int]] = []
+    for mod in model.modules():
+        if isinstance(mod, nn.modules.conv._ConvTransposeNd):
+            out.append((mod.weight, 1))
+        elif isinstance(mod, nn.modules.conv._ConvNd | nn.Linear):
+            out.append((mod.weight, 0))
+    spec: ModelSpec = model.spec  # type: ignore[assignment]
+    for i, layer in enumerate(spec.layers):
+        if layer.op in ("conv", "linear") and layer.kw.get("form") == "functional":
+            out.append((getattr(model, f"w{i}"), 0))
+    return out
+
+
+def quantization_noise(
+    model: nn.Module, batches: Sequence[tuple[torch.Tensor, ...]], *, trials: int = NOISE_TRIALS, seed: int = 0
+) -> list[float]:
+    """How far INT8-sized rounding noise moves each output of a generated model (max abs, per output).
+
+    Models INT8 as fp32 plus rounding noise: every value of the model (input and each layer's
+    output) gets independent uniform noise of ±half its quantization step, ``step = range/255``
+    (per-tensor uint8 over the value's calibration range, which includes 0, as the minmax observer
+    does), and every conv/linear weight gets ±half its per-output-channel step ``max|w_c|/127.5``.
+    That over-approximates the real quantization points (ops left in fp32 and fused chains round
+    less often). The result is the largest output deviation over ``trials`` noisy runs per batch.
+    """
+    if not hasattr(model, "probe"):
+        raise TypeError("quantization_noise needs a model from gml.testing.graphgen.build")
+    lo: dict[int, float] = {}
+    hi: dict[int, float] = {}
+
+    def record(i: int, v: torch.Tensor) -> None:
+        lo[i] = min(lo.get(i, 0.0), float(v.min()))
+        hi[i] = max(hi.get(i, 0.0), float(v.max()))
+
+    clean = []
+    model.probe = record  # type: ignore[assignment]
+    try:
+        clean = [_run(model, b) for b in batches]
+    finally:
+        model.probe = None  # type: ignore[assignment]
+
+    noisy = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    worst = [0.0] * len(clean[0])
+    originals = [(w, w.detach().clone()) for w, _ in _weighted_params(noisy)]
+
+    def perturb(i: int, v: torch.Tensor) -> None:
+        # in place, so in-place ops and views of the value see the noise too (inputs are _run's clones)
+        v.add_((torch.rand(v.shape, generator=gen) - 0.5) * ((hi[i] - lo[i]) / 255))
+
+    noisy.probe = perturb  # type: ignore[assignment]
+    with torch.no_grad():
+        for _ in range(trials):
+            for (w, w0), (_, axis) in zip(originals, _weighted_params(noisy)):
+                dims = [d for d in range(w0.dim()) if d != axis]
+                step = w0.abs().amax(dim=dims, keepdim=True) / 127.5
+                w.copy_(w0 + (torch.rand(w0.shape, generator=gen) - 0.5) * step)
+            for b, ref in zip(batches, clean):
+                for k, (r, y) in enumerate(zip(ref, _run(noisy, b))):
+                    worst[k] = max(worst[k], float((r - y).abs().max()) if r.numel() else 0.0)
+    return worst
+
+
+def _quantize(model: nn.Module, calib: list[tuple[torch.Tensor, ...]]) -> Any:
+    """``gml.quantize`` when it exists, else the INT8 frontend followed by the lowering pass."""
+    try:
+        from gml.api import quantize
+    except ImportError:
+        quantize = None
+    if quantize is not None:
+        import inspect
+
+        extra = {"per_layer": False} if "per_layer" in inspect.signature(quantize).parameters else {}
+        res = quantize(model, calib, example_inputs=calib[0], **extra)
+        frontend = getattr(getattr(res, "frontend", None), "fp32_passes", None)
+        return res.module, [r for r in (frontend, res.report) if r is not None]
+    from gml.passes.manager import PassManager
+    from gml.quant.frontend import prepare_reference
+    from gml.quant.lower import LowerToGML
+
+    ref = prepare_reference(model, calib[0], calib, progress=False)
+    res = PassManager([LowerToGML()]).run(copy.deepcopy(ref.graph_module), [calib[0]])
+    return res.graph_module, [ref.report.fp32_passes, res.report]
+
+
+def _rolled_back(reports: Any) -> list[Any]:
+    """Rolled-back pass records of a pipeline report, or of a list of them."""
+    reports = reports if isinstance(reports, list) else [reports]
+    return [r for rep in reports for r in getattr(rep, "records", []) if r.status == "rolled back"]
+
+
+def check_int8(
+    spec: ModelSpec,
+    *,
+    factor: float = INT8_FACTOR,
+    quantize: Callable[..., Any] | None = None,
+    n_batches: int = 4,
+) -> Outcome:
+    """Quantize ``build(spec)`` (calibrated on ``n_batches`` seeded batches) and check it on them.
+
+    Properties: only GMLError escapes; no pass rolled back; outputs keep count, shape and
+    finiteness; every output is within ``factor`` × :func:`quantization_noise` of fp32 (plus 1e-5 of
+    its magnitude, for outputs noise cannot move); the caller's model is untouched.
+    ``Outcome.max_rel_err`` holds the worst error / noise ratio.
+    """
+    model = build(spec)
+    calib = [spec.example_inputs(seed=s) for s in range(n_batches)]
+    state = _state(model)
+    outcome = Outcome(spec)
+    try:
+        qmodel, report = (quantize or _quantize)(model, calib)
+    except GMLError as exc:
+        outcome.refused = exc
+        return outcome
+    outcome.report = report
+    rolled = _rolled_back(report)
+    if rolled:
+        raise FuzzFailure(
+            "pass rolled back (it produced a wrong graph): "
+            + "; ".join(f"{r.name}: {r.error}" for r in rolled)
+            + f"\n{spec.pretty()}"
+        )
+    after = _state(model)
+    if any(not torch.equal(state[k], after[k]) for k in state):
+        raise FuzzFailure(f"the caller's model was modified by quantization\n{spec.pretty()}")
+    noise = quantization_noise(model, calib)
+    worst = 0.0
+    for b in calib:
+        ref, got = _run(model, b), _run(qmodel, b)
+        if len(ref) != len(got) or any(r.shape != g.shape for r, g in zip(ref, got)):
+            raise FuzzFailure(
+                f"INT8 outputs {[tuple(g.shape) for g in got]} instead of {[tuple(r.shape) for r in ref]}"
+                f"\n{spec.pretty()}"
+            )
+        for k, (r, g) in enumerate(zip(ref, got)):
+            if r.numel() == 0:
+                continue
+            g = g.to(r.dtype)
+            if not torch.isfinite(g).all():
+                raise FuzzFailure(f"INT8 output {k} has NaN/Inf\n{spec.pretty()}")
+            err = float((r - g).abs().max())
+            allowed = factor * noise[k] + 1e-5 * max(float(r.abs().max()), 1.0)
+            worst = max(worst, err / allowed)
+            if err > allowed:
+                raise FuzzFailure(
+                    f"INT8 output {k} differs from fp32 by {err:.3g}, more than {factor:g} x the "
+                    f"{noise[k]:.3g} that rounding noise moves it (output magnitude "
+                    f"{float(r.abs().max()):.3g})\n{spec.pretty()}"
+                )
+    outcome.max_rel_err = worst
+    return outcome
+
+
+__all__ = [
+    "FP32_RTOL",
+    "INT8_FACTOR",
+    "FuzzFailure",
+    "Outcome",
+    "check_fp32",
+    "check_int8",
+    "default_fp32_passes",
+    "quantization_noise",
+    "rel_err",
+]

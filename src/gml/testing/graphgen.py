@@ -362,6 +362,9 @@ class GeneratedModel(nn.Module):
                 self._names.append(name)
         self._shapes = shapes
         self._n = n
+        # Called as probe(value_index, tensor) on every value in eager runs (None while tracing): lets a
+        # test record value ranges or inject noise in place (gml.testing.fuzz's INT8 bound).
+        self.probe: Callable[[int, torch.Tensor], None] | None = None
         self.eval()
 
     def _functional_params(self, i: int, layer: L, x: Shape, gen: torch.Generator) -> None:
@@ -379,8 +382,15 @@ class GeneratedModel(nn.Module):
 
     def _run(self, xs: list[torch.Tensor]) -> Any:
         vals: list[Any] = list(xs)
+        probe = self.probe
+        if probe is not None:
+            for j, v in enumerate(vals):
+                probe(j, v)
         for i, layer in enumerate(self.spec.layers):
-            vals.append(self._apply(i, layer, [vals[s] for s in layer.src]))
+            v = self._apply(i, layer, [vals[s] for s in layer.src])
+            if probe is not None:
+                probe(len(xs) + i, v)
+            vals.append(v)
         outs = [vals[o] for o in self.spec.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -1,0 +1,82 @@
+"""Open bugs the fuzzer found, as predicates over a spec, so the fuzz runs skip them and keep
+looking for new ones.
+
+Each predicate names an ``xfail(strict=True)`` case in test_regressions.py. When a fix lands, that
+case passes, the strict xfail turns into a failure, and whoever fixed it deletes the case's
+marker and the check here (so the fuzz run covers the pattern again).
+"""
+
+from __future__ import annotations
+
+from gml.capture import capture
+from gml.passes.normalize import Normalize
+from gml.testing.graphgen import L, ModelSpec, build
+
+
+def _producer(spec: ModelSpec, value: int) -> L | None:
+    """The layer that computes ``value`` (a reused module counts as the layer it reuses)."""
+    n = len(spec.inputs)
+    if value < n:
+        return None
+    layer = spec.layers[value - n]
+    return spec.layers[layer["of"]] if layer.op == "reuse" else layer
+
+
+def adds_a_conv_output_to_itself(spec: ModelSpec) -> bool:
+    """``y + y`` where ``y`` is a conv/linear output (a BN between them folds away)."""
+    n = len(spec.inputs)
+    for layer in spec.layers:
+        if layer.op == "add" and layer.src[0] == layer.src[1]:
+            producer = _producer(spec, layer.src[0])
+            if producer is not None and producer.op == "bn":
+                producer = _producer(spec, spec.layers[layer.src[0] - n].src[0])
+            if producer is not None and producer.op in ("conv", "convT", "linear"):
+                return True
+    return False
+
+
+def keeps_an_inplace_op(spec: ModelSpec) -> bool:
+    """Whether Normalize must leave an in-place op in place (its mutation is read through an alias)."""
+    if not any("inplace" in str(layer.kw.get("form", "")) for layer in spec.layers):
+        return False
+    result = Normalize()(capture(build(spec), spec.example_inputs()))
+    return any("out-of-place" in s.reason for s in result.skips)
+
+
+def _empty_window(layer: L, shape: tuple[int, ...]) -> bool:
+    """Whether some output of this conv reads nothing but padding (every tap outside the input)."""
+    k, s, p, d = layer["k"], layer["stride"], layer["pad"], layer["dil"]
+    for n in shape[2:]:
+        out = (n + 2 * p - d * (k - 1) - 1) // s + 1
+        if any(all(not 0 <= o * s - p + j * d < n for j in range(k)) for o in range(out)):
+            return True
+    return False
+
+
+def has_a_conv_window_entirely_in_padding(spec: ModelSpec) -> bool:
+    shapes = spec.shapes()
+    for layer in spec.layers:
+        conv = spec.layers[layer["of"]] if layer.op == "reuse" else layer
+        if conv.op == "conv" and _empty_window(conv, shapes[layer.src[0]]):
+            return True
+    return False
+
+
+def known_fp32_bug(spec: ModelSpec) -> bool:
+    # FuseConvAdd builds FusedConvAdd without its `other` input for y + y
+    # (test_regressions.py::test_fp32_open_bug[add_of_a_conv_output_to_itself])
+    return adds_a_conv_output_to_itself(spec)
+
+
+def known_int8_bug(spec: ModelSpec) -> bool:
+    return (
+        # the GML BackendConfig's conv+add fusion getters index a pattern torch.ao shortened
+        # (test_regressions.py::test_int8_open_bug[add_of_a_conv_output_to_itself])
+        adds_a_conv_output_to_itself(spec)
+        # oneDNN's INT8 conv returns garbage where a window lies entirely in the padding
+        # (test_regressions.py::test_int8_open_bug[conv_window_entirely_in_padding])
+        or has_a_conv_window_entirely_in_padding(spec)
+        # the INT8 frontend drops in-place ops Normalize keeps
+        # (test_regressions.py::test_int8_open_bug[inplace_relu_read_through_alias])
+        or keeps_an_inplace_op(spec)
+    )
