@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from gml.errors import InputError
-from gml.kernels.backend import Conv2dSpec, Int8Backend, QParams, as_uint8, get_backend
+from gml.kernels.backend import Conv2dSpec, Int8Backend, QParams, as_uint8, clamp_bounds, get_backend
 from gml.kernels.fbgemm_int8 import FbgemmBackend
+from gml.kernels.fp32 import PostOp
 from gml.kernels.onednn_int8 import OneDNNBackend
 
 BACKENDS = [name for name, cls in (("onednn", OneDNNBackend), ("fbgemm", FbgemmBackend)) if cls.is_available()]
@@ -233,3 +234,103 @@ def test_onednn_packings_are_bounded():
     for batch in range(1, MAX_PACKINGS + 3):
         be.conv2d(_activation((batch, 4, 3, 3), X_QP, be, seed=batch), X_QP, packed, X_QP)
     assert sorted(packed.packs) == [(b, 4, 3, 3) for b in range(3, MAX_PACKINGS + 3)]
+
+
+# ---------------------------------------------------------------- element-wise post-ops and activations
+RELU6 = PostOp("hardtanh", (0.0, 6.0))
+ELTWISE = [RELU6, PostOp("hardtanh", (-0.3, 0.4)), PostOp("hardswish"), PostOp("swish")]
+
+
+@pytest.mark.parametrize("post_op", ELTWISE, ids=str)
+def test_conv2d_eltwise_post_op(be: Int8Backend, post_op: PostOp):
+    x = _activation((1, 16, 7, 7), X_QP, be, seed=0)
+    w, ws = _weights(8, (16, 3, 3), seed=1)
+    bias = torch.linspace(-0.5, 0.5, 8)
+    packed = be.prepack_conv2d(w, ws, bias, Conv2dSpec(padding=(1, 1)), X_QP, x.shape)
+    ref = post_op.apply(F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, padding=1))
+    out_qp = _fit(ref)
+    if not be.fuses("conv2d", post_op):  # fbgemm: no hardswish / swish epilogue
+        assert post_op.attr in ("hardswish", "swish")
+        with pytest.raises(NotImplementedError, match=f"no conv2d kernel with a {post_op} post-op"):
+            be.conv2d(x, X_QP, packed, out_qp, post_op)
+        return
+    assert _steps(be, be.conv2d(x, X_QP, packed, out_qp, post_op), out_qp, ref) <= HALF_STEP
+    torch.testing.assert_close(be.conv2d(x, X_QP, packed, None, post_op), ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("post_op", ELTWISE, ids=str)
+def test_linear_eltwise_post_op(be: Int8Backend, post_op: PostOp):
+    x = _activation((3, 32), X_QP, be, seed=0)
+    w, ws = _weights(10, (32,), seed=7)
+    bias = torch.linspace(-1, 1, 10)
+    packed = be.prepack_linear(w, ws, bias, X_QP, x.shape)
+    ref = post_op.apply(F.linear(be.dequantize(x, X_QP), _dq_weight(w, ws), bias))
+    out_qp = _fit(ref)
+    if not be.fuses("linear", post_op):
+        with pytest.raises(NotImplementedError, match="no linear kernel"):
+            be.linear(x, X_QP, packed, out_qp, post_op)
+        return
+    assert _steps(be, be.linear(x, X_QP, packed, out_qp, post_op), out_qp, ref) <= HALF_STEP
+
+
+def test_relu6_clamps_at_six_where_the_output_grid_goes_further(be: Int8Backend):
+    """The clamp must stop at Q(6) = 120, not at the grid's end (255 = 12.75)."""
+    qp = QParams(0.05, 0)
+    x = be.quantize(torch.rand(1, 8, 5, 5, generator=torch.Generator().manual_seed(2)) * 10, qp)
+    w, ws = _weights(4, (8, 1, 1), seed=3)
+    w, ws = w.abs(), ws * 3  # non-negative weights on a positive input: outputs well above 6
+    packed = be.prepack_conv2d(w, ws, None, Conv2dSpec(), qp, x.shape)
+    ref = F.conv2d(be.dequantize(x, qp), _dq_weight(w, ws))
+    assert float(ref.max()) > 7
+    y = be.conv2d(x, qp, packed, qp, RELU6)
+    assert int(y.max()) == 120
+    assert _steps(be, y, qp, ref.clamp(0, 6)) <= HALF_STEP
+
+
+def test_onednn_qconv_rejects_other_eltwise_post_ops():
+    """Why sigmoid / hardsigmoid / gelu are not fused after an INT8 conv: the op rejects them here.
+    If this fails, PyTorch added them and the backend can list them in ``conv_post_ops``."""
+    be = get_backend("onednn")
+    x = _activation((1, 4, 3, 3), X_QP, be, seed=0)
+    w, ws = _weights(4, (4, 1, 1), seed=5)
+    packed = be.prepack_conv2d(w, ws, None, Conv2dSpec(), X_QP, x.shape)
+    for attr in ("sigmoid", "hardsigmoid", "gelu"):
+        with pytest.raises(RuntimeError, match="Unsupported post op"):
+            be.conv2d(x, X_QP, packed, X_QP, PostOp(attr))
+
+
+def test_clamp_bounds_commute_with_quantization():
+    qp = QParams(0.037, 93)
+    v = torch.linspace(-5, 8, 2001)
+    for lo, hi in ((0.0, 6.0), (-1.0, 1.0), (-10.0, 20.0)):
+        qlo, qhi = clamp_bounds(qp, lo, hi)
+        q = torch.quantize_per_tensor(v, qp.scale, qp.zero_point, torch.quint8).int_repr()
+        q_of_clamped = torch.quantize_per_tensor(v.clamp(lo, hi), qp.scale, qp.zero_point, torch.quint8).int_repr()
+        assert torch.equal(q.clamp(qlo, qhi), q_of_clamped)
+    assert clamp_bounds(qp, 0.0, 6.0) == (93, 255)  # 6 / 0.037 + 93 > 255: saturates
+
+
+@pytest.mark.parametrize(
+    "post_op", [PostOp("relu"), RELU6, PostOp("hardswish"), PostOp("sigmoid"), PostOp("hardsigmoid")], ids=str
+)
+def test_standalone_activation(be: Int8Backend, post_op: PostOp):
+    x = _activation((1, 8, 6, 6), QParams(0.04, 100), be, seed=4)
+    x_qp = QParams(0.04, 100)
+    ref = post_op.apply(be.dequantize(x, x_qp))
+    fixed = post_op.attr in ("sigmoid", "hardsigmoid")  # PyTorch's kernels write 1/256, 0
+    out_qp = QParams(1 / 256, 0) if fixed else (x_qp if post_op.attr in ("relu", "hardtanh") else _fit(ref))
+    y = be.activation(x, x_qp, post_op, out_qp)
+    assert _steps(be, y, out_qp, ref) <= HALF_STEP
+    if post_op.attr in ("relu", "hardtanh"):  # integer clamps: exactly the quantized reference
+        assert torch.equal(y, be.quantize(ref, out_qp))
+
+
+def test_mul_broadcasts_a_gate_over_a_map(be: Int8Backend):
+    a_qp, g_qp = QParams(0.03, 110), QParams(1 / 256, 0)
+    a = _activation((2, 8, 5, 5), a_qp, be, seed=1)
+    gate = be.quantize(torch.rand(2, 8, 1, 1, generator=torch.Generator().manual_seed(2)), g_qp)
+    ref = be.dequantize(a, a_qp) * be.dequantize(gate, g_qp)
+    qp = _fit(ref)
+    for y in (be.mul(a, a_qp, gate, g_qp, qp), be.mul(gate, g_qp, a, a_qp, qp)):
+        assert y.shape == (2, 8, 5, 5)
+        assert _steps(be, y, qp, ref) <= HALF_STEP

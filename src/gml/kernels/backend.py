@@ -13,9 +13,16 @@ Conventions every backend keeps, so modules and the lowering pass need no backen
 * weights: ``torch.int8`` symmetric (zero point 0), per output channel (``weight_scale`` has one
   entry per output channel) or per tensor (one entry); bias in fp32;
 * ``conv2d`` post-ops: ``"none"``, ``"relu"``, ``"add"`` and ``"add_relu"`` (the residual case:
-  ``relu(conv(x) + other)``, with ``other`` a uint8 tensor of the output's shape). A backend that
-  computes the add *into* ``other``'s memory sets :attr:`Int8Backend.conv_add_writes_other`, and
-  the caller must not read ``other`` afterwards (the lowering pass checks this).
+  ``relu(conv(x) + other)``, with ``other`` a uint8 tensor of the output's shape), or an element-wise
+  :class:`~gml.kernels.fp32.PostOp` (the fp32 kernels' type: oneDNN attr name + scalars, e.g.
+  ``PostOp("hardtanh", (0.0, 6.0))`` for ReLU6). Which element-wise post-ops a backend fuses is in
+  :attr:`Int8Backend.conv_post_ops` / :attr:`Int8Backend.linear_post_ops`. A backend that computes
+  the add *into* ``other``'s memory sets :attr:`Int8Backend.conv_add_writes_other`, and the caller
+  must not read ``other`` afterwards (the lowering pass checks this);
+* a clamp ``hardtanh(lo, hi)`` commutes with quantization (the quantizer is monotone), so on a
+  uint8 tensor it is a clamp of the integers to ``[Q(lo), Q(hi)]`` (:func:`clamp_bounds`): exact,
+  no arithmetic on the values. That is how standalone ReLU6 runs, and how a backend without a clamp
+  post-op fuses one after its conv.
 
 A GPU backend would implement the same methods on device tensors; nothing above this module needs
 to change.
@@ -23,6 +30,7 @@ to change.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -32,8 +40,9 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from gml.errors import InputError, UnsupportedError
+from gml.kernels.fp32 import NO_POST_OP, PostOp
 
-PostOp = Literal["none", "relu", "add", "add_relu"]
+ConvPostOp = Literal["none", "relu", "add", "add_relu"] | PostOp
 POST_OPS: tuple[str, ...] = ("none", "relu", "add", "add_relu")
 
 
@@ -63,6 +72,29 @@ class Conv2dSpec:
     padding: tuple[int, int] = (0, 0)
     dilation: tuple[int, int] = (1, 1)
     groups: int = 1
+
+
+@functools.lru_cache(maxsize=1024)
+def clamp_bounds(qparams: QParams, min_val: float, max_val: float) -> tuple[int, int]:
+    """The integer interval ``[Q(min_val), Q(max_val)]`` of ``hardtanh(min_val, max_val)`` on uint8.
+
+    ``Q(v) = clamp(round(v / s) + z, 0, 255)`` is monotone, so ``Q(clamp(v, lo, hi)) =
+    clamp(Q(v), Q(lo), Q(hi))``: clamping the integers equals quantizing the clamped value. The
+    bounds are rounded by the same quantizer as the activations (half to even)."""
+    q = torch.quantize_per_tensor(
+        torch.tensor([min_val, max_val]), qparams.scale, qparams.zero_point, torch.quint8
+    ).int_repr()
+    return int(q[0]), int(q[1])
+
+
+def split_post_op(post_op: ConvPostOp) -> tuple[PostOp, bool]:
+    """``(element-wise post-op, residual add?)`` of a ``conv2d`` post-op argument."""
+    if isinstance(post_op, PostOp):
+        return post_op, False
+    if post_op not in POST_OPS:
+        raise ValueError(f"unknown conv post-op {post_op!r}; known: {', '.join(POST_OPS)} or a PostOp")
+    eltwise = PostOp("relu") if post_op.endswith("relu") else NO_POST_OP
+    return eltwise, post_op.startswith("add")
 
 
 # ---------------------------------------------------------------- bridging to QTensor kernels
@@ -101,6 +133,17 @@ class Int8Backend(ABC):
     supports_conv_add: ClassVar[bool] = True
     #: ``conv2d(..., post_op="add*", other=t)`` overwrites ``t``.
     conv_add_writes_other: ClassVar[bool] = False
+    #: Element-wise post-ops (:class:`PostOp` attr names) ``conv2d`` / ``linear`` fuse.
+    conv_post_ops: ClassVar[frozenset[str]] = frozenset({"relu"})
+    linear_post_ops: ClassVar[frozenset[str]] = frozenset({"relu"})
+    #: Standalone element-wise activations :meth:`activation` computes on uint8 (besides clamps).
+    activations: ClassVar[frozenset[str]] = frozenset({"relu", "hardtanh"})
+
+    def fuses(self, op: str, post_op: PostOp) -> bool:
+        """Whether ``op`` (``"conv2d"`` or ``"linear"``) has a kernel with ``post_op`` fused."""
+        if post_op == NO_POST_OP:
+            return True
+        return post_op.attr in (self.conv_post_ops if op == "conv2d" else self.linear_post_ops)
 
     @classmethod
     @abstractmethod
@@ -139,18 +182,24 @@ class Int8Backend(ABC):
         x_qparams: QParams,
         packed: Any,
         out_qparams: QParams | None,
-        post_op: PostOp = "none",
+        post_op: ConvPostOp = "none",
         other: torch.Tensor | None = None,
         other_qparams: QParams | None = None,
     ) -> torch.Tensor:
         """``post_op(conv(x) [+ other])`` requantized to ``out_qparams`` (``None``: fp32 output,
-        post-ops ``none``/``relu`` only)."""
+        element-wise post-ops only)."""
 
     @abstractmethod
     def linear(
-        self, x: torch.Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, relu: bool = False
+        self,
+        x: torch.Tensor,
+        x_qparams: QParams,
+        packed: Any,
+        out_qparams: QParams | None,
+        post_op: PostOp | bool = False,
     ) -> torch.Tensor:
-        """``[relu](x @ W.T + b)`` over the last dimension (``out_qparams=None``: fp32 output)."""
+        """``post_op(x @ W.T + b)`` over the last dimension (``out_qparams=None``: fp32 output);
+        ``True`` / ``False`` mean relu / none."""
 
     @abstractmethod
     def add(
@@ -192,6 +241,42 @@ class Int8Backend(ABC):
     def relu(self, x: torch.Tensor, x_qparams: QParams) -> torch.Tensor:
         """ReLU in the integer domain: real 0 is the zero point, so ``max(q, zp)``."""
         return torch.clamp_min(x, x_qparams.zero_point)
+
+    def hardtanh(self, x: torch.Tensor, x_qparams: QParams, min_val: float, max_val: float) -> torch.Tensor:
+        """``hardtanh`` (ReLU6 = ``hardtanh(0, 6)``) as a clamp of the integers, same qparams."""
+        lo, hi = clamp_bounds(x_qparams, min_val, max_val)
+        return torch.clamp(x, lo, hi)
+
+    def activation(self, x: torch.Tensor, x_qparams: QParams, post_op: PostOp, out_qparams: QParams) -> torch.Tensor:
+        """A standalone element-wise activation (one of :attr:`activations`) on uint8.
+
+        Clamps (relu, hardtanh) work on the integers; the others go through PyTorch's quantized
+        CPU kernels (``quantized::hardswish``; ``sigmoid`` / ``hardsigmoid`` on a QTensor, which
+        write fixed qparams 1/256, 0 that are then requantized if ``out_qparams`` differ).
+        """
+        if post_op.attr not in self.activations:
+            raise NotImplementedError(f"the {self.name} backend has no INT8 {post_op} kernel")
+        if post_op.attr == "relu":
+            y = self.relu(x, x_qparams)
+        elif post_op.attr == "hardtanh":
+            y = self.hardtanh(x, x_qparams, *post_op.scalars)
+        else:
+            q = as_qtensor(x, x_qparams)
+            if post_op.attr == "hardswish":
+                return as_uint8(torch.ops.quantized.hardswish(q, out_qparams.scale, out_qparams.zero_point))
+            fn = torch.sigmoid if post_op.attr == "sigmoid" else torch.nn.functional.hardsigmoid
+            r = fn(q)
+            return self.requantize(as_uint8(r), QParams(r.q_scale(), r.q_zero_point()), out_qparams)
+        return self.requantize(y, x_qparams, out_qparams)
+
+    def mul(
+        self, a: torch.Tensor, a_qparams: QParams, b: torch.Tensor, b_qparams: QParams, out_qparams: QParams
+    ) -> torch.Tensor:
+        """Elementwise ``a * b`` with broadcasting (PyTorch's ``quantized::mul``)."""
+        out = torch.ops.quantized.mul(
+            as_qtensor(a, a_qparams), as_qtensor(b, b_qparams), out_qparams.scale, out_qparams.zero_point
+        )
+        return as_uint8(out)
 
     def quantize(self, x: torch.Tensor, qparams: QParams) -> torch.Tensor:
         """fp32 → uint8 (round half to even, saturating), channels-last for 4-D inputs."""

@@ -10,6 +10,13 @@ Ops: ``quantized::conv2d_prepack`` / ``conv2d`` / ``conv2d_relu``, ``quantized::
 ``quantized::cat``. FBGEMM has no conv kernel with a residual-add post-op, so
 :attr:`FbgemmBackend.supports_conv_add` is False: the lowering keeps conv and add as two modules
 (each with its calibrated output qparams) instead of fusing them.
+
+Element-wise post-ops: ``relu`` is FBGEMM's own (``conv2d_relu``); ``hardtanh(lo, hi)`` (ReLU6) is
+the plain kernel followed by a clamp of the uint8 result to ``[Q(lo), Q(hi)]``
+(:func:`~gml.kernels.backend.clamp_bounds`), which equals quantizing the clamped real value because
+the quantizer is monotone. It costs one extra pass over the output, not a round trip through fp32.
+There is no hardswish / SiLU epilogue: the frontend leaves those unfused for fbgemm and the
+activation runs as its own INT8 op (hardswish) or in fp32 (SiLU).
 """
 
 from __future__ import annotations
@@ -22,14 +29,17 @@ import torch
 
 from gml.kernels.backend import (
     Conv2dSpec,
+    ConvPostOp,
     Int8Backend,
-    PostOp,
     QParams,
     as_qtensor,
     as_uint8,
+    clamp_bounds,
     silence_quantized_tensor_warnings,
+    split_post_op,
 )
-from gml.kernels.onednn_int8 import _adaptive_avg_pool2d, _cat, _fp32
+from gml.kernels.fp32 import PostOp
+from gml.kernels.onednn_int8 import _adaptive_avg_pool2d, _cat, _eltwise, _fp32
 
 
 @contextlib.contextmanager
@@ -57,6 +67,9 @@ class FbgemmBackend(Int8Backend):
     name = "fbgemm"
     supports_conv_add: ClassVar[bool] = False
     engine: ClassVar[str] = "fbgemm"
+    conv_post_ops = frozenset({"relu", "hardtanh"})
+    linear_post_ops = frozenset({"relu", "hardtanh"})
+    activations = frozenset({"relu", "hardtanh", "hardswish", "sigmoid", "hardsigmoid"})
 
     def __init__(self) -> None:
         silence_quantized_tensor_warnings()
@@ -101,12 +114,14 @@ class FbgemmBackend(Int8Backend):
         x_qparams: QParams,
         packed: Any,
         out_qparams: QParams | None,
-        post_op: PostOp = "none",
+        post_op: ConvPostOp = "none",
         other: torch.Tensor | None = None,
         other_qparams: QParams | None = None,
     ) -> torch.Tensor:
-        if post_op not in ("none", "relu"):
+        eltwise, add = split_post_op(post_op)
+        if add:
             raise NotImplementedError("the fbgemm backend has no conv kernel with an add post-op")
+        self._check_post_op("conv2d", eltwise)
         if out_qparams is None:  # no fp32-output kernel: dequantized weights, fp32 conv
             w, b = packed.unpack()
             y = torch.nn.functional.conv2d(
@@ -118,19 +133,39 @@ class FbgemmBackend(Int8Backend):
                 packed.dilation(),
                 packed.groups(),
             )
-            return y.relu_() if post_op == "relu" else y
-        op = torch.ops.quantized.conv2d_relu.new if post_op == "relu" else torch.ops.quantized.conv2d.new
-        return as_uint8(op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point))
+            return eltwise.apply(y)
+        op = torch.ops.quantized.conv2d_relu.new if eltwise.attr == "relu" else torch.ops.quantized.conv2d.new
+        y = as_uint8(op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point))
+        return self._clamp(y, out_qparams, eltwise)
 
     def linear(
-        self, x: torch.Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, relu: bool = False
+        self,
+        x: torch.Tensor,
+        x_qparams: QParams,
+        packed: Any,
+        out_qparams: QParams | None,
+        post_op: PostOp | bool = False,
     ) -> torch.Tensor:
+        eltwise = _eltwise(post_op)
+        self._check_post_op("linear", eltwise)
         if out_qparams is None:  # no fp32-output kernel: dequantized weights, fp32 linear
             w, b = torch.ops.quantized.linear_unpack(packed)
-            y = torch.nn.functional.linear(self.dequantize(x, x_qparams), w.dequantize(), b)
-            return y.relu_() if relu else y
-        op = torch.ops.quantized.linear_relu if relu else torch.ops.quantized.linear
-        return as_uint8(op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point))
+            return eltwise.apply(torch.nn.functional.linear(self.dequantize(x, x_qparams), w.dequantize(), b))
+        op = torch.ops.quantized.linear_relu if eltwise.attr == "relu" else torch.ops.quantized.linear
+        y = as_uint8(op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point))
+        return self._clamp(y, out_qparams, eltwise)
+
+    def _check_post_op(self, op: str, post_op: PostOp) -> None:
+        if not self.fuses(op, post_op):
+            raise NotImplementedError(f"the fbgemm backend has no {op} kernel with a {post_op} post-op")
+
+    @staticmethod
+    def _clamp(y: torch.Tensor, out_qparams: QParams, post_op: PostOp) -> torch.Tensor:
+        """The hardtanh epilogue on the uint8 result, in place (``y`` is the kernel's fresh output)."""
+        if post_op.attr != "hardtanh":
+            return y
+        lo, hi = clamp_bounds(out_qparams, *post_op.scalars)
+        return y.clamp_(lo, hi)
 
     def add(
         self,

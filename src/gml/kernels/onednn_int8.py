@@ -28,6 +28,11 @@ Facts checked on this build (tests/kernels/test_onednn_int8.py pins them):
 * ``qconv_prepack`` picks the weight layout for ``x_shape``; a call with another input shape still
   works but reorders the weight on every call, so the handle keeps one packing per input shape
   (at most :data:`MAX_PACKINGS`, oldest dropped first);
+* the eltwise post-op (``attr``/``scalars``) of ``qconv2d_pointwise`` takes ``relu``, ``hardtanh``
+  ``[min, max]`` (ReLU6 is ``[0, 6]``, as Inductor's fp32 mkldnn fusion spells clamps),
+  ``hardswish`` and ``swish`` (SiLU); ``sigmoid``, ``hardsigmoid``, ``gelu``, ``tanh`` and
+  ``leaky_relu`` are rejected ("Unsupported post op"). ``qlinear_pointwise`` takes all but
+  ``sigmoid``/``hardsigmoid``/``silu``; GML uses the four the conv has too;
 * ``onednn::qadd.tensor`` returns wrong values on this build (all zero point on a plain 1+1 test), so
   the standalone add and the pools use PyTorch's ``quantized::*`` CPU kernels instead (inputs
   wrapped as QTensors, results read back through a zero-copy uint8 view, see ``as_uint8``).
@@ -41,13 +46,15 @@ import torch
 
 from gml.kernels.backend import (
     Conv2dSpec,
+    ConvPostOp,
     Int8Backend,
-    PostOp,
     QParams,
     as_qtensor,
     as_uint8,
     silence_quantized_tensor_warnings,
+    split_post_op,
 )
+from gml.kernels.fp32 import PostOp
 
 _CL = torch.channels_last
 #: Packings kept per weight (one per input shape seen); the oldest goes first beyond this.
@@ -123,6 +130,9 @@ class OneDNNBackend(Int8Backend):
 
     name = "onednn"
     conv_add_writes_other = True
+    conv_post_ops = frozenset({"relu", "hardtanh", "hardswish", "swish"})
+    linear_post_ops = frozenset({"relu", "hardtanh", "hardswish", "swish"})
+    activations = frozenset({"relu", "hardtanh", "hardswish", "sigmoid", "hardsigmoid"})
 
     def __init__(self) -> None:
         silence_quantized_tensor_warnings()
@@ -175,14 +185,15 @@ class OneDNNBackend(Int8Backend):
         x_qparams: QParams,
         packed: OneDNNPackedConv,
         out_qparams: QParams | None,
-        post_op: PostOp = "none",
+        post_op: ConvPostOp = "none",
         other: torch.Tensor | None = None,
         other_qparams: QParams | None = None,
     ) -> torch.Tensor:
         s = packed.spec
         w = packed.pack_for(x.shape)
         out_scale, out_zp, out_dtype = _out_args(out_qparams)
-        if post_op == "none" or post_op == "relu":
+        eltwise, add = split_post_op(post_op)
+        if not add:
             return self._qconv(
                 x,
                 x_qparams.scale,
@@ -198,9 +209,9 @@ class OneDNNBackend(Int8Backend):
                 out_scale,
                 out_zp,
                 out_dtype,
-                post_op,
-                [],
-                "",
+                eltwise.attr,
+                list(eltwise.scalars),
+                eltwise.algorithm,
             )
         if other is None or other_qparams is None or out_qparams is None:
             raise ValueError(f"post-op {post_op!r} needs `other`, `other_qparams` and a uint8 output")
@@ -226,9 +237,9 @@ class OneDNNBackend(Int8Backend):
             other_qparams.zero_point,
             "sum",
             1.0,
-            "relu" if post_op == "add_relu" else "none",
-            [],
-            "",
+            eltwise.attr,
+            list(eltwise.scalars),
+            eltwise.algorithm,
         )
 
     def linear(
@@ -237,9 +248,10 @@ class OneDNNBackend(Int8Backend):
         x_qparams: QParams,
         packed: OneDNNPackedLinear,
         out_qparams: QParams | None,
-        relu: bool = False,
+        post_op: PostOp | bool = False,
     ) -> torch.Tensor:
         out_scale, out_zp, out_dtype = _out_args(out_qparams)
+        eltwise = _eltwise(post_op)
         return self._qlinear(
             x,
             x_qparams.scale,
@@ -251,9 +263,9 @@ class OneDNNBackend(Int8Backend):
             out_scale,
             out_zp,
             out_dtype,
-            "relu" if relu else "none",
-            [],
-            "",
+            eltwise.attr,
+            list(eltwise.scalars),
+            eltwise.algorithm,
         )
 
     def add(
@@ -293,6 +305,13 @@ class OneDNNBackend(Int8Backend):
 
 
 # ---------------------------------------------------------------- helpers shared with fbgemm
+def _eltwise(post_op: PostOp | bool) -> PostOp:
+    # ``linear(..., True)`` is the pre-PostOp spelling of a fused relu.
+    if isinstance(post_op, PostOp):
+        return post_op
+    return PostOp("relu") if post_op else PostOp()
+
+
 def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().float().contiguous()
 
