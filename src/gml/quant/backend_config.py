@@ -14,13 +14,32 @@ pattern                                    fused module                       lo
 =========================================  =================================  =====================
 Conv2d                                     -                                  qconv2d_pointwise
 Conv2d → ReLU                              ``nni.ConvReLU2d``                 qconv2d + relu
+Conv2d → ReLU6 / Hardtanh / Hardswish /    :class:`ConvAct2d`                 qconv2d + hardtanh /
+SiLU                                                                          hardswish / swish
 Add(Conv2d(x), y)                          ``nni.ConvAdd2d``                  qconv2d.binary sum
 … → ReLU                                   ``nni.ConvAddReLU2d``              qconv2d.binary sum+relu
 Linear / Linear → ReLU                     - / ``nni.LinearReLU``             qlinear_pointwise
-Add / Add → ReLU                           - (observed as a pair)             quantized add(+relu)
-ReLU, MaxPool2d, AdaptiveAvgPool2d,        - (output shares the input's       quantized tensor ops
-Flatten, torch.cat                         observer: same scale/zero point)
+Linear → ReLU6 / Hardtanh / Hardswish /    :class:`LinearAct`                 qlinear + post-op
+SiLU
+Add / Add → ReLU, Mul                      - (observed as a pair) / -         quantized add / mul
+Hardswish                                  -                                  quantized hardswish
+Sigmoid, Hardsigmoid                       - (fixed qparams 1/256, 0)         quantized sigmoid
+ReLU, ReLU6, Hardtanh, MaxPool2d,          - (output shares the input's       integer clamp,
+AdaptiveAvgPool2d, mean, Flatten,          observer: same scale/zero point)   quantized tensor ops
+torch.cat
 =========================================  =================================  =====================
+
+The activation fusions follow the kernels: oneDNN's INT8 conv/linear take ``hardtanh`` (ReLU6),
+``hardswish`` and ``swish`` (SiLU) post-ops, FBGEMM's take none of them, but a clamp on the uint8
+result is exact (see :func:`gml.kernels.backend.clamp_bounds`), so for fbgemm only the
+ReLU6/Hardtanh fusions are listed; Hardswish then gets its own observer and INT8 op, SiLU stays
+fp32 (no quantized kernel).
+
+Observer of a fused ReLU6 output: the ordinary activation observer, not a fixed ``[0, 6]`` range.
+The clamp guarantees the observed range lies inside ``[0, 6]``, so min/max is never wider than the
+fixed range and is finer when the layer never reaches 6 (often, away from trained saturation).
+Fixed qparams are used where the *kernel* requires them: PyTorch's quantized sigmoid / hardsigmoid
+write scale 1/256, zero point 0 (torch.ao's ``default_fixed_qparams_range_0to1_observer``).
 
 The conv+add patterns use torch.ao's "complex" (reversed, nested) pattern format, the only one
 that can say "the other operand is anything" (``MatchAllNode``); torch's onednn config does the
@@ -53,10 +72,12 @@ from torch.ao.quantization.backend_config import (
     BackendConfig,
     BackendPatternConfig,
     DTypeConfig,
+    DTypeWithConstraints,
     ObservationType,
 )
 from torch.ao.quantization.fuser_method_mappings import _sequential_wrapper2
 from torch.ao.quantization.observer import (
+    FixedQParamsObserver,
     HistogramObserver,
     MinMaxObserver,
     MovingAverageMinMaxObserver,
@@ -80,6 +101,14 @@ WEIGHTED_INT8 = DTypeConfig(
     input_dtype=torch.quint8, output_dtype=torch.quint8, weight_dtype=torch.qint8, bias_dtype=torch.float
 )
 ACTIVATION_U8 = DTypeConfig(input_dtype=torch.quint8, output_dtype=torch.quint8)
+# Output in [0, 1] at PyTorch's fixed qparams for its quantized sigmoid kernels.
+FIXED_0TO1 = FixedQParamsObserver.with_args(
+    scale=1.0 / 256.0, zero_point=0, dtype=torch.quint8, qscheme=torch.per_tensor_affine, quant_min=0, quant_max=255
+)
+ACTIVATION_U8_0TO1 = DTypeConfig(
+    input_dtype=torch.quint8,
+    output_dtype=DTypeWithConstraints(dtype=torch.quint8, scale_exact_match=1.0 / 256.0, zero_point_exact_match=0),
+)
 
 _OWN_OBSERVER = ObservationType.OUTPUT_USE_DIFFERENT_OBSERVER_AS_INPUT
 _SHARED_OBSERVER = ObservationType.OUTPUT_SHARE_OBSERVER_WITH_INPUT
@@ -140,12 +169,44 @@ def weight_observer(per_channel: bool = True):
     return MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
 
 
+FIXED_QPARAMS_OPS: tuple[type[nn.Module], ...] = (nn.Sigmoid, nn.Hardsigmoid)
+
+
 def qconfig_mapping(
     observer: str = "minmax", *, per_channel: bool = True, backend: str = "onednn", percentile: float = 99.99
 ) -> QConfigMapping:
-    """One global QConfig; the BackendConfig decides which ops actually get quantized."""
+    """One global QConfig (the BackendConfig decides which ops actually get quantized), plus the
+    fixed [0, 1] output observer of the sigmoids."""
     act = activation_observer(observer, backend=backend, percentile=percentile)
-    return QConfigMapping().set_global(QConfig(activation=act, weight=weight_observer(per_channel)))
+    weight = weight_observer(per_channel)
+    mapping = QConfigMapping().set_global(QConfig(activation=act, weight=weight))
+    for op in FIXED_QPARAMS_OPS:
+        mapping.set_object_type(op, QConfig(activation=FIXED_0TO1, weight=weight))
+    return mapping
+
+
+# ---------------------------------------------------------------- conv / linear + activation
+class ConvAct2d(nni._FusedModule):
+    """``act(conv(x))`` for an activation other than ReLU (torch.ao has ``ConvReLU2d`` only): one
+    observed op whose reference form keeps the activation module, read by the INT8 lowering as
+    the kernel's eltwise post-op."""
+
+    def __init__(self, conv: nn.Conv2d, act: nn.Module) -> None:
+        super().__init__(conv, act)
+
+
+class LinearAct(nni._FusedModule):
+    """``act(linear(x))`` for an activation other than ReLU (see :class:`ConvAct2d`)."""
+
+    def __init__(self, linear: nn.Linear, act: nn.Module) -> None:
+        super().__init__(linear, act)
+
+
+#: Activations fused after a conv/linear, per backend (the INT8 kernels' eltwise post-ops).
+FUSED_ACTIVATIONS: dict[str, tuple[type[nn.Module], ...]] = {
+    "onednn": (nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.SiLU),
+    "fbgemm": (nn.ReLU6, nn.Hardtanh),  # a clamp of the uint8 result; no hardswish/SiLU epilogue
+}
 
 
 # ---------------------------------------------------------------- conv + add (+ relu)
@@ -210,7 +271,24 @@ def _shared(op: Any) -> BackendPatternConfig:
     return BackendPatternConfig(op).set_observation_type(_SHARED_OBSERVER).set_dtype_configs([ACTIVATION_U8])
 
 
-SHARED_QPARAM_OPS: tuple[Any, ...] = (nn.ReLU, nn.MaxPool2d, nn.AdaptiveAvgPool2d, nn.Flatten, torch.cat)
+# mean: the average of values lies within their range, so the input's scale covers it (torch.ao
+# shares it too); the lowering runs mean over H, W as a global average pool.
+SHARED_QPARAM_OPS: tuple[Any, ...] = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.Hardtanh,
+    nn.MaxPool2d,
+    nn.AdaptiveAvgPool2d,
+    nn.Flatten,
+    torch.cat,
+    torch.mean,
+    "mean",
+)
+
+
+def _own(op: Any, dtype_config: DTypeConfig = ACTIVATION_U8) -> BackendPatternConfig:
+    """An unweighted op whose output gets its own observer."""
+    return BackendPatternConfig(op).set_observation_type(_OWN_OBSERVER).set_dtype_configs([dtype_config])
 
 
 def get_backend_config(backend: str = "onednn") -> BackendConfig:
@@ -238,8 +316,15 @@ def get_backend_config(backend: str = "onednn") -> BackendConfig:
         _weighted(nn.Linear, nn.Linear, nnqr.Linear),
         _fusion((nn.Linear, nn.ReLU), nni.LinearReLU),
         _weighted(nni.LinearReLU, nn.Linear, nnqr.Linear),
-        BackendPatternConfig(gnn.Add).set_observation_type(_OWN_OBSERVER).set_dtype_configs([ACTIVATION_U8]),
-        BackendPatternConfig((gnn.Add, nn.ReLU)).set_observation_type(_OWN_OBSERVER).set_dtype_configs([ACTIVATION_U8]),
+        *(_fusion((nn.Conv2d, act), ConvAct2d) for act in FUSED_ACTIVATIONS[backend]),
+        _weighted(ConvAct2d, nn.Conv2d, nnqr.Conv2d),
+        *(_fusion((nn.Linear, act), LinearAct) for act in FUSED_ACTIVATIONS[backend]),
+        _weighted(LinearAct, nn.Linear, nnqr.Linear),
+        _own(gnn.Add),
+        _own((gnn.Add, nn.ReLU)),
+        _own(gnn.Mul),
+        _own(nn.Hardswish),
+        *(_own(op, ACTIVATION_U8_0TO1) for op in FIXED_QPARAMS_OPS),
         *(_shared(op) for op in SHARED_QPARAM_OPS),
     ]
     return BackendConfig(f"gml_{backend}").set_backend_pattern_configs(configs)
@@ -288,9 +373,12 @@ def describe_patterns(config: BackendConfig) -> list[str]:
 __all__ = [
     "ACTIVATION_U8",
     "BACKENDS",
+    "FUSED_ACTIVATIONS",
     "NORMALIZED_MODULES",
     "OBSERVERS",
     "WEIGHTED_INT8",
+    "ConvAct2d",
+    "LinearAct",
     "PercentileObserver",
     "activation_observer",
     "get_backend_config",

@@ -17,8 +17,10 @@ After::
 
 Math. A pattern ``Q_out(f(DQ(u_1), ..., DQ(u_n)))`` with ``DQ(u) = (u - z) * s`` becomes one module
 ``F(u_1, ..., u_n)`` that computes ``f`` on the integers with the input and output qparams folded in
-(the kernel's job), so each value is quantized exactly once. Fusions: conv/linear + relu (eltwise
-post-op); conv + add (+ relu) for residuals (sum post-op). The sum post-op fusion also applies when
+(the kernel's job), so each value is quantized exactly once. Fusions: conv/linear + an activation
+the backend's kernel has as eltwise post-op (relu; on oneDNN also ReLU6/hardtanh, hardswish,
+SiLU; on fbgemm ReLU6/hardtanh as a clamp of the result); conv + add (+ relu) for residuals (sum
+post-op). The sum post-op fusion also applies when
 the reference graph quantizes the conv output before the add (``conv → Q → DQ → add``): the
 intermediate rounding disappears, which moves results by at most about one output step — one
 reason this pass has no tolerance (``None``); the tests check it against the reference graph by
@@ -26,8 +28,10 @@ cosine instead.
 
 Phases of :meth:`LowerToGML.call`:
 
-1. every quantize node, in graph order: match its producer against :data:`RULES` (conv, conv+relu,
-   conv+add(+relu) fused modules, linear(+relu), add(+relu), relu, max/avg pool, flatten, cat);
+1. every quantize node, in graph order: match its producer against :data:`RULES` (conv and linear
+   with a fused activation, conv+add(+relu), add(+relu), mul, standalone activations (relu,
+   ReLU6/hardtanh as integer clamps, hardswish, sigmoid, hardsigmoid), mean, max/avg pool,
+   flatten, cat);
    on a match, a GML module replaces the pattern; otherwise the quantize node becomes a
    :class:`~gml.quant.modules.Quantize` module and the op stays in fp32 (a Skip with the reason,
    e.g. "no INT8 kernel for GELU; kept in fp32", unless it is the model input);
@@ -36,12 +40,15 @@ Phases of :meth:`LowerToGML.call`:
    conv / linear whose result is *not* quantized (e.g. logits the frontend keeps fp32) become
    modules whose kernel writes fp32 directly;
 3. ``QConv2d → QAdd`` pairs fuse into ``QConv2dAdd`` when the backend has the kernel;
-4. dequantize nodes still read by fp32 code become :class:`Dequantize` modules; unused submodules
+4. shape queries (``x.size()``, ``x.dim()``, ``x.shape``) read the uint8 value directly;
+   dequantize nodes still read by fp32 code become :class:`Dequantize` modules; unused submodules
    and the reference graph's qparam attributes are dropped;
 5. oneDNN's sum post-op writes into the skip tensor: ``clone_other`` is set on a fused node whose
    skip tensor (or a view of it) is still read after it.
 
-Declined, with a reason: ops with no INT8 kernel, inputs that are not quantized (fp32 regions),
+Declined, with a reason: ops with no INT8 kernel (SiLU on its own, GELU, ...), a fused activation
+the backend's kernel lacks ("the fbgemm backend has no INT8 conv2d kernel with a hardswish
+post-op"), inputs that are not quantized (fp32 regions),
 non-uint8 or per-channel activation qparams, asymmetric or non-int8 weights, conv with non-zero
 padding modes / string padding, pools that change qparams in ways the kernel cannot express,
 add with ``alpha != 1`` or broadcasting operands, fp32 op outputs read by other ops as well.
@@ -63,20 +70,27 @@ from torch import fx, nn
 
 from gml.errors import UnsupportedError
 from gml.kernels.backend import Conv2dSpec, Int8Backend, QParams, get_backend
+from gml.kernels.fp32 import NO_POST_OP, PostOp, post_op_of
+from gml.kernels.fp32 import _post_op_of_module as post_op_of_module
 from gml.passes.base import GraphPass, PassResult, Skip
 from gml.passes.oplib import node_label, op_kind
 from gml.passes.utils import add_module, remove_unused_nodes
+from gml.quant.backend_config import ConvAct2d, LinearAct
 from gml.quant.modules import (
     Dequantize,
     GMLQuantModuleBase,
+    QActivation,
     QAdaptiveAvgPool2d,
     QAdd,
     QCat,
     QConv2d,
     QConv2dAdd,
     QFlatten,
+    QHardtanh,
     QLinear,
     QMaxPool2d,
+    QMean,
+    QMul,
     QReLU,
     Quantize,
     extract_qparams,
@@ -86,10 +100,11 @@ from gml.quant.modules import (
     reference_weight,
 )
 
-try:  # gml.nn.Add is the normalized form of every add spelling (ADR 001)
+try:  # gml.nn.Add / Mul are the normalized forms of every add / mul spelling (ADR 001)
     from gml.nn import Add as _GmlAdd
+    from gml.nn import Mul as _GmlMul
 except ImportError:  # pragma: no cover
-    _GmlAdd = None  # type: ignore[assignment,misc]
+    _GmlAdd = _GmlMul = None  # type: ignore[assignment,misc]
 
 
 @dataclass
@@ -195,20 +210,31 @@ def _pair(v: Any) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- op recognisers
-def _as_conv(mod: nn.Module | None) -> tuple[nn.Conv2d, bool] | None:
-    """(conv, fused relu) for Conv2d, reference Conv2d and ``nni.ConvReLU2d``."""
+def _fused_post_op(act: nn.Module) -> PostOp:
+    post_op = post_op_of_module(act)
+    if isinstance(post_op, str):
+        raise Decline(post_op)
+    return post_op
+
+
+def _as_conv(mod: nn.Module | None) -> tuple[nn.Conv2d, PostOp] | None:
+    """(conv, fused post-op) for Conv2d, reference Conv2d, ``nni.ConvReLU2d`` and :class:`ConvAct2d`."""
     if isinstance(mod, nni.ConvReLU2d) and isinstance(mod[0], nn.Conv2d):
-        return mod[0], True
+        return mod[0], PostOp("relu")
+    if isinstance(mod, ConvAct2d) and isinstance(mod[0], nn.Conv2d):
+        return mod[0], _fused_post_op(mod[1])
     if isinstance(mod, nn.Conv2d):
-        return mod, False
+        return mod, NO_POST_OP
     return None
 
 
-def _as_linear(mod: nn.Module | None) -> tuple[nn.Linear, bool] | None:
+def _as_linear(mod: nn.Module | None) -> tuple[nn.Linear, PostOp] | None:
     if isinstance(mod, nni.LinearReLU) and isinstance(mod[0], nn.Linear):
-        return mod[0], True
+        return mod[0], PostOp("relu")
+    if isinstance(mod, LinearAct) and isinstance(mod[0], nn.Linear):
+        return mod[0], _fused_post_op(mod[1])
     if isinstance(mod, nn.Linear):
-        return mod, False
+        return mod, NO_POST_OP
     return None
 
 
@@ -235,8 +261,22 @@ def _add_operands(ctx: _Ctx, node: fx.Node) -> tuple[Any, Any] | None:
     return args[0], args[1]
 
 
-def _is_relu(ctx: _Ctx, node: fx.Node) -> bool:
-    return op_kind(node, ctx.modules) == "relu"
+def _is_activation(ctx: _Ctx, node: fx.Node) -> bool:
+    return op_kind(node, ctx.modules) in ACTIVATION_KINDS
+
+
+#: Activations a conv/linear kernel may fuse, or that have a standalone INT8 op.
+ACTIVATION_KINDS = ("relu", "relu6", "hardtanh", "hardswish", "silu", "sigmoid", "hardsigmoid")
+
+
+def _activation(ctx: _Ctx, node: fx.Node) -> PostOp | None:
+    """The element-wise function ``node`` computes, as a post-op, if it is an activation we lower."""
+    if op_kind(node, ctx.modules) not in ACTIVATION_KINDS:
+        return None
+    post_op = post_op_of(node, ctx.modules)
+    if isinstance(post_op, str):
+        raise Decline(post_op)
+    return post_op
 
 
 # ---------------------------------------------------------------- builders
@@ -257,11 +297,17 @@ def _weights(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     return w, ws, bias
 
 
-def _qconv(ctx: _Ctx, conv: nn.Conv2d, x_arg: Any, out_qp: QParams | None, relu: bool, covered, label) -> _Plan:
+def _check_fuses(ctx: _Ctx, op: str, post_op: PostOp) -> None:
+    if not ctx.backend.fuses(op, post_op):
+        raise Decline(f"the {ctx.backend.name} backend has no INT8 {op} kernel with a {post_op} post-op")
+
+
+def _qconv(ctx: _Ctx, conv: nn.Conv2d, x_arg: Any, out_qp: QParams | None, post_op: PostOp, covered, label) -> _Plan:
     spec = _conv_spec(conv)
+    _check_fuses(ctx, "conv2d", post_op)
     src, in_qp = ctx.u8_input(x_arg)
     w, ws, b = _weights(conv)
-    mod = QConv2d(w, ws, b, spec, in_qp, out_qp, relu=relu, input_shape=_shape(x_arg), backend=ctx.backend)
+    mod = QConv2d(w, ws, b, spec, in_qp, out_qp, post_op=post_op, input_shape=_shape(x_arg), backend=ctx.backend)
     return _Plan(mod, [src], covered, label)
 
 
@@ -295,8 +341,8 @@ def _rule_conv(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None
     hit = _as_conv(ctx.module(node))
     if hit is None:
         return None
-    conv, relu = hit
-    return _qconv(ctx, conv, node.args[0], out_qp, relu, [node], ctx.label(node))
+    conv, post_op = hit
+    return _qconv(ctx, conv, node.args[0], out_qp, post_op, [node], ctx.label(node))
 
 
 def _rule_conv_add(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
@@ -313,14 +359,15 @@ def _rule_linear(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | No
     hit = _as_linear(ctx.module(node))
     if hit is None:
         return None
-    lin, relu = hit
-    return _qlinear(ctx, lin, node.args[0], out_qp, relu, [node], ctx.label(node))
+    lin, post_op = hit
+    return _qlinear(ctx, lin, node.args[0], out_qp, post_op, [node], ctx.label(node))
 
 
-def _qlinear(ctx: _Ctx, lin: nn.Linear, x_arg: Any, out_qp: QParams | None, relu: bool, covered, label) -> _Plan:
+def _qlinear(ctx: _Ctx, lin: nn.Linear, x_arg: Any, out_qp: QParams | None, post_op: PostOp, covered, label) -> _Plan:
+    _check_fuses(ctx, "linear", post_op)
     src, in_qp = ctx.u8_input(x_arg)
     w, ws, b = _weights(lin)
-    mod = QLinear(w, ws, b, in_qp, out_qp, relu=relu, input_shape=_shape(x_arg), backend=ctx.backend)
+    mod = QLinear(w, ws, b, in_qp, out_qp, post_op=post_op, input_shape=_shape(x_arg), backend=ctx.backend)
     return _Plan(mod, [src], covered, label)
 
 
@@ -343,32 +390,77 @@ def _rule_add(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     return _qadd(ctx, node, operands, out_qp, False, [node])
 
 
-def _rule_relu(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
-    """relu fused into its producer (conv, conv+add, linear, add) when it is the only reader."""
-    if not _is_relu(ctx, node):
+def _rule_activation(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    """An activation fused into its producer when it is the only reader (conv / linear: any
+    post-op the backend's kernel has; conv+add and add: relu), else a standalone INT8 op (relu,
+    relu6/hardtanh as integer clamps; hardswish, sigmoid, hardsigmoid on the backend's kernels)."""
+    post_op = _activation(ctx, node)
+    if post_op is None:
         return None
     prod = node.args[0]
+    is_relu = post_op == PostOp("relu")
     if isinstance(prod, fx.Node) and not is_dequantize(prod) and _single_user(prod):
         pmod = ctx.module(prod)
-        label = f"{ctx.label(prod)} → relu"
+        label = f"{ctx.label(prod)} → {ctx.label(node)}"
         conv = _as_conv(pmod)
-        if conv is not None and not conv[1]:
-            return _qconv(ctx, conv[0], prod.args[0], out_qp, True, [prod, node], label)
+        if conv is not None and conv[1] == NO_POST_OP:
+            return _qconv(ctx, conv[0], prod.args[0], out_qp, post_op, [prod, node], label)
         lin = _as_linear(pmod)
-        if lin is not None and not lin[1]:
-            return _qlinear(ctx, lin[0], prod.args[0], out_qp, True, [prod, node], label)
+        if lin is not None and lin[1] == NO_POST_OP:
+            return _qlinear(ctx, lin[0], prod.args[0], out_qp, post_op, [prod, node], label)
         if out_qp is None:
             return None  # only the weighted kernels write fp32
         conv_add = _conv_add_module(ctx, prod, pmod)
-        if conv_add is not None and not conv_add[1]:
+        if conv_add is not None and not conv_add[1] and is_relu:
             return _qconv_add(ctx, conv_add[0], prod.args[0], prod.args[1], out_qp, True, [prod, node], label)
         operands = _add_operands(ctx, prod)
-        if operands is not None:
+        if operands is not None and is_relu:
             return _qadd(ctx, prod, operands, out_qp, True, [prod, node])
     if out_qp is None:
         return None
     src, in_qp = ctx.u8_input(prod)
-    return _Plan(QReLU(in_qp, out_qp, backend=ctx.backend), [src], [node], "relu")
+    if is_relu:
+        return _Plan(QReLU(in_qp, out_qp, backend=ctx.backend), [src], [node], "relu")
+    if post_op.attr == "hardtanh":
+        lo, hi = post_op.scalars
+        return _Plan(QHardtanh(lo, hi, in_qp, out_qp, backend=ctx.backend), [src], [node], ctx.label(node))
+    if post_op.attr not in ctx.backend.activations:
+        raise Decline(f"no INT8 kernel for {ctx.label(node)} on its own (only fused after a conv or linear)")
+    return _Plan(QActivation(post_op, in_qp, out_qp, backend=ctx.backend), [src], [node], ctx.label(node))
+
+
+def _rule_mul(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    """Tensor × tensor (``gml.nn.Mul`` or any function spelling), broadcasting allowed."""
+    if out_qp is None:
+        return None
+    if node.op == "call_module":
+        if _GmlMul is None or not isinstance(ctx.module(node), _GmlMul):
+            return None
+    elif op_kind(node, ctx.modules) != "mul" or node.op != "call_function" or node.kwargs:
+        return None  # (x.mul(y) and in-place spellings are normalized to gml.nn.Mul before this)
+    if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return None  # a product with a constant: declined by the generic fallback
+    a, a_qp = ctx.u8_input(node.args[0])
+    b, b_qp = ctx.u8_input(node.args[1])
+    return _Plan(QMul(a_qp, b_qp, out_qp, backend=ctx.backend), [a, b], [node], "mul")
+
+
+def _rule_mean(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    """``x.mean(dims, keepdim)`` / ``torch.mean(x, dims, keepdim)`` with constant dims."""
+    if out_qp is None:
+        return None
+    if not ((node.op == "call_method" and node.target == "mean") or node.target is torch.mean):
+        return None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = (dims,) if isinstance(dims, int) else dims
+    if node.kwargs.get("dtype") is not None or not isinstance(keepdim, bool):
+        raise Decline("mean with a dtype or a run-time keepdim has no INT8 kernel")
+    if not isinstance(dims, list | tuple) or not dims or not all(isinstance(d, int) for d in dims):
+        raise Decline("mean over all dims or run-time dims has no INT8 kernel")
+    src, in_qp = ctx.u8_input(node.args[0])
+    q = QMean(tuple(dims), keepdim, in_qp, out_qp, backend=ctx.backend)
+    return _Plan(q, [src], [node], ctx.label(node))
 
 
 def _rule_max_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
@@ -441,16 +533,18 @@ def _rule_cat(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     return _Plan(q, [n for n, _ in inputs], [node], ctx.label(node))
 
 
-# Order matters only where patterns nest: relu first, so conv → relu fuses instead of the conv
+# Order matters only where patterns nest: activations first, so conv → relu6 fuses instead of the conv
 # being claimed alone (the conv is not the quantize node's producer then anyway).
 # Rules return None for a pattern they do not recognise (or for ``out_qp=None``, an fp32
 # output, unless they are a weighted op whose kernel writes fp32), and raise Decline with a reason.
 RULES: tuple[Rule, ...] = (
-    _rule_relu,
+    _rule_activation,
     _rule_conv,
     _rule_conv_add,
     _rule_linear,
     _rule_add,
+    _rule_mul,
+    _rule_mean,
     _rule_max_pool,
     _rule_avg_pool,
     _rule_flatten,
@@ -541,6 +635,9 @@ class LowerToGML(GraphPass):
         dequantize_nodes = [n for n in graph.nodes if is_dequantize(n)]
         for node in dequantize_nodes:
             if node.users and ctx.produces_u8(node.args[0]):
+                for user in [u for u in node.users if _is_shape_query(u)]:
+                    user.replace_input_with(node, node.args[0])  # same shape as uint8: no Dequantize
+            if node.users and ctx.produces_u8(node.args[0]):
                 qp = extract_qparams(node.args[0], gm)
                 assert qp is not None
                 deq = Dequantize(qp, backend=self.backend)
@@ -591,10 +688,10 @@ class LowerToGML(GraphPass):
                 continue
             if any(is_quantize(u) for u in node.users) or not _reads_int8(ctx, node):
                 continue
-            if _single_user(node) and _is_relu(ctx, next(iter(node.users))):
-                continue  # the relu reading it fuses it
+            if _single_user(node) and _is_activation(ctx, next(iter(node.users))):
+                continue  # the activation reading it fuses it
             plan, reason = None, ""
-            for rule in (_rule_relu, _rule_conv, _rule_linear):
+            for rule in (_rule_activation, _rule_conv, _rule_linear):
                 try:
                     plan = rule(ctx, node, None)
                 except Decline as e:
@@ -717,9 +814,16 @@ def _reads_int8(ctx: _Ctx, node: fx.Node) -> bool:
     inputs = node.all_input_nodes
     if any(is_dequantize(a) for a in inputs):
         return True
-    if _is_relu(ctx, node) and inputs and _single_user(inputs[0]):
+    if _is_activation(ctx, node) and inputs and _single_user(inputs[0]):
         return any(is_dequantize(a) for a in inputs[0].all_input_nodes)
     return False
+
+
+def _is_shape_query(node: fx.Node) -> bool:
+    """``x.size()``, ``x.size(d)``, ``x.dim()``, ``x.shape``: reads only the shape, not the values."""
+    if node.op == "call_method":
+        return node.target in ("size", "dim")
+    return node.op == "call_function" and node.target is getattr and node.args[1:2] == ("shape",)
 
 
 def _aliases(ctx: _Ctx, node: fx.Node) -> set[fx.Node]:

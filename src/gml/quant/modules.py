@@ -3,9 +3,9 @@
 Hierarchy (ADR 002)::
 
     GMLQuantModuleBase            output_scale / output_zp buffers; forward returns uint8
-    ├── UnaryOpsBase              + input_scale / input_zp:  QConv2d, QLinear, QReLU, QMaxPool2d,
-    │                               QAdaptiveAvgPool2d, QFlatten
-    ├── BinaryOpsBase             + other_scale / other_zp:  QAdd, QConv2dAdd (residual)
+    ├── UnaryOpsBase              + input_scale / input_zp:  QConv2d, QLinear, QReLU, QHardtanh,
+    │                               QActivation, QMaxPool2d, QAdaptiveAvgPool2d, QMean, QFlatten
+    ├── BinaryOpsBase             + other_scale / other_zp:  QAdd, QMul, QConv2dAdd (residual)
     ├── QCat                      one (scale, zp) per input, as 1-D buffers
     └── Quantize                  fp32 → uint8 at the edge of the INT8 region
     Dequantize (plain Module)     uint8 → fp32; its output is not quantized, so no output qparams
@@ -32,6 +32,7 @@ import torch
 from torch import fx, nn
 
 from gml.kernels.backend import Conv2dSpec, Int8Backend, QParams, get_backend
+from gml.kernels.fp32 import NO_POST_OP, PostOp
 
 BackendArg = str | Int8Backend | None
 
@@ -174,6 +175,15 @@ def reference_weight(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return qw.int_repr(), scale.float()
 
 
+def _resolve_post_op(relu: bool, post_op: PostOp | None) -> PostOp:
+    """``relu=True`` is shorthand for ``post_op=PostOp("relu")``; giving both is ambiguous."""
+    if relu and post_op is not None and post_op != PostOp("relu"):
+        raise ValueError(f"relu=True and post_op={post_op} disagree")
+    if post_op is not None:
+        return post_op
+    return PostOp("relu") if relu else NO_POST_OP
+
+
 class _Weighted(nn.Module):
     """Dense int8 ``weight`` + ``weight_scale`` + fp32 ``bias`` buffers, prepacked into ``_packed``."""
 
@@ -203,8 +213,8 @@ class _Weighted(nn.Module):
 
 
 class QConv2d(UnaryOpsBase, _Weighted):
-    """``relu?(conv2d(x))`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
-    ``qconv2d_pointwise`` with an eltwise post-op)."""
+    """``post_op(conv2d(x))`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
+    ``qconv2d_pointwise`` with an eltwise post-op: relu, hardtanh (ReLU6), hardswish, swish)."""
 
     def __init__(
         self,
@@ -216,16 +226,22 @@ class QConv2d(UnaryOpsBase, _Weighted):
         output_qparams: QParams | None,
         *,
         relu: bool = False,
+        post_op: PostOp | None = None,
         input_shape: Sequence[int] | None = None,
         backend: BackendArg = None,
     ) -> None:
         super().__init__(input_qparams, output_qparams, backend)
+        self.post_op = _resolve_post_op(relu, post_op)
+        if not self.backend.fuses("conv2d", self.post_op):
+            raise ValueError(f"the {self.backend.name} backend has no conv kernel with a {self.post_op} post-op")
         self._register_weight(weight, weight_scale, bias)
         self.spec = spec
-        self.relu = relu
         self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
-        self._post_op = "relu" if relu else "none"
         self._prepack()
+
+    @property
+    def relu(self) -> bool:
+        return self.post_op == PostOp("relu")
 
     def _prepack(self) -> None:
         self._packed = self.backend.prepack_conv2d(
@@ -237,7 +253,7 @@ class QConv2d(UnaryOpsBase, _Weighted):
         self._prepack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.conv2d(x, self._in_qp, self._packed, self._out_qp, self._post_op)
+        return self.backend.conv2d(x, self._in_qp, self._packed, self._out_qp, self.post_op)
 
     def extra_repr(self) -> str:
         o, i, kh, kw = self.weight.shape
@@ -245,7 +261,11 @@ class QConv2d(UnaryOpsBase, _Weighted):
         geo = f"{i * s.groups}→{o}, k={kh}x{kw}, stride={s.stride}, pad={s.padding}"
         if s.groups != 1:
             geo += f", groups={s.groups}"
-        return f"{geo}{', relu' if self.relu else ''}, {self._qp_repr()}, {self.backend.name}"
+        return f"{geo}{_post_op_repr(self.post_op)}, {self._qp_repr()}, {self.backend.name}"
+
+
+def _post_op_repr(post_op: PostOp) -> str:
+    return "" if post_op == NO_POST_OP else f", {post_op}"
 
 
 class QConv2dAdd(BinaryOpsBase, _Weighted):
@@ -302,7 +322,7 @@ class QConv2dAdd(BinaryOpsBase, _Weighted):
 
 
 class QLinear(UnaryOpsBase, _Weighted):
-    """``relu?(x @ W.T + b)`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
+    """``post_op(x @ W.T + b)`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
     ``qlinear_pointwise``)."""
 
     def __init__(
@@ -314,14 +334,21 @@ class QLinear(UnaryOpsBase, _Weighted):
         output_qparams: QParams | None,
         *,
         relu: bool = False,
+        post_op: PostOp | None = None,
         input_shape: Sequence[int] | None = None,
         backend: BackendArg = None,
     ) -> None:
         super().__init__(input_qparams, output_qparams, backend)
+        self.post_op = _resolve_post_op(relu, post_op)
+        if not self.backend.fuses("linear", self.post_op):
+            raise ValueError(f"the {self.backend.name} backend has no linear kernel with a {self.post_op} post-op")
         self._register_weight(weight, weight_scale, bias)
-        self.relu = relu
         self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         self._prepack()
+
+    @property
+    def relu(self) -> bool:
+        return self.post_op == PostOp("relu")
 
     def _prepack(self) -> None:
         self._packed = self.backend.prepack_linear(
@@ -333,11 +360,11 @@ class QLinear(UnaryOpsBase, _Weighted):
         self._prepack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.linear(x, self._in_qp, self._packed, self._out_qp, self.relu)
+        return self.backend.linear(x, self._in_qp, self._packed, self._out_qp, self.post_op)
 
     def extra_repr(self) -> str:
         o, i = self.weight.shape
-        return f"{i}→{o}{', relu' if self.relu else ''}, {self._qp_repr()}, {self.backend.name}"
+        return f"{i}→{o}{_post_op_repr(self.post_op)}, {self._qp_repr()}, {self.backend.name}"
 
 
 class QAdd(BinaryOpsBase):
@@ -370,6 +397,63 @@ class QReLU(UnaryOpsBase):
 
     def extra_repr(self) -> str:
         return self._qp_repr()
+
+
+class QHardtanh(UnaryOpsBase):
+    """``hardtanh(x, min_val, max_val)`` (ReLU6: ``0, 6``) as a clamp of the integers to
+    ``[Q(min_val), Q(max_val)]`` (exact: quantization is monotone), requantized if the output
+    qparams differ."""
+
+    def __init__(
+        self,
+        min_val: float,
+        max_val: float,
+        input_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        if not min_val <= max_val:
+            raise ValueError(f"hardtanh needs min_val <= max_val, got {min_val} > {max_val}")
+        self.min_val, self.max_val = float(min_val), float(max_val)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.backend.hardtanh(x, self._in_qp, self.min_val, self.max_val)
+        return self.backend.requantize(y, self._in_qp, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return f"min_val={self.min_val:g}, max_val={self.max_val:g}, {self._qp_repr()}"
+
+
+class QActivation(UnaryOpsBase):
+    """A standalone element-wise activation with an INT8 kernel (hardswish, sigmoid, hardsigmoid;
+    see :meth:`~gml.kernels.backend.Int8Backend.activation`)."""
+
+    def __init__(
+        self, post_op: PostOp, input_qparams: QParams, output_qparams: QParams, *, backend: BackendArg = None
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        if post_op.attr not in self.backend.activations:
+            raise ValueError(f"the {self.backend.name} backend has no INT8 {post_op} kernel")
+        self.post_op = post_op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.activation(x, self._in_qp, self.post_op, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return f"{self.post_op}, {self._qp_repr()}"
+
+
+class QMul(BinaryOpsBase):
+    """``a * b`` of two uint8 tensors (broadcasting, e.g. a squeeze-excitation gate ``[N, C, 1, 1]``
+    times its feature map), requantized to the output qparams."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.backend.mul(a, self._in_qp, b, self._other_qp, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return f"{self._qp_repr()}, {self.backend.name}"
 
 
 class QMaxPool2d(UnaryOpsBase):
@@ -418,6 +502,38 @@ class QAdaptiveAvgPool2d(UnaryOpsBase):
 
     def extra_repr(self) -> str:
         return f"output_size={self.output_size}, {self._qp_repr()}"
+
+
+class QMean(UnaryOpsBase):
+    """``x.mean(dims, keepdim)`` on uint8, requantized to the output qparams.
+
+    The spatial mean of a 4-D map (dims 2 and 3, the global pooling of ShuffleNet-style heads)
+    runs as a global average pool; other dims average the integers (exact in fp32 for any size
+    that fits a model) and round once onto the output grid."""
+
+    def __init__(
+        self,
+        dims: Sequence[int],
+        keepdim: bool,
+        input_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        self.dims = tuple(int(d) for d in dims)
+        self.keepdim = keepdim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 4 and sorted(d % 4 for d in self.dims) == [2, 3]:
+            y = self.backend.adaptive_avg_pool2d(x, self._in_qp, (1, 1), self._out_qp)
+            return y if self.keepdim else y.flatten(2).squeeze(2)
+        qp = self._in_qp
+        y = x.float().mean(self.dims, self.keepdim).sub_(qp.zero_point).mul_(qp.scale)
+        return self.backend.quantize(y, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dims}, keepdim={self.keepdim}, {self._qp_repr()}"
 
 
 class QFlatten(UnaryOpsBase):
@@ -511,9 +627,13 @@ GML_MODULES: tuple[type[nn.Module], ...] = (
     QConv2dAdd,
     QLinear,
     QAdd,
+    QMul,
     QReLU,
+    QHardtanh,
+    QActivation,
     QMaxPool2d,
     QAdaptiveAvgPool2d,
+    QMean,
     QFlatten,
     QCat,
     Quantize,
