@@ -158,11 +158,12 @@ def test_fp32_output_false_keeps_the_final_quantize():
 
 def test_backend_config_is_small_and_covers_the_normalized_ops():
     config = get_backend_config("onednn")
-    assert len(config.configs) <= 40  # torch's own onednn config has well over 100
+    assert len(config.configs) <= 50  # torch's own onednn config has well over 100
     types, fns = int8_ops(config)
     for t in (nn.Conv2d, nn.Linear, nn.ReLU, nn.ReLU6, gnn.Add, gnn.Mul, nn.MaxPool2d, nn.AdaptiveAvgPool2d):
         assert t in types
-    assert nni.ConvAddReLU2d in types and fns == (torch.cat, torch.mean, "mean")
+    assert nni.ConvAddReLU2d in types and fns[:3] == (torch.cat, torch.mean, "mean")
+    assert {"view", "transpose", torch.transpose} <= set(fns)  # data movement shares qparams
     assert nn.BatchNorm2d not in types  # BN is folded before prepare, never quantized
     with pytest.raises(InputError, match="unknown backend 'tensorrt'"):
         get_backend_config("tensorrt")

@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from gml.kernels.backend import QParams
 from gml.kernels.fp32 import NO_POST_OP, PostOp
 from gml.quant.frontend import ReferenceResult, prepare_reference
 from gml.quant.lower import LoweringResult, LowerToGML
-from gml.quant.modules import GML_MODULES, QActivation, QConv2d, QHardtanh, QLinear, QMean
+from gml.quant.modules import GML_MODULES, QActivation, QCat, QConv2d, QHardtanh, QLinear, QMean, QMove, RuntimeArg
 
 SHAPE = (1, 3, 16, 16)
 RELU6 = PostOp("hardtanh", (0.0, 6.0))
@@ -301,8 +302,6 @@ def test_spatial_mean_is_a_global_pool_and_shape_queries_read_uint8():
 
 
 def test_qmean_over_other_dims_matches_the_integer_mean():
-    from gml.kernels.backend import QParams
-
     in_qp, out_qp = QParams(0.05, 100), QParams(0.051, 100)  # finer than the input grid, covers it
     x = torch.randint(0, 256, (2, 8, 5, 5), dtype=torch.uint8)
     xf = (x.float() - 100) * 0.05
@@ -311,3 +310,88 @@ def test_qmean_over_other_dims_matches_the_integer_mean():
         ref = xf.mean(dims, keepdim)
         assert y.shape == ref.shape
         assert float(((y.float() - 100) * 0.051 - ref).abs().max()) <= 0.051 / 2 + 1e-6
+
+
+# ---------------------------------------------------------------- ShuffleNet: channel shuffle and split
+class ShuffleBlock(nn.Module):
+    """torchvision ShuffleNetV2's stride-1 unit: split the channels in two, convolve one half,
+    concatenate, shuffle the channels (view → transpose → contiguous → view with run-time sizes)."""
+
+    def __init__(self, ch: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, ch, 3, padding=1), nn.ReLU())
+        half = ch // 2
+        self.branch = nn.Sequential(
+            nn.Conv2d(half, half, 1),
+            nn.ReLU(),
+            nn.Conv2d(half, half, 3, padding=1, groups=half),
+            nn.Conv2d(half, half, 1),
+        )
+        self.head = nn.Conv2d(ch, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        a, b = x.chunk(2, dim=1)
+        x = torch.cat((a, self.branch(b)), dim=1)
+        n, c, h, w = x.size()
+        x = x.view(n, 2, c // 2, h, w)
+        x = torch.transpose(x, 1, 2).contiguous()
+        return self.head(x.view(n, -1, h, w))
+
+
+def test_channel_shuffle_and_split_move_uint8():
+    torch.manual_seed(0)
+    model = ShuffleBlock().eval()
+    ref = reference(model)
+    gm, result, pass_ = lower(ref)
+    assert result.skips == [] and pass_.coverage.kept_fp32 == []
+    counts = module_counts(gm)
+    assert counts["QMove"] == 6 and counts["QCat"] == 1 and counts["Quantize"] == 1
+    moves = [(m.method, m.item) for m in modules_of_type(gm, QMove)]
+    assert sorted(moves, key=str) == sorted(
+        [("chunk", 0), ("chunk", 1), ("view", None), ("transpose", None), ("contiguous", None), ("view", None)],
+        key=str,
+    )
+    # the sizes are read off the uint8 tensor and passed to the views at run time: no Dequantize
+    # anywhere (the head conv writes the fp32 output itself)
+    assert "Dequantize" not in counts
+    size = next(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "size")
+    assert isinstance(gm.get_submodule(str(size.args[0].target)), QCat)
+    view = next(
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_module" and getattr(gm.get_submodule(n.target), "method", "") == "view"
+    )
+    assert len(view.args) == 1 + 4  # the value, then n, c // 2, h, w computed from size()
+    check_numerics(gm, ref, model, min_ref=0.9999, min_fp32=0.999)
+
+
+def test_qmove_replays_the_op_on_the_integers():
+    qp = QParams(0.1, 128)
+    x = torch.randint(0, 256, (2, 8, 3, 3), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    shuffle = QMove("view", [RuntimeArg(), 2, 4, 3, 3], qp, qp)
+    assert torch.equal(shuffle(x, 2), x.reshape(2, 2, 4, 3, 3))  # channels-last: view would need reshape
+    assert torch.equal(QMove("chunk", [2, 1], qp, qp, item=1)(x), x[:, 4:])
+    # other output qparams: requantized, exactly as the reference's quantize(dequantize(...)) would
+    out = QParams(0.2, 128)
+    y = QMove("permute", [[0, 2, 3, 1]], qp, out)(x)
+    assert torch.equal(
+        y, torch.quantize_per_tensor((x.permute(0, 2, 3, 1).float() - 128) * 0.1, 0.2, 128, torch.quint8).int_repr()
+    )
+    with pytest.raises(ValueError, match="chunk needs the index"):
+        QMove("chunk", [2, 1], qp, qp)
+
+
+def test_data_movement_without_an_int8_replay_stays_fp32_with_the_reason():
+    class Roll(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 4, 1), nn.Conv2d(4, 4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.roll(self.a(x), 1, 2))
+
+    ref = reference(Roll().eval())
+    gm, result, _ = lower(ref)
+    assert [(s.node, s.reason) for s in result.skips] == [("roll", "no INT8 kernel for torch.roll; kept in fp32")]
+    assert module_counts(gm) == {"Quantize": 2, "QConv2d": 2, "Dequantize": 1}

@@ -25,8 +25,9 @@ Add / Add → ReLU, Mul                      - (observed as a pair) / -         
 Hardswish                                  -                                  quantized hardswish
 Sigmoid, Hardsigmoid                       - (fixed qparams 1/256, 0)         quantized sigmoid
 ReLU, ReLU6, Hardtanh, MaxPool2d,          - (output shares the input's       integer clamp,
-AdaptiveAvgPool2d, mean, Flatten,          observer: same scale/zero point)   quantized tensor ops
-torch.cat
+AdaptiveAvgPool2d, mean, Flatten,          observer: same scale/zero point)   quantized tensor ops,
+torch.cat, view/reshape/transpose/                                            data movement on the
+permute/contiguous/(un)squeeze                                                integers
 =========================================  =================================  =====================
 
 The activation fusions follow the kernels: oneDNN's INT8 conv/linear take ``hardtanh`` (ReLU6),
@@ -66,6 +67,11 @@ from typing import Any
 import torch
 import torch.ao.nn.intrinsic as nni
 import torch.ao.nn.quantized.reference as nnqr
+
+# BackendConfig.set_backend_pattern_config calls torch.ao.quantization.backend_config.utils
+# without importing it (torch 2.14); outside a process that imported quantize_fx first,
+# get_backend_config() would raise AttributeError.
+import torch.ao.quantization.backend_config.utils
 from torch import nn
 from torch.ao.quantization import QConfig, QConfigMapping
 from torch.ao.quantization.backend_config import (
@@ -283,6 +289,9 @@ SHARED_QPARAM_OPS: tuple[Any, ...] = (
     torch.cat,
     torch.mean,
     "mean",
+    # data movement (ShuffleNet's channel shuffle): the values do not change
+    *("view", "reshape", "transpose", "permute", "contiguous", "squeeze", "unsqueeze"),
+    *(torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze),
 )
 
 

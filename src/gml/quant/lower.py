@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,7 @@ from gml.passes.oplib import node_label, op_kind
 from gml.passes.utils import add_module, remove_unused_nodes
 from gml.quant.backend_config import ConvAct2d, LinearAct
 from gml.quant.modules import (
+    MOVE_METHODS,
     Dequantize,
     GMLQuantModuleBase,
     QActivation,
@@ -90,9 +91,11 @@ from gml.quant.modules import (
     QLinear,
     QMaxPool2d,
     QMean,
+    QMove,
     QMul,
     QReLU,
     Quantize,
+    RuntimeArg,
     extract_qparams,
     is_dequantize,
     is_quantize,
@@ -519,6 +522,70 @@ def _rule_flatten(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | N
     return _Plan(QFlatten(start, end, in_qp, out_qp, backend=ctx.backend), [src], [node], ctx.label(node))
 
 
+_MOVE_FUNCTIONS: dict[Any, str] = {
+    torch.reshape: "reshape",
+    torch.transpose: "transpose",
+    torch.permute: "permute",
+    torch.squeeze: "squeeze",
+    torch.unsqueeze: "unsqueeze",
+}
+
+
+def _move_method(node: fx.Node) -> str | None:
+    if node.op == "call_method" and node.target in MOVE_METHODS:
+        return str(node.target)
+    if node.op == "call_function":
+        if node.target is torch.chunk:
+            return "chunk"
+        return _MOVE_FUNCTIONS.get(node.target)
+    return None
+
+
+def _move_args(node: fx.Node, args: Sequence[Any]) -> tuple[list[Any], list[fx.Node]]:
+    """Constant arguments as they are, values computed at run time (sizes) as :class:`RuntimeArg`
+    slots plus the nodes that feed them."""
+    template: list[Any] = []
+    runtime: list[fx.Node] = []
+    for a in args:
+        if isinstance(a, fx.Node):
+            template.append(RuntimeArg())
+            runtime.append(a)
+        elif isinstance(a, int | list | tuple) and all(not isinstance(v, fx.Node) for v in _flat(a)):
+            template.append(a)
+        else:
+            raise Decline(f"{node.name} has an argument the INT8 data movement cannot replay ({a!r})")
+    return template, runtime
+
+
+def _flat(a: Any) -> list[Any]:
+    return [v for x in a for v in _flat(x)] if isinstance(a, list | tuple) else [a]
+
+
+def _rule_move(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    """view / reshape / transpose / permute / contiguous / (un)squeeze, and ``chunk(...)[i]``, on the
+    integers (ShuffleNet's channel shuffle and split)."""
+    if out_qp is None:
+        return None
+    item: int | None = None
+    target = node
+    if node.op == "call_function" and node.target is operator.getitem:
+        src, index = node.args
+        if not isinstance(src, fx.Node) or _move_method(src) != "chunk" or not isinstance(index, int):
+            return None
+        target, item = src, index
+    method = _move_method(target)
+    if method is None or (method == "chunk") != (item is not None):
+        return None
+    if target.kwargs and set(target.kwargs) - {"dim"}:
+        raise Decline(f"{method} with keyword arguments {sorted(target.kwargs)} has no INT8 replay")
+    args = list(target.args[1:]) + ([target.kwargs["dim"]] if "dim" in target.kwargs else [])
+    template, runtime = _move_args(target, args)
+    src, in_qp = ctx.u8_input(target.args[0])
+    q = QMove(method, template, in_qp, out_qp, item=item, backend=ctx.backend)
+    label = ctx.label(target) + ("" if item is None else f"[{item}]")
+    return _Plan(q, [src, *runtime], [node], label)
+
+
 def _rule_cat(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     if out_qp is None:
         return None
@@ -548,6 +615,7 @@ RULES: tuple[Rule, ...] = (
     _rule_max_pool,
     _rule_avg_pool,
     _rule_flatten,
+    _rule_move,
     _rule_cat,
 )
 
@@ -815,6 +883,8 @@ def _reads_int8(ctx: _Ctx, node: fx.Node) -> bool:
     if any(is_dequantize(a) for a in inputs):
         return True
     if _is_activation(ctx, node) and inputs and _single_user(inputs[0]):
+        return any(is_dequantize(a) for a in inputs[0].all_input_nodes)
+    if node.target is operator.getitem and inputs:  # a piece of a chunk / split of an INT8 value
         return any(is_dequantize(a) for a in inputs[0].all_input_nodes)
     return False
 

@@ -4,7 +4,8 @@ Hierarchy (ADR 002)::
 
     GMLQuantModuleBase            output_scale / output_zp buffers; forward returns uint8
     ├── UnaryOpsBase              + input_scale / input_zp:  QConv2d, QLinear, QReLU, QHardtanh,
-    │                               QActivation, QMaxPool2d, QAdaptiveAvgPool2d, QMean, QFlatten
+    │                               QActivation, QMaxPool2d, QAdaptiveAvgPool2d, QMean, QFlatten,
+    │                               QMove (view / reshape / transpose / permute / chunk piece)
     ├── BinaryOpsBase             + other_scale / other_zp:  QAdd, QMul, QConv2dAdd (residual)
     ├── QCat                      one (scale, zp) per input, as 1-D buffers
     └── Quantize                  fp32 → uint8 at the edge of the INT8 region
@@ -561,6 +562,69 @@ class QFlatten(UnaryOpsBase):
         return f"start_dim={self.start_dim}, end_dim={self.end_dim}, {self._qp_repr()}"
 
 
+class RuntimeArg:
+    """Marks an argument of :class:`QMove` that is passed to ``forward`` (e.g. a size read at run
+    time, as in ShuffleNet's ``x.view(n, groups, c // groups, h, w)``)."""
+
+    def __repr__(self) -> str:
+        return "?"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RuntimeArg)
+
+    def __hash__(self) -> int:
+        return hash(RuntimeArg)
+
+
+#: Tensor methods :class:`QMove` replays on uint8 (``view`` runs as ``reshape``, see there).
+MOVE_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "squeeze", "unsqueeze", "chunk")
+
+
+class QMove(UnaryOpsBase):
+    """A data-movement op (``view``, ``reshape``, ``transpose``, ``permute``, ``contiguous``,
+    ``squeeze``, ``unsqueeze``, or one piece of ``chunk``) applied to the integers.
+
+    Moving values does not change them, so the op commutes with (de)quantization:
+    ``Q(move(DQ(u))) = move(u)`` when the output shares the input's qparams (the BackendConfig
+    shares them), else a requantize. ``view`` runs as ``reshape``: uint8 activations are
+    channels-last, where a ``view`` valid for the contiguous fp32 tensor can fail; ``reshape``
+    gives the same values and copies only then.
+    """
+
+    is_view = True  # may alias its input (the lowering's overwrite protection must know)
+
+    def __init__(
+        self,
+        method: str,
+        args: Sequence[Any],
+        input_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        item: int | None = None,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        if method not in MOVE_METHODS:
+            raise ValueError(f"unknown data-movement method {method!r}; known: {', '.join(MOVE_METHODS)}")
+        if (method == "chunk") != (item is not None):
+            raise ValueError("chunk needs the index of the piece (item), other methods none")
+        self.method, self.args, self.item = method, tuple(args), item
+        self._call = "reshape" if method == "view" else method
+
+    def forward(self, x: torch.Tensor, *runtime: Any) -> torch.Tensor:
+        values = iter(runtime)
+        args = [next(values) if isinstance(a, RuntimeArg) else a for a in self.args]
+        y = getattr(x, self._call)(*args)
+        if self.item is not None:
+            y = y[self.item]
+        return self.backend.requantize(y, self._in_qp, self._out_qp)
+
+    def extra_repr(self) -> str:
+        args = ", ".join(repr(a) for a in self.args)
+        item = "" if self.item is None else f"[{self.item}]"
+        return f"{self.method}({args}){item}, {self._qp_repr()}"
+
+
 class QCat(GMLQuantModuleBase):
     """``torch.cat`` of uint8 tensors, each requantized to the output qparams (exact when equal)."""
 
@@ -635,6 +699,7 @@ GML_MODULES: tuple[type[nn.Module], ...] = (
     QAdaptiveAvgPool2d,
     QMean,
     QFlatten,
+    QMove,
     QCat,
     Quantize,
     Dequantize,
