@@ -347,3 +347,65 @@ def test_fallback_is_noted_in_the_report(monkeypatch):
     assert result.notes[0].startswith("oneDNN fp32 kernels unavailable (oneDNN missing (test))")
     assert isinstance(gm.conv, FusedConv) and not gm.conv.fused
     assert max_err(model, gm, x) < 1e-5
+
+
+def test_conv_output_added_to_itself_is_not_fused():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return torch.add(y, y)
+
+    model, x = M(), torch.randn(1, 4, 5, 5)
+    gm = traced(model, x)
+    result = FuseConvAdd()(gm)
+    assert not result.modified
+    assert result.skips[0].reason == "conv: the add reads the conv output twice (x + x)"
+
+
+def test_in_place_write_between_conv_and_add_blocks_the_move():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+            self.other = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            x = x.relu_()  # the conv read x before this write; a fused node at the add would not
+            return y + self.other(x)
+
+    model = M().eval()
+    x = torch.randn(1, 4, 5, 5)
+    gm = traced(model, x.clone())
+    result = FuseConvAdd()(gm)
+    assert [s.reason for s in result.skips] == ["in-place relu_ between the conv and the add"]
+    with torch.no_grad():
+        assert (gm(x.clone()) - model(x.clone())).abs().max().item() < 1e-4
+
+
+def test_side_effect_of_a_dead_chain_is_kept():
+    """relu_ on the input feeds only a dead conv+relu: fusing that chain must not erase the relu_."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.relu_in = nn.ReLU(inplace=True)
+            self.dead = nn.Conv2d(4, 4, 3, padding=1)
+            self.dead_relu = nn.ReLU()
+            self.live = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            self.dead_relu(self.dead(self.relu_in(x)))
+            return self.live(x)  # sees the rectified x
+
+    model = M().eval()
+    x = torch.randn(1, 4, 5, 5)
+    gm = traced(model, x.clone())
+    FuseConvActivation()(gm)
+    FileCheck().check("self.relu_in(x)").run(gm.code)
+    with torch.no_grad():
+        assert (gm(x.clone()) - model(x.clone())).abs().max().item() < 1e-4

@@ -138,6 +138,51 @@ def aliases(node: fx.Node, base: fx.Node, modules: dict[str, nn.Module]) -> bool
     return False
 
 
+_INPLACE_FUNCTIONS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem})
+
+
+def mutates(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``node`` may write into one of its inputs (``relu_``, ``+=``, ``inplace=True`` modules, ...)."""
+    if node.op == "call_module":
+        mod = modules.get(str(node.target))
+        return bool(getattr(mod, "inplace", False))
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    if node.op == "call_function":
+        if node.target in _INPLACE_FUNCTIONS or node.kwargs.get("inplace") is True:
+            return True
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.endswith("__")
+    return False
+
+
+def mutation_between(start: fx.Node, end: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """The first op strictly between ``start`` and ``end`` (graph order) that writes into a tensor.
+
+    A rewrite that moves a read of some tensor from ``start``'s position to ``end``'s would see that
+    write; passes decline instead of proving the write touches a different tensor.
+    """
+    node = start.next
+    while node is not end and node.op != "root":
+        if mutates(node, modules):
+            return node
+        node = node.next
+    return None
+
+
+def erase_chain(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
+    """Erase exactly the given replaced nodes (last first), each only once nothing reads it.
+
+    Deliberately not recursive: an input of the chain with no other reader may be an in-place op
+    whose effect someone else sees (``relu_`` on a model input), which FX does not mark impure.
+    """
+    alive = set(graph.nodes)
+    for node in reversed(list(dict.fromkeys(nodes))):
+        if node in alive and not node.users:
+            graph.erase_node(node)
+
+
 def fallback_notes() -> list[str]:
     why = k32.kernel_unavailable_reason()
     if why is None:

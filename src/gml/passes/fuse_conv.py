@@ -44,7 +44,7 @@ from torch import fx, nn
 from gml.kernels import fp32 as k32
 from gml.passes import fuse_common as fc
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
-from gml.passes.utils import get_module, modules_of, remove_unused_nodes, replace_module
+from gml.passes.utils import get_module, modules_of, replace_module
 
 # oneDNN reorders and accumulates in a different order than ATen's conv: a few ulp per output.
 FUSION_TOLERANCE = Tolerance(atol=1e-4, rtol=1e-4)
@@ -89,7 +89,7 @@ class FuseConvAdd(GraphPass):
                     skips.append(Skip(add.name, ops, "conv → add"))
                 continue
             choice, reasons = None, []
-            for conv, other in (ops, ops[::-1]):
+            for conv, other in dict.fromkeys((ops, ops[::-1])):  # one order when x + x
                 why = self._problem(gm, modules, conv, other, add)
                 if why is None:
                     choice = (conv, other)
@@ -118,15 +118,23 @@ class FuseConvAdd(GraphPass):
                                 "conv → add → act",
                             )
                         )
+            # The fused node reads the conv's input; it can stay where the conv was if the residual
+            # already exists there, else it moves to the add, past any in-place write in between.
+            at = conv if order[other] < order[conv] else add
+            if at is add:
+                write = fc.mutation_between(conv, add, modules)
+                if write is not None:
+                    skips.append(Skip(add.name, f"in-place {write.name} between the conv and the add", "conv → add"))
+                    continue
             inplace = self.inplace and self._can_overwrite(other, conv, add, order, modules) is None
             mod = modules[str(conv.target)]
             new_mod = k32.FusedConvAdd.from_conv(mod, relu=relu, inplace=inplace, input_size=fc.shape_of(conv.args[0]))
             replace_module(gm, str(conv.target), new_mod)
-            with gm.graph.inserting_before(add):
+            with gm.graph.inserting_before(at):
                 new = gm.graph.call_module(str(conv.target), (conv.args[0], other))
             new.meta = dict(tail.meta)
             tail.replace_all_uses_with(new)
-            remove_unused_nodes(gm.graph, [tail])
+            fc.erase_chain(gm.graph, [conv, add, tail])
             modules[str(conv.target)] = new_mod
             order[new] = order[add]
             fused.append(new)
@@ -144,6 +152,8 @@ class FuseConvAdd(GraphPass):
         mod = get_module(gm, conv)
         if mod is None or type(mod) not in fc.CONV_TYPES:
             return ""
+        if other is conv:
+            return "the add reads the conv output twice (x + x)"
         why = fc.conv_problem(gm, conv, mod)
         if why:
             return why
@@ -216,7 +226,7 @@ class FuseConvActivation(GraphPass):
             if tail is not conv:
                 conv.meta = dict(tail.meta)
                 tail.replace_all_uses_with(conv)
-                remove_unused_nodes(gm.graph, [tail])
+                fc.erase_chain(gm.graph, [tail])
             else:
                 lowered += 1
             fused.append(conv)

@@ -29,7 +29,7 @@ from gml.kernels import fp32 as k32
 from gml.passes import fuse_common as fc
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import SPECS
-from gml.passes.utils import add_module, modules_of, remove_unused_nodes
+from gml.passes.utils import add_module, modules_of
 
 ELEMENTWISE_KINDS = frozenset(name for name, spec in SPECS.items() if "elementwise" in spec.tags)
 _GATES = {"sigmoid": (nn.SiLU, "x * sigmoid(x)"), "hardsigmoid": (nn.Hardswish, "x * hardsigmoid(x)")}
@@ -62,13 +62,14 @@ class FuseElementwise(GraphPass):
         return PassResult(gm, bool(done), len(done), skips, notes)
 
     @staticmethod
-    def _replace(gm: fx.GraphModule, old: fx.Node, base: str, module: nn.Module, args: tuple) -> None:
+    def _replace(gm: fx.GraphModule, chain: list[fx.Node], base: str, module: nn.Module, args: tuple) -> None:
+        old = chain[-1]
         name = add_module(gm, base, module)
         with gm.graph.inserting_before(old):
             new = gm.graph.call_module(name, args)
         new.meta = dict(old.meta)
         old.replace_all_uses_with(new)
-        remove_unused_nodes(gm.graph, [old])
+        fc.erase_chain(gm.graph, chain)
 
     def _add_relu(self, gm, relu: fx.Node, modules, skips: list[Skip], done: list[str]) -> None:
         src = relu.args[0] if relu.args else None
@@ -82,10 +83,12 @@ class FuseElementwise(GraphPass):
             why = f"add output has {len(src.users)} users"
         if why is None:
             why = self._same_dtype(*ops)
+        if why is None and (write := fc.mutation_between(src, relu, modules)) is not None:
+            why = f"in-place {write.name} between the add and the relu"
         if why:
             skips.append(Skip(relu.name, why, "add → relu"))
             return
-        self._replace(gm, relu, f"{src.name}_relu", k32.AddReLU(), ops)
+        self._replace(gm, [src, relu], f"{src.name}_relu", k32.AddReLU(), ops)
         done.append("add+relu")
 
     def _gated(self, gm, mul: fx.Node, modules, skips: list[Skip], done: list[str]) -> None:
@@ -102,7 +105,9 @@ class FuseElementwise(GraphPass):
                 return
             if gate.op == "call_function" and (len(gate.args) > 1 or gate.kwargs.get("inplace")):
                 return
-            self._replace(gm, mul, f"{x.name}_{module_type.__name__.lower()}", module_type(), (x,))
+            if fc.mutation_between(gate, mul, modules) is not None:
+                return
+            self._replace(gm, [gate, mul], f"{x.name}_{module_type.__name__.lower()}", module_type(), (x,))
             done.append(label)
             return
 

@@ -34,7 +34,7 @@ from torch import fx, nn
 from gml.kernels import fp32 as k32
 from gml.passes import fuse_common as fc
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
-from gml.passes.utils import get_module, modules_of, remove_unused_nodes, replace_module
+from gml.passes.utils import get_module, modules_of, replace_module
 
 
 class FuseLinearActivation(GraphPass):
@@ -95,7 +95,7 @@ class FuseLinearActivation(GraphPass):
             if tail is not node:
                 node.meta = dict(tail.meta)
                 tail.replace_all_uses_with(node)
-                remove_unused_nodes(gm.graph, [tail])
+                fc.erase_chain(gm.graph, [tail])
                 fused += 1
         lowered = sum(n for b, n in backends.items() if not b.startswith("aten")) - fused
         if backends:

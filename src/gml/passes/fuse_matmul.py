@@ -37,7 +37,7 @@ from gml.kernels import fp32 as k32
 from gml.kernels.fp32 import fused_matmul_add_relu
 from gml.passes import fuse_common as fc
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
-from gml.passes.utils import add_module, modules_of, remove_unused_nodes
+from gml.passes.utils import add_module, modules_of
 
 torch.fx.wrap("fused_matmul_add_relu")  # a leaf call in the traced replacement, not traced through
 
@@ -114,7 +114,11 @@ class FuseMatmulAddRelu(GraphPass):
 
         def check(match, original_graph, pattern_graph) -> bool:
             x, w, b = match.placeholder_nodes
-            why = operand_problem(gm, x, w, b)
+            ops = [match.nodes_map[pn] for pn in pattern_graph.nodes if pn.op in ("call_function", "call_method")]
+            why = "the add reads the matmul output twice" if b in ops else operand_problem(gm, x, w, b)
+            write = fc.mutation_between(ops[0], ops[-1], modules_of(gm)) if why is None else None
+            if write is not None:
+                why = f"in-place {write.name} between the matmul and the relu"
             if why:
                 skip = Skip(match.returning_nodes[0].name, why, PATTERN)
                 if all((s.node, s.reason) != (skip.node, skip.reason) for s in skips):
@@ -162,7 +166,10 @@ class FuseMatmulAddRelu(GraphPass):
                 continue
             b = ops[1] if ops[0] is mm else ops[0]
             x, w = mm.args[0], mm.args[1]
-            why = operand_problem(gm, x, w, b)
+            why = "the add reads the matmul output twice" if b is mm else operand_problem(gm, x, w, b)
+            write = fc.mutation_between(mm, relu, modules)
+            if why is None and write is not None:
+                why = f"in-place {write.name} between the matmul and the relu"
             if why:
                 skips.append(Skip(relu.name, why, PATTERN))
                 continue
@@ -170,7 +177,7 @@ class FuseMatmulAddRelu(GraphPass):
                 new = gm.graph.call_function(fused_matmul_add_relu, (x, w, b))
             new.meta = dict(relu.meta)
             relu.replace_all_uses_with(new)
-            remove_unused_nodes(gm.graph, [relu])
+            fc.erase_chain(gm.graph, [mm, add, relu])
             out.append(new)
         return out
 

@@ -40,7 +40,7 @@ from torch import fx, nn
 from gml.kernels import fp32 as k32
 from gml.passes import fuse_common as fc
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
-from gml.passes.utils import add_module, get_module, modules_of, remove_unused_nodes
+from gml.passes.utils import add_module, get_module, modules_of
 
 
 def _geometry(mod: nn.Module) -> tuple | str:
@@ -131,6 +131,11 @@ class HorizontalMerge(GraphPass):
             for siblings in groups.values():
                 if len(siblings) < self.min_siblings:
                     continue
+                ordered = sorted(siblings, key=fc.graph_order(gm).__getitem__)
+                write = fc.mutation_between(ordered[0], ordered[-1], modules)
+                if write is not None:
+                    skips.append(Skip(src.name, f"in-place {write.name} between the siblings", "sibling merge"))
+                    continue
                 tails = {self._tail(s, modules) for s in siblings}
                 if len(tails) > 1 and any(isinstance(t, k32.PostOp) for t in tails):
                     names = ", ".join(s.name for s in siblings)
@@ -198,4 +203,4 @@ class HorizontalMerge(GraphPass):
             tail = next(iter(s.users)) if post is not None else s
             piece.meta = dict(tail.meta)
             tail.replace_all_uses_with(piece)
-            remove_unused_nodes(gm.graph, [tail])
+            fc.erase_chain(gm.graph, [s, tail])
