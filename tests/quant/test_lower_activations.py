@@ -395,3 +395,29 @@ def test_data_movement_without_an_int8_replay_stays_fp32_with_the_reason():
     gm, result, _ = lower(ref)
     assert [(s.node, s.reason) for s in result.skips] == [("roll", "no INT8 kernel for torch.roll; kept in fp32")]
     assert module_counts(gm) == {"Quantize": 2, "QConv2d": 2, "Dequantize": 1}
+
+
+def test_fp32_conv_output_read_by_an_activation_its_kernel_lacks():
+    """conv → sigmoid → model output, all fp32 after the conv: the conv still gets an fp32-output
+    INT8 kernel and sigmoid runs after it (oneDNN's conv has no sigmoid post-op)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sigmoid()).eval()
+    ref = reference(model)
+    g = ref.graph_module.graph
+    sigmoid = next(
+        n for n in g.nodes if n.op == "call_module" and isinstance(ref.graph_module.get_submodule(n.target), nn.Sigmoid)
+    )
+    dq = sigmoid.args[0]
+    sigmoid.replace_input_with(dq, dq.args[0].args[0])  # read the conv's fp32 result directly
+    out = next(n for n in g.nodes if n.op == "output")
+    out.replace_input_with(out.args[0], sigmoid)  # and return sigmoid unquantized
+    g.eliminate_dead_code()
+    ref.graph_module.recompile()
+    gm, result, _ = lower(ref)
+    assert result.skips == []
+    assert module_counts(gm) == {"Quantize": 1, "QConv2d": 1, "Sigmoid": 1}
+    (conv,) = modules_of_type(gm, QConv2d)
+    assert conv.output_qparams is None and conv.post_op == NO_POST_OP
+    with torch.no_grad():
+        x = _batches(1, seed=5)[0]
+        assert cosine(gm(x), model(x)) > 0.9999

@@ -264,12 +264,29 @@ def _add_operands(ctx: _Ctx, node: fx.Node) -> tuple[Any, Any] | None:
     return args[0], args[1]
 
 
+#: Activations a conv/linear kernel may fuse, or that have a standalone INT8 op.
+ACTIVATION_KINDS = ("relu", "relu6", "hardtanh", "hardswish", "silu", "sigmoid", "hardsigmoid")
+
+
 def _is_activation(ctx: _Ctx, node: fx.Node) -> bool:
     return op_kind(node, ctx.modules) in ACTIVATION_KINDS
 
 
-#: Activations a conv/linear kernel may fuse, or that have a standalone INT8 op.
-ACTIVATION_KINDS = ("relu", "relu6", "hardtanh", "hardswish", "silu", "sigmoid", "hardsigmoid")
+def _fuses_into(ctx: _Ctx, producer: fx.Node, act: fx.Node) -> bool:
+    """Whether the backend's conv / linear kernel can compute ``act(producer(x))`` as one op."""
+    if not _is_activation(ctx, act):
+        return False
+    post_op = post_op_of(act, ctx.modules)
+    mod = ctx.module(producer)
+    if isinstance(post_op, str) or mod is None:
+        return False
+    try:
+        conv, lin = _as_conv(mod), _as_linear(mod)
+    except Decline:
+        return False
+    if conv is not None:
+        return conv[1] == NO_POST_OP and ctx.backend.fuses("conv2d", post_op)
+    return lin is not None and lin[1] == NO_POST_OP and ctx.backend.fuses("linear", post_op)
 
 
 def _activation(ctx: _Ctx, node: fx.Node) -> PostOp | None:
@@ -756,7 +773,7 @@ class LowerToGML(GraphPass):
                 continue
             if any(is_quantize(u) for u in node.users) or not _reads_int8(ctx, node):
                 continue
-            if _single_user(node) and _is_activation(ctx, next(iter(node.users))):
+            if _single_user(node) and _fuses_into(ctx, node, next(iter(node.users))):
                 continue  # the activation reading it fuses it
             plan, reason = None, ""
             for rule in (_rule_activation, _rule_conv, _rule_linear):
