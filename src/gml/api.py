@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from gml.capture import capture, check_eval_mode
+from gml.capture import capture, check_deterministic, check_eval_mode
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, PipelineReport, compare_outputs, run_outputs
 from gml.verify.harness import random_inputs, verify_pass
@@ -58,6 +58,7 @@ def optimize(
 
     inputs = _as_tuple(example_inputs)
     check_eval_mode(model)
+    check_deterministic(model, inputs)
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
     samples = [inputs, *random_inputs(inputs, max(0, n_check_inputs - 1), seed=1)]
     ref = run_outputs(model, samples[:1])
@@ -141,6 +142,7 @@ def quantize(
         first = calib_data[0]
         example_inputs = first if isinstance(first, torch.Tensor) else first[0]
     inputs = _as_tuple(example_inputs)
+    check_deterministic(model, inputs, what="INT8 quantization")
     seconds: dict[str, float] = {}
 
     t0 = time.perf_counter()
