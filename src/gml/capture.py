@@ -224,11 +224,11 @@ def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what
             second = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs])
     except Exception:
         return
-    same, diff = _same(first, second)
+    same, _ = _same(first, second)
     if not same:
         raise UnsupportedError(
-            f"The model is random in eval mode: two runs on the same input differ (max abs difference "
-            f"{diff:.3g}); {what} checks every rewrite against the model's outputs, which needs a "
+            # the difference itself is random, so the message does not quote it
+            f"The model is random in eval mode: two runs on the same input differ; {what} checks every rewrite against the model's outputs, which needs a "
             "deterministic model.",
             hint="look for dropout called with training=True in forward() (pass training=self.training) "
             "or random ops (torch.rand*, torch.bernoulli); make them depend on self.training.",
