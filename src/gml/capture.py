@@ -228,8 +228,8 @@ def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what
     if not same:
         raise UnsupportedError(
             # the difference itself is random, so the message does not quote it
-            f"The model is random in eval mode: two runs on the same input differ; {what} checks every rewrite against the model's outputs, which needs a "
-            "deterministic model.",
+            f"The model is random in eval mode: two runs on the same input differ; {what} checks every "
+            "rewrite against the model's outputs, which needs a deterministic model.",
             hint="look for dropout called with training=True in forward() (pass training=self.training) "
             "or random ops (torch.rand*, torch.bernoulli); make them depend on self.training.",
         )
