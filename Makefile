@@ -23,8 +23,10 @@ install-bench: $(BENCH_STAMP)
 demo: $(STAMP)
 	$(BIN)/gml demo
 
+# The fuzz properties run a small seeded budget here (every graph runs the whole fp32/INT8 pipeline
+# on 2 cores); `make fuzz` runs 10,000. Override with GML_FUZZ_EXAMPLES=N make test.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	GML_FUZZ_EXAMPLES=$${GML_FUZZ_EXAMPLES:-24} $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
