@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import Phase, assume, event, given, settings, target
+from hypothesis import strategies as st
 
 import gml.passes.fold_bn as fold_bn_module
 from fuzz.known_bugs import known_fp32_bug
 from gml.capture import capture
+from gml.passes.fuse_conv import FuseConvActivation, FuseConvAdd
+from gml.passes.fuse_elementwise import FuseElementwise
+from gml.passes.fuse_linear import FuseLinearActivation
+from gml.passes.fuse_matmul import FuseMatmulAddRelu
+from gml.passes.horizontal_merge import HorizontalMerge
 from gml.passes.manager import PassManager
-from gml.testing.fuzz import FuzzFailure, check_fp32, default_fp32_passes
+from gml.passes.pipeline import canonical_passes
+from gml.testing.fuzz import FuzzFailure, check_fp32
 from gml.testing.graphgen import L, ModelSpec
 from gml.testing.strategies import fuzz_seed, fuzz_settings, model_specs
 
@@ -32,6 +39,32 @@ def test_fp32_pipeline_matches_eager(spec):
         if record.matches:
             event(f"{record.name} rewrote something")
     target(outcome.max_rel_err, label="error vs eager, relative to output magnitude")
+
+
+def forced_fusion_passes(linear_backend: str) -> list:
+    """The fp32 pipeline with every opt-in fusion on: conv siblings merged, and every Linear fused on
+    the given backend even where the default would keep ATen's kernel for speed. The default
+    pipeline declines most fusions on tiny fuzzed shapes, so this is what exercises the kernels."""
+    return [
+        *canonical_passes(),
+        HorizontalMerge(convs=True),
+        FuseConvAdd(),
+        FuseConvActivation(),
+        FuseLinearActivation(backend=linear_backend),
+        FuseMatmulAddRelu(),
+        FuseElementwise(),
+    ]
+
+
+@fuzz_seed
+@fuzz_settings(50, share=0.25)
+@given(spec=model_specs(), linear_backend=st.sampled_from(["onednn", "mkl"]))
+def test_fp32_with_every_fusion_forced(spec, linear_backend):
+    assume(not known_fp32_bug(spec))
+    outcome = check_fp32(spec, passes=forced_fusion_passes(linear_backend))
+    for record in outcome.report.records if outcome.report else []:
+        if record.matches and record.name.startswith(("fuse", "horizontal")):
+            event(f"{record.name} rewrote something")
 
 
 # ------------------------------------------------------------------ the fuzzer catches a broken pass
@@ -71,8 +104,13 @@ def _find_failure(check, n: int = 120, shrink: bool = True):
     return None
 
 
+def _canonical(spec: ModelSpec):
+    """The property on the passes up to BN folding only: the fusion passes add time, not coverage here."""
+    return check_fp32(spec, passes=canonical_passes())
+
+
 def test_fuzzer_catches_wrong_sign_bn_folding(broken_bn_fold):
-    found = _find_failure(check_fp32)
+    found = _find_failure(_canonical)
     assert found is not None, "a BN fold with the wrong sign went unnoticed"
     exc, smallest = found
     assert "pass rolled back" in str(exc) and "fold_bn: numerics" in str(exc)
@@ -85,7 +123,7 @@ def test_fuzzer_catches_it_even_without_the_managers_safety_net(broken_bn_fold):
     """With the PassManager's per-pass numeric check off, the final comparison with eager catches it."""
 
     def unchecked(model, inputs, passes):
-        res = PassManager(default_fp32_passes(), check_numerics=False).run(capture(model, inputs), [inputs])
+        res = PassManager(canonical_passes(), check_numerics=False).run(capture(model, inputs), [inputs])
         return res.graph_module, res.report
 
     found = _find_failure(lambda spec: check_fp32(spec, optimize=unchecked), shrink=False)

@@ -41,6 +41,9 @@ FP32_CASES = {
         outputs=[4],
         seed=1,
     ),
+    # y + y with y a conv output: FuseConvAdd used to build a FusedConvAdd without its `other`
+    # input ("FusedConvAdd.forward() missing 1 required positional argument: 'other'"); fixed.
+    "add_of_a_conv_output_to_itself": ModelSpec(inputs=[(1, 3, 6, 6)], layers=[L("conv", 0), L("add", 1, 1)]),
     # Grouped ConvTranspose + BN: the fold regroups the (in, out/g, k) weight.
     "grouped_convT_bn": ModelSpec(
         inputs=[(1, 4, 3, 3)], layers=[L("convT", 0, out=6, k=3, stride=2, groups=2), L("bn", 1, eps=0.1)], seed=5
@@ -48,30 +51,10 @@ FP32_CASES = {
 }
 
 
-FP32_OPEN_BUGS = {
-    # y + y with y a conv output: FuseConvAdd builds a FusedConvAdd without its `other` input, the
-    # rewritten module fails to run ("FusedConvAdd.forward() missing 1 required positional argument:
-    # 'other'") and the manager rolls fuse_conv_add back.
-    "add_of_a_conv_output_to_itself": ModelSpec(inputs=[(1, 3, 6, 6)], layers=[L("conv", 0), L("add", 1, 1)]),
-}
-
-
 @pytest.mark.parametrize("name", list(FP32_CASES))
 def test_fp32_regression(name):
     outcome = check_fp32(FP32_CASES[name])
     assert outcome.refused is None
-
-
-@pytest.mark.xfail(strict=True, reason="open fp32 bug found by the fuzzer (see FP32_OPEN_BUGS comments)")
-@pytest.mark.parametrize("name", list(FP32_OPEN_BUGS))
-def test_fp32_open_bug(name):
-    check_fp32(FP32_OPEN_BUGS[name])
-
-
-def test_shared_output_fold_is_declined_with_reason():
-    outcome = check_fp32(FP32_CASES["conv_bn_shared_output"])
-    reasons = [s.reason for r in outcome.report.records if r.name == "fold_bn" for s in r.skips]
-    assert any("output is also read by" in r for r in reasons), reasons
 
 
 # ---------------------------------------------------------------------------------------- INT8

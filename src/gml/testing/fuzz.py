@@ -191,6 +191,8 @@ def _weighted_params(model: nn.Module) -> list[tuple[torch.Tensor, int]]:
     for i, layer in enumerate(spec.layers):
         if layer.op in ("conv", "linear") and layer.kw.get("form") == "functional":
             out.append((getattr(model, f"w{i}"), 0))
+        if layer.op == "matmul":
+            out.append((getattr(model, f"m{i}"), 1))  # (in, out): output features on dim 1
     return out
 
 

@@ -126,6 +126,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # even in eval). form "functional": F.batch_norm on buffers of the root module.
     "bn": {"affine": True, "eps": 1e-5, "stats": True, "form": "module"},
     "linear": {"out": 4, "bias": True, "form": "module"},  # on the last dimension
+    # x @ w (+ b) with w, b parameters of the root module (get_attr nodes): op: `x @ w + b`;
+    # torch: torch.add(torch.matmul(x, w), b); method: x.matmul(w) + b
+    "matmul": {"out": 4, "bias": True, "form": "op"},
     "act": {"kind": "relu", "form": "module"},  # forms: module, module_inplace, functional, functional_inplace,
     # method, method_inplace (see ACTIVATIONS for which kinds have which)
     "add": {"form": "op"},  # op: a + b; torch: torch.add; method: a.add(b); alpha: torch.add(a, b, alpha=.5);
@@ -226,8 +229,8 @@ def infer_shape(
         _need(len(x) in (2, 3, 4), f"bn needs rank 2-4, got {x}")
         _need(kw["stats"] or math.prod(x) // x[1] > 1, "batch statistics need more than one value per channel")
         return x
-    if op == "linear":
-        _need(len(x) >= 2, "linear needs rank ≥2")
+    if op in ("linear", "matmul"):
+        _need(len(x) >= 2, f"{op} needs rank ≥2")
         return (*x[:-1], kw["out"])
     if op in ("act", "dropout", "contiguous"):
         return x
@@ -352,6 +355,13 @@ class GeneratedModel(nn.Module):
                 name: str | None = None
                 if layer.op == "reuse":
                     name = self._names[layer["of"]]
+                elif layer.op == "matmul":
+                    bound = 1 / math.sqrt(x[-1])  # nn.Linear's init range, for comparable magnitudes
+                    w = (torch.rand(x[-1], layer["out"], generator=gen) * 2 - 1) * bound
+                    self.register_parameter(f"m{i}", nn.Parameter(w))
+                    if layer["bias"]:
+                        b = (torch.rand(layer["out"], generator=gen) * 2 - 1) * bound
+                        self.register_parameter(f"mb{i}", nn.Parameter(b))
                 elif layer.op in ("conv", "linear", "bn") and layer["form"] == "functional":
                     self._functional_params(i, layer, x, gen)
                 else:
@@ -408,6 +418,13 @@ class GeneratedModel(nn.Module):
             return fn(x, getattr(self, f"w{i}"), bias, kw["stride"], kw["pad"], kw["dil"], kw["groups"])
         if op == "linear":
             return F.linear(x, getattr(self, f"w{i}"), getattr(self, f"b{i}") if kw["bias"] else None)
+        if op == "matmul":
+            w = getattr(self, f"m{i}")
+            if kw["form"] == "torch":
+                y = torch.matmul(x, w)
+                return torch.add(y, getattr(self, f"mb{i}")) if kw["bias"] else y
+            y = x.matmul(w) if kw["form"] == "method" else x @ w
+            return y + getattr(self, f"mb{i}") if kw["bias"] else y
         if op == "bn":
             w = getattr(self, f"w{i}") if kw["affine"] else None
             b = getattr(self, f"b{i}") if kw["affine"] else None

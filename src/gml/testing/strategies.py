@@ -33,15 +33,18 @@ from gml.testing.graphgen import ACTIVATIONS, REUSABLE, L, ModelSpec, Shape, act
 # Hypothesis shrinks towards the front of the tuple, hence the simplest op (act) first.
 _WEIGHTS = {
     "act": 3, "conv": 7, "bn": 3, "add": 3, "linear": 2, "pool": 2, "cat": 2, "convT": 2, "reuse": 2,
-    "mul": 1, "scalar": 1, "flatten": 1, "merge": 1, "split": 1, "unsqueeze": 1, "permute": 1,
+    "matmul": 1, "mul": 1, "scalar": 1, "flatten": 1, "merge": 1, "split": 1, "unsqueeze": 1, "permute": 1,
     "contiguous": 1, "dropout": 1,
 }  # fmt: skip
 OPS: tuple[str, ...] = tuple(op for op, w in _WEIGHTS.items() for _ in range(w))
+# ReLU is what the fused kernels take as a post-op, so it is drawn as often as all the others together.
+_ACT_KINDS: tuple[str, ...] = ("relu",) * (len(ACTIVATIONS) - 1) + tuple(k for k in ACTIVATIONS if k != "relu")
 # After these producers, the next op is often the one the fp32/INT8 passes fuse with them.
 FOLLOW: dict[str, tuple[str, ...]] = {
     "conv": ("bn", "bn", "bn", "act", "add"),
     "convT": ("bn", "act"),
     "linear": ("act", "bn", "add"),
+    "matmul": ("act", "act", "add"),
     "bn": ("act", "add", "act"),
     "add": ("act",),
 }
@@ -112,7 +115,7 @@ class _Drawer:
     def op_act(self) -> bool:
         src = self.pick(self.live())
         assert src is not None
-        kind = self.draw(st.sampled_from(list(ACTIVATIONS)))
+        kind = self.draw(st.sampled_from(_ACT_KINDS))
         forms = [f for f in act_forms(kind) if "inplace" not in f or self.safe_inplace(src)]
         form = self.draw(st.sampled_from(forms))
         inplace = "inplace" in form
@@ -129,7 +132,16 @@ class _Drawer:
         src = self.pick(self.live(lambda v: len(v.shape) in (3, 4)))
         if src is None:
             return False
-        groups, out = self._groups(self.values[src].shape[1])
+        cin = self.values[src].shape[1]
+        if self.draw(st.integers(0, 2)) == 0:
+            # a shape-preserving conv (ResNet's 3x3 / 1x1): its output can join a residual add
+            groups = self.draw(st.sampled_from([g for g in (1, cin) if cin % g == 0]))
+            k = self.draw(st.sampled_from([1, 3]))
+            kw0: dict[str, Any] = {"out": cin, "k": k, "pad": k // 2, "groups": groups}
+            kw0["bias"] = not self.draw(st.booleans())
+            self.add(L("conv", src, **kw0))
+            return True
+        groups, out = self._groups(cin)
         k = self.draw(st.integers(1, 3))
         kw: dict[str, Any] = {
             "out": out,
@@ -201,13 +213,29 @@ class _Drawer:
         )
         return True
 
+    def op_matmul(self) -> bool:
+        src = self.pick(self.live(lambda v: len(v.shape) >= 2 and v.shape[-1] <= 2048))
+        if src is None:
+            return False
+        self.add(
+            L(
+                "matmul",
+                src,
+                out=self.draw(st.integers(1, self.max_c)),
+                bias=not self.draw(st.booleans()),
+                form=self.draw(st.sampled_from(["op", "torch", "method"])),
+            )
+        )
+        return True
+
     def _binary(self, op: str, forms: list[str]) -> bool:
         src = self.pick(self.live())
         if src is None:
             return False
         shape = self.values[src].shape
         others = [i for i in self.live(lambda v: v.shape == shape) if i != src]
-        other = self.pick(others) if others and self.draw(st.integers(0, 5)) else src  # x + x is rarer
+        # any earlier same-shaped value (a skip connection), rarely the value itself (x + x)
+        other = self.draw(st.sampled_from(others)) if others and self.draw(st.integers(0, 5)) else src
         assert other is not None
         a, b = self.values[src], self.values[other]
         allowed = list(forms)
