@@ -321,7 +321,7 @@ API_CASES = [
         lambda m: api.optimize(m, _x(1, 3, 32, 32, dtype=torch.float64)),
         _model,
         InputError,
-        "[(1, 3, 32, 32):float64] do not fit the model at node 'conv1'",
+        "input 0 is float64 but the model's weights are float32: convert the input",
     ),
     ApiCase(
         "wrong input dtype (int64)",
@@ -329,7 +329,7 @@ API_CASES = [
         lambda m: api.quantize(m, [_x(1, 3, 32, 32, dtype=torch.int64)]),
         _model,
         InputError,
-        "[(1, 3, 32, 32):int64] do not fit the model",
+        "input 0 is int64 but the model's weights are float32",
     ),
     ApiCase(
         "empty calibration data (list)",

@@ -167,9 +167,23 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         cause = exc.__cause__ or exc
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         at = f" at node '{node.name}' ({node.op} {node.target})" if node is not None else ""
+        hint = "pass --input-shape (e.g. 1x3x224x224) / example_inputs matching what forward() expects."
+        weights = {p.dtype for p in gm.parameters() if p.is_floating_point()}
+        odd = [
+            (i, a.dtype)
+            for i, a in enumerate(example_inputs)
+            if isinstance(a, torch.Tensor) and len(weights) == 1 and a.dtype not in weights
+        ]
+        if odd:  # the shape may be fine: say that the dtype is what differs
+            (w,) = weights
+            i, dt = odd[0]
+            hint = (
+                f"input {i} is {str(dt).removeprefix('torch.')} but the model's weights are "
+                f"{str(w).removeprefix('torch.')}: convert the input (x.to({w})) or the model (model.to(...))."
+            )
         raise InputError(
             f"Example inputs [{_shape_str(example_inputs)}] do not fit the model{at}: {first}",
-            hint="pass --input-shape (e.g. 1x3x224x224) / example_inputs matching what forward() expects.",
+            hint=hint,
         ) from None
 
 
