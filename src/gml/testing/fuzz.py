@@ -196,6 +196,22 @@ def _weighted_params(model: nn.Module) -> list[tuple[torch.Tensor, int]]:
     return out
 
 
+# Layer ops whose INT8 output keeps (shares) the quantization grid of its inputs.
+_SHARES_GRID = ("pool", "cat", "flatten", "merge", "split", "unsqueeze", "permute", "contiguous", "dropout")
+_SHARING_ACTS = ("relu", "relu6", "hardtanh")
+
+
+def _steps(spec: ModelSpec, ranges: dict[int, float]) -> dict[int, float]:
+    """Quantization step of every value: its range / 255, or the widest range it shares a grid with."""
+    n = len(spec.inputs)
+    width = dict(ranges)
+    for li, layer in enumerate(spec.layers):
+        op = spec.layers[layer["of"]] if layer.op == "reuse" else layer
+        if op.op in _SHARES_GRID or (op.op == "act" and op["kind"] in _SHARING_ACTS):
+            width[n + li] = max([width[n + li], *(width[s] for s in layer.src)])
+    return {i: w / 255 for i, w in width.items()}
+
+
 def quantization_noise(
     model: nn.Module, batches: Sequence[tuple[torch.Tensor, ...]], *, trials: int = NOISE_TRIALS, seed: int = 0
 ) -> list[float]:
@@ -205,8 +221,11 @@ def quantization_noise(
     output) gets independent uniform noise of ±half its quantization step, ``step = range/255``
     (per-tensor uint8 over the value's calibration range, which includes 0, as the minmax observer
     does), and every conv/linear weight gets ±half its per-output-channel step ``max|w_c|/127.5``.
-    That over-approximates the real quantization points (ops left in fp32 and fused chains round
-    less often). The result is the largest output deviation over ``trials`` noisy runs per batch.
+    Ops that keep their input's scale in INT8 (pooling, ReLU-like clamps, views, cat) are given the
+    step of the widest range they share: an average pool's output has a much narrower range than
+    its input but is rounded on the input's grid. All of that over-approximates the real
+    quantization points (ops left in fp32 and fused chains round less often). The result is the
+    largest output deviation over ``trials`` noisy runs per batch.
     """
     if not hasattr(model, "probe"):
         raise TypeError("quantization_noise needs a model from gml.testing.graphgen.build")
@@ -224,6 +243,7 @@ def quantization_noise(
     finally:
         model.probe = None  # type: ignore[assignment]
 
+    step = _steps(model.spec, {i: hi[i] - lo[i] for i in hi})  # type: ignore[arg-type]
     noisy = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed)
     worst = [0.0] * len(clean[0])
@@ -231,15 +251,15 @@ def quantization_noise(
 
     def perturb(i: int, v: torch.Tensor) -> None:
         # in place, so in-place ops and views of the value see the noise too (inputs are _run's clones)
-        v.add_((torch.rand(v.shape, generator=gen) - 0.5) * ((hi[i] - lo[i]) / 255))
+        v.add_((torch.rand(v.shape, generator=gen) - 0.5) * step[i])
 
     noisy.probe = perturb  # type: ignore[assignment]
     with torch.no_grad():
         for _ in range(trials):
             for (w, w0), (_, axis) in zip(originals, _weighted_params(noisy)):
                 dims = [d for d in range(w0.dim()) if d != axis]
-                step = w0.abs().amax(dim=dims, keepdim=True) / 127.5
-                w.copy_(w0 + (torch.rand(w0.shape, generator=gen) - 0.5) * step)
+                wstep = w0.abs().amax(dim=dims, keepdim=True) / 127.5
+                w.copy_(w0 + (torch.rand(w0.shape, generator=gen) - 0.5) * wstep)
             for b, ref in zip(batches, clean):
                 for k, (r, y) in enumerate(zip(ref, _run(noisy, b))):
                     worst[k] = max(worst[k], float((r - y).abs().max()) if r.numel() else 0.0)
