@@ -8,9 +8,7 @@ marker and the check here (so the fuzz run covers the pattern again).
 
 from __future__ import annotations
 
-from gml.capture import capture
-from gml.passes.normalize import Normalize
-from gml.testing.graphgen import L, ModelSpec, build
+from gml.testing.graphgen import L, ModelSpec
 
 
 def _producer(spec: ModelSpec, value: int) -> L | None:
@@ -33,14 +31,6 @@ def adds_a_conv_output_to_itself(spec: ModelSpec) -> bool:
             if producer is not None and producer.op in ("conv", "convT", "linear"):
                 return True
     return False
-
-
-def keeps_an_inplace_op(spec: ModelSpec) -> bool:
-    """Whether Normalize must leave an in-place op in place (its mutation is read through an alias)."""
-    if not any("inplace" in str(layer.kw.get("form", "")) for layer in spec.layers):
-        return False
-    result = Normalize()(capture(build(spec), spec.example_inputs()))
-    return any("out-of-place" in s.reason for s in result.skips)
 
 
 def _empty_window(layer: L, shape: tuple[int, ...]) -> bool:
@@ -91,9 +81,6 @@ def known_int8_bug(spec: ModelSpec) -> bool:
         # oneDNN's INT8 conv returns garbage where a window lies entirely in the padding
         # (test_regressions.py::test_int8_open_bug[conv_window_entirely_in_padding])
         or has_a_conv_window_entirely_in_padding(spec)
-        # the INT8 frontend drops in-place ops Normalize keeps
-        # (test_regressions.py::test_int8_open_bug[inplace_relu_read_through_alias])
-        or keeps_an_inplace_op(spec)
         # a sigmoid's input is quantized with the sigmoid's fixed output qparams: constant 0.5
         # (test_regressions.py::test_int8_open_bug[sigmoid_of_an_input])
         or has_a_standalone_sigmoid(spec)

@@ -223,6 +223,27 @@ class TestInPlace:
         x = torch.randn(3, 5)
         assert torch.equal(gm(x), M()(x))
 
+    def test_overwrite_seen_through_an_inplace_result_is_made_out_of_place(self):
+        class M(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.act = nn.ReLU(inplace=True)
+
+            def forward(self, x):
+                a = x * 2
+                b = a.add_(x)  # b *is* a (same object), not a view
+                self.act(a)  # overwrites a, so b reads relu(2x + x) too
+                return b * 1
+
+        gm = fx.symbolic_trace(M())
+        result = Normalize()(gm)
+        assert result.skips == []
+        assert not any(getattr(m, "inplace", False) for m in gm.modules())
+        mul, add, act, out_mul = (n for n in gm.graph.nodes if n.op == "call_module")
+        assert add.args[0] is mul and act.args == (add,) and out_mul.args[0] is act  # b reads relu's result
+        x = torch.randn(3, 5)
+        assert torch.equal(gm(x), M()(x))
+
     def test_view_read_later_is_declined(self):
         class M(nn.Module):
             def forward(self, x):

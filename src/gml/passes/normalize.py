@@ -235,6 +235,17 @@ def _is_inplace_spelling(node: fx.Node) -> bool:
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
+def writes_in_place(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``node`` overwrites its first operand (``x.relu_()``, ``inplace=True``, an
+    ``nn.ReLU(inplace=True)`` call, ``x += y``)."""
+    if node.op == "call_module":
+        mod = modules.get(str(node.target))
+        return isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False)
+    if node.op in ("call_function", "call_method"):
+        return _is_inplace_spelling(node) or node.kwargs.get("inplace") is True
+    return False
+
+
 def _bind(node: fx.Node, sig: _Sig) -> dict[str, Any]:
     """Map the node's args/kwargs onto ``sig``'s parameter names (method ``self`` is ``input``)."""
     if len(node.args) > len(sig.params):
@@ -368,6 +379,36 @@ class Normalize(GraphPass):
             )
         return False
 
+    def _is_same_tensor_alias(self, n: fx.Node) -> bool:
+        """Whether ``n`` returns its first argument object itself (an in-place op), not a view."""
+        return writes_in_place(n, self._modules)
+
+    def _same_tensor(self, site: fx.Node, mutated: fx.Node) -> set[fx.Node]:
+        """The graph values that are ``mutated``'s tensor object when ``site`` runs.
+
+        In-place ops return their operand, so ``b = a.add_(x)`` makes ``a`` and ``b`` one tensor; an
+        overwrite of either is seen through both. Only such same-object aliases made before ``site``
+        count (later ones read the overwritten value and are redirected like any later reader).
+        """
+        pos = self._order[site]
+        root = mutated
+        while self._is_same_tensor_alias(root) and root.args and isinstance(root.args[0], fx.Node):
+            root = root.args[0]
+        group, work = {root}, [root]
+        while work:
+            current = work.pop()
+            for user in current.users:
+                if (
+                    user not in group
+                    and user is not site
+                    and self._order.get(user, pos) < pos
+                    and self._is_same_tensor_alias(user)
+                    and user.args[0] is current
+                ):
+                    group.add(user)
+                    work.append(user)
+        return group
+
     def _mutation_hazard(self, site: fx.Node, mutated: Any) -> str | None:
         """Why overwriting ``mutated`` at ``site`` cannot be turned out-of-place, or ``None`` if it can."""
         if not isinstance(mutated, fx.Node):
@@ -380,16 +421,17 @@ class Normalize(GraphPass):
         if root.op == "get_attr":
             return f"it overwrites parameter/buffer {root.target} in place, which persists across calls"
         pos = self._order[site]
+        same = self._same_tensor(site, mutated)
         aliases, work = {root}, [root]
         while work:
             current = work.pop()
             for user in current.users:
-                if current is mutated and self._order[user] > pos:
-                    continue  # later readers of the operand get redirected to the new result
+                if current in same and self._order[user] > pos:
+                    continue  # later readers of the overwritten tensor get redirected to the new result
                 if user not in aliases and user is not site and self._returns_alias(user) and user.args[0] is current:
                     aliases.add(user)
                     work.append(user)
-        for alias in aliases - {mutated}:
+        for alias in aliases - same:
             late = [u for u in alias.users if u is not site and self._order[u] > pos]
             if late:
                 return (
@@ -399,11 +441,13 @@ class Normalize(GraphPass):
         return None
 
     def _redirect_later_readers(self, site: fx.Node, mutated: fx.Node, result: fx.Node) -> None:
-        """After an in-place op became out-of-place, later readers of the old tensor read the result."""
+        """After an in-place op became out-of-place, later readers of the old tensor (under any of its
+        same-object names) read the result."""
         pos = self._order[site]
-        for user in list(mutated.users):
-            if user is not site and user is not result and self._order[user] > pos:
-                user.replace_input_with(mutated, result)
+        for alias in self._same_tensor(site, mutated):
+            for user in list(alias.users):
+                if user is not site and user is not result and self._order[user] > pos:
+                    user.replace_input_with(alias, result)
 
     def _uninplace_modules(self) -> None:
         sites: dict[str, list[fx.Node]] = {}

@@ -42,7 +42,7 @@ import torch
 from torch import fx, nn
 
 from gml import nn as gnn
-from gml.errors import InputError
+from gml.errors import InputError, UnsupportedError
 from gml.passes.base import PassResult, Skip, Tolerance
 from gml.passes.manager import PassManager, PipelineReport
 from gml.quant.backend_config import NORMALIZED_MODULES, get_backend_config, int8_ops, qconfig_mapping
@@ -198,7 +198,29 @@ def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx
     check_eval_mode(model, what="INT8 quantization")
     gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else capture(model, example_inputs)
     result = PassManager(fp32_passes()).run(gm, [tuple(example_inputs)])
+    _refuse_kept_inplace_ops(result.graph_module, result.report)
     return result.graph_module, result.report
+
+
+def _refuse_kept_inplace_ops(gm: fx.GraphModule, report: PipelineReport) -> None:
+    """torch.ao's prepare/convert treat every op as pure, so an in-place op whose write is read
+    through a view would be silently lost in the INT8 model. Normalize turns every other in-place
+    op out-of-place; the ones it had to keep stop quantization here."""
+    from gml.passes.normalize import writes_in_place
+    from gml.passes.utils import modules_of
+
+    modules = modules_of(gm)
+    kept = [n for n in gm.graph.nodes if writes_in_place(n, modules)]
+    if kept:
+        reasons = {s.node: s.reason for r in report.records for s in r.skips}
+        first = kept[0]
+        why = f" ({reasons[first.name]})" if first.name in reasons else ""
+        raise UnsupportedError(
+            f"INT8 quantization cannot keep the in-place op {first.name}{why}; "
+            f"{len(kept)} in-place op(s) left in the model after normalization.",
+            hint="write the op out-of-place (e.g. `y = torch.relu(x)` instead of `x.relu_()`) or stop "
+            "reading the overwritten tensor through a view; `gml optimize` (fp32) keeps such ops as they are.",
+        )
 
 
 # ---------------------------------------------------------------- torch.ao steps
