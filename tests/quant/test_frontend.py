@@ -115,7 +115,13 @@ def test_reference_graph_is_close_to_fp32_and_float_twin_is_fp32(ref_result):
 def test_report_lists_fp32_passes_and_calibration(ref_result):
     _, res = ref_result
     rep = res.report
-    assert [r.name for r in rep.fp32_passes.records] == ["normalize", "untie", "fold_bn", "conv_operand_first"]
+    assert [r.name for r in rep.fp32_passes.records] == [
+        "normalize",
+        "untie",
+        "fold_bn",
+        "fold_self_add_into_conv",
+        "conv_operand_first",
+    ]
     assert rep.fp32_passes.record("fold_bn").matches == 2
     assert rep.calibration.batches == 6 and rep.calibration.samples == 24
     assert "ops INT8" in rep.summary() and "observer=minmax" in rep.summary()
@@ -348,3 +354,54 @@ def test_an_inplace_op_seen_through_its_own_result_is_quantized_correctly():
     # the relu must survive: dropping it changes the result far beyond INT8 noise
     err = (res.graph_module(x) - ref).abs().max() / ref.abs().max()
     assert err < 0.05, err
+
+
+class _ConvTwice(nn.Module):
+    def __init__(self, alpha: float = 1.0, share: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.alpha, self.share = alpha, share
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = torch.add(y, y, alpha=self.alpha)
+        return (z, y) if self.share else z
+
+
+def test_fold_self_add_into_conv_doubles_the_conv_exactly():
+    from gml.quant.frontend import fold_self_add_into_conv
+
+    torch.manual_seed(0)
+    model, x = _ConvTwice().eval(), torch.randn(2, 3, 8, 8)
+    weight = model.conv.weight.detach().clone()
+    gm, report = run_fp32_passes(model, (x,))  # includes the fold
+    assert report.record("fold_self_add_into_conv").matches == 1
+    assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_module", "output"]
+    assert torch.equal(gm(x), model(x))  # bit-exact: doubling only moves the exponent
+    assert torch.equal(model.conv.weight, weight)  # the user's conv is untouched
+
+    # negative cases: y + 0.5 * y (not a doubling) and a conv read elsewhere stay as they are
+    for m in (_ConvTwice(alpha=0.5).eval(), _ConvTwice(share=True).eval()):
+        g = _normalized(m)
+        res = fold_self_add_into_conv(g)
+        assert res.matches == 0
+        assert any(isinstance(mod, gnn.Add) for mod in g.modules())
+    assert "power-of-two" in fold_self_add_into_conv(_normalized(_ConvTwice(alpha=0.5).eval())).skips[0].reason
+
+
+def _normalized(model: nn.Module) -> fx.GraphModule:
+    from gml.passes.normalize import Normalize
+
+    g = fx.symbolic_trace(model)
+    Normalize()(g)
+    return g
+
+
+def test_int8_of_a_conv_added_to_itself_lowers_and_matches_fp32():
+    import gml
+
+    torch.manual_seed(0)
+    model, x = _ConvTwice().eval(), torch.randn(2, 3, 8, 8)
+    res = gml.quantize(model, [torch.randn(2, 3, 8, 8) for _ in range(4)], example_inputs=(x,), progress=False)
+    ref = model(x)
+    assert (res.module(x) - ref).abs().max() <= 0.05 * ref.abs().max()
