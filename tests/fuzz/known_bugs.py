@@ -30,11 +30,6 @@ def has_a_conv_window_entirely_in_padding(spec: ModelSpec) -> bool:
     return False
 
 
-def has_a_standalone_sigmoid(spec: ModelSpec) -> bool:
-    """A sigmoid / hardsigmoid (over-approximated: any of them)."""
-    return any(layer.op == "act" and layer["kind"] in ("sigmoid", "hardsigmoid") for layer in spec.layers)
-
-
 def has_an_upsampling_adaptive_pool(spec: ModelSpec) -> bool:
     """An adaptive average pool whose output is larger than its input in some dimension."""
     shapes = spec.shapes()
@@ -56,9 +51,6 @@ def known_int8_bug(spec: ModelSpec) -> bool:
         # oneDNN's INT8 conv returns garbage where a window lies entirely in the padding
         # (test_regressions.py::test_int8_open_bug[conv_window_entirely_in_padding])
         has_a_conv_window_entirely_in_padding(spec)
-        # a sigmoid's input is quantized with the sigmoid's fixed output qparams: constant 0.5
-        # (test_regressions.py::test_int8_open_bug[sigmoid_of_an_input])
-        or has_a_standalone_sigmoid(spec)
         # QAdaptiveAvgPool2d scrambles the layout when it upsamples (1x1 -> 2x2)
         # (test_regressions.py::test_int8_open_bug[adaptive_pool_upsampling])
         or has_an_upsampling_adaptive_pool(spec)

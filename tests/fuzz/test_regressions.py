@@ -78,17 +78,18 @@ INT8_CASES = {
     "add_relu_of_a_conv_output_to_itself": ModelSpec(
         inputs=[(1, 3, 6, 6)], layers=[L("conv", 0), L("bn", 1), L("add", 2, 2), L("act", 3)]
     ),
+    # sigmoid(x) of a model input: torch.ao observed the input with the sigmoid's fixed output
+    # observer (1/256, 0), so every negative input clamped to 0 and the INT8 model returned 0.5
+    # everywhere (hardsigmoid too; conv -> sigmoid was fine). The frontend now gives such inputs an
+    # ordinary observer.
+    "sigmoid_of_an_input": ModelSpec(inputs=[(1, 4, 9, 1)], layers=[L("act", 0, kind="sigmoid", form="functional")]),
+    "hardsigmoid_of_an_input": ModelSpec(inputs=[(1, 8)], layers=[L("act", 0, kind="hardsigmoid", form="functional")]),
 }
 
 INT8_OPEN_BUGS = {
     # A conv output whose whole window lies in the padding (width 1, k=2, dilation 2, padding 1: taps
     # at -1 and +1). fp32 gives the bias; oneDNN's INT8 conv returns uninitialised values (52301.8,
     # then -33700.6 on the next call). torch.ao's onednn and x86 engines are wrong too; fbgemm is right.
-    # sigmoid(x) on N(0,1) inputs: the reference graph quantizes the sigmoid's *input* with the
-    # sigmoid's fixed output qparams (scale 1/256, zero point 0), so every negative input clamps to 0
-    # and the INT8 model returns 0.5 everywhere. hardsigmoid too; conv -> sigmoid is fine.
-    "sigmoid_of_an_input": ModelSpec(inputs=[(1, 4, 9, 1)], layers=[L("act", 0, kind="sigmoid", form="functional")]),
-    "hardsigmoid_of_an_input": ModelSpec(inputs=[(1, 8)], layers=[L("act", 0, kind="hardsigmoid", form="functional")]),
     # adaptive_avg_pool2d from 1x1 up to 2x2: QAdaptiveAvgPool2d returns [a, 0, 0, a] where fp32 has
     # [a, a, a, a] (a layout mix-up); downsampling (4x4 -> 1x1, 3x3 -> 2x2) is right.
     "adaptive_pool_upsampling": ModelSpec(

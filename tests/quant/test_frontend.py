@@ -405,3 +405,23 @@ def test_int8_of_a_conv_added_to_itself_lowers_and_matches_fp32():
     res = gml.quantize(model, [torch.randn(2, 3, 8, 8) for _ in range(4)], example_inputs=(x,), progress=False)
     ref = model(x)
     assert (res.module(x) - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("act", [torch.sigmoid, F.hardsigmoid])
+def test_a_sigmoid_of_a_model_input_observes_the_input_with_an_ordinary_observer(act):
+    class M(nn.Module):
+        def forward(self, x):
+            return act(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    # x is in the calibration data, so nothing is clipped and only rounding is left
+    res = prepare_reference(M().eval(), (x,), [x, *(torch.randn(4, 16) for _ in range(3))], progress=False)
+    scales = {
+        n.target: getattr(res.graph_module, n.target).item()
+        for n in res.graph_module.graph.nodes
+        if n.op == "get_attr" and "scale" in str(n.target)
+    }
+    (in_scale,) = [s for name, s in scales.items() if "input" in name]
+    assert in_scale > 4 / 256  # the range of N(0, 1) inputs, not the sigmoid's [0, 1] output grid
+    assert (res.graph_module(x) - act(x)).abs().max() < 0.05  # was 0.5 off for negative inputs

@@ -45,7 +45,13 @@ from gml import nn as gnn
 from gml.errors import InputError, UnsupportedError
 from gml.passes.base import PassResult, Skip, Tolerance
 from gml.passes.manager import PassManager, PipelineReport
-from gml.quant.backend_config import NORMALIZED_MODULES, get_backend_config, int8_ops, qconfig_mapping
+from gml.quant.backend_config import (
+    NORMALIZED_MODULES,
+    activation_observer,
+    get_backend_config,
+    int8_ops,
+    qconfig_mapping,
+)
 from gml.quant.calibrate import CalibrationStats, calibrate, generate_batches
 
 # torch.ao.quantization's removal notice starts with this sentence (torch/ao/quantization/utils.py).
@@ -296,13 +302,49 @@ def prepare(
     )
     qmap = qconfig_mapping(observer, per_channel=per_channel, backend=backend, percentile=percentile)
     with quiet_torch_ao():
-        return prepare_fx(
+        prepared = prepare_fx(
             gm,
             qmap,
             tuple(example_inputs),
             prepare_custom_config=custom,
             backend_config=get_backend_config(backend),
         )
+    _observe_fixed_qparams_inputs(prepared, activation_observer(observer, backend=backend, percentile=percentile))
+    return prepared
+
+
+def _observe_fixed_qparams_inputs(prepared: fx.GraphModule, observer_ctor: Any) -> int:
+    """Give a sigmoid's *input* an ordinary observer where torch.ao gave it the fixed [0, 1] one.
+
+    torch.ao observes a value nobody else observed (a model input, an fp32 op's output) with the
+    consumer's QConfig activation, which for a sigmoid is its fixed *output* observer (1/256, 0):
+    every negative input would clamp to 0 and the INT8 sigmoid would return 0.5. Only the
+    observers in front of the fixed-qparams ops are swapped; their outputs keep the fixed qparams
+    the kernels write.
+    """
+    from torch.ao.quantization.observer import FixedQParamsObserver
+
+    from gml.quant.backend_config import FIXED_QPARAMS_OPS
+
+    modules = dict(prepared.named_modules(remove_duplicate=False))
+
+    def is_fixed_op(n: Any) -> bool:
+        return (
+            isinstance(n, fx.Node)
+            and n.op == "call_module"
+            and isinstance(modules.get(str(n.target)), FIXED_QPARAMS_OPS)
+        )
+
+    swapped = 0
+    for node in prepared.graph.nodes:
+        obs = modules.get(str(node.target)) if node.op == "call_module" else None
+        if not isinstance(obs, FixedQParamsObserver) or not node.args or is_fixed_op(node.args[0]):
+            continue  # not an observer, or the output observer of a sigmoid
+        if any(is_fixed_op(u) for u in node.users):
+            parent, _, attr = str(node.target).rpartition(".")
+            setattr(prepared.get_submodule(parent) if parent else prepared, attr, observer_ctor())
+            swapped += 1
+    return swapped
 
 
 def _is_observer(mod: nn.Module | None) -> bool:
