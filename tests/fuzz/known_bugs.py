@@ -30,17 +30,6 @@ def has_a_conv_window_entirely_in_padding(spec: ModelSpec) -> bool:
     return False
 
 
-def has_an_upsampling_adaptive_pool(spec: ModelSpec) -> bool:
-    """An adaptive average pool whose output is larger than its input in some dimension."""
-    shapes = spec.shapes()
-    for layer in spec.layers:
-        pool = spec.layers[layer["of"]] if layer.op == "reuse" else layer
-        grows = any(pool.kw.get("out", 0) > n for n in shapes[layer.src[0]][2:])
-        if pool.op == "pool" and pool["kind"] == "adaptive" and grows:
-            return True
-    return False
-
-
 def known_fp32_bug(spec: ModelSpec) -> bool:
     """None open. (FuseConvAdd on ``y + y`` was one; fixed, now a case in FP32_CASES.)"""
     return False
@@ -51,9 +40,6 @@ def known_int8_bug(spec: ModelSpec) -> bool:
         # oneDNN's INT8 conv returns garbage where a window lies entirely in the padding
         # (test_regressions.py::test_int8_open_bug[conv_window_entirely_in_padding])
         has_a_conv_window_entirely_in_padding(spec)
-        # QAdaptiveAvgPool2d scrambles the layout when it upsamples (1x1 -> 2x2)
-        # (test_regressions.py::test_int8_open_bug[adaptive_pool_upsampling])
-        or has_an_upsampling_adaptive_pool(spec)
     )
 
 

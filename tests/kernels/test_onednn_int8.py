@@ -334,3 +334,12 @@ def test_mul_broadcasts_a_gate_over_a_map(be: Int8Backend):
     for y in (be.mul(a, a_qp, gate, g_qp, qp), be.mul(gate, g_qp, a, a_qp, qp)):
         assert y.shape == (2, 8, 5, 5)
         assert _steps(be, y, qp, ref) <= HALF_STEP
+
+
+@pytest.mark.parametrize("size", [(1, 1), (2, 2), (3, 1)])
+def test_adaptive_avg_pool_spreads_a_1x1_map(be: Int8Backend, size: tuple[int, int]):
+    # PyTorch's quantized kernel mixes up the layout of a channels-last 1x1 map it spreads out
+    x = _activation((2, 3, 1, 1), X_QP, be, seed=5)
+    ref = F.adaptive_avg_pool2d(be.dequantize(x, X_QP), size)
+    y = be.adaptive_avg_pool2d(x, X_QP, size, X_QP)
+    assert torch.equal(be.dequantize(y, X_QP), ref)  # the mean of one value: exact

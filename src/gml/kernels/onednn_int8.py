@@ -339,7 +339,10 @@ def _linear_key(shape: Sequence[int]) -> tuple[int, ...]:
 def _adaptive_avg_pool2d(
     backend: Int8Backend, x: torch.Tensor, x_qp: QParams, output_size: tuple[int, int], out_qp: QParams
 ) -> torch.Tensor:
-    if x_qp.close_to(out_qp):  # PyTorch's quantized kernel averages on the input's own grid
+    # PyTorch's quantized kernel averages on the input's own grid. It mixes up the layout of a
+    # channels-last 1x1 map it has to spread over a larger output ([a, 0, 0, a] for [a, a, a, a]),
+    # so a 1x1 input takes the fp32 route below, which is exact there (the mean of one value).
+    if x_qp.close_to(out_qp) and x.shape[-2] * x.shape[-1] > 1:
         return as_uint8(torch.nn.functional.adaptive_avg_pool2d(as_qtensor(x, x_qp), output_size))
     # Otherwise average the integers in fp32 and round once onto the output grid (rounding the
     # mean to the input grid first would lose the finer output resolution).
