@@ -74,6 +74,15 @@ class Conv2dSpec:
     groups: int = 1
 
 
+def has_padding_only_window(size: int, kernel: int, stride: int, padding: int, dilation: int) -> bool:
+    """Whether some output of a 1-D conv over ``size`` inputs reads nothing but padding: all its
+    taps ``o * stride - padding + j * dilation`` fall outside ``[0, size)``."""
+    out = (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+    return any(
+        all(not 0 <= o * stride - padding + j * dilation < size for j in range(kernel)) for o in range(max(out, 0))
+    )
+
+
 @functools.lru_cache(maxsize=1024)
 def clamp_bounds(qparams: QParams, min_val: float, max_val: float) -> tuple[int, int]:
     """The integer interval ``[Q(min_val), Q(max_val)]`` of ``hardtanh(min_val, max_val)`` on uint8.
@@ -133,6 +142,9 @@ class Int8Backend(ABC):
     supports_conv_add: ClassVar[bool] = True
     #: ``conv2d(..., post_op="add*", other=t)`` overwrites ``t``.
     conv_add_writes_other: ClassVar[bool] = False
+    #: ``conv2d`` is right where an output's whole window lies in the zero padding (the output is
+    #: then just the bias). PyTorch's oneDNN INT8 conv returns uninitialised memory there.
+    conv_handles_padding_only_windows: ClassVar[bool] = True
     #: Element-wise post-ops (:class:`PostOp` attr names) ``conv2d`` / ``linear`` fuse.
     conv_post_ops: ClassVar[frozenset[str]] = frozenset({"relu"})
     linear_post_ops: ClassVar[frozenset[str]] = frozenset({"relu"})

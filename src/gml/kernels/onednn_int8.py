@@ -51,6 +51,7 @@ from gml.kernels.backend import (
     QParams,
     as_qtensor,
     as_uint8,
+    has_padding_only_window,
     silence_quantized_tensor_warnings,
     split_post_op,
 )
@@ -66,7 +67,7 @@ class OneDNNPackedConv:
 
     Packings are made per input batch size on first use (see the module docstring)."""
 
-    __slots__ = ("bias", "input_qparams", "packs", "spec", "w_scale", "w_zp", "weight")
+    __slots__ = ("bias", "explicit_padding", "input_qparams", "packs", "spec", "w_scale", "w_zp", "weight")
 
     def __init__(
         self,
@@ -83,12 +84,16 @@ class OneDNNPackedConv:
         self.spec = spec
         self.input_qparams = input_qparams
         self.packs: dict[tuple[int, ...], torch.Tensor] = {}
+        #: input shape -> whether its padding is applied explicitly (see :meth:`needs_explicit_padding`)
+        self.explicit_padding: dict[tuple[int, ...], bool] = {}
 
-    def pack_for(self, shape: Sequence[int]) -> torch.Tensor:
-        key = tuple(shape)
+    def pack_for(self, shape: Sequence[int], padding: tuple[int, int] | None = None) -> torch.Tensor:
+        """The weight packed for input ``shape`` (and ``padding``, default the conv's own)."""
+        s, qp = self.spec, self.input_qparams
+        padding = s.padding if padding is None else padding
+        key = tuple(shape) if padding == s.padding else (*shape, *padding)
         packed = self.packs.get(key)
         if packed is None:
-            s, qp = self.spec, self.input_qparams
             _make_room(self.packs)
             packed = torch.ops.onednn.qconv_prepack(
                 self.weight,
@@ -96,13 +101,31 @@ class OneDNNPackedConv:
                 qp.scale,
                 qp.zero_point,
                 list(s.stride),
-                list(s.padding),
+                list(padding),
                 list(s.dilation),
                 s.groups,
-                list(key),
+                list(shape),
             )
             self.packs[key] = packed
         return packed
+
+    def needs_explicit_padding(self, shape: Sequence[int]) -> bool:
+        """Whether some output window over an input of ``shape`` lies entirely in the padding.
+
+        oneDNN's INT8 conv returns uninitialised memory for such outputs (fp32 gives the bias), so
+        :meth:`OneDNNBackend.conv2d` pads the input itself and convolves without padding there.
+        """
+        key = tuple(shape)
+        flag = self.explicit_padding.get(key)
+        if flag is None:
+            s = self.spec
+            k = self.weight.shape[-2:]
+            flag = any(
+                has_padding_only_window(key[2 + i], k[i], s.stride[i], s.padding[i], s.dilation[i]) for i in (0, 1)
+            )
+            _make_room(self.explicit_padding)
+            self.explicit_padding[key] = flag
+        return flag
 
 
 class OneDNNPackedLinear:
@@ -130,6 +153,7 @@ class OneDNNBackend(Int8Backend):
 
     name = "onednn"
     conv_add_writes_other = True
+    conv_handles_padding_only_windows = False
     conv_post_ops = frozenset({"relu", "hardtanh", "hardswish", "swish"})
     linear_post_ops = frozenset({"relu", "hardtanh", "hardswish", "swish"})
     activations = frozenset({"relu", "hardtanh", "hardswish", "sigmoid", "hardsigmoid"})
@@ -190,7 +214,14 @@ class OneDNNBackend(Int8Backend):
         other_qparams: QParams | None = None,
     ) -> torch.Tensor:
         s = packed.spec
-        w = packed.pack_for(x.shape)
+        padding = s.padding
+        if packed.needs_explicit_padding(x.shape):
+            # pad with the integer of 0.0 (the zero point), then a conv without padding: same math
+            ph, pw = s.padding
+            x = torch.nn.functional.pad(x, (pw, pw, ph, ph), value=x_qparams.zero_point)
+            x = x.contiguous(memory_format=_CL)
+            padding = (0, 0)
+        w = packed.pack_for(x.shape, padding)
         out_scale, out_zp, out_dtype = _out_args(out_qparams)
         eltwise, add = split_post_op(post_op)
         if not add:
@@ -203,7 +234,7 @@ class OneDNNBackend(Int8Backend):
                 packed.w_zp,
                 packed.bias,
                 s.stride,
-                s.padding,
+                padding,
                 s.dilation,
                 s.groups,
                 out_scale,
@@ -227,7 +258,7 @@ class OneDNNBackend(Int8Backend):
             other,
             packed.bias,
             s.stride,
-            s.padding,
+            padding,
             s.dilation,
             s.groups,
             out_scale,
