@@ -21,25 +21,3 @@ def known_int8_bug(spec: ModelSpec) -> bool:
     an input, 1x1 adaptive pool upsampling and conv windows entirely in padding were; fixed, now
     cases in INT8_CASES.)"""
     return False
-
-
-def forget_generated_fx_wraps() -> int:
-    """Drop ``torch.fx.wrap`` registrations made by fx-generated code; return how many.
-
-    Open bug (performance): FuseMatmulAddRelu traces its patterns and a replacement that calls the
-    fx-wrapped ``fused_matmul_add_relu`` on every run, and fx's generated code re-registers the wrap
-    (``wrap("...")`` at the top of each recompiled forward, with a fresh globals dict) every time:
-    ``torch.fx._symbolic_trace._wrapped_fns_to_patch`` grows by ~37 entries per ``gml.optimize``,
-    and every later ``symbolic_trace`` patches all of them. A fuzz run of hundreds of graphs in one
-    process slowed down quadratically (same 20 graphs: 2.7 s, then 23.6 s on the 8th round). Real
-    module-level wraps are kept: only registrations whose globals are not an imported module's go.
-    """
-    import sys
-
-    from torch.fx import _symbolic_trace
-
-    modules = {id(vars(m)) for m in list(sys.modules.values()) if m is not None and hasattr(m, "__dict__")}
-    stale = [key for key in _symbolic_trace._wrapped_fns_to_patch if key[0] not in modules]
-    for key in stale:
-        del _symbolic_trace._wrapped_fns_to_patch[key]
-    return len(stale)

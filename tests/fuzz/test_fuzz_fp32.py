@@ -13,7 +13,7 @@ from hypothesis import Phase, assume, event, given, settings, target
 from hypothesis import strategies as st
 
 import gml.passes.fold_bn as fold_bn_module
-from fuzz.known_bugs import forget_generated_fx_wraps, known_fp32_bug
+from fuzz.known_bugs import known_fp32_bug
 from gml.capture import capture
 from gml.passes.fuse_conv import FuseConvActivation, FuseConvAdd
 from gml.passes.fuse_elementwise import FuseElementwise
@@ -32,10 +32,7 @@ from gml.testing.strategies import fuzz_seed, fuzz_settings, model_specs
 @given(spec=model_specs())
 def test_fp32_pipeline_matches_eager(spec):
     assume(not known_fp32_bug(spec))
-    try:
-        outcome = check_fp32(spec)
-    finally:
-        forget_generated_fx_wraps()
+    outcome = check_fp32(spec)
     if outcome.refused is not None:
         event(f"refused: {type(outcome.refused).__name__}")
     for record in outcome.report.records if outcome.report else []:
@@ -64,10 +61,7 @@ def forced_fusion_passes(linear_backend: str) -> list:
 @given(spec=model_specs(), linear_backend=st.sampled_from(["onednn", "mkl"]))
 def test_fp32_with_every_fusion_forced(spec, linear_backend):
     assume(not known_fp32_bug(spec))
-    try:
-        outcome = check_fp32(spec, passes=forced_fusion_passes(linear_backend))
-    finally:
-        forget_generated_fx_wraps()
+    outcome = check_fp32(spec, passes=forced_fusion_passes(linear_backend))
     for record in outcome.report.records if outcome.report else []:
         if record.matches and record.name.startswith(("fuse", "horizontal")):
             event(f"{record.name} rewrote something")

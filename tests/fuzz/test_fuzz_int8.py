@@ -13,7 +13,7 @@ import pytest
 from hypothesis import Phase, assume, event, given, settings, target
 
 import gml.quant.lower as lower_module
-from fuzz.known_bugs import forget_generated_fx_wraps, known_int8_bug
+from fuzz.known_bugs import known_int8_bug
 from gml.testing.fuzz import FuzzFailure, check_int8
 from gml.testing.graphgen import L, ModelSpec
 from gml.testing.strategies import fuzz_seed, fuzz_settings, model_specs
@@ -24,10 +24,7 @@ from gml.testing.strategies import fuzz_seed, fuzz_settings, model_specs
 @given(spec=model_specs(max_layers=8))
 def test_int8_pipeline_within_quantization_noise(spec):
     assume(not known_int8_bug(spec))
-    try:
-        outcome = check_int8(spec)
-    finally:
-        forget_generated_fx_wraps()
+    outcome = check_int8(spec)
     if outcome.refused is not None:
         event(f"refused: {type(outcome.refused).__name__}: {outcome.refused.message[:60]}")
     target(outcome.max_rel_err, label="INT8 error / allowed")

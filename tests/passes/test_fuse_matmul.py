@@ -9,6 +9,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.testing import FileCheck
 
+from gml.capture import capture
 from gml.kernels import fp32 as k32
 from gml.kernels.fp32 import FusedLinear, PostOp
 from gml.passes.fuse_matmul import PATTERN, FuseMatmulAddRelu, patterns
@@ -114,3 +115,27 @@ def test_intermediate_with_another_user_is_left_alone():
     x, w, b = torch.randn(2, 8), torch.randn(8, 4), torch.randn(4)
     gm = traced(fx.symbolic_trace(fn), x, w, b)
     assert FuseMatmulAddRelu()(gm).matches == 0
+
+
+def test_running_the_pass_again_registers_no_more_fx_wraps():
+    # Re-tracing the replacement on every run leaked a torch.fx.wrap registration per trace, and
+    # every later symbolic_trace in the process patched all of them (quadratic slowdown).
+    from torch.fx import _symbolic_trace
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = nn.Parameter(torch.randn(4))
+
+        def forward(self, x, w):
+            return torch.relu(x @ w + self.b)
+
+    x, w = torch.randn(3, 8), torch.randn(8, 4)
+    counts = []
+    for _ in range(3):
+        gm = capture(M().eval(), (x, w))
+        assert FuseMatmulAddRelu()(gm).matches == 1
+        counts.append(len(_symbolic_trace._wrapped_fns_to_patch))
+    # what is left is torch.fx's own design: each compiled module that calls a wrapped function
+    # registers it once for its own globals (so it can be traced again); it used to be ~37 per run
+    assert counts[2] - counts[1] <= 1 and counts[1] - counts[0] <= 1, counts

@@ -25,6 +25,7 @@ read elsewhere ("matmul output has 2 users").
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 
@@ -58,6 +59,15 @@ def replacement(x, w, b):
     return fused_matmul_add_relu(x, w, b)
 
 
+@functools.cache
+def _replacement_graph() -> fx.GraphModule:
+    # Traced once: every trace of ``replacement`` leaves a ``torch.fx.wrap`` registration behind (the
+    # generated code re-runs ``wrap(...)`` in fresh globals), and every later ``symbolic_trace`` in
+    # the process patches all of them, so re-tracing per run made tracing slower and slower.
+    return fx.symbolic_trace(replacement)
+
+
+@functools.cache
 def patterns() -> list[tuple[str, fx.GraphModule]]:
     """Every spelling of ``relu(x @ w + b)`` as a pattern graph, labelled for reports."""
     return [
@@ -126,7 +136,7 @@ class FuseMatmulAddRelu(GraphPass):
             return why is None
 
         for _label, pat in patterns():
-            for rep in replace_pattern_with_filters(gm, pat, replacement, match_filters=[check]):
+            for rep in replace_pattern_with_filters(gm, pat, _replacement_graph(), match_filters=[check]):
                 out = next(pn for pn in pat.graph.nodes if pn.op == "output").args[0]
                 for n in rep.replacements:
                     if n.target is fused_matmul_add_relu:
