@@ -11,6 +11,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-    from fuzz.known_bugs import forget_generated_fx_wraps
-
-    forget_generated_fx_wraps()  # see there: keeps later tests in this process from slowing down

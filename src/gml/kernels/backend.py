@@ -121,6 +121,18 @@ def as_qtensor(x: torch.Tensor, qp: QParams) -> torch.Tensor:
     return torch._make_per_tensor_quantized_tensor(x, qp.scale, qp.zero_point)
 
 
+def eltwise_of(post_op: PostOp | bool) -> PostOp:
+    """The element-wise post-op of a ``linear`` call (``True`` / ``False``: the older relu / none)."""
+    if isinstance(post_op, PostOp):
+        return post_op
+    return PostOp("relu") if post_op else PostOp()
+
+
+def fp32_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias as the kernels take it: detached contiguous fp32, or ``None``."""
+    return None if t is None else t.detach().float().contiguous()
+
+
 def as_uint8(q: torch.Tensor) -> torch.Tensor:
     """The integers of a quint8 QTensor as a uint8 tensor *sharing its memory*.
 
@@ -213,7 +225,7 @@ class Int8Backend(ABC):
         """``post_op(x @ W.T + b)`` over the last dimension (``out_qparams=None``: fp32 output);
         ``True`` / ``False`` mean relu / none."""
 
-    @abstractmethod
+    # ------------------------------- ops both CPU backends run on PyTorch's quantized kernels
     def add(
         self,
         a: torch.Tensor,
@@ -223,9 +235,11 @@ class Int8Backend(ABC):
         out_qparams: QParams,
         relu: bool = False,
     ) -> torch.Tensor:
-        """Elementwise ``[relu](a + b)`` of two same-shape tensors."""
+        """Elementwise ``[relu](a + b)`` of two same-shape tensors (``quantized::add[_relu]``)."""
+        op = torch.ops.quantized.add_relu if relu else torch.ops.quantized.add
+        out = op(as_qtensor(a, a_qparams), as_qtensor(b, b_qparams), out_qparams.scale, out_qparams.zero_point)
+        return as_uint8(out)
 
-    @abstractmethod
     def max_pool2d(
         self,
         x: torch.Tensor,
@@ -235,19 +249,32 @@ class Int8Backend(ABC):
         dilation: tuple[int, int],
         ceil_mode: bool,
     ) -> torch.Tensor:
-        """Max pooling; the output keeps the input's qparams (max commutes with the affine map)."""
+        """Max pooling; the output keeps the input's qparams (max commutes with the affine map).
+        ``quantized::max_pool2d`` takes plain uint8, channels-last in and out."""
+        return torch.ops.quantized.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
 
-    @abstractmethod
     def adaptive_avg_pool2d(
         self, x: torch.Tensor, x_qparams: QParams, output_size: tuple[int, int], out_qparams: QParams
     ) -> torch.Tensor:
         """Adaptive average pooling, requantized to ``out_qparams``."""
+        # PyTorch's quantized kernel averages on the input's own grid. It mixes up the layout of a
+        # channels-last 1x1 map it has to spread over a larger output ([a, 0, 0, a] for [a, a, a, a]),
+        # so a 1x1 input takes the fp32 route below, which is exact there (the mean of one value).
+        if x_qparams.close_to(out_qparams) and x.shape[-2] * x.shape[-1] > 1:
+            return as_uint8(torch.nn.functional.adaptive_avg_pool2d(as_qtensor(x, x_qparams), output_size))
+        # Otherwise average the integers in fp32 and round once onto the output grid (rounding the
+        # mean to the input grid first would lose the finer output resolution).
+        y = torch.nn.functional.adaptive_avg_pool2d(x.float(), output_size)
+        return self.quantize(y.sub_(x_qparams.zero_point).mul_(x_qparams.scale), out_qparams)
 
-    @abstractmethod
     def cat(
         self, xs: Sequence[torch.Tensor], qparams: Sequence[QParams], dim: int, out_qparams: QParams
     ) -> torch.Tensor:
         """Concatenate, requantizing each input to ``out_qparams``."""
+        if all(qp.close_to(out_qparams) for qp in qparams):
+            return torch.cat(list(xs), dim)  # same qparams: concatenating the integers is exact
+        qs = [as_qtensor(x, qp) for x, qp in zip(xs, qparams)]
+        return as_uint8(torch.ops.quantized.cat(qs, dim, out_qparams.scale, out_qparams.zero_point))
 
     # -------------------------------------------- ops with one obvious implementation
     def relu(self, x: torch.Tensor, x_qparams: QParams) -> torch.Tensor:

@@ -35,11 +35,12 @@ from gml.kernels.backend import (
     as_qtensor,
     as_uint8,
     clamp_bounds,
+    eltwise_of,
+    fp32_or_none,
     silence_quantized_tensor_warnings,
     split_post_op,
 )
 from gml.kernels.fp32 import PostOp
-from gml.kernels.onednn_int8 import _adaptive_avg_pool2d, _cat, _eltwise, _fp32
 
 
 @contextlib.contextmanager
@@ -90,7 +91,7 @@ class FbgemmBackend(Int8Backend):
         with quantized_engine(self.engine):
             return torch.ops.quantized.conv2d_prepack(
                 _qweight(weight, weight_scale),
-                _fp32(bias),
+                fp32_or_none(bias),
                 list(spec.stride),
                 list(spec.padding),
                 list(spec.dilation),
@@ -106,7 +107,7 @@ class FbgemmBackend(Int8Backend):
         input_shape: Sequence[int] | None = None,
     ) -> Any:
         with quantized_engine(self.engine):
-            return torch.ops.quantized.linear_prepack(_qweight(weight, weight_scale), _fp32(bias))
+            return torch.ops.quantized.linear_prepack(_qweight(weight, weight_scale), fp32_or_none(bias))
 
     def conv2d(
         self,
@@ -146,7 +147,7 @@ class FbgemmBackend(Int8Backend):
         out_qparams: QParams | None,
         post_op: PostOp | bool = False,
     ) -> torch.Tensor:
-        eltwise = _eltwise(post_op)
+        eltwise = eltwise_of(post_op)
         self._check_post_op("linear", eltwise)
         if out_qparams is None:  # no fp32-output kernel: dequantized weights, fp32 linear
             w, b = torch.ops.quantized.linear_unpack(packed)
@@ -166,37 +167,3 @@ class FbgemmBackend(Int8Backend):
             return y
         lo, hi = clamp_bounds(out_qparams, *post_op.scalars)
         return y.clamp_(lo, hi)
-
-    def add(
-        self,
-        a: torch.Tensor,
-        a_qparams: QParams,
-        b: torch.Tensor,
-        b_qparams: QParams,
-        out_qparams: QParams,
-        relu: bool = False,
-    ) -> torch.Tensor:
-        op = torch.ops.quantized.add_relu if relu else torch.ops.quantized.add
-        out = op(as_qtensor(a, a_qparams), as_qtensor(b, b_qparams), out_qparams.scale, out_qparams.zero_point)
-        return as_uint8(out)
-
-    def max_pool2d(
-        self,
-        x: torch.Tensor,
-        kernel_size: tuple[int, int],
-        stride: tuple[int, int],
-        padding: tuple[int, int],
-        dilation: tuple[int, int],
-        ceil_mode: bool,
-    ) -> torch.Tensor:
-        return torch.ops.quantized.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
-
-    def adaptive_avg_pool2d(
-        self, x: torch.Tensor, x_qparams: QParams, output_size: tuple[int, int], out_qparams: QParams
-    ) -> torch.Tensor:
-        return _adaptive_avg_pool2d(self, x, x_qparams, output_size, out_qparams)
-
-    def cat(
-        self, xs: Sequence[torch.Tensor], qparams: Sequence[QParams], dim: int, out_qparams: QParams
-    ) -> torch.Tensor:
-        return _cat(self, xs, qparams, dim, out_qparams)

@@ -198,7 +198,8 @@ _SIMPLE_FUNCTIONS: dict[Any, str] = {
 _SIMPLE_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid", "tanh": "tanh"}
 
 
-def _post_op_of_module(mod: nn.Module) -> PostOp | str:
+def post_op_of_module(mod: nn.Module) -> PostOp | str:
+    """The oneDNN post-op an activation module computes, or why it has none (a message)."""
     kind = _SIMPLE_MODULES.get(type(mod))
     if kind is not None:
         return PostOp(kind)
@@ -255,7 +256,7 @@ def post_op_of(node: fx.Node, modules: dict[str, nn.Module]) -> PostOp | str:
         mod = modules.get(str(node.target))
         if mod is None:
             return f"module {node.target} not found"
-        return _post_op_of_module(mod)
+        return post_op_of_module(mod)
     if node.op in ("call_function", "call_method"):
         if any(isinstance(a, fx.Node) for a in node.args[1:]):
             return f"{node.name} has a tensor argument besides its input"
@@ -656,5 +657,6 @@ __all__ = [
     "kernel_unavailable_reason",
     "kernels_available",
     "post_op_of",
+    "post_op_of_module",
     "register_export_support",
 ]

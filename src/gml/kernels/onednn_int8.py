@@ -49,8 +49,8 @@ from gml.kernels.backend import (
     ConvPostOp,
     Int8Backend,
     QParams,
-    as_qtensor,
-    as_uint8,
+    eltwise_of,
+    fp32_or_none,
     has_padding_only_window,
     silence_quantized_tensor_warnings,
     split_post_op,
@@ -183,7 +183,7 @@ class OneDNNBackend(Int8Backend):
         input_shape: Sequence[int] | None = None,
     ) -> OneDNNPackedConv:
         packed = OneDNNPackedConv(
-            weight.contiguous(), weight_scale.float().contiguous(), _fp32(bias), spec, input_qparams
+            weight.contiguous(), weight_scale.float().contiguous(), fp32_or_none(bias), spec, input_qparams
         )
         if input_shape is not None:
             packed.pack_for(input_shape)
@@ -197,7 +197,7 @@ class OneDNNBackend(Int8Backend):
         input_qparams: QParams,
         input_shape: Sequence[int] | None = None,
     ) -> OneDNNPackedLinear:
-        packed = OneDNNPackedLinear(weight.contiguous(), weight_scale.float().contiguous(), _fp32(bias))
+        packed = OneDNNPackedLinear(weight.contiguous(), weight_scale.float().contiguous(), fp32_or_none(bias))
         if input_shape is not None:
             packed.pack_for(_linear_key(input_shape))
         return packed
@@ -282,7 +282,7 @@ class OneDNNBackend(Int8Backend):
         post_op: PostOp | bool = False,
     ) -> torch.Tensor:
         out_scale, out_zp, out_dtype = _out_args(out_qparams)
-        eltwise = _eltwise(post_op)
+        eltwise = eltwise_of(post_op)
         return self._qlinear(
             x,
             x_qparams.scale,
@@ -299,54 +299,8 @@ class OneDNNBackend(Int8Backend):
             eltwise.algorithm,
         )
 
-    def add(
-        self,
-        a: torch.Tensor,
-        a_qparams: QParams,
-        b: torch.Tensor,
-        b_qparams: QParams,
-        out_qparams: QParams,
-        relu: bool = False,
-    ) -> torch.Tensor:
-        op = torch.ops.quantized.add_relu if relu else torch.ops.quantized.add
-        out = op(as_qtensor(a, a_qparams), as_qtensor(b, b_qparams), out_qparams.scale, out_qparams.zero_point)
-        return as_uint8(out)
 
-    def max_pool2d(
-        self,
-        x: torch.Tensor,
-        kernel_size: tuple[int, int],
-        stride: tuple[int, int],
-        padding: tuple[int, int],
-        dilation: tuple[int, int],
-        ceil_mode: bool,
-    ) -> torch.Tensor:
-        # quantized::max_pool2d accepts plain uint8 (channels-last in, channels-last out).
-        return torch.ops.quantized.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
-
-    def adaptive_avg_pool2d(
-        self, x: torch.Tensor, x_qparams: QParams, output_size: tuple[int, int], out_qparams: QParams
-    ) -> torch.Tensor:
-        return _adaptive_avg_pool2d(self, x, x_qparams, output_size, out_qparams)
-
-    def cat(
-        self, xs: Sequence[torch.Tensor], qparams: Sequence[QParams], dim: int, out_qparams: QParams
-    ) -> torch.Tensor:
-        return _cat(self, xs, qparams, dim, out_qparams)
-
-
-# ---------------------------------------------------------------- helpers shared with fbgemm
-def _eltwise(post_op: PostOp | bool) -> PostOp:
-    # ``linear(..., True)`` is the pre-PostOp spelling of a fused relu.
-    if isinstance(post_op, PostOp):
-        return post_op
-    return PostOp("relu") if post_op else PostOp()
-
-
-def _fp32(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().float().contiguous()
-
-
+# ---------------------------------------------------------------- helpers
 def _make_room(packs: dict[tuple[int, ...], torch.Tensor]) -> None:
     # Each packing is a full copy of the weight: a model served at many batch sizes must not grow
     # without bound.
@@ -365,26 +319,3 @@ def _linear_key(shape: Sequence[int]) -> tuple[int, ...]:
     for d in shape[:-1]:
         rows *= int(d)
     return (rows, int(shape[-1]))
-
-
-def _adaptive_avg_pool2d(
-    backend: Int8Backend, x: torch.Tensor, x_qp: QParams, output_size: tuple[int, int], out_qp: QParams
-) -> torch.Tensor:
-    # PyTorch's quantized kernel averages on the input's own grid. It mixes up the layout of a
-    # channels-last 1x1 map it has to spread over a larger output ([a, 0, 0, a] for [a, a, a, a]),
-    # so a 1x1 input takes the fp32 route below, which is exact there (the mean of one value).
-    if x_qp.close_to(out_qp) and x.shape[-2] * x.shape[-1] > 1:
-        return as_uint8(torch.nn.functional.adaptive_avg_pool2d(as_qtensor(x, x_qp), output_size))
-    # Otherwise average the integers in fp32 and round once onto the output grid (rounding the
-    # mean to the input grid first would lose the finer output resolution).
-    y = torch.nn.functional.adaptive_avg_pool2d(x.float(), output_size).sub_(x_qp.zero_point).mul_(x_qp.scale)
-    return backend.quantize(y, out_qp)
-
-
-def _cat(
-    backend: Int8Backend, xs: Sequence[torch.Tensor], qps: Sequence[QParams], dim: int, out_qp: QParams
-) -> torch.Tensor:
-    if all(qp.close_to(out_qp) for qp in qps):
-        return torch.cat(list(xs), dim)  # same qparams: concatenating the integers is exact
-    qs = [as_qtensor(x, qp) for x, qp in zip(xs, qps)]
-    return as_uint8(torch.ops.quantized.cat(qs, dim, out_qp.scale, out_qp.zero_point))

@@ -70,8 +70,7 @@ from torch import fx, nn
 
 from gml.errors import UnsupportedError
 from gml.kernels.backend import Conv2dSpec, Int8Backend, QParams, get_backend
-from gml.kernels.fp32 import NO_POST_OP, PostOp, post_op_of
-from gml.kernels.fp32 import _post_op_of_module as post_op_of_module
+from gml.kernels.fp32 import NO_POST_OP, PostOp, post_op_of, post_op_of_module
 from gml.passes.base import GraphPass, PassResult, Skip
 from gml.passes.oplib import node_label, op_kind
 from gml.passes.utils import add_module, remove_unused_nodes
