@@ -42,6 +42,17 @@ def _scalar_buffer(value: float | int, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
+def _register_qparams(module: nn.Module, prefix: str, qp: QParams) -> None:
+    """``<prefix>_scale`` (float64) and ``<prefix>_zp`` (int64) buffers: the state_dict form of qparams."""
+    module.register_buffer(f"{prefix}_scale", _scalar_buffer(qp.scale, torch.float64))
+    module.register_buffer(f"{prefix}_zp", _scalar_buffer(qp.zero_point, torch.int64))
+
+
+def _buffered_qparams(module: nn.Module, prefix: str) -> QParams:
+    """The qparams the ``<prefix>_scale`` / ``<prefix>_zp`` buffers hold now."""
+    return QParams(float(getattr(module, f"{prefix}_scale")), int(getattr(module, f"{prefix}_zp")))
+
+
 def _refresh_after_load(module: nn.Module, incompatible_keys: Any) -> None:
     # A named function, not a lambda: hooks are pickled with the module by torch.save.
     module.refresh()  # type: ignore[operator]
@@ -69,9 +80,7 @@ class GMLQuantModuleBase(nn.Module, ABC):
         super().__init__()
         self.backend = get_backend(backend)
         self.output_dtype = torch.uint8 if output_qparams is not None else torch.float32
-        qp = output_qparams or QParams(1.0, 0)
-        self.register_buffer("output_scale", _scalar_buffer(qp.scale, torch.float64))
-        self.register_buffer("output_zp", _scalar_buffer(qp.zero_point, torch.int64))
+        _register_qparams(self, "output", output_qparams or QParams(1.0, 0))
         self._out_qp = output_qparams
         self.register_load_state_dict_post_hook(_refresh_after_load)
 
@@ -83,7 +92,7 @@ class GMLQuantModuleBase(nn.Module, ABC):
     def refresh(self) -> None:
         """Re-read cached values from the buffers (after they were loaded or edited)."""
         if self.output_dtype == torch.uint8:
-            self._out_qp = QParams(float(self.output_scale), int(self.output_zp))
+            self._out_qp = _buffered_qparams(self, "output")
 
     @abstractmethod
     def forward(self, *args: torch.Tensor) -> torch.Tensor: ...
@@ -98,8 +107,7 @@ class UnaryOpsBase(GMLQuantModuleBase):
 
     def __init__(self, input_qparams: QParams, output_qparams: QParams, backend: BackendArg = None) -> None:
         super().__init__(output_qparams, backend)
-        self.register_buffer("input_scale", _scalar_buffer(input_qparams.scale, torch.float64))
-        self.register_buffer("input_zp", _scalar_buffer(input_qparams.zero_point, torch.int64))
+        _register_qparams(self, "input", input_qparams)
         self._in_qp = input_qparams
 
     @property
@@ -108,7 +116,7 @@ class UnaryOpsBase(GMLQuantModuleBase):
 
     def refresh(self) -> None:
         super().refresh()
-        self._in_qp = QParams(float(self.input_scale), int(self.input_zp))
+        self._in_qp = _buffered_qparams(self, "input")
 
     def _qp_repr(self) -> str:
         return f"in=({self._in_qp.scale:.4g}, {self._in_qp.zero_point}), " + super()._qp_repr()
@@ -125,8 +133,7 @@ class BinaryOpsBase(UnaryOpsBase):
         backend: BackendArg = None,
     ) -> None:
         super().__init__(input_qparams, output_qparams, backend)
-        self.register_buffer("other_scale", _scalar_buffer(other_qparams.scale, torch.float64))
-        self.register_buffer("other_zp", _scalar_buffer(other_qparams.zero_point, torch.int64))
+        _register_qparams(self, "other", other_qparams)
         self._other_qp = other_qparams
 
     @property
@@ -135,7 +142,7 @@ class BinaryOpsBase(UnaryOpsBase):
 
     def refresh(self) -> None:
         super().refresh()
-        self._other_qp = QParams(float(self.other_scale), int(self.other_zp))
+        self._other_qp = _buffered_qparams(self, "other")
 
     def _qp_repr(self) -> str:
         other = f"other=({self._other_qp.scale:.4g}, {self._other_qp.zero_point}), "
@@ -667,8 +674,7 @@ class Dequantize(nn.Module):
     def __init__(self, input_qparams: QParams, *, backend: BackendArg = None) -> None:
         super().__init__()
         self.backend = get_backend(backend)
-        self.register_buffer("input_scale", _scalar_buffer(input_qparams.scale, torch.float64))
-        self.register_buffer("input_zp", _scalar_buffer(input_qparams.zero_point, torch.int64))
+        _register_qparams(self, "input", input_qparams)
         self._in_qp = input_qparams
         self.register_load_state_dict_post_hook(_refresh_after_load)
 
@@ -677,7 +683,7 @@ class Dequantize(nn.Module):
         return self._in_qp
 
     def refresh(self) -> None:
-        self._in_qp = QParams(float(self.input_scale), int(self.input_zp))
+        self._in_qp = _buffered_qparams(self, "input")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.dequantize(x, self._in_qp)
