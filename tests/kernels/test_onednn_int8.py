@@ -363,3 +363,35 @@ def test_conv2d_outputs_whose_window_is_all_padding_are_the_bias(be: Int8Backend
         torch.testing.assert_close(be.conv2d(x, X_QP, packed, None), ref, atol=1e-4, rtol=1e-5)
     out_qp = _fit(ref)
     assert _steps(be, be.conv2d(x, X_QP, packed, out_qp, "relu"), out_qp, ref.relu()) <= HALF_STEP
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"kernel_size": (2, 2), "stride": (2, 2), "padding": (0, 0)},
+        {"kernel_size": (3, 3), "stride": (1, 1), "padding": (1, 1)},
+        {"kernel_size": (3, 3), "stride": (2, 2), "padding": (1, 1), "count_include_pad": False, "ceil_mode": True},
+    ],
+)
+def test_avg_pool2d_on_the_input_grid_and_requantized(be: Int8Backend, kw: dict):
+    x = _activation((2, 8, 7, 7), X_QP, be, seed=8)
+    args = dict({"ceil_mode": False, "count_include_pad": True, "divisor_override": None}, **kw)
+    ref = F.avg_pool2d(be.dequantize(x, X_QP), **args)
+    call = (args["kernel_size"], args["stride"], args["padding"], args["ceil_mode"], args["count_include_pad"], None)
+    assert _steps(be, be.avg_pool2d(x, X_QP, *call, X_QP), X_QP, ref) <= HALF_STEP  # same grid: integer kernel
+    out_qp = _fit(ref)
+    assert _steps(be, be.avg_pool2d(x, X_QP, *call, out_qp), out_qp, ref) <= HALF_STEP
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_batch_norm2d_is_the_per_channel_affine_map(be: Int8Backend, relu: bool):
+    x = _activation((2, 6, 5, 5), X_QP, be, seed=9)
+    g = torch.Generator().manual_seed(10)
+    w, b = torch.rand(6, generator=g) + 0.5, torch.randn(6, generator=g) * 0.2
+    mean, var = torch.randn(6, generator=g) * 0.1, torch.rand(6, generator=g) + 0.5
+    ref = F.batch_norm(be.dequantize(x, X_QP), mean, var, w, b, False, 0.0, 1e-5)
+    ref = ref.relu() if relu else ref
+    out_qp = _fit(ref)
+    y = be.batch_norm2d(x, X_QP, w, b, mean, var, 1e-5, out_qp, relu)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert _steps(be, y, out_qp, ref) <= HALF_STEP

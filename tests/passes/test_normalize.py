@@ -336,3 +336,26 @@ def test_stochastic_depth_is_dropout():
     assert [s.reason for s in result.skips] == [
         "dropout called with training=True is random; call model.eval() and pass training=self.training to F.dropout"
     ]
+
+
+def test_functional_avg_pools_become_modules_with_every_argument():
+    class M(nn.Module):
+        def forward(self, x):
+            a = F.avg_pool2d(x, 3, stride=1, padding=1, count_include_pad=False)
+            b = F.avg_pool2d(x, kernel_size=2, ceil_mode=True, divisor_override=3)
+            return a.sum() + b.sum() + F.avg_pool1d(x.flatten(2), 2).sum()
+
+    gm = fx.symbolic_trace(M())
+    result = Normalize()(gm)
+    pools = [m for m in gm.modules() if isinstance(m, (nn.AvgPool1d, nn.AvgPool2d))]
+    assert not [s for s in result.skips if "pool" in s.pattern] and len(pools) == 3
+    a, b = (m for m in pools if isinstance(m, nn.AvgPool2d))
+    assert (a.kernel_size, a.stride, a.padding, a.count_include_pad) == (3, 1, 1, False)
+    assert (b.kernel_size, b.stride, b.ceil_mode, b.divisor_override) == (
+        2,
+        2,
+        True,
+        3,
+    )  # stride defaults to the kernel
+    x = torch.randn(2, 3, 7, 7)
+    assert torch.equal(gm(x), M()(x))

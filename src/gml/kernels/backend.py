@@ -267,6 +267,44 @@ class Int8Backend(ABC):
         y = torch.nn.functional.adaptive_avg_pool2d(x.float(), output_size)
         return self.quantize(y.sub_(x_qparams.zero_point).mul_(x_qparams.scale), out_qparams)
 
+    def avg_pool2d(
+        self,
+        x: torch.Tensor,
+        x_qparams: QParams,
+        kernel_size: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int],
+        ceil_mode: bool,
+        count_include_pad: bool,
+        divisor_override: int | None,
+        out_qparams: QParams,
+    ) -> torch.Tensor:
+        """Average pooling. An average lies within its inputs' range, so the output normally keeps
+        the input's qparams and PyTorch's quantized kernel averages the integers (padding counts as
+        real 0, the zero point); other output qparams go through fp32 and round once."""
+        args = (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        if x_qparams.close_to(out_qparams):
+            return as_uint8(torch.nn.functional.avg_pool2d(as_qtensor(x, x_qparams), *args))
+        return self.quantize(torch.nn.functional.avg_pool2d(self.dequantize(x, x_qparams), *args), out_qparams)
+
+    def batch_norm2d(
+        self,
+        x: torch.Tensor,
+        x_qparams: QParams,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        mean: torch.Tensor,
+        var: torch.Tensor,
+        eps: float,
+        out_qparams: QParams,
+        relu: bool = False,
+    ) -> torch.Tensor:
+        """Inference batch norm (a per-channel affine map) with an optional fused ReLU, on PyTorch's
+        ``quantized::batch_norm2d[_relu]``: what is left of a BN no conv before it could absorb."""
+        op = torch.ops.quantized.batch_norm2d_relu if relu else torch.ops.quantized.batch_norm2d
+        q = as_qtensor(x, x_qparams)
+        return as_uint8(op(q, weight, bias, mean, var, eps, out_qparams.scale, out_qparams.zero_point))
+
     def cat(
         self, xs: Sequence[torch.Tensor], qparams: Sequence[QParams], dim: int, out_qparams: QParams
     ) -> torch.Tensor:

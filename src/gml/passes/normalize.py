@@ -13,6 +13,7 @@ Before → after (``%m`` is a fresh submodule, placed in the scope the call came
     torch.flatten(x, s, e), x.flatten(s, e)                         →  nn.Flatten(s, e)
     F.adaptive_avg_pool{1,2,3}d(x, size)                            →  nn.AdaptiveAvgPool{1,2,3}d(size)
     F.max_pool{1,2,3}d / torch.max_pool{1,2,3}d (all arguments)     →  nn.MaxPool{1,2,3}d(...)
+    F.avg_pool{1,2,3}d (all arguments)                              →  nn.AvgPool{1,2,3}d(...)
     F.dropout(x, p, training=False), nn.Dropout in eval mode        →  removed (it is the identity)
     torchvision.ops.stochastic_depth(x, p, mode, training=False)    →  removed (likewise)
     nn.ReLU(inplace=True) and other in-place activation modules     →  same module with inplace=False
@@ -115,6 +116,10 @@ _SIG_BY_KIND: dict[str, _Sig] = {
     "max_pool": _Sig(
         ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
         {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False},
+    ),
+    "avg_pool": _Sig(
+        ("input", "kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+        {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True, "divisor_override": None},
     ),
     "dropout": _DROPOUT,
 }
@@ -625,6 +630,21 @@ class Normalize(GraphPass):
                 dilation=c("dilation"),
                 return_indices=bool(bound.get("return_indices", False)),
                 ceil_mode=c("ceil_mode"),
+            )
+        if kind == "avg_pool":
+            dims = _dims(node.target)
+            cls = {1: nn.AvgPool1d, 2: nn.AvgPool2d, 3: nn.AvgPool3d}[dims]
+            stride = c("stride")
+            kwargs = {"divisor_override": c("divisor_override")} if dims > 1 else {}
+            if dims == 1 and bound.get("divisor_override") is not None:
+                raise _Decline("avg_pool1d takes no divisor_override")
+            return cls(
+                c("kernel_size"),
+                stride=None if stride in ((), []) else stride,
+                padding=c("padding"),
+                ceil_mode=c("ceil_mode"),
+                count_include_pad=c("count_include_pad"),
+                **kwargs,
             )
         raise _Decline(f"no module builder for {kind}")  # pragma: no cover - table and builders agree
 

@@ -80,7 +80,7 @@ OPS: tuple[OpSpec, ...] = (
         (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d),
         (F.max_pool1d, F.max_pool2d, F.max_pool3d),
     ),
-    OpSpec("avg_pool", (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d), (F.avg_pool1d, F.avg_pool2d)),
+    OpSpec("avg_pool", (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d), (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)),
     OpSpec("dropout", (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d), (F.dropout, F.dropout2d)),
     OpSpec("softmax", (nn.Softmax,), (F.softmax, torch.softmax), ("softmax",)),
     OpSpec("identity", (nn.Identity,), ()),

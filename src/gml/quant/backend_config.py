@@ -3,7 +3,8 @@
 The config is small because it runs on the *normalized* IR (ADR 001): the
 :class:`~gml.passes.normalize.Normalize` pass has already turned every spelling of relu into
 ``nn.ReLU``, of add into :class:`gml.nn.Add`, of flatten into ``nn.Flatten`` and of the pools into
-their modules, and BatchNorm is folded into the convs before ``prepare``. So each op appears under
+their modules, and BatchNorm is folded into the convs before ``prepare`` (only a BN with no conv
+before it, as in DenseNet's BN → ReLU → conv, is left to quantize on its own). So each op appears under
 one module type and needs one pattern, where torch's own x86/onednn configs list every
 function/method spelling (and BN variants).
 
@@ -24,8 +25,11 @@ SiLU
 Add / Add → ReLU, Mul                      - (observed as a pair) / -         quantized add / mul
 Hardswish                                  -                                  quantized hardswish
 Sigmoid, Hardsigmoid                       - (fixed qparams 1/256, 0)         quantized sigmoid
+BatchNorm2d / BatchNorm2d → ReLU           - / ``nni.BNReLU2d``               quantized batch_norm2d
+(a BN no conv before it absorbed)                                             (_relu)
 ReLU, ReLU6, Hardtanh, MaxPool2d,          - (output shares the input's       integer clamp,
-AdaptiveAvgPool2d, mean, Flatten,          observer: same scale/zero point)   quantized tensor ops,
+AvgPool2d, AdaptiveAvgPool2d, mean,        observer: same scale/zero point)   quantized tensor ops,
+Flatten,
 torch.cat, view/reshape/transpose/                                            data movement on the
 permute/contiguous/(un)squeeze                                                integers
 =========================================  =================================  =====================
@@ -285,6 +289,7 @@ SHARED_QPARAM_OPS: tuple[Any, ...] = (
     nn.Hardtanh,
     nn.MaxPool2d,
     nn.AdaptiveAvgPool2d,
+    nn.AvgPool2d,
     nn.Flatten,
     torch.cat,
     torch.mean,
@@ -332,6 +337,10 @@ def get_backend_config(backend: str = "onednn") -> BackendConfig:
         _own(gnn.Add),
         _own((gnn.Add, nn.ReLU)),
         _own(gnn.Mul),
+        # a BN no conv absorbed (pre-activation blocks), alone or with its ReLU: one observed op
+        _own(nn.BatchNorm2d),
+        _fusion((nn.BatchNorm2d, nn.ReLU), nni.BNReLU2d),
+        _own(nni.BNReLU2d),
         _own(nn.Hardswish),
         *(_own(op, ACTIVATION_U8_0TO1) for op in FIXED_QPARAMS_OPS),
         *(_shared(op) for op in SHARED_QPARAM_OPS),

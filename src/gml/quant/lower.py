@@ -82,6 +82,8 @@ from gml.quant.modules import (
     QActivation,
     QAdaptiveAvgPool2d,
     QAdd,
+    QAvgPool2d,
+    QBatchNorm2d,
     QCat,
     QConv2d,
     QConv2dAdd,
@@ -505,10 +507,43 @@ def _rule_max_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
     return _Plan(q, [src], [node], ctx.label(node))
 
 
+def _rule_batch_norm(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    """A BatchNorm2d left after folding (nothing to fold into), alone or fused with its ReLU."""
+    if out_qp is None:
+        return None
+    mod = ctx.module(node)
+    relu = isinstance(mod, nni.BNReLU2d)
+    bn = mod[0] if relu else mod
+    if not isinstance(bn, nn.BatchNorm2d):
+        return None
+    if bn.training:
+        raise Decline("batch norm in training mode (batch statistics) has no INT8 kernel")
+    if bn.running_mean is None or bn.running_var is None:
+        raise Decline("batch norm without running statistics has no INT8 kernel")
+    src, in_qp = ctx.u8_input(node.args[0])
+    q = QBatchNorm2d(bn, in_qp, out_qp, relu=relu, backend=ctx.backend)
+    return _Plan(q, [src], [node], ctx.label(node))
+
+
 def _rule_avg_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     if out_qp is None:
         return None
     mod = ctx.module(node)
+    if isinstance(mod, nn.AvgPool2d):
+        src, in_qp = ctx.u8_input(node.args[0])
+        stride = mod.stride if mod.stride is not None else mod.kernel_size
+        q = QAvgPool2d(
+            _pair(mod.kernel_size),
+            _pair(stride),
+            _pair(mod.padding),
+            bool(mod.ceil_mode),
+            bool(mod.count_include_pad),
+            mod.divisor_override,
+            in_qp,
+            out_qp,
+            backend=ctx.backend,
+        )
+        return _Plan(q, [src], [node], ctx.label(node))
     if not isinstance(mod, nn.AdaptiveAvgPool2d):
         return None
     size = mod.output_size
@@ -630,6 +665,7 @@ RULES: tuple[Rule, ...] = (
     _rule_mean,
     _rule_max_pool,
     _rule_avg_pool,
+    _rule_batch_norm,
     _rule_flatten,
     _rule_move,
     _rule_cat,

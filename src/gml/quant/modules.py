@@ -4,7 +4,8 @@ Hierarchy (ADR 002)::
 
     GMLQuantModuleBase            output_scale / output_zp buffers; forward returns uint8
     ├── UnaryOpsBase              + input_scale / input_zp:  QConv2d, QLinear, QReLU, QHardtanh,
-    │                               QActivation, QMaxPool2d, QAdaptiveAvgPool2d, QMean, QFlatten,
+    │                               QActivation, QMaxPool2d, QAvgPool2d, QAdaptiveAvgPool2d,
+    │                               QBatchNorm2d, QMean, QFlatten,
     │                               QMove (view / reshape / transpose / permute / chunk piece)
     ├── BinaryOpsBase             + other_scale / other_zp:  QAdd, QMul, QConv2dAdd (residual)
     ├── QCat                      one (scale, zp) per input, as 1-D buffers
@@ -491,6 +492,86 @@ class QMaxPool2d(UnaryOpsBase):
         return f"k={self.kernel_size}, stride={self.stride}, pad={self.padding}, {self._qp_repr()}"
 
 
+class QAvgPool2d(UnaryOpsBase):
+    """Average pooling on uint8 (normally on the input's own grid, see ``Int8Backend.avg_pool2d``)."""
+
+    def __init__(
+        self,
+        kernel_size: tuple[int, int],
+        stride: tuple[int, int],
+        padding: tuple[int, int],
+        ceil_mode: bool,
+        count_include_pad: bool,
+        divisor_override: int | None,
+        input_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+        self.ceil_mode, self.count_include_pad, self.divisor_override = ceil_mode, count_include_pad, divisor_override
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.avg_pool2d(
+            x,
+            self._in_qp,
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.ceil_mode,
+            self.count_include_pad,
+            self.divisor_override,
+            self._out_qp,
+        )
+
+    def extra_repr(self) -> str:
+        return f"k={self.kernel_size}, stride={self.stride}, pad={self.padding}, {self._qp_repr()}"
+
+
+class QBatchNorm2d(UnaryOpsBase):
+    """``[relu](batch_norm(x))`` in inference form on uint8: a BN that no conv before it absorbed
+    (pre-activation blocks: BN → ReLU → conv, as in DenseNet). Statistics are buffers."""
+
+    def __init__(
+        self,
+        bn: nn.BatchNorm2d,
+        input_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        relu: bool = False,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        if bn.running_mean is None or bn.running_var is None:
+            raise ValueError("batch norm without running statistics has no inference form")
+        channels = bn.num_features
+        weight = bn.weight.detach() if bn.weight is not None else torch.ones(channels)
+        bias = bn.bias.detach() if bn.bias is not None else torch.zeros(channels)
+        self.register_buffer("weight", weight.float().clone())
+        self.register_buffer("bias", bias.float().clone())
+        self.register_buffer("running_mean", bn.running_mean.detach().float().clone())
+        self.register_buffer("running_var", bn.running_var.detach().float().clone())
+        self.eps = float(bn.eps)
+        self.relu = relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.batch_norm2d(
+            x,
+            self._in_qp,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            self.eps,
+            self._out_qp,
+            self.relu,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.numel()}, eps={self.eps}{', relu' if self.relu else ''}, {self._qp_repr()}"
+
+
 class QAdaptiveAvgPool2d(UnaryOpsBase):
     """Adaptive average pooling on uint8, requantized to the output qparams."""
 
@@ -702,6 +783,8 @@ GML_MODULES: tuple[type[nn.Module], ...] = (
     QHardtanh,
     QActivation,
     QMaxPool2d,
+    QAvgPool2d,
+    QBatchNorm2d,
     QAdaptiveAvgPool2d,
     QMean,
     QFlatten,
