@@ -88,3 +88,21 @@ def test_parse_shapes_and_example_inputs():
     a = example_inputs([(1, 3, 8, 8)], batch=4, seed=1)
     b = example_inputs([(1, 3, 8, 8)], batch=4, seed=1)
     assert a[0].shape == (4, 3, 8, 8) and torch.equal(a[0], b[0])
+
+
+def test_torchvision_models_with_a_backbone_build_offline(monkeypatch):
+    # segmentation/detection builders download ImageNet backbone weights unless told not to
+    import torch.hub
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("tried to download weights")
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", no_network)
+    model = load_model("lraspp_mobilenet_v3_large")
+    assert not model.training
+    assert default_input_shapes(model, "lraspp_mobilenet_v3_large") == [(1, 3, 224, 224)]
+
+
+def test_default_shapes_of_video_and_optical_flow_models():
+    assert default_input_shapes(torch.nn.Identity(), "r3d_18") == [(1, 3, 16, 112, 112)]
+    assert default_input_shapes(torch.nn.Identity(), "raft_small") == [(1, 3, 128, 128)] * 2

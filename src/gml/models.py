@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import inspect
 import os
 import pickle
 import re
@@ -32,6 +33,10 @@ from gml.errors import InputError, ModelLoadError
 
 DEFAULT_VISION_SHAPE = (1, 3, 224, 224)
 _SPECIAL_SHAPES = {"inception_v3": (1, 3, 299, 299)}
+#: torchvision's video classifiers take ``[N, C, T, H, W]`` clips (16 frames of 112x112 in training).
+VIDEO_SHAPE = (1, 3, 16, 112, 112)
+#: optical flow models take two frames whose sides are multiples of 8.
+FLOW_FRAME_SHAPE = (1, 3, 128, 128)
 
 
 def torchvision_names() -> list[str]:
@@ -54,7 +59,16 @@ def _load_torchvision(name: str) -> nn.Module:
     kwargs: dict[str, Any] = {"weights": None}
     if name == "inception_v3" or name.startswith("googlenet"):
         kwargs.update(aux_logits=False, init_weights=True)
-    return tvm.get_model(name, **kwargs)
+    params = inspect.signature(tvm.get_model_builder(name)).parameters
+    if "weights_backbone" in params:  # segmentation/detection builders download a backbone otherwise
+        kwargs["weights_backbone"] = None
+    try:
+        return tvm.get_model(name, **kwargs)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"Building torchvision's {name} with random weights failed: {type(exc).__name__}: {exc}",
+            hint="build the model in Python and pass the module to gml's API.",
+        ) from None
 
 
 def _user_module_name(path: str) -> str:
@@ -180,6 +194,13 @@ def default_input_shapes(model: nn.Module, spec: str | nn.Module | None = None) 
     """Shapes the model's author declared, else the torchvision default 1x3x224x224."""
     if isinstance(spec, str) and spec in _SPECIAL_SHAPES:
         return [_SPECIAL_SHAPES[spec]]
+    if isinstance(spec, str) and ":" not in spec:
+        import torchvision.models as tvm
+
+        if spec in tvm.list_models(module=tvm.video):
+            return [VIDEO_SHAPE]
+        if spec in tvm.list_models(module=tvm.optical_flow):
+            return [FLOW_FRAME_SHAPE, FLOW_FRAME_SHAPE]  # two frames
     declared = getattr(model, "example_input_shape", None)
     if declared is not None:
         return [tuple(declared)] if isinstance(declared[0], int) else [tuple(s) for s in declared]
