@@ -232,6 +232,18 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             f"latency (median of 15 interleaved calls): fp32 eager {t['fp32']:.2f} ms, "
             f"INT8 {t['int8']:.2f} ms ({t['fp32'] / t['int8']:.2f}x); use `gml bench` for a full measurement"
         )
+        if t["int8"] >= t["fp32"]:
+            kept = sorted({e.op for e in res.coverage.kept_fp32})
+            why = (
+                f"{len(res.coverage.kept_fp32)} op(s) stay fp32 ({', '.join(kept[:4])}) behind quantize/dequantize "
+                "pairs; "
+                if kept
+                else ""
+            )
+            console.print(
+                f"[yellow]warning:[/] the INT8 model is not faster than fp32 here: {why}"
+                "`gml optimize` (fp32 fusion) may serve this model better."
+            )
     if args.out:
         res.save(args.out)
         console.print(
