@@ -75,6 +75,9 @@ INT8_CASES = {
     # BackendConfig's conv+add getters failed (IndexError out of prepare_fx). The frontend now folds
     # the add into the conv (weights and bias times 2, exact) before prepare.
     "add_of_a_conv_output_to_itself": ModelSpec(inputs=[(1, 3, 6, 6)], layers=[L("conv", 0), L("add", 1, 1)]),
+    "add_alpha_of_a_conv_output_to_itself": ModelSpec(
+        inputs=[(1, 2, 1, 1)], layers=[L("conv", 0, out=1), L("add", 1, 1, form="alpha"), L("act", 2)]
+    ),
     "add_relu_of_a_conv_output_to_itself": ModelSpec(
         inputs=[(1, 3, 6, 6)], layers=[L("conv", 0), L("bn", 1), L("add", 2, 2), L("act", 3)]
     ),
