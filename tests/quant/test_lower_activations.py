@@ -466,3 +466,30 @@ def test_bn_after_a_conv_is_folded_not_lowered_on_its_own():
     model = _randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
     gm, _, _ = lower(reference(model))
     assert "QBatchNorm2d" not in module_counts(gm)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_linear_gelu_is_one_int8_kernel_on_onednn(approximate: str):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(approximate=approximate), nn.Linear(32, 8)).eval()
+    shape = (4, 16)
+    ref = reference(model, shape=shape)
+    gm, result, _ = lower(ref)
+    assert "GELU" not in module_counts(gm) and result.skips == []
+    first = modules_of_type(gm, QLinear)[0]
+    assert first.post_op == PostOp("gelu", (), approximate)
+    check_numerics_shaped(gm, ref, model, shape)
+
+
+def test_linear_gelu_stays_fp32_on_fbgemm_with_the_reason():
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+    gm, result, _ = lower(reference(model, "fbgemm", shape=(4, 16)), "fbgemm")
+    assert module_counts(gm)["GELU"] == 1
+    assert [s.reason for s in result.skips] == ["no INT8 kernel for GELU; kept in fp32"]
+
+
+def check_numerics_shaped(gm: fx.GraphModule, ref: ReferenceResult, model: nn.Module, shape: tuple[int, ...]) -> None:
+    with torch.no_grad():
+        for x in _batches(2, shape, seed=7):
+            assert cosine(gm(x), ref.graph_module(x)) > 0.9999  # the lowering adds no error of its own
+            assert cosine(gm(x), model(x)) > 0.995  # the recipe's cost: 16 calibration rows

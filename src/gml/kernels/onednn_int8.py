@@ -32,7 +32,8 @@ Facts checked on this build (tests/kernels/test_onednn_int8.py pins them):
   ``[min, max]`` (ReLU6 is ``[0, 6]``, as Inductor's fp32 mkldnn fusion spells clamps),
   ``hardswish`` and ``swish`` (SiLU); ``sigmoid``, ``hardsigmoid``, ``gelu``, ``tanh`` and
   ``leaky_relu`` are rejected ("Unsupported post op"). ``qlinear_pointwise`` takes all but
-  ``sigmoid``/``hardsigmoid``/``silu``; GML uses the four the conv has too;
+  ``sigmoid``/``hardsigmoid``/``silu``; GML uses the four the conv has, plus ``gelu`` (algorithm
+  ``none`` or ``tanh``) for the Linear → GELU of transformer MLPs;
 * ``onednn::qadd.tensor`` returns wrong values on this build (all zero point on a plain 1+1 test), so
   the standalone add and the pools use PyTorch's ``quantized::*`` CPU kernels instead (inputs
   wrapped as QTensors, results read back through a zero-copy uint8 view, see ``as_uint8``).
@@ -155,7 +156,7 @@ class OneDNNBackend(Int8Backend):
     conv_add_writes_other = True
     conv_handles_padding_only_windows = False
     conv_post_ops = frozenset({"relu", "hardtanh", "hardswish", "swish"})
-    linear_post_ops = frozenset({"relu", "hardtanh", "hardswish", "swish"})
+    linear_post_ops = frozenset({"relu", "hardtanh", "hardswish", "swish", "gelu"})
     activations = frozenset({"relu", "hardtanh", "hardswish", "sigmoid", "hardsigmoid"})
 
     def __init__(self) -> None:

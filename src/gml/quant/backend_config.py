@@ -21,7 +21,7 @@ Add(Conv2d(x), y)                          ``nni.ConvAdd2d``                  qc
 … → ReLU                                   ``nni.ConvAddReLU2d``              qconv2d.binary sum+relu
 Linear / Linear → ReLU                     - / ``nni.LinearReLU``             qlinear_pointwise
 Linear → ReLU6 / Hardtanh / Hardswish /    :class:`LinearAct`                 qlinear + post-op
-SiLU
+SiLU / GELU (GELU: oneDNN only)
 Add / Add → ReLU, Mul                      - (observed as a pair) / -         quantized add / mul
 Hardswish                                  -                                  quantized hardswish
 Sigmoid, Hardsigmoid                       - (fixed qparams 1/256, 0)         quantized sigmoid
@@ -217,6 +217,12 @@ FUSED_ACTIVATIONS: dict[str, tuple[type[nn.Module], ...]] = {
     "onednn": (nn.ReLU6, nn.Hardtanh, nn.Hardswish, nn.SiLU),
     "fbgemm": (nn.ReLU6, nn.Hardtanh),  # a clamp of the uint8 result; no hardswish/SiLU epilogue
 }
+#: After a linear: the same, plus GELU on oneDNN, whose INT8 inner product (not its conv) has a gelu
+#: post-op (erf and tanh forms): the Linear → GELU of every transformer MLP.
+FUSED_LINEAR_ACTIVATIONS: dict[str, tuple[type[nn.Module], ...]] = {
+    "onednn": (*FUSED_ACTIVATIONS["onednn"], nn.GELU),
+    "fbgemm": FUSED_ACTIVATIONS["fbgemm"],
+}
 
 
 # ---------------------------------------------------------------- conv + add (+ relu)
@@ -332,7 +338,7 @@ def get_backend_config(backend: str = "onednn") -> BackendConfig:
         _weighted(nni.LinearReLU, nn.Linear, nnqr.Linear),
         *(_fusion((nn.Conv2d, act), ConvAct2d) for act in FUSED_ACTIVATIONS[backend]),
         _weighted(ConvAct2d, nn.Conv2d, nnqr.Conv2d),
-        *(_fusion((nn.Linear, act), LinearAct) for act in FUSED_ACTIVATIONS[backend]),
+        *(_fusion((nn.Linear, act), LinearAct) for act in FUSED_LINEAR_ACTIVATIONS[backend]),
         _weighted(LinearAct, nn.Linear, nnqr.Linear),
         _own(gnn.Add),
         _own((gnn.Add, nn.ReLU)),
@@ -392,6 +398,7 @@ __all__ = [
     "ACTIVATION_U8",
     "BACKENDS",
     "FUSED_ACTIVATIONS",
+    "FUSED_LINEAR_ACTIVATIONS",
     "NORMALIZED_MODULES",
     "OBSERVERS",
     "WEIGHTED_INT8",
