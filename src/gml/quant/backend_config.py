@@ -364,12 +364,16 @@ def int8_ops(config: BackendConfig | None = None) -> tuple[tuple[type[nn.Module]
     """``(module types, functions)`` that appear in ``config``'s patterns: the ops that run INT8.
 
     Reference modules subclass their float module (``nnqr.Conv2d`` is an ``nn.Conv2d``), so an
-    ``isinstance`` test on these types also recognises converted graphs.
+    ``isinstance`` test on these types also recognises converted graphs. The parts of a fusion
+    pattern do not count: they only run INT8 fused (GELU after a Linear, not after a conv); the
+    fused module's own pattern does.
     """
     config = config if config is not None else get_backend_config()
     types: list[type[nn.Module]] = []
     fns: list[Any] = []
     for c in config.configs:
+        if c.fuser_method is not None:
+            continue
         pattern = c.pattern if c.pattern is not None else c._pattern_complex_format
         for op in _pattern_ops(pattern):
             bucket: list[Any] = types if isinstance(op, type) and issubclass(op, nn.Module) else fns
