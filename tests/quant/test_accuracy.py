@@ -130,3 +130,12 @@ def test_bad_inputs_are_input_errors(quantized):
 
     with pytest.raises(InputError, match="returns 2 outputs, the fp32 model 1"):
         accuracy_report(nn.Identity(), Two(), [torch.randn(2, 3)])
+
+
+def test_all_zero_outputs_say_the_cosine_is_undefined():
+    zero = nn.Linear(4, 3).eval()
+    nn.init.zeros_(zero.weight)
+    nn.init.zeros_(zero.bias)  # torchvision's ViT head starts like this
+    rep = accuracy_report(zero, copy.deepcopy(zero), [torch.randn(2, 4)], per_layer=False)
+    assert math.isnan(rep.cosine)
+    assert "output cosine undefined" in rep.summary() and "nan" not in rep.summary()

@@ -75,7 +75,12 @@ class AccuracyReport:
         return sorted(self.layers, key=lambda e: e.sqnr_db)[:k]
 
     def summary(self) -> str:
-        parts = [f"{self.samples} samples", f"output cosine {self.cosine:.6f}", f"max |diff| {self.max_abs_diff:.4g}"]
+        cos = (
+            f"output cosine {self.cosine:.6f}"
+            if math.isfinite(self.cosine)
+            else "output cosine undefined (the fp32 or INT8 outputs are all zero, e.g. a zero-initialised head)"
+        )
+        parts = [f"{self.samples} samples", cos, f"max |diff| {self.max_abs_diff:.4g}"]
         if self.top1_agreement is not None:
             parts.append(f"top-1 agreement {100 * self.top1_agreement:.2f}%")
         if self.fp32_top1 is not None and self.int8_top1 is not None:
