@@ -87,6 +87,12 @@ INT8_CASES = {
     # ordinary observer.
     "sigmoid_of_an_input": ModelSpec(inputs=[(1, 4, 9, 1)], layers=[L("act", 0, kind="sigmoid", form="functional")]),
     "hardsigmoid_of_an_input": ModelSpec(inputs=[(1, 8)], layers=[L("act", 0, kind="hardsigmoid", form="functional")]),
+    # cat(sigmoid(relu(x)), x): cat shares one observer among its inputs and output, which spread the
+    # sigmoid's fixed [0, 1] observer to x (clamped, error 0.55); such shared fixed observers are now
+    # replaced by ordinary ones.
+    "cat_of_a_sigmoid_and_its_input": ModelSpec(
+        inputs=[(1, 1, 1)], layers=[L("act", 0), L("act", 1, kind="sigmoid"), L("cat", 2, 0)], outputs=[3]
+    ),
     # adaptive_avg_pool2d from 1x1 up to 2x2: PyTorch's quantized kernel returned [a, 0, 0, a] where
     # fp32 has [a, a, a, a] (a channels-last layout mix-up of 1x1 maps); 1x1 inputs now take the
     # integer fp32 route.

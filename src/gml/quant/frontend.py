@@ -313,13 +313,16 @@ def prepare(
 
 
 def _observe_fixed_qparams_inputs(prepared: fx.GraphModule, observer_ctor: Any) -> int:
-    """Give a sigmoid's *input* an ordinary observer where torch.ao gave it the fixed [0, 1] one.
+    """Give every value a sigmoid did not compute an ordinary observer where torch.ao gave it the
+    sigmoid's fixed [0, 1] one; return how many observers were replaced.
 
     torch.ao observes a value nobody else observed (a model input, an fp32 op's output) with the
     consumer's QConfig activation, which for a sigmoid is its fixed *output* observer (1/256, 0):
-    every negative input would clamp to 0 and the INT8 sigmoid would return 0.5. Only the
-    observers in front of the fixed-qparams ops are swapped; their outputs keep the fixed qparams
-    the kernels write.
+    every negative input would clamp to 0 and the INT8 sigmoid would return 0.5. And ops that share
+    one observer among their inputs and output (``cat``, ``relu``) spread a sigmoid's fixed observer
+    to values outside [0, 1]. So a fixed observer that watches anything but a fixed-qparams op's
+    output is replaced, under every name it has (keeping what shares it shared). A sigmoid whose
+    output then gets ordinary qparams is still right: the INT8 kernel's 1/256 grid is requantized.
     """
     from torch.ao.quantization.observer import FixedQParamsObserver
 
@@ -334,16 +337,19 @@ def _observe_fixed_qparams_inputs(prepared: fx.GraphModule, observer_ctor: Any) 
             and isinstance(modules.get(str(n.target)), FIXED_QPARAMS_OPS)
         )
 
-    swapped = 0
+    watches_other: dict[int, bool] = {}
     for node in prepared.graph.nodes:
         obs = modules.get(str(node.target)) if node.op == "call_module" else None
-        if not isinstance(obs, FixedQParamsObserver) or not node.args or is_fixed_op(node.args[0]):
-            continue  # not an observer, or the output observer of a sigmoid
-        if any(is_fixed_op(u) for u in node.users):
-            parent, _, attr = str(node.target).rpartition(".")
-            setattr(prepared.get_submodule(parent) if parent else prepared, attr, observer_ctor())
-            swapped += 1
-    return swapped
+        if isinstance(obs, FixedQParamsObserver) and node.args:
+            watches_other[id(obs)] = watches_other.get(id(obs), False) or not is_fixed_op(node.args[0])
+    fresh: dict[int, nn.Module] = {}
+    for name, mod in modules.items():
+        if isinstance(mod, FixedQParamsObserver) and watches_other.get(id(mod)):
+            parent, _, attr = name.rpartition(".")
+            setattr(
+                prepared.get_submodule(parent) if parent else prepared, attr, fresh.setdefault(id(mod), observer_ctor())
+            )
+    return len(fresh)
 
 
 def _is_observer(mod: nn.Module | None) -> bool:
