@@ -134,6 +134,18 @@ CLI_CASES = [
         "--leaf inner",
     ),
     Case(
+        "top-level forward loops over the batch (as torchvision's detectors do)",
+        ("optimize", "{assets}:PerImage", "--no-time"),
+        4,
+        "--submodule NAME",
+    ),
+    Case(
+        "`--submodule` that does not exist",
+        ("optimize", "{assets}:PerImage", "--submodule", "backbone.cnv1", "--no-time"),
+        3,
+        "children of 'backbone': conv1, bn1, conv2",
+    ),
+    Case(
         "model random in eval mode (forward hard-codes `F.dropout(training=True)`)",
         ("optimize", "{tmp}/user_models.py:AlwaysDropout", "--no-time"),
         7,

@@ -55,3 +55,14 @@ def test_training_mode_is_refused_with_hint():
     with pytest.raises(UnsupportedError, match=r"(?s)training mode .*call model.eval\(\)"):
         check_eval_mode(nn.Sequential(nn.BatchNorm2d(3)))
     check_eval_mode(nn.Sequential(nn.BatchNorm2d(3)).eval())
+
+
+def test_top_level_iteration_suggests_a_submodule():
+    from assets.models import PerImage
+
+    with pytest.raises(TraceFailure) as info:
+        trace(PerImage())
+    msg = " ".join(str(info.value).split())
+    assert "iteration over, or len() of, a traced tensor" in msg
+    assert "for img in images" in msg
+    assert "--submodule NAME" in msg and "its children: backbone" in msg

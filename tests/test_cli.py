@@ -49,6 +49,24 @@ def test_inspect_with_leaf_succeeds(capsys):
     assert code == 0
 
 
+def test_submodule_optimizes_the_traceable_part(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out = _run(capsys, "inspect", f"{ASSETS}:PerImage", "--no-nodes")
+    assert code == 4 and "--submodule NAME" in " ".join(out.split())
+    # the input shape is the part's own declared one (SmallCNN: 1x3x32x32), not the whole model's
+    code, out = _run(capsys, "optimize", f"{ASSETS}:PerImage", "--submodule", "backbone")
+    assert code == 0
+    assert "gml optimize" in out and "models.py:PerImage.backbone" in out
+    assert "fold_bn" in out and "max abs error vs eager" in out
+
+
+def test_unknown_submodule_lists_children(capsys):
+    code, out = _run(capsys, "inspect", f"{ASSETS}:PerImage", "--submodule", "backbone.cnv1")
+    text = " ".join(out.split())
+    assert code != 0 and "has no submodule 'backbone.cnv1'" in text
+    assert "children of 'backbone': conv1, bn1, conv2" in text and "Traceback" not in text
+
+
 def test_inspect_dot_file(tmp_path, capsys):
     path = tmp_path / "g.dot"
     code, _ = _run(capsys, "inspect", f"{ASSETS}:MLP", "--no-nodes", "--svg", str(path))
@@ -78,7 +96,7 @@ def test_help_is_complete():
     sub = subprocess.run(
         [sys.executable, "-m", "gml.cli", "inspect", "--help"], capture_output=True, text=True, check=True
     ).stdout
-    for flag in ("--input-shape", "--weights", "--unsafe-load", "--leaf", "--svg", "--no-nodes"):
+    for flag in ("--input-shape", "--weights", "--unsafe-load", "--leaf", "--submodule", "--svg", "--no-nodes"):
         assert flag in sub
 
 

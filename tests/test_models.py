@@ -105,4 +105,7 @@ def test_torchvision_models_with_a_backbone_build_offline(monkeypatch):
 
 def test_default_shapes_of_video_and_optical_flow_models():
     assert default_input_shapes(torch.nn.Identity(), "r3d_18") == [(1, 3, 16, 112, 112)]
+    # S3D and MViT need 224x224 (MViT's patch embedding fixes it; S3D's last pool is 7x7)
+    assert default_input_shapes(torch.nn.Identity(), "s3d") == [(1, 3, 16, 224, 224)]
+    assert default_input_shapes(torch.nn.Identity(), "mvit_v2_s") == [(1, 3, 16, 224, 224)]
     assert default_input_shapes(torch.nn.Identity(), "raft_small") == [(1, 3, 128, 128)] * 2

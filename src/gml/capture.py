@@ -21,9 +21,10 @@ from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 from torch.utils._pytree import tree_flatten
 
 from gml.errors import InputError, TraceFailure, UnsupportedError
+from gml.models import child_names
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_GML_DIR = os.path.dirname(__file__)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # the separator keeps torchvision/ a user dir
+_GML_DIR = os.path.dirname(__file__) + os.sep
 
 
 class _Tracer(fx.Tracer):
@@ -62,10 +63,11 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
 
 def _explain(exc: BaseException) -> str:
     text = str(exc)
-    if "control flow" in text:
-        return "data-dependent control flow (a Python `if`/`while` on a tensor value)"
+    # before "control flow": fx's iteration message mentions control flow too
     if "iterate" in text or "len(" in text or "__len__" in text:
         return "iteration over, or len() of, a traced tensor"
+    if "control flow" in text:
+        return "data-dependent control flow (a Python `if`/`while` on a tensor value)"
     if "Proxy" in text or "symbolically traced" in text:
         return f"a Python operation torch.fx cannot record ({text.splitlines()[0]})"
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
@@ -94,12 +96,19 @@ def trace(
         where = f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}()" if frame else ""
         code = f": `{frame.line.strip()}`" if frame and frame.line else ""
         inside = f" (inside submodule '{tracer.failed_in}')" if tracer.failed_in else ""
-        leaf_hint = (
-            f"mark '{tracer.failed_in}' as a leaf module (--leaf {tracer.failed_in} / "
-            f"leaf_modules=['{tracer.failed_in}']) so it runs as one opaque node, "
-            if tracer.failed_in
-            else ""
-        )
+        if tracer.failed_in:
+            leaf_hint = (
+                f"mark '{tracer.failed_in}' as a leaf module (--leaf {tracer.failed_in} / "
+                f"leaf_modules=['{tracer.failed_in}']) so it runs as one opaque node, "
+            )
+        elif children := child_names(model):
+            # the top-level forward itself does not trace: a part of the model may
+            leaf_hint = (
+                f"optimize a traceable part on its own (--submodule NAME / gml.optimize(model.NAME, ...); "
+                f"its children: {children}), "
+            )
+        else:
+            leaf_hint = ""
         raise TraceFailure(
             f"Cannot capture {model_name} with torch.fx: {_explain(exc)}{where}{inside}{code}.",
             hint=(

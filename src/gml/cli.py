@@ -41,15 +41,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         metavar="SUBMODULE",
         help="keep this submodule opaque while tracing (repeatable); helps with untraceable code",
     )
+    p.add_argument(
+        "--submodule",
+        metavar="PATH",
+        help="work on this part of the model only (e.g. backbone), when the whole does not trace",
+    )
 
 
 def load_from_args(args: argparse.Namespace, batch: int | None = None):
     """(model, example_inputs) from the common model arguments."""
     from gml.models import default_input_shapes, example_inputs, load_model, parse_shapes
 
-    model = load_model(args.model, weights=args.weights, unsafe_load=args.unsafe_load)
-    shapes = parse_shapes(args.input_shape) if args.input_shape else default_input_shapes(model, args.model)
+    model = load_model(args.model, weights=args.weights, unsafe_load=args.unsafe_load, submodule=args.submodule)
+    # a model name's default shapes describe the whole model, not a part of it
+    spec = None if args.submodule else args.model
+    shapes = parse_shapes(args.input_shape) if args.input_shape else default_input_shapes(model, spec)
     return model, example_inputs(shapes, batch=batch)
+
+
+def _model_label(args: argparse.Namespace) -> str:
+    return f"{args.model}.{args.submodule}" if getattr(args, "submodule", None) else args.model
 
 
 def _fmt_meta(node) -> str:
@@ -79,7 +90,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     modules = modules_of(gm)
     n_params = sum(p.numel() for p in gm.parameters())
     console.print(
-        f"[bold]{args.model}[/]: {len(gm.graph.nodes)} nodes, {n_params:,} parameters, inputs "
+        f"[bold]{_model_label(args)}[/]: {len(gm.graph.nodes)} nodes, {n_params:,} parameters, inputs "
         + ", ".join(str(tuple(t.shape)) for t in inputs)
     )
     if not args.no_nodes:
@@ -175,7 +186,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     model, inputs = load_from_args(args)
     passes = passes_by_name([p.strip() for p in args.passes.split(",") if p.strip()]) if args.passes else None
     res = optimize(model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf)
-    console.print(res.report.table(title=f"gml optimize {args.model}"))
+    console.print(res.report.table(title=f"gml optimize {_model_label(args)}"))
     if res.report.skips or res.report.rolled_back:
         console.print(res.report.skip_table())
     for rec in res.report.records:

@@ -33,8 +33,10 @@ from gml.errors import InputError, ModelLoadError
 
 DEFAULT_VISION_SHAPE = (1, 3, 224, 224)
 _SPECIAL_SHAPES = {"inception_v3": (1, 3, 299, 299)}
-#: torchvision's video classifiers take ``[N, C, T, H, W]`` clips (16 frames of 112x112 in training).
-VIDEO_SHAPE = (1, 3, 16, 112, 112)
+#: torchvision's video classifiers take ``[N, C, T, H, W]`` clips; 16 frames, and the crop size of
+#: the model's weights' transforms (112x112 for the ResNet3D family, 224x224 for S3D, MViT, Swin3D).
+VIDEO_FRAMES = 16
+VIDEO_SHAPE = (1, 3, VIDEO_FRAMES, 112, 112)
 #: optical flow models take two frames whose sides are multiples of 8.
 FLOW_FRAME_SHAPE = (1, 3, 128, 128)
 
@@ -100,8 +102,14 @@ def load_model(
     weights: str | None = None,
     unsafe_load: bool = False,
     eval_mode: bool = True,
+    submodule: str | None = None,
 ) -> nn.Module:
-    """Build the model ``spec`` names; optionally load a checkpoint; put it in eval mode."""
+    """Build the model ``spec`` names; optionally load a checkpoint; put it in eval mode.
+
+    ``submodule`` (a dotted path such as ``backbone``) returns that part of the model instead, after
+    the checkpoint is loaded into the whole: the way to optimize the traceable part of a model whose
+    top-level ``forward`` does not trace (torchvision's detectors loop over a list of images).
+    """
     if isinstance(spec, nn.Module):
         model = spec
     elif ":" in spec and spec.rsplit(":", 1)[0].endswith(".py"):
@@ -129,7 +137,32 @@ def load_model(
         model = _load_torchvision(spec)
     if weights is not None:
         load_checkpoint(model, weights, unsafe_load=unsafe_load)
+    if submodule:
+        model = select_submodule(model, submodule)
     return model.eval() if eval_mode else model
+
+
+def child_names(model: nn.Module, limit: int = 8) -> str:
+    """``"a, b, c"``: the model's direct children, for messages."""
+    names = [name for name, _ in model.named_children()]
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
+
+
+def select_submodule(model: nn.Module, path: str) -> nn.Module:
+    """``model.get_submodule(path)`` with an error that lists what is there."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        parent_path, _, _ = path.rpartition(".")
+        try:
+            parent = model.get_submodule(parent_path)
+        except AttributeError:
+            parent = model
+        where = f"'{parent_path}'" if parent is not model else type(model).__name__
+        raise ModelLoadError(
+            f"{type(model).__name__} has no submodule '{path}'.",
+            hint=f"children of {where}: {child_names(parent) or 'none'}; nest with dots (backbone.body).",
+        ) from None
 
 
 def load_checkpoint(model: nn.Module, path: str, *, unsafe_load: bool = False) -> None:
@@ -190,6 +223,19 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
+def _video_shape(name: str) -> tuple[int, ...]:
+    """A clip the video model ``name`` accepts, from its weights' metadata (an enum: no download)."""
+    import torchvision.models as tvm
+
+    try:
+        weights = tvm.get_model_weights(name).DEFAULT
+        h, w = weights.transforms().crop_size
+        frames = max(VIDEO_FRAMES, int(weights.meta.get("min_temporal_size") or 0))
+    except Exception:  # metadata layout of another torchvision version
+        return VIDEO_SHAPE
+    return (1, 3, frames, int(h), int(w))
+
+
 def default_input_shapes(model: nn.Module, spec: str | nn.Module | None = None) -> list[tuple[int, ...]]:
     """Shapes the model's author declared, else the torchvision default 1x3x224x224."""
     if isinstance(spec, str) and spec in _SPECIAL_SHAPES:
@@ -198,7 +244,7 @@ def default_input_shapes(model: nn.Module, spec: str | nn.Module | None = None) 
         import torchvision.models as tvm
 
         if spec in tvm.list_models(module=tvm.video):
-            return [VIDEO_SHAPE]
+            return [_video_shape(spec)]
         if spec in tvm.list_models(module=tvm.optical_flow):
             return [FLOW_FRAME_SHAPE, FLOW_FRAME_SHAPE]  # two frames
     declared = getattr(model, "example_input_shape", None)

@@ -66,3 +66,17 @@ class NeedsArgs(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.fc = nn.Linear(width, width)
+
+
+class PerImage(nn.Module):
+    """Loops over the images of its batch at the top level, as torchvision's detectors do; the
+    backbone alone traces."""
+
+    example_input_shape = (2, 3, 32, 32)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = SmallCNN()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.backbone(img[None])[0] for img in images])

@@ -403,3 +403,13 @@ def test_shared_step_runs_once_and_charges_reusers(tmp_path: Path):
     assert calls == [1]
     assert first == ("exported", 0.0)  # the first user pays inside its own timed build
     assert again[0] == "exported" and again[1] == ctx.cache["onnx"][1] >= 0.0
+
+
+def test_submodule_is_benchmarked_with_its_own_input_shape():
+    from gml.bench.runner import _load
+
+    spec = str(Path(__file__).parents[1] / "assets" / "models.py") + ":PerImage"
+    model, name, shapes = _load(spec, submodule="backbone")
+    assert type(model).__name__ == "SmallCNN" and not model.training
+    assert name.endswith("models.py:PerImage.backbone")
+    assert shapes == [(1, 3, 32, 32)]  # SmallCNN's declared shape, not PerImage's (2, 3, 32, 32)

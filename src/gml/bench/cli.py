@@ -44,6 +44,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow pickled objects in --weights (runs code from the file: only for files you trust)",
     )
+    p.add_argument(
+        "--submodule",
+        metavar="PATH",
+        help="benchmark this part of the model only (e.g. backbone), when the whole does not trace",
+    )
     p.add_argument("--batch-sizes", type=_int_list, default=[1], metavar="N[,N...]", help="batch sizes (default: 1)")
     p.add_argument(
         "--variants",
@@ -102,6 +107,7 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
         settle_ms=args.settle_ms,
         weights=args.weights,
         unsafe_load=args.unsafe_load,
+        submodule=args.submodule,
         peak=peak,  # type: ignore[arg-type]
         console=console,
         progress=not args.no_progress,

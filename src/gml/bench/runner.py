@@ -253,19 +253,18 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def _load(
-    model: str | nn.Module, weights: str | None = None, unsafe_load: bool = False
+    model: str | nn.Module, weights: str | None = None, unsafe_load: bool = False, submodule: str | None = None
 ) -> tuple[nn.Module, str, list[tuple[int, ...]] | None]:
-    """The eager model, its display name and declared input shapes (None: use the default)."""
-    name = model if isinstance(model, str) else type(model).__name__
-    try:
-        from gml.models import default_input_shapes, load_model
-    except ImportError:  # before gml.models existed: torchvision names only
-        import torchvision
+    """The eager model, its display name and declared input shapes."""
+    from gml.models import default_input_shapes, load_model
 
-        m = model if isinstance(model, nn.Module) else torchvision.models.get_model(model, weights=None)
-        return m.eval(), name, None
-    m = load_model(model, weights=weights, unsafe_load=unsafe_load)
-    return m, name, [tuple(s) for s in default_input_shapes(m, model if isinstance(model, str) else None)]
+    name = model if isinstance(model, str) else type(model).__name__
+    if submodule:
+        name = f"{name}.{submodule}"
+    m = load_model(model, weights=weights, unsafe_load=unsafe_load, submodule=submodule)
+    # a model name's default shapes describe the whole model, not a part of it
+    spec = model if isinstance(model, str) and not submodule else None
+    return m, name, [tuple(s) for s in default_input_shapes(m, spec)]
 
 
 def _inputs(shapes: Sequence[Sequence[int]], batch: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -358,6 +357,7 @@ def run_bench(
     footprint: bool = True,
     weights: str | None = None,
     unsafe_load: bool = False,
+    submodule: str | None = None,
     console: Console | None = None,
     progress: bool = True,
 ) -> BenchResult:
@@ -377,11 +377,12 @@ def run_bench(
             ``"measure"``, a :class:`Peak`, or ``None`` for no floor.
         footprint: compute the activation footprint of variants that are FX graphs.
         weights, unsafe_load: a state_dict checkpoint to load into the model (see ``gml.models``).
+        submodule: benchmark only this part of the model (a dotted path, e.g. ``backbone``).
     """
     console = console or Console(stderr=True)
     names = resolve_variants(variants if variants is None or isinstance(variants, str) else list(variants))
     threads = threads or _default_threads()
-    eager_model, model_name, declared = _load(model, weights, unsafe_load)
+    eager_model, model_name, declared = _load(model, weights, unsafe_load, submodule)
     if input_shape is None:
         shapes = declared or [(1, 3, 224, 224)]
     elif input_shape and isinstance(input_shape[0], int):
