@@ -120,6 +120,12 @@ def trace(
     return fx.GraphModule(tracer.root, graph, name)
 
 
+#: ``node.meta`` keys shape propagation sets on a node that overwrote some of its inputs: the names
+#: of those input nodes, and the one the node returned (``x.add_(y)`` returns ``x``), if any.
+MUTATES = "gml_mutates"
+RETURNS_MUTATED = "gml_returns_mutated"
+
+
 class _RecordingShapeProp(ShapeProp):
     """ShapeProp that remembers the node it was running when something failed.
 
@@ -132,7 +138,19 @@ class _RecordingShapeProp(ShapeProp):
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
+        # A tensor's version counter moves when it (or a view of it) is written in place: this is
+        # how an opaque call that overwrites its input (torchvision's MViT `_add_shortcut`) shows.
+        inputs = [(i, self.env[i]) for i in n.all_input_nodes if isinstance(self.env.get(i), torch.Tensor)]
+        versions = [t._version for _, t in inputs]
         result = fx.Interpreter.run_node(self, n)
+        mutated = [i for (i, t), v in zip(inputs, versions) if t._version != v]
+        n.meta.pop(MUTATES, None)
+        n.meta.pop(RETURNS_MUTATED, None)
+        if mutated and n.op != "placeholder":
+            n.meta[MUTATES] = tuple(i.name for i in mutated)
+            same = [i for i, t in inputs if t is result and i in mutated]
+            if same:
+                n.meta[RETURNS_MUTATED] = same[0].name
         found = False
 
         def extract(obj: Any) -> Any:

@@ -12,6 +12,9 @@ different type promotion.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -72,4 +75,25 @@ class MulScalar(nn.Module):
         return f"other={self.other}"
 
 
-__all__ = ["Add", "AddScalar", "Mul", "MulScalar"]
+class ReturnOverwritten(nn.Module):
+    """``fn(*args)`` for a call that overwrites ``args[index]`` in place and returns something else
+    (``operator.setitem``, a helper that ends in ``x[...] += y``), returning the overwritten tensor.
+
+    The write becomes a value in the graph: later readers of the tensor read this node, so the call
+    can no longer look dead to a pass (or to torch.ao) that treats every op as pure.
+    """
+
+    def __init__(self, fn: Callable[..., Any], index: int) -> None:
+        super().__init__()
+        self.fn = fn
+        self.index = index
+
+    def forward(self, *args: Any) -> Any:
+        self.fn(*args)
+        return args[self.index]
+
+    def extra_repr(self) -> str:
+        return f"fn={getattr(self.fn, '__qualname__', self.fn)}, index={self.index}"
+
+
+__all__ = ["Add", "AddScalar", "Mul", "MulScalar", "ReturnOverwritten"]

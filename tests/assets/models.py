@@ -80,3 +80,51 @@ class PerImage(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return torch.stack([self.backbone(img[None])[0] for img in images])
+
+
+def add_tail(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x[:, 1:] += y[:, 1:]``, returning ``x``: torchvision's MViT ``_add_shortcut`` in small."""
+    x[:, 1:] += y[:, 1:]
+    return x
+
+
+def add_tail_silently(x: torch.Tensor, y: torch.Tensor) -> None:
+    x[:, 1:] += y[:, 1:]
+
+
+# traced as one opaque call_function node each, as torchvision wraps its MViT helpers
+torch.fx.wrap("add_tail")
+torch.fx.wrap("add_tail_silently")
+
+
+class OpaqueShortcut(nn.Module):
+    """Calls an opaque helper that overwrites ``y`` in place and ignores its result, then reads
+    ``y``: a pass (or torch.ao) that takes every op to be pure drops the residual."""
+
+    example_input_shape = (4, 16)
+
+    def __init__(self, returning: bool = True) -> None:
+        super().__init__()
+        self.returning = returning
+        self.lin = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.returning:
+            add_tail(y, x)
+        else:
+            add_tail_silently(y, x)
+        return self.out(torch.relu(y))
+
+
+class OpaqueWriteThroughView(nn.Module):
+    """The opaque write to ``y`` is read later through a view ``v`` made before it."""
+
+    example_input_shape = (3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 1
+        v = y.view(-1)
+        add_tail_silently(y, x)
+        return v + 1

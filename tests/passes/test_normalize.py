@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch.testing import FileCheck
 
+from assets.models import OpaqueShortcut, OpaqueWriteThroughView, add_tail
 from gml import nn as gnn
+from gml.capture import MUTATES, RETURNS_MUTATED, capture
 from gml.passes.manager import PassManager
 from gml.passes.normalize import Normalize
 
@@ -308,6 +310,63 @@ class TestInPlace:
         Normalize()(gm)
         assert model[1].inplace is True
         assert gm.get_submodule("1").inplace is False
+
+
+class TestOpaqueWrites:
+    """Calls Normalize has no module form for that overwrite an input (MViT's `_add_shortcut`)."""
+
+    def _normalized(self, returning: bool):
+        model = OpaqueShortcut(returning).eval()
+        x = torch.randn(4, 16)
+        gm = capture(model, (x,))
+        result = Normalize()(gm)
+        return model, gm, result, x
+
+    def test_capture_records_which_input_a_call_overwrote(self):
+        gm = capture(OpaqueShortcut().eval(), (torch.randn(4, 16),))
+        (call,) = [n for n in gm.graph.nodes if n.meta.get(MUTATES)]
+        assert call.target is add_tail
+        assert call.meta[MUTATES] == ("lin",) and call.meta[RETURNS_MUTATED] == "lin"
+
+    def test_call_returning_the_overwritten_tensor_is_read_by_later_readers(self):
+        model, gm, result, x = self._normalized(True)
+        assert [s.reason for s in result.skips] == ["no module form for assets.models.add_tail"]
+        call = next(n for n in gm.graph.nodes if n.target is add_tail)
+        mods = dict(gm.named_modules())
+        relu = next(n for n in gm.graph.nodes if n.op == "call_module" and isinstance(mods[n.target], nn.ReLU))
+        assert relu.args == (call,)  # was (lin,): the write is now a data dependence
+        assert "made visible to later readers: assets.models.add_tail ×1" in " ".join(result.notes)
+        gm.graph.eliminate_dead_code()  # a pass that takes ops to be pure can no longer drop the write
+        gm.recompile()
+        assert torch.equal(gm(x), model(x))
+
+    def test_call_returning_nothing_becomes_return_overwritten(self):
+        model, gm, result, x = self._normalized(False)
+        assert not [s for s in result.skips if "overwrites" in s.reason]
+        assert module_types(gm)["ReturnOverwritten"] == 1
+        FileCheck().check("lin = self.lin(x)").check("overwrite = self.overwrite(lin, x)").check("(overwrite)").run(
+            gm.code
+        )
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        assert torch.equal(gm(x), model(x))
+
+    def test_write_seen_through_a_view_read_later_is_declined(self):
+        model, x = OpaqueWriteThroughView().eval(), torch.randn(3, 4)
+        gm = capture(model, (x,))
+        result = Normalize()(gm)
+        (skip,) = [s for s in result.skips if s.node == "add_tail_silently"]
+        assert skip.reason.startswith("opaque call overwrites mul in place: view shares storage")
+        assert module_types(gm)["ReturnOverwritten"] == 0
+        assert torch.equal(gm(x), model(x))
+
+    def test_pure_opaque_calls_are_left_alone(self):
+        class M(nn.Module):
+            def forward(self, x):
+                return torch.cumsum(x, 1) + x
+
+        gm = capture(M().eval(), (torch.randn(2, 3),))
+        assert not any(n.meta.get(MUTATES) for n in gm.graph.nodes)
 
 
 def test_torchvision_resnet18_under_pass_manager():

@@ -358,6 +358,32 @@ def test_an_inplace_op_seen_through_its_own_result_is_quantized_correctly():
     assert err < 0.05, err
 
 
+@pytest.mark.parametrize("returning", [True, False], ids=["returns-x", "returns-none"])
+def test_an_opaque_call_that_overwrites_its_input_survives_int8(returning):
+    """MViT's `_add_shortcut(x, q)` adds the residual in place and its result is unused: torch.ao
+    treats ops as pure and dropped it (mvit_v2_s INT8 cosine 0.34) until Normalize made the write
+    a data dependence."""
+    import gml
+    from assets.models import OpaqueShortcut
+
+    torch.manual_seed(0)
+    m, x = OpaqueShortcut(returning).eval(), torch.randn(32, 16) * 3
+    q = gml.quantize(m, [x[:16], x[16:]], example_inputs=x[:4], per_layer=False)
+    ref = m(x.clone())
+    err = (q.module(x) - ref).abs().max() / ref.abs().max()
+    dropped = m.out(torch.relu(m.lin(x)))  # what the INT8 model computed without the residual
+    assert (dropped - ref).abs().max() / ref.abs().max() > 0.2  # the residual matters ...
+    assert err < 0.05, err  # ... and the INT8 model keeps it
+
+
+def test_an_opaque_write_read_through_a_view_stops_quantization_with_a_reason():
+    from assets.models import OpaqueWriteThroughView
+    from gml.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match=r"add_tail_silently \(opaque call overwrites mul in place: view"):
+        prepare_reference(OpaqueWriteThroughView().eval(), (torch.randn(3, 4),), 2, progress=False)
+
+
 class _ConvTwice(nn.Module):
     def __init__(self, alpha: float = 1.0, share: bool = False) -> None:
         super().__init__()

@@ -29,6 +29,14 @@ tensor it is a view of). In-place *modules* shared by several call sites (torchv
 reuses ``self.relu``) are flipped only when every site is safe. Modules are never mutated: after
 ``symbolic_trace`` the leaf modules are the user's own objects, so the pass installs copies.
 
+**Opaque calls that write.** A call with no module form can overwrite an input too: torchvision's
+MViT calls ``_add_shortcut(x, q)``, which does ``x[..., 1:, :] += q[..., 1:, :]`` and whose result
+nobody reads. Shape propagation sees the input's version counter move and records it
+(``gml.capture.MUTATES``); the pass then points later readers of ``x`` at the call (when the call
+returns ``x``) or at ``gml.nn.ReturnOverwritten(fn, i)`` (when it returns something nobody reads),
+so a pass or torch.ao that takes ops to be pure can no longer drop the write. It declines when the
+write is also seen through a view read later, and the INT8 frontend then refuses the model.
+
 **Skipped, with a reason** (the PassResult's ``skips``): calls whose arguments are computed at run
 time (``F.leaky_relu(x, slope_tensor)``), ``out=`` arguments, dropout that is active (``training=True``
 or a module in training mode: it is random, not an op to keep), scalar operands computed at run time
@@ -57,6 +65,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from gml import nn as gnn
+from gml.capture import MUTATES, RETURNS_MUTATED
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import node_label, op_kind
 from gml.passes.utils import modules_of
@@ -240,6 +249,10 @@ def _is_inplace_spelling(node: fx.Node) -> bool:
     return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
 
 
+#: Start of the skip reason for an opaque call whose in-place write stays invisible to data flow.
+OPAQUE_WRITE_KEPT = "opaque call overwrites"
+
+
 def writes_in_place(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     """Whether ``node`` overwrites its first operand (``x.relu_()``, ``inplace=True``, an
     ``nn.ReLU(inplace=True)`` call, ``x += y``)."""
@@ -307,7 +320,9 @@ class Normalize(GraphPass):
         self._skips: list[Skip] = []
         self._declined: set[fx.Node] = set()
         self._rewritten: Counter[str] = Counter()
+        self._exposed: Counter[str] = Counter()
 
+        self._expose_opaque_mutations()  # first: it finds nodes by the names shape propagation saw
         self._uninplace_modules()
         for node in list(gm.graph.nodes):
             if node.op == "call_module":
@@ -319,12 +334,13 @@ class Normalize(GraphPass):
                     self._decline(node, str(d))
 
         notes = self._coverage()
-        modified = sum(self._rewritten.values()) > 0
+        changes = sum(self._rewritten.values()) + sum(self._exposed.values())
+        modified = changes > 0
         if modified:
             gm.delete_all_unused_submodules()
             gm.graph.lint()
             gm.recompile()
-        return PassResult(gm, modified, sum(self._rewritten.values()), self._skips, notes)
+        return PassResult(gm, modified, changes, self._skips, notes)
 
     def _decline(self, node: fx.Node, reason: str) -> None:
         self._declined.add(node)
@@ -425,6 +441,14 @@ class Normalize(GraphPass):
             return f"it overwrites model input {root.name} in place, which the caller can observe"
         if root.op == "get_attr":
             return f"it overwrites parameter/buffer {root.target} in place, which persists across calls"
+        return self._late_alias_reader(site, mutated)
+
+    def _late_alias_reader(self, site: fx.Node, mutated: fx.Node) -> str | None:
+        """Why a write to ``mutated`` at ``site`` is seen through another tensor (a view of it, or
+        one it is a view of) read after ``site``; ``None`` if it is not."""
+        root = mutated
+        while self._returns_alias(root) and root.args and isinstance(root.args[0], fx.Node):
+            root = root.args[0]
         pos = self._order[site]
         same = self._same_tensor(site, mutated)
         aliases, work = {root}, [root]
@@ -479,6 +503,57 @@ class Normalize(GraphPass):
             for n in nodes:
                 self._redirect_later_readers(n, n.args[0], n)
                 self._rewritten[f"{type(clone).__name__}(inplace=True)"] += 1
+
+    # ------------------------------------------------------------------ opaque calls that write
+    def _expose_opaque_mutations(self) -> None:
+        """Make the in-place writes of calls Normalize has no module form for visible in the graph.
+
+        Shape propagation records which inputs a call overwrote (:data:`gml.capture.MUTATES`).
+        torchvision's MViT calls ``_add_shortcut(x, q)``, which does ``x[..., 1:, :] += q[...]``;
+        its result is unused and ``x`` is read afterwards, so a pass or torch.ao that takes ops to
+        be pure drops the call and the residual with it. The write stays in place (the call is
+        opaque), but later readers of ``x`` read the call's node instead:
+
+        * the call returns ``x`` itself (``_add_shortcut`` does): later readers read the call;
+        * it returns something else that nobody reads (``operator.setitem``): the call becomes
+          ``gml.nn.ReturnOverwritten(fn, i)``, which returns ``x``, and later readers read that.
+        """
+        by_name = {n.name: n for n in self._gm.graph.nodes}
+        for node in list(self._gm.graph.nodes):
+            names = node.meta.get(MUTATES)
+            if not names or node in self._declined or writes_in_place(node, self._modules):
+                continue  # in-place spellings Normalize knows were handled (or declined) above
+            if len(names) != 1:
+                self._decline(node, f"{OPAQUE_WRITE_KEPT} {len(names)} of its inputs in place")
+                continue
+            if names[0] not in by_name:
+                self._decline(node, f"{OPAQUE_WRITE_KEPT} {names[0]}, which is no longer in the graph")
+                continue
+            mutated = by_name[names[0]]
+            pos = self._order[node]
+            later = [
+                u for a in self._same_tensor(node, mutated) for u in a.users if u is not node and self._order[u] > pos
+            ]
+            hazard = self._late_alias_reader(node, mutated)
+            if hazard is not None:
+                self._decline(node, f"{OPAQUE_WRITE_KEPT} {mutated.name} in place: {hazard}")
+                continue
+            if not later:
+                continue  # nothing reads the overwritten tensor afterwards: nothing to expose
+            if node.meta.get(RETURNS_MUTATED) == mutated.name:
+                result = node
+            elif not node.users and node.op == "call_function" and mutated in node.args and not node.kwargs:
+                result = self._insert_module(
+                    node, "overwrite", gnn.ReturnOverwritten(node.target, node.args.index(mutated)), node.args
+                )
+            else:
+                self._decline(
+                    node,
+                    f"{OPAQUE_WRITE_KEPT} {mutated.name} in place and returns another value that is read",
+                )
+                continue
+            self._redirect_later_readers(node, mutated, result)
+            self._exposed[node_label(node, self._modules)] += 1
 
     # ------------------------------------------------------------------ dropout
     def _maybe_drop_dropout_module(self, node: fx.Node) -> None:
@@ -668,6 +743,11 @@ class Normalize(GraphPass):
         notes = [f"coverage: {done}/{total} op call sites normalized ({pct:.1f}%)"]
         if self._rewritten:
             notes.append("rewritten: " + ", ".join(f"{k} ×{v}" for k, v in self._rewritten.most_common()))
+        if self._exposed:
+            notes.append(
+                "in-place writes of opaque calls made visible to later readers: "
+                + ", ".join(f"{k} ×{v}" for k, v in self._exposed.most_common())
+            )
         if self._declined:
             notes.append(f"declined: {len(self._declined)} (see skips)")
         if no_form:

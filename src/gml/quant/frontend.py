@@ -42,6 +42,7 @@ import torch
 from torch import fx, nn
 
 from gml import nn as gnn
+from gml.capture import MUTATES
 from gml.errors import InputError, UnsupportedError
 from gml.passes.base import PassResult, Skip, Tolerance
 from gml.passes.manager import PassManager, PipelineReport
@@ -256,14 +257,17 @@ def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx
 def _refuse_kept_inplace_ops(gm: fx.GraphModule, report: PipelineReport) -> None:
     """torch.ao's prepare/convert treat every op as pure, so an in-place op whose write is read
     through a view would be silently lost in the INT8 model. Normalize turns every other in-place
-    op out-of-place; the ones it had to keep stop quantization here."""
-    from gml.passes.normalize import writes_in_place
+    op out-of-place, and points later readers of a tensor an opaque call overwrote at that call;
+    the ones it had to keep stop quantization here."""
+    from gml.passes.normalize import OPAQUE_WRITE_KEPT, writes_in_place
     from gml.passes.utils import modules_of
 
     modules = modules_of(gm)
-    kept = [n for n in gm.graph.nodes if writes_in_place(n, modules)]
+    reasons = {s.node: s.reason for r in report.records for s in r.skips}
+    # an opaque call whose write Normalize could not make a data dependence (read through a view)
+    unexposed = {name for name, why in reasons.items() if why.startswith(OPAQUE_WRITE_KEPT)}
+    kept = [n for n in gm.graph.nodes if writes_in_place(n, modules) or (n.meta.get(MUTATES) and n.name in unexposed)]
     if kept:
-        reasons = {s.node: s.reason for r in report.records for s in r.skips}
         first = kept[0]
         why = f" ({reasons[first.name]})" if first.name in reasons else ""
         raise UnsupportedError(
