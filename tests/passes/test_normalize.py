@@ -418,3 +418,26 @@ def test_functional_avg_pools_become_modules_with_every_argument():
     )  # stride defaults to the kernel
     x = torch.randn(2, 3, 7, 7)
     assert torch.equal(gm(x), M()(x))
+
+
+def test_identity_modules_are_removed_but_not_subclasses():
+    from gml.capture import trace
+
+    class Tap(nn.Identity):
+        """A subclass may do more than return its input (here: count calls); it stays."""
+
+        calls = 0
+
+        def forward(self, x):
+            Tap.calls += 1
+            return x
+
+    model = nn.Sequential(nn.Conv2d(2, 2, 1), nn.Identity(), Tap(), nn.ReLU()).eval()
+    gm = trace(model, leaf_modules=[Tap])
+    result = Normalize()(gm)
+    assert module_types(gm) == Counter({"Conv2d": 1, "Tap": 1, "ReLU": 1})
+    FileCheck().check('_0 = getattr(self, "0")(input_1)').check('_2 = getattr(self, "2")(_0)').run(gm.code)
+    assert "nn.Identity ×1" in result.notes[1]
+    x = torch.randn(1, 2, 3, 3)
+    calls = Tap.calls
+    assert torch.equal(gm(x), model(x)) and Tap.calls == calls + 2

@@ -493,3 +493,39 @@ def check_numerics_shaped(gm: fx.GraphModule, ref: ReferenceResult, model: nn.Mo
         for x in _batches(2, shape, seed=7):
             assert cosine(gm(x), ref.graph_module(x)) > 0.9999  # the lowering adds no error of its own
             assert cosine(gm(x), model(x)) > 0.995  # the recipe's cost: 16 calibration rows
+
+
+class FusedMBConvish(nn.Module):
+    """EfficientNet-V2's Fused-MBConv with expand ratio 1: ``silu(bn(conv(x))) + x``, then a head."""
+
+    def __init__(self, act: type[nn.Module]) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), act())
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), act())
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        return self.head(self.block(x) + x)
+
+
+@pytest.mark.parametrize(("act", "post_op"), [(nn.SiLU, PostOp("swish")), (nn.Hardswish, PostOp("hardswish"))])
+def test_conv_with_its_own_activation_does_not_fuse_with_the_add_after_it(act, post_op):
+    """The sum post-op comes before the eltwise one in oneDNN's kernel: act(conv(x) + y) is not
+    act(conv(x)) + y, so the conv keeps its activation and the add stays a QAdd."""
+    torch.manual_seed(0)
+    model = _randomize_bn(FusedMBConvish(act))
+    ref = reference(model)
+    gm, _, _ = lower(ref)
+    counts = module_counts(gm)
+    assert (counts["QConv2d"], counts["QAdd"], counts["QConv2dAdd"]) == (3, 1, 0)
+    assert [c.post_op for c in modules_of_type(gm, QConv2d)] == [post_op, post_op, NO_POST_OP]
+    check_numerics(gm, ref, model, min_ref=0.9999, min_fp32=0.999)
+
+
+def test_conv_without_activation_still_fuses_with_the_add():
+    torch.manual_seed(0)
+    model = _randomize_bn(FusedMBConvish(nn.Identity))
+    # nn.Identity leaves conv -> bn -> add; with the head after it, the add is not the model output
+    gm, _, _ = lower(reference(model))
+    assert module_counts(gm)["QConv2dAdd"] == 1

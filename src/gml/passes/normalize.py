@@ -16,6 +16,7 @@ Before → after (``%m`` is a fresh submodule, placed in the scope the call came
     F.avg_pool{1,2,3}d (all arguments)                              →  nn.AvgPool{1,2,3}d(...)
     F.dropout(x, p, training=False), nn.Dropout in eval mode        →  removed (it is the identity)
     torchvision.ops.stochastic_depth(x, p, mode, training=False)    →  removed (likewise)
+    nn.Identity()(x)                                                →  removed
     nn.ReLU(inplace=True) and other in-place activation modules     →  same module with inplace=False
 
 Every replacement module runs the very op it replaces, so the rewrite is bit-exact (tolerance 0).
@@ -558,6 +559,13 @@ class Normalize(GraphPass):
     # ------------------------------------------------------------------ dropout
     def _maybe_drop_dropout_module(self, node: fx.Node) -> None:
         mod = self._modules.get(str(node.target))
+        if type(mod) is nn.Identity and len(node.args) == 1 and not node.kwargs:
+            # a placeholder layer (torchvision uses it for optional norms and heads): dropping it
+            # lets conv -> bn -> Identity -> add match as conv -> add
+            node.replace_all_uses_with(node.args[0])
+            self._gm.graph.erase_node(node)
+            self._rewritten["nn.Identity"] += 1
+            return
         if not isinstance(mod, _DROPOUT_MODULES) or not self.remove_dropout:
             return
         if mod.training and mod.p > 0:

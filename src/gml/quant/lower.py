@@ -855,7 +855,12 @@ class LowerToGML(GraphPass):
             candidates = [
                 (i, op)
                 for i, op in enumerate((a, b))
-                if isinstance(ctx.module(op), QConv2d) and not ctx.module(op).relu and _single_user(op) and a is not b
+                # a conv with its own post-op (SiLU, Hardswish, ...) cannot fuse: the kernel applies the
+                # post-op after the sum, and act(conv(x)) + y is not act(conv(x) + y)
+                if isinstance(ctx.module(op), QConv2d)
+                and ctx.module(op).post_op == NO_POST_OP
+                and _single_user(op)
+                and a is not b
             ]
             if not candidates:
                 continue
