@@ -66,3 +66,16 @@ def test_top_level_iteration_suggests_a_submodule():
     assert "iteration over, or len() of, a traced tensor" in msg
     assert "for img in images" in msg
     assert "--submodule NAME" in msg and "its children: backbone" in msg
+
+
+def test_a_wrapped_function_may_edit_its_constant_list_arguments():
+    """fx stores constant lists as immutable_list; the generated code rebuilds them per call, and
+    shape propagation (an Interpreter) must too, or Swin3D fails to capture."""
+    import gml
+    from assets.models import EditsListArgument
+
+    model, x = EditsListArgument().eval(), torch.randn(1, 2, 4, 4)
+    gm = capture(model, (x,))
+    torch.testing.assert_close(gm(x), model(x))
+    q = gml.quantize(model, [x, x * 2], example_inputs=x)  # the accuracy report interprets the graph too
+    assert q.accuracy.cosine > 0.999

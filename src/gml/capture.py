@@ -126,7 +126,32 @@ MUTATES = "gml_mutates"
 RETURNS_MUTATED = "gml_returns_mutated"
 
 
-class _RecordingShapeProp(ShapeProp):
+def _thaw(value: Any) -> Any:
+    """Plain ``list`` / ``dict`` copies of fx's immutable node-argument containers, recursively."""
+    if isinstance(value, list):
+        return [_thaw(v) for v in value]
+    if type(value) is tuple:  # not torch.Size or a namedtuple: they stay what they are
+        return tuple(_thaw(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _thaw(v) for k, v in value.items()}
+    return value
+
+
+class MutableArgsInterpreter(fx.Interpreter):
+    """An ``fx.Interpreter`` that hands calls fresh lists and dicts, as the generated code does.
+
+    A node's constant arguments are stored as fx's ``immutable_list``; ``gm(x)`` rebuilds them as
+    literals on every call, but ``Interpreter`` passes the stored ones, so a wrapped function that
+    edits a list argument (torchvision's Swin3D ``_get_window_and_shift_size``) works when the
+    model runs and fails when it is interpreted.
+    """
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return _thaw(args), _thaw(kwargs)
+
+
+class _RecordingShapeProp(ShapeProp, MutableArgsInterpreter):
     """ShapeProp that remembers the node it was running when something failed.
 
     ``ShapeProp.run_node`` prints the full torch traceback to stderr before re-raising; a CLI user

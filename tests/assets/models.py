@@ -128,3 +128,28 @@ class OpaqueWriteThroughView(nn.Module):
         v = y.view(-1)
         add_tail_silently(y, x)
         return v + 1
+
+
+def shrink_window(window: list[int], limit: list[int]) -> list[int]:
+    """Edits its list argument, as torchvision's Swin3D ``_get_window_and_shift_size`` does."""
+    for i in range(len(window)):
+        if limit[i] < window[i]:
+            window[i] = limit[i]
+    return window
+
+
+torch.fx.wrap("shrink_window")
+
+
+class EditsListArgument(nn.Module):
+    """Calls a wrapped function with constant lists that it edits in place."""
+
+    example_input_shape = (1, 2, 4, 4)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        window = shrink_window([8, 8], [x.shape[2], x.shape[3]])  # a traced argument: a node
+        return self.conv(x) * window[0]

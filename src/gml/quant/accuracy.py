@@ -32,6 +32,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
+from gml.capture import MutableArgsInterpreter
 from gml.errors import InputError
 from gml.passes.oplib import node_label
 
@@ -137,7 +138,7 @@ def _match_key(node: fx.Node) -> str:
     return str(covered[-1]) if covered else node.name
 
 
-class _Recorder(fx.Interpreter):
+class _Recorder(MutableArgsInterpreter):
     """Runs a graph and keeps the fp32 value of selected nodes (by match key)."""
 
     def __init__(self, gm: fx.GraphModule, keys: set[str] | None, *, after_quantize: bool) -> None:
