@@ -139,3 +139,19 @@ def test_all_zero_outputs_say_the_cosine_is_undefined():
     rep = accuracy_report(zero, copy.deepcopy(zero), [torch.randn(2, 4)], per_layer=False)
     assert math.isnan(rep.cosine)
     assert "output cosine undefined" in rep.summary() and "nan" not in rep.summary()
+    assert "the fp32 outputs are all zero" in rep.summary()
+
+
+def test_int8_outputs_that_vanished_are_explained():
+    class Tiny(nn.Module):
+        def forward(self, x):
+            return x * 1e-9  # a random-init network whose signal vanished
+
+    class Zero(nn.Module):
+        def forward(self, x):
+            return torch.zeros_like(x)  # what INT8 makes of it: below the smallest scale
+
+    rep = accuracy_report(Tiny(), Zero(), [torch.randn(2, 4)], per_layer=False)
+    text = rep.summary()
+    assert "the INT8 outputs are all zero while the fp32 ones reach only" in text
+    assert rep.int8_max_abs == 0 and 0 < rep.fp32_max_abs < 1e-8

@@ -64,6 +64,8 @@ class AccuracyReport:
     int8_top1: float | None = None
     layers: list[LayerError] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)  # INT8 nodes with no fp32 counterpart
+    fp32_max_abs: float | None = None  # largest |output| of each model: says which side is zero
+    int8_max_abs: float | None = None
 
     @property
     def accuracy_drop(self) -> float | None:
@@ -76,17 +78,25 @@ class AccuracyReport:
         return sorted(self.layers, key=lambda e: e.sqnr_db)[:k]
 
     def summary(self) -> str:
-        cos = (
-            f"output cosine {self.cosine:.6f}"
-            if math.isfinite(self.cosine)
-            else "output cosine undefined (the fp32 or INT8 outputs are all zero, e.g. a zero-initialised head)"
-        )
+        cos = f"output cosine {self.cosine:.6f}" if math.isfinite(self.cosine) else self._why_no_cosine()
         parts = [f"{self.samples} samples", cos, f"max |diff| {self.max_abs_diff:.4g}"]
         if self.top1_agreement is not None:
             parts.append(f"top-1 agreement {100 * self.top1_agreement:.2f}%")
         if self.fp32_top1 is not None and self.int8_top1 is not None:
             parts.append(f"top-1 accuracy fp32 {100 * self.fp32_top1:.2f}% / int8 {100 * self.int8_top1:.2f}%")
         return ", ".join(parts)
+
+    def _why_no_cosine(self) -> str:
+        if self.fp32_max_abs == 0:
+            return "output cosine undefined (the fp32 outputs are all zero, e.g. a zero-initialised head)"
+        if self.int8_max_abs == 0:
+            # observers never pick a scale below float32 eps (~1.2e-7): smaller values round to 0
+            return (
+                f"output cosine undefined: the INT8 outputs are all zero while the fp32 ones reach only "
+                f"{self.fp32_max_abs:.3g} (activations this small round to zero in INT8, as in a "
+                "random-init network whose signal vanished; calibrate the trained model)"
+            )
+        return "output cosine undefined (the fp32 or INT8 outputs are all zero)"
 
     def table(self, title: str = "INT8 accuracy (fp32 vs INT8)"):  # -> rich.table.Table
         from rich.table import Table
@@ -214,7 +224,7 @@ def accuracy_report(
     compared = dict.fromkeys(keys, 0)  # batches in which both values existed with one shape
 
     dot = na = nb = 0.0
-    max_diff = 0.0
+    max_diff = max_r = max_q = 0.0
     samples = agree = 0
     correct_fp32 = correct_int8 = 0
     classified = 0
@@ -252,6 +262,8 @@ def accuracy_report(
                 nb += float(q64 @ q64)
                 if r64.numel():
                     max_diff = max(max_diff, float((r64 - q64).abs().max()))
+                    max_r = max(max_r, float(r64.abs().max()))
+                    max_q = max(max_q, float(q64.abs().max()))
             first_r, first_q = ref_out[0], q_out[0]
             n = int(first_r.shape[0]) if first_r.dim() else 1
             samples += n
@@ -285,6 +297,8 @@ def accuracy_report(
         int8_top1=correct_int8 / classified if with_labels else None,
         layers=layers,
         unmatched=unmatched,
+        fp32_max_abs=max_r,
+        int8_max_abs=max_q,
     )
 
 
