@@ -198,6 +198,24 @@ def test_combine_through_getitem_of_multi_output_producer():
     _exact_pair(expected, gm(x_in))
 
 
+def test_slices_of_one_tensor_are_different_tensors():
+    # y[:, -1] and y[:, 0] (an LSTM's last step): getitem with slice indices is a view, not a tuple
+    # element; the pass used to hash the index (TypeError on Python 3.11) and was rolled back.
+    g = fx.Graph()
+    x = g.placeholder("x")
+    last = g.call_function(operator.getitem, (x, (slice(None), -1)))
+    first = g.call_function(operator.getitem, (x, (slice(None), 0)))
+    qa = g.call_function(Q, (last, 0.1, 2, torch.quint8))
+    qb = g.call_function(Q, (first, 0.1, 2, torch.quint8))
+    g.output((qa, qb))
+    gm = _gm(g)
+    x_in = torch.randn(2, 5, 3)
+    expected = gm(x_in)
+    res = _run_pass(gm)
+    assert res.skips == [] and _count(gm, Q) == 2  # nothing to combine: two different values
+    _exact_pair(expected, gm(x_in))
+
+
 def test_merged_views_keep_the_earliest_so_order_stays_valid():
     g = fx.Graph()
     x = g.placeholder("x")

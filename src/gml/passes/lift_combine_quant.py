@@ -228,7 +228,12 @@ def _is_view(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
 
 def _tensor_key(node: fx.Node) -> Hashable:
     """Identity of the tensor a node yields; ``getitem(p, i)`` nodes of one output are one tensor."""
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+    if (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and isinstance(node.args[1], int)  # an element of a tuple output, not a slice of a tensor
+    ):
         return ("getitem", node.args[0], node.args[1])
     return node
 
