@@ -11,6 +11,7 @@ pass rollback mechanics (passes/test_manager.py). This file checks them where a 
 from __future__ import annotations
 
 import os
+import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,7 +85,7 @@ def files(tmp_path_factory):
     torch.save(SmallCNN().state_dict(), good)
     data = good.read_bytes()
     (d / "truncated.pt").write_bytes(data[: len(data) // 2])
-    (d / "random_bytes.pt").write_bytes(os.urandom(512))
+    (d / "random_bytes.pt").write_bytes(random.Random(0).randbytes(512))  # seeded: the message is stable
     torch.save({"state_dict": _Payload()}, d / "payload.pt")
     torch.save(SmallCNN(), d / "whole_model.pt")
     torch.save({"fc9.weight": torch.zeros(1)}, d / "other_arch.pt")
@@ -538,3 +539,19 @@ def test_catalog_is_current(files, capsys, monkeypatch, request):
             f.write(fresh)
         return
     assert text == fresh, "docs/bad-inputs.md is stale: run GML_UPDATE_DOCS=1 pytest tests/test_bad_inputs.py"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_any_garbage_checkpoint_is_a_load_error(tmp_path, seed):
+    """Unpickling random bytes raises whatever the bytes lead to (IndexError, KeyError, ...):
+    every one of them is a corrupt file to the user, never an internal error."""
+    from torch import nn
+
+    from gml.errors import ModelLoadError
+    from gml.models import load_checkpoint
+
+    rng = random.Random(seed)
+    path = tmp_path / "garbage.pt"
+    path.write_bytes(rng.randbytes(rng.randint(1, 2048)))
+    with pytest.raises(ModelLoadError, match=r"is corrupt or truncated|Refused to load"):
+        load_checkpoint(nn.Linear(2, 2), str(path))

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from gml.cli import main
 
@@ -114,3 +115,42 @@ def test_quantize_prints_coverage_and_accuracy(capsys, monkeypatch):
     assert code == 0
     assert "INT8 lowering coverage" in out and "QConv2dAdd" in out
     assert "output cosine" in out
+
+
+TOKENS = """
+import torch
+from torch import nn
+
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids).mean(1))
+
+
+def example_inputs():
+    return (torch.randint(0, 50, (2, 6)),)
+"""
+
+
+def test_integer_example_inputs_keep_their_dtype_and_range(tmp_path, capsys):
+    """An embedding model's ids: generated inputs are int64 in the declared range, not N(0, 1)."""
+    import argparse
+
+    from gml.cli import load_from_args
+
+    path = tmp_path / "tokens.py"
+    path.write_text(TOKENS)
+    spec = f"{path}:Bag"
+    ns = argparse.Namespace(model=spec, weights=None, unsafe_load=False, submodule=None, input_shape="4x9")
+    _, (ids,) = load_from_args(ns)
+    assert ids.dtype == torch.int64 and tuple(ids.shape) == (4, 9)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 50
+    for command in ("optimize", "quantize"):
+        code, out = _run(capsys, command, spec, "--no-time")
+        assert code == 0, out
+    assert "lowered to INT8: 1 QLinear" in " ".join(out.split())

@@ -109,3 +109,16 @@ def test_default_shapes_of_video_and_optical_flow_models():
     assert default_input_shapes(torch.nn.Identity(), "s3d") == [(1, 3, 16, 224, 224)]
     assert default_input_shapes(torch.nn.Identity(), "mvit_v2_s") == [(1, 3, 16, 224, 224)]
     assert default_input_shapes(torch.nn.Identity(), "raft_small") == [(1, 3, 128, 128)] * 2
+
+
+def test_example_inputs_follow_their_templates():
+    from gml.models import example_inputs
+
+    ids = torch.tensor([[3, 7, 9]])
+    mask = torch.tensor([[True, False, True]])
+    half = torch.zeros(1, 2, dtype=torch.float64)
+    a, b, c = example_inputs([(1, 3), (1, 3), (1, 2)], batch=5, like=[ids, mask, half])
+    assert a.dtype == torch.int64 and a.shape == (5, 3) and int(a.min()) >= 3 and int(a.max()) <= 9
+    assert b.dtype == torch.bool and c.dtype == torch.float64 and c.shape == (5, 2)
+    (plain,) = example_inputs([(2, 4)])  # no template: N(0, 1) float32
+    assert plain.dtype == torch.float32

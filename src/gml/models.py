@@ -22,7 +22,6 @@ import os
 import pickle
 import re
 import sys
-import zipfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -186,7 +185,7 @@ def load_checkpoint(model: nn.Module, path: str, *, unsafe_load: bool = False) -
             hint="save a state_dict with torch.save(model.state_dict(), path) (a whole pickled model "
             "also triggers this), or pass --unsafe-load if you trust the file.",
         ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as exc:
+    except Exception as exc:
         raise ModelLoadError(
             f"Checkpoint '{path}' is corrupt or truncated ({type(exc).__name__}: {str(exc)[:200]}).",
             hint="re-save it with torch.save(model.state_dict(), path).",
@@ -258,17 +257,45 @@ def default_input_shapes(model: nn.Module, spec: str | nn.Module | None = None) 
     return [DEFAULT_VISION_SHAPE]
 
 
+def declared_inputs(spec: str | nn.Module | None, model: nn.Module | None = None) -> tuple[torch.Tensor, ...] | None:
+    """The tensors ``example_inputs()`` of a ``file.py:Class`` spec returns (None otherwise, and
+    None when the class declares its own ``example_input_shape``, which then describes it).
+
+    They carry what shapes alone do not: an ``nn.Embedding`` model takes int64 token ids.
+    """
+    if not (isinstance(spec, str) and ".py:" in spec) or getattr(model, "example_input_shape", None) is not None:
+        return None
+    module = sys.modules.get(_user_module_name(spec.rsplit(":", 1)[0]))
+    fn = getattr(module, "example_inputs", None)
+    if not callable(fn):
+        return None
+    values = fn()
+    values = (values,) if isinstance(values, torch.Tensor) else tuple(values)
+    return values if all(isinstance(v, torch.Tensor) for v in values) else None
+
+
 def example_inputs(
     shapes: Sequence[Sequence[int]],
     *,
     batch: int | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    like: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Deterministic random inputs of the given shapes (``batch`` overrides dim 0)."""
+    """Deterministic random inputs of the given shapes (``batch`` overrides dim 0).
+
+    Floating inputs are N(0, 1). With ``like`` (one template per input, e.g.
+    :func:`declared_inputs`), each input takes its template's dtype, and integer or bool inputs
+    are drawn uniformly from the template's value range (token ids stay valid indices).
+    """
     gen = torch.Generator().manual_seed(seed)
+    templates = list(like) if like is not None and len(like) == len(shapes) else [None] * len(shapes)
     out = []
-    for s in shapes:
+    for s, t in zip(shapes, templates):
         shape = (batch, *s[1:]) if batch is not None else tuple(s)
-        out.append(torch.randn(*shape, generator=gen, dtype=dtype))
+        if t is None or t.is_floating_point():
+            out.append(torch.randn(*shape, generator=gen, dtype=dtype if t is None else t.dtype))
+        else:
+            lo, hi = (int(t.min()), int(t.max())) if t.numel() else (0, 1)
+            out.append(torch.randint(lo, hi + 1, shape, generator=gen).to(t.dtype))
     return tuple(out)

@@ -267,9 +267,12 @@ def _load(
     return m, name, [tuple(s) for s in default_input_shapes(m, spec)]
 
 
-def _inputs(shapes: Sequence[Sequence[int]], batch: int, seed: int) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(batch, *s[1:], generator=gen) for s in shapes)
+def _inputs(
+    shapes: Sequence[Sequence[int]], batch: int, seed: int, like: Sequence[torch.Tensor] | None = None
+) -> tuple[torch.Tensor, ...]:
+    from gml.models import example_inputs
+
+    return example_inputs(shapes, batch=batch, seed=seed, like=like)
 
 
 def _default_threads() -> int:
@@ -383,6 +386,9 @@ def run_bench(
     names = resolve_variants(variants if variants is None or isinstance(variants, str) else list(variants))
     threads = threads or _default_threads()
     eager_model, model_name, declared = _load(model, weights, unsafe_load, submodule)
+    from gml.models import declared_inputs
+
+    like = declared_inputs(model if isinstance(model, str) and not submodule else None, eager_model)  # dtypes, ids
     if input_shape is None:
         shapes = declared or [(1, 3, 224, 224)]
     elif input_shape and isinstance(input_shape[0], int):
@@ -413,6 +419,7 @@ def run_bench(
                         target_sample_ms,
                         peak_obj,
                         footprint,
+                        like,
                     )
                 )
     finally:
@@ -450,10 +457,11 @@ def _run_batch(
     target_sample_ms: float,
     peak: Peak | None,
     want_footprint: bool,
+    like: Sequence[torch.Tensor] | None = None,
 ) -> BatchResult:
-    example = _inputs(shapes, bs, seed)
-    calib = [_inputs(shapes, bs, seed + 1 + i) for i in range(calib_batches)]
-    check = [_inputs(shapes, bs, seed + 10_000 + i) for i in range(check_batches)]
+    example = _inputs(shapes, bs, seed, like)
+    calib = [_inputs(shapes, bs, seed + 1 + i, like) for i in range(calib_batches)]
+    check = [_inputs(shapes, bs, seed + 10_000 + i, like) for i in range(check_batches)]
     in_shapes = [tuple(t.shape) for t in example]
     runner.say(f"[bold]batch size {bs}[/]: inputs {', '.join(str(s) for s in in_shapes)}, {threads} threads")
     try:
