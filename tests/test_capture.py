@@ -79,3 +79,32 @@ def test_a_wrapped_function_may_edit_its_constant_list_arguments():
     torch.testing.assert_close(gm(x), model(x))
     q = gml.quantize(model, [x, x * 2], example_inputs=x)  # the accuracy report interprets the graph too
     assert q.accuracy.cosine > 0.999
+
+
+def test_renamed_torch_layers_stay_leaves_and_become_the_torch_class():
+    """torchvision's Conv3DSimple subclasses nn.Conv3d and only adds a constructor: fx used to trace
+    through it, leaving torch.conv3d on get_attr weights that no pass folds BN into or quantizes."""
+    from gml.capture import torch_layer_base
+
+    class Renamed(nn.Conv2d):
+        def __init__(self) -> None:
+            super().__init__(2, 4, 3, padding=1)
+
+        @staticmethod
+        def describe() -> str:  # a new name is fine
+            return "3x3"
+
+    class Doubled(nn.Conv2d):
+        def _conv_forward(self, x, w, b):  # overrides what forward calls: must stay itself
+            return 2 * super()._conv_forward(x, w, b)
+
+    assert torch_layer_base(Renamed()) is nn.Conv2d
+    assert torch_layer_base(Doubled(2, 4, 3)) is None and torch_layer_base(nn.Conv2d(2, 4, 3)) is None
+    model = nn.Sequential(Renamed(), nn.BatchNorm2d(4), nn.Sequential(Doubled(4, 4, 1))).eval()
+    x = torch.randn(1, 2, 5, 5)
+    gm = capture(model, (x,))
+    kinds = [(n.op, type(gm.get_submodule(n.target)) if n.op == "call_module" else n.target) for n in gm.graph.nodes]
+    assert ("call_module", nn.Conv2d) in kinds  # Renamed: a leaf, now a plain nn.Conv2d
+    assert not any(op == "call_module" and t is Doubled for op, t in kinds)  # traced through as before
+    assert type(model[0]) is Renamed  # the caller's model is untouched
+    torch.testing.assert_close(gm(x), model(x))

@@ -40,6 +40,8 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
             return True
+        if torch_layer_base(m) is not None:
+            return True  # e.g. torchvision's Conv3DSimple: an nn.Conv3d by another name
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
@@ -52,6 +54,48 @@ class _Tracer(fx.Tracer):
             raise
         finally:
             self.stack.pop()
+
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+_HARMLESS = {"__init__", "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__firstlineno__"}
+_HARMLESS |= {"__static_attributes__", "__annotations__", "__parameters__", "__orig_bases__"}
+
+
+def torch_layer_base(m: nn.Module) -> type[nn.Module] | None:
+    """The ``torch.nn`` layer class a module subclasses without changing its ``forward``, if any.
+
+    torchvision's video ResNets build ``Conv3DSimple(nn.Conv3d)``, which only adds a constructor
+    and a static method. fx traces such a class through (it is not from ``torch.nn``), leaving a
+    bare ``torch.conv3d`` on ``get_attr`` weights that no pass folds BN into or quantizes.
+    """
+    cls = type(m)
+    if cls.__module__.startswith("torch.") or isinstance(m, _CONTAINERS):
+        return None
+    mro = cls.__mro__
+    for i, base in enumerate(mro[1:], start=1):
+        if base is nn.Module or not base.__module__.startswith("torch.nn."):
+            continue
+        # the torch.nn ancestor must be what runs: the subclasses in between may add a constructor
+        # and new names (Conv3DSimple.get_downsample_stride) but override nothing the layer has
+        added = {name for sub in mro[:i] for name in vars(sub)} - _HARMLESS
+        return None if any(hasattr(base, name) for name in added) else base
+    return None
+
+
+def _as_torch_layers(gm: fx.GraphModule) -> None:
+    """Swap leaf modules that are renamed torch.nn layers (:func:`torch_layer_base`) for instances
+    of that layer sharing their state, so passes and torch.ao match them by type."""
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        m = gm.get_submodule(str(node.target))
+        base = torch_layer_base(m)
+        if base is None:
+            continue
+        plain = base.__new__(base)
+        plain.__dict__ = {k: dict(v) if isinstance(v, dict) else v for k, v in m.__dict__.items()}
+        parent, _, name = str(node.target).rpartition(".")
+        setattr(gm.get_submodule(parent) if parent else gm, name, plain)
 
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
@@ -117,7 +161,9 @@ def trace(
             ),
         ) from None
     name = model_name if isinstance(model, nn.Module) else "GraphModule"
-    return fx.GraphModule(tracer.root, graph, name)
+    gm = fx.GraphModule(tracer.root, graph, name)
+    _as_torch_layers(gm)
+    return gm
 
 
 #: ``node.meta`` keys shape propagation sets on a node that overwrote some of its inputs: the names

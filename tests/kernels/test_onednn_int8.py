@@ -395,3 +395,51 @@ def test_batch_norm2d_is_the_per_channel_affine_map(be: Int8Backend, relu: bool)
     y = be.batch_norm2d(x, X_QP, w, b, mean, var, 1e-5, out_qp, relu)
     assert y.is_contiguous(memory_format=torch.channels_last)
     assert _steps(be, y, out_qp, ref) <= HALF_STEP
+
+
+# ---------------------------------------------------------------- conv3d (video models, oneDNN only)
+@pytest.mark.parametrize(
+    ("k", "stride", "pad", "dil", "groups", "size"),
+    [
+        ((3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1, (4, 9, 9)),  # r3d's 3x3x3
+        ((1, 3, 3), (1, 2, 2), (0, 1, 1), (1, 1, 1), 1, (4, 9, 9)),  # r2plus1d's spatial part, stride 2
+        ((3, 1, 1), (1, 1, 1), (1, 0, 0), (1, 1, 1), 4, (5, 6, 6)),  # temporal 3x1x1, grouped
+        ((2, 3, 3), (1, 1, 1), (1, 1, 1), (2, 1, 1), 1, (1, 5, 5)),  # depth taps at -1, +1: all padding
+    ],
+)
+def test_conv3d_matches_fp32_conv_of_dequantized_values(k, stride, pad, dil, groups, size):
+    be = get_backend("onednn")
+    x = _activation((2, 8, *size), X_QP, be, seed=0)
+    w, ws = _weights(8, (8 // groups, *k), seed=1)
+    bias = torch.linspace(-0.5, 0.5, 8)
+    spec = Conv2dSpec(stride, pad, dil, groups)
+    ref = F.conv3d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, stride, pad, dil, groups)
+    packed = be.prepack_conv3d(w, ws, bias, spec, X_QP, x.shape)
+    out_qp = _fit(ref)
+    for _ in range(2):  # uninitialised memory would differ from call to call
+        y = be.conv3d(x, X_QP, packed, out_qp)
+        assert y.shape == ref.shape and y.is_contiguous(memory_format=torch.channels_last_3d)
+        assert _steps(be, y, out_qp, ref) <= HALF_STEP
+    torch.testing.assert_close(be.conv3d(x, X_QP, packed, None), ref, atol=1e-4, rtol=1e-5)
+
+
+def test_conv3d_relu_is_the_saturation_at_a_zero_point_of_zero():
+    be = get_backend("onednn")
+    x = _activation((1, 8, 3, 6, 6), X_QP, be, seed=4)
+    w, ws = _weights(4, (8, 3, 3, 3), seed=5)
+    spec = Conv2dSpec((1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    ref = F.conv3d(be.dequantize(x, X_QP), _dq_weight(w, ws), None, 1, 1).relu()
+    out_qp = QParams(float(ref.max()) / 255, 0)
+    y = be.conv3d(x, X_QP, be.prepack_conv3d(w, ws, None, spec, X_QP, x.shape), out_qp)
+    assert _steps(be, y, out_qp, ref) <= HALF_STEP
+    # the 5-D kernel itself has no eltwise post-op on this build (why QConv3d saturates instead)
+    with pytest.raises(RuntimeError, match="Unsupported post op relu"):
+        torch.ops.onednn.qconv_pointwise(
+            x.contiguous(memory_format=torch.channels_last_3d), 0.02, 128,
+            be.prepack_conv3d(w, ws, None, spec, X_QP, x.shape).pack_for(x.shape), ws,
+            torch.zeros(4, dtype=torch.int64), None, [1, 1, 1], [1, 1, 1], [1, 1, 1], 1, 0.1, 0, None, "relu", [], "",
+        )  # fmt: skip
+
+
+def test_fbgemm_has_no_conv3d():
+    assert not get_backend("fbgemm").has_conv3d

@@ -21,7 +21,18 @@ from gml.kernels.backend import QParams
 from gml.kernels.fp32 import NO_POST_OP, PostOp
 from gml.quant.frontend import ReferenceResult, prepare_reference
 from gml.quant.lower import LoweringResult, LowerToGML
-from gml.quant.modules import GML_MODULES, QActivation, QCat, QConv2d, QHardtanh, QLinear, QMean, QMove, RuntimeArg
+from gml.quant.modules import (
+    GML_MODULES,
+    QActivation,
+    QCat,
+    QConv2d,
+    QConv3d,
+    QHardtanh,
+    QLinear,
+    QMean,
+    QMove,
+    RuntimeArg,
+)
 
 SHAPE = (1, 3, 16, 16)
 RELU6 = PostOp("hardtanh", (0.0, 6.0))
@@ -529,3 +540,59 @@ def test_conv_without_activation_still_fuses_with_the_add():
     # nn.Identity leaves conv -> bn -> add; with the head after it, the add is not the model output
     gm, _, _ = lower(reference(model))
     assert module_counts(gm)["QConv2dAdd"] == 1
+
+
+# ---------------------------------------------------------------- video: Conv3d
+class Conv3DPlain(nn.Conv3d):
+    """Like torchvision's ``Conv3DSimple``: an ``nn.Conv3d`` with its own constructor only."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__(cin, cout, kernel_size=3, padding=1, bias=False)
+
+
+class TinyR3D(nn.Module):
+    """Stem conv3d → BN → ReLU, a residual block of two renamed convs, pool, linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv3d(3, 8, (3, 5, 5), padding=(1, 2, 2), bias=False), nn.BatchNorm3d(8), nn.ReLU()
+        )
+        self.conv1 = nn.Sequential(Conv3DPlain(8, 8), nn.BatchNorm3d(8), nn.ReLU())
+        self.conv2 = nn.Sequential(Conv3DPlain(8, 8), nn.BatchNorm3d(8))
+        self.relu = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = self.relu(self.conv2(self.conv1(x)) + x)
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+VIDEO = (1, 3, 4, 12, 12)
+
+
+@pytest.fixture(scope="module")
+def r3d() -> nn.Module:
+    torch.manual_seed(0)
+    return _randomize_bn(TinyR3D())
+
+
+def test_conv3d_lowers_to_qconv3d_with_relu_as_saturation(r3d: nn.Module):
+    ref = reference(r3d, shape=VIDEO)
+    gm, result, _ = lower(ref)
+    counts = module_counts(gm)
+    # every conv, the renamed ones included (the tracer keeps them as nn.Conv3d leaves)
+    assert counts["QConv3d"] == 3 and counts["QAdd"] == 1 and "Conv3d" not in counts
+    convs = modules_of_type(gm, QConv3d)
+    assert [c.relu for c in convs] == [True, True, False]
+    assert all(c.output_qparams.zero_point == 0 for c in convs if c.relu)
+    assert [s.pattern for s in result.skips] == ["AdaptiveAvgPool3d"]  # no INT8 3-D pool: fp32, with the reason
+    check_numerics_shaped(gm, ref, r3d, VIDEO)
+
+
+def test_conv3d_stays_fp32_on_fbgemm(r3d: nn.Module):
+    ref = reference(r3d, backend="fbgemm", shape=VIDEO)
+    gm, _, _ = lower(ref, backend="fbgemm")
+    assert module_counts(gm)["QConv3d"] == 0 and module_counts(gm)["Conv3d"] == 3

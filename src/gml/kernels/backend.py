@@ -66,7 +66,8 @@ class QParams:
 
 @dataclass(frozen=True)
 class Conv2dSpec:
-    """Static geometry of a 2-D convolution."""
+    """Static geometry of a convolution: one entry per spatial dimension (two for 2-D, three for a
+    :meth:`Int8Backend.conv3d`)."""
 
     stride: tuple[int, int] = (1, 1)
     padding: tuple[int, int] = (0, 0)
@@ -212,6 +213,25 @@ class Int8Backend(ABC):
     ) -> torch.Tensor:
         """``post_op(conv(x) [+ other])`` requantized to ``out_qparams`` (``None``: fp32 output,
         element-wise post-ops only)."""
+
+    #: :meth:`conv3d` exists (video models' ``Conv3d``).
+    has_conv3d: ClassVar[bool] = False
+
+    def prepack_conv3d(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: Conv2dSpec,
+        input_qparams: QParams,
+        input_shape: Sequence[int] | None = None,
+    ) -> Any:
+        """Pack an int8 ``[O, I/groups, kD, kH, kW]`` weight."""
+        raise NotImplementedError(f"the {self.name} backend has no INT8 conv3d")
+
+    def conv3d(self, x: torch.Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None) -> torch.Tensor:
+        """``conv3d(x)`` requantized to ``out_qparams`` (``None``: fp32), no post-op."""
+        raise NotImplementedError(f"the {self.name} backend has no INT8 conv3d")
 
     @abstractmethod
     def linear(

@@ -59,6 +59,7 @@ from gml.kernels.backend import (
 from gml.kernels.fp32 import PostOp
 
 _CL = torch.channels_last
+_CL3 = torch.channels_last_3d
 #: Packings kept per weight (one per input shape seen); the oldest goes first beyond this.
 MAX_PACKINGS = 4
 
@@ -88,7 +89,7 @@ class OneDNNPackedConv:
         #: input shape -> whether its padding is applied explicitly (see :meth:`needs_explicit_padding`)
         self.explicit_padding: dict[tuple[int, ...], bool] = {}
 
-    def pack_for(self, shape: Sequence[int], padding: tuple[int, int] | None = None) -> torch.Tensor:
+    def pack_for(self, shape: Sequence[int], padding: tuple[int, ...] | None = None) -> torch.Tensor:
         """The weight packed for input ``shape`` (and ``padding``, default the conv's own)."""
         s, qp = self.spec, self.input_qparams
         padding = s.padding if padding is None else padding
@@ -120,9 +121,10 @@ class OneDNNPackedConv:
         flag = self.explicit_padding.get(key)
         if flag is None:
             s = self.spec
-            k = self.weight.shape[-2:]
+            k = self.weight.shape[2:]
             flag = any(
-                has_padding_only_window(key[2 + i], k[i], s.stride[i], s.padding[i], s.dilation[i]) for i in (0, 1)
+                has_padding_only_window(key[2 + i], k[i], s.stride[i], s.padding[i], s.dilation[i])
+                for i in range(len(k))
             )
             _make_room(self.explicit_padding)
             self.explicit_padding[key] = flag
@@ -163,6 +165,8 @@ class OneDNNBackend(Int8Backend):
         silence_quantized_tensor_warnings()
         self._qconv = torch.ops.onednn.qconv2d_pointwise.default
         self._qconv_sum = torch.ops.onednn.qconv2d_pointwise.binary
+        self.has_conv3d = hasattr(torch.ops.onednn, "qconv_pointwise")  # type: ignore[misc]
+        self._qconv_nd = torch.ops.onednn.qconv_pointwise.default if self.has_conv3d else None
         self._qlinear = torch.ops.onednn.qlinear_pointwise.default
 
     @classmethod
@@ -189,6 +193,53 @@ class OneDNNBackend(Int8Backend):
         if input_shape is not None:
             packed.pack_for(input_shape)
         return packed
+
+    def prepack_conv3d(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: Conv2dSpec,
+        input_qparams: QParams,
+        input_shape: Sequence[int] | None = None,
+    ) -> OneDNNPackedConv:
+        # the same handle: qconv_prepack takes 5-D weights and 3-entry geometry as they are
+        return self.prepack_conv2d(weight, weight_scale, bias, spec, input_qparams, input_shape)
+
+    def conv3d(
+        self, x: torch.Tensor, x_qparams: QParams, packed: OneDNNPackedConv, out_qparams: QParams | None
+    ) -> torch.Tensor:
+        # ``qconv_pointwise`` on 5-D takes no eltwise post-op on this build ("Unsupported post op
+        # relu for quantized pointwise conv3d"): QConv3d gets its ReLU from the output's saturation.
+        if not x.is_contiguous(memory_format=_CL3):
+            x = x.contiguous(memory_format=_CL3)
+        s = packed.spec
+        padding = s.padding
+        if packed.needs_explicit_padding(x.shape):
+            pads = [p for pad in reversed(s.padding) for p in (pad, pad)]
+            x = torch.nn.functional.pad(x, pads, value=x_qparams.zero_point).contiguous(memory_format=_CL3)
+            padding = (0,) * len(s.padding)
+        w = packed.pack_for(x.shape, padding)
+        out_scale, out_zp, out_dtype = _out_args(out_qparams)
+        return self._qconv_nd(  # type: ignore[misc]
+            x,
+            x_qparams.scale,
+            x_qparams.zero_point,
+            w,
+            packed.w_scale,
+            packed.w_zp,
+            packed.bias,
+            list(s.stride),
+            list(padding),
+            list(s.dilation),
+            s.groups,
+            out_scale,
+            out_zp,
+            out_dtype,
+            "none",
+            [],
+            "",
+        )
 
     def prepack_linear(
         self,

@@ -333,6 +333,16 @@ def get_backend_config(backend: str = "onednn") -> BackendConfig:
             if backend == "onednn"
             else []
         ),
+        # video models: oneDNN has a 5-D INT8 conv (ReLU by saturation, see gml.quant.modules.QConv3d)
+        *(
+            [
+                _weighted(nn.Conv3d, nn.Conv3d, nnqr.Conv3d),
+                _fusion((nn.Conv3d, nn.ReLU), nni.ConvReLU3d),
+                _weighted(nni.ConvReLU3d, nn.Conv3d, nnqr.Conv3d),
+            ]
+            if backend == "onednn"
+            else []
+        ),
         _weighted(nn.Linear, nn.Linear, nnqr.Linear),
         _fusion((nn.Linear, nn.ReLU), nni.LinearReLU),
         _weighted(nni.LinearReLU, nn.Linear, nnqr.Linear),

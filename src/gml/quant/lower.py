@@ -87,6 +87,7 @@ from gml.quant.modules import (
     QCat,
     QConv2d,
     QConv2dAdd,
+    QConv3d,
     QFlatten,
     QHardtanh,
     QLinear,
@@ -364,6 +365,36 @@ def _rule_conv(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None
         return None
     conv, post_op = hit
     return _qconv(ctx, conv, node.args[0], out_qp, post_op, [node], ctx.label(node))
+
+
+def _rule_conv3d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    """``Conv3d`` / ``ConvReLU3d`` (video models) → :class:`QConv3d`."""
+    mod = ctx.module(node)
+    if isinstance(mod, nni.ConvReLU3d) and isinstance(mod[0], nn.Conv3d):
+        conv, relu = mod[0], True
+    elif isinstance(mod, nn.Conv3d):
+        conv, relu = mod, False
+    else:
+        return None
+    if not ctx.backend.has_conv3d:
+        raise Decline(f"the {ctx.backend.name} backend has no INT8 conv3d kernel")
+    if relu and (out_qp is None or out_qp.zero_point != 0):
+        # the 5-D kernel has no eltwise post-op: ReLU comes from saturating at a zero point of 0
+        raise Decline("conv3d + relu whose output is fp32 or has a non-zero zero point (no relu post-op in 3-D)")
+    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
+        raise Decline(
+            f"conv3d padding={conv.padding!r}, padding_mode={conv.padding_mode!r}; the INT8 conv pads with zeros"
+        )
+    spec = Conv2dSpec(
+        tuple(int(v) for v in conv.stride),
+        tuple(int(v) for v in conv.padding),
+        tuple(int(v) for v in conv.dilation),
+        int(conv.groups),
+    )
+    src, in_qp = ctx.u8_input(node.args[0])
+    w, ws, b = _weights(conv)
+    q = QConv3d(w, ws, b, spec, in_qp, out_qp, relu=relu, input_shape=_shape(node.args[0]), backend=ctx.backend)
+    return _Plan(q, [src], [node], ctx.label(node))
 
 
 def _rule_conv_add(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
@@ -658,6 +689,7 @@ def _rule_cat(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
 RULES: tuple[Rule, ...] = (
     _rule_activation,
     _rule_conv,
+    _rule_conv3d,
     _rule_conv_add,
     _rule_linear,
     _rule_add,

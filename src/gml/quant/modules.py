@@ -3,7 +3,7 @@
 Hierarchy (ADR 002)::
 
     GMLQuantModuleBase            output_scale / output_zp buffers; forward returns uint8
-    ├── UnaryOpsBase              + input_scale / input_zp:  QConv2d, QLinear, QReLU, QHardtanh,
+    ├── UnaryOpsBase              + input_scale / input_zp:  QConv2d, QConv3d, QLinear, QReLU, QHardtanh,
     │                               QActivation, QMaxPool2d, QAvgPool2d, QAdaptiveAvgPool2d,
     │                               QBatchNorm2d, QMean, QFlatten,
     │                               QMove (view / reshape / transpose / permute / chunk piece)
@@ -275,6 +275,62 @@ class QConv2d(UnaryOpsBase, _Weighted):
 
 def _post_op_repr(post_op: PostOp) -> str:
     return "" if post_op == NO_POST_OP else f", {post_op}"
+
+
+class QConv3d(UnaryOpsBase, _Weighted):
+    """``[relu](conv3d(x))`` on uint8 → uint8 (or → fp32 when ``output_qparams`` is None), for video
+    models (``onednn::qconv_pointwise`` on 5-D, channels-last-3d).
+
+    The 5-D kernel takes no eltwise post-op, so ``relu=True`` needs an output zero point of 0: the
+    requantization then saturates every negative value at the integer 0, which *is* ``relu``
+    (torch.ao's fused ``ConvReLU3d`` observer sees only values >= 0, so its zero point is 0).
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: Conv2dSpec,
+        input_qparams: QParams,
+        output_qparams: QParams | None,
+        *,
+        relu: bool = False,
+        input_shape: Sequence[int] | None = None,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        if not self.backend.has_conv3d:
+            raise ValueError(f"the {self.backend.name} backend has no INT8 conv3d kernel")
+        if relu and (output_qparams is None or output_qparams.zero_point != 0):
+            raise ValueError("a fused ReLU needs a uint8 output with zero point 0 (it is the saturation at 0)")
+        if weight.dim() != 5:
+            raise ValueError(f"conv3d weight must be 5-D, got {weight.dim()}-D")
+        self.relu = relu
+        self._register_weight(weight, weight_scale, bias)
+        self.spec = spec
+        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
+        self._prepack()
+
+    def _prepack(self) -> None:
+        self._packed = self.backend.prepack_conv3d(
+            self.weight, self.weight_scale, self.bias, self.spec, self._in_qp, self.input_shape
+        )
+
+    def refresh(self) -> None:
+        super().refresh()
+        self._prepack()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.conv3d(x, self._in_qp, self._packed, self._out_qp)
+
+    def extra_repr(self) -> str:
+        o, i, kd, kh, kw = self.weight.shape
+        s = self.spec
+        geo = f"{i * s.groups}→{o}, k={kd}x{kh}x{kw}, stride={s.stride}, pad={s.padding}"
+        if s.groups != 1:
+            geo += f", groups={s.groups}"
+        return f"{geo}{', relu' if self.relu else ''}, {self._qp_repr()}, {self.backend.name}"
 
 
 class QConv2dAdd(BinaryOpsBase, _Weighted):
@@ -775,6 +831,7 @@ class Dequantize(nn.Module):
 
 GML_MODULES: tuple[type[nn.Module], ...] = (
     QConv2d,
+    QConv3d,
     QConv2dAdd,
     QLinear,
     QAdd,
