@@ -65,3 +65,23 @@ def test_quantize_needs_example_inputs_for_generated_calibration():
         gml.quantize(SmallCNN().eval(), 4)
     with pytest.raises(InputError, match="calib_data is empty"):
         gml.quantize(SmallCNN().eval(), [])
+
+
+def test_a_model_that_writes_its_input_is_compared_on_fresh_copies():
+    """`x.add_(1)` in forward(): eager and optimized runs must each see the caller's values, or the
+    reported error is the second write, not the optimization (it read 2.47)."""
+
+    class Bump(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            x.add_(1)
+            return self.fc(x)
+
+    x = torch.randn(2, 4)
+    before = x.clone()
+    res = gml.optimize(Bump().eval(), (x,))
+    assert res.max_abs_err == 0.0
+    assert torch.equal(x, before)  # the caller's tensor is not written by the checks either

@@ -65,6 +65,34 @@ class AlwaysDropout(nn.Module):
 
     def forward(self, x):
         return F.dropout(self.bn(self.conv(x)), 0.5, training=True)
+
+
+class HalfConv(nn.Module):
+    """float16 weights: fine for `gml optimize`, not a start for INT8."""
+
+    example_input_shape = (1, 3, 8, 8)
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3).half()
+
+    def forward(self, x):
+        return self.conv(x.half()).float()
+
+
+class CallCounter(nn.Module):
+    """forward() bumps a buffer: two calls on one input differ."""
+
+    example_input_shape = (1, 4)
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) + self.calls
 '''
 
 BROKEN_FILE = "import torch\n\nclass M(torch.nn.Module):\n    def forward(self, x):\n        return x +\n"
@@ -145,6 +173,18 @@ CLI_CASES = [
         ("optimize", "{assets}:PerImage", "--submodule", "backbone.cnv1", "--no-time"),
         3,
         "children of 'backbone': conv1, bn1, conv2",
+    ),
+    Case(
+        "float16 model given to INT8 quantization",
+        ("quantize", "{tmp}/user_models.py:HalfConv", "--no-time"),
+        7,
+        "INT8 quantization starts from an fp32 model; this one has float16 parameters",
+    ),
+    Case(
+        "forward() updates a buffer on every call (a counter)",
+        ("optimize", "{tmp}/user_models.py:CallCounter", "--no-time"),
+        7,
+        "state forward() updates on every call",
     ),
     Case(
         "model random in eval mode (forward hard-codes `F.dropout(training=True)`)",

@@ -258,8 +258,8 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
             hint="pass one tensor per forward() argument (--input-shape takes a comma-separated list).",
         )
     try:
-        with torch.no_grad():
-            return prop.propagate(*example_inputs)
+        with torch.no_grad():  # on copies: a model that writes its input must not write the caller's
+            return prop.propagate(*(x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs))
     except Exception as exc:
         node = prop.current
         cause = exc.__cause__ or exc
@@ -342,8 +342,9 @@ def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what
             # the difference itself is random, so the message does not quote it
             f"The model is random in eval mode: two runs on the same input differ; {what} checks every "
             "rewrite against the model's outputs, which needs a deterministic model.",
-            hint="look for dropout called with training=True in forward() (pass training=self.training) "
-            "or random ops (torch.rand*, torch.bernoulli); make them depend on self.training.",
+            hint="look for dropout called with training=True in forward() (pass training=self.training), "
+            "random ops (torch.rand*, torch.bernoulli), or state forward() updates on every call "
+            "(a counter buffer, a cache); make them depend on self.training.",
         )
 
 

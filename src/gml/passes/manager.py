@@ -120,7 +120,8 @@ def run_outputs(gm: torch.nn.Module, sample_inputs: Sequence[tuple]) -> list[lis
     outs = []
     with torch.no_grad():
         for args in sample_inputs:
-            flat = _flat_outputs(gm(*args))
+            # fresh copies: a model that writes its input in place must not see the last run's write
+            flat = _flat_outputs(gm(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args)))
             outs.append([t.dequantize() if t.is_quantized else t.to_dense() if t.is_mkldnn else t for t in flat])
     return outs
 

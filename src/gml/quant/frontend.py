@@ -248,10 +248,22 @@ def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx
     from gml.capture import capture, check_eval_mode
 
     check_eval_mode(model, what="INT8 quantization")
+    _check_float32(model)
     gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else capture(model, example_inputs)
     result = PassManager(fp32_passes()).run(gm, [tuple(example_inputs)])
     _refuse_kept_inplace_ops(result.graph_module, result.report)
     return result.graph_module, result.report
+
+
+def _check_float32(model: nn.Module) -> None:
+    """INT8 quantization starts from fp32 weights: torch.ao's observers and quantize ops take no other."""
+    odd = sorted({str(t.dtype).removeprefix("torch.") for t in (*model.parameters(), *model.buffers())
+                  if t.is_floating_point() and t.dtype != torch.float32})  # fmt: skip
+    if odd:
+        raise UnsupportedError(
+            f"INT8 quantization starts from an fp32 model; this one has {', '.join(odd)} parameters or buffers.",
+            hint="convert it first: model.float() (and feed fp32 inputs).",
+        )
 
 
 def _refuse_kept_inplace_ops(gm: fx.GraphModule, report: PipelineReport) -> None:
