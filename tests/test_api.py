@@ -85,3 +85,13 @@ def test_a_model_that_writes_its_input_is_compared_on_fresh_copies():
     res = gml.optimize(Bump().eval(), (x,))
     assert res.max_abs_err == 0.0
     assert torch.equal(x, before)  # the caller's tensor is not written by the checks either
+
+
+def test_optimize_reports_the_error_against_the_output_scale():
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = torch.randn(1, 3, 32, 32)
+    res = gml.optimize(model, (x,))
+    with torch.no_grad():
+        assert res.max_abs_ref == pytest.approx(float(model(x).abs().max()))
+    assert res.rel_err == pytest.approx(res.max_abs_err / res.max_abs_ref)

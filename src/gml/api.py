@@ -29,6 +29,13 @@ class OptimizeResult:
     module: fx.GraphModule
     report: PipelineReport
     max_abs_err: float
+    #: largest |output| of the eager model: the scale ``max_abs_err`` is to be read against
+    max_abs_ref: float = 0.0
+
+    @property
+    def rel_err(self) -> float:
+        """``max_abs_err`` relative to the largest eager output magnitude."""
+        return self.max_abs_err / self.max_abs_ref if self.max_abs_ref else self.max_abs_err
 
     def save(self, path: str) -> None:
         from gml.io import save
@@ -64,7 +71,10 @@ def optimize(
     ref = run_outputs(model, samples[:1])
     result = PassManager(list(passes) if passes is not None else fp32_passes(), strict=strict).run(gm, samples)
     err, _ = compare_outputs(ref, run_outputs(result.graph_module, samples[:1]), None)
-    return OptimizeResult(result.graph_module, result.report, err)
+    scale = max(
+        (float(t.abs().max()) for outs in ref for t in outs if t.numel() and t.is_floating_point()), default=0.0
+    )
+    return OptimizeResult(result.graph_module, result.report, err, scale)
 
 
 @dataclass

@@ -192,7 +192,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     for rec in res.report.records:
         for note in rec.notes:
             console.print(f"[dim]{rec.name}: {note}[/]")
-    console.print(f"max abs error vs eager: {res.max_abs_err:.2e}")
+    scale = f"{res.rel_err:.1e} of the largest output, {res.max_abs_ref:.3g}"
+    console.print(f"max abs error vs eager: {res.max_abs_err:.2e} ({scale})")
     if not args.no_time:
         t = _time_interleaved({"eager": lambda: model(*inputs), "optimized": lambda: res.module(*inputs)})
         console.print(
