@@ -164,10 +164,14 @@ def test_fp32_output_false_keeps_the_final_quantize():
 
 def test_backend_config_is_small_and_covers_the_normalized_ops():
     config = get_backend_config("onednn")
-    assert len(config.configs) <= 55  # torch's own onednn config has well over 100
+    assert len(config.configs) <= 60  # torch's own onednn config has well over 100
     types, fns = int8_ops(config)
     for t in (nn.Conv2d, nn.Linear, nn.ReLU, nn.ReLU6, gnn.Add, gnn.Mul, nn.MaxPool2d, nn.AdaptiveAvgPool2d):
         assert t in types
+    # Conv1d on the 2-D kernel everywhere; Conv3d only where a 5-D kernel exists (oneDNN)
+    assert {nn.Conv1d, nni.ConvReLU1d, nn.Conv3d, nni.ConvReLU3d} <= set(types)
+    fb_types, _ = int8_ops(get_backend_config("fbgemm"))
+    assert nn.Conv1d in fb_types and nn.Conv3d not in fb_types
     assert nni.ConvAddReLU2d in types and fns[:3] == (torch.cat, torch.mean, "mean")
     assert {"view", "transpose", torch.transpose} <= set(fns)  # data movement shares qparams
     # BN is folded into a conv before prepare where one precedes it; the rest (DenseNet's

@@ -25,6 +25,7 @@ from gml.quant.modules import (
     GML_MODULES,
     QActivation,
     QCat,
+    QConv1d,
     QConv2d,
     QConv3d,
     QHardtanh,
@@ -596,3 +597,39 @@ def test_conv3d_stays_fp32_on_fbgemm(r3d: nn.Module):
     ref = reference(r3d, backend="fbgemm", shape=VIDEO)
     gm, _, _ = lower(ref, backend="fbgemm")
     assert module_counts(gm)["QConv3d"] == 0 and module_counts(gm)["Conv3d"] == 3
+
+
+# ---------------------------------------------------------------- Conv1d (audio / sequence CNNs)
+class TinyTCN(nn.Module):
+    """Conv1d → BN → ReLU, a dilated residual Conv1d block, a Hardswish conv, mean over time, linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv1d(4, 8, 5, padding=2, bias=False), nn.BatchNorm1d(8), nn.ReLU())
+        self.block = nn.Sequential(nn.Conv1d(8, 8, 3, padding=2, dilation=2), nn.BatchNorm1d(8))
+        self.act = nn.ReLU()
+        self.down = nn.Sequential(nn.Conv1d(8, 6, 3, stride=2, groups=2), nn.Hardswish())
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = self.act(self.block(x) + x)
+        return self.fc(self.down(x).mean(-1))
+
+
+SEQ = (1, 4, 32)
+
+
+@pytest.mark.parametrize("backend", ["onednn", "fbgemm"])
+def test_conv1d_runs_on_the_2d_kernel_at_height_one(backend: str):
+    torch.manual_seed(0)
+    model = _randomize_bn(TinyTCN())
+    ref = reference(model, backend=backend, shape=SEQ)
+    gm, result, _ = lower(ref, backend=backend)
+    counts = module_counts(gm)
+    assert counts["QConv1d"] == 3 and counts["QConv2dAdd"] == 0  # the residual stays a QAdd (3-D)
+    assert fp32_ops(gm) == [] and result.skips == []
+    convs = modules_of_type(gm, QConv1d)
+    assert [c.weight.shape[2] for c in convs] == [1, 1, 1]  # [O, I, 1, k]: height 1
+    assert [c.spec.dilation for c in convs] == [(1, 1), (1, 2), (1, 1)]
+    check_numerics_shaped(gm, ref, model, SEQ)

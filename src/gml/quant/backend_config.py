@@ -333,6 +333,10 @@ def get_backend_config(backend: str = "onednn") -> BackendConfig:
             if backend == "onednn"
             else []
         ),
+        # Conv1d runs on the 2-D kernel as a conv of height 1 (gml.quant.modules.QConv1d)
+        _weighted(nn.Conv1d, nn.Conv1d, nnqr.Conv1d),
+        _fusion((nn.Conv1d, nn.ReLU), nni.ConvReLU1d),
+        _weighted(nni.ConvReLU1d, nn.Conv1d, nnqr.Conv1d),
         # video models: oneDNN has a 5-D INT8 conv (ReLU by saturation, see gml.quant.modules.QConv3d)
         *(
             [

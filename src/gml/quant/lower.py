@@ -85,6 +85,7 @@ from gml.quant.modules import (
     QAvgPool2d,
     QBatchNorm2d,
     QCat,
+    QConv1d,
     QConv2d,
     QConv2dAdd,
     QConv3d,
@@ -302,11 +303,15 @@ def _activation(ctx: _Ctx, node: fx.Node) -> PostOp | None:
 
 
 # ---------------------------------------------------------------- builders
-def _conv_spec(conv: nn.Conv2d) -> Conv2dSpec:
+def _check_padding(conv: nn.Module) -> None:
     if isinstance(conv.padding, str):
         raise Decline(f"conv padding={conv.padding!r} (string padding) is not supported by the INT8 conv")
     if conv.padding_mode != "zeros":
         raise Decline(f"conv padding_mode={conv.padding_mode!r}; the INT8 conv pads with zeros only")
+
+
+def _conv_spec(conv: nn.Conv2d) -> Conv2dSpec:
+    _check_padding(conv)
     return Conv2dSpec(_pair(conv.stride), _pair(conv.padding), _pair(conv.dilation), int(conv.groups))
 
 
@@ -367,6 +372,26 @@ def _rule_conv(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None
     return _qconv(ctx, conv, node.args[0], out_qp, post_op, [node], ctx.label(node))
 
 
+def _rule_conv1d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    """``Conv1d`` / ``ConvReLU1d`` → :class:`QConv1d` (the 2-D kernel at height 1)."""
+    mod = ctx.module(node)
+    if isinstance(mod, nni.ConvReLU1d) and isinstance(mod[0], nn.Conv1d):
+        conv, post_op = mod[0], PostOp("relu")
+    elif isinstance(mod, nn.Conv1d):
+        conv, post_op = mod, NO_POST_OP
+    else:
+        return None
+    _check_fuses(ctx, "conv2d", post_op)
+    _check_padding(conv)
+    (stride,), (pad,), (dil,) = conv.stride, conv.padding, conv.dilation
+    spec = Conv2dSpec((1, int(stride)), (0, int(pad)), (1, int(dil)), int(conv.groups))
+    src, in_qp = ctx.u8_input(node.args[0])
+    w, ws, b = _weights(conv)
+    shape = _shape(node.args[0])
+    q = QConv1d(w, ws, b, spec, in_qp, out_qp, post_op=post_op, input_shape=shape, backend=ctx.backend)
+    return _Plan(q, [src], [node], ctx.label(node))
+
+
 def _rule_conv3d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     """``Conv3d`` / ``ConvReLU3d`` (video models) → :class:`QConv3d`."""
     mod = ctx.module(node)
@@ -381,10 +406,7 @@ def _rule_conv3d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | No
     if relu and (out_qp is None or out_qp.zero_point != 0):
         # the 5-D kernel has no eltwise post-op: ReLU comes from saturating at a zero point of 0
         raise Decline("conv3d + relu whose output is fp32 or has a non-zero zero point (no relu post-op in 3-D)")
-    if isinstance(conv.padding, str) or conv.padding_mode != "zeros":
-        raise Decline(
-            f"conv3d padding={conv.padding!r}, padding_mode={conv.padding_mode!r}; the INT8 conv pads with zeros"
-        )
+    _check_padding(conv)
     spec = Conv2dSpec(
         tuple(int(v) for v in conv.stride),
         tuple(int(v) for v in conv.padding),
@@ -689,6 +711,7 @@ def _rule_cat(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
 RULES: tuple[Rule, ...] = (
     _rule_activation,
     _rule_conv,
+    _rule_conv1d,
     _rule_conv3d,
     _rule_conv_add,
     _rule_linear,
@@ -889,7 +912,7 @@ class LowerToGML(GraphPass):
                 for i, op in enumerate((a, b))
                 # a conv with its own post-op (SiLU, Hardswish, ...) cannot fuse: the kernel applies the
                 # post-op after the sum, and act(conv(x)) + y is not act(conv(x) + y)
-                if isinstance(ctx.module(op), QConv2d)
+                if type(ctx.module(op)) is QConv2d  # not QConv1d: the fused kernel is 2-D
                 and ctx.module(op).post_op == NO_POST_OP
                 and _single_user(op)
                 and a is not b

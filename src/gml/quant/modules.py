@@ -3,7 +3,8 @@
 Hierarchy (ADR 002)::
 
     GMLQuantModuleBase            output_scale / output_zp buffers; forward returns uint8
-    ├── UnaryOpsBase              + input_scale / input_zp:  QConv2d, QConv3d, QLinear, QReLU, QHardtanh,
+    ├── UnaryOpsBase              + input_scale / input_zp:  QConv1d, QConv2d, QConv3d, QLinear, QReLU,
+    │                               QHardtanh,
     │                               QActivation, QMaxPool2d, QAvgPool2d, QAdaptiveAvgPool2d,
     │                               QBatchNorm2d, QMean, QFlatten,
     │                               QMove (view / reshape / transpose / permute / chunk piece)
@@ -275,6 +276,40 @@ class QConv2d(UnaryOpsBase, _Weighted):
 
 def _post_op_repr(post_op: PostOp) -> str:
     return "" if post_op == NO_POST_OP else f", {post_op}"
+
+
+class QConv1d(QConv2d):
+    """``post_op(conv1d(x))`` on uint8 ``[N, C, L]``: the 2-D kernel on ``[N, C, 1, L]`` with an
+    ``[O, I, 1, k]`` weight (a conv of height 1 is a 1-D conv), so every conv2d post-op fuses.
+
+    Takes the 1-D weight and geometry; ``spec`` entries are ``(1, s)``, ``(0, p)``, ``(1, d)``.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        spec: Conv2dSpec,
+        input_qparams: QParams,
+        output_qparams: QParams | None,
+        *,
+        relu: bool = False,
+        post_op: PostOp | None = None,
+        input_shape: Sequence[int] | None = None,
+        backend: BackendArg = None,
+    ) -> None:
+        if weight.dim() == 3:
+            weight = weight.unsqueeze(2)
+        if input_shape is not None and len(input_shape) == 3:
+            input_shape = (input_shape[0], input_shape[1], 1, input_shape[2])
+        super().__init__(
+            weight, weight_scale, bias, spec, input_qparams, output_qparams,
+            relu=relu, post_op=post_op, input_shape=input_shape, backend=backend,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.unsqueeze(2)).squeeze(2)
 
 
 class QConv3d(UnaryOpsBase, _Weighted):
@@ -831,6 +866,7 @@ class Dequantize(nn.Module):
 
 GML_MODULES: tuple[type[nn.Module], ...] = (
     QConv2d,
+    QConv1d,
     QConv3d,
     QConv2dAdd,
     QLinear,
