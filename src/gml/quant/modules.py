@@ -266,12 +266,15 @@ class QConv2d(UnaryOpsBase, _Weighted):
         return self.backend.conv2d(x, self._in_qp, self._packed, self._out_qp, self.post_op)
 
     def extra_repr(self) -> str:
-        o, i, kh, kw = self.weight.shape
-        s = self.spec
-        geo = f"{i * s.groups}→{o}, k={kh}x{kw}, stride={s.stride}, pad={s.padding}"
-        if s.groups != 1:
-            geo += f", groups={s.groups}"
+        geo = _conv_geometry(self.weight, self.spec)
         return f"{geo}{_post_op_repr(self.post_op)}, {self._qp_repr()}, {self.backend.name}"
+
+
+def _conv_geometry(weight: torch.Tensor, spec: Conv2dSpec) -> str:
+    """``"64→128, k=3x3, stride=(2, 2), pad=(1, 1)"`` for a conv weight of any dimension."""
+    o, i, *k = weight.shape
+    geo = f"{i * spec.groups}→{o}, k={'x'.join(str(d) for d in k)}, stride={spec.stride}, pad={spec.padding}"
+    return geo + (f", groups={spec.groups}" if spec.groups != 1 else "")
 
 
 def _post_op_repr(post_op: PostOp) -> str:
@@ -282,31 +285,14 @@ class QConv1d(QConv2d):
     """``post_op(conv1d(x))`` on uint8 ``[N, C, L]``: the 2-D kernel on ``[N, C, 1, L]`` with an
     ``[O, I, 1, k]`` weight (a conv of height 1 is a 1-D conv), so every conv2d post-op fuses.
 
-    Takes the 1-D weight and geometry; ``spec`` entries are ``(1, s)``, ``(0, p)``, ``(1, d)``.
+    Arguments as :class:`QConv2d`'s; the weight may be 1-D (``[O, I, k]``) and ``input_shape``
+    ``[N, C, L]``; ``spec`` entries are ``(1, s)``, ``(0, p)``, ``(1, d)``.
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: Conv2dSpec,
-        input_qparams: QParams,
-        output_qparams: QParams | None,
-        *,
-        relu: bool = False,
-        post_op: PostOp | None = None,
-        input_shape: Sequence[int] | None = None,
-        backend: BackendArg = None,
-    ) -> None:
-        if weight.dim() == 3:
-            weight = weight.unsqueeze(2)
+    def __init__(self, weight: torch.Tensor, *args: Any, input_shape: Sequence[int] | None = None, **kwargs: Any):
         if input_shape is not None and len(input_shape) == 3:
             input_shape = (input_shape[0], input_shape[1], 1, input_shape[2])
-        super().__init__(
-            weight, weight_scale, bias, spec, input_qparams, output_qparams,
-            relu=relu, post_op=post_op, input_shape=input_shape, backend=backend,
-        )  # fmt: skip
+        super().__init__(weight.unsqueeze(2) if weight.dim() == 3 else weight, *args, input_shape=input_shape, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.unsqueeze(2)).squeeze(2)
@@ -360,11 +346,7 @@ class QConv3d(UnaryOpsBase, _Weighted):
         return self.backend.conv3d(x, self._in_qp, self._packed, self._out_qp)
 
     def extra_repr(self) -> str:
-        o, i, kd, kh, kw = self.weight.shape
-        s = self.spec
-        geo = f"{i * s.groups}→{o}, k={kd}x{kh}x{kw}, stride={s.stride}, pad={s.padding}"
-        if s.groups != 1:
-            geo += f", groups={s.groups}"
+        geo = _conv_geometry(self.weight, self.spec)
         return f"{geo}{', relu' if self.relu else ''}, {self._qp_repr()}, {self.backend.name}"
 
 
@@ -414,9 +396,7 @@ class QConv2dAdd(BinaryOpsBase, _Weighted):
         return self.backend.conv2d(x, self._in_qp, self._packed, self._out_qp, self._post_op, other, self._other_qp)
 
     def extra_repr(self) -> str:
-        o, i, kh, kw = self.weight.shape
-        s = self.spec
-        geo = f"{i * s.groups}→{o}, k={kh}x{kw}, stride={s.stride}, pad={s.padding}"
+        geo = _conv_geometry(self.weight, self.spec)
         flags = " + other" + (", relu" if self.relu else "") + (", clone_other" if self.clone_other else "")
         return f"{geo}{flags}, {self._qp_repr()}, {self.backend.name}"
 
