@@ -441,5 +441,12 @@ def test_conv3d_relu_is_the_saturation_at_a_zero_point_of_zero():
         )  # fmt: skip
 
 
+def test_max_pool3d_is_the_max_of_the_integers(be: Int8Backend):
+    x = _activation((1, 4, 5, 9, 9), X_QP, be, seed=8).contiguous(memory_format=torch.channels_last_3d)
+    y = be.max_pool3d(x, (1, 3, 3), (1, 2, 2), (0, 1, 1), (1, 1, 1), False)
+    ref = F.max_pool3d(x.float(), (1, 3, 3), (1, 2, 2), (0, 1, 1))
+    assert y.dtype == torch.uint8 and torch.equal(y.float(), ref)
+
+
 def test_fbgemm_has_no_conv3d():
     assert not get_backend("fbgemm").has_conv3d

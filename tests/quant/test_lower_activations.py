@@ -552,13 +552,13 @@ class Conv3DPlain(nn.Conv3d):
 
 
 class TinyR3D(nn.Module):
-    """Stem conv3d → BN → ReLU, a residual block of two renamed convs, pool, linear."""
+    """Stem conv3d → BN → ReLU → max pool, a residual block of two renamed convs, pool, linear."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv3d(3, 8, (3, 5, 5), padding=(1, 2, 2), bias=False), nn.BatchNorm3d(8), nn.ReLU()
-        )
+        stem = nn.Conv3d(3, 8, (3, 5, 5), padding=(1, 2, 2), bias=False)
+        pool = nn.MaxPool3d((1, 3, 3), (1, 2, 2), (0, 1, 1))
+        self.stem = nn.Sequential(stem, nn.BatchNorm3d(8), nn.ReLU(), pool)
         self.conv1 = nn.Sequential(Conv3DPlain(8, 8), nn.BatchNorm3d(8), nn.ReLU())
         self.conv2 = nn.Sequential(Conv3DPlain(8, 8), nn.BatchNorm3d(8))
         self.relu = nn.ReLU()
@@ -585,7 +585,7 @@ def test_conv3d_lowers_to_qconv3d_with_relu_as_saturation(r3d: nn.Module):
     gm, result, _ = lower(ref)
     counts = module_counts(gm)
     # every conv, the renamed ones included (the tracer keeps them as nn.Conv3d leaves)
-    assert counts["QConv3d"] == 3 and counts["QAdd"] == 1 and "Conv3d" not in counts
+    assert counts["QConv3d"] == 3 and counts["QAdd"] == 1 and counts["QMaxPool3d"] == 1 and "Conv3d" not in counts
     convs = modules_of_type(gm, QConv3d)
     assert [c.relu for c in convs] == [True, True, False]
     assert all(c.output_qparams.zero_point == 0 for c in convs if c.relu)

@@ -273,6 +273,20 @@ class Int8Backend(ABC):
         ``quantized::max_pool2d`` takes plain uint8, channels-last in and out."""
         return torch.ops.quantized.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
 
+    def max_pool3d(
+        self,
+        x: torch.Tensor,
+        kernel_size: tuple[int, int, int],
+        stride: tuple[int, int, int],
+        padding: tuple[int, int, int],
+        dilation: tuple[int, int, int],
+        ceil_mode: bool,
+    ) -> torch.Tensor:
+        """:meth:`max_pool2d` over ``[N, C, D, H, W]`` (PyTorch's quantized max_pool3d; the maximum
+        of the integers does not depend on the qparams, so any will do for the wrapper)."""
+        q = as_qtensor(x, QParams(1.0, 0))
+        return as_uint8(torch.nn.functional.max_pool3d(q, kernel_size, stride, padding, dilation, ceil_mode))
+
     def adaptive_avg_pool2d(
         self, x: torch.Tensor, x_qparams: QParams, output_size: tuple[int, int], out_qparams: QParams
     ) -> torch.Tensor:

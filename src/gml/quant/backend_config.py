@@ -294,6 +294,7 @@ SHARED_QPARAM_OPS: tuple[Any, ...] = (
     nn.ReLU6,
     nn.Hardtanh,
     nn.MaxPool2d,
+    nn.MaxPool3d,
     nn.AdaptiveAvgPool2d,
     nn.AvgPool2d,
     nn.Flatten,

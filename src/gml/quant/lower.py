@@ -93,6 +93,7 @@ from gml.quant.modules import (
     QHardtanh,
     QLinear,
     QMaxPool2d,
+    QMaxPool3d,
     QMean,
     QMove,
     QMul,
@@ -213,6 +214,10 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
 
 def _pair(v: Any) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def _ntuple(v: Any, n: int) -> tuple[int, ...]:
+    return (int(v),) * n if isinstance(v, int) else tuple(int(x) for x in v)
 
 
 # ---------------------------------------------------------------- op recognisers
@@ -541,17 +546,18 @@ def _rule_max_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
     if out_qp is None:
         return None
     mod = ctx.module(node)
-    if not isinstance(mod, nn.MaxPool2d):
+    if not isinstance(mod, nn.MaxPool2d | nn.MaxPool3d):
         return None
     if mod.return_indices:
         raise Decline("max pool returning indices has no INT8 kernel")
     src, in_qp = ctx.u8_input(node.args[0])
+    cls, n = (QMaxPool2d, 2) if isinstance(mod, nn.MaxPool2d) else (QMaxPool3d, 3)
     stride = mod.stride if mod.stride is not None else mod.kernel_size
-    q = QMaxPool2d(
-        _pair(mod.kernel_size),
-        _pair(stride),
-        _pair(mod.padding),
-        _pair(mod.dilation),
+    q = cls(
+        _ntuple(mod.kernel_size, n),
+        _ntuple(stride, n),
+        _ntuple(mod.padding, n),
+        _ntuple(mod.dilation, n),
         bool(mod.ceil_mode),
         in_qp,
         out_qp,

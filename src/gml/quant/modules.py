@@ -5,7 +5,7 @@ Hierarchy (ADR 002)::
     GMLQuantModuleBase            output_scale / output_zp buffers; forward returns uint8
     ├── UnaryOpsBase              + input_scale / input_zp:  QConv1d, QConv2d, QConv3d, QLinear, QReLU,
     │                               QHardtanh,
-    │                               QActivation, QMaxPool2d, QAvgPool2d, QAdaptiveAvgPool2d,
+    │                               QActivation, QMaxPool2d, QMaxPool3d, QAvgPool2d, QAdaptiveAvgPool2d,
     │                               QBatchNorm2d, QMean, QFlatten,
     │                               QMove (view / reshape / transpose / permute / chunk piece)
     ├── BinaryOpsBase             + other_scale / other_zp:  QAdd, QMul, QConv2dAdd (residual)
@@ -563,6 +563,14 @@ class QMaxPool2d(UnaryOpsBase):
         return f"k={self.kernel_size}, stride={self.stride}, pad={self.padding}, {self._qp_repr()}"
 
 
+class QMaxPool3d(QMaxPool2d):
+    """:class:`QMaxPool2d` over ``[N, C, D, H, W]`` (video models); 3-entry geometry."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.backend.max_pool3d(x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+        return self.backend.requantize(y, self._in_qp, self._out_qp)
+
+
 class QAvgPool2d(UnaryOpsBase):
     """Average pooling on uint8 (normally on the input's own grid, see ``Int8Backend.avg_pool2d``)."""
 
@@ -856,6 +864,7 @@ GML_MODULES: tuple[type[nn.Module], ...] = (
     QHardtanh,
     QActivation,
     QMaxPool2d,
+    QMaxPool3d,
     QAvgPool2d,
     QBatchNorm2d,
     QAdaptiveAvgPool2d,
