@@ -448,5 +448,13 @@ def test_max_pool3d_is_the_max_of_the_integers(be: Int8Backend):
     assert y.dtype == torch.uint8 and torch.equal(y.float(), ref)
 
 
+def test_adaptive_avg_pool3d_rounds_the_mean_once(be: Int8Backend):
+    x = _activation((1, 4, 5, 7, 7), X_QP, be, seed=9).contiguous(memory_format=torch.channels_last_3d)
+    ref = F.adaptive_avg_pool3d(be.dequantize(x, X_QP), (1, 2, 2))
+    out_qp = _fit(ref)
+    y = be.adaptive_avg_pool3d(x, X_QP, (1, 2, 2), out_qp)
+    assert y.shape == ref.shape and _steps(be, y, out_qp, ref) <= HALF_STEP
+
+
 def test_fbgemm_has_no_conv3d():
     assert not get_backend("fbgemm").has_conv3d

@@ -273,6 +273,14 @@ class Int8Backend(ABC):
         ``quantized::max_pool2d`` takes plain uint8, channels-last in and out."""
         return torch.ops.quantized.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
 
+    def adaptive_avg_pool3d(
+        self, x: torch.Tensor, x_qparams: QParams, output_size: tuple[int, int, int], out_qparams: QParams
+    ) -> torch.Tensor:
+        """:meth:`adaptive_avg_pool2d` over ``[N, C, D, H, W]``: the integers averaged in fp32 and
+        rounded once onto the output grid (exact up to that one rounding)."""
+        y = torch.nn.functional.adaptive_avg_pool3d(x.float(), output_size)
+        return self.quantize(y.sub_(x_qparams.zero_point).mul_(x_qparams.scale), out_qparams)
+
     def max_pool3d(
         self,
         x: torch.Tensor,

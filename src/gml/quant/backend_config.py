@@ -296,6 +296,7 @@ SHARED_QPARAM_OPS: tuple[Any, ...] = (
     nn.MaxPool2d,
     nn.MaxPool3d,
     nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
     nn.AvgPool2d,
     nn.Flatten,
     torch.cat,

@@ -81,6 +81,7 @@ from gml.quant.modules import (
     GMLQuantModuleBase,
     QActivation,
     QAdaptiveAvgPool2d,
+    QAdaptiveAvgPool3d,
     QAdd,
     QAvgPool2d,
     QBatchNorm2d,
@@ -603,14 +604,15 @@ def _rule_avg_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
             backend=ctx.backend,
         )
         return _Plan(q, [src], [node], ctx.label(node))
-    if not isinstance(mod, nn.AdaptiveAvgPool2d):
+    if not isinstance(mod, nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool3d):
         return None
+    cls, n = (QAdaptiveAvgPool2d, 2) if isinstance(mod, nn.AdaptiveAvgPool2d) else (QAdaptiveAvgPool3d, 3)
     size = mod.output_size
-    size = (size, size) if isinstance(size, int) else tuple(size)
+    size = (size,) * n if isinstance(size, int) else tuple(size)
     if any(s is None for s in size):
         raise Decline("adaptive avg pool with a None output size has no INT8 kernel")
     src, in_qp = ctx.u8_input(node.args[0])
-    q = QAdaptiveAvgPool2d((int(size[0]), int(size[1])), in_qp, out_qp, backend=ctx.backend)
+    q = cls(tuple(int(s) for s in size), in_qp, out_qp, backend=ctx.backend)
     return _Plan(q, [src], [node], ctx.label(node))
 
 

@@ -672,6 +672,13 @@ class QAdaptiveAvgPool2d(UnaryOpsBase):
         return f"output_size={self.output_size}, {self._qp_repr()}"
 
 
+class QAdaptiveAvgPool3d(QAdaptiveAvgPool2d):
+    """:class:`QAdaptiveAvgPool2d` over ``[N, C, D, H, W]`` (the head of the video ResNets)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.adaptive_avg_pool3d(x, self._in_qp, self.output_size, self._out_qp)
+
+
 class QMean(UnaryOpsBase):
     """``x.mean(dims, keepdim)`` on uint8, requantized to the output qparams.
 
@@ -868,6 +875,7 @@ GML_MODULES: tuple[type[nn.Module], ...] = (
     QAvgPool2d,
     QBatchNorm2d,
     QAdaptiveAvgPool2d,
+    QAdaptiveAvgPool3d,
     QMean,
     QFlatten,
     QMove,
