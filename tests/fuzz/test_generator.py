@@ -67,7 +67,7 @@ def test_spellings_reach_the_graph():
 
 
 def test_invalid_spec_names_the_layer():
-    with pytest.raises(ValueError, match=r"layer 1 L\('conv', 1\): conv needs a rank-3/4 input, got \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"layer 1 L\('conv', 1\): conv needs a rank-3/4/5 input, got \(2, 3\)"):
         build(ModelSpec(inputs=[(2, 8)], layers=[L("linear", 0, out=3), L("conv", 1)]))
     with pytest.raises(ValueError, match="reused conv expects 3 channels"):
         infer_shapes(ModelSpec(inputs=[(1, 3, 4, 4)], layers=[L("conv", 0, out=5), L("reuse", 1, of=0)]))

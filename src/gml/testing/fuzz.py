@@ -7,7 +7,8 @@ fp32 pipeline on it and raises :class:`FuzzFailure` (an ``AssertionError``) nami
   ``lint()``, crashed, or moved the outputs beyond its tolerance. The rollback keeps users safe,
   but in a fuzz run it is a bug in that pass;
 * the final module's outputs differ from eager beyond ``FP32_RTOL`` of the output's magnitude, on
-  inputs the pipeline never saw;
+  inputs the pipeline never saw (plus :data:`NOISE_FACTOR` times eager's own distance from a
+  float64 run, which matters only where eager returns rounding noise);
 * the caller's model changed (parameters, buffers or outputs): passes must work on a copy;
 * any exception other than a :class:`~gml.errors.GMLError` (a documented refusal, returned in
   :attr:`Outcome.refused` so the caller can count it).
@@ -34,6 +35,10 @@ from gml.testing.graphgen import ModelSpec, build
 # layers that moves outputs by a few ulps of the largest intermediate (measured: < 2e-6 relative,
 # docs/fuzzing.md). 1e-4 of the output magnitude is 50x that and still catches any real error.
 FP32_RTOL = 1e-4
+#: An ill-conditioned graph (BN with batch statistics over a constant channel) returns rounding
+#: noise even in eager fp32; the optimized model may then differ by this many times eager's own
+#: distance from a float64 run, on top of ``FP32_RTOL``.
+NOISE_FACTOR = 8.0
 
 
 class FuzzFailure(AssertionError):
@@ -59,6 +64,15 @@ def _flat(out: Any) -> list[torch.Tensor]:
 def _run(module: nn.Module, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     with torch.no_grad():
         return [o.detach().clone() for o in _flat(module(*[x.clone() for x in inputs]))]
+
+
+def _eager_noise(model: nn.Module, inputs: Sequence[torch.Tensor], eager: list[torch.Tensor]) -> float:
+    """How far eager fp32 itself is from a float64 run of the same model (:func:`rel_err` units)."""
+    try:
+        exact = _run(copy.deepcopy(model).double(), [x.double() if x.is_floating_point() else x for x in inputs])
+    except Exception:  # an op without a float64 kernel: no noise estimate, the plain bound applies
+        return 0.0
+    return rel_err([e.to(r.dtype) for e, r in zip(exact, eager)], eager)
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -158,10 +172,13 @@ def check_fp32(
     for x, ref in zip(checks, eager):
         err = rel_err(ref, _run(gm, x))
         outcome.max_rel_err = max(outcome.max_rel_err, err)
-        if err > rtol:
+        allowed = rtol
+        if err > rtol:  # before failing, see whether eager itself only returns rounding noise here
+            allowed = rtol + NOISE_FACTOR * _eager_noise(model, x, ref)
+        if err > allowed:
             raise FuzzFailure(
                 f"fp32 pipeline output differs from eager: max error {err:.3g} of the output magnitude "
-                f"(allowed {rtol:g})\n{spec.pretty()}\n{gm.code}"
+                f"(allowed {allowed:.3g})\n{spec.pretty()}\n{gm.code}"
             )
     after = _state(model)
     changed = [k for k in state if not torch.equal(state[k], after.get(k, torch.empty(0)))]

@@ -214,7 +214,8 @@ def infer_shape(
             _need(x[-1] == was[-1], f"reused linear expects {was[-1]} features, got {x[-1]}")
         return infer_shape(L(orig.op, *layer.src, **orig.kw), shapes)
     if op in ("conv", "convT"):
-        _need(len(x) in (3, 4), f"{op} needs a rank-3/4 input, got {x}")
+        ranks = (3, 4, 5) if op == "conv" else (3, 4)  # Conv1d/2d/3d; ConvTranspose1d/2d
+        _need(len(x) in ranks, f"{op} needs a rank-{'/'.join(map(str, ranks))} input, got {x}")
         cin, g = x[1], kw["groups"]
         _need(cin % g == 0 and kw["out"] % g == 0, f"groups={g} must divide in={cin} and out={kw['out']}")
         if op == "conv":
@@ -226,7 +227,7 @@ def infer_shape(
         _need(all(d >= 1 for d in dims), f"{op} output would be empty: {dims}")
         return (x[0], kw["out"], *dims)
     if op == "bn":
-        _need(len(x) in (2, 3, 4), f"bn needs rank 2-4, got {x}")
+        _need(len(x) in (2, 3, 4, 5), f"bn needs rank 2-5, got {x}")
         _need(kw["stats"] or math.prod(x) // x[1] > 1, "batch statistics need more than one value per channel")
         return x
     if op in ("linear", "matmul"):
@@ -264,10 +265,12 @@ def infer_shape(
             _need(sum(q != j for j, q in enumerate(p)) == 2, f"perm {p} is not a single swap")
         return tuple(x[i] for i in p)
     if op == "pool":
-        _need(len(x) in (3, 4), "pool needs rank 3/4")
+        _need(len(x) in (3, 4, 5), "pool needs rank 3-5")
         if kw["kind"] == "adaptive":
             return (*x[:2], *([kw["out"]] * (len(x) - 2)))
         _need(kw["pad"] <= kw["k"] // 2, "pool padding larger than half the kernel")
+        # the 3-D pools check the unpadded input against the kernel ("input image smaller than kernel")
+        _need(len(x) < 5 or min(x[2:]) >= kw["k"], f"3-D pool input {x[2:]} smaller than its kernel")
         dims = [_conv_len(n, kw["k"], kw["stride"], kw["pad"], 1) for n in x[2:]]
         _need(all(d >= 1 for d in dims), f"pool output would be empty: {dims}")
         return (*x[:2], *dims)
@@ -292,13 +295,13 @@ def _make_module(layer: L, x: Shape, gen: torch.Generator) -> nn.Module | None:
     """The module a layer owns (``None`` for function-only layers)."""
     op, kw = layer.op, layer.kw
     if op == "conv":
-        cls = nn.Conv1d if len(x) == 3 else nn.Conv2d
+        cls = {3: nn.Conv1d, 4: nn.Conv2d, 5: nn.Conv3d}[len(x)]
         return cls(x[1], kw["out"], kw["k"], kw["stride"], kw["pad"], kw["dil"], kw["groups"], kw["bias"])
     if op == "convT":
         cls_t = nn.ConvTranspose1d if len(x) == 3 else nn.ConvTranspose2d
         return cls_t(x[1], kw["out"], kw["k"], kw["stride"], kw["pad"], kw["out_pad"], kw["groups"], kw["bias"])
     if op == "bn":
-        cls_b = nn.BatchNorm2d if len(x) == 4 else nn.BatchNorm1d
+        cls_b = {4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(len(x), nn.BatchNorm1d)
         bn = cls_b(x[1], eps=kw["eps"], affine=kw["affine"], track_running_stats=kw["stats"])
         _randomize_bn(bn, gen)
         return bn
@@ -311,8 +314,11 @@ def _make_module(layer: L, x: Shape, gen: torch.Generator) -> nn.Module | None:
     if op == "pool" and kw["form"] == "module":
         d = len(x) - 2
         if kw["kind"] == "adaptive":
-            return (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)[d - 1](kw["out"])
-        cls_p = {"max": (nn.MaxPool1d, nn.MaxPool2d), "avg": (nn.AvgPool1d, nn.AvgPool2d)}[kw["kind"]][d - 1]
+            return (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)[d - 1](kw["out"])
+        cls_p = {
+            "max": (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d),
+            "avg": (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d),
+        }[kw["kind"]][d - 1]
         return cls_p(kw["k"], kw["stride"], kw["pad"])
     if op == "flatten" and kw["form"] == "module":
         return nn.Flatten()
@@ -397,14 +403,14 @@ class GeneratedModel(nn.Module):
             for j, v in enumerate(vals):
                 probe(j, v)
         for i, layer in enumerate(self.spec.layers):
-            v = self._apply(i, layer, [vals[s] for s in layer.src])
+            v = self._apply_layer(i, layer, [vals[s] for s in layer.src])
             if probe is not None:
                 probe(len(xs) + i, v)
             vals.append(v)
         outs = [vals[o] for o in self.spec.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _apply(self, i: int, layer: L, xs: list[Any]) -> Any:
+    def _apply_layer(self, i: int, layer: L, xs: list[Any]) -> Any:
         op, kw = layer.op, layer.kw
         x = xs[0] if xs else None
         rank = len(self._shapes[layer.src[0]]) if layer.src else 0  # static: x is a Proxy while tracing
@@ -413,7 +419,7 @@ class GeneratedModel(nn.Module):
             mod = getattr(self, name)
             return mod(x)
         if op == "conv":  # functional form
-            fn = F.conv1d if rank == 3 else F.conv2d
+            fn = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[rank]
             bias = getattr(self, f"b{i}") if kw["bias"] else None
             return fn(x, getattr(self, f"w{i}"), bias, kw["stride"], kw["pad"], kw["dil"], kw["groups"])
         if op == "linear":
@@ -511,8 +517,11 @@ class GeneratedModel(nn.Module):
         if op == "pool":
             d = rank - 2
             if kw["kind"] == "adaptive":
-                return (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d)[d - 1](x, kw["out"])
-            fn3 = {"max": (F.max_pool1d, F.max_pool2d), "avg": (F.avg_pool1d, F.avg_pool2d)}[kw["kind"]][d - 1]
+                return (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)[d - 1](x, kw["out"])
+            fn3 = {
+                "max": (F.max_pool1d, F.max_pool2d, F.max_pool3d),
+                "avg": (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d),
+            }[kw["kind"]][d - 1]
             return fn3(x, kw["k"], kw["stride"], kw["pad"])
         if op == "dropout":
             return F.dropout(x, 0.5, training=False)

@@ -129,7 +129,7 @@ class _Drawer:
         return groups, out
 
     def op_conv(self) -> bool:
-        src = self.pick(self.live(lambda v: len(v.shape) in (3, 4)))
+        src = self.pick(self.live(lambda v: len(v.shape) in (3, 4, 5)))
         if src is None:
             return False
         cin = self.values[src].shape[1]
@@ -357,7 +357,7 @@ class _Drawer:
         return True
 
     def op_pool(self) -> bool:
-        src = self.pick(self.live(lambda v: len(v.shape) in (3, 4)))
+        src = self.pick(self.live(lambda v: len(v.shape) in (3, 4, 5)))
         if src is None:
             return False
         kind = self.draw(st.sampled_from(["max", "avg", "adaptive"]))
@@ -401,9 +401,11 @@ class _Drawer:
 
 
 def _input_shape(draw: Any, max_channels: int) -> Shape:
-    rank = draw(st.sampled_from([4, 3, 2, 4]))
+    rank = draw(st.sampled_from([4, 3, 2, 4, 3, 4, 5]))
     batch = draw(st.integers(1, 2))
     c = draw(st.integers(1, max_channels // 2))
+    if rank == 5:  # video clips [N, C, T, H, W], kept small
+        return (batch, c, draw(st.integers(1, 4)), draw(st.integers(1, 6)), draw(st.integers(1, 6)))
     if rank == 4:
         return (batch, c, draw(st.integers(1, 10)), draw(st.integers(1, 10)))
     if rank == 3:
@@ -432,7 +434,7 @@ def model_specs(
         d.values.append(_Value(shape, i))
     for i in range(draw(st.integers(1, max_layers))):
         # a conv stem most of the time: the passes are about what follows convs
-        if i == 0 and "conv" in d.ops and len(shape) in (3, 4) and draw(st.integers(0, 2)) > 0:
+        if i == 0 and "conv" in d.ops and len(shape) in (3, 4, 5) and draw(st.integers(0, 2)) > 0:
             d.op_conv()
         else:
             d.step()
