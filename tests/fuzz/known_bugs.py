@@ -19,22 +19,7 @@ def known_fp32_bug(spec: ModelSpec) -> bool:
     correct ``fuse_conv`` for the same reason). Such graphs are left out of the fp32 property;
     the float64 noise allowance (FP32_CASES' ``batch_stat_bn_of_a_constant_channel``) covers the
     simplest. (FuseConvAdd on ``y + y`` was a real bug; fixed, now a case in FP32_CASES.)"""
-    batch_stat_bn = any(layer.op == "bn" and not layer.kw.get("stats", True) for layer in spec.layers)
-    return batch_stat_bn or _inplace_act_on_a_view(spec)
-
-
-def _inplace_act_on_a_view(spec: ModelSpec) -> bool:
-    """Open bug FP32_OPEN_BUGS['inplace_act_through_a_flatten_view_of_a_conv']: an in-place
-    activation whose input is a view (flatten, permute, ...) of another value."""
-    n_in = len(spec.inputs)
-    views = {
-        n_in + i
-        for i, layer in enumerate(spec.layers)
-        if layer.op in ("flatten", "merge", "split", "unsqueeze", "permute")
-    }
-    return any(
-        layer.op == "act" and "inplace" in layer.kw.get("form", "") and layer.src[0] in views for layer in spec.layers
-    )
+    return any(layer.op == "bn" and not layer.kw.get("stats", True) for layer in spec.layers)
 
 
 def known_int8_bug(spec: ModelSpec) -> bool:

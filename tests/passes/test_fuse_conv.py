@@ -409,3 +409,40 @@ def test_side_effect_of_a_dead_chain_is_kept():
     FileCheck().check("self.relu_in(x)").run(gm.code)
     with torch.no_grad():
         assert (gm(x.clone()) - model(x.clone())).abs().max().item() < 1e-4
+
+
+class _WriteThroughView(nn.Module):
+    """relu_ on a flatten view of a conv output, read through the conv (found by the fuzzer)."""
+
+    def __init__(self, through_view: bool = True) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+        self.act = nn.ReLU(inplace=True)
+        self.through_view = through_view
+
+    def forward(self, x):
+        y = self.conv(x)
+        v = y.flatten(1)
+        if self.through_view:
+            self.act(v)  # overwrites y too
+            return y.permute(0, 1, 3, 2)
+        return self.act(v) + 1
+
+
+def test_conv_whose_output_is_written_through_a_view_is_not_fused():
+    model, x = _WriteThroughView().eval(), torch.randn(1, 2, 1, 3)
+    gm = traced(model, x)
+    result = FuseConvActivation()(gm)
+    assert module_types(gm)["FusedConv"] == 0 and module_types(gm)["Conv2d"] == 1
+    (skip,) = [s for s in result.skips if s.node == "conv"]
+    assert skip.reason == "its output is overwritten in place by act (through a view)"
+    torch.testing.assert_close(gm(x), model(x))
+
+
+def test_conv_whose_view_is_only_read_still_fuses():
+    model, x = _WriteThroughView(through_view=False).eval(), torch.randn(1, 2, 1, 3)
+    model.act.inplace = False  # the same graph without the write
+    gm = traced(model, x)
+    FuseConvActivation()(gm)
+    assert module_types(gm)["FusedConv"] == 1
+    torch.testing.assert_close(gm(x), model(x))

@@ -254,6 +254,34 @@ def _is_inplace_spelling(node: fx.Node) -> bool:
 OPAQUE_WRITE_KEPT = "opaque call overwrites"
 
 
+def returns_alias(n: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``n``'s result may share storage with its first argument (a view, an in-place op)."""
+    if n.op == "call_method":
+        return n.target in _VIEW_METHODS or _is_inplace_spelling(n)
+    if n.op == "call_function":
+        return n.target in _VIEW_FUNCTIONS or _is_inplace_spelling(n) or n.kwargs.get("inplace") is True
+    if n.op == "call_module":
+        mod = modules.get(str(n.target))
+        return isinstance(mod, _ALIAS_MODULES) or (isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False))
+    return False
+
+
+def written_in_place(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """A later op that overwrites ``node``'s value, directly or through a view of it, if any."""
+    work, seen = [node], {node}
+    while work:
+        current = work.pop()
+        for user in current.users:
+            if (writes_in_place(user, modules) and user.args and user.args[0] is current) or (
+                current.name in user.meta.get(MUTATES, ())
+            ):
+                return user
+            if user not in seen and returns_alias(user, modules) and user.args and user.args[0] is current:
+                seen.add(user)
+                work.append(user)
+    return None
+
+
 def writes_in_place(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     """Whether ``node`` overwrites its first operand (``x.relu_()``, ``inplace=True``, an
     ``nn.ReLU(inplace=True)`` call, ``x += y``)."""
@@ -389,17 +417,7 @@ class Normalize(GraphPass):
 
     # ------------------------------------------------------------------ aliasing and in-place ops
     def _returns_alias(self, n: fx.Node) -> bool:
-        """Whether ``n``'s result may share storage with its first argument."""
-        if n.op == "call_method":
-            return n.target in _VIEW_METHODS or _is_inplace_spelling(n)
-        if n.op == "call_function":
-            return n.target in _VIEW_FUNCTIONS or _is_inplace_spelling(n) or n.kwargs.get("inplace") is True
-        if n.op == "call_module":
-            mod = self._modules.get(str(n.target))
-            return isinstance(mod, _ALIAS_MODULES) or (
-                isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False)
-            )
-        return False
+        return returns_alias(n, self._modules)
 
     def _is_same_tensor_alias(self, n: fx.Node) -> bool:
         """Whether ``n`` returns its first argument object itself (an in-place op), not a view."""
