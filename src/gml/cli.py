@@ -50,13 +50,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def load_from_args(args: argparse.Namespace, batch: int | None = None):
     """(model, example_inputs) from the common model arguments."""
-    from gml.models import declared_inputs, default_input_shapes, example_inputs, load_model, parse_shapes
+    from gml.models import example_inputs, load_with_defaults, parse_shapes
 
-    model = load_model(args.model, weights=args.weights, unsafe_load=args.unsafe_load, submodule=args.submodule)
-    # a model name's default shapes describe the whole model, not a part of it
-    spec = None if args.submodule else args.model
-    shapes = parse_shapes(args.input_shape) if args.input_shape else default_input_shapes(model, spec)
-    return model, example_inputs(shapes, batch=batch, like=declared_inputs(spec, model))
+    model, shapes, like = load_with_defaults(
+        args.model, weights=args.weights, unsafe_load=args.unsafe_load, submodule=args.submodule
+    )
+    if args.input_shape:
+        shapes = parse_shapes(args.input_shape)
+    return model, example_inputs(shapes, batch=batch, like=like)
 
 
 def _model_label(args: argparse.Namespace) -> str:

@@ -249,11 +249,9 @@ def default_input_shapes(model: nn.Module, spec: str | nn.Module | None = None) 
     declared = getattr(model, "example_input_shape", None)
     if declared is not None:
         return [tuple(declared)] if isinstance(declared[0], int) else [tuple(s) for s in declared]
-    if isinstance(spec, str) and ".py:" in spec:
-        module = sys.modules.get(_user_module_name(spec.rsplit(":", 1)[0]))
-        fn = getattr(module, "example_inputs", None)
-        if callable(fn):
-            return [tuple(t.shape) for t in fn()]
+    tensors = declared_inputs(spec, model)
+    if tensors is not None:
+        return [tuple(t.shape) for t in tensors]
     return [DEFAULT_VISION_SHAPE]
 
 
@@ -272,6 +270,20 @@ def declared_inputs(spec: str | nn.Module | None, model: nn.Module | None = None
     values = fn()
     values = (values,) if isinstance(values, torch.Tensor) else tuple(values)
     return values if all(isinstance(v, torch.Tensor) for v in values) else None
+
+
+def load_with_defaults(
+    spec: str | nn.Module, *, weights: str | None = None, unsafe_load: bool = False, submodule: str | None = None
+) -> tuple[nn.Module, list[tuple[int, ...]], tuple[torch.Tensor, ...] | None]:
+    """:func:`load_model`, plus the model's default input shapes and input templates
+    (:func:`declared_inputs`) for :func:`example_inputs`.
+
+    A model name's defaults describe the whole model, so for a ``submodule`` only what that part
+    declares itself counts.
+    """
+    model = load_model(spec, weights=weights, unsafe_load=unsafe_load, submodule=submodule)
+    own = spec if isinstance(spec, str) and not submodule else None
+    return model, default_input_shapes(model, own), declared_inputs(own, model)
 
 
 def example_inputs(

@@ -409,7 +409,7 @@ def test_submodule_is_benchmarked_with_its_own_input_shape():
     from gml.bench.runner import _load
 
     spec = str(Path(__file__).parents[1] / "assets" / "models.py") + ":PerImage"
-    model, name, shapes = _load(spec, submodule="backbone")
+    model, name, shapes, _ = _load(spec, submodule="backbone")
     assert type(model).__name__ == "SmallCNN" and not model.training
     assert name.endswith("models.py:PerImage.backbone")
     assert shapes == [(1, 3, 32, 32)]  # SmallCNN's declared shape, not PerImage's (2, 3, 32, 32)

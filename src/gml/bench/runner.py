@@ -254,17 +254,15 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 def _load(
     model: str | nn.Module, weights: str | None = None, unsafe_load: bool = False, submodule: str | None = None
-) -> tuple[nn.Module, str, list[tuple[int, ...]] | None]:
-    """The eager model, its display name and declared input shapes."""
-    from gml.models import default_input_shapes, load_model
+) -> tuple[nn.Module, str, list[tuple[int, ...]], tuple[torch.Tensor, ...] | None]:
+    """The eager model, its display name, default input shapes and input templates."""
+    from gml.models import load_with_defaults
 
     name = model if isinstance(model, str) else type(model).__name__
     if submodule:
         name = f"{name}.{submodule}"
-    m = load_model(model, weights=weights, unsafe_load=unsafe_load, submodule=submodule)
-    # a model name's default shapes describe the whole model, not a part of it
-    spec = model if isinstance(model, str) and not submodule else None
-    return m, name, [tuple(s) for s in default_input_shapes(m, spec)]
+    m, shapes, like = load_with_defaults(model, weights=weights, unsafe_load=unsafe_load, submodule=submodule)
+    return m, name, [tuple(s) for s in shapes], like
 
 
 def _inputs(
@@ -385,10 +383,7 @@ def run_bench(
     console = console or Console(stderr=True)
     names = resolve_variants(variants if variants is None or isinstance(variants, str) else list(variants))
     threads = threads or _default_threads()
-    eager_model, model_name, declared = _load(model, weights, unsafe_load, submodule)
-    from gml.models import declared_inputs
-
-    like = declared_inputs(model if isinstance(model, str) and not submodule else None, eager_model)  # dtypes, ids
+    eager_model, model_name, declared, like = _load(model, weights, unsafe_load, submodule)
     if input_shape is None:
         shapes = declared or [(1, 3, 224, 224)]
     elif input_shape and isinstance(input_shape[0], int):

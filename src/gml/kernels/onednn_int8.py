@@ -214,11 +214,7 @@ class OneDNNBackend(Int8Backend):
         if not x.is_contiguous(memory_format=_CL3):
             x = x.contiguous(memory_format=_CL3)
         s = packed.spec
-        padding = s.padding
-        if packed.needs_explicit_padding(x.shape):
-            pads = [p for pad in reversed(s.padding) for p in (pad, pad)]
-            x = torch.nn.functional.pad(x, pads, value=x_qparams.zero_point).contiguous(memory_format=_CL3)
-            padding = (0,) * len(s.padding)
+        x, padding = _padded_if_needed(x, packed, x_qparams, _CL3)
         w = packed.pack_for(x.shape, padding)
         out_scale, out_zp, out_dtype = _out_args(out_qparams)
         return self._qconv_nd(  # type: ignore[misc]
@@ -266,13 +262,7 @@ class OneDNNBackend(Int8Backend):
         other_qparams: QParams | None = None,
     ) -> torch.Tensor:
         s = packed.spec
-        padding = s.padding
-        if packed.needs_explicit_padding(x.shape):
-            # pad with the integer of 0.0 (the zero point), then a conv without padding: same math
-            ph, pw = s.padding
-            x = torch.nn.functional.pad(x, (pw, pw, ph, ph), value=x_qparams.zero_point)
-            x = x.contiguous(memory_format=_CL)
-            padding = (0, 0)
+        x, padding = _padded_if_needed(x, packed, x_qparams, _CL)
         w = packed.pack_for(x.shape, padding)
         out_scale, out_zp, out_dtype = _out_args(out_qparams)
         eltwise, add = split_post_op(post_op)
@@ -358,6 +348,20 @@ def _make_room(packs: dict[tuple[int, ...], torch.Tensor]) -> None:
     # without bound.
     while len(packs) >= MAX_PACKINGS:
         packs.pop(next(iter(packs)))
+
+
+def _padded_if_needed(
+    x: torch.Tensor, packed: OneDNNPackedConv, x_qparams: QParams, memory_format: torch.memory_format
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``(x, padding)`` for the kernel call: as they are, or, where some output window lies wholly in
+    the padding (:meth:`OneDNNPackedConv.needs_explicit_padding`), ``x`` padded with the integer of
+    0.0 (the zero point) and no padding left for the kernel: the same math."""
+    padding = packed.spec.padding
+    if not packed.needs_explicit_padding(x.shape):
+        return x, padding
+    pads = [p for pad in reversed(padding) for p in (pad, pad)]  # F.pad lists the last dim first
+    x = torch.nn.functional.pad(x, pads, value=x_qparams.zero_point).contiguous(memory_format=memory_format)
+    return x, (0,) * len(padding)
 
 
 def _out_args(qp: QParams | None) -> tuple[float, int, torch.dtype | None]:

@@ -15,6 +15,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from gml import nn as gnn
 from gml.kernels import fp32 as k32
+from gml.passes.normalize import written_in_place
 from gml.passes.oplib import SPECS, op_kind
 from gml.passes.utils import modules_of
 
@@ -96,8 +97,6 @@ def conv_problem(gm: fx.GraphModule, node: fx.Node, mod: nn.Module) -> str | Non
     sites = call_sites(gm, str(node.target))
     if sites > 1:
         return f"conv module {node.target} is called at {sites} sites (run UntieSharedModules first)"
-    from gml.passes.normalize import written_in_place
-
     write = written_in_place(node, modules_of(gm))
     if write is not None:
         # a channels-last result turns later views into copies, and the write would miss the output

@@ -355,7 +355,7 @@ class Normalize(GraphPass):
         self._uninplace_modules()
         for node in list(gm.graph.nodes):
             if node.op == "call_module":
-                self._maybe_drop_dropout_module(node)
+                self._maybe_drop_identity_module(node)
             elif node.op in ("call_function", "call_method"):
                 try:
                     self._rewrite(node)
@@ -419,6 +419,12 @@ class Normalize(GraphPass):
     def _returns_alias(self, n: fx.Node) -> bool:
         return returns_alias(n, self._modules)
 
+    def _alias_root(self, n: fx.Node) -> fx.Node:
+        """The value ``n`` is a view (or in-place result) of, following the chain to its start."""
+        while self._returns_alias(n) and n.args and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+        return n
+
     def _is_same_tensor_alias(self, n: fx.Node) -> bool:
         """Whether ``n`` returns its first argument object itself (an in-place op), not a view."""
         return writes_in_place(n, self._modules)
@@ -453,9 +459,7 @@ class Normalize(GraphPass):
         """Why overwriting ``mutated`` at ``site`` cannot be turned out-of-place, or ``None`` if it can."""
         if not isinstance(mutated, fx.Node):
             return "the overwritten operand is not a graph value"
-        root = mutated
-        while self._returns_alias(root) and root.args and isinstance(root.args[0], fx.Node):
-            root = root.args[0]
+        root = self._alias_root(mutated)
         if root.op == "placeholder":
             return f"it overwrites model input {root.name} in place, which the caller can observe"
         if root.op == "get_attr":
@@ -465,9 +469,7 @@ class Normalize(GraphPass):
     def _late_alias_reader(self, site: fx.Node, mutated: fx.Node) -> str | None:
         """Why a write to ``mutated`` at ``site`` is seen through another tensor (a view of it, or
         one it is a view of) read after ``site``; ``None`` if it is not."""
-        root = mutated
-        while self._returns_alias(root) and root.args and isinstance(root.args[0], fx.Node):
-            root = root.args[0]
+        root = self._alias_root(mutated)
         pos = self._order[site]
         same = self._same_tensor(site, mutated)
         aliases, work = {root}, [root]
@@ -574,8 +576,8 @@ class Normalize(GraphPass):
             self._redirect_later_readers(node, mutated, result)
             self._exposed[node_label(node, self._modules)] += 1
 
-    # ------------------------------------------------------------------ dropout
-    def _maybe_drop_dropout_module(self, node: fx.Node) -> None:
+    # ------------------------------------------------------------------ identities: nn.Identity, eval dropout
+    def _maybe_drop_identity_module(self, node: fx.Node) -> None:
         mod = self._modules.get(str(node.target))
         if type(mod) is nn.Identity and len(node.args) == 1 and not node.kwargs:
             # a placeholder layer (torchvision uses it for optional norms and heads): dropping it

@@ -213,12 +213,13 @@ def _shape(node: fx.Node) -> tuple[int, ...] | None:
     return tuple(int(d) for d in shape) if shape is not None else None
 
 
-def _pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
-
 def _ntuple(v: Any, n: int) -> tuple[int, ...]:
+    """A module's int-or-tuple geometry argument as ``n`` ints."""
     return (int(v),) * n if isinstance(v, int) else tuple(int(x) for x in v)
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return _ntuple(v, 2)  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- op recognisers
@@ -413,12 +414,7 @@ def _rule_conv3d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | No
         # the 5-D kernel has no eltwise post-op: ReLU comes from saturating at a zero point of 0
         raise Decline("conv3d + relu whose output is fp32 or has a non-zero zero point (no relu post-op in 3-D)")
     _check_padding(conv)
-    spec = Conv2dSpec(
-        tuple(int(v) for v in conv.stride),
-        tuple(int(v) for v in conv.padding),
-        tuple(int(v) for v in conv.dilation),
-        int(conv.groups),
-    )
+    spec = Conv2dSpec(_ntuple(conv.stride, 3), _ntuple(conv.padding, 3), _ntuple(conv.dilation, 3), int(conv.groups))
     src, in_qp = ctx.u8_input(node.args[0])
     w, ws, b = _weights(conv)
     q = QConv3d(w, ws, b, spec, in_qp, out_qp, relu=relu, input_shape=_shape(node.args[0]), backend=ctx.backend)
