@@ -89,7 +89,7 @@ def test_pickle_format_needs_explicit_trust(tmp_path):
     model, x = Net(), torch.randn(1, 3, 8, 8)
     gm = optimized(model, x)
     path = io.save(gm, tmp_path / "net.pkl", format="pickle")
-    with pytest.raises(ModelLoadError, match="refusing to unpickle") as err:
+    with pytest.raises(ModelLoadError, match="was refused: it is a pickled model") as err:
         io.load(path)
     assert "trust_pickle=True" in err.value.hint
     loaded = io.load(path, trust_pickle=True)

@@ -29,13 +29,15 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from gml import archive
 from gml.errors import GMLError, ModelLoadError
 from gml.kernels import fp32 as k32
 from gml.passes.utils import replace_module
 
-FORMAT_EXPORT = "gml-export-v1"
-FORMAT_PICKLE = "gml-pickle-v1"
-_META_FILE = "gml.json"
+# v2: sealed (every member's SHA-256 in the manifest, gml.archive) and no pickled sample inputs.
+FORMAT_EXPORT = "gml-export-v2"
+FORMAT_PICKLE = "gml-pickle-v2"
+_LEGACY_FORMATS = ("gml-export-v1", "gml-pickle-v1")
 
 #: ``lifter(gm, node) -> nn.Module | None``: the module that computes ``node`` (a call of a kernel op
 #: with constant weights) with its arguments ``node.args[0:k]`` (see :class:`Lift`), or ``None``.
@@ -99,6 +101,7 @@ def save(
     path = Path(path)
     if format == "pickle":
         torch.save({"gml_format": FORMAT_PICKLE, "module": gm}, path)
+        archive.seal(path, {"format": FORMAT_PICKLE, "torch": torch.__version__})
         return path
     if format != "export":
         raise GMLError(f"unknown save format {format!r}", hint="use format='export' or format='pickle'")
@@ -120,8 +123,10 @@ def save(
         ) from e
     finally:
         gm.train(was_training)
-    info = {"format": FORMAT_EXPORT, "torch": torch.__version__, "dynamic_batch": dynamic}
-    torch.export.save(ep, path, extra_files={_META_FILE: json.dumps(info)})
+    # torch pickles the example inputs into the archive; a loader could not tell them from a payload
+    ep._example_inputs = None
+    torch.export.save(ep, path)
+    archive.seal(path, {"format": FORMAT_EXPORT, "torch": torch.__version__, "dynamic_batch": dynamic})
     return path
 
 
@@ -307,17 +312,6 @@ def _set_inplace_residuals(gm: fx.GraphModule) -> None:
             mod.inplace = True
 
 
-def _read_meta(path: Path) -> dict[str, Any] | None:
-    try:
-        with zipfile.ZipFile(path) as z:
-            for name in z.namelist():
-                if name.endswith(f"extra/{_META_FILE}") or name.endswith(f"/{_META_FILE}"):
-                    return json.loads(z.read(name))
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError):
-        return None
-    return None
-
-
 def load(
     path: str | Path,
     *,
@@ -327,37 +321,68 @@ def load(
 ) -> fx.GraphModule:
     """Load a module written by :func:`save`; fused kernels are rebuilt with packed weights.
 
-    ``trust_pickle=True`` is required for ``format="pickle"`` files: unpickling runs code from the
+    Before anything is deserialized the archive is checked (:mod:`gml.archive`): every member
+    against its recorded SHA-256 (a damaged file is refused), and a ``torch.export`` file member by
+    member (anything torch would unpickle is refused). ``trust_pickle=True`` is required for
+    ``format="pickle"`` files and for files of older gml versions: unpickling runs code from the
     file. ``lift=False`` returns the exported program's module as is (dense weights, slower).
     """
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"no such file: {path}", hint="check the path given to gml.io.load")
-    info = _read_meta(path)
-    if info is not None and info.get("format") == FORMAT_EXPORT:
-        k32.register_export_support()
-        try:
-            ep = torch.export.load(path)
-        except Exception as e:
-            raise ModelLoadError(
-                f"could not read the exported program {path}: {type(e).__name__}: {str(e).splitlines()[0]}",
-                hint=f"it was written with torch {info.get('torch')}; load it with the same torch version",
-            ) from e
-        gm = ep.module()
-        if lift:
-            lift_kernels(gm, lifters)
-        return gm
-    if not trust_pickle:
+    if path.is_dir():
+        raise ModelLoadError(f"{path} is a directory, not a saved model", hint="give the .pt2 file gml.io.save wrote")
+    sealed = archive.open_sealed(path)
+    fmt = sealed.header.get("format") if sealed is not None else None
+    if fmt == FORMAT_EXPORT:
+        archive.check_export_members(sealed)
+        return _load_export(path, sealed.header, lift, lifters)
+    if fmt not in (FORMAT_PICKLE, None):
         raise ModelLoadError(
-            f"{path} is not a gml torch.export file; refusing to unpickle it",
-            hint="if you wrote it with gml.io.save(..., format='pickle') and trust it, "
+            f"{path} has gml format {fmt!r}, which this gml does not read",
+            hint=f"this gml reads {FORMAT_EXPORT} and {FORMAT_PICKLE}; save the model again with this version",
+        )
+    # A pickled gml model, or a file without a manifest (older gml, or not gml at all).
+    if not trust_pickle:
+        what = "a pickled model" if fmt == FORMAT_PICKLE or archive.looks_pickled(path) else "not sealed by gml.io.save"
+        raise ModelLoadError(
+            f"{path} was refused: it is {what}, and unpickling runs code from the file",
+            hint="if you wrote it with gml.io.save(..., format='pickle') (or an older gml) and trust it, "
             "call gml.io.load(path, trust_pickle=True)",
         )
+    return _load_trusted(path, lift, lifters)
+
+
+def _load_export(path: Path, info: dict[str, Any], lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
+    k32.register_export_support()
+    try:
+        ep = torch.export.load(path)
+    except Exception as e:
+        raise ModelLoadError(
+            f"could not read the exported program {path}: {type(e).__name__}: {str(e).splitlines()[0]}",
+            hint=f"it was written with torch {info.get('torch')}; load it with the same torch version",
+        ) from e
+    gm = ep.module()
+    if lift:
+        lift_kernels(gm, lifters)
+    return gm
+
+
+def _load_trusted(path: Path, lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
+    """The opted-in path: a pickled gml model, or an export file of an older gml (its sample inputs are pickled)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            legacy = next((n for n in z.namelist() if n.endswith("extra/gml.json")), None)
+            legacy_info = json.loads(z.read(legacy)) if legacy else None
+    except archive.ZIP_ERRORS as e:
+        raise ModelLoadError(f"{path} is damaged: the zip archive does not parse ({e})") from e
+    if legacy_info is not None and legacy_info.get("format") == _LEGACY_FORMATS[0]:
+        return _load_export(path, legacy_info, lift, lifters)
     try:
         blob = torch.load(path, weights_only=False)
     except Exception as e:
         raise ModelLoadError(f"could not read {path}: {type(e).__name__}: {e}") from e
-    if not (isinstance(blob, dict) and blob.get("gml_format") == FORMAT_PICKLE):
+    if not (isinstance(blob, dict) and blob.get("gml_format") in (FORMAT_PICKLE, _LEGACY_FORMATS[1])):
         raise ModelLoadError(f"{path} is not a file written by gml.io.save", hint="re-save it with gml.io.save")
     return blob["module"]
 
