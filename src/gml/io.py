@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from gml import archive
@@ -363,9 +364,35 @@ def _load_export(path: Path, info: dict[str, Any], lift: bool, lifters: Sequence
             hint=f"it was written with torch {info.get('torch')}; load it with the same torch version",
         ) from e
     gm = ep.module()
+    _plain_output_containers(gm)
     if lift:
         lift_kernels(gm, lifters)
     return gm
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):  # fx's immutable_dict / immutable_list subclass dict / list
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _plain_output_containers(gm: fx.GraphModule) -> None:
+    """Outputs come back as the containers the model returned, not fx's immutable ones.
+
+    Exporting a GraphModule records its output structure with fx's ``immutable_dict`` /
+    ``immutable_list`` types, so ``ep.module()`` would hand the caller containers that refuse
+    assignment; rebuild the output spec from plain dicts and lists.
+    """
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.out_spec is None:
+        return
+    sample = pytree.tree_unflatten(list(range(info.out_spec.num_leaves)), info.out_spec)
+    gm.graph._codegen.pytree_info = info._replace(out_spec=pytree.tree_structure(_plain(sample)))
+    gm.recompile()  # GraphModule.recompile copies the spec into ``_out_spec``, which the code reads
 
 
 def _load_trusted(path: Path, lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
