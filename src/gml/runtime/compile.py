@@ -155,6 +155,7 @@ class EngineSegment(nn.Module):
             if node.op == "placeholder":
                 vals[node] = b.value_for(node, env[node])
                 inputs.append(vals[node])
+                b.place_inputs(inputs)  # now: a later in-place step must see it is the caller's
             elif node.op == "output":
                 for a in node.args[0]:
                     outputs.append(vals[a])
@@ -169,7 +170,6 @@ class EngineSegment(nn.Module):
                     raise Unsupported(f"{node.name} returns {type(t).__name__}")
                 vals[node] = b.value_for(node, t)
                 rule.emit(b, mod, [vals[a] for a in node.args], vals[node])
-        b.place_inputs(inputs)
         b.place_outputs(outputs, metas)
         plan = b.build(native.load())
         return plan, [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in metas]

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from gml.kernels.backend import QParams
@@ -132,15 +133,25 @@ def _emit_linear(b: Builder, mod: Any, ins: list[Val], out: Val) -> None:
     x = ins[0]
     if len(x.shape) != 2:
         raise Unsupported(f"INT8 linear on a rank-{len(x.shape)} input (the engine plans 2-D inner products)")
+    # oneDNN 3.2's inner product takes no source zero point: fold it into the bias,
+    # s_x * s_w[o] * sum_i (x_i - z) w[o, i] = s_x * s_w[o] * sum_i x_i w[o, i] - s_x * s_w[o] * z * sum_i w[o, i].
+    in_q, out_q = mod.input_qparams, mod.output_qparams
+    eltwise = eltwise_of(mod.post_op)
+    if out_q is not None and out_q.zero_point:  # nor a destination one: add z * s_out before the division
+        eltwise.append(("linear", 1.0, out_q.zero_point * out_q.scale))
+    bias = mod.bias.double() if mod.bias is not None else torch.zeros(mod.weight.shape[0], dtype=torch.float64)
+    if in_q.zero_point:
+        w_sum = mod.weight.double().sum(1)
+        bias = bias - in_q.scale * mod.weight_scale.double() * in_q.zero_point * w_sum
     b.inner_product(
         x,
         out,
         weight=mod.weight,
         w_scales=mod.weight_scale,
-        bias=mod.bias,
-        src_q=qp(mod.input_qparams),
-        dst_q=qp(mod.output_qparams),
-        eltwise=eltwise_of(mod.post_op),
+        bias=bias.float(),
+        src_q=(float(in_q.scale), 0),
+        dst_q=None if out_q is None else (float(out_q.scale), 0),
+        eltwise=eltwise,
     )
 
 
