@@ -9,6 +9,8 @@ from gml.kernels.backend import QParams
 from gml.quant import modules as qm
 from gml.runtime import compile_engine
 
+IN_QP, OUT_QP = QParams(0.05, 120), QParams(0.2, 100)
+
 
 def graph_of(*mods: nn.Module, n_inputs: int = 1, wiring: list[tuple[int, ...]] | None = None) -> fx.GraphModule:
     """``x0..xk -> mods[0] -> mods[1] ... -> output``; ``wiring[i]`` lists the value indices module i
@@ -34,7 +36,7 @@ def fit_qparams(t: torch.Tensor) -> QParams:
     """uint8 qparams covering ``t``'s range (0 included)."""
     lo, hi = min(float(t.min()), 0.0), max(float(t.max()), 0.0)
     scale = max(hi - lo, 1e-6) / 255.0
-    return QParams(scale, int(round(-lo / scale)))
+    return QParams(scale, round(-lo / scale))
 
 
 def int8_weight(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,8 +73,19 @@ def check_engine(gm: fx.GraphModule, *inputs: torch.Tensor, expect_engine: bool 
 
 
 def qconv(
-    cin: int, cout: int, k: int | tuple[int, int], *, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
-    in_qp=QParams(0.05, 120), out_qp: QParams | None = QParams(0.2, 100), post_op=None, bias=True, seed=0,
+    cin: int,
+    cout: int,
+    k: int | tuple[int, int],
+    *,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups=1,
+    in_qp=IN_QP,
+    out_qp: QParams | None = OUT_QP,
+    post_op=None,
+    bias=True,
+    seed=0,
 ) -> qm.QConv2d:
     kh, kw = (k, k) if isinstance(k, int) else k
     w, s = int8_weight((cout, cin // groups, kh, kw), seed)

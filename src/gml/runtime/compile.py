@@ -67,8 +67,10 @@ class RuntimeReport:
         return "engine" if not self.torch_nodes and not self.shape_fallbacks else "mixed"
 
     def __str__(self) -> str:
-        lines = [f"runtime: {self.path} ({self.engine_nodes} nodes in {self.segments} engine segment(s), "
-                 f"{len(self.torch_nodes)} in torch)"]
+        lines = [
+            f"runtime: {self.path} ({self.engine_nodes} nodes in {self.segments} engine segment(s), "
+            f"{len(self.torch_nodes)} in torch)"
+        ]
         if self.note:
             lines.append(f"  {self.note}")
         lines += [f"  torch: {n.name} ({n.op}): {n.reason}" for n in self.torch_nodes]
@@ -135,8 +137,10 @@ class EngineSegment(nn.Module):
                 recorder.run(*copies)
         except (RuntimeError, ValueError, IndexError, TypeError) as e:
             shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
-            raise InputError(f"the model cannot run on inputs of shape {shapes}: {e}",
-                             hint="give inputs of the shape and dtype the model was compiled with.") from e
+            raise InputError(
+                f"the model cannot run on inputs of shape {shapes}: {e}",
+                hint="give inputs of the shape and dtype the model was compiled with.",
+            ) from e
         # 2. translate
         try:
             plan, outs = self._translate(recorder.values)
@@ -209,8 +213,11 @@ def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
     for node in graph.nodes:
         ok, reason = _engine_node(gm, node)
         if node.op in ("call_module", "call_function", "call_method"):
-            mod_name = type(gm.get_submodule(str(node.target))).__name__ if node.op == "call_module" else str(
-                getattr(node.target, "__name__", node.target))
+            mod_name = (
+                type(gm.get_submodule(str(node.target))).__name__
+                if node.op == "call_module"
+                else str(getattr(node.target, "__name__", node.target))
+            )
             report.nodes.append(NodeReport(node.name, mod_name, "engine" if ok else "torch", reason or ""))
         if ok:
             current.append(node)
@@ -307,8 +314,9 @@ class EngineModule(nn.Module):
             if t.device.type != "cpu":
                 raise InputError(f"input {i} is on {t.device}; the engine runs on the CPU.", hint="pass x.cpu().")
             if t.dtype != dtype or t.dim() != rank or (channels is not None and t.shape[1] != channels):
-                raise InputError(f"input {i} is a {t.dtype} tensor of shape {tuple(t.shape)}; the model expects "
-                                 f"{want}.")
+                raise InputError(
+                    f"input {i} is a {t.dtype} tensor of shape {tuple(t.shape)}; the model expects {want}."
+                )
 
     def segments(self) -> list[EngineSegment]:
         return [m for m in self.graph_module.modules() if isinstance(m, EngineSegment)]

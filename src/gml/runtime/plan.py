@@ -160,16 +160,33 @@ class Builder:
         self._step("reorder", [src], [dst], src_q=src_q, dst_q=dst_q)
 
     def pool(
-        self, src: Val, dst: Val, alg: str, kernel: Any, stride: Any, dilation: Any, pad_l: Any, pad_r: Any,
+        self,
+        src: Val,
+        dst: Val,
+        alg: str,
+        kernel: Any,
+        stride: Any,
+        dilation: Any,
+        pad_l: Any,
+        pad_r: Any,
         eltwise: Eltwise,
     ) -> None:
         self._step(
-            "pool", [src], [dst], alg=alg, kernel=kernel, stride=stride, dilation=dilation, pad_l=pad_l,
-            pad_r=pad_r, eltwise=eltwise,
+            "pool",
+            [src],
+            [dst],
+            alg=alg,
+            kernel=kernel,
+            stride=stride,
+            dilation=dilation,
+            pad_l=pad_l,
+            pad_r=pad_r,
+            eltwise=eltwise,
         )
 
-    def binary(self, a: Val, b: Val, dst: Val, alg: str, *, scale0: float | None, scale1: float | None,
-               eltwise: Eltwise) -> None:
+    def binary(
+        self, a: Val, b: Val, dst: Val, alg: str, *, scale0: float | None, scale1: float | None, eltwise: Eltwise
+    ) -> None:
         self._step("binary", [a, b], [dst], alg=alg, scale0=scale0, scale1=scale1, eltwise=eltwise)
 
     def concat(self, srcs: list[Val], dst: Val, axis: int) -> None:
@@ -237,8 +254,9 @@ class Builder:
             if not any(v in s.reads or v in s.writes for s in self.steps):
                 continue
             base = g.arena_offset if g.where == "arena" else 0
-            ids[v] = plan.add_value(list(v.shape), list(v.stride), v.dtype_name, where[g.where], g.index,
-                                    base + v.offset)
+            ids[v] = plan.add_value(
+                list(v.shape), list(v.stride), v.dtype_name, where[g.where], g.index, base + v.offset
+            )
         for s in self.steps:
             kw = dict(s.kwargs)
             if s.method in ("conv", "inner_product"):
@@ -246,24 +264,56 @@ class Builder:
                 w = w.contiguous()
                 bias = None if bias is None else bias.detach().float().contiguous()
                 common = dict(
-                    weight=w.data_ptr(), wdims=list(w.shape), wdtype=dtype_name(w.dtype),
-                    w_scales=[float(x) for x in scales.flatten()], bias=0 if bias is None else bias.data_ptr(),
-                    src_q=kw.pop("src_q"), dst_q=kw.pop("dst_q"), eltwise=kw.pop("eltwise"), name=s.name,
+                    weight=w.data_ptr(),
+                    wdims=list(w.shape),
+                    wdtype=dtype_name(w.dtype),
+                    w_scales=[float(x) for x in scales.flatten()],
+                    bias=0 if bias is None else bias.data_ptr(),
+                    src_q=kw.pop("src_q"),
+                    dst_q=kw.pop("dst_q"),
+                    eltwise=kw.pop("eltwise"),
+                    name=s.name,
                 )
                 if s.method == "conv":
-                    plan.conv(ids[s.reads[0]], ids[s.writes[0]], strides=list(kw["stride"]),
-                              dilation=list(kw["dilation"]), pad_l=list(kw["pad_l"]), pad_r=list(kw["pad_r"]),
-                              groups=int(kw["groups"]), sum=kw["sum_q"], **common)
+                    plan.conv(
+                        ids[s.reads[0]],
+                        ids[s.writes[0]],
+                        strides=list(kw["stride"]),
+                        dilation=list(kw["dilation"]),
+                        pad_l=list(kw["pad_l"]),
+                        pad_r=list(kw["pad_r"]),
+                        groups=int(kw["groups"]),
+                        sum=kw["sum_q"],
+                        **common,
+                    )
                 else:
                     plan.inner_product(ids[s.reads[0]], ids[s.writes[0]], **common)
             elif s.method == "reorder":
                 plan.reorder(ids[s.reads[0]], ids[s.writes[0]], kw["src_q"], kw["dst_q"], s.name)
             elif s.method == "pool":
-                plan.pool(ids[s.reads[0]], ids[s.writes[0]], kw["alg"], list(kw["kernel"]), list(kw["stride"]),
-                          list(kw["dilation"]), list(kw["pad_l"]), list(kw["pad_r"]), kw["eltwise"], s.name)
+                plan.pool(
+                    ids[s.reads[0]],
+                    ids[s.writes[0]],
+                    kw["alg"],
+                    list(kw["kernel"]),
+                    list(kw["stride"]),
+                    list(kw["dilation"]),
+                    list(kw["pad_l"]),
+                    list(kw["pad_r"]),
+                    kw["eltwise"],
+                    s.name,
+                )
             elif s.method == "binary":
-                plan.binary(ids[s.reads[0]], ids[s.reads[1]], ids[s.writes[0]], kw["alg"], kw["scale0"],
-                            kw["scale1"], kw["eltwise"], s.name)
+                plan.binary(
+                    ids[s.reads[0]],
+                    ids[s.reads[1]],
+                    ids[s.writes[0]],
+                    kw["alg"],
+                    kw["scale0"],
+                    kw["scale1"],
+                    kw["eltwise"],
+                    s.name,
+                )
             elif s.method == "concat":
                 plan.concat([ids[v] for v in s.reads], ids[s.writes[0]], kw["axis"], s.name)
             else:  # pragma: no cover - the Builder only records the methods above
