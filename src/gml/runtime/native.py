@@ -28,10 +28,30 @@ def _preload_onednn() -> None:
             return
 
 
+def _load_from(path: str) -> ModuleType:
+    # `make sanitize` points GML_ENGINE_LIBRARY at an ASan/UBSan build of the same extension.
+    import importlib.util
+
+    _preload_onednn()  # a build tree's rpath does not reach <venv>/lib
+    spec = importlib.util.spec_from_file_location("gml._engine", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"GML_ENGINE_LIBRARY={path} is not a loadable extension")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gml._engine"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def _load() -> tuple[ModuleType | None, str | None]:
     import torch  # noqa: F401  (torch's libgomp first: oneDNN then shares torch's OpenMP runtime)
 
+    override = os.environ.get("GML_ENGINE_LIBRARY")
+    if override:
+        try:
+            return _load_from(override), None
+        except (ImportError, OSError) as e:
+            return None, f"GML_ENGINE_LIBRARY={override} did not load ({e})"
     try:
         from gml import _engine
     except ImportError as first:
