@@ -96,6 +96,15 @@ class QuantizeResult:
     accuracy: Any
     reference: fx.GraphModule
     seconds: dict[str, float]
+    #: the native engine running ``module``'s graph (gml.runtime), or None where torch runs it
+    engine: Any = None
+    #: which runtime runs each node and why (``str(result.runtime)``)
+    runtime: Any = None
+
+    @property
+    def executable(self) -> Any:
+        """What to call for inference: the engine where it covers the graph, else ``module``."""
+        return self.engine if self.engine is not None else self.module
 
     def save(self, path: str) -> None:
         """Pickle the INT8 GraphModule (torch.export cannot capture the uint8 views between the INT8
@@ -118,6 +127,7 @@ def quantize(
     per_layer: bool = True,
     progress: bool = False,
     strict: bool = False,
+    runtime: str = "engine",
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -129,6 +139,9 @@ def quantize(
         observer: ``minmax`` | ``moving_average`` | ``histogram`` | ``percentile``.
         eval_data / eval_labels: held-out batches for the accuracy report (default: 2 generated
             batches that the calibration did not see).
+        runtime: ``engine`` (default: the native oneDNN engine, ``result.engine``, where it covers
+            the graph; ``result.runtime`` says which path runs each node) or ``torch`` (the Python
+            executor only).
     """
     import time
 
@@ -138,7 +151,9 @@ def quantize(
     from gml.quant.calibrate import generate_batches
     from gml.quant.frontend import prepare_reference
     from gml.quant.lower import LowerToGML
+    from gml.runtime.select import check_runtime
 
+    check_runtime(runtime)
     check_eval_mode(model, what="INT8 quantization")
     if example_inputs is None:
         if calib_data is None or isinstance(calib_data, int):
@@ -175,6 +190,13 @@ def quantize(
         model, result.graph_module, eval_data, labels=eval_labels, fp32_graph=ref.float_module, per_layer=per_layer
     )
     seconds["accuracy report"] = time.perf_counter() - t0
+
+    from gml.runtime.select import attach_runtime
+
+    t0 = time.perf_counter()
+    engine, runtime_report = attach_runtime(result.graph_module, inputs, runtime)
+    seconds["engine compile"] = time.perf_counter() - t0
     return QuantizeResult(
-        result.graph_module, result.report, ref.report, lower.coverage, acc, ref.graph_module, seconds
+        result.graph_module, result.report, ref.report, lower.coverage, acc, ref.graph_module, seconds,
+        engine, runtime_report,
     )

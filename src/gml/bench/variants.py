@@ -172,7 +172,9 @@ def build_gml_int8(ctx: BuildContext) -> Built:
     _gml_fn("quantize")
     res = _gml_call("quantize", copy.deepcopy(ctx.model), ctx.calib, example_inputs=ctx.example)
     mod = res.module
-    return _torch_built(mod, mod if isinstance(mod, fx.GraphModule) else None, _report_notes(res.report))
+    runtime = getattr(res, "runtime", None)  # the native engine where it covers the graph (gml.runtime)
+    notes = _report_notes(res.report) + ([f"runtime: {runtime.path}"] if runtime is not None else [])
+    return _torch_built(getattr(res, "executable", mod), mod if isinstance(mod, fx.GraphModule) else None, notes)
 
 
 def build_compile(ctx: BuildContext) -> Built:
