@@ -135,6 +135,17 @@ def test_add(relu):
     check_engine(graph_of(add, n_inputs=2, wiring=[(0, 1)]), a, b)
 
 
+@pytest.mark.parametrize("rank", [3, 4])
+def test_add_of_differently_laid_out_inputs(rank):
+    # a channels-last conv output (NWC / NHWC) plus a contiguous tensor (found by the INT8 fuzzer)
+    a = rand_u8(1, 8, 1, 13).squeeze(2) if rank == 3 else rand_u8(1, 8, 5, 6)
+    b = rand_u8(1, 8, 13, seed=2) if rank == 3 else rand_u8(1, 8, 5, 6, seed=2).contiguous()
+    add = qm.QAdd(QParams(0.04, 100), QParams(0.07, 30), QParams(0.1, 90), relu=True)
+    # (quantized::add rounds in its own order: a few more one-step ties than elsewhere)
+    check_engine(graph_of(add, n_inputs=2, wiring=[(0, 1)]), a, b, frac=0.05)
+    check_engine(graph_of(add, n_inputs=2, wiring=[(0, 1)]), b, a, frac=0.05)
+
+
 @pytest.mark.parametrize(
     "k,s,p,d,ceil",
     [
