@@ -227,15 +227,23 @@ def test_quantize_dequantize(shape):
     check_engine(graph_of(qm.Quantize(qp), qm.Dequantize(qp)), x, frac=0.01)
 
 
+@pytest.mark.parametrize("shape", [(2, 7), (1, 5, 3, 4), (1, 6, 9)])
+@pytest.mark.parametrize("out_qp", [IN, QParams(0.03, 7)], ids=["same_qp", "requant"])
+def test_relu_and_hardtanh(shape, out_qp):
+    x = rand_u8(*shape)
+    check_engine(graph_of(qm.QReLU(IN, out_qp)), x)
+    check_engine(graph_of(qm.QHardtanh(-1.0, 3.0, IN, out_qp)), x)
+
+
 def test_unsupported_node_stays_in_torch_between_segments():
     x = rand_u8(1, 8, 6, 6)
     c0 = calibrated_qconv(x, cout=8, k=3, padding=(1, 1), in_qp=IN)
-    relu = qm.QReLU(c0.output_qparams, c0.output_qparams)  # no engine kernel: stays in torch
+    mul = qm.QMul(c0.output_qparams, c0.output_qparams, c0.output_qparams)  # no engine kernel: stays in torch
     c1 = calibrated_qconv(x, cout=8, k=1, in_qp=c0.output_qparams)
-    eng = check_engine(graph_of(c0, relu, c1), x, expect_engine=False)
+    eng = check_engine(graph_of(c0, mul, c1, wiring=[(0,), (1, 1), (2,)]), x, expect_engine=False)
     assert eng.report.path == "mixed" and eng.report.segments == 2
-    assert [n.op for n in eng.report.torch_nodes] == ["QReLU"]
-    assert "no engine kernel for QReLU" in str(eng.report)
+    assert [n.op for n in eng.report.torch_nodes] == ["QMul"]
+    assert "no engine kernel for QMul" in str(eng.report)
 
 
 def test_spec_geometry_is_the_modules():

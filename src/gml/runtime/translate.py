@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from gml.kernels.backend import QParams
+from gml.kernels.backend import QParams, clamp_bounds
 from gml.kernels.fp32 import PostOp
 from gml.quant import modules as qm
 
@@ -170,6 +170,21 @@ def _emit_add(b: Builder, mod: Any, ins: list[Val], out: Val) -> None:
     b.binary(ins[0], ins[1], out, "add", scale0=a.scale, scale1=c.scale, eltwise=eltwise)
 
 
+def _emit_clamp(b: Builder, mod: Any, ins: list[Val], out: Val, lo: int, hi: int) -> None:
+    # a clamp of the integers (exact: quantization is monotone, see gml.kernels.backend.clamp_bounds),
+    # then the requantization, as post-ops of max(x, x): the one primitive that takes any rank
+    eltwise: Eltwise = [("clip", float(lo), float(hi)), *requant_eltwise(mod.input_qparams, mod.output_qparams)]
+    b.binary(ins[0], ins[0], out, "max", scale0=None, scale1=None, eltwise=eltwise)
+
+
+def _emit_relu(b: Builder, mod: Any, ins: list[Val], out: Val) -> None:
+    _emit_clamp(b, mod, ins, out, mod.input_qparams.zero_point, 255)
+
+
+def _emit_hardtanh(b: Builder, mod: Any, ins: list[Val], out: Val) -> None:
+    _emit_clamp(b, mod, ins, out, *clamp_bounds(mod.input_qparams, mod.min_val, mod.max_val))
+
+
 def _check_maxpool(mod: nn.Module) -> str | None:
     return None if type(mod) is qm.QMaxPool2d else "3-D max pool"
 
@@ -273,6 +288,8 @@ RULES: dict[type[nn.Module], Rule] = {
     qm.QConv2dAdd: Rule(_check_conv, _emit_conv_add, 2),
     qm.QLinear: Rule(_always, _emit_linear),
     qm.QAdd: Rule(_always, _emit_add, 2),
+    qm.QReLU: Rule(_always, _emit_relu),
+    qm.QHardtanh: Rule(_always, _emit_hardtanh),
     qm.QMaxPool2d: Rule(_check_maxpool, _emit_maxpool),
     qm.QAvgPool2d: Rule(_check_avgpool, _emit_avgpool),
     qm.QAdaptiveAvgPool2d: Rule(_check_adaptive, _emit_adaptive),
