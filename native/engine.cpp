@@ -241,6 +241,7 @@ class Plan {
     dnnl::algorithm a;
     if (alg == "add") a = dnnl::algorithm::binary_add;
     else if (alg == "mul") a = dnnl::algorithm::binary_mul;
+    else if (alg == "max") a = dnnl::algorithm::binary_max;
     else throw std::invalid_argument("gml engine: unknown binary op '" + alg + "'");
     dnnl::primitive_attr attr;
     dnnl::post_ops po;

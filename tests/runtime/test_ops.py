@@ -135,6 +135,17 @@ def test_add(relu):
     check_engine(graph_of(add, n_inputs=2, wiring=[(0, 1)]), a, b)
 
 
+@pytest.mark.parametrize("rank", [3, 4])
+def test_add_of_differently_laid_out_inputs(rank):
+    # a channels-last conv output (NWC / NHWC) plus a contiguous tensor (found by the INT8 fuzzer)
+    a = rand_u8(1, 8, 1, 13).squeeze(2) if rank == 3 else rand_u8(1, 8, 5, 6)
+    b = rand_u8(1, 8, 13, seed=2) if rank == 3 else rand_u8(1, 8, 5, 6, seed=2).contiguous()
+    add = qm.QAdd(QParams(0.04, 100), QParams(0.07, 30), QParams(0.1, 90), relu=True)
+    # (quantized::add rounds in its own order: a few more one-step ties than elsewhere)
+    check_engine(graph_of(add, n_inputs=2, wiring=[(0, 1)]), a, b, frac=0.05)
+    check_engine(graph_of(add, n_inputs=2, wiring=[(0, 1)]), b, a, frac=0.05)
+
+
 @pytest.mark.parametrize(
     "k,s,p,d,ceil",
     [
@@ -216,15 +227,23 @@ def test_quantize_dequantize(shape):
     check_engine(graph_of(qm.Quantize(qp), qm.Dequantize(qp)), x, frac=0.01)
 
 
+@pytest.mark.parametrize("shape", [(2, 7), (1, 5, 3, 4), (1, 6, 9)])
+@pytest.mark.parametrize("out_qp", [IN, QParams(0.03, 7)], ids=["same_qp", "requant"])
+def test_relu_and_hardtanh(shape, out_qp):
+    x = rand_u8(*shape)
+    check_engine(graph_of(qm.QReLU(IN, out_qp)), x)
+    check_engine(graph_of(qm.QHardtanh(-1.0, 3.0, IN, out_qp)), x)
+
+
 def test_unsupported_node_stays_in_torch_between_segments():
     x = rand_u8(1, 8, 6, 6)
     c0 = calibrated_qconv(x, cout=8, k=3, padding=(1, 1), in_qp=IN)
-    relu = qm.QReLU(c0.output_qparams, c0.output_qparams)  # no engine kernel: stays in torch
+    mul = qm.QMul(c0.output_qparams, c0.output_qparams, c0.output_qparams)  # no engine kernel: stays in torch
     c1 = calibrated_qconv(x, cout=8, k=1, in_qp=c0.output_qparams)
-    eng = check_engine(graph_of(c0, relu, c1), x, expect_engine=False)
+    eng = check_engine(graph_of(c0, mul, c1, wiring=[(0,), (1, 1), (2,)]), x, expect_engine=False)
     assert eng.report.path == "mixed" and eng.report.segments == 2
-    assert [n.op for n in eng.report.torch_nodes] == ["QReLU"]
-    assert "no engine kernel for QReLU" in str(eng.report)
+    assert [n.op for n in eng.report.torch_nodes] == ["QMul"]
+    assert "no engine kernel for QMul" in str(eng.report)
 
 
 def test_spec_geometry_is_the_modules():

@@ -298,7 +298,9 @@ class EngineModule(nn.Module):
         super().__init__()
         self.graph_module = graph_module
         self.report = report
-        self._expect = [(t.dtype, t.dim(), t.shape[1] if t.dim() > 1 else None) for t in example]
+        # channels (dim 1) are fixed for image / video inputs; other dims may change (a new plan),
+        # and for other ranks dim 1 may be a sequence length: the plan's compile run checks those
+        self._expect = [(t.dtype, t.dim(), t.shape[1] if t.dim() >= 4 else None) for t in example]
 
     def forward(self, *inputs: Any) -> Any:
         self._check(inputs)

@@ -187,7 +187,19 @@ class Builder:
     def binary(
         self, a: Val, b: Val, dst: Val, alg: str, *, scale0: float | None, scale1: float | None, eltwise: Eltwise
     ) -> None:
+        # oneDNN 3.2's binary primitive gives wrong values when a source's strides differ from the
+        # destination's (found by the INT8 fuzzer: an NWC conv output plus an NCW input): bring such a
+        # source into the destination's layout first.
+        if a.stride != dst.stride and a.shape == dst.shape:
+            a = self._relayout(a, dst)
+        if b.stride != dst.stride and b.shape == dst.shape:
+            b = self._relayout(b, dst)
         self._step("binary", [a, b], [dst], alg=alg, scale0=scale0, scale1=scale1, eltwise=eltwise)
+
+    def _relayout(self, v: Val, like: Val) -> Val:
+        t = self.temp(like.shape, like.stride, v.dtype_name)
+        self.reorder(v, t, src_q=None, dst_q=None)
+        return t
 
     def concat(self, srcs: list[Val], dst: Val, axis: int) -> None:
         self._step("concat", list(srcs), [dst], axis=axis)

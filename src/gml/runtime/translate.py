@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from gml.kernels.backend import QParams
+from gml.kernels import fp32
+from gml.kernels.backend import QParams, clamp_bounds
 from gml.kernels.fp32 import PostOp
 from gml.quant import modules as qm
 
@@ -170,6 +171,21 @@ def _emit_add(b: Builder, mod: Any, ins: list[Val], out: Val) -> None:
     b.binary(ins[0], ins[1], out, "add", scale0=a.scale, scale1=c.scale, eltwise=eltwise)
 
 
+def _emit_clamp(b: Builder, mod: Any, ins: list[Val], out: Val, lo: int, hi: int) -> None:
+    # a clamp of the integers (exact: quantization is monotone, see gml.kernels.backend.clamp_bounds),
+    # then the requantization, as post-ops of max(x, x): the one primitive that takes any rank
+    eltwise: Eltwise = [("clip", float(lo), float(hi)), *requant_eltwise(mod.input_qparams, mod.output_qparams)]
+    b.binary(ins[0], ins[0], out, "max", scale0=None, scale1=None, eltwise=eltwise)
+
+
+def _emit_relu(b: Builder, mod: Any, ins: list[Val], out: Val) -> None:
+    _emit_clamp(b, mod, ins, out, mod.input_qparams.zero_point, 255)
+
+
+def _emit_hardtanh(b: Builder, mod: Any, ins: list[Val], out: Val) -> None:
+    _emit_clamp(b, mod, ins, out, *clamp_bounds(mod.input_qparams, mod.min_val, mod.max_val))
+
+
 def _check_maxpool(mod: nn.Module) -> str | None:
     return None if type(mod) is qm.QMaxPool2d else "3-D max pool"
 
@@ -254,6 +270,65 @@ def _emit_dequantize(b: Builder, mod: Any, ins: list[Val], out: Val) -> None:
     b.reorder(ins[0], out, src_q=qp(mod.input_qparams), dst_q=None)
 
 
+# ---------------------------------------------------------------- fp32 fused kernels (gml.kernels.fp32)
+def _check_fconv(mod: Any) -> str | None:
+    if mod.weight.dim() != 4:
+        return f"{mod.weight.dim() - 2}-D fp32 conv (the engine plans 2-D convs)"
+    if not mod.fused:
+        return "the fp32 kernels are unavailable (the module runs its ATen fallback)"
+    return None
+
+
+def _emit_fconv(b: Builder, mod: Any, ins: list[Val], out: Val, *, sum_with: Val | None = None) -> None:
+    x = ins[0]
+    if x.dtype_name != "f32" or len(x.shape) != 4:
+        raise Unsupported(f"fp32 conv input {x.dtype_name} rank {len(x.shape)}")
+    k = tuple(mod.weight.shape[2:])
+    pad_r = [
+        _pad_right(_spatial(x)[i], _spatial(out)[i], k[i], mod.stride[i], mod.dilation[i], mod.padding[i])
+        for i in range(2)
+    ]
+    relu: Eltwise = [("relu", 0.0, 0.0)] if getattr(mod, "relu", False) else []
+    eltwise = eltwise_of(mod.post_op) if sum_with is None else relu
+    b.conv(
+        x,
+        out,
+        weight=mod.weight.detach(),
+        w_scales=torch.ones(1),
+        bias=mod.bias,
+        stride=mod.stride,
+        dilation=tuple(d - 1 for d in mod.dilation),
+        pad_l=mod.padding,
+        pad_r=pad_r,
+        groups=mod.groups,
+        src_q=None,
+        dst_q=None,
+        sum_q=None if sum_with is None else (1.0, 0),
+        eltwise=eltwise,
+    )
+
+
+def _emit_fconv_add(b: Builder, mod: Any, ins: list[Val], out: Val) -> None:
+    b.share(out, ins[1])  # conv(x) + other accumulated in other's memory (a copy if other lives on)
+    _emit_fconv(b, mod, ins[:1], out, sum_with=ins[1])
+
+
+def _emit_flinear(b: Builder, mod: Any, ins: list[Val], out: Val) -> None:
+    x = ins[0]
+    if len(x.shape) != 2 or x.dtype_name != "f32":
+        raise Unsupported(f"fp32 linear on a rank-{len(x.shape)} {x.dtype_name} input (the engine plans 2-D)")
+    b.inner_product(
+        x,
+        out,
+        weight=mod.weight.detach(),
+        w_scales=torch.ones(1),
+        bias=mod.bias,
+        src_q=None,
+        dst_q=None,
+        eltwise=eltwise_of(mod.post_op),
+    )
+
+
 def _always(mod: nn.Module) -> str | None:
     return None
 
@@ -273,6 +348,8 @@ RULES: dict[type[nn.Module], Rule] = {
     qm.QConv2dAdd: Rule(_check_conv, _emit_conv_add, 2),
     qm.QLinear: Rule(_always, _emit_linear),
     qm.QAdd: Rule(_always, _emit_add, 2),
+    qm.QReLU: Rule(_always, _emit_relu),
+    qm.QHardtanh: Rule(_always, _emit_hardtanh),
     qm.QMaxPool2d: Rule(_check_maxpool, _emit_maxpool),
     qm.QAvgPool2d: Rule(_check_avgpool, _emit_avgpool),
     qm.QAdaptiveAvgPool2d: Rule(_check_adaptive, _emit_adaptive),
@@ -280,6 +357,9 @@ RULES: dict[type[nn.Module], Rule] = {
     qm.QCat: Rule(_always, _emit_cat, None),
     qm.Quantize: Rule(_always, _emit_quantize),
     qm.Dequantize: Rule(_always, _emit_dequantize),
+    fp32.FusedConv: Rule(_check_fconv, _emit_fconv),
+    fp32.FusedConvAdd: Rule(_check_fconv, _emit_fconv_add, 2),
+    fp32.FusedLinear: Rule(_always, _emit_flinear),
 }
 
 

@@ -295,7 +295,8 @@ def _quantize(model: nn.Module, calib: list[tuple[torch.Tensor, ...]]) -> Any:
         extra = {"per_layer": False} if "per_layer" in inspect.signature(quantize).parameters else {}
         res = quantize(model, calib, example_inputs=calib[0], **extra)
         frontend = getattr(getattr(res, "frontend", None), "fp32_passes", None)
-        return res.module, [r for r in (frontend, res.report) if r is not None]
+        # the runtime gml.quantize chose (the native engine where it covers the graph)
+        return getattr(res, "executable", res.module), [r for r in (frontend, res.report) if r is not None]
     from gml.passes.manager import PassManager
     from gml.quant.frontend import prepare_reference
     from gml.quant.lower import LowerToGML
