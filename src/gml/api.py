@@ -98,11 +98,11 @@ class QuantizeResult:
     seconds: dict[str, float]
 
     def save(self, path: str) -> None:
-        """Pickle the INT8 GraphModule (torch.export cannot capture the uint8 views between the INT8
-        kernels yet, docs/adr/004); ``gml.io.load(path, trust_pickle=True)`` reads it back."""
+        """Save the INT8 model as a ``torch.export`` program of ``torch.ops.gml`` calls (no pickle);
+        ``gml.io.load(path)`` reads it back without the model's source (docs/adr/005)."""
         from gml.io import save
 
-        save(self.module, path, format="pickle")
+        save(self.module, path)
 
 
 def quantize(
@@ -133,11 +133,11 @@ def quantize(
     import time
 
     from gml.errors import InputError
-    from gml.passes.lift_combine_quant import LiftCombineQuant
     from gml.quant.accuracy import accuracy_report
     from gml.quant.calibrate import generate_batches
     from gml.quant.frontend import prepare_reference
-    from gml.quant.lower import LowerToGML
+    from gml.quant.lower import coverage_of
+    from gml.quant.pipeline import lowering_passes
 
     check_eval_mode(model, what="INT8 quantization")
     if example_inputs is None:
@@ -161,12 +161,12 @@ def quantize(
     )
     seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
 
-    # Lower first (it reads the reference Q/DQ form), then clean up the quantize ops it leaves.
-    lower = LowerToGML(backend)
+    # The post-convert half of the INT8 pipeline (gml.quant.pipeline: lower, fuse, clean up).
     samples = [inputs]
     t0 = time.perf_counter()
-    result = PassManager([lower, LiftCombineQuant()], strict=strict).run(copy.deepcopy(ref.graph_module), samples)
-    seconds["lower + clean up"] = time.perf_counter() - t0
+    passes = lowering_passes(backend)
+    result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
+    seconds["lower + fuse + clean up"] = time.perf_counter() - t0
 
     if eval_data is None:
         eval_data = generate_batches(inputs, 2, seed=12345)
@@ -176,5 +176,11 @@ def quantize(
     )
     seconds["accuracy report"] = time.perf_counter() - t0
     return QuantizeResult(
-        result.graph_module, result.report, ref.report, lower.coverage, acc, ref.graph_module, seconds
+        result.graph_module,
+        result.report,
+        ref.report,
+        coverage_of(result.graph_module),
+        acc,
+        ref.graph_module,
+        seconds,
     )

@@ -27,7 +27,7 @@ INPLACE_CAPABLE_MODULES: tuple[type[nn.Module], ...] = modules_tagged("activatio
 _INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem})
 
 
-def _inplace_spelling(node: fx.Node) -> bool:
+def inplace_spelling(node: fx.Node) -> bool:
     if node.target in _INPLACE_OPERATORS:
         return True
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
@@ -41,7 +41,7 @@ def writes_in_place(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
         mod = modules.get(str(node.target))
         return isinstance(mod, INPLACE_CAPABLE_MODULES) and bool(getattr(mod, "inplace", False))
     if node.op in ("call_function", "call_method"):
-        return _inplace_spelling(node) or node.kwargs.get("inplace") is True
+        return inplace_spelling(node) or node.kwargs.get("inplace") is True
     return False
 
 

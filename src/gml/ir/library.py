@@ -185,7 +185,7 @@ _FAKES: dict[str, Any] = {
 
 @functools.cache
 def _define() -> torch.library.Library:
-    lib = torch.library.Library(NAMESPACE, "DEF")  # noqa: TOR901 - kept alive by the cache
+    lib = torch.library.Library(NAMESPACE, "DEF")
     for name, schema in SCHEMAS.items():
         lib.define(name + schema)
         torch.library.register_fake(f"{NAMESPACE}::{name}", _FAKES[name], lib=lib)
@@ -251,5 +251,3 @@ def output_qparams_args(node: fx.Node) -> tuple[float, int] | None:
 def describe() -> SimpleNamespace:
     """The op table as data: ``describe().qconv`` is the full schema string (for docs and tests)."""
     return SimpleNamespace(**{name: f"{NAMESPACE}::{name}{schema}" for name, schema in SCHEMAS.items()})
-
-

@@ -69,7 +69,7 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("sigmoid", (nn.Sigmoid,), (torch.sigmoid, F.sigmoid), ("sigmoid", "sigmoid_"), _ACT8, "sigmoid"),
     OpSpec("tanh", (nn.Tanh,), (torch.tanh, F.tanh), ("tanh", "tanh_"), _ACT, "tanh"),
     OpSpec("gelu", (nn.GELU,), (F.gelu,), (), _ACT),
-    OpSpec("silu", (nn.SiLU,), (F.silu,), (), _ACT, "swish"),
+    OpSpec("silu", (nn.SiLU,), (F.silu,), (), _ACT8, "swish"),  # INT8: as a fused conv/linear post-op
     OpSpec("hardswish", (nn.Hardswish,), (F.hardswish,), (), _ACT8, "hardswish"),
     OpSpec("hardsigmoid", (nn.Hardsigmoid,), (F.hardsigmoid,), (), _ACT8, "hardsigmoid"),
     OpSpec("leaky_relu", (nn.LeakyReLU,), (F.leaky_relu, F.leaky_relu_), (), _ACT),

@@ -22,7 +22,7 @@ _DEQUANTIZE_FUNCS: set[Any] = {torch.dequantize}
 DECOMPOSED_Q: set[Any] = set()
 DECOMPOSED_DQ: set[Any] = set()
 try:  # the decomposed ops are registered on import of torch.ao's quantize_fx machinery
-    import torch.ao.quantization.fx._decomposed  # noqa: F401
+    import torch.ao.quantization.fx._decomposed
 
     _qd = torch.ops.quantized_decomposed
     DECOMPOSED_Q = {_qd.quantize_per_tensor.default, _qd.quantize_per_tensor.tensor}
@@ -42,10 +42,10 @@ def is_quantize(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in _QUANTIZE_FUNCS or node.target in DECOMPOSED_Q)
 
 
-def is_quantize_any(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+def is_quantize_any(node: fx.Node, modules: dict[str, nn.Module] | None = None) -> bool:
     """Any quantize op: per-tensor or per-channel function, torch.ao ``Quantize`` module, ``gml.quantize``."""
     if node.op == "call_module":
-        return isinstance(modules.get(str(node.target)), _AoQuantize)
+        return modules is not None and isinstance(modules.get(str(node.target)), _AoQuantize)
     return node.op == "call_function" and (
         node.target in _QUANTIZE_ANY_FUNCS or node.target in DECOMPOSED_Q or node.target is _gml_op("quantize")
     )

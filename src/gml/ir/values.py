@@ -128,3 +128,48 @@ class PostOp:
 
 
 NO_POST_OP = PostOp()
+
+
+@dataclass(frozen=True)
+class TensorQParams:
+    """The parameters any quantize op carries, resolved to tensors: per-tensor (``axis`` None) or
+    per-channel, any 8-bit dtype. (:class:`QParams` is the uint8 per-tensor activation form the
+    kernels take; this is the general form passes compare quantize ops by.)"""
+
+    scale: torch.Tensor  # float64, 1-D
+    zero_point: torch.Tensor  # int64, 1-D
+    dtype: torch.dtype
+    axis: int | None = None
+
+    def equals(self, other: TensorQParams) -> bool:
+        return (
+            self.dtype == other.dtype
+            and self.axis == other.axis
+            and torch.equal(self.scale, other.scale)
+            and torch.equal(self.zero_point, other.zero_point)
+        )
+
+    def difference(self, other: TensorQParams) -> str:
+        """Human reason why two parameter sets differ, e.g. ``scale 0.02 vs 0.03``."""
+        if self.dtype != other.dtype:
+            return f"dtype {str(self.dtype).removeprefix('torch.')} vs {str(other.dtype).removeprefix('torch.')}"
+        if self.axis != other.axis:
+            return f"axis {self.axis} vs {other.axis}"
+        if self.scale.shape != other.scale.shape:
+            return f"{self.scale.numel()} vs {other.scale.numel()} scales"
+        parts = []
+        if not torch.equal(self.scale, other.scale):
+            a, b = _fmt(self.scale), _fmt(other.scale)
+            if a == b:  # differ only beyond 6 digits (e.g. a float32 vs a float64 scale)
+                a, b = _fmt(self.scale, 17), _fmt(other.scale, 17)
+            parts.append(f"scale {a} vs {b}")
+        if not torch.equal(self.zero_point, other.zero_point):
+            parts.append(f"zero_point {_fmt(self.zero_point)} vs {_fmt(other.zero_point)}")
+        return ", ".join(parts)
+
+
+def _fmt(t: torch.Tensor, digits: int = 6) -> str:
+    if t.numel() == 1:
+        v = t.item()
+        return f"{v:.{digits}g}" if isinstance(v, float) else str(v)
+    return f"[{t.numel()} values]"
