@@ -101,9 +101,14 @@ def requantize(
 def _conv_spec(
     weight: torch.Tensor, stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int
 ):
-    if weight.dim() == 3:  # 1-D conv: the 2-D kernel at height 1
+    return _spec(weight.dim() == 3, tuple(stride), tuple(padding), tuple(dilation), groups)
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec(one_d: bool, stride: tuple, padding: tuple, dilation: tuple, groups: int) -> ConvSpec:
+    if one_d:  # 1-D conv: the 2-D kernel at height 1
         return ConvSpec((1, *stride), (0, *padding), (1, *dilation), groups)
-    return ConvSpec(tuple(stride), tuple(padding), tuple(dilation), groups)
+    return ConvSpec(stride, padding, dilation, groups)
 
 
 def _conv_handle(be: Int8Backend, x: torch.Tensor, x_qp: QParams, weight, weight_scale, bias, spec: ConvSpec) -> Any:
