@@ -1,4 +1,4 @@
-"""Lower a reference Q/DQ graph to GML INT8 modules that pass uint8 tensors to each other.
+"""Lower a reference Q/DQ graph to ``torch.ops.gml`` calls that pass uint8 tensors to each other.
 
 Before (what torch.ao's ``convert_to_reference_fx`` produces; every quantized value is a
 ``quantize`` node read through ``dequantize`` nodes)::
@@ -8,23 +8,23 @@ Before (what torch.ao's ``convert_to_reference_fx`` produces; every quantized va
     b  = relu(conv2(q1.dequantize()) + q0.dequantize());  q2 = quantize(b, s2, z2)
     y  = q2.dequantize()
 
-After::
+After (every qparam, geometry and post-op an argument; weights ``get_attr`` constants; docs/ir.md)::
 
-    u0 = Quantize(s0, z0)(x)          # fp32 → uint8, once, where the INT8 region starts
-    u1 = QConv2d(relu)(u0)            # uint8 → uint8
-    u2 = QConv2dAdd(relu)(u1, u0)     # relu(conv2(u1) + u0): one oneDNN kernel (sum post-op)
-    y  = Dequantize(s2, z2)(u2)       # uint8 → fp32, once, where it ends
+    u0 = gml.quantize(x, s0, z0)                          # fp32 → uint8, once, where INT8 starts
+    u1 = gml.qconv(u0, s0, z0, W1, sw1, b1, ..., s1, z1, uint8, "relu", ...)
+    u2 = gml.qconv_add(u1, s1, z1, W2, ..., u0, s0, z0, s2, z2, "relu")   # one oneDNN kernel
+    y  = gml.dequantize(u2, s2, z2)                       # uint8 → fp32, once, where it ends
 
-Math. A pattern ``Q_out(f(DQ(u_1), ..., DQ(u_n)))`` with ``DQ(u) = (u - z) * s`` becomes one module
+Math. A pattern ``Q_out(f(DQ(u_1), ..., DQ(u_n)))`` with ``DQ(u) = (u - z) * s`` becomes one op
 ``F(u_1, ..., u_n)`` that computes ``f`` on the integers with the input and output qparams folded in
 (the kernel's job), so each value is quantized exactly once. Fusions: conv/linear + an activation
 the backend's kernel has as eltwise post-op (relu; on oneDNN also ReLU6/hardtanh, hardswish,
-SiLU; on fbgemm ReLU6/hardtanh as a clamp of the result); conv + add (+ relu) for residuals (sum
-post-op). The sum post-op fusion also applies when
-the reference graph quantizes the conv output before the add (``conv → Q → DQ → add``): the
-intermediate rounding disappears, which moves results by at most about one output step — one
-reason this pass has no tolerance (``None``); the tests check it against the reference graph by
-cosine instead.
+SiLU; on fbgemm ReLU6/hardtanh as a clamp of the result); conv + add (+ relu) where the reference
+graph already fused them (torch.ao's ``ConvAdd2d``). When the reference quantizes the conv output
+before the add (``conv → Q → DQ → add``), this pass lowers conv and add separately and the next
+pass of the INT8 pipeline, :class:`~gml.quant.fuse_int8.FuseQConvAdd`, joins them. Lowering
+requantizes in integer kernels where the reference computed in fp32, so this pass has no tolerance
+(``None``); the tests check it against the reference graph by cosine instead.
 
 Phases of :meth:`LowerToGML.call`:
 
@@ -32,19 +32,22 @@ Phases of :meth:`LowerToGML.call`:
    with a fused activation, conv+add(+relu), add(+relu), mul, standalone activations (relu,
    ReLU6/hardtanh as integer clamps, hardswish, sigmoid, hardsigmoid), mean, max/avg pool,
    flatten, cat);
-   on a match, a GML module replaces the pattern; otherwise the quantize node becomes a
-   :class:`~gml.quant.modules.Quantize` module and the op stays in fp32 (a Skip with the reason,
-   e.g. "no INT8 kernel for GELU; kept in fp32", unless it is the model input);
+   on a match, the rule's plan value (a :mod:`gml.quant.modules` class, whose constructor checks
+   what the backend can run) replaces the pattern; otherwise the quantize node becomes a
+   ``gml.quantize`` and the op stays in fp32 (a Skip with the reason, e.g. "no INT8 kernel for
+   GELU; kept in fp32", unless it is the model input);
 2. the replaced patterns are deleted through :func:`~gml.passes.utils.remove_unused_nodes` only (a
    node still read by another branch, such as a residual's dequantize, is never erased); then
    conv / linear whose result is *not* quantized (e.g. logits the frontend keeps fp32) become
-   modules whose kernel writes fp32 directly;
-3. ``QConv2d → QAdd`` pairs fuse into ``QConv2dAdd`` when the backend has the kernel;
-4. shape queries (``x.size()``, ``x.dim()``, ``x.shape``) read the uint8 value directly;
-   dequantize nodes still read by fp32 code become :class:`Dequantize` modules; unused submodules
-   and the reference graph's qparam attributes are dropped;
-5. oneDNN's sum post-op writes into the skip tensor: ``clone_other`` is set on a fused node whose
-   skip tensor (or a view of it) is still read after it.
+   calls whose kernel writes fp32 directly (``out_dtype=torch.float32``);
+3. shape queries (``x.size()``, ``x.dim()``, ``x.shape``) read the uint8 value directly;
+   dequantize nodes still read by fp32 code become ``gml.dequantize``;
+4. every plan becomes the ``torch.ops.gml`` call its ``op_call`` names (data movement: the same
+   torch op on the integers, plus ``gml.requantize`` where qparams change); unused submodules and
+   the reference graph's qparam attributes are dropped.
+
+The ops are functional (``qconv_add`` never writes its residual operand), so no phase has to prove
+a skip tensor dead.
 
 Declined, with a reason: ops with no INT8 kernel (SiLU on its own, GELU, ...), a fused activation
 the backend's kernel lacks ("the fbgemm backend has no INT8 conv2d kernel with a hardswish
@@ -52,8 +55,9 @@ post-op"), inputs that are not quantized (fp32 regions),
 non-uint8 or per-channel activation qparams, asymmetric or non-int8 weights, conv with non-zero
 padding modes / string padding, pools that change qparams in ways the kernel cannot express,
 add with ``alpha != 1`` or broadcasting operands, fp32 op outputs read by other ops as well.
-The coverage (which nodes became which module, which stayed fp32 and why) is in
-:attr:`LowerToGML.coverage` after a run, and in the result's notes.
+The coverage (which nodes became which op, which stayed fp32 and why) lives in ``node.meta`` and
+is read off the graph by :func:`coverage_of` (also ``LoweringResult.coverage`` and the notes); the
+pass keeps no per-run state.
 """
 
 from __future__ import annotations
