@@ -107,11 +107,11 @@ class QuantizeResult:
         return self.engine if self.engine is not None else self.module
 
     def save(self, path: str) -> None:
-        """Pickle the INT8 GraphModule (torch.export cannot capture the uint8 views between the INT8
-        kernels yet, docs/adr/004); ``gml.io.load(path, trust_pickle=True)`` reads it back."""
+        """Save the INT8 model as a ``torch.export`` program of ``torch.ops.gml`` calls (no pickle);
+        ``gml.io.load(path)`` reads it back without the model's source (docs/adr/005)."""
         from gml.io import save
 
-        save(self.module, path, format="pickle")
+        save(self.module, path)
 
 
 def quantize(
@@ -146,11 +146,11 @@ def quantize(
     import time
 
     from gml.errors import InputError
-    from gml.passes.lift_combine_quant import LiftCombineQuant
     from gml.quant.accuracy import accuracy_report
     from gml.quant.calibrate import generate_batches
     from gml.quant.frontend import prepare_reference
-    from gml.quant.lower import LowerToGML
+    from gml.quant.lower import coverage_of
+    from gml.quant.pipeline import lowering_passes
     from gml.runtime.select import check_runtime
 
     check_runtime(runtime)
@@ -176,12 +176,12 @@ def quantize(
     )
     seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
 
-    # Lower first (it reads the reference Q/DQ form), then clean up the quantize ops it leaves.
-    lower = LowerToGML(backend)
+    # The post-convert half of the INT8 pipeline (gml.quant.pipeline: lower, fuse, clean up).
     samples = [inputs]
     t0 = time.perf_counter()
-    result = PassManager([lower, LiftCombineQuant()], strict=strict).run(copy.deepcopy(ref.graph_module), samples)
-    seconds["lower + clean up"] = time.perf_counter() - t0
+    passes = lowering_passes(backend)
+    result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
+    seconds["lower + fuse + clean up"] = time.perf_counter() - t0
 
     if eval_data is None:
         eval_data = generate_batches(inputs, 2, seed=12345)
@@ -197,6 +197,13 @@ def quantize(
     engine, runtime_report = attach_runtime(result.graph_module, inputs, runtime)
     seconds["engine compile"] = time.perf_counter() - t0
     return QuantizeResult(
-        result.graph_module, result.report, ref.report, lower.coverage, acc, ref.graph_module, seconds,
-        engine, runtime_report,
+        result.graph_module,
+        result.report,
+        ref.report,
+        coverage_of(result.graph_module),
+        acc,
+        ref.graph_module,
+        seconds,
+        engine,
+        runtime_report,
     )

@@ -21,6 +21,7 @@ from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 from torch.utils._pytree import tree_flatten
 
 from gml.errors import InputError, TraceFailure, UnsupportedError
+from gml.ir.alias import MUTATES
 from gml.models import child_names
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # the separator keeps torchvision/ a user dir
@@ -168,7 +169,7 @@ def trace(
 
 #: ``node.meta`` keys shape propagation sets on a node that overwrote some of its inputs: the names
 #: of those input nodes, and the one the node returned (``x.add_(y)`` returns ``x``), if any.
-MUTATES = "gml_mutates"
+#: (``MUTATES`` is defined in :mod:`gml.ir.alias`, with the analysis that reads it.)
 RETURNS_MUTATED = "gml_returns_mutated"
 
 

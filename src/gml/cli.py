@@ -21,7 +21,11 @@ console = Console(highlight=False)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="torchvision model name (e.g. resnet18) or path/to/file.py:ClassName")
+    p.add_argument(
+        "model",
+        help="torchvision model name (e.g. resnet18) or path/to/file.py:ClassName; `inspect` also takes a "
+        "model saved by gml (file.pt2)",
+    )
     p.add_argument(
         "--input-shape",
         metavar="SHAPE",
@@ -80,14 +84,40 @@ def _short(value: object, limit: int = 48) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _load_saved(spec: str):
+    """``(graph module, example inputs)`` of a ``.pt2`` file written by ``gml.io.save``, or ``None``
+    when ``spec`` names no such file (a model name or ``file.py:Class``)."""
+    from pathlib import Path
+
+    import torch
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    if Path(spec).suffix != ".pt2" or not Path(spec).is_file():
+        return None
+    from gml.io import load
+
+    gm = load(spec)
+    inputs = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor):  # a symbolic (dynamic) batch is shown at size 1
+            inputs.append(torch.zeros([d if isinstance(d, int) else 1 for d in val.shape], dtype=val.dtype))
+    ShapeProp(gm).propagate(*inputs)
+    return gm, tuple(inputs)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from gml.capture import capture
     from gml.passes.catalog import find_patterns, sibling_groups
     from gml.passes.oplib import node_label
     from gml.passes.utils import modules_of
 
-    model, inputs = load_from_args(args)
-    gm = capture(model, inputs, leaf_modules=args.leaf)
+    saved = _load_saved(args.model)
+    if saved is not None:  # a model written by gml.io.save: show the graph it holds (gml ops for INT8)
+        gm, inputs = saved
+    else:
+        model, inputs = load_from_args(args)
+        gm = capture(model, inputs, leaf_modules=args.leaf)
     modules = modules_of(gm)
     n_params = sum(p.numel() for p in gm.parameters())
     console.print(
@@ -259,10 +289,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             )
     if args.out:
         res.save(args.out)
-        console.print(
-            f"saved to {args.out} (pickled GraphModule: load it with gml.io.load(path, trust_pickle=True), "
-            "only from a source you trust)"
-        )
+        console.print(f"saved to {args.out} (a torch.export program of gml ops: load it with gml.io.load(path))")
     return 0
 
 
@@ -325,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-tensor", action="store_true", help="per-tensor instead of per-channel weight scales")
     p.add_argument("--no-per-layer", action="store_true", help="skip the per-layer SQNR table (faster)")
     p.add_argument("--no-time", action="store_true", help="skip the quick fp32-vs-INT8 latency check")
-    p.add_argument("--out", metavar="FILE", help="save the INT8 module (see docs/adr/004)")
+    p.add_argument(
+        "--out", metavar="FILE", help="save the INT8 module as a torch.export program of gml ops (see docs/adr/005)"
+    )
     p.set_defaults(func=cmd_quantize)
 
     from gml.bench.cli import add_bench_arguments, bench_command

@@ -44,12 +44,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+
+from gml.ir.ops import OPS
+from gml.ir.values import NO_POST_OP, UNARY_ATTRS, PostOp
 
 # --------------------------------------------------------------------------------------------------
 # Availability
@@ -117,85 +119,13 @@ def register_export_support() -> None:
 # Post-ops
 # --------------------------------------------------------------------------------------------------
 
-#: oneDNN attr names ``_convolution_pointwise`` / ``_linear_pointwise`` accept (aten/src/ATen/native/
-#: mkldnn/Utils.cpp, ``fusion_unary_attr_map``).
-UNARY_ATTRS = ("relu", "sigmoid", "tanh", "swish", "hardswish", "hardsigmoid", "leaky_relu", "hardtanh", "gelu")
+# PostOp / NO_POST_OP / UNARY_ATTRS are IR value types (gml.ir.values), imported above.
 
-
-@dataclass(frozen=True)
-class PostOp:
-    """A fused element-wise epilogue: oneDNN ``attr`` name, its scalars and algorithm."""
-
-    attr: str = "none"
-    scalars: tuple[float, ...] = ()
-    algorithm: str = ""
-
-    def __post_init__(self) -> None:
-        if self.attr != "none" and self.attr not in UNARY_ATTRS:
-            raise ValueError(f"unknown oneDNN post-op {self.attr!r}; known: {', '.join(UNARY_ATTRS)}")
-
-    @property
-    def op_scalars(self) -> list[float | None]:
-        # ``[None]`` rather than ``[]``: torch.export cannot serialize an empty Scalar?[] list.
-        return list(self.scalars) if self.scalars else [None]
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """The same math with ATen ops (fallback path and test reference)."""
-        a = self.attr
-        if a == "none":
-            return x
-        if a == "relu":
-            return torch.relu(x)
-        if a == "sigmoid":
-            return torch.sigmoid(x)
-        if a == "tanh":
-            return torch.tanh(x)
-        if a == "swish":
-            return F.silu(x)
-        if a == "hardswish":
-            return F.hardswish(x)
-        if a == "hardsigmoid":
-            return F.hardsigmoid(x)
-        if a == "leaky_relu":
-            return F.leaky_relu(x, self.scalars[0])
-        if a == "hardtanh":
-            return F.hardtanh(x, self.scalars[0], self.scalars[1])
-        return F.gelu(x, approximate=self.algorithm or "none")
-
-    def __str__(self) -> str:
-        if self.attr == "hardtanh":
-            return f"hardtanh({self.scalars[0]:g}, {self.scalars[1]:g})"
-        if self.attr == "leaky_relu":
-            return f"leaky_relu({self.scalars[0]:g})"
-        if self.attr == "gelu":
-            return f"gelu({self.algorithm})" if self.algorithm == "tanh" else "gelu"
-        return self.attr
-
-
-NO_POST_OP = PostOp()
-
-_SIMPLE_MODULES: dict[type[nn.Module], str] = {
-    nn.ReLU: "relu",
-    nn.Sigmoid: "sigmoid",
-    nn.Tanh: "tanh",
-    nn.SiLU: "swish",
-    nn.Hardswish: "hardswish",
-    nn.Hardsigmoid: "hardsigmoid",
-}
-_SIMPLE_FUNCTIONS: dict[Any, str] = {
-    torch.relu: "relu",
-    torch.relu_: "relu",
-    F.relu: "relu",
-    F.relu_: "relu",
-    torch.sigmoid: "sigmoid",
-    F.sigmoid: "sigmoid",
-    torch.tanh: "tanh",
-    F.tanh: "tanh",
-    F.silu: "swish",
-    F.hardswish: "hardswish",
-    F.hardsigmoid: "hardsigmoid",
-}
-_SIMPLE_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid", "tanh": "tanh"}
+# Activations that are one oneDNN post-op with no arguments to read, in every spelling: the op
+# table's ``post_op`` field (gml.ir.ops), not a list of its own.
+_SIMPLE_MODULES: dict[type[nn.Module], str] = {m: o.post_op for o in OPS if o.post_op for m in o.modules}
+_SIMPLE_FUNCTIONS: dict[Any, str] = {f: o.post_op for o in OPS if o.post_op for f in o.functions}
+_SIMPLE_METHODS: dict[str, str] = {m: o.post_op for o in OPS if o.post_op for m in o.methods}
 
 
 def post_op_of_module(mod: nn.Module) -> PostOp | str:

@@ -45,18 +45,16 @@ from collections.abc import Sequence
 
 import torch
 
+from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.kernels.backend import (
-    Conv2dSpec,
     ConvPostOp,
-    Int8Backend,
-    QParams,
     eltwise_of,
     fp32_or_none,
     has_padding_only_window,
     silence_quantized_tensor_warnings,
     split_post_op,
 )
-from gml.kernels.fp32 import PostOp
+from gml.kernels.quantized_cpu import QuantizedCPUBackend
 
 _CL = torch.channels_last
 _CL3 = torch.channels_last_3d
@@ -76,7 +74,7 @@ class OneDNNPackedConv:
         weight: torch.Tensor,
         w_scale: torch.Tensor,
         bias: torch.Tensor | None,
-        spec: Conv2dSpec,
+        spec: ConvSpec,
         input_qparams: QParams,
     ) -> None:
         self.weight = weight
@@ -151,7 +149,7 @@ class OneDNNPackedLinear:
         return packed
 
 
-class OneDNNBackend(Int8Backend):
+class OneDNNBackend(QuantizedCPUBackend):
     """oneDNN (x86, VNNI/AMX) INT8 kernels: fused conv+post-ops, linear, and the residual sum."""
 
     name = "onednn"
@@ -183,7 +181,7 @@ class OneDNNBackend(Int8Backend):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None,
-        spec: Conv2dSpec,
+        spec: ConvSpec,
         input_qparams: QParams,
         input_shape: Sequence[int] | None = None,
     ) -> OneDNNPackedConv:
@@ -199,7 +197,7 @@ class OneDNNBackend(Int8Backend):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None,
-        spec: Conv2dSpec,
+        spec: ConvSpec,
         input_qparams: QParams,
         input_shape: Sequence[int] | None = None,
     ) -> OneDNNPackedConv:

@@ -14,13 +14,13 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from gml import nn as gnn
+from gml.ir.alias import mutates, written_in_place
+from gml.ir.ops import ACTIVATION_KINDS as ACTIVATION_KINDS  # re-exported for the fusion passes
+from gml.ir.ops import op_kind
 from gml.kernels import fp32 as k32
-from gml.passes.normalize import written_in_place
-from gml.passes.oplib import SPECS, op_kind
 from gml.passes.utils import modules_of
 
 CONV_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-ACTIVATION_KINDS = frozenset(name for name, spec in SPECS.items() if "activation" in spec.tags)
 
 
 def kind_of(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
@@ -121,46 +121,6 @@ def fresh_output_types() -> tuple[type[nn.Module], ...]:
         nn.BatchNorm3d,
         gnn.Add,
     )
-
-
-_VIEW_METHODS = frozenset({"view", "reshape", "flatten", "contiguous", "permute", "transpose", "squeeze", "unsqueeze"})
-
-
-def aliases(node: fx.Node, base: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    """Whether ``node`` may share memory with ``base``: it is ``base`` or a view chain of it."""
-    seen = 0
-    while isinstance(node, fx.Node) and seen < 64:
-        if node is base:
-            return True
-        viewish = (
-            (node.op == "call_method" and node.target in _VIEW_METHODS)
-            or (node.op == "call_function" and node.target is operator.getitem)
-            or kind_of(node, modules) in ("view", "flatten", "identity")
-        )
-        if not viewish or not node.args:
-            return False
-        node = node.args[0]
-        seen += 1
-    return False
-
-
-_INPLACE_FUNCTIONS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem})
-
-
-def mutates(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    """Whether ``node`` may write into one of its inputs (``relu_``, ``+=``, ``inplace=True`` modules, ...)."""
-    if node.op == "call_module":
-        mod = modules.get(str(node.target))
-        return bool(getattr(mod, "inplace", False))
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.endswith("__")
-    if node.op == "call_function":
-        if node.target in _INPLACE_FUNCTIONS or node.kwargs.get("inplace") is True:
-            return True
-        name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.endswith("__")
-    return False
 
 
 def mutation_between(start: fx.Node, end: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:

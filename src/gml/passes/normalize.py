@@ -66,7 +66,14 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from gml import nn as gnn
-from gml.capture import MUTATES, RETURNS_MUTATED
+from gml.capture import RETURNS_MUTATED
+from gml.ir.alias import (
+    INPLACE_CAPABLE_MODULES,
+    MUTATES,
+    returns_alias,
+    writes_in_place,
+)
+from gml.ir.alias import inplace_spelling as _is_inplace_spelling
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import node_label, op_kind
 from gml.passes.utils import modules_of
@@ -159,78 +166,9 @@ _SIG_BY_TARGET: dict[Any, _Sig] = {
 }
 _KWARG_ALIASES = {"train": "training", "self": "input"}
 
-# Activation modules whose ``inplace=True`` overwrites their input.
-_INPLACE_MODULES: tuple[type[nn.Module], ...] = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.Hardtanh,
-    nn.SiLU,
-    nn.Hardswish,
-    nn.Hardsigmoid,
-    nn.LeakyReLU,
-    nn.ELU,
-    nn.CELU,
-    nn.SELU,
-    nn.Mish,
-    nn.Threshold,
-    nn.RReLU,
-)
+# Activation modules whose ``inplace=True`` overwrites their input (the op table's activations).
+_INPLACE_MODULES = INPLACE_CAPABLE_MODULES
 _DROPOUT_MODULES = (nn.modules.dropout._DropoutNd,)
-
-# Ops whose result shares storage with their first argument.
-_VIEW_METHODS = frozenset(
-    [
-        "view",
-        "view_as",
-        "reshape",
-        "reshape_as",
-        "permute",
-        "transpose",
-        "t",
-        "squeeze",
-        "unsqueeze",
-        "flatten",
-        "unflatten",
-        "expand",
-        "expand_as",
-        "narrow",
-        "select",
-        "contiguous",
-        "split",
-        "chunk",
-        "unbind",
-        "as_strided",
-        "detach",
-        "movedim",
-        "swapaxes",
-        "diagonal",
-        "__getitem__",
-        "unfold",
-    ]
-)
-_VIEW_FUNCTIONS: frozenset[Any] = frozenset(
-    {
-        operator.getitem,
-        torch.reshape,
-        torch.flatten,
-        torch.transpose,
-        torch.permute,
-        torch.squeeze,
-        torch.unsqueeze,
-        torch.narrow,
-        torch.select,
-        torch.split,
-        torch.chunk,
-        torch.unbind,
-        torch.t,
-        torch.movedim,
-        torch.swapaxes,
-        torch.as_strided,
-        torch.detach,
-        torch.diagonal,
-    }
-)
-_ALIAS_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, *_DROPOUT_MODULES)
 
 # Methods / attributes that yield Python numbers, shapes or dtypes rather than tensors.
 _NON_TENSOR_METHODS = frozenset(
@@ -243,54 +181,8 @@ class _Decline(Exception):
     """A candidate this pass will not rewrite; the message is the user-facing reason."""
 
 
-def _is_inplace_spelling(node: fx.Node) -> bool:
-    if node.target in (operator.iadd, operator.imul):
-        return True
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
-
-
 #: Start of the skip reason for an opaque call whose in-place write stays invisible to data flow.
 OPAQUE_WRITE_KEPT = "opaque call overwrites"
-
-
-def returns_alias(n: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    """Whether ``n``'s result may share storage with its first argument (a view, an in-place op)."""
-    if n.op == "call_method":
-        return n.target in _VIEW_METHODS or _is_inplace_spelling(n)
-    if n.op == "call_function":
-        return n.target in _VIEW_FUNCTIONS or _is_inplace_spelling(n) or n.kwargs.get("inplace") is True
-    if n.op == "call_module":
-        mod = modules.get(str(n.target))
-        return isinstance(mod, _ALIAS_MODULES) or (isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False))
-    return False
-
-
-def written_in_place(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
-    """A later op that overwrites ``node``'s value, directly or through a view of it, if any."""
-    work, seen = [node], {node}
-    while work:
-        current = work.pop()
-        for user in current.users:
-            if (writes_in_place(user, modules) and user.args and user.args[0] is current) or (
-                current.name in user.meta.get(MUTATES, ())
-            ):
-                return user
-            if user not in seen and returns_alias(user, modules) and user.args and user.args[0] is current:
-                seen.add(user)
-                work.append(user)
-    return None
-
-
-def writes_in_place(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    """Whether ``node`` overwrites its first operand (``x.relu_()``, ``inplace=True``, an
-    ``nn.ReLU(inplace=True)`` call, ``x += y``)."""
-    if node.op == "call_module":
-        mod = modules.get(str(node.target))
-        return isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False)
-    if node.op in ("call_function", "call_method"):
-        return _is_inplace_spelling(node) or node.kwargs.get("inplace") is True
-    return False
 
 
 def _bind(node: fx.Node, sig: _Sig) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from gml.capture import MutableArgsInterpreter
 from gml.errors import InputError
+from gml.ir.library import output_qparams_args
 from gml.passes.oplib import node_label
 
 
@@ -112,15 +113,15 @@ class AccuracyReport:
 
 
 # ---------------------------------------------------------------- helpers
-def _to_float(value: Any, module: nn.Module | None = None) -> torch.Tensor | None:
+def _to_float(value: Any, qparams: tuple[float, int] | None = None) -> torch.Tensor | None:
     """A dense fp32 view of an activation: QTensors are dequantized, GML uint8 outputs are mapped
-    back with the module's output qparams; non-tensors give ``None``."""
+    back with the op's output qparams (``(scale, zero_point)``); non-tensors give ``None``."""
     if not isinstance(value, torch.Tensor):
         return None
     if value.is_quantized:
         return value.dequantize()
-    if value.dtype in (torch.uint8, torch.int8) and module is not None and hasattr(module, "output_scale"):
-        return (value.to(torch.float32) - float(module.output_zp)) * float(module.output_scale)
+    if value.dtype in (torch.uint8, torch.int8) and qparams is not None:
+        return (value.to(torch.float32) - qparams[1]) * qparams[0]
     return value.float() if value.is_floating_point() else None
 
 
@@ -169,8 +170,7 @@ class _Recorder(MutableArgsInterpreter):
             if key in self.values:  # already holds the post-quantize value
                 return result
         if self.keys is None or key in self.keys:
-            mod = self.modules.get(str(n.target)) if n.op == "call_module" else None
-            value = _to_float(result, mod)
+            value = _to_float(result, output_qparams_args(n))
             if value is not None:
                 self.values[key] = value.detach()
         return result

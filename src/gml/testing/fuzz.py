@@ -299,10 +299,10 @@ def _quantize(model: nn.Module, calib: list[tuple[torch.Tensor, ...]]) -> Any:
         return getattr(res, "executable", res.module), [r for r in (frontend, res.report) if r is not None]
     from gml.passes.manager import PassManager
     from gml.quant.frontend import prepare_reference
-    from gml.quant.lower import LowerToGML
+    from gml.quant.pipeline import lowering_passes
 
     ref = prepare_reference(model, calib[0], calib, progress=False)
-    res = PassManager([LowerToGML()]).run(copy.deepcopy(ref.graph_module), [calib[0]])
+    res = PassManager(lowering_passes(None)).run(copy.deepcopy(ref.graph_module), [calib[0]])
     return res.graph_module, [ref.report.fp32_passes, res.report]
 
 
