@@ -900,44 +900,7 @@ class LowerToGML(GraphPass):
 
     @staticmethod
     def _emit_ops(ctx: _Ctx) -> None:
-        """Replace each planned module call by its :class:`~gml.quant.modules.OpCall`: tensors among
-        the arguments become buffers of the graph module read by ``get_attr`` (dense constants)."""
-        gm, graph = ctx.gm, ctx.gm.graph
-        for node in list(graph.nodes):
-            mod = ctx.module(node)
-            if not isinstance(mod, GMLQuantModuleBase | Dequantize):
-                continue
-            call = mod.op_call(list(node.args))
-            prefix = str(node.target)
-            with graph.inserting_before(node):
-                if isinstance(call.target, str) and call.target.startswith("."):
-                    new = graph.call_method(call.target[1:], call.args)
-                    result = call.target[1:]
-                elif isinstance(call.target, str):
-                    op = library.op(call.target)
-                    names = [a.name for a in op._schema.arguments]
-                    args = tuple(
-                        _constant_node(gm, f"{prefix}_{names[i]}", a) if isinstance(a, torch.Tensor) else a
-                        for i, a in enumerate(call.args)
-                    )
-                    new = graph.call_function(op, args)
-                    result = call.target
-                else:
-                    new = graph.call_function(call.target, call.args)
-                    result = getattr(call.target, "__name__", str(call.target))
-                entry = node.meta.get(LOWERED)
-                if call.item is not None:
-                    new = graph.call_function(operator.getitem, (new, call.item))
-                if call.requantize is not None and not call.requantize[0].close_to(call.requantize[1]):
-                    (a, b) = call.requantize
-                    new = graph.call_function(
-                        library.op("requantize"), (new, a.scale, a.zero_point, b.scale, b.zero_point)
-                    )
-            if entry is not None:
-                entry.result = result
-                new.meta[LOWERED] = entry
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
+        emit_op_calls(ctx.gm, ctx.module)
 
     @staticmethod
     def _drop_unused_attributes(gm: fx.GraphModule, qparam_attrs: set[str]) -> None:
@@ -949,6 +912,50 @@ class LowerToGML(GraphPass):
             parent = gm.get_submodule(parent_name) if parent_name else gm
             if hasattr(parent, attr):
                 delattr(parent, attr)
+
+
+def emit_op_calls(gm: fx.GraphModule, module_of: Callable[[fx.Node], nn.Module | None]) -> None:
+    """Replace each call of a GML INT8 module (``module_of(node)``) by its
+    :class:`~gml.quant.modules.OpCall`: tensors among the arguments become buffers of the graph
+    module read by ``get_attr`` (dense constants). What :class:`LowerToGML` emits; tests build
+    one-op graphs of the IR with it."""
+    register_int8_ops()  # the graph calls torch.ops.gml.*: their schemas and Python kernels
+    graph = gm.graph
+    for node in list(graph.nodes):
+        mod = module_of(node)
+        if not isinstance(mod, GMLQuantModuleBase | Dequantize):
+            continue
+        call = mod.op_call(list(node.args))
+        prefix = str(node.target)
+        with graph.inserting_before(node):
+            if isinstance(call.target, str) and call.target.startswith("."):
+                new = graph.call_method(call.target[1:], call.args)
+                result = call.target[1:]
+            elif isinstance(call.target, str):
+                op = library.op(call.target)
+                names = [a.name for a in op._schema.arguments]
+                args = tuple(
+                    _constant_node(gm, f"{prefix}_{names[i]}", a) if isinstance(a, torch.Tensor) else a
+                    for i, a in enumerate(call.args)
+                )
+                new = graph.call_function(op, args)
+                result = call.target
+            else:
+                new = graph.call_function(call.target, call.args)
+                result = getattr(call.target, "__name__", str(call.target))
+            entry = node.meta.get(LOWERED)
+            if call.item is not None:
+                new = graph.call_function(operator.getitem, (new, call.item))
+            if call.requantize is not None and not call.requantize[0].close_to(call.requantize[1]):
+                (a, b) = call.requantize
+                new = graph.call_function(
+                    library.op("requantize"), (new, a.scale, a.zero_point, b.scale, b.zero_point)
+                )
+        if entry is not None:
+            entry.result = result
+            new.meta[LOWERED] = entry
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
 
 
 def _constant_node(gm: fx.GraphModule, base: str, value: torch.Tensor) -> fx.Node:
