@@ -68,7 +68,7 @@ def optimize(
     check_deterministic(model, inputs)
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
     samples = [inputs, *random_inputs(inputs, max(0, n_check_inputs - 1), seed=1)]
-    ref = run_outputs(model, samples[:1])
+    ref = run_outputs(copy.deepcopy(model), samples[:1])  # a copy: forward may update buffers
     result = PassManager(list(passes) if passes is not None else fp32_passes(), strict=strict).run(gm, samples)
     err, _ = compare_outputs(ref, run_outputs(result.graph_module, samples[:1]), None)
     scale = max(
@@ -156,8 +156,16 @@ def quantize(
     seconds: dict[str, float] = {}
 
     t0 = time.perf_counter()
+    # The frontend traces, runs and calibrates the model: on a copy, so buffers that forward()
+    # updates (a running max) stay as the caller left them.
     ref = prepare_reference(
-        model, inputs, calib_data, observer=observer, per_channel=per_channel, backend=backend, progress=progress
+        copy.deepcopy(model),
+        inputs,
+        calib_data,
+        observer=observer,
+        per_channel=per_channel,
+        backend=backend,
+        progress=progress,
     )
     seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
 
@@ -172,7 +180,12 @@ def quantize(
         eval_data = generate_batches(inputs, 2, seed=12345)
     t0 = time.perf_counter()
     acc = accuracy_report(
-        model, result.graph_module, eval_data, labels=eval_labels, fp32_graph=ref.float_module, per_layer=per_layer
+        copy.deepcopy(model),
+        result.graph_module,
+        eval_data,
+        labels=eval_labels,
+        fp32_graph=ref.float_module,
+        per_layer=per_layer,
     )
     seconds["accuracy report"] = time.perf_counter() - t0
     return QuantizeResult(

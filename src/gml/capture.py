@@ -8,6 +8,7 @@ line and what to do about it (leaf modules, ``concrete_args``, ``torch.where``).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import traceback
@@ -319,6 +320,10 @@ def _same(a: Any, b: Any) -> tuple[bool, float]:
     return worst == 0.0, worst
 
 
+def _cloned(values: Sequence[Any]) -> list[Any]:
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in values]
+
+
 def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what: str = "optimization") -> None:
     """Raise if two eval-mode runs of ``model`` on the same inputs differ.
 
@@ -329,11 +334,14 @@ def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what
     If the model does not even run on ``example_inputs``, nothing is raised here: :func:`capture`
     reports that with the node that failed.
     """
-    clones = [x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    # On a copy of the model and of the inputs: a forward that updates a buffer (a running max, a
+    # counter) or writes its input must not change the caller's objects, even when it is refused.
+    # One copy runs twice, so state that forward() carries from call to call still shows.
     try:
+        probe = copy.deepcopy(model)
         with torch.no_grad():
-            first = model(*clones)
-            second = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs])
+            first = probe(*_cloned(example_inputs))
+            second = probe(*_cloned(example_inputs))
     except Exception:
         return
     same, _ = _same(first, second)

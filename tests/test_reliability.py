@@ -1,0 +1,122 @@
+"""Regression tests for issue #11 (reliability round 2) that are not one-line catalog cases:
+checks that run on copies, NaN/Inf propagation, degenerate calibration, the accuracy alarm.
+
+Each test failed before its fix; docs/bad-inputs.md lists the user-facing messages.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import gml
+
+
+# ------------------------------------------------------------------ 4, 8: every check runs on copies
+class RunningMax(nn.Module):
+    """forward() records the largest activation in a buffer (as activation-statistics hooks do)."""
+
+    def __init__(self, feed_back: bool) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.feed_back = feed_back
+        self.register_buffer("peak", torch.zeros(()))
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        out = y / (1 + self.peak) if self.feed_back else torch.relu(y)
+        self.peak.copy_(torch.maximum(self.peak, y.abs().max()))
+        return out
+
+
+def _bn_stats(m: nn.Module) -> None:
+    torch.manual_seed(0)
+    m.bn.running_mean.uniform_(-0.5, 0.5)
+    m.bn.running_var.uniform_(0.5, 2)
+
+
+def test_a_refused_stateful_model_keeps_its_buffer():
+    model = RunningMax(feed_back=True).eval()
+    with torch.no_grad():
+        model.peak.zero_()
+    x = torch.randn(1, 3, 8, 8)
+    for call in (lambda: gml.optimize(model, x), lambda: gml.quantize(model, 2, example_inputs=(x,))):
+        try:
+            call()
+        except gml.errors.UnsupportedError as exc:
+            assert "random in eval mode" in exc.message
+        else:
+            raise AssertionError("a model whose output depends on a running max is not deterministic")
+        assert float(model.peak) == 0.0, "the determinism check ran the caller's model"
+
+
+def test_optimize_and_quantize_leave_the_models_buffers_alone():
+    model = RunningMax(feed_back=False).eval()
+    _bn_stats(model)
+    x = torch.randn(1, 3, 8, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    res = gml.optimize(model, x)
+    assert float(model.peak) == 0.0
+    assert res.report.record("fold_bn").status == "applied"
+    # INT8 cannot keep the buffer's in-place update and says so, after calibrating a copy
+    try:
+        gml.quantize(model, 2, example_inputs=(x,), per_layer=False)
+    except gml.errors.UnsupportedError as exc:
+        assert "in-place op copy_" in exc.message
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a buffer of the caller's model changed"
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.bn(self.conv(x))
+
+
+def test_the_callers_example_input_is_never_written():
+    model = WritesItsInput().eval()
+    _bn_stats(model)
+    x = torch.randn(1, 3, 8, 8)
+    x0 = x.clone()
+    res = gml.optimize(model, x)
+    assert torch.equal(x, x0), "the pass manager's shape propagation wrote the caller's input"
+    # and nothing was rolled back for the wrong reason: every pass saw the same input
+    assert not res.report.rolled_back, [(r.name, r.error) for r in res.report.rolled_back]
+    assert res.report.record("fold_bn").status == "applied"
+    torch.testing.assert_close(res.module(x.clone()), model(x.clone()), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ 9: fuse_conv and a write through a view of a BN
+def test_fuse_conv_declines_a_write_through_a_view_of_a_value_downstream():
+    """conv → bn → .view → relu_ with the bn output read again: the fused conv's channels-last
+    output would make the view a copy. Declined with the reason; a write nobody reads back is fine."""
+
+    class Net(nn.Module):
+        def __init__(self, read_again: bool) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 1)
+            self.bn = nn.BatchNorm2d(2)
+            self.read_again = read_again
+
+        def forward(self, x):
+            y = self.conv(x)
+            z = self.bn(y)
+            z.view(z.shape[0], -1).relu_()
+            return z + y if self.read_again else z.view(z.shape[0], -1).sum(1)
+
+    x = torch.randn(1, 2, 3, 3)
+    for read_again in (True, False):
+        model = Net(read_again).eval()
+        _bn_stats(model)
+        res = gml.optimize(model, x)
+        assert not res.report.rolled_back, [(r.name, r.error) for r in res.report.rolled_back]
+        torch.testing.assert_close(res.module(x), model(x), rtol=1e-4, atol=1e-5)
+        reasons = [s.reason for name, s in res.report.skips if name == "fuse_conv"]
+        declined = any("writes in place through a view of bn" in r for r in reasons)
+        assert declined == read_again, reasons
