@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from gml.capture import capture, check_deterministic, check_eval_mode
+from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, PipelineReport, compare_outputs, run_outputs
 from gml.verify.harness import random_inputs, verify_pass
@@ -43,6 +43,25 @@ class OptimizeResult:
         save(self.module, path)
 
 
+def _no_autograd(module: nn.Module, args: tuple) -> None:
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        from gml.errors import InputError
+
+        raise InputError(
+            "This GML-optimized module is for inference: its fused kernels do not propagate gradients, so "
+            "an input that requires grad would give an output whose backward() leaves the input's .grad None.",
+            hint="call it under torch.inference_mode() / torch.no_grad(), or pass x.detach(); train the "
+            "original nn.Module instead.",
+        )
+
+
+def refuse_autograd(module: nn.Module) -> None:
+    """Make ``module`` raise :class:`~gml.errors.InputError` when called with an input that requires
+    grad while autograd is on (issue #11: the output required grad, ``backward()`` silently left
+    ``x.grad`` None). Under ``no_grad``/``inference_mode`` nothing is checked."""
+    module.register_forward_pre_hook(_no_autograd)
+
+
 def _as_tuple(example_inputs: Any) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, list | tuple) else (example_inputs,)
 
@@ -65,6 +84,7 @@ def optimize(
 
     inputs = _as_tuple(example_inputs)
     check_eval_mode(model)
+    check_finite_parameters(model)
     check_deterministic(model, inputs)
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
     samples = [inputs, *random_inputs(inputs, max(0, n_check_inputs - 1), seed=1)]
@@ -74,6 +94,7 @@ def optimize(
     scale = max(
         (float(t.abs().max()) for outs in ref for t in outs if t.numel() and t.is_floating_point()), default=0.0
     )
+    refuse_autograd(result.graph_module)
     return OptimizeResult(result.graph_module, result.report, err, scale)
 
 
@@ -105,6 +126,24 @@ class QuantizeResult:
         save(self.module, path, format="pickle")
 
 
+def check_min_cosine(acc: Any, min_cosine: float) -> None:
+    """Raise :class:`~gml.errors.AccuracyError` when the accuracy report falls below ``min_cosine``."""
+    from gml.errors import AccuracyError, GMLError
+
+    if not -1.0 <= min_cosine <= 1.0:
+        raise GMLError(f"min_cosine={min_cosine} is not a cosine.", hint="give a value in [-1, 1], e.g. 0.99.")
+    why = acc.below(min_cosine)
+    if why is None:
+        return
+    worst = acc.worst(1)
+    where = f" The worst layer is {worst[0].node} ({worst[0].op}), SQNR {worst[0].sqnr_db:.1f} dB." if worst else ""
+    raise AccuracyError(
+        f"The INT8 model is below the required accuracy: {why}.{where}",
+        hint="calibrate on real data (more batches), try --observer histogram or percentile, or keep the "
+        "worst layer in fp32; docs/bad-inputs.md lists what each exit code means.",
+    )
+
+
 def quantize(
     model: nn.Module,
     calib_data: Any = None,
@@ -118,6 +157,7 @@ def quantize(
     per_layer: bool = True,
     progress: bool = False,
     strict: bool = False,
+    min_cosine: float | None = None,
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -129,6 +169,9 @@ def quantize(
         observer: ``minmax`` | ``moving_average`` | ``histogram`` | ``percentile``.
         eval_data / eval_labels: held-out batches for the accuracy report (default: 2 generated
             batches that the calibration did not see).
+        min_cosine: raise :class:`~gml.errors.AccuracyError` when the INT8 outputs' cosine with
+            fp32 on ``eval_data`` is below this (or NaN/Inf differ). Without it, a result below
+            :data:`~gml.quant.accuracy.BROKEN_COSINE` is returned with ``accuracy.broken`` set.
     """
     import time
 
@@ -140,6 +183,7 @@ def quantize(
     from gml.quant.lower import LowerToGML
 
     check_eval_mode(model, what="INT8 quantization")
+    check_finite_parameters(model, what="INT8 quantization")
     if example_inputs is None:
         if calib_data is None or isinstance(calib_data, int):
             raise InputError(
@@ -188,6 +232,9 @@ def quantize(
         per_layer=per_layer,
     )
     seconds["accuracy report"] = time.perf_counter() - t0
+    refuse_autograd(result.graph_module)
+    if min_cosine is not None:
+        check_min_cosine(acc, min_cosine)
     return QuantizeResult(
         result.graph_module, result.report, ref.report, lower.coverage, acc, ref.graph_module, seconds
     )
