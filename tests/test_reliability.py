@@ -187,3 +187,71 @@ def test_fused_kernels_report_nonfinite_inputs_exactly():
     x[0, 0] = float("nan")
     torch.testing.assert_close(k32.fused_matmul_add_relu(x, w, bias), torch.relu(x @ w + bias), equal_nan=True)
     assert k32.all_finite(torch.ones(3)) and not k32.all_finite(torch.ones(3), a)
+
+
+# ------------------------------------------------------------------ 2: a broken INT8 result is reported BROKEN
+def test_a_broken_int8_result_is_flagged_with_its_worst_layer(monkeypatch):
+    """The one-frame Conv3d defect, put back on purpose (no explicit padding): the report must say
+    BROKEN and name the layer; min_cosine turns it into an AccuracyError."""
+    import gml.kernels.onednn_int8 as od
+    from gml.kernels.backend import has_padding_only_window
+
+    def old_rule(self, shape):
+        s, k = self.spec, self.weight.shape[2:]
+        return any(
+            has_padding_only_window(shape[2 + i], k[i], s.stride[i], s.padding[i], s.dilation[i]) for i in range(len(k))
+        )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv3d(6, 12, 3, padding=1, groups=6)).eval()
+    x = torch.randn(1, 6, 1, 4, 4)
+    good = gml.quantize(model, 8, example_inputs=(x,))
+    assert good.accuracy.broken is None and good.accuracy.cosine > 0.99  # the fix
+    monkeypatch.setattr(od.OneDNNPackedConv, "needs_explicit_padding", old_rule)
+    bad = gml.quantize(model, 8, example_inputs=(x,))
+    assert bad.accuracy.cosine < 0.9
+    assert bad.accuracy.broken.startswith("output cosine") and "worst layer _0 (QConv3d)" in bad.accuracy.broken
+    assert bad.accuracy.summary().startswith("BROKEN (")
+    try:
+        gml.quantize(model, 8, example_inputs=(x,), min_cosine=0.99)
+    except gml.errors.AccuracyError as exc:
+        assert exc.exit_code == 8 and "worst layer is _0 (QConv3d)" in exc.message
+    else:
+        raise AssertionError("min_cosine did not stop a broken result")
+
+
+def test_nan_outputs_are_not_reported_as_zero_error():
+    from gml.quant.accuracy import accuracy_report
+
+    class Nan(nn.Module):
+        def forward(self, x):
+            return x * float("nan")
+
+    rep = accuracy_report(nn.Identity(), Nan(), [torch.randn(2, 4)], per_layer=False)
+    assert rep.int8_nonfinite == 8 and rep.max_abs_diff == float("inf")
+    assert rep.broken and "non-finite outputs" in rep.broken and "all zero" not in rep.summary()
+
+
+# ------------------------------------------------------------------ 6: too few calibration samples warn
+def test_too_few_calibration_samples_warn_but_quantize():
+    import warnings
+
+    from gml.quant.calibrate import CalibrationWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = gml.quantize(model, [torch.randn(1, 3, 8, 8) for _ in range(2)], per_layer=False)
+    assert any(issubclass(w.category, CalibrationWarning) and "2 sample(s)" in str(w.message) for w in caught)
+    assert "warning: calibrated on 2 sample(s)" in res.frontend.summary()
+
+
+# ------------------------------------------------------------------ 10: (x, y) pairs as evaluation data
+def test_eval_data_of_input_label_pairs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval()
+    pairs = [(torch.randn(2, 3, 8, 8), torch.randint(0, 5, (2,))) for _ in range(4)]
+    res = gml.quantize(model, pairs, eval_data=pairs, per_layer=False)
+    acc = res.accuracy
+    assert acc.samples == 8 and acc.fp32_top1 is not None and acc.int8_top1 is not None

@@ -230,6 +230,12 @@ def _compute_nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
     return out
 
 
+def _arity(model: nn.Module) -> int | None:
+    if isinstance(model, fx.GraphModule):
+        return sum(1 for n in model.graph.nodes if n.op == "placeholder")
+    return None
+
+
 def _as_args(batch: Any) -> tuple[Any, ...]:
     return (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
 
@@ -274,11 +280,28 @@ def accuracy_report(
     correct_fp32 = correct_int8 = 0
     classified = 0
     labels_list = list(labels) if labels is not None else None
+    arity = _arity(int8_model)
+    labelled = 0  # samples whose top-1 accuracy was counted
     batches = 0
     with torch.no_grad():
         for i, batch in enumerate(inputs):
             args = _as_args(batch)
-            ref_out = _flat_outputs(fp32_model(*args))
+            y = labels_list[i] if labels_list is not None and i < len(labels_list) else None
+            if arity is not None and len(args) > arity:
+                # (inputs, labels) pairs, as a DataLoader yields them: the extra item is the label
+                extra = args[arity]
+                if y is None and isinstance(extra, torch.Tensor) and not extra.is_floating_point():
+                    y = extra
+                args = args[:arity]
+            try:
+                ref_out = _flat_outputs(fp32_model(*args))
+            except Exception as exc:
+                shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
+                raise InputError(
+                    f"evaluation batch {i} (shapes {shapes}) does not fit the model: {type(exc).__name__}: "
+                    f"{(str(exc).strip().splitlines() or [''])[0]}",
+                    hint="evaluation batches must look like the example inputs (tensors or (inputs, labels) pairs).",
+                ) from None
             if layer_graphs:
                 rec_q = _Recorder(int8_model, keys, after_quantize=True)  # type: ignore[arg-type]
                 q_out = _flat_outputs(rec_q.run(*args))
@@ -325,8 +348,8 @@ def accuracy_report(
                 pr, pq = first_r.argmax(1), first_q.argmax(1)
                 agree += int((pr == pq).sum())
                 classified += n
-                if labels_list is not None:
-                    y = labels_list[i]
+                if y is not None:
+                    labelled += n
                     correct_fp32 += int((pr == y).sum())
                     correct_int8 += int((pq == y).sum())
             batches += 1
@@ -341,14 +364,13 @@ def accuracy_report(
                 continue
             layers.append(LayerError(key, node_label(node, modules), sqnr_db(sig[key], noise[key]), worst[key]))
     unmatched = [k for k in int8_nodes if k not in keys or not compared[k]]
-    with_labels = labels_list is not None and classified
     return AccuracyReport(
         samples=samples,
         cosine=cosine,
         max_abs_diff=max_diff,
         top1_agreement=agree / classified if classified else None,
-        fp32_top1=correct_fp32 / classified if with_labels else None,
-        int8_top1=correct_int8 / classified if with_labels else None,
+        fp32_top1=correct_fp32 / labelled if labelled else None,
+        int8_top1=correct_int8 / labelled if labelled else None,
         layers=layers,
         unmatched=unmatched,
         fp32_max_abs=max_r,
