@@ -110,10 +110,17 @@ class OneDNNPackedConv:
         return packed
 
     def needs_explicit_padding(self, shape: Sequence[int]) -> bool:
-        """Whether some output window over an input of ``shape`` lies entirely in the padding.
+        """Whether the kernel must not see this conv's padding for an input of ``shape``.
 
-        oneDNN's INT8 conv returns uninitialised memory for such outputs (fp32 gives the bias), so
-        :meth:`OneDNNBackend.conv2d` pads the input itself and convolves without padding there.
+        Two oneDNN INT8 defects, both avoided by padding the input ourselves (with the zero point, the
+        integer of 0.0: the same math) and convolving without padding:
+
+        * some output window lies entirely in the padding: oneDNN returns uninitialised memory
+          there (fp32 gives the bias);
+        * a 3-D conv over a one-frame clip (input depth 1) with depth padding: the kernel oneDNN
+          picks for it is wrong (grouped convs with several outputs per group, e.g. ``Conv3d(6, 12,
+          3, padding=1, groups=6)`` on ``(1, 6, 1, 4, 4)``: error 1.5 against outputs of 0.5; with
+          the padding explicit, or with two frames, the result is exact). Fuzz seeds 9001 and 424242.
         """
         key = tuple(shape)
         flag = self.explicit_padding.get(key)
@@ -123,7 +130,7 @@ class OneDNNPackedConv:
             flag = any(
                 has_padding_only_window(key[2 + i], k[i], s.stride[i], s.padding[i], s.dilation[i])
                 for i in range(len(k))
-            )
+            ) or (len(k) == 3 and key[2] == 1 and s.padding[0] > 0)
             _make_room(self.explicit_padding)
             self.explicit_padding[key] = flag
         return flag

@@ -251,7 +251,10 @@ class PassManager:
         assert result is not None
         if result.modified and self.propagate_shapes and samples:
             try:
-                ShapeProp(gm).propagate(*samples[0])
+                # on copies (a model that writes its input must not change the caller's sample) and
+                # without autograd (a buffer forward() updates must stay a leaf the next snapshot can copy)
+                with torch.no_grad():
+                    ShapeProp(gm).propagate(*(a.clone() if isinstance(a, torch.Tensor) else a for a in samples[0]))
             except Exception as e:  # metadata is a convenience; never fail the pipeline on it
                 result.notes.append(f"shape propagation failed: {e}")
         report.records.append(

@@ -123,6 +123,8 @@ class FrontendReport:
     def summary(self) -> str:
         cal = self.calibration
         seen = f"{cal.batches} batches / {cal.samples} samples ({cal.source})" if cal else "not calibrated"
+        if cal and cal.warnings:
+            seen += " (warning: " + "; ".join(cal.warnings) + ")"
         return (
             f"{len(self.quantized)} ops INT8 ({len(self.fused)} fused), {len(self.fp32)} fp32; "
             f"observer={self.observer}, weights per-{'channel' if self.per_channel else 'tensor'}, "
@@ -299,6 +301,7 @@ def prepare(
     from torch.ao.quantization.quantize_fx import prepare_fx
 
     gm = copy.deepcopy(gm)
+    _check_outputs_are_tensors(gm)
     leaves = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_module"})
     custom = (
         PrepareCustomConfig()
@@ -316,6 +319,21 @@ def prepare(
         )
     _observe_fixed_qparams_inputs(prepared, activation_observer(observer, backend=backend, percentile=percentile))
     return prepared
+
+
+def _check_outputs_are_tensors(gm: fx.GraphModule) -> None:
+    """torch.ao's prepare takes tensors (in tuples, lists, dicts) and ``None`` as outputs; a constant
+    among them (an int, a string) made it raise a bare ``Exception``."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    odd: list[Any] = []
+    fx.node.map_aggregate(out.args[0], lambda a: a if isinstance(a, fx.Node) or a is None else odd.append(a))
+    if odd:
+        raise UnsupportedError(
+            f"INT8 quantization needs forward() to return tensors (in tuples, lists or dicts); this model also "
+            f"returns the constant {odd[0]!r} ({type(odd[0]).__name__}).",
+            hint="return the constant from somewhere else (an attribute, a second method), or quantize the "
+            "part of the model that returns tensors (--submodule); `gml optimize` (fp32) keeps such outputs.",
+        )
 
 
 def _observe_fixed_qparams_inputs(prepared: fx.GraphModule, observer_ctor: Any) -> int:
