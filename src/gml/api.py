@@ -118,6 +118,7 @@ def quantize(
     per_layer: bool = True,
     progress: bool = False,
     strict: bool = False,
+    leaf_modules: Sequence[str | type] = (),
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -129,6 +130,7 @@ def quantize(
         observer: ``minmax`` | ``moving_average`` | ``histogram`` | ``percentile``.
         eval_data / eval_labels: held-out batches for the accuracy report (default: 2 generated
             batches that the calibration did not see).
+        leaf_modules: submodule names or classes kept as opaque calls, as in :func:`gml.capture`.
     """
     import time
 
@@ -137,7 +139,7 @@ def quantize(
     from gml.quant.accuracy import accuracy_report
     from gml.quant.calibrate import generate_batches
     from gml.quant.frontend import prepare_reference
-    from gml.quant.lower import LowerToGML
+    from gml.quant.lower import CoverageEntry, LowerToGML, coverage_of
 
     check_eval_mode(model, what="INT8 quantization")
     if example_inputs is None:
@@ -156,8 +158,9 @@ def quantize(
     seconds: dict[str, float] = {}
 
     t0 = time.perf_counter()
+    traced = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules) if leaf_modules else model
     ref = prepare_reference(
-        model, inputs, calib_data, observer=observer, per_channel=per_channel, backend=backend, progress=progress
+        traced, inputs, calib_data, observer=observer, per_channel=per_channel, backend=backend, progress=progress
     )
     seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
 
@@ -167,6 +170,10 @@ def quantize(
     t0 = time.perf_counter()
     result = PassManager([lower, LiftCombineQuant()], strict=strict).run(copy.deepcopy(ref.graph_module), samples)
     seconds["lower + clean up"] = time.perf_counter() - t0
+    # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
+    coverage = coverage_of(result.graph_module)
+    for r in result.report.rolled_back:
+        coverage.kept_fp32.append(CoverageEntry([f"(pass {r.name})"], r.name, "fp32", f"rolled back: {r.error}"))
 
     if eval_data is None:
         eval_data = generate_batches(inputs, 2, seed=12345)
@@ -176,5 +183,5 @@ def quantize(
     )
     seconds["accuracy report"] = time.perf_counter() - t0
     return QuantizeResult(
-        result.graph_module, result.report, ref.report, lower.coverage, acc, ref.graph_module, seconds
+        result.graph_module, result.report, ref.report, coverage, acc, ref.graph_module, seconds
     )

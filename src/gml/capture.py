@@ -82,6 +82,23 @@ def torch_layer_base(m: nn.Module) -> type[nn.Module] | None:
     return None
 
 
+def behaves_as(m: object, cls: type | tuple[type, ...]) -> bool:
+    """Whether module ``m`` computes what ``cls`` (a ``torch.nn`` layer class) computes.
+
+    ``isinstance`` is not enough: timm's ``Conv2dSame`` subclasses ``nn.Conv2d`` and pads its input
+    "same"-style in its own ``forward``; ``BatchNormAct2d`` subclasses ``nn.BatchNorm2d`` and adds an
+    activation. A rewrite that reads such a module as its base class drops what the subclass adds.
+    True for ``cls`` itself, torch's own subclasses (fused/reference modules of ``torch.ao``), and a
+    user subclass that overrides nothing of its torch ancestor (:func:`torch_layer_base`).
+    """
+    if not isinstance(m, cls):
+        return False
+    if type(m).__module__.startswith("torch."):
+        return True
+    base = torch_layer_base(m)  # type: ignore[arg-type]
+    return base is not None and issubclass(base, cls)
+
+
 def _as_torch_layers(gm: fx.GraphModule) -> None:
     """Swap leaf modules that are renamed torch.nn layers (:func:`torch_layer_base`) for instances
     of that layer sharing their state, so passes and torch.ao match them by type."""
@@ -162,6 +179,9 @@ def trace(
         ) from None
     name = model_name if isinstance(model, nn.Module) else "GraphModule"
     gm = fx.GraphModule(tracer.root, graph, name)
+    # not .train(): the leaves are the caller's own modules; fx's fresh containers start in training mode
+    for m in (gm, *(m for m in gm.modules() if type(m) is nn.Module)):
+        m.training = model.training
     _as_torch_layers(gm)
     return gm
 

@@ -66,7 +66,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from gml import nn as gnn
-from gml.capture import MUTATES, RETURNS_MUTATED
+from gml.capture import MUTATES, RETURNS_MUTATED, behaves_as
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import node_label, op_kind
 from gml.passes.utils import modules_of
@@ -503,7 +503,8 @@ class Normalize(GraphPass):
         sites: dict[str, list[fx.Node]] = {}
         for node in self._gm.graph.nodes:
             mod = self._modules.get(str(node.target)) if node.op == "call_module" else None
-            if isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False):
+            # behaves_as: a subclass with its own forward may not honour ``inplace=False``
+            if behaves_as(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False):
                 sites.setdefault(str(node.target), []).append(node)
         for target, nodes in sites.items():
             hazards = [(n, self._mutation_hazard(n, n.args[0] if n.args else None)) for n in nodes]
@@ -586,7 +587,7 @@ class Normalize(GraphPass):
             self._gm.graph.erase_node(node)
             self._rewritten["nn.Identity"] += 1
             return
-        if not isinstance(mod, _DROPOUT_MODULES) or not self.remove_dropout:
+        if not behaves_as(mod, _DROPOUT_MODULES) or not self.remove_dropout:
             return
         if mod.training and mod.p > 0:
             self._decline(node, "dropout module is in training mode (random); call model.eval() first")

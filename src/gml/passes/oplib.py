@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from gml.capture import behaves_as
+
 
 @dataclass(frozen=True)
 class OpSpec:
@@ -95,8 +97,9 @@ SPECS: dict[str, OpSpec] = {spec.name: spec for spec in OPS}
 def op_kind(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
     """Canonical op name of ``node`` in any spelling, or ``None`` if the op is not in :data:`OPS`.
 
-    Module calls are classified by the module's exact type first, then by ``isinstance`` so that
-    subclasses (e.g. fused modules that inherit from ``nn.Conv2d``) are still recognised.
+    Module calls are classified by the module's exact type first, then by
+    :func:`~gml.capture.behaves_as`: torch's own subclasses and subclasses that override nothing
+    are recognised; a subclass with its own ``forward`` (timm's ``Conv2dSame``) is not its base op.
     """
     if node.op == "call_module":
         mod = modules.get(str(node.target))
@@ -106,7 +109,7 @@ def op_kind(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
         if kind is not None:
             return kind
         for cls, name in _BY_MODULE.items():
-            if isinstance(mod, cls):
+            if behaves_as(mod, cls):
                 return name
         return None
     if node.op == "call_function":

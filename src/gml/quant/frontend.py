@@ -42,7 +42,7 @@ import torch
 from torch import fx, nn
 
 from gml import nn as gnn
-from gml.capture import MUTATES
+from gml.capture import MUTATES, behaves_as
 from gml.errors import InputError, UnsupportedError
 from gml.passes.base import PassResult, Skip, Tolerance
 from gml.passes.manager import PassManager, PipelineReport
@@ -424,7 +424,7 @@ def keep_outputs_fp32(gm: fx.GraphModule) -> list[str]:
         src = q.args[0]
         mod = modules.get(str(src.target)) if isinstance(src, fx.Node) and src.op == "call_module" else None
         root = mod[0] if isinstance(mod, nn.Sequential) and len(mod) else mod  # fused nni modules
-        if not isinstance(root, nn.Conv2d | nn.Linear):
+        if not behaves_as(root, (nn.Conv2d, nn.Linear)):
             continue
         output.replace_input_with(dq, src)
         for n in (dq, q, *[a for a in q.args[1:] if isinstance(a, fx.Node)]):

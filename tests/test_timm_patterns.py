@@ -1,0 +1,134 @@
+"""The timm patterns of issue #16 on tiny local models (tests/assets/timm_like.py; no timm needed)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import gml
+from assets.timm_like import (
+    BnActNet,
+    Conv2dSame,
+    GlobalContextNet,
+    SameNet,
+    randomize_bn,
+)
+from gml.capture import behaves_as
+from gml.passes.base import GraphPass, PassResult
+from gml.passes.manager import PassManager
+from gml.passes.oplib import op_kind
+from gml.quant.lower import coverage_of
+from gml.quant.modules import GMLQuantModuleBase, QConv2dAdd, Quantize
+
+X = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+def _int8_counts(gm: fx.GraphModule) -> Counter[str]:
+    mods = dict(gm.named_modules())
+    return Counter(
+        type(mods[str(n.target)]).__name__
+        for n in gm.graph.nodes
+        if n.op == "call_module"
+        and isinstance(mods[str(n.target)], GMLQuantModuleBase)
+        and not isinstance(mods[str(n.target)], Quantize)
+    )
+
+
+# ---------------------------------------------------------------- 1. a subclass is not its base class
+class RenamedConv(nn.Conv2d):
+    """A subclass that only adds a constructor: it still computes nn.Conv2d."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 4, 3)
+
+
+def test_behaves_as_tells_an_overridden_forward_from_a_renamed_layer():
+    assert behaves_as(nn.Conv2d(3, 4, 3), nn.Conv2d)
+    assert behaves_as(RenamedConv(), nn.Conv2d)
+    assert not behaves_as(Conv2dSame(3, 4, 3, stride=2), nn.Conv2d)
+    gm = gml.capture(SameNet().eval(), leaf_modules=[Conv2dSame])
+    node = next(n for n in gm.graph.nodes if n.target == "dw")
+    assert op_kind(node, dict(gm.named_modules())) is None  # not "conv"
+
+
+def test_conv2d_same_leaf_is_not_lowered_as_a_padding_free_conv():
+    """tf_efficientnet_lite0: the strided depthwise Conv2dSame became QConv2d(padding=0) (cosine 0.61)."""
+    torch.manual_seed(0)
+    model = randomize_bn(SameNet()).eval()
+    r = gml.quantize(model, 4, example_inputs=(X,), leaf_modules=[Conv2dSame])
+    kept = {n: e.reason for e in r.coverage.kept_fp32 for n in e.nodes}
+    assert "no INT8 kernel for Conv2dSame" in kept["dw"]
+    assert r.accuracy.cosine > 0.99
+    with torch.no_grad():
+        assert _cos(r.module(X), model(X)) > 0.99
+
+
+class DropPadding(GraphPass):
+    """Deliberately wrong, as the old lowering was: the "same" conv loses its padding; the head
+    pools, so the output keeps its shape. Tolerance None, like a quantizing pass."""
+
+    name = "drop_padding"
+    tolerance = None
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        dw: nn.Conv2d = gm.get_submodule("dw")
+        plain = nn.Conv2d(16, 16, 3, stride=2, groups=16, bias=False)
+        plain.weight = dw.weight
+        gm.dw = plain
+        gm.recompile()
+        return PassResult(gm, True, matches=1)
+
+
+def test_pass_manager_rejects_a_rewrite_that_changes_an_intermediate_shape():
+    model = SameNet().eval()
+    gm = gml.capture(model, (X,), leaf_modules=[Conv2dSame])
+    result = PassManager([DropPadding()]).run(gm, [(X,)])
+    (rec,) = result.report.records
+    assert rec.status == "rolled back"
+    assert "changed shape from [1, 16, 14, 14] to [1, 16, 13, 13]" in rec.error
+    assert isinstance(result.graph_module.get_submodule("dw"), Conv2dSame)
+
+
+# ---------------------------------------------------------------- 2. broadcasting conv → add; honest coverage
+def test_broadcasting_conv_add_is_declined_with_a_reason_and_the_rest_lowers():
+    torch.manual_seed(0)
+    model = randomize_bn(GlobalContextNet()).eval()
+    r = gml.quantize(model, 4, example_inputs=(X,))
+    assert not r.report.rolled_back
+    kept = {n: e.reason for e in r.coverage.kept_fp32 for n in e.nodes}
+    assert "broadcasts" in kept["mlp"]
+    counts = _int8_counts(r.module)
+    assert counts["QConv2dAdd"] == 2  # the two ordinary residuals still fuse
+    assert Counter(e.result for e in r.coverage.lowered) == counts  # the report is the module's content
+    assert r.accuracy.cosine > 0.99
+
+
+def test_a_rewrite_the_kernel_rejects_is_declined_alone(monkeypatch: pytest.MonkeyPatch):
+    """Per-rewrite isolation: a kernel that raises for one op declines that op, not the whole lowering."""
+
+    def reject(self, *args):
+        raise RuntimeError("could not create a primitive descriptor")
+
+    monkeypatch.setattr(QConv2dAdd, "forward", reject)
+    torch.manual_seed(0)
+    r = gml.quantize(randomize_bn(GlobalContextNet()).eval(), 4, example_inputs=(X,))
+    assert not r.report.rolled_back
+    counts = _int8_counts(r.module)
+    assert counts["QConv2dAdd"] == 0 and counts["QConv2d"] >= 1 and counts["QLinear"] == 1
+    reasons = [e.reason for e in r.coverage.kept_fp32]
+    assert any("rejects QConv2dAdd here (could not create a primitive descriptor)" in why for why in reasons), reasons
+    assert Counter(e.result for e in r.coverage.lowered) == counts
+
+
+def test_coverage_of_a_module_without_int8_kernels_says_nothing_was_lowered():
+    gm = gml.capture(GlobalContextNet().eval(), (X,))
+    cov = coverage_of(gm)
+    assert cov.summary() == "lowered to INT8: nothing"
