@@ -15,9 +15,13 @@ from assets.timm_like import (
     Conv2dSame,
     GlobalContextNet,
     SameNet,
+    ShapeCheckNet,
+    StdConvNet,
+    ValueBranchNet,
     randomize_bn,
 )
-from gml.capture import behaves_as
+from gml.capture import SPECIALIZED, behaves_as
+from gml.errors import InputError, TraceFailure
 from gml.passes.base import GraphPass, PassResult
 from gml.passes.manager import PassManager
 from gml.passes.oplib import op_kind
@@ -132,3 +136,104 @@ def test_coverage_of_a_module_without_int8_kernels_says_nothing_was_lowered():
     gm = gml.capture(GlobalContextNet().eval(), (X,))
     cov = coverage_of(gm)
     assert cov.summary() == "lowered to INT8: nothing"
+
+
+# ---------------------------------------------------------------- 3. functional BN (BatchNormAct2d)
+def test_batchnormact_normalizes_to_a_module_and_folds_into_its_conv():
+    torch.manual_seed(0)
+    model = randomize_bn(BnActNet()).eval()
+    r = gml.optimize(model, (X,))
+    assert r.rel_err < 1e-5
+    fold = r.report.record("fold_bn")
+    assert fold.matches == 2  # bn1, bn2: their F.batch_norm became nn.BatchNorm2d, then folded
+    left = [n for n in r.module.graph.nodes if n.op == "call_function" and n.target is F.batch_norm]
+    assert not left
+
+
+def test_functional_batch_norm_with_batch_statistics_is_declined_with_a_reason():
+    class TrainBN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.register_buffer("mean", torch.zeros(4))
+            self.register_buffer("var", torch.ones(4))
+
+        def forward(self, x):
+            return F.batch_norm(self.conv(x), self.mean, self.var, training=True, momentum=0.0)
+
+    from gml.passes.normalize import Normalize
+
+    gm = gml.capture(TrainBN().eval(), (X,))
+    result = Normalize()(gm)
+    assert any("batch statistics" in s.reason for s in result.skips)
+
+
+def test_bn_left_after_folding_runs_as_an_int8_op():
+    torch.manual_seed(0)
+    r = gml.quantize(randomize_bn(BnActNet()).eval(), 4, example_inputs=(X,))
+    assert _int8_counts(r.module)["QBatchNorm2d"] <= 1  # only bn3 (after the pool) is left
+    assert r.accuracy.cosine > 0.99
+
+
+# ---------------------------------------------------------------- 4. weight standardization
+def test_standardized_weights_are_folded_once_and_the_convs_fuse_and_quantize():
+    torch.manual_seed(0)
+    model = StdConvNet().eval()
+    r = gml.optimize(model, (X,))
+    assert r.rel_err < 1e-5
+    assert r.report.record("fold_constants").matches == 2
+    assert not [n for n in r.module.graph.nodes if n.target is F.batch_norm]
+    q = gml.quantize(model, 4, example_inputs=(X,))
+    assert _int8_counts(q.module)["QConv2d"] == 2 and q.accuracy.cosine > 0.99
+
+
+def test_fold_constants_keeps_an_op_that_writes_state():
+    class Running(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # parameters, so fx records get_attr nodes instead of running the call at trace time
+            self.w = nn.Parameter(torch.randn(2, 4), requires_grad=False)
+            self.mean = nn.Parameter(torch.zeros(4), requires_grad=False)
+            self.var = nn.Parameter(torch.ones(4), requires_grad=False)
+
+        def forward(self, x):  # updates running statistics of a constant: state, not a constant
+            return x + F.batch_norm(self.w, self.mean, self.var, training=True)
+
+    from gml.passes.fold_constants import FoldConstants
+
+    model = Running().eval()
+    gm = fx.symbolic_trace(model)
+    result = FoldConstants()(gm)
+    assert result.matches == 0
+    assert any("state-updating" in s.reason for s in result.skips)
+    assert torch.equal(model.mean, torch.zeros(4))  # evaluated on copies
+
+
+# ---------------------------------------------------------------- 5. shape-only Python
+def test_shape_checks_in_forward_trace_by_specialising_to_the_example_shape():
+    torch.manual_seed(0)
+    model = randomize_bn(ShapeCheckNet()).eval()
+    gm = gml.capture(model, (X,))
+    assert gm.meta[SPECIALIZED]["shapes"] == [tuple(X.shape)]
+    assert "timm_like.py" in gm.meta[SPECIALIZED]["why"][0]
+    assert not gm.training
+    r = gml.optimize(model, (X,))
+    assert r.rel_err < 1e-5
+    q = gml.quantize(model, 4, example_inputs=(X,))
+    assert q.accuracy.cosine > 0.99
+    for module in (gm, r.module, q.module):
+        with pytest.raises(InputError, match=r"captured for \(1, 3, 28, 28\)"):
+            module(torch.randn(1, 3, 32, 32))
+
+
+def test_rank_asserts_guard_the_rank_only():
+    gm = gml.capture(BnActNet().eval(), (X,))
+    assert gm.meta[SPECIALIZED]["shapes"] == [4]
+    gm(torch.randn(2, 3, 20, 20))  # another batch and size: fine
+    with pytest.raises(InputError, match="4-D input"):
+        gm(torch.randn(3, 20, 20))
+
+
+def test_value_dependent_control_flow_still_fails_clearly():
+    with pytest.raises(TraceFailure, match=r"data-dependent control flow .* `if y.sum\(\) > 0:`"):
+        gml.capture(ValueBranchNet().eval(), (X,))

@@ -69,7 +69,7 @@ from gml import nn as gnn
 from gml.capture import MUTATES, RETURNS_MUTATED, behaves_as
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import node_label, op_kind
-from gml.passes.utils import modules_of
+from gml.passes.utils import modules_of, remove_unused_nodes
 
 # Spellings oplib does not list yet (candidates to move there).
 _EXTRA_KINDS: dict[Callable, str] = {
@@ -132,6 +132,14 @@ _SIG_BY_KIND: dict[str, _Sig] = {
         {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True, "divisor_override": None},
     ),
     "dropout": _DROPOUT,
+    "batchnorm": _Sig(
+        ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+        {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
+    ),
+    "conv": _Sig(
+        ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+    ),
 }
 
 _ATEN_POOL = _Sig(
@@ -624,6 +632,7 @@ class Normalize(GraphPass):
             if not self._is_tensor(bound["input"]):
                 raise _Decline("the input is not a tensor")
             module, inputs = self._build(kind, node, bound), (bound["input"],)
+            stored = [a for a in node.all_input_nodes if a.op == "get_attr"]  # now held by the module
         inplace = _is_inplace_spelling(node) or bound.get("inplace") is True
         mutated = bound["input"]
         if inplace:
@@ -631,6 +640,8 @@ class Normalize(GraphPass):
             if hazard is not None:
                 raise _Decline(f"in-place op kept: {hazard}")
         new = self._insert_module(node, kind, module, inputs)
+        if kind in ("batchnorm", "conv"):
+            remove_unused_nodes(self._gm.graph, stored)
         if inplace:
             self._redirect_later_readers(node, mutated, new)
         self._rewritten[node_label(node, self._modules)] += 1
@@ -700,6 +711,10 @@ class Normalize(GraphPass):
 
     def _build(self, kind: str, node: fx.Node, bound: dict[str, Any]) -> nn.Module:
         c = lambda key: _constant(bound, key)  # noqa: E731
+        if kind == "batchnorm":
+            return self._batch_norm_module(node, bound)
+        if kind == "conv":
+            return self._conv_module(node, bound)
         if kind == "relu":
             return nn.ReLU()
         if kind == "relu6":
@@ -751,6 +766,72 @@ class Normalize(GraphPass):
                 **kwargs,
             )
         raise _Decline(f"no module builder for {kind}")  # pragma: no cover - table and builders agree
+
+    def _stored_tensor(self, bound: dict[str, Any], key: str) -> torch.Tensor | None:
+        """A tensor argument that is a parameter/buffer of the model (a ``get_attr``), or None."""
+        value = bound[key]
+        if value is None:
+            return None
+        if not (isinstance(value, fx.Node) and value.op == "get_attr"):
+            raise _Decline(f"{key} is computed at run time, not a stored parameter or buffer")
+        obj: Any = self._gm
+        for part in str(value.target).split("."):
+            obj = getattr(obj, part)
+        if not isinstance(obj, torch.Tensor):
+            raise _Decline(f"{key} is not a tensor")
+        return obj
+
+    def _batch_norm_module(self, node: fx.Node, bound: dict[str, Any]) -> nn.Module:
+        """``F.batch_norm`` in eval form (``training=False``, stored running statistics; timm's
+        ``BatchNormAct2d`` calls it on its own buffers) → the ``nn.BatchNorm{1,2,3}d`` whose eval
+        forward makes this very call, so FoldBatchNorm and the INT8 lowering see a module."""
+        training = _constant(bound, "training")
+        mean, var = self._stored_tensor(bound, "running_mean"), self._stored_tensor(bound, "running_var")
+        if training is not False or mean is None or var is None:
+            raise _Decline("batch_norm with batch statistics (training=True or no running statistics)")
+        weight, bias = self._stored_tensor(bound, "weight"), self._stored_tensor(bound, "bias")
+        if (weight is None) != (bias is None):
+            raise _Decline("batch_norm with only one of weight/bias has no module form")
+        meta = bound["input"].meta.get("tensor_meta") if isinstance(bound["input"], fx.Node) else None
+        rank = len(meta.shape) if isinstance(meta, TensorMetadata) else None
+        cls = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(rank or 0)
+        if cls is None:
+            raise _Decline(f"batch_norm on a {rank}-D input (unknown without shape propagation) has no module form")
+        momentum, eps = _constant(bound, "momentum"), _constant(bound, "eps")
+        affine = weight is not None
+        bn = cls(mean.numel(), eps=eps, momentum=momentum, affine=affine, device=mean.device, dtype=mean.dtype)
+        bn.running_mean, bn.running_var = mean.detach(), var.detach()  # shared, as the caller's were
+        if weight is not None and bias is not None:
+            bn.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(), False)
+            bn.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), False)
+        return bn.eval()
+
+    def _conv_module(self, node: fx.Node, bound: dict[str, Any]) -> nn.Module:
+        """``F.conv{1,2,3}d`` with a stored weight (timm's ``StdConv2d`` after FoldConstants, a
+        ``Conv2dSame`` traced through) → the ``nn.Conv{1,2,3}d`` whose forward makes this very call."""
+        weight, bias = self._stored_tensor(bound, "weight"), self._stored_tensor(bound, "bias")
+        assert weight is not None
+        dims = _dims(node.target)
+        if weight.dim() != dims + 2:
+            raise _Decline(f"conv{dims}d weight of rank {weight.dim()}")
+        groups = _constant(bound, "groups")
+        cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        conv = cls(
+            weight.shape[1] * groups,
+            weight.shape[0],
+            tuple(weight.shape[2:]),
+            stride=_constant(bound, "stride"),
+            padding=_constant(bound, "padding"),
+            dilation=_constant(bound, "dilation"),
+            groups=groups,
+            bias=bias is not None,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        conv.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(), False)
+        if bias is not None:
+            conv.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), False)
+        return conv.eval()
 
     # ------------------------------------------------------------------ report
     def _coverage(self) -> list[str]:
