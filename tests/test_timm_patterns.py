@@ -145,7 +145,9 @@ def test_batchnormact_normalizes_to_a_module_and_folds_into_its_conv():
     r = gml.optimize(model, (X,))
     assert r.rel_err < 1e-5
     fold = r.report.record("fold_bn")
-    assert fold.matches == 2  # bn1, bn2: their F.batch_norm became nn.BatchNorm2d, then folded
+    # bn1, bn2: their F.batch_norm became nn.BatchNorm2d, then folded; bn3 (after the pool) folds
+    # forward into the unpadded 1x1 conv
+    assert fold.matches == 3
     left = [n for n in r.module.graph.nodes if n.op == "call_function" and n.target is F.batch_norm]
     assert not left
 
@@ -168,10 +170,10 @@ def test_functional_batch_norm_with_batch_statistics_is_declined_with_a_reason()
     assert any("batch statistics" in s.reason for s in result.skips)
 
 
-def test_bn_left_after_folding_runs_as_an_int8_op():
+def test_every_bn_of_the_block_folds_and_the_model_quantizes():
     torch.manual_seed(0)
     r = gml.quantize(randomize_bn(BnActNet()).eval(), 4, example_inputs=(X,))
-    assert _int8_counts(r.module)["QBatchNorm2d"] <= 1  # only bn3 (after the pool) is left
+    assert _int8_counts(r.module)["QBatchNorm2d"] == 0  # every BN folded (bn3 into the next conv)
     assert r.accuracy.cosine > 0.99
 
 
@@ -237,3 +239,31 @@ def test_rank_asserts_guard_the_rank_only():
 def test_value_dependent_control_flow_still_fails_clearly():
     with pytest.raises(TraceFailure, match=r"data-dependent control flow .* `if y.sum\(\) > 0:`"):
         gml.capture(ValueBranchNet().eval(), (X,))
+
+
+# ---------------------------------------------------------------- 6. leaves get their traced layout
+class RecordingLeaf(nn.Module):
+    """An opaque leaf that remembers the layouts it was called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 8, 3)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.is_contiguous())
+        return self.conv(x)
+
+
+def test_a_leaf_gets_the_memory_format_it_was_traced_with():
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), RecordingLeaf()).eval()
+    r = gml.optimize(model, (X,), leaf_modules=[RecordingLeaf])
+    rec = r.report.record("leaf_memory_format")
+    fused = r.report.record("fuse_conv")
+    leaf = r.module.get_submodule("2")
+    leaf.seen.clear()
+    r.module(X)
+    assert leaf.seen == [True]
+    if fused.matches:  # the fused conv writes channels-last: the pass converted it back
+        assert rec.matches == 1
+    assert r.rel_err < 1e-5

@@ -138,6 +138,16 @@ class _ShapeProxy(fx.Proxy):
         return len(self._concrete("len()"))
 
 
+def _plain_getattr(obj: Any, name: str) -> Any:
+    """``getattr`` that bypasses the tracer's patched ``nn.Module.__getattr__`` (which returns proxies)."""
+    if isinstance(obj, nn.Module):
+        for table in ("_parameters", "_buffers", "_modules"):
+            found = obj.__dict__.get(table, {})
+            if name in found:
+                return found[name]
+    return object.__getattribute__(obj, name)
+
+
 class _ShapeTracer(_Tracer):
     """A tracer that also runs the model on the example inputs, node by node, as it records them.
 
@@ -165,9 +175,12 @@ class _ShapeTracer(_Tracer):
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: Any = None, type_expr: Any = None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         try:
-            # the tracer patches nn.Module.__call__ / __getattr__ (and wrapped functions) while it
-            # runs: the concrete run must see the real ones
-            with _revert_patches():
+            if kind == "call_module":
+                # the tracer patches nn.Module.__call__ / __getattr__ (and wrapped functions) while it
+                # runs: a leaf's concrete run must see the real ones (reverting costs ~ms: only here)
+                with _revert_patches():
+                    self._evaluate(node)
+            else:
                 self._evaluate(node)
         except Exception:  # no concrete value: a later concrete() on it fails with the usual message
             pass
@@ -184,7 +197,7 @@ class _ShapeTracer(_Tracer):
         if node.op == "get_attr":
             obj: Any = self.root
             for part in str(node.target).split("."):
-                obj = getattr(obj, part)
+                obj = _plain_getattr(obj, part)
             self.values[node] = obj
             return
         if node.op == "output" or any(a not in self.values for a in node.all_input_nodes):
@@ -405,6 +418,10 @@ def _guard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], why: list[s
     gm.recompile()
 
 
+#: ``node.meta`` key: the memory formats of a ``call_module`` node's inputs when it was captured
+#: (:class:`gml.passes.leaf_format.LeafMemoryFormat` hands an opaque leaf the same again).
+TRACED_FORMATS = "gml_traced_formats"
+
 #: ``node.meta`` keys shape propagation sets on a node that overwrote some of its inputs: the names
 #: of those input nodes, and the one the node returned (``x.add_(y)`` returns ``x``), if any.
 MUTATES = "gml_mutates"
@@ -602,4 +619,8 @@ def capture(
     )
     if example_inputs is not None:
         propagate_shapes(gm, example_inputs)
+        for node in gm.graph.nodes:
+            if node.op == "call_module":
+                metas = [a.meta.get("tensor_meta") if isinstance(a, fx.Node) else None for a in node.args]
+                node.meta.setdefault(TRACED_FORMATS, [getattr(m, "memory_format", None) for m in metas])
     return gm

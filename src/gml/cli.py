@@ -21,7 +21,7 @@ console = Console(highlight=False)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="torchvision model name (e.g. resnet18) or path/to/file.py:ClassName")
+    p.add_argument("model", help="torchvision name (resnet18), timm:NAME (random init) or path/to/file.py:ClassName")
     p.add_argument(
         "--input-shape",
         metavar="SHAPE",
@@ -223,6 +223,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         per_channel=not args.per_tensor,
         per_layer=not args.no_per_layer,
         progress=True,
+        leaf_modules=args.leaf,
     )
     fe = res.frontend
     if fe.fp32_passes is not None:

@@ -10,6 +10,8 @@ Order matters and is fixed here, not discovered:
 * ``FoldBatchNorm`` before fusion: conv+BN+ReLU becomes conv+ReLU, which the fused kernels take.
 * fusions last, since they replace modules with kernel modules that other passes do not look into;
   their own order (and why) is in :mod:`gml.passes.fuse_all`.
+* ``LeafMemoryFormat`` after them: fused convs write channels-last; an opaque leaf gets back the
+  layout it was traced with.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from gml.passes.base import GraphPass
 from gml.passes.fold_bn import FoldBatchNorm
 from gml.passes.fold_constants import FoldConstants
 from gml.passes.fuse_all import FUSION_PASS_CLASSES, fusion_passes
+from gml.passes.leaf_format import LeafMemoryFormat
 from gml.passes.normalize import Normalize
 from gml.passes.untie import UntieSharedModules
 
@@ -30,12 +33,13 @@ def canonical_passes() -> list[GraphPass]:
 
 def fp32_passes() -> list[GraphPass]:
     """The default fp32 pipeline of ``gml optimize`` / :func:`gml.optimize`."""
-    return [*canonical_passes(), *fusion_passes()]
+    return [*canonical_passes(), *fusion_passes(), LeafMemoryFormat()]
 
 
 def available_passes() -> dict[str, type[GraphPass]]:
     """Pass name → class, for ``gml optimize --passes``; names are the passes' own ``name``."""
     classes: list[type[GraphPass]] = [FoldConstants, Normalize, UntieSharedModules, FoldBatchNorm, *FUSION_PASS_CLASSES]
+    classes.append(LeafMemoryFormat)
     return {cls.name: cls for cls in classes}
 
 
