@@ -255,6 +255,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "Random init (timm `pretrained=False`), batch 1, the model's default resolution, "
         f"{meta['calib']} generated calibration batches; latency = median of {meta['rounds']} interleaved rounds. "
         "No hand fixes (no leaf modules, no concrete_args).",
+        *([meta["note"]] if meta.get("note") else []),
         "",
         "Columns: **BN left** after the fp32 pipeline; **INT8 conv/linear** = conv/linear ops running on "
         "INT8 kernels / conv/linear ops in torch.ao's reference graph; **cos ao** = cosine of GML INT8 "
@@ -274,6 +275,11 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 notes.append(f"{key.replace('_', ' ')}: {r[key]}")
         if r.get("worst_layer"):
             notes.append(f"**flagged**: worst layer {r['worst_layer']}")
+            if r.get("cos_ref_fp32", 1.0) < 0.99:
+                notes.append(
+                    f"torch.ao's own reference vs fp32: cos {r['cos_ref_fp32']:.4f} too (random-init activations "
+                    "vanish below the INT8 step; a trained model is needed to judge this one)"
+                )
         if r.get("lower_rolled_back"):
             notes.append("lowering rolled back: " + "; ".join(r["lower_rolled_back"])[:200])
         if r.get("rolled_back"):
@@ -331,6 +337,7 @@ def main() -> None:
     ap.add_argument("--calib", type=int, default=4)
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--note", default="", help="a line to add under the header (e.g. the commit measured)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -369,7 +376,7 @@ def main() -> None:
             list(pool.map(work, args.models))
     with open(args.results) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    meta = next((r["meta"] for r in records if "meta" in r), meta)
+    meta = next((r["meta"] for r in records if "meta" in r), meta) | ({"note": args.note} if args.note else {})
     rows = [r for r in records if "model" in r]
     order = {m: i for i, m in enumerate(args.models)}
     rows.sort(key=lambda r: order.get(r["model"], len(order)))

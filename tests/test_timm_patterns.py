@@ -267,3 +267,24 @@ def test_a_leaf_gets_the_memory_format_it_was_traced_with():
     if fused.matches:  # the fused conv writes channels-last: the pass converted it back
         assert rec.matches == 1
     assert r.rel_err < 1e-5
+
+
+def test_functional_conv_and_linear_on_stored_weights_get_module_forms():
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 3, 3, 3))
+            self.fc = nn.Parameter(torch.randn(10, 8))
+
+        def forward(self, x):
+            y = F.conv2d(x, self.w, None, 2, 1)
+            return F.linear(y.mean((2, 3)), self.fc)
+
+    from gml.passes.normalize import Normalize
+
+    model = Functional().eval()
+    gm = gml.capture(model, (X,))
+    Normalize()(gm)
+    kinds = Counter(type(m).__name__ for m in gm.modules())
+    assert kinds["Conv2d"] == 1 and kinds["Linear"] == 1
+    assert torch.equal(gm(X), model(X))  # the very same calls: bit-exact

@@ -361,7 +361,13 @@ def trace(
         raise TraceFailure(
             f"Cannot capture {model_name} with torch.fx: {_explain(exc)}{where}{inside}{code}.",
             hint=(
-                f"{leaf_hint}fix the value with concrete_args (e.g. a flag argument), or rewrite the "
+                (
+                    "if the branch only reads shapes, pass example inputs (gml.capture(model, (x,))) so it is "
+                    "decided for their shape; "
+                    if example_inputs is None and "control flow" in str(exc)
+                    else ""
+                )
+                + f"{leaf_hint}fix the value with concrete_args (e.g. a flag argument), or rewrite the "
                 "branch without Python control flow on tensors (torch.where, masking)."
             ),
         ) from None

@@ -17,6 +17,10 @@ Before → after (``%m`` is a fresh submodule, placed in the scope the call came
     F.dropout(x, p, training=False), nn.Dropout in eval mode        →  removed (it is the identity)
     torchvision.ops.stochastic_depth(x, p, mode, training=False)    →  removed (likewise)
     nn.Identity()(x)                                                →  removed
+    F.batch_norm(x, mean, var, w, b, training=False, m, eps)        →  nn.BatchNorm{1,2,3}d (mean, var, w, b stored
+        (timm's BatchNormAct2d calls it on its own buffers)              get_attr tensors; rank from shape metadata)
+    F.conv{1,2,3}d(x, weight, bias, ...) with a stored weight       →  nn.Conv{1,2,3}d(...) sharing that weight
+    F.linear(x, weight, bias) with a stored weight                  →  nn.Linear(...) sharing that weight
     nn.ReLU(inplace=True) and other in-place activation modules     →  same module with inplace=False
 
 Every replacement module runs the very op it replaces, so the rewrite is bit-exact (tolerance 0).
@@ -41,7 +45,9 @@ write is also seen through a view read later, and the INT8 frontend then refuses
 **Skipped, with a reason** (the PassResult's ``skips``): calls whose arguments are computed at run
 time (``F.leaky_relu(x, slope_tensor)``), ``out=`` arguments, dropout that is active (``training=True``
 or a module in training mode: it is random, not an op to keep), scalar operands computed at run time
-(``x * x.size(1)``), and every tensor op with no module form here (``torch.cat``, ``.view()``,
+(``x * x.size(1)``), ``F.batch_norm`` with batch statistics (``training=True``) or computed
+statistics, ``F.conv`` whose weight is computed at run time, and every tensor op with no module
+form here (``torch.cat``, ``.view()``,
 ``torch.cumsum``; "no module form for torch.cumsum"). Shape arithmetic (``x.size(0) * 2``) is not
 a tensor op and is ignored. The notes give the coverage: rewritten / (rewritten + left).
 
@@ -136,6 +142,7 @@ _SIG_BY_KIND: dict[str, _Sig] = {
         ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
         {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
     ),
+    "linear": _Sig(("input", "weight", "bias"), {"bias": None}),
     "conv": _Sig(
         ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
         {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
@@ -640,7 +647,7 @@ class Normalize(GraphPass):
             if hazard is not None:
                 raise _Decline(f"in-place op kept: {hazard}")
         new = self._insert_module(node, kind, module, inputs)
-        if kind in ("batchnorm", "conv"):
+        if kind in ("batchnorm", "conv", "linear"):
             remove_unused_nodes(self._gm.graph, stored)
         if inplace:
             self._redirect_later_readers(node, mutated, new)
@@ -715,6 +722,8 @@ class Normalize(GraphPass):
             return self._batch_norm_module(node, bound)
         if kind == "conv":
             return self._conv_module(node, bound)
+        if kind == "linear":
+            return self._linear_module(bound)
         if kind == "relu":
             return nn.ReLU()
         if kind == "relu6":
@@ -832,6 +841,20 @@ class Normalize(GraphPass):
         if bias is not None:
             conv.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), False)
         return conv.eval()
+
+    def _linear_module(self, bound: dict[str, Any]) -> nn.Module:
+        """``F.linear`` with a stored weight → the ``nn.Linear`` whose forward makes this very call."""
+        weight, bias = self._stored_tensor(bound, "weight"), self._stored_tensor(bound, "bias")
+        assert weight is not None
+        if weight.dim() != 2:
+            raise _Decline(f"linear weight of rank {weight.dim()}")
+        lin = nn.Linear(
+            weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+        )
+        lin.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(), False)
+        if bias is not None:
+            lin.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), False)
+        return lin.eval()
 
     # ------------------------------------------------------------------ report
     def _coverage(self) -> list[str]:
