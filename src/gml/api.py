@@ -168,6 +168,7 @@ def quantize(
     strict: bool = False,
     runtime: str = "engine",
     min_cosine: float | None = None,
+    leaf_modules: Sequence[str | type] = (),
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -185,6 +186,7 @@ def quantize(
         min_cosine: raise :class:`~gml.errors.AccuracyError` when the INT8 outputs' cosine with
             fp32 on ``eval_data`` is below this (or NaN/Inf differ). Without it, a result below
             :data:`~gml.quant.accuracy.BROKEN_COSINE` is returned with ``accuracy.broken`` set.
+        leaf_modules: submodule names or classes kept as opaque calls, as in :func:`gml.capture`.
     """
     import time
 
@@ -192,7 +194,7 @@ def quantize(
     from gml.quant.accuracy import accuracy_report
     from gml.quant.calibrate import generate_batches
     from gml.quant.frontend import prepare_reference
-    from gml.quant.lower import coverage_of
+    from gml.quant.lower import CoverageEntry, coverage_of
     from gml.quant.pipeline import lowering_passes
     from gml.runtime.select import check_runtime
 
@@ -217,8 +219,9 @@ def quantize(
     t0 = time.perf_counter()
     # The frontend traces, runs and calibrates the model: on a copy, so buffers that forward()
     # updates (a running max) stay as the caller left them.
+    traced = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules) if leaf_modules else copy.deepcopy(model)
     ref = prepare_reference(
-        copy.deepcopy(model),
+        traced,
         inputs,
         calib_data,
         observer=observer,
@@ -234,6 +237,10 @@ def quantize(
     passes = lowering_passes(backend)
     result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
     seconds["lower + fuse + clean up"] = time.perf_counter() - t0
+    # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
+    coverage = coverage_of(result.graph_module)
+    for r in result.report.rolled_back:
+        coverage.kept_fp32.append(CoverageEntry([f"(pass {r.name})"], r.name, "fp32", f"rolled back: {r.error}"))
 
     if eval_data is None:
         eval_data = generate_batches(inputs, 2, seed=12345)
@@ -260,7 +267,7 @@ def quantize(
         result.graph_module,
         result.report,
         ref.report,
-        coverage_of(result.graph_module),
+        coverage,
         acc,
         ref.graph_module,
         seconds,

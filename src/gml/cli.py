@@ -23,8 +23,8 @@ console = Console(highlight=False)
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model",
-        help="torchvision model name (e.g. resnet18) or path/to/file.py:ClassName; `inspect` also takes a "
-        "model saved by gml (file.pt2)",
+        help="torchvision name (resnet18), timm:NAME (random init) or path/to/file.py:ClassName; `inspect` also "
+        "takes a model saved by gml (file.pt2)",
     )
     p.add_argument(
         "--input-shape",
@@ -283,6 +283,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             per_channel=not args.per_tensor,
             per_layer=not args.no_per_layer,
             progress=True,
+            leaf_modules=args.leaf,
         )
     fe = res.frontend
     if fe.fp32_passes is not None:

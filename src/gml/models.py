@@ -4,6 +4,8 @@ A model spec is one of
 
 * a torchvision model name (``resnet18``, ``mobilenet_v2``, ...), built with random weights:
   GML-Lab never downloads anything;
+* ``timm:NAME`` (``timm:efficientnet_b0``): a timm model (``pip install 'gml-lab[timm]'``), built
+  with ``pretrained=False`` (random init; nothing is downloaded), inputs at its default resolution;
 * ``path/to/file.py:ClassName``: the class is imported from that file and built with no arguments.
   If the file defines ``example_inputs()`` (or the class an ``example_input_shape`` attribute) it
   gives the default inputs;
@@ -74,6 +76,42 @@ def _load_torchvision(name: str) -> nn.Module:
         ) from None
 
 
+TIMM_PREFIX = "timm:"
+
+
+def _load_timm(name: str) -> nn.Module:
+    """``timm.create_model(name, pretrained=False)``: random init, never a download."""
+    try:
+        import timm
+    except ImportError:
+        raise ModelLoadError(
+            f"'{TIMM_PREFIX}{name}' needs timm, which is not installed.",
+            hint="pip install 'gml-lab[timm]' (or pip install timm).",
+        ) from None
+    names = timm.list_models()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=3)
+        raise ModelLoadError(
+            f"Unknown timm model '{name}'.",
+            hint=(f"did you mean {', '.join(close)}? " if close else "")
+            + "`python -c 'import timm; print(timm.list_models())'` lists the names.",
+        )
+    try:
+        return timm.create_model(name, pretrained=False)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"Building timm's {name} with random weights failed: {type(exc).__name__}: {exc}",
+            hint="build the model in Python and pass the module to gml's API.",
+        ) from None
+
+
+def _timm_input_shape(model: nn.Module) -> tuple[int, ...] | None:
+    """The model's default ``(1, C, H, W)`` from its timm pretrained config, if it has one."""
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+    size = cfg.get("input_size")
+    return (1, *(int(d) for d in size)) if size else None
+
+
 def _user_module_name(path: str) -> str:
     return "gml_user_" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(path))
 
@@ -132,6 +170,8 @@ def load_model(
             ) from None
         if not isinstance(model, nn.Module):
             raise ModelLoadError(f"{cls_name} is not an nn.Module.", hint="point at an nn.Module subclass.")
+    elif spec.startswith(TIMM_PREFIX):
+        model = _load_timm(spec.removeprefix(TIMM_PREFIX))
     elif spec.endswith(".py"):
         raise ModelLoadError(f"'{spec}' names a file but no class.", hint=f"use {spec}:ClassName.")
     else:
@@ -340,6 +380,8 @@ def default_input_shapes(model: nn.Module, spec: str | nn.Module | None = None) 
     """Shapes the model's author declared, else the torchvision default 1x3x224x224."""
     if isinstance(spec, str) and spec in _SPECIAL_SHAPES:
         return [_SPECIAL_SHAPES[spec]]
+    if isinstance(spec, str) and spec.startswith(TIMM_PREFIX) and (shape := _timm_input_shape(model)):
+        return [shape]
     if isinstance(spec, str) and ":" not in spec:
         import torchvision.models as tvm
 

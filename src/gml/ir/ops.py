@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from gml.ir.layers import behaves_as
+
 
 @dataclass(frozen=True)
 class OpSpec:
@@ -188,8 +190,10 @@ INT8_KINDS = kinds_tagged("int8")
 def op_kind(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
     """Canonical op name of ``node`` in any spelling, or ``None`` if the op is not in :data:`OPS`.
 
-    Module calls are classified by the module's exact type first, then by ``isinstance`` so that
-    subclasses (e.g. fused modules that inherit from ``nn.Conv2d``) are still recognised.
+    Module calls are classified by the module's exact type first, then by
+    :func:`~gml.ir.layers.behaves_as`: torch's own subclasses (fused modules that inherit from
+    ``nn.Conv2d``) and subclasses that override nothing are recognised; a subclass with its own
+    ``forward`` (timm's ``Conv2dSame``) is not its base op.
     """
     if node.op == "call_module":
         mod = modules.get(str(node.target))
@@ -199,7 +203,7 @@ def op_kind(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
         if kind is not None:
             return kind
         for cls, name in _BY_MODULE.items():
-            if isinstance(mod, cls):
+            if behaves_as(mod, cls):
                 return name
         return None
     if node.op == "call_function":

@@ -44,6 +44,7 @@ from torch import fx, nn
 from gml import nn as gnn
 from gml.capture import MUTATES
 from gml.errors import InputError, UnsupportedError
+from gml.ir.layers import behaves_as
 from gml.ir.qdq import is_dequantize, is_quantize_any
 from gml.passes.base import PassResult, Skip
 from gml.passes.manager import PassManager, PipelineReport
@@ -422,7 +423,7 @@ def keep_outputs_fp32(gm: fx.GraphModule) -> list[str]:
         src = q.args[0]
         mod = modules.get(str(src.target)) if isinstance(src, fx.Node) and src.op == "call_module" else None
         root = mod[0] if isinstance(mod, nn.Sequential) and len(mod) else mod  # fused nni modules
-        if not isinstance(root, nn.Conv2d | nn.Linear):
+        if not behaves_as(root, (nn.Conv2d, nn.Linear)):
             continue
         output.replace_input_with(dq, src)
         for n in (dq, q, *[a for a in q.args[1:] if isinstance(a, fx.Node)]):

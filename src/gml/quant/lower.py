@@ -74,6 +74,7 @@ from torch import fx, nn
 
 from gml.errors import UnsupportedError
 from gml.ir import library
+from gml.ir.layers import behaves_as
 from gml.ir.ops import ACTIVATION_KINDS, INT8_KINDS
 from gml.ir.qdq import is_dequantize, is_quantize, quantize_args
 from gml.ir.values import ConvSpec, QParams
@@ -193,6 +194,8 @@ class _Ctx:
     gm: fx.GraphModule
     backend: Int8Backend
     modules: dict[str, nn.Module]
+    #: shapes of the uint8 inputs :meth:`u8_input` handed to the rule being tried (for its trial run)
+    input_shapes: list[tuple[int, ...] | None] = field(default_factory=list)
 
     def module(self, node: fx.Node) -> nn.Module | None:
         return self.modules.get(str(node.target)) if node.op == "call_module" else None
@@ -211,6 +214,7 @@ class _Ctx:
             raise Decline("an input's quantize op could not be lowered")
         qp = extract_qparams(src, self.gm)
         assert qp is not None
+        self.input_shapes.append(_shape(arg))
         return src, qp
 
     def label(self, node: fx.Node) -> str:
@@ -246,22 +250,22 @@ def _fused_post_op(act: nn.Module) -> PostOp:
 
 def _as_conv(mod: nn.Module | None) -> tuple[nn.Conv2d, PostOp] | None:
     """(conv, fused post-op) for Conv2d, reference Conv2d, ``nni.ConvReLU2d`` and :class:`ConvAct2d`."""
-    if isinstance(mod, nni.ConvReLU2d) and isinstance(mod[0], nn.Conv2d):
+    if isinstance(mod, nni.ConvReLU2d) and behaves_as(mod[0], nn.Conv2d):
         return mod[0], PostOp("relu")
-    if isinstance(mod, ConvAct2d) and isinstance(mod[0], nn.Conv2d):
+    if isinstance(mod, ConvAct2d) and behaves_as(mod[0], nn.Conv2d):
         return mod[0], _fused_post_op(mod[1])
-    if isinstance(mod, nn.Conv2d):
-        return mod, NO_POST_OP
+    if behaves_as(mod, nn.Conv2d):
+        return mod, NO_POST_OP  # type: ignore[return-value]
     return None
 
 
 def _as_linear(mod: nn.Module | None) -> tuple[nn.Linear, PostOp] | None:
-    if isinstance(mod, nni.LinearReLU) and isinstance(mod[0], nn.Linear):
+    if isinstance(mod, nni.LinearReLU) and behaves_as(mod[0], nn.Linear):
         return mod[0], PostOp("relu")
-    if isinstance(mod, LinearAct) and isinstance(mod[0], nn.Linear):
+    if isinstance(mod, LinearAct) and behaves_as(mod[0], nn.Linear):
         return mod[0], _fused_post_op(mod[1])
-    if isinstance(mod, nn.Linear):
-        return mod, NO_POST_OP
+    if behaves_as(mod, nn.Linear):
+        return mod, NO_POST_OP  # type: ignore[return-value]
     return None
 
 
@@ -337,6 +341,20 @@ def _conv_spec(conv: nn.Conv2d) -> ConvSpec:
     return ConvSpec(_pair(conv.stride), _pair(conv.padding), _pair(conv.dilation), int(conv.groups))
 
 
+def _conv_out_shape(
+    x_shape: tuple[int, ...] | None, out_channels: int, kernel: Sequence[int], spec: ConvSpec
+) -> tuple[int, ...] | None:
+    """A 2-D conv's output shape for an input of ``x_shape`` (torch's formula), if that is known."""
+    if x_shape is None or len(x_shape) != 4:
+        return None
+    k = _pair(tuple(kernel))
+    hw = [
+        (size + 2 * pad - dil * (kk - 1) - 1) // stride + 1
+        for size, pad, dil, kk, stride in zip(x_shape[2:], spec.padding, spec.dilation, k, spec.stride)
+    ]
+    return (x_shape[0], int(out_channels), *hw)
+
+
 def _weights(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     try:
         w, ws = reference_weight(mod)
@@ -369,15 +387,21 @@ def _qconv_add(
     src, in_qp = ctx.u8_input(x_arg)
     other, other_qp = ctx.u8_input(other_arg)
     other_shape, out_shape = _shape(other_arg), _shape(covered[-1])
-    if other_shape is not None and out_shape is not None and other_shape != out_shape:
-        raise Decline("the residual operand is broadcast; the fused kernel needs equal shapes")
+    conv_shape = _conv_out_shape(_shape(x_arg), conv.out_channels, conv.kernel_size, spec)
+    # (the PassManager propagates shapes before every pass; without metadata the trial run decides)
+    if any(s is not None and out_shape is not None and s != out_shape for s in (conv_shape, other_shape)):
+        raise Decline(
+            f"conv+add of shapes {conv_shape and list(conv_shape)} and {other_shape and list(other_shape)} "
+            "broadcasts; the fused kernel "
+            "(sum post-op) needs equal shapes"
+        )
     w, ws, b = _weights(conv)
     mod = QConv2dAdd(w, ws, b, spec, in_qp, other_qp, out_qp, relu=relu, input_shape=_shape(x_arg), backend=ctx.backend)
     return _Plan(mod, [src, other], covered, label)
 
 
 def _conv_add_module(ctx: _Ctx, node: fx.Node, mod: nn.Module | None) -> tuple[nn.Conv2d, bool] | None:
-    if isinstance(mod, nni.ConvAdd2d | nni.ConvAddReLU2d):
+    if isinstance(mod, nni.ConvAdd2d | nni.ConvAddReLU2d) and behaves_as(mod[0], nn.Conv2d):
         if not _is_plain_add_module(mod.add) and mod.add not in (operator.add, torch.add):
             alpha = getattr(getattr(mod.add, "add", mod.add), "alpha", "?")
             raise Decline(f"conv+add with a scaled or swapped add (alpha={alpha}) has no INT8 kernel")
@@ -397,9 +421,9 @@ def _rule_conv(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None
 def _rule_conv1d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     """``Conv1d`` / ``ConvReLU1d`` → :class:`QConv1d` (the 2-D kernel at height 1)."""
     mod = ctx.module(node)
-    if isinstance(mod, nni.ConvReLU1d) and isinstance(mod[0], nn.Conv1d):
+    if isinstance(mod, nni.ConvReLU1d) and behaves_as(mod[0], nn.Conv1d):
         conv, post_op = mod[0], PostOp("relu")
-    elif isinstance(mod, nn.Conv1d):
+    elif behaves_as(mod, nn.Conv1d):
         conv, post_op = mod, NO_POST_OP
     else:
         return None
@@ -417,9 +441,9 @@ def _rule_conv1d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | No
 def _rule_conv3d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     """``Conv3d`` / ``ConvReLU3d`` (video models) → :class:`QConv3d`."""
     mod = ctx.module(node)
-    if isinstance(mod, nni.ConvReLU3d) and isinstance(mod[0], nn.Conv3d):
+    if isinstance(mod, nni.ConvReLU3d) and behaves_as(mod[0], nn.Conv3d):
         conv, relu = mod[0], True
-    elif isinstance(mod, nn.Conv3d):
+    elif behaves_as(mod, nn.Conv3d):
         conv, relu = mod, False
     else:
         return None
@@ -558,7 +582,7 @@ def _rule_max_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
     if out_qp is None:
         return None
     mod = ctx.module(node)
-    if not isinstance(mod, nn.MaxPool2d | nn.MaxPool3d):
+    if not behaves_as(mod, (nn.MaxPool2d, nn.MaxPool3d)):
         return None
     if mod.return_indices:
         raise Decline("max pool returning indices has no INT8 kernel")
@@ -585,7 +609,7 @@ def _rule_batch_norm(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan 
     mod = ctx.module(node)
     relu = isinstance(mod, nni.BNReLU2d)
     bn = mod[0] if relu else mod
-    if not isinstance(bn, nn.BatchNorm2d):
+    if not behaves_as(bn, nn.BatchNorm2d):
         return None
     if bn.training:
         raise Decline("batch norm in training mode (batch statistics) has no INT8 kernel")
@@ -600,7 +624,7 @@ def _rule_avg_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
     if out_qp is None:
         return None
     mod = ctx.module(node)
-    if isinstance(mod, nn.AvgPool2d):
+    if behaves_as(mod, nn.AvgPool2d):
         src, in_qp = ctx.u8_input(node.args[0])
         stride = mod.stride if mod.stride is not None else mod.kernel_size
         q = QAvgPool2d(
@@ -615,7 +639,7 @@ def _rule_avg_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
             backend=ctx.backend,
         )
         return _Plan(q, [src], [node], ctx.label(node))
-    if not isinstance(mod, nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool3d):
+    if not behaves_as(mod, (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
         return None
     cls, n = (QAdaptiveAvgPool2d, 2) if isinstance(mod, nn.AdaptiveAvgPool2d) else (QAdaptiveAvgPool3d, 3)
     size = mod.output_size
@@ -631,7 +655,7 @@ def _rule_flatten(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | N
     if out_qp is None:
         return None
     mod = ctx.module(node)
-    if isinstance(mod, nn.Flatten):
+    if behaves_as(mod, nn.Flatten):
         start, end = mod.start_dim, mod.end_dim
     elif op_kind(node, ctx.modules) == "flatten" and node.op != "call_module":
         extra = list(node.args[1:])
@@ -852,8 +876,11 @@ class LowerToGML(GraphPass):
         if len(src.users) != 1:
             return None, f"{src.name}'s fp32 result is also read elsewhere ({len(src.users)} users); kept in fp32"
         for rule in RULES:
+            ctx.input_shapes = []
             try:
                 plan = rule(ctx, src, out_qp)
+                if plan is not None:
+                    _trial_run(ctx, plan)
             except Decline as e:
                 return None, f"{e}; kept in fp32"
             if plan is not None:
@@ -872,8 +899,11 @@ class LowerToGML(GraphPass):
                 continue  # the activation reading it fuses it
             plan, reason = None, ""
             for rule in (_rule_activation, _rule_conv, _rule_linear):
+                ctx.input_shapes = []
                 try:
                     plan = rule(ctx, node, None)
+                    if plan is not None:
+                        _trial_run(ctx, plan)
                 except Decline as e:
                     reason = f"{e}; kept in fp32"
                     break
@@ -977,6 +1007,26 @@ def coverage_of(gm: fx.GraphModule) -> LoweringCoverage:
         if KEPT_FP32 in node.meta:
             cov.kept_fp32.append(node.meta[KEPT_FP32])
     return cov
+
+
+def _trial_run(ctx: _Ctx, plan: _Plan) -> None:
+    """Run a planned INT8 module once on uint8 inputs of the recorded shapes (at the zero point):
+    a kernel the backend rejects for this geometry declines *this* rewrite, with the backend's
+    reason, instead of failing the whole lowered model (which the PassManager would roll back)."""
+    if len(ctx.input_shapes) != len(plan.inputs) or any(s is None for s in ctx.input_shapes):
+        return  # data-movement ops with run-time sizes, or no shape metadata: checked with the model
+    args = []
+    for node, shape in zip(plan.inputs, ctx.input_shapes):
+        assert shape is not None
+        qp = extract_qparams(node, ctx.gm)
+        t = torch.full(shape, qp.zero_point if qp is not None else 0, dtype=torch.uint8)
+        args.append(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t)
+    try:
+        with torch.no_grad():
+            plan.module(*args)
+    except Exception as e:  # the backend's own error is the reason
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Decline(f"the {ctx.backend.name} kernel rejects {type(plan.module).__name__} here ({first})") from None
 
 
 def _base(node: Any) -> str:
