@@ -355,12 +355,35 @@ def capture(
     leaf_modules: Sequence[str | type] = (),
     concrete_args: dict[str, Any] | None = None,
 ) -> fx.GraphModule:
-    """Trace ``model`` and, given ``example_inputs``, propagate shapes into node metadata."""
-    gm = (
-        model
-        if isinstance(model, fx.GraphModule)
-        else trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
-    )
+    """Trace ``model`` and, given ``example_inputs``, propagate shapes into node metadata.
+
+    With ``example_inputs``, a model ``torch.fx`` cannot trace, or whose fx graph hides torch.nn
+    attention/transformer layers as opaque leaves, is captured with ``torch.export`` instead
+    (:mod:`gml.capture_export`); ``gml.capture_export.capture_info(gm)`` says which path and why.
+    """
+    # --- #15: automatic choice between torch.fx and torch.export (gml.capture_export) ---
+    if isinstance(model, fx.GraphModule):
+        gm = model
+    else:
+        from gml.capture_export import CAPTURE_META, CaptureInfo, choose_export, export_capture
+
+        try:
+            gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+        except TraceFailure as fx_error:
+            if example_inputs is None or concrete_args:
+                raise
+            try:
+                gm = export_capture(model, example_inputs, reason=f"torch.fx failed: {fx_error.message}")
+            except TraceFailure as export_error:
+                raise TraceFailure(f"{fx_error.message} {export_error.message}", hint=fx_error.hint) from None
+        else:
+            why = choose_export(gm) if example_inputs is not None and not leaf_modules else None
+            if why is not None:
+                gm = export_capture(model, example_inputs, reason=why)
+            else:
+                gm.meta[CAPTURE_META] = CaptureInfo("torch.fx", "symbolic_trace")
+                gm.train(model.training)  # a traced eval model is an eval graph
+    # --- end #15 ---
     if example_inputs is not None:
         propagate_shapes(gm, example_inputs)
     return gm
