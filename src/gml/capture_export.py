@@ -25,9 +25,12 @@ read:
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,9 +166,39 @@ def _dynamic_shapes(inputs: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(spec)
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence torch's export warnings (specialised dims, guard dumps): a CLI user sees our one
+    paragraph, and what export decided is reported in :class:`CaptureInfo`."""
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:  # export also prints the graph it was building when a guard fails
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(before)
+
+
 def _export(model: nn.Module, inputs: tuple, dynamic: bool) -> torch.export.ExportedProgram:
     shapes = _dynamic_shapes(inputs) if dynamic else None
-    return torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+    with _quiet():
+        return torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+
+
+def _serves(ep: torch.export.ExportedProgram, inputs: tuple) -> bool:
+    """Whether every dimension ``ep`` fixed equals the example's own size (a graph exported on a
+    doubled batch that specialised the batch to 2 would refuse the example)."""
+    user = torch.export.graph_signature.InputKind.USER_INPUT
+    names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == user]
+    vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+    for name, x in zip(names, inputs):
+        val = vals.get(name)
+        if not isinstance(val, torch.Tensor) or not isinstance(x, torch.Tensor):
+            continue
+        for d, size in zip(val.shape, x.shape):
+            if not isinstance(d, torch.SymInt) and int(d) != size:
+                return False
+    return True
 
 
 def _bound(value: Any) -> str:
@@ -175,7 +208,9 @@ def _bound(value: Any) -> str:
     return str(int(value))
 
 
-def _describe_dims(ep: torch.export.ExportedProgram, names: list[str]) -> dict[str, list[str]]:
+def _describe_dims(
+    ep: torch.export.ExportedProgram, names: list[str], sizes: dict[str, tuple[int, ...]]
+) -> dict[str, list[str]]:
     ranges = {str(k): v for k, v in ep.range_constraints.items()}
     out: dict[str, list[str]] = {}
     user = torch.export.graph_signature.InputKind.USER_INPUT
@@ -187,12 +222,12 @@ def _describe_dims(ep: torch.export.ExportedProgram, names: list[str]) -> dict[s
         if not isinstance(val, torch.Tensor):
             continue
         dims = []
-        for d in val.shape:
-            if isinstance(d, torch.SymInt):
-                r = ranges.get(str(d))
-                dims.append(f"dynamic {_bound(r.lower if r else 0)}..{_bound(r.upper if r else None)}")
-            else:
-                dims.append(f"static {int(d)}")
+        for i, d in enumerate(val.shape):
+            r = ranges.get(str(d)) if isinstance(d, torch.SymInt) else None
+            if r is not None:
+                dims.append(f"dynamic {_bound(r.lower)}..{_bound(r.upper)}")
+            else:  # a symbol export replaced by a constant is as static as a plain int
+                dims.append(f"static {int(d) if not isinstance(d, torch.SymInt) else sizes[name][i]}")
         out[name] = dims
     return out
 
@@ -214,10 +249,15 @@ def export_capture(model: nn.Module, example_inputs: Sequence[Any], *, reason: s
         attempts = attempts[1:]
     for args, dynamic in attempts:
         try:
-            ep = _export(model, args, dynamic)
-            break
+            candidate = _export(model, args, dynamic)
         except Exception as exc:  # the next attempt fixes more; the first error is the one to show
             first_error = first_error or exc
+            continue
+        if args is inputs or _serves(candidate, inputs):
+            ep = candidate
+            break
+        # the doubled batch got specialised (a loop over the batch unrolls): export the example itself
+        notes.append("the batch dimension is specialised (forward() depends on its size)")
     if ep is None:
         assert first_error is not None
         text = str(first_error).strip().splitlines()[0] if str(first_error).strip() else ""
@@ -240,7 +280,8 @@ def export_capture(model: nn.Module, example_inputs: Sequence[Any], *, reason: s
     gm = result.graph_module
     gm.train(False)
     notes += result.notes + [str(s) for s in result.skips]
-    info = CaptureInfo("torch.export", reason, _describe_dims(ep, names), notes)
+    sizes = {n: tuple(x.shape) for n, x in zip(names, inputs) if isinstance(x, torch.Tensor)}
+    info = CaptureInfo("torch.export", reason, _describe_dims(ep, names, sizes), notes)
     gm.meta[CAPTURE_META] = info
     _check_against_eager(model, gm, inputs)
     return gm

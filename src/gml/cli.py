@@ -21,7 +21,11 @@ console = Console(highlight=False)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="torchvision model name (e.g. resnet18) or path/to/file.py:ClassName")
+    p.add_argument(
+        "model",
+        help="torchvision model name (e.g. resnet18), path/to/file.py:ClassName, hf:ArchitectureClass (e.g. "
+        "hf:BertModel: default config, random weights, nothing downloaded) or a local Hugging Face model folder",
+    )
     p.add_argument(
         "--input-shape",
         metavar="SHAPE",
@@ -57,6 +61,8 @@ def load_from_args(args: argparse.Namespace, batch: int | None = None):
     )
     if args.input_shape:
         shapes = parse_shapes(args.input_shape)
+        if like is not None and len(shapes) == 1 < len(like) and all(t.dim() == 2 for t in like):
+            shapes = shapes * len(like)  # #15: one BxS shape for input_ids and attention_mask alike
     return model, example_inputs(shapes, batch=batch, like=like)
 
 
@@ -80,6 +86,23 @@ def _short(value: object, limit: int = 48) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _print_capture(gm, model, inputs) -> None:
+    """#15: which capture path made the graph and why; what the generated inputs are."""
+    import torch
+    from rich.markup import escape
+
+    from gml.capture_export import capture_info
+    from gml.models_hf import describe_inputs
+
+    info = capture_info(gm)
+    if info is not None and info.path != "torch.fx":
+        console.print(f"[dim]{escape(info.summary())}[/]")
+        for note in info.notes:
+            console.print(f"[dim]capture: {escape(note)}[/]")
+    if any(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in inputs):
+        console.print(f"[dim]inputs: {escape(describe_inputs(model, tuple(inputs)))}[/]")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from gml.capture import capture
     from gml.passes.catalog import find_patterns, sibling_groups
@@ -88,6 +111,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     model, inputs = load_from_args(args)
     gm = capture(model, inputs, leaf_modules=args.leaf)
+    _print_capture(gm, model, inputs)
     modules = modules_of(gm)
     n_params = sum(p.numel() for p in gm.parameters())
     console.print(
@@ -187,6 +211,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     model, inputs = load_from_args(args)
     passes = passes_by_name([p.strip() for p in args.passes.split(",") if p.strip()]) if args.passes else None
     res = optimize(model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf)
+    _print_capture(res.module, model, inputs)
     console.print(res.report.table(title=f"gml optimize {_model_label(args)}"))
     if res.report.skips or res.report.rolled_back:
         console.print(res.report.skip_table())

@@ -4,6 +4,8 @@ A model spec is one of
 
 * a torchvision model name (``resnet18``, ``mobilenet_v2``, ...), built with random weights:
   GML-Lab never downloads anything;
+* ``hf:BertModel`` (a transformers class built from its default config, random weights) or a local
+  Hugging Face model folder (``config.json`` + weights): :mod:`gml.models_hf`;
 * ``path/to/file.py:ClassName``: the class is imported from that file and built with no arguments.
   If the file defines ``example_inputs()`` (or the class an ``example_input_shape`` attribute) it
   gives the default inputs;
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from gml.errors import InputError, ModelLoadError
+from gml.models_hf import input_templates, is_hf_spec, load_hf
 
 DEFAULT_VISION_SHAPE = (1, 3, 224, 224)
 _SPECIAL_SHAPES = {"inception_v3": (1, 3, 299, 299)}
@@ -132,6 +135,8 @@ def load_model(
             raise ModelLoadError(f"{cls_name} is not an nn.Module.", hint="point at an nn.Module subclass.")
     elif spec.endswith(".py"):
         raise ModelLoadError(f"'{spec}' names a file but no class.", hint=f"use {spec}:ClassName.")
+    elif is_hf_spec(spec):  # #15: hf:ArchitectureClass or a local HF model folder (gml.models_hf)
+        model = load_hf(spec)
     else:
         model = _load_torchvision(spec)
     if weights is not None:
@@ -237,6 +242,8 @@ def _video_shape(name: str) -> tuple[int, ...]:
 
 def default_input_shapes(model: nn.Module, spec: str | nn.Module | None = None) -> list[tuple[int, ...]]:
     """Shapes the model's author declared, else the torchvision default 1x3x224x224."""
+    if is_hf_spec(spec):  # #15
+        return [tuple(t.shape) for t in input_templates(model)]
     if isinstance(spec, str) and spec in _SPECIAL_SHAPES:
         return [_SPECIAL_SHAPES[spec]]
     if isinstance(spec, str) and ":" not in spec:
@@ -261,6 +268,8 @@ def declared_inputs(spec: str | nn.Module | None, model: nn.Module | None = None
 
     They carry what shapes alone do not: an ``nn.Embedding`` model takes int64 token ids.
     """
+    if is_hf_spec(spec) and model is not None:  # #15: token ids from the vocabulary, an all-ones mask
+        return input_templates(model)
     if not (isinstance(spec, str) and ".py:" in spec) or getattr(model, "example_input_shape", None) is not None:
         return None
     module = sys.modules.get(_user_module_name(spec.rsplit(":", 1)[0]))

@@ -172,7 +172,7 @@ def _match(softmax: fx.Node, modules: dict[str, nn.Module]) -> _Match | str:
         a, b = x.args
         pick = None
         for scores, other in ((a, b), (b, a)):
-            is_scores = _is_matmul(scores, modules) or isinstance(_scale_of(scores, modules), tuple)
+            is_scores = _is_matmul(scores, modules) or _scale_of(scores, modules) is not None
             if isinstance(scores, fx.Node) and is_scores:
                 pick = (scores, other)
                 break

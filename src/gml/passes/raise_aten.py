@@ -13,6 +13,7 @@ of the module that made the call, taken from export's ``nn_module_stack``, e.g.
     aten.conv{1,2,3}d(x, W, b, stride, pad, dil, groups)  →  nn.Conv{1,2,3}d(x)
     aten.layer_norm(x, shape, W, b, eps)                  →  nn.LayerNorm(x)
     aten.embedding(W, ids, padding_idx)                   →  nn.Embedding(ids)
+    aten.batch_norm(x, W, b, mean, var, False, m, eps)    →  nn.BatchNorm{1,2,3}d(x)  (running statistics)
     aten.relu / gelu / tanh / sigmoid / silu / hardswish  →  torch.relu / F.gelu / ... (Normalize makes modules)
     aten.add.Tensor / mul / sub / div / matmul / bmm / softmax / dropout / flatten / SDPA  →  torch.* / F.*
     aten.view / reshape / permute / transpose / unsqueeze / expand / contiguous  →  x.view(...) etc.
@@ -183,10 +184,32 @@ def _build(gm: fx.GraphModule, node: fx.Node) -> tuple[nn.Module, fx.Node] | str
         if b is not None:
             conv.bias = _param(b)
         return conv, x
+    if target is aten.batch_norm.default:
+        x = node.args[0]
+        w_node, b_node, rm_node, rv_node = node.args[1:5]
+        training, momentum, eps = node.args[5:8]
+        tensors = [_const(gm, n) for n in (w_node, b_node, rm_node, rv_node)]
+        if training or any(t is None for t in tensors[2:]):
+            return "batch statistics (training mode or no running statistics)"
+        if any(n is not None and t is None for n, t in zip((w_node, b_node), tensors[:2])):
+            return "weight or bias is computed, not a constant"
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        cls = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(
+            val.dim() if isinstance(val, torch.Tensor) else -1
+        )
+        if cls is None:
+            return "input rank unknown"
+        w, b, rm, rv = tensors
+        bn = cls(rm.shape[0], eps=eps, momentum=momentum, affine=w is not None)
+        if w is not None:
+            bn.weight, bn.bias = _param(w), _param(b)
+        bn.running_mean, bn.running_var = rm, rv
+        bn.num_batches_tracked = None
+        return bn, x
     return "not a weight-carrying op"
 
 
-_MODULE_OPS = (aten.linear.default, aten.layer_norm.default, aten.embedding.default, *_CONVS)
+_MODULE_OPS = (aten.linear.default, aten.layer_norm.default, aten.embedding.default, aten.batch_norm.default, *_CONVS)
 
 
 def _install(gm: fx.GraphModule, node: fx.Node, module: nn.Module, taken: set[str]) -> str:
