@@ -233,10 +233,65 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize_transformer(args: argparse.Namespace, model, inputs) -> int:
+    """#15: a transformer gets the transformer INT8 scheme (gml.quant.transformer), not torch.ao's
+    static one: INT8 GEMMs with per-token activation scales, LayerNorm/softmax/residuals fp32."""
+    import torch
+    from rich.markup import escape
+
+    from gml.errors import UnsupportedError
+    from gml.models import example_inputs
+    from gml.models_hf import describe_inputs
+    from gml.quant.transformer import quantize_transformer
+
+    if args.out:
+        raise UnsupportedError(
+            "Saving a model quantized with the transformer INT8 scheme is not supported yet.",
+            hint="run without --out; in Python, gml.quant.transformer.quantize_transformer returns the module.",
+        )
+    res = quantize_transformer(model, inputs)
+    _print_capture(res.module, model, inputs)
+    console.print("[dim]transformer INT8 scheme: INT8 GEMMs with per-token dynamic activation scales; "
+                  "residual stream, LayerNorm, softmax and attention in fp32 (no calibration needed)[/]")  # fmt: skip
+    console.print(res.report.table(title=f"gml quantize {_model_label(args)} (transformer scheme)"))
+    if res.report.skips or res.report.rolled_back:
+        console.print(res.report.skip_table(title="Declined candidates"))
+    console.print(res.table())
+    # accuracy on an input the quantization never saw (another seed of the same kind of input)
+    held_out = example_inputs([tuple(t.shape) for t in inputs], seed=1, like=inputs)
+    with torch.no_grad():
+        ref, got = model(*held_out), res.module(*held_out)
+    flat = [t.flatten().double() for t in torch.utils._pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
+    mine = [t.flatten().double() for t in torch.utils._pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+    cos = torch.nn.functional.cosine_similarity(flat[0], mine[0], dim=0)
+    console.print(
+        f"accuracy: output cosine vs fp32 {float(cos):.5f} on a held-out input "
+        f"({escape(describe_inputs(model, held_out))})"
+    )
+    if not args.no_time:
+        t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.module(*inputs)})
+        console.print(
+            f"latency (median of 15 interleaved calls): fp32 eager {t['fp32']:.2f} ms, "
+            f"INT8 {t['int8']:.2f} ms ({t['fp32'] / t['int8']:.2f}x); use `gml bench` for a full measurement"
+        )
+    return 0
+
+
+def _is_transformer(model) -> bool:
+    """A transformers model, or one holding torch.nn attention/transformer layers."""
+    from gml.capture_export import OPAQUE_TO_FX
+
+    if any(isinstance(m, OPAQUE_TO_FX) for m in model.modules()):
+        return True
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from gml.api import quantize
 
     model, inputs = load_from_args(args)
+    if _is_transformer(model) and not args.leaf:  # --- #15: the transformer INT8 scheme ---
+        return _quantize_transformer(args, model, inputs)
     if args.calib < 1:
         raise GMLError("--calib must be at least 1.", hint="e.g. --calib 8")
     res = quantize(

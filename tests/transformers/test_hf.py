@@ -117,3 +117,16 @@ def test_cli_inspect_a_local_model_folder(tmp_path, capsys) -> None:
     assert "captured with torch.export" in out and "dynamic" in out
     assert "generated token ids uniform in [1, 999]" in out
     assert "(2, 16), (2, 16)" in out
+
+
+def test_cli_quantize_takes_the_transformer_scheme(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    _bert().save_pretrained(tmp_path)
+    code = main(["quantize", str(tmp_path), "--input-shape", "2x16", "--no-time"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "transformer INT8 scheme" in out and "quantize_linears_dynamic" in out
+    assert out.count("per token") >= 9  # 2 x (QKV merged, out, 2 MLP) + pooler: every GEMM listed as int8
+    assert "LayerNorm" in out or "layernorm" in out
+    cos = float(out.split("output cosine vs fp32 ")[1].split()[0])
+    assert cos > 0.99
