@@ -61,8 +61,6 @@ def load_from_args(args: argparse.Namespace, batch: int | None = None):
     )
     if args.input_shape:
         shapes = parse_shapes(args.input_shape)
-        if like is not None and len(shapes) == 1 < len(like) and all(t.dim() == 2 for t in like):
-            shapes = shapes * len(like)  # #15: one BxS shape for input_ids and attention_mask alike
     return model, example_inputs(shapes, batch=batch, like=like)
 
 

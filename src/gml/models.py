@@ -307,9 +307,12 @@ def example_inputs(
 
     Floating inputs are N(0, 1). With ``like`` (one template per input, e.g.
     :func:`declared_inputs`), each input takes its template's dtype, and integer or bool inputs
-    are drawn uniformly from the template's value range (token ids stay valid indices).
+    are drawn uniformly from the template's value range (token ids stay valid indices). One shape
+    for several 2-D templates (``input_ids``, ``attention_mask``) is the shape of each.
     """
     gen = torch.Generator().manual_seed(seed)
+    if like is not None and len(shapes) == 1 < len(like) and all(t.dim() == 2 for t in like):
+        shapes = list(shapes) * len(like)  # #15: one BxS shape for input_ids and attention_mask alike
     templates = list(like) if like is not None and len(like) == len(shapes) else [None] * len(shapes)
     out = []
     for s, t in zip(shapes, templates):
