@@ -380,10 +380,14 @@ def capture(
                 raise TraceFailure(f"{fx_error.message} {export_error.message}", hint=fx_error.hint) from None
         else:
             why = choose_export(gm) if example_inputs is not None and not leaf_modules and export else None
+            info = CaptureInfo("torch.fx", "symbolic_trace")
             if why is not None:
-                gm = export_capture(model, example_inputs, reason=why)
-            else:
-                gm.meta[CAPTURE_META] = CaptureInfo("torch.fx", "symbolic_trace")
+                try:
+                    gm = export_capture(model, example_inputs, reason=why)
+                except TraceFailure as export_error:  # the fx graph, leaves and all, still serves
+                    info = CaptureInfo("torch.fx", f"symbolic_trace; {why}, but {export_error.message}")
+            if CAPTURE_META not in gm.meta:  # fx's graph is the one returned
+                gm.meta[CAPTURE_META] = info
                 gm.train(model.training)  # a traced eval model is an eval graph
     # --- end #15 ---
     if example_inputs is not None:

@@ -93,7 +93,7 @@ def _print_capture(gm, model, inputs) -> None:
     from gml.models_hf import describe_inputs
 
     info = capture_info(gm)
-    if info is not None and info.path != "torch.fx":
+    if info is not None and (info.path != "torch.fx" or info.reason != "symbolic_trace"):
         console.print(f"[dim]{escape(info.summary())}[/]")
         for note in info.notes:
             console.print(f"[dim]capture: {escape(note)}[/]")

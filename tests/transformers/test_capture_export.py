@@ -84,6 +84,28 @@ def test_explicit_leaf_keeps_the_fx_path() -> None:
     assert "MultiheadAttention" in _kinds(gm)
 
 
+@torch.fx.wrap
+def _gate(x: torch.Tensor) -> torch.Tensor:
+    """Opaque to fx (wrapped); export traces into it and stops at the branch on a value."""
+    return x * 2 if x.sum() > 0 else x
+
+
+class MHAAndGate(WithMHA):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _gate(super().forward(x))
+
+
+def test_export_failing_keeps_the_fx_graph_with_both_reasons() -> None:
+    model = MHAAndGate().eval()
+    x = torch.randn(2, 10, 32)
+    gm = capture(model, (x,))
+    info = capture_info(gm)
+    assert info.path == "torch.fx"
+    assert "opaque leaves" in info.reason and "with torch.export either" in info.reason
+    assert "MultiheadAttention" in _kinds(gm)
+    torch.testing.assert_close(gm(x), model(x))
+
+
 def test_mha_as_the_model_keeps_both_outputs() -> None:
     torch.manual_seed(0)
     model = nn.MultiheadAttention(32, 4, batch_first=True).eval()
