@@ -26,8 +26,9 @@ Every replacement runs the very ATen op it replaces (``nn.Linear.forward`` is ``
 ``aten.linear``), so the rewrite is bit-exact (tolerance 0).
 
 Skipped, with the reason: a weight-carrying op whose weight or bias is computed at run time (not a
-``get_attr`` constant: "weight is computed, not a constant"), a conv with string padding other
-than ``valid``/``same`` or a transposed conv (left as the ATen call).
+``get_attr`` constant: "weight or bias is computed, not a constant"), batch norm with batch
+statistics, an embedding with training options. Ops with no entry here (``aten.slice``,
+``aten.gather``, transposed convs, ...) stay ATen calls, counted in the notes; they run as they are.
 """
 
 from __future__ import annotations
@@ -168,8 +169,6 @@ def _build(gm: fx.GraphModule, node: fx.Node) -> tuple[nn.Module, fx.Node] | str
         w, b = _const(gm, w_node), _const(gm, b_node)
         if w is None or (b_node is not None and b is None):
             return "weight or bias is computed, not a constant"
-        if isinstance(padding, str) and padding not in ("valid", "same"):
-            return f"padding={padding!r}"
         conv = cls(
             w.shape[1] * groups,
             w.shape[0],
