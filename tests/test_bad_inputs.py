@@ -190,10 +190,11 @@ CLI_CASES = [
         "--leaf inner",
     ),
     Case(
+        # torch.fx cannot iterate a tensor; the torch.export path unrolls the loop for this batch size (#15)
         "top-level forward loops over the batch (as torchvision's detectors do)",
         ("optimize", "{assets}:PerImage", "--no-time"),
-        4,
-        "--submodule NAME",
+        0,
+        "captured with torch.export",
     ),
     Case(
         "`--submodule` that does not exist",

@@ -52,8 +52,9 @@ def test_inspect_with_leaf_succeeds(capsys):
 
 def test_submodule_optimizes_the_traceable_part(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
+    # torch.fx cannot iterate over the batch; the torch.export path unrolls the loop for this batch (#15)
     code, out = _run(capsys, "inspect", f"{ASSETS}:PerImage", "--no-nodes")
-    assert code == 4 and "--submodule NAME" in " ".join(out.split())
+    assert code == 0 and "captured with torch.export" in out and "static" in out
     # the input shape is the part's own declared one (SmallCNN: 1x3x32x32), not the whole model's
     code, out = _run(capsys, "optimize", f"{ASSETS}:PerImage", "--submodule", "backbone")
     assert code == 0

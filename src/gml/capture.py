@@ -602,13 +602,42 @@ def capture(
     *,
     leaf_modules: Sequence[str | type] = (),
     concrete_args: dict[str, Any] | None = None,
+    export: bool = True,
 ) -> fx.GraphModule:
-    """Trace ``model`` and, given ``example_inputs``, propagate shapes into node metadata."""
-    gm = (
-        model
-        if isinstance(model, fx.GraphModule)
-        else trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args, example_inputs=example_inputs)
-    )
+    """Trace ``model`` and, given ``example_inputs``, propagate shapes into node metadata.
+
+    With ``example_inputs``, a model ``torch.fx`` cannot trace, or whose fx graph hides torch.nn
+    attention/transformer layers as opaque leaves, is captured with ``torch.export`` instead
+    (:mod:`gml.capture_export`); ``gml.capture_export.capture_info(gm)`` says which path and why.
+    ``export=False`` keeps to torch.fx (the INT8 frontend, whose torch.ao stage needs it).
+    """
+    # --- #15: automatic choice between torch.fx and torch.export (gml.capture_export) ---
+    if isinstance(model, fx.GraphModule):
+        gm = model
+    else:
+        from gml.capture_export import CAPTURE_META, CaptureInfo, choose_export, export_capture
+
+        try:
+            gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args, example_inputs=example_inputs)
+        except TraceFailure as fx_error:
+            if example_inputs is None or concrete_args or not export:
+                raise
+            try:
+                gm = export_capture(model, example_inputs, reason=f"torch.fx failed: {fx_error.message}")
+            except TraceFailure as export_error:
+                raise TraceFailure(f"{fx_error.message} {export_error.message}", hint=fx_error.hint) from None
+        else:
+            why = choose_export(gm) if example_inputs is not None and not leaf_modules and export else None
+            info = CaptureInfo("torch.fx", "symbolic_trace")
+            if why is not None:
+                try:
+                    gm = export_capture(model, example_inputs, reason=why)
+                except TraceFailure as export_error:  # the fx graph, leaves and all, still serves
+                    info = CaptureInfo("torch.fx", f"symbolic_trace; {why}, but {export_error.message}")
+            if CAPTURE_META not in gm.meta:  # fx's graph is the one returned
+                gm.meta[CAPTURE_META] = info
+                gm.train(model.training)  # a traced eval model is an eval graph
+    # --- end #15 ---
     if example_inputs is not None:
         propagate_shapes(gm, example_inputs)
         for node in gm.graph.nodes:

@@ -23,8 +23,9 @@ console = Console(highlight=False)
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model",
-        help="torchvision name (resnet18), timm:NAME (random init) or path/to/file.py:ClassName; `inspect` also "
-        "takes a model saved by gml (file.pt2)",
+        help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, hf:ArchitectureClass "
+        "(e.g. hf:BertModel: default config, random weights, nothing downloaded) or a local Hugging Face model "
+        "folder; `inspect` also takes a model saved by gml (file.pt2)",
     )
     p.add_argument(
         "--input-shape",
@@ -106,6 +107,23 @@ def _load_saved(spec: str):
     return gm, tuple(inputs)
 
 
+def _print_capture(gm, model, inputs) -> None:
+    """#15: which capture path made the graph and why; what the generated inputs are."""
+    import torch
+    from rich.markup import escape
+
+    from gml.capture_export import capture_info
+    from gml.models_hf import describe_inputs
+
+    info = capture_info(gm)
+    if info is not None and (info.path != "torch.fx" or info.reason != "symbolic_trace"):
+        console.print(f"[dim]{escape(info.summary())}[/]")
+        for note in info.notes:
+            console.print(f"[dim]capture: {escape(note)}[/]")
+    if any(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in inputs):
+        console.print(f"[dim]inputs: {escape(describe_inputs(model, tuple(inputs)))}[/]")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from gml.capture import capture
     from gml.passes.catalog import find_patterns, sibling_groups
@@ -118,6 +136,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     else:
         model, inputs = load_from_args(args)
         gm = capture(model, inputs, leaf_modules=args.leaf)
+        _print_capture(gm, model, inputs)
     modules = modules_of(gm)
     n_params = sum(p.numel() for p in gm.parameters())
     console.print(
@@ -238,6 +257,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     model, inputs = load_from_args(args)
     passes = passes_by_name([p.strip() for p in args.passes.split(",") if p.strip()]) if args.passes else None
     res = optimize(model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf)
+    _print_capture(res.module, model, inputs)
     console.print(res.report.table(title=f"gml optimize {_model_label(args)}"))
     if res.report.skips or res.report.rolled_back:
         console.print(res.report.skip_table())
@@ -259,6 +279,59 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize_transformer(args: argparse.Namespace, model, inputs) -> int:
+    """#15: a transformer gets the transformer INT8 scheme (gml.quant.transformer), not torch.ao's
+    static one: INT8 GEMMs with per-token activation scales, LayerNorm/softmax/residuals fp32."""
+    import torch
+    from rich.markup import escape
+
+    from gml.errors import UnsupportedError
+    from gml.models import example_inputs
+    from gml.models_hf import describe_inputs
+    from gml.quant.transformer import quantize_transformer
+
+    if args.out:
+        raise UnsupportedError(
+            "Saving a model quantized with the transformer INT8 scheme is not supported yet.",
+            hint="run without --out; in Python, gml.quant.transformer.quantize_transformer returns the module.",
+        )
+    res = quantize_transformer(model, inputs)
+    _print_capture(res.module, model, inputs)
+    console.print("[dim]transformer INT8 scheme: INT8 GEMMs with per-token dynamic activation scales; "
+                  "residual stream, LayerNorm, softmax and attention in fp32 (no calibration needed)[/]")  # fmt: skip
+    console.print(res.report.table(title=f"gml quantize {_model_label(args)} (transformer scheme)"))
+    if res.report.skips or res.report.rolled_back:
+        console.print(res.report.skip_table(title="Declined candidates"))
+    console.print(res.table())
+    # accuracy on an input the quantization never saw (another seed of the same kind of input)
+    held_out = example_inputs([tuple(t.shape) for t in inputs], seed=1, like=inputs)
+    with torch.no_grad():
+        ref, got = model(*held_out), res.module(*held_out)
+    flat = [t.flatten().double() for t in torch.utils._pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
+    mine = [t.flatten().double() for t in torch.utils._pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+    cos = torch.nn.functional.cosine_similarity(flat[0], mine[0], dim=0)
+    console.print(
+        f"accuracy: output cosine vs fp32 {float(cos):.5f} on a held-out input "
+        f"({escape(describe_inputs(model, held_out))})"
+    )
+    if not args.no_time:
+        t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.module(*inputs)})
+        console.print(
+            f"latency (median of 15 interleaved calls): fp32 eager {t['fp32']:.2f} ms, "
+            f"INT8 {t['int8']:.2f} ms ({t['fp32'] / t['int8']:.2f}x); use `gml bench` for a full measurement"
+        )
+    return 0
+
+
+def _is_transformer(model) -> bool:
+    """A transformers model, or one holding torch.nn attention/transformer layers."""
+    from gml.capture_export import OPAQUE_TO_FX
+
+    if any(isinstance(m, OPAQUE_TO_FX) for m in model.modules()):
+        return True
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from gml.api import quantize
 
@@ -268,6 +341,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise GMLError(f"--min-cosine {args.min_cosine:g} is not a cosine.", hint="give a value in [-1, 1], e.g. 0.99.")
     check_out_path(args.out)
     model, inputs = load_from_args(args)
+    if _is_transformer(model) and not args.leaf:  # --- #15: the transformer INT8 scheme ---
+        return _quantize_transformer(args, model, inputs)
     import warnings
 
     from gml.quant.calibrate import CalibrationWarning

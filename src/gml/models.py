@@ -6,6 +6,8 @@ A model spec is one of
   GML-Lab never downloads anything;
 * ``timm:NAME`` (``timm:efficientnet_b0``): a timm model (``pip install 'gml-lab[timm]'``), built
   with ``pretrained=False`` (random init; nothing is downloaded), inputs at its default resolution;
+* ``hf:BertModel`` (a transformers class built from its default config, random weights) or a local
+  Hugging Face model folder (``config.json`` + weights): :mod:`gml.models_hf`;
 * ``path/to/file.py:ClassName``: the class is imported from that file and built with no arguments.
   If the file defines ``example_inputs()`` (or the class an ``example_input_shape`` attribute) it
   gives the default inputs;
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from gml.errors import InputError, ModelLoadError
+from gml.models_hf import input_templates, is_hf_spec, load_hf
 
 DEFAULT_VISION_SHAPE = (1, 3, 224, 224)
 _SPECIAL_SHAPES = {"inception_v3": (1, 3, 299, 299)}
@@ -174,6 +177,8 @@ def load_model(
         model = _load_timm(spec.removeprefix(TIMM_PREFIX))
     elif spec.endswith(".py"):
         raise ModelLoadError(f"'{spec}' names a file but no class.", hint=f"use {spec}:ClassName.")
+    elif is_hf_spec(spec):  # #15: hf:ArchitectureClass or a local HF model folder (gml.models_hf)
+        model = load_hf(spec)
     else:
         model = _load_torchvision(spec)
     if weights is not None:
@@ -378,6 +383,8 @@ def _video_shape(name: str) -> tuple[int, ...]:
 
 def default_input_shapes(model: nn.Module, spec: str | nn.Module | None = None) -> list[tuple[int, ...]]:
     """Shapes the model's author declared, else the torchvision default 1x3x224x224."""
+    if is_hf_spec(spec):  # #15
+        return [tuple(t.shape) for t in input_templates(model)]
     if isinstance(spec, str) and spec in _SPECIAL_SHAPES:
         return [_SPECIAL_SHAPES[spec]]
     if isinstance(spec, str) and spec.startswith(TIMM_PREFIX) and (shape := _timm_input_shape(model)):
@@ -404,6 +411,8 @@ def declared_inputs(spec: str | nn.Module | None, model: nn.Module | None = None
 
     They carry what shapes alone do not: an ``nn.Embedding`` model takes int64 token ids.
     """
+    if is_hf_spec(spec) and model is not None:  # #15: token ids from the vocabulary, an all-ones mask
+        return input_templates(model)
     if not (isinstance(spec, str) and ".py:" in spec) or getattr(model, "example_input_shape", None) is not None:
         return None
     module = sys.modules.get(_user_module_name(spec.rsplit(":", 1)[0]))
@@ -441,9 +450,12 @@ def example_inputs(
 
     Floating inputs are N(0, 1). With ``like`` (one template per input, e.g.
     :func:`declared_inputs`), each input takes its template's dtype, and integer or bool inputs
-    are drawn uniformly from the template's value range (token ids stay valid indices).
+    are drawn uniformly from the template's value range (token ids stay valid indices). One shape
+    for several 2-D templates (``input_ids``, ``attention_mask``) is the shape of each.
     """
     gen = torch.Generator().manual_seed(seed)
+    if like is not None and len(shapes) == 1 < len(like) and all(t.dim() == 2 for t in like):
+        shapes = list(shapes) * len(like)  # #15: one BxS shape for input_ids and attention_mask alike
     templates = list(like) if like is not None and len(like) == len(shapes) else [None] * len(shapes)
     out = []
     for s, t in zip(shapes, templates):

@@ -8,6 +8,8 @@ Order matters and is fixed here, not discovered:
 * ``UntieSharedModules`` before anything that rewrites a module, so a rewrite at one call site
   can never change another (BasicBlock's shared ``relu``).
 * ``FoldBatchNorm`` before fusion: conv+BN+ReLU becomes conv+ReLU, which the fused kernels take.
+* ``FuseAttention`` after Normalize (which removes eval dropout between softmax and the second
+  matmul) and before the fusions: attention becomes one ``gml.attention`` call they leave alone.
 * fusions last, since they replace modules with kernel modules that other passes do not look into;
   their own order (and why) is in :mod:`gml.passes.fuse_all`.
 * ``LeafMemoryFormat`` after them: fused convs write channels-last; an opaque leaf gets back the
@@ -16,6 +18,7 @@ Order matters and is fixed here, not discovered:
 
 from __future__ import annotations
 
+from gml.passes.attention import FuseAttention
 from gml.passes.base import GraphPass
 from gml.passes.fold_bn import FoldBatchNorm
 from gml.passes.fold_constants import FoldConstants
@@ -33,13 +36,13 @@ def canonical_passes() -> list[GraphPass]:
 
 def fp32_passes() -> list[GraphPass]:
     """The default fp32 pipeline of ``gml optimize`` / :func:`gml.optimize`."""
-    return [*canonical_passes(), *fusion_passes(), LeafMemoryFormat()]
+    return [*canonical_passes(), FuseAttention(), *fusion_passes(), LeafMemoryFormat()]
 
 
 def available_passes() -> dict[str, type[GraphPass]]:
     """Pass name → class, for ``gml optimize --passes``; names are the passes' own ``name``."""
-    classes: list[type[GraphPass]] = [FoldConstants, Normalize, UntieSharedModules, FoldBatchNorm, *FUSION_PASS_CLASSES]
-    classes.append(LeafMemoryFormat)
+    classes: list[type[GraphPass]] = [FoldConstants, Normalize, UntieSharedModules, FoldBatchNorm, FuseAttention]
+    classes += [*FUSION_PASS_CLASSES, LeafMemoryFormat]
     return {cls.name: cls for cls in classes}
 
 

@@ -242,7 +242,8 @@ def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx
 
     check_eval_mode(model, what="INT8 quantization")
     _check_float32(model)
-    gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else capture(model, example_inputs)
+    # the torch.fx path only: torch.ao's static INT8 does not take export graphs yet (#15)
+    gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else capture(model, example_inputs, export=False)
     result = PassManager(fp32_passes()).run(gm, [tuple(example_inputs)])
     _refuse_kept_inplace_ops(result.graph_module, result.report)
     return result.graph_module, result.report
