@@ -255,3 +255,17 @@ def test_eval_data_of_input_label_pairs():
     res = gml.quantize(model, pairs, eval_data=pairs, per_layer=False)
     acc = res.accuracy
     assert acc.samples == 8 and acc.fp32_top1 is not None and acc.int8_top1 is not None
+
+
+def test_the_pass_manager_catches_a_rewrite_that_hides_a_nan(monkeypatch):
+    """With the kernels' guard switched off, a NaN in the example input shows the fused ReLU hiding
+    it, and the PassManager rolls fuse_conv back instead of reporting "max abs error 0"."""
+    from gml.kernels import fp32 as k32
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU()).eval()
+    x = _poisoned(torch.randn(1, 3, 8, 8), float("nan"))
+    assert gml.optimize(model, x).report.record("fuse_conv").status == "applied"  # guarded: exact
+    monkeypatch.setattr(k32, "all_finite", lambda *tensors: True)
+    rec = gml.optimize(model, x).report.record("fuse_conv")
+    assert rec.status == "rolled back" and "NaN/Inf disappeared" in rec.error

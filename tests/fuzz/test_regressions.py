@@ -204,7 +204,15 @@ INT8_CASES = {
     ),
 }
 
-INT8_OPEN_BUGS: dict[str, ModelSpec] = {}
+INT8_OPEN_BUGS: dict[str, ModelSpec] = {
+    # Found by seed 424242 (issue #11 run, inside a batch-statistics BN graph), open: an INT8 average
+    # pool with padding over a 1x1 map (k=2, stride 1, pad 1: a 2x2 output of value/4) is off by
+    # 0.93 against outputs of 0.55; the same pool on 3x3 maps is right. Likely the channels-last 1x1
+    # layout defect of the quantized adaptive pool (fixed there by the integer fp32 route).
+    "avg_pool_with_padding_on_a_1x1_map": ModelSpec(
+        inputs=[(2, 4, 1, 1)], layers=[L("pool", 0, kind="avg", stride=1, pad=1)]
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(INT8_CASES))

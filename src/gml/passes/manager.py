@@ -142,8 +142,17 @@ def compare_outputs(
                     return math.inf, f"sample {i} output {j}: integer output changed"
                 continue
             n = n.to(r.dtype)
-            if not torch.isfinite(n).all() and torch.isfinite(r).all():
-                return math.inf, f"sample {i} output {j}: NaN/Inf appeared"
+            fin_r, fin_n = torch.isfinite(r), torch.isfinite(n)
+            if not (fin_r.all() and fin_n.all()):
+                # NaN/Inf must sit where they sat (an optimizer must neither create nor hide them),
+                # and be the same non-finite value; the finite rest is compared as usual
+                if not torch.equal(fin_r, fin_n):
+                    what = "appeared" if fin_r.sum() > fin_n.sum() else "disappeared"
+                    return math.inf, f"sample {i} output {j}: NaN/Inf {what}"
+                same = torch.equal(r.isnan(), n.isnan()) and torch.equal(r[r.isinf()], n[n.isinf()])
+                if not same:
+                    return math.inf, f"sample {i} output {j}: NaN/Inf changed"
+                r, n = r[fin_r], n[fin_n]
             diff = (r - n).abs()
             err = float(diff.max()) if diff.numel() else 0.0
             worst = max(worst, err)
