@@ -333,3 +333,22 @@ def test_bn_after_a_concat_of_convs_folds_into_each_slice():
     assert result.matches == 1 and "channel concat" in result.notes[0]
     assert not any(isinstance(m, nn.BatchNorm2d) for m in gm.modules())
     torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+def test_bn_after_a_concat_of_one_conv_with_itself_is_not_folded():
+    """Found by the fuzzer: cat(y, y) of one conv output; each half would need its own folding."""
+
+    class SelfCat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(6)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return self.bn(torch.cat([y, y], 1))
+
+    model = randomize_bn(SelfCat())
+    x = torch.randn(1, 3, 4, 4)
+    gm, result = fold(model, x, shapes=True)
+    assert result.matches == 0
+    torch.testing.assert_close(gm(x), model(x))

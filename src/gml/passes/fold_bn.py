@@ -290,6 +290,8 @@ class FoldBatchNorm(GraphPass):
         bn = modules[str(bn_node.target)]
         if len(cat.users) != 1 or not isinstance(parts, list | tuple) or dim not in (1, -3 if _rank(cat) == 4 else 1):
             return False
+        if len({id(p) for p in parts}) != len(parts):
+            return False  # cat(y, y): one conv would need two different foldings
         convs = []
         for part in parts:
             layer = modules.get(str(part.target)) if isinstance(part, fx.Node) and part.op == "call_module" else None
