@@ -27,8 +27,9 @@ from torch import fx, nn
 
 import gml
 from gml.bench.runner import time_interleaved
-from gml.kernels.backend import Conv2dSpec, QParams
+from gml.ir.values import ConvSpec, QParams
 from gml.quant import modules as qm
+from gml.quant.lower import emit_op_calls
 from gml.runtime import compile_engine
 
 
@@ -59,18 +60,22 @@ def openvino_int8(model: nn.Module, example: tuple[torch.Tensor, ...], calib: li
 
 
 def conv_chain(n: int = 100, c: int = 64, hw: int = 8) -> fx.GraphModule:
-    """``n`` INT8 1x1 convs (ReLU) in a chain on uint8 ``[1, c, hw, hw]``."""
+    """``n`` INT8 1x1 convs (ReLU) in a chain on uint8 ``[1, c, hw, hw]``, as ``gml.qconv`` calls."""
     root, g = nn.Module(), fx.Graph()
     v = g.placeholder("x")
     qp = QParams(0.05, 0)
     gen = torch.Generator().manual_seed(0)
     for i in range(n):
         w = torch.randint(-127, 128, (c, c, 1, 1), dtype=torch.int8, generator=gen)
-        conv = qm.QConv2d(w, torch.full((c,), 1e-3), torch.zeros(c), Conv2dSpec(), qp, qp, relu=True)
+        conv = qm.QConv2d(w, torch.full((c,), 1e-3), torch.zeros(c), ConvSpec(), qp, qp, relu=True)
         root.add_module(f"c{i}", conv)
         v = g.call_module(f"c{i}", (v,))
     g.output(v)
-    return fx.GraphModule(root, g)
+    gm = fx.GraphModule(root, g)
+    emit_op_calls(gm, lambda node: getattr(root, str(node.target)) if node.op == "call_module" else None)
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return gm
 
 
 def main() -> None:

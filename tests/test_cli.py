@@ -52,8 +52,9 @@ def test_inspect_with_leaf_succeeds(capsys):
 
 def test_submodule_optimizes_the_traceable_part(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
+    # torch.fx cannot iterate over the batch; the torch.export path unrolls the loop for this batch (#15)
     code, out = _run(capsys, "inspect", f"{ASSETS}:PerImage", "--no-nodes")
-    assert code == 4 and "--submodule NAME" in " ".join(out.split())
+    assert code == 0 and "captured with torch.export" in out and "static" in out
     # the input shape is the part's own declared one (SmallCNN: 1x3x32x32), not the whole model's
     code, out = _run(capsys, "optimize", f"{ASSETS}:PerImage", "--submodule", "backbone")
     assert code == 0
@@ -113,7 +114,7 @@ def test_quantize_prints_coverage_and_accuracy(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     code, out = _run(capsys, "quantize", f"{ASSETS}:SmallCNN", "--calib", "2", "--no-time")
     assert code == 0
-    assert "INT8 lowering coverage" in out and "QConv2dAdd" in out
+    assert "INT8 lowering coverage" in out and "qconv_add" in out
     assert "output cosine" in out
 
 
@@ -153,4 +154,4 @@ def test_integer_example_inputs_keep_their_dtype_and_range(tmp_path, capsys):
     for command in ("optimize", "quantize"):
         code, out = _run(capsys, command, spec, "--no-time")
         assert code == 0, out
-    assert "lowered to INT8: 1 QLinear" in " ".join(out.split())
+    assert "lowered to INT8: 1 qlinear" in " ".join(out.split())

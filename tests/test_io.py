@@ -89,7 +89,7 @@ def test_pickle_format_needs_explicit_trust(tmp_path):
     model, x = Net(), torch.randn(1, 3, 8, 8)
     gm = optimized(model, x)
     path = io.save(gm, tmp_path / "net.pkl", format="pickle")
-    with pytest.raises(ModelLoadError, match="refusing to unpickle") as err:
+    with pytest.raises(ModelLoadError, match="was refused: it is a pickled model") as err:
         io.load(path)
     assert "trust_pickle=True" in err.value.hint
     loaded = io.load(path, trust_pickle=True)
@@ -110,3 +110,22 @@ def test_errors_are_actionable(tmp_path):
     torch.save({"not": "gml"}, tmp_path / "other.pt")
     with pytest.raises(ModelLoadError, match=r"not a file written by gml\.io\.save"):
         io.load(tmp_path / "other.pt", trust_pickle=True)
+
+
+def test_dict_and_list_outputs_come_back_as_plain_containers(tmp_path):
+    class DictOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return {"a": y, "b": [y.relu(), (y.sum(), y.mean())]}
+
+    model, x = DictOut().eval(), torch.randn(1, 3, 8, 8)
+    gm = optimized(model, x)
+    for lift in (True, False):
+        out = io.load(io.save(gm, tmp_path / f"d{lift}.pt2"), lift=lift)(x)
+        assert type(out) is dict and type(out["b"]) is list and type(out["b"][1]) is tuple
+        out["c"] = 1  # fx's immutable_dict refused this
+        assert torch.allclose(out["a"], model(x)["a"], atol=1e-5)

@@ -10,8 +10,12 @@ allows it.
 program's ``GraphModule`` and *lifts* every fused-kernel call whose weights are constants back into
 its GML module (``_convolution_pointwise`` → :class:`~gml.kernels.fp32.FusedConv`, ...), which
 prepacks the weights again for this machine on first call. Loading needs ``gml`` and ``torch``,
-never the original model's Python code. Other kernel families (INT8) extend the lifting by passing
-their own :data:`Lifter` functions.
+never the original model's Python code.
+
+INT8 models (ADR 005) are graphs of ``torch.ops.gml.*`` calls with dense int8 weights as constants:
+they export as they are (the ops have schemas and fake kernels) and need no lifting after loading,
+because the ops' Python implementations prepack their weights on first call
+(:mod:`gml.kernels.int8_ops`).
 
 A pickled ``GraphModule`` (``format="pickle"``) is the escape hatch for graphs ``torch.export``
 cannot take. Unpickling runs code from the file, so :func:`load` refuses it unless the caller passes
@@ -27,15 +31,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from gml import archive
 from gml.errors import GMLError, ModelLoadError
 from gml.kernels import fp32 as k32
+from gml.kernels.int8_ops import register as register_int8_ops
 from gml.passes.utils import replace_module
 
-FORMAT_EXPORT = "gml-export-v1"
-FORMAT_PICKLE = "gml-pickle-v1"
-_META_FILE = "gml.json"
+# v2: sealed (every member's SHA-256 in the manifest, gml.archive) and no pickled sample inputs.
+FORMAT_EXPORT = "gml-export-v2"
+FORMAT_PICKLE = "gml-pickle-v2"
+_LEGACY_FORMATS = ("gml-export-v1", "gml-pickle-v1")
 
 #: ``lifter(gm, node) -> nn.Module | None``: the module that computes ``node`` (a call of a kernel op
 #: with constant weights) with its arguments ``node.args[0:k]`` (see :class:`Lift`), or ``None``.
@@ -99,6 +107,7 @@ def save(
     path = Path(path)
     if format == "pickle":
         torch.save({"gml_format": FORMAT_PICKLE, "module": gm}, path)
+        archive.seal(path, {"format": FORMAT_PICKLE, "torch": torch.__version__})
         return path
     if format != "export":
         raise GMLError(f"unknown save format {format!r}", hint="use format='export' or format='pickle'")
@@ -108,6 +117,7 @@ def save(
         example_inputs = _example_inputs(gm)
     args = tuple(example_inputs)
     k32.register_export_support()
+    register_int8_ops()  # the torch.ops.gml schemas (INT8 graphs) export through their fake kernels
     was_training = gm.training
     gm.eval()
     try:
@@ -120,8 +130,10 @@ def save(
         ) from e
     finally:
         gm.train(was_training)
-    info = {"format": FORMAT_EXPORT, "torch": torch.__version__, "dynamic_batch": dynamic}
-    torch.export.save(ep, path, extra_files={_META_FILE: json.dumps(info)})
+    # torch pickles the example inputs into the archive; a loader could not tell them from a payload
+    ep._example_inputs = None
+    torch.export.save(ep, path)
+    archive.seal(path, {"format": FORMAT_EXPORT, "torch": torch.__version__, "dynamic_batch": dynamic})
     return path
 
 
@@ -284,7 +296,8 @@ def _is_empty(mod: nn.Module) -> bool:
 
 def _set_inplace_residuals(gm: fx.GraphModule) -> None:
     """Re-enable in-place residual accumulation where it is safe (the rule of FuseConvAdd)."""
-    from gml.passes.fuse_common import aliases, fresh_output_types, graph_order
+    from gml.ir.alias import may_alias
+    from gml.passes.fuse_common import fresh_output_types, graph_order
 
     order = graph_order(gm)
     modules = dict(gm.named_modules())
@@ -301,21 +314,10 @@ def _set_inplace_residuals(gm: fx.GraphModule) -> None:
         made_fresh = (other.op == "call_module" and isinstance(modules.get(str(other.target)), fresh)) or (
             other.op == "call_function" and other.target in fresh_ops
         )
-        if not made_fresh or aliases(node.args[0], other, modules):
+        if not made_fresh or may_alias(node.args[0], other, modules):
             continue
         if all(u is node or order[u] < order[node] for u in other.users):
             mod.inplace = True
-
-
-def _read_meta(path: Path) -> dict[str, Any] | None:
-    try:
-        with zipfile.ZipFile(path) as z:
-            for name in z.namelist():
-                if name.endswith(f"extra/{_META_FILE}") or name.endswith(f"/{_META_FILE}"):
-                    return json.loads(z.read(name))
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError):
-        return None
-    return None
 
 
 def load(
@@ -327,37 +329,95 @@ def load(
 ) -> fx.GraphModule:
     """Load a module written by :func:`save`; fused kernels are rebuilt with packed weights.
 
-    ``trust_pickle=True`` is required for ``format="pickle"`` files: unpickling runs code from the
+    Before anything is deserialized the archive is checked (:mod:`gml.archive`): every member
+    against its recorded SHA-256 (a damaged file is refused), and a ``torch.export`` file member by
+    member (anything torch would unpickle is refused). ``trust_pickle=True`` is required for
+    ``format="pickle"`` files and for files of older gml versions: unpickling runs code from the
     file. ``lift=False`` returns the exported program's module as is (dense weights, slower).
     """
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"no such file: {path}", hint="check the path given to gml.io.load")
-    info = _read_meta(path)
-    if info is not None and info.get("format") == FORMAT_EXPORT:
-        k32.register_export_support()
-        try:
-            ep = torch.export.load(path)
-        except Exception as e:
-            raise ModelLoadError(
-                f"could not read the exported program {path}: {type(e).__name__}: {str(e).splitlines()[0]}",
-                hint=f"it was written with torch {info.get('torch')}; load it with the same torch version",
-            ) from e
-        gm = ep.module()
-        if lift:
-            lift_kernels(gm, lifters)
-        return gm
-    if not trust_pickle:
+    if path.is_dir():
+        raise ModelLoadError(f"{path} is a directory, not a saved model", hint="give the .pt2 file gml.io.save wrote")
+    sealed = archive.open_sealed(path)
+    fmt = sealed.header.get("format") if sealed is not None else None
+    if fmt == FORMAT_EXPORT:
+        archive.check_export_members(sealed)
+        return _load_export(path, sealed.header, lift, lifters)
+    if fmt not in (FORMAT_PICKLE, None):
         raise ModelLoadError(
-            f"{path} is not a gml torch.export file; refusing to unpickle it",
-            hint="if you wrote it with gml.io.save(..., format='pickle') and trust it, "
+            f"{path} has gml format {fmt!r}, which this gml does not read",
+            hint=f"this gml reads {FORMAT_EXPORT} and {FORMAT_PICKLE}; save the model again with this version",
+        )
+    # A pickled gml model, or a file without a manifest (older gml, or not gml at all).
+    if not trust_pickle:
+        what = "a pickled model" if fmt == FORMAT_PICKLE or archive.looks_pickled(path) else "not sealed by gml.io.save"
+        raise ModelLoadError(
+            f"{path} was refused: it is {what}, and unpickling runs code from the file",
+            hint="if you wrote it with gml.io.save(..., format='pickle') (or an older gml) and trust it, "
             "call gml.io.load(path, trust_pickle=True)",
         )
+    return _load_trusted(path, lift, lifters)
+
+
+def _load_export(path: Path, info: dict[str, Any], lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
+    k32.register_export_support()
+    register_int8_ops()  # an INT8 program calls torch.ops.gml.*: define them and their kernels
+    try:
+        ep = torch.export.load(path)
+    except Exception as e:
+        raise ModelLoadError(
+            f"could not read the exported program {path}: {type(e).__name__}: {str(e).splitlines()[0]}",
+            hint=f"it was written with torch {info.get('torch')}; load it with the same torch version",
+        ) from e
+    gm = ep.module()
+    _plain_output_containers(gm)
+    if lift:
+        lift_kernels(gm, lifters)
+    return gm
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):  # fx's immutable_dict / immutable_list subclass dict / list
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def _plain_output_containers(gm: fx.GraphModule) -> None:
+    """Outputs come back as the containers the model returned, not fx's immutable ones.
+
+    Exporting a GraphModule records its output structure with fx's ``immutable_dict`` /
+    ``immutable_list`` types, so ``ep.module()`` would hand the caller containers that refuse
+    assignment; rebuild the output spec from plain dicts and lists.
+    """
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.out_spec is None:
+        return
+    sample = pytree.tree_unflatten(list(range(info.out_spec.num_leaves)), info.out_spec)
+    gm.graph._codegen.pytree_info = info._replace(out_spec=pytree.tree_structure(_plain(sample)))
+    gm.recompile()  # GraphModule.recompile copies the spec into ``_out_spec``, which the code reads
+
+
+def _load_trusted(path: Path, lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
+    """The opted-in path: a pickled gml model, or an export file of an older gml (its sample inputs are pickled)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            legacy = next((n for n in z.namelist() if n.endswith("extra/gml.json")), None)
+            legacy_info = json.loads(z.read(legacy)) if legacy else None
+    except archive.ZIP_ERRORS as e:
+        raise ModelLoadError(f"{path} is damaged: the zip archive does not parse ({e})") from e
+    if legacy_info is not None and legacy_info.get("format") == _LEGACY_FORMATS[0]:
+        return _load_export(path, legacy_info, lift, lifters)
     try:
         blob = torch.load(path, weights_only=False)
     except Exception as e:
         raise ModelLoadError(f"could not read {path}: {type(e).__name__}: {e}") from e
-    if not (isinstance(blob, dict) and blob.get("gml_format") == FORMAT_PICKLE):
+    if not (isinstance(blob, dict) and blob.get("gml_format") in (FORMAT_PICKLE, _LEGACY_FORMATS[1])):
         raise ModelLoadError(f"{path} is not a file written by gml.io.save", hint="re-save it with gml.io.save")
     return blob["module"]
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from gml.kernels.backend import QParams
+from gml.ir.values import ConvSpec, QParams
 from gml.quant import modules as qm
+from gml.quant.lower import emit_op_calls
 from gml.runtime import compile_engine
 
 IN_QP, OUT_QP = QParams(0.05, 120), QParams(0.2, 100)
 
 
 def graph_of(*mods: nn.Module, n_inputs: int = 1, wiring: list[tuple[int, ...]] | None = None) -> fx.GraphModule:
-    """``x0..xk -> mods[0] -> mods[1] ... -> output``; ``wiring[i]`` lists the value indices module i
-    reads (values: inputs first, then each module's output); default: a chain."""
+    """The lowered IR of ``x0..xk -> mods[0] -> mods[1] ... -> output``: each GML INT8 module becomes
+    the ``torch.ops.gml`` call the lowering emits for it (fp32 fused modules stay module calls).
+    ``wiring[i]`` lists the value indices module i reads (values: inputs first, then each module's
+    output); default: a chain."""
     root = nn.Module()
     g = fx.Graph()
     values = [g.placeholder(f"x{i}") for i in range(n_inputs)]
@@ -23,7 +26,13 @@ def graph_of(*mods: nn.Module, n_inputs: int = 1, wiring: list[tuple[int, ...]] 
         args = tuple(values[j] for j in wiring[i]) if wiring else (values[-1],)
         values.append(g.call_module(f"m{i}", args))
     g.output(values[-1])
-    return fx.GraphModule(root, g)
+    gm = fx.GraphModule(root, g)
+    modules = dict(gm.named_modules())
+    emit_op_calls(gm, lambda n: modules.get(str(n.target)) if n.op == "call_module" else None)
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
 
 
 def rand_u8(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -90,9 +99,7 @@ def qconv(
     kh, kw = (k, k) if isinstance(k, int) else k
     w, s = int8_weight((cout, cin // groups, kh, kw), seed)
     b = torch.randn(cout, generator=torch.Generator().manual_seed(seed)) if bias else None
-    from gml.kernels.backend import Conv2dSpec
-
-    spec = Conv2dSpec(tuple(stride), tuple(padding), tuple(dilation), groups)
+    spec = ConvSpec(tuple(stride), tuple(padding), tuple(dilation), groups)
     return qm.QConv2d(w, s, b, spec, in_qp, out_qp, post_op=post_op)
 
 

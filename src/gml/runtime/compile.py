@@ -27,7 +27,7 @@ from torch import fx, nn
 from gml.errors import InputError, UnsupportedError
 from gml.runtime import native
 from gml.runtime.plan import Builder
-from gml.runtime.translate import Unsupported, rule_for
+from gml.runtime.translate import Unsupported, read_call, rule_for
 
 #: Plans a segment keeps (one per input layout seen; the oldest goes first beyond this).
 MAX_PLANS = 8
@@ -164,16 +164,16 @@ class EngineSegment(nn.Module):
                 for a in node.args[0]:
                     outputs.append(vals[a])
                     metas.append(env[a])
-            else:
-                mod = self.reference.get_submodule(str(node.target))
-                rule, reason = rule_for(mod)
+            elif node.op != "get_attr":  # constants are read by the rules through the Call
+                call = read_call(self.reference, node)
+                rule, reason = rule_for(call)
                 if rule is None:
                     raise Unsupported(reason)
                 t = env[node]
                 if not isinstance(t, torch.Tensor):
                     raise Unsupported(f"{node.name} returns {type(t).__name__}")
                 vals[node] = b.value_for(node, t)
-                rule.emit(b, mod, [vals[a] for a in node.args], vals[node])
+                rule.emit(b, call, [vals[a] for a in call.inputs], vals[node])
         b.place_outputs(outputs, metas)
         plan = b.build(native.load())
         return plan, [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in metas]
@@ -211,14 +211,13 @@ def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     for node in graph.nodes:
+        if node.op == "get_attr":  # a weight read by the next op: it goes where its readers go
+            continue
         ok, reason = _engine_node(gm, node)
         if node.op in ("call_module", "call_function", "call_method"):
-            mod_name = (
-                type(gm.get_submodule(str(node.target))).__name__
-                if node.op == "call_module"
-                else str(getattr(node.target, "__name__", node.target))
-            )
-            report.nodes.append(NodeReport(node.name, mod_name, "engine" if ok else "torch", reason or ""))
+            call = read_call(gm, node)
+            op = call.op if call is not None else str(getattr(node.target, "__name__", node.target))
+            report.nodes.append(NodeReport(node.name, op, "engine" if ok else "torch", reason or ""))
         if ok:
             current.append(node)
         elif current:
@@ -232,6 +231,9 @@ def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
     for i, run in enumerate(runs):
         nodes = [name_map[n.name] for n in run]
         _replace_run(new, nodes, f"engine_segment_{i}", report)
+    for node in list(new.graph.nodes):  # weights now read inside a segment
+        if node.op == "get_attr" and not node.users:
+            new.graph.erase_node(node)
     new.graph.lint()
     new.delete_all_unused_submodules()
     new.recompile()
@@ -248,30 +250,33 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
 
 
 def _engine_node(gm: fx.GraphModule, node: fx.Node) -> tuple[bool, str | None]:
-    if node.op != "call_module":
-        if node.op in ("placeholder", "output", "get_attr"):
-            return False, None
-        return False, "not a lowered GML module (runs in torch)"
-    rule, reason = rule_for(gm.get_submodule(str(node.target)))
+    if node.op in ("placeholder", "output", "get_attr"):
+        return False, None
+    call = read_call(gm, node)
+    rule, reason = rule_for(call)
     if rule is None:
         return False, reason
-    if node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
+    if node.op == "call_module" and (node.kwargs or not all(isinstance(a, fx.Node) for a in node.args)):
         return False, "non-tensor arguments"
-    if rule.arity is not None and len(node.args) != rule.arity:
-        return False, f"{len(node.args)} inputs (expects {rule.arity})"
+    if rule.arity is not None and len(call.inputs) != rule.arity:
+        return False, f"{len(call.inputs)} inputs (expects {rule.arity})"
     return True, None
 
 
 def _replace_run(gm: fx.GraphModule, run: list[fx.Node], name: str, report: RuntimeReport) -> None:
     inside = set(run)
     inputs: list[fx.Node] = []
+    weights: list[fx.Node] = []
     for n in run:
         for a in n.all_input_nodes:
-            if a not in inside and a not in inputs:
-                inputs.append(a)
+            group = weights if a.op == "get_attr" else inputs
+            if a not in inside and a not in group:
+                group.append(a)
     outputs = [n for n in run if any(u not in inside for u in n.users)]
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in inputs}
+    for w in weights:  # constants stay constants of the segment (its reference module holds them)
+        env[w] = sub.get_attr(str(w.target))
     for n in run:
         env[n] = sub.node_copy(n, lambda x: env[x])
     sub.output(tuple(env[o] for o in outputs))

@@ -1,0 +1,221 @@
+"""Seal and check the files :mod:`gml.io` writes — before anything in them is unpickled.
+
+A saved model is a zip archive (``torch.export.save`` or ``torch.save`` writes it). Two different
+threats need two different checks, and neither replaces the other:
+
+* **Damage** (a truncated download, a flipped bit): :func:`seal` appends a manifest member
+  (``gml-manifest.json``) holding the SHA-256 and size of every other member; :func:`open_sealed`
+  recomputes them and refuses the file on any difference, on a member the manifest does not list, on
+  a listed member that is missing, and on a zip that does not parse. Zip's own CRC-32 protects the
+  manifest itself.
+* **A hostile author** can write a consistent manifest, so digests prove nothing about safety. For
+  the ``torch.export`` format, :func:`check_export_members` therefore admits only what GML's own
+  save writes, member by member: JSON, raw tensor bytes, an *empty* sample-inputs member (GML strips
+  the example inputs, which torch would otherwise pickle), and payload configs in which no entry asks
+  for pickle. Every road inside ``torch.export.load`` that unpickles (``use_pickle`` weights and
+  constants, torchbind and opaque objects, the legacy constants file, sample inputs, which torch
+  retries with ``weights_only=False``) starts at a member this check refuses.
+
+Pickled files (``format="pickle"``) are sealed the same way against damage, but only a caller who
+opted in (``trust_pickle=True``) gets past :func:`gml.io.load`'s refusal to unpickle them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.export.pt2_archive import constants as pt2
+
+from gml.errors import ModelLoadError
+
+MANIFEST = "gml-manifest.json"
+_CHUNK = 1 << 20
+#: What zipfile raises on a damaged archive (NotImplementedError: a flipped "version needed" field;
+#: ValueError includes json.JSONDecodeError and zipfile's bad-offset variants).
+ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    EOFError,
+    OSError,
+    ValueError,
+    UnicodeDecodeError,
+    NotImplementedError,
+    KeyError,
+)
+
+
+def _digest(z: zipfile.ZipFile, info: zipfile.ZipInfo) -> str:
+    h = hashlib.sha256()
+    with z.open(info) as f:  # zipfile checks the member's CRC-32 as it reads
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _prefix(names: list[str]) -> str:
+    """The archive's top-level folder (``torch.save`` and ``torch.export.save`` put every member in one)."""
+    tops = {n.split("/", 1)[0] for n in names}
+    if len(tops) != 1 or not all("/" in n for n in names):
+        raise ModelLoadError("the archive's members are not in one top-level folder, as torch writes them")
+    return tops.pop() + "/"
+
+
+def seal(path: Path, header: dict[str, Any]) -> None:
+    """Append the manifest: ``header`` plus the SHA-256 and size of every member already in ``path``."""
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        prefix = _prefix([i.filename for i in infos])
+        members = {i.filename[len(prefix) :]: {"sha256": _digest(z, i), "size": i.file_size} for i in infos}
+    manifest = {**header, "members": members}
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr(prefix + MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A sealed archive whose every member matched its digest: the manifest's header and members."""
+
+    path: Path
+    prefix: str
+    header: dict[str, Any]
+    members: frozenset[str]
+
+
+def _damaged(path: Path, what: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{path} is damaged: {what}; nothing in it was loaded",
+        hint="the file was truncated or altered after gml.io.save wrote it: copy or write it again",
+    )
+
+
+def open_sealed(path: Path) -> Sealed | None:
+    """Check ``path`` against its manifest; ``None`` for a readable zip that has no manifest.
+
+    Raises :class:`ModelLoadError` for a file that is not a zip, a zip that does not parse (truncated),
+    and any member that differs from, is missing from, or is not listed in the manifest.
+    """
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path}: {e.strerror}") from e
+    if head[:2] != b"PK":
+        raise ModelLoadError(
+            f"{path} is not a model file written by gml.io.save (not a zip archive)",
+            hint="gml.io.load reads the .pt2 files gml.io.save and `gml optimize --out` write",
+        )
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+            names = [i.filename for i in infos]
+            if len(set(names)) != len(names):
+                raise _damaged(path, "a member name appears twice")
+            prefix = _prefix(names)
+            if prefix + MANIFEST not in names:
+                return None
+            manifest = json.loads(z.read(prefix + MANIFEST))
+            listed = manifest.get("members") if isinstance(manifest, dict) else None
+            if not isinstance(listed, dict):
+                raise _damaged(path, "its manifest has no member list")
+            present = {n[len(prefix) :] for n in names} - {MANIFEST}
+            if present != set(listed):
+                extra, missing = sorted(present - set(listed)), sorted(set(listed) - present)
+                raise _damaged(path, f"members not in its manifest {extra[:3]}, missing members {missing[:3]}")
+            for info in infos:
+                rel = info.filename[len(prefix) :]
+                if rel == MANIFEST:
+                    continue
+                want = listed[rel]
+                if not isinstance(want, dict) or info.file_size != want.get("size") or _digest(z, info) != want.get(
+                    "sha256"
+                ):
+                    raise _damaged(path, f"member {rel!r} does not match its recorded digest")
+    except ModelLoadError:
+        raise
+    except ZIP_ERRORS as e:
+        raise _damaged(path, f"the zip archive does not parse ({type(e).__name__}: {e})") from e
+    header = {k: v for k, v in manifest.items() if k != "members"}
+    return Sealed(path, prefix, header, frozenset(listed))
+
+
+# --------------------------------------------------------------------------------------------------
+# What a torch.export archive written by gml.io.save may contain
+# --------------------------------------------------------------------------------------------------
+
+_MODEL = "model"
+
+
+def _export_patterns() -> list[re.Pattern[str]]:
+    esc = re.escape
+    return [
+        re.compile(esc(p))
+        for p in (
+            pt2.ARCHIVE_FORMAT_PATH,
+            pt2.ARCHIVE_VERSION_PATH,
+            ".data/version",
+            ".data/serialization_id",
+            "byteorder",
+            pt2.MODELS_FILENAME_FORMAT.format(_MODEL),
+            pt2.WEIGHTS_CONFIG_FILENAME_FORMAT.format(_MODEL),
+            pt2.CONSTANTS_CONFIG_FILENAME_FORMAT.format(_MODEL),
+            pt2.SAMPLE_INPUTS_FILENAME_FORMAT.format(_MODEL),
+        )
+    ] + [
+        re.compile(esc(pt2.WEIGHTS_DIR + pt2.WEIGHT_FILENAME_PREFIX) + r"\d+"),
+        re.compile(esc(pt2.CONSTANTS_DIR + pt2.TENSOR_CONSTANT_FILENAME_PREFIX) + r"\d+"),
+    ]
+
+
+def _refused(path: Path, what: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"{path} was refused: {what}; gml never unpickles a saved model without trust_pickle=True",
+        hint="gml.io.save never writes such a member: the file was not written by gml, or was altered on purpose",
+    )
+
+
+def _payload_config(z: zipfile.ZipFile, path: Path, name: str, tensor_prefix: str) -> None:
+    """A weights/constants config: every entry is raw tensor bytes, none asks for pickle."""
+    try:
+        config = json.loads(z.read(name)).get("config", {})
+    except (ValueError, AttributeError) as e:
+        raise _refused(path, f"{name} is not a payload config") from e
+    for fqn, entry in config.items():
+        if not isinstance(entry, dict) or entry.get("use_pickle") is not False:
+            raise _refused(path, f"entry {fqn!r} of {name.rsplit('/', 1)[-1]} asks for a pickled payload")
+        if not str(entry.get("path_name", "")).startswith(tensor_prefix):
+            raise _refused(path, f"entry {fqn!r} of {name.rsplit('/', 1)[-1]} is not a plain tensor")
+
+
+def check_export_members(sealed: Sealed) -> None:
+    """Refuse a ``torch.export`` archive holding anything ``torch.export.load`` would unpickle."""
+    patterns = _export_patterns()
+    for rel in sorted(sealed.members):
+        if not any(p.fullmatch(rel) for p in patterns):
+            raise _refused(sealed.path, f"unexpected member {rel!r}")
+    with zipfile.ZipFile(sealed.path) as z:
+        p = sealed.prefix
+        if z.getinfo(p + pt2.SAMPLE_INPUTS_FILENAME_FORMAT.format(_MODEL)).file_size:
+            raise _refused(sealed.path, "it carries pickled sample inputs")
+        for config, tensor_prefix in (
+            (pt2.WEIGHTS_CONFIG_FILENAME_FORMAT, pt2.WEIGHT_FILENAME_PREFIX),
+            (pt2.CONSTANTS_CONFIG_FILENAME_FORMAT, pt2.TENSOR_CONSTANT_FILENAME_PREFIX),
+        ):
+            _payload_config(z, sealed.path, p + config.format(_MODEL), tensor_prefix)
+
+
+def looks_pickled(path: Path) -> bool:
+    """A zip written by ``torch.save`` (its object graph is a pickle, ``data.pkl``)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/data.pkl") for n in z.namelist())
+    except ZIP_ERRORS:
+        return False
+
+
+__all__ = ["MANIFEST", "ZIP_ERRORS", "Sealed", "check_export_members", "looks_pickled", "open_sealed", "seal"]

@@ -1,0 +1,132 @@
+"""Hugging Face models: capture from the plain model, attention_mask as a real input, model specs.
+
+Skipped when the optional ``transformers`` extra is not installed. Configs are shrunk (2 layers,
+hidden 64) so each test takes seconds; the real all-MiniLM-L6-v2 runs when its package is installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gml.api import optimize  # noqa: E402
+from gml.capture import capture  # noqa: E402
+from gml.capture_export import capture_info  # noqa: E402
+from gml.cli import main  # noqa: E402
+from gml.errors import ModelLoadError  # noqa: E402
+from gml.models import example_inputs, load_with_defaults  # noqa: E402
+from gml.models_hf import describe_inputs, load_hf  # noqa: E402
+from gml.ops_attention import is_attention  # noqa: E402
+
+SMALL = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+}
+
+
+def _bert():
+    torch.manual_seed(0)
+    return transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+
+
+def _distilbert():
+    torch.manual_seed(0)
+    cfg = transformers.DistilBertConfig(n_layers=2, dim=64, n_heads=4, hidden_dim=128, vocab_size=1000)
+    return transformers.DistilBertModel(cfg).eval()
+
+
+def _tokens(batch: int, seq: int, pad_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(batch * 100 + seq)
+    ids = torch.randint(1, 1000, (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if pad_from is not None:
+        mask[-1, pad_from:] = 0
+        ids[-1, pad_from:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("build", [_bert, _distilbert], ids=["bert", "distilbert"])
+def test_capture_plain_model_dynamic_batch_and_sequence(build) -> None:
+    model = build()
+    gm = capture(model, _tokens(1, 16))
+    info = capture_info(gm)
+    assert info.path == "torch.export" and "torch.fx failed" in info.reason
+    assert all(d.startswith("dynamic") for d in info.dims["input_ids"])
+    for batch, seq, pad in ((1, 16, None), (3, 23, 9), (2, 5, 2)):  # other shapes than the example, padded
+        ids, mask = _tokens(batch, seq, pad)
+        with torch.no_grad():
+            got, ref = gm(ids, mask), model(ids, mask)
+        assert type(got) is type(ref)  # the ModelOutput, not a tuple
+        torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_bert_optimize_attention_one_op_numerics(padded: bool) -> None:
+    model = _bert()
+    ids, mask = _tokens(2, 12, 7 if padded else None)
+    res = optimize(model, (ids, mask))
+    assert res.report.record("fuse_attention").matches == 2
+    assert sum(1 for n in res.module.graph.nodes if is_attention(n)) == 2
+    assert res.report.record("horizontal_merge").matches == 2  # Q/K/V merged per layer
+    assert res.rel_err < 1e-5
+    # the mask is a real input: padding changes the unpadded rows of nothing, and the padded row
+    # agrees with eager on its real tokens
+    ids2, mask2 = _tokens(3, 20, 11)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            res.module(ids2, mask2).last_hidden_state, model(ids2, mask2).last_hidden_state, atol=1e-5, rtol=1e-4
+        )
+
+
+def test_hf_architecture_by_name_uses_the_default_config_and_varied_ids() -> None:
+    model, shapes, like = load_with_defaults("hf:DistilBertModel")
+    assert type(model).__name__ == "DistilBertModel" and not model.training
+    assert model.config.n_layers == transformers.DistilBertConfig().n_layers
+    assert shapes == [(1, 128), (1, 128)]
+    ids, mask = example_inputs([(2, 16), (2, 16)], like=like)
+    assert ids.dtype == torch.long and mask.dtype == torch.long
+    assert ids.min() >= 1 and ids.max() < model.config.vocab_size and len(ids.unique()) > 20
+    assert bool((mask == 1).all())
+    assert describe_inputs(model, (ids, mask)).startswith("generated token ids uniform in [1, 30521]")
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("hf:bert-base-uncased", "looks like a Hub name; GML-Lab never downloads"),
+        ("hf:BertModle", "did you mean hf:BertModel"),
+    ],
+)
+def test_hf_names_that_would_download_or_do_not_exist(spec: str, says: str) -> None:
+    with pytest.raises(ModelLoadError) as info:
+        load_hf(spec)
+    assert says in str(info.value)
+
+
+def test_cli_inspect_a_local_model_folder(tmp_path, capsys) -> None:
+    model = _bert()
+    model.save_pretrained(tmp_path)  # config.json + model.safetensors, as a downloaded folder holds
+    code = main(["inspect", str(tmp_path), "--input-shape", "2x16", "--no-nodes"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "captured with torch.export" in out and "dynamic" in out
+    assert "generated token ids uniform in [1, 999]" in out
+    assert "(2, 16), (2, 16)" in out
+
+
+def test_cli_quantize_takes_the_transformer_scheme(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    _bert().save_pretrained(tmp_path)
+    code = main(["quantize", str(tmp_path), "--input-shape", "2x16", "--no-time"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "transformer INT8 scheme" in out and "quantize_linears_dynamic" in out
+    assert out.count("per token") >= 9  # 2 x (QKV merged, out, 2 MLP) + pooler: every GEMM listed as int8
+    assert "LayerNorm" in out or "layernorm" in out
+    cos = float(out.split("output cosine vs fp32 ")[1].split()[0])
+    assert cos > 0.99
