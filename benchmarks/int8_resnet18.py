@@ -9,7 +9,7 @@ Variants (all from the same random-init torchvision ResNet18, same calibration b
   on the ``x86`` quantized engine: the baseline to beat;
 * ``ao-x86-jit`` (``--jit``): the same, ``torch.jit.trace`` + ``freeze``d;
 * ``gml-onednn`` / ``gml-fbgemm`` (``--fbgemm``): the GML frontend's reference graph lowered by
-  :class:`~gml.quant.lower.LowerToGML` onto the oneDNN (or FBGEMM) kernels.
+  :func:`~gml.quant.pipeline.lowering_passes` onto torch.ops.gml (oneDNN or FBGEMM kernels).
 
 Latency: interleaved rounds (every variant once per round, order shuffled per round), each sample
 the mean of a block of calls lasting ~20 ms; the table reports the median over rounds. Build
@@ -34,7 +34,8 @@ from rich.table import Table
 
 from gml.bench.runner import time_interleaved
 from gml.bench.stats import cosine, flat_output, summarize
-from gml.quant.lower import LowerToGML
+from gml.quant.lower import coverage_of
+from gml.quant.pipeline import lowering_passes
 
 warnings.filterwarnings("ignore", message=r".*torch\.ao\.quantization is deprecated.*")
 warnings.filterwarnings("ignore", message=r".*quantized tensor creation functions.*")
@@ -81,10 +82,11 @@ def build_gml(model: torch.nn.Module, calib: list[torch.Tensor], backend: str) -
     keep_outputs_fp32(ref)
     times["convert"] = time.perf_counter() - t1
     t2 = time.perf_counter()
-    lower = LowerToGML(backend)
-    result = lower(ref)
-    times["lower + prepack"] = time.perf_counter() - t2
-    return result.graph_module, times, lower.coverage
+    gm = ref
+    for step in lowering_passes(backend):  # the INT8 pipeline's post-convert steps, in order
+        gm = step(gm).graph_module
+    times["lower + fuse"] = time.perf_counter() - t2
+    return gm, times, coverage_of(gm)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,18 +40,19 @@ def test_unknown_pass_name():
 
 
 def test_quantize_lowers_every_op_of_a_residual_cnn():
-    from gml.quant.modules import GMLQuantModuleBase
+    from gml.ir import library
 
     torch.manual_seed(0)
     model = SmallCNN().eval()
     x = torch.randn(2, 3, 16, 16)
     res = gml.quantize(model, [(torch.randn(2, 3, 16, 16),) for _ in range(4)], example_inputs=x)
     counts = res.coverage.counts()
-    assert counts["QConv2d"] == 1 and counts["QConv2dAdd"] == 1 and counts["QLinear"] == 1
+    assert counts["qconv"] == 1 and counts["qconv_add"] == 1 and counts["qlinear"] == 1
     assert res.coverage.kept_fp32 == []
     assert res.accuracy.cosine > 0.999
-    kinds = {type(m).__name__ for m in res.module.modules() if isinstance(m, GMLQuantModuleBase)}
-    assert {"Quantize", "QConv2d", "QConv2dAdd", "QLinear"} <= kinds
+    kinds = {library.gml_op_name(n) for n in res.module.graph.nodes}
+    assert {"quantize", "qconv", "qconv_add", "qlinear"} <= kinds
+    assert not any(n.op == "call_module" for n in res.module.graph.nodes)  # gml ops, no modules
     with torch.no_grad():
         out, ref = res.module(x), model(x)
     cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)

@@ -25,7 +25,7 @@ import gml.api as api
 import gml.passes.fold_bn as fold_bn_module
 from assets.models import SmallCNN
 from gml.cli import main
-from gml.errors import GMLError, InputError, UnsupportedError
+from gml.errors import AccuracyError, GMLError, InputError, UnsupportedError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(ROOT, "tests", "assets", "models.py")
@@ -93,6 +93,19 @@ class CallCounter(nn.Module):
     def forward(self, x):
         self.calls += 1
         return self.fc(x) + self.calls
+
+
+class CountsInOutput(nn.Module):
+    """Returns a dict with a plain int next to the tensor."""
+
+    example_input_shape = (1, 3, 8, 8)
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return {"features": self.conv(x), "version": 2}
 '''
 
 BROKEN_FILE = "import torch\n\nclass M(torch.nn.Module):\n    def forward(self, x):\n        return x +\n"
@@ -101,6 +114,13 @@ BROKEN_FILE = "import torch\n\nclass M(torch.nn.Module):\n    def forward(self, 
 class _Payload:
     def __reduce__(self):
         return (os.system, (f"touch {PWNED}",))
+
+
+def _write_pickle(path, obj, protocol: int) -> None:
+    import pickle
+
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=protocol)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +137,13 @@ def files(tmp_path_factory):
     torch.save({"state_dict": _Payload()}, d / "payload.pt")
     torch.save(SmallCNN(), d / "whole_model.pt")
     torch.save({"fc9.weight": torch.zeros(1)}, d / "other_arch.pt")
+    state = SmallCNN().state_dict()
+    torch.save({**state, "conv1.weight": torch.zeros(3)}, d / "wrong_shape.pt")
+    torch.save({**state, "conv1.weight": 5}, d / "not_a_tensor.pt")
+    torch.save({"module." + k: v for k, v in state.items()}, d / "data_parallel.pt")
+    (d / "checkpoint_dir").mkdir()
+    _write_pickle(d / "payload_protocol0.pkl", {"state_dict": _Payload()}, 0)
+    torch.save({"state_dict": _Payload()}, d / "payload_protocol4.pt", pickle_protocol=4)
     return d
 
 
@@ -241,6 +268,79 @@ CLI_CASES = [
     Case("checkpoint path that does not exist", ("optimize", SMALL, "--weights", "{tmp}/nope.pt"), 3, "does not exist"),
     Case("unknown pass name", ("optimize", SMALL, "--passes", "normalize,fold_nb"), 1, "Unknown pass(es): fold_nb"),
     Case(
+        "checkpoint with a value of the wrong shape",
+        ("optimize", SMALL, "--weights", "{tmp}/wrong_shape.pt"),
+        3,
+        "'conv1.weight' has shape (3,) in the file and (16, 3, 3, 3) in the model",
+    ),
+    Case(
+        "checkpoint with a value that is not a tensor",
+        ("quantize", SMALL, "--weights", "{tmp}/not_a_tensor.pt"),
+        3,
+        "'conv1.weight' is a int, not a tensor",
+    ),
+    Case(
+        "checkpoint saved from `DataParallel` (`module.` prefix)",
+        ("optimize", SMALL, "--weights", "{tmp}/data_parallel.pt"),
+        3,
+        "saved from a DataParallel / DistributedDataParallel wrapper",
+    ),
+    Case(
+        "a directory given as the checkpoint",
+        ("optimize", SMALL, "--weights", "{tmp}/checkpoint_dir"),
+        3,
+        "is a directory, not a checkpoint file",
+    ),
+    Case(
+        "pickle payload, plain pickle protocol 0",
+        ("optimize", SMALL, "--weights", "{tmp}/payload_protocol0.pkl"),
+        3,
+        "Refused to load",
+    ),
+    Case(
+        "pickle payload, `torch.save` with protocol 4",
+        ("quantize", SMALL, "--weights", "{tmp}/payload_protocol4.pt"),
+        3,
+        "Refused to load",
+    ),
+    Case(
+        "`--out` into a directory that does not exist (checked before the run)",
+        ("optimize", SMALL, "--out", "{tmp}/no/such/dir/model.pt2"),
+        1,
+        "does not exist",
+    ),
+    Case(
+        "`--out` naming a directory (checked before the run)",
+        ("quantize", SMALL, "--out", "{tmp}"),
+        1,
+        "is a directory; it names the file to write",
+    ),
+    Case(
+        "input shape too large for memory",
+        ("optimize", SMALL, "--input-shape", "1x3x100000x100000"),
+        5,
+        "Out of memory: an input of shape 1x3x100000x100000 needs 111.8 GiB",
+    ),
+    Case(
+        "input dimension beyond any tensor",
+        ("quantize", SMALL, "--input-shape", "99999999999999999999x3x8x8"),
+        5,
+        "has a dimension of 2^31 or more",
+    ),
+    Case(
+        "model returning a dict with an int in it (quantize)",
+        ("quantize", "{tmp}/user_models.py:CountsInOutput", "--no-time"),
+        7,
+        "returns the constant 2 (int)",
+    ),
+    Case(
+        "`--min-cosine` above what INT8 reaches",
+        ("quantize", SMALL, "--min-cosine", "0.999999999", "--no-time", "--no-per-layer", "--out", "{tmp}/q.pt"),
+        8,
+        "The INT8 model is below the required accuracy: output cosine",
+    ),
+    Case("`--min-cosine` that is not a cosine", ("quantize", SMALL, "--min-cosine", "5"), 1, "is not a cosine"),
+    Case(
         "op with no INT8 kernel (GELU): stays fp32, reported",
         ("quantize", "{tmp}/user_models.py:GeluNet", "--no-time", "--no-per-layer"),
         0,
@@ -299,7 +399,10 @@ def test_cli_bad_input(case, files, capsys, monkeypatch, request):
         os.remove(PWNED)
     code, out = run_case(case, str(files), capsys, monkeypatch, request)
     assert (code, case.expect in out) == (case.exit_code, True), out
-    if code != 0:  # one paragraph: the error, then (usually) what to do
+    if code == 8:  # below --min-cosine: the full report, then the error; nothing saved
+        assert out.count("error:") == 1 and out.index("error:") > out.index("accuracy:"), out
+        assert not os.path.exists(os.path.join(str(files), "q.pt")), "a result below --min-cosine was saved"
+    elif code != 0:  # one paragraph: the error, then (usually) what to do
         assert out.startswith("error:") and out.count("error:") == 1, out
     assert not os.path.exists(PWNED), "the pickle payload ran"
 
@@ -321,6 +424,15 @@ class _AlwaysDropout(nn.Module):
 
     def forward(self, x):
         return F.dropout(self.conv(x), 0.5, training=True)
+
+
+class _CountsInOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return {"features": self.conv(x), "version": 2}
 
 
 def _train_bn_only() -> nn.Module:
@@ -435,6 +547,124 @@ API_CASES = [
     ),
 ]
 
+
+def _nan_weight() -> nn.Module:
+    m = _model()
+    with torch.no_grad():
+        m.conv1.weight[0, 0, 0, 0] = float("nan")
+    return m
+
+
+def _calib(fill: Callable[[torch.Tensor, int], None], n: int = 8) -> list[torch.Tensor]:
+    batches = []
+    for i in range(n):
+        x = _x(1, 3, 32, 32)
+        fill(x, i)
+        batches.append(x)
+    return batches
+
+
+def _zero(x: torch.Tensor, i: int) -> None:
+    x.zero_()
+
+
+def _constant(x: torch.Tensor, i: int) -> None:
+    x.fill_(0.5)
+
+
+def _outlier(x: torch.Tensor, i: int) -> None:
+    if i == 3:
+        x[0, 1, 4, 4] = 1e6
+
+
+def _huge(x: torch.Tensor, i: int) -> None:
+    x.mul_(1e30)
+
+
+API_CASES += [
+    ApiCase(
+        "NaN in a weight",
+        "gml.optimize(model, x), model.conv1.weight holds a NaN",
+        lambda m: api.optimize(m, _x(1, 3, 32, 32)),
+        _nan_weight,
+        UnsupportedError,
+        "The model's parameters hold NaN/Inf values: conv1.weight (1 NaN, 0 Inf)",
+    ),
+    ApiCase(
+        "NaN in a weight (quantize)",
+        "gml.quantize(model, calib), model.conv1.weight holds a NaN",
+        lambda m: api.quantize(m, [_x(1, 3, 32, 32)]),
+        _nan_weight,
+        UnsupportedError,
+        "conv1.weight (1 NaN, 0 Inf); its outputs are not numbers",
+    ),
+    ApiCase(
+        "input that requires grad, given to the optimized module",
+        "gml.optimize(model, x).module(x.requires_grad_())",
+        lambda m: api.optimize(m, _x(1, 3, 32, 32)).module(_x(1, 3, 32, 32).requires_grad_()),
+        _model,
+        InputError,
+        "This GML-optimized module is for inference",
+    ),
+    ApiCase(
+        "all-zero calibration batches",
+        "gml.quantize(model, [zeros] * 8)",
+        lambda m: api.quantize(m, _calib(_zero)),
+        _model,
+        InputError,
+        "calibration data is degenerate: input 0 is all zeros in every batch",
+    ),
+    ApiCase(
+        "constant calibration batches",
+        "gml.quantize(model, [full(0.5)] * 8)",
+        lambda m: api.quantize(m, _calib(_constant)),
+        _model,
+        InputError,
+        "input 0 is the constant 0.5 in every batch",
+    ),
+    ApiCase(
+        "one 1e6 outlier in calibration data",
+        "gml.quantize(model, calib), one pixel of batch 3 is 1e6",
+        lambda m: api.quantize(m, _calib(_outlier)),
+        _model,
+        InputError,
+        "input 0 has an outlier 1e+06 in batch 3",
+    ),
+    ApiCase(
+        "one 1e6 outlier in calibration data (percentile observer)",
+        "gml.quantize(model, calib, observer='percentile'), one pixel is 1e6",
+        lambda m: api.quantize(m, _calib(_outlier), observer="percentile"),
+        _model,
+        InputError,
+        "input 0 has an outlier 1e+06 in batch 3",
+    ),
+    ApiCase(
+        "calibration values near 1e30",
+        "gml.quantize(model, [x * 1e30 for x in calib])",
+        lambda m: api.quantize(m, _calib(_huge)),
+        _model,
+        InputError,
+        "not a value real data takes",
+    ),
+    ApiCase(
+        "model returning a dict with an int in it",
+        "gml.quantize(model, calib), forward returns {'features': y, 'version': 2}",
+        lambda m: api.quantize(m, [_x(1, 3, 8, 8)]),
+        lambda: _CountsInOutput().eval(),
+        UnsupportedError,
+        "returns the constant 2 (int)",
+    ),
+    ApiCase(
+        "INT8 result below `min_cosine`",
+        "gml.quantize(model, calib, min_cosine=0.999999999)",
+        lambda m: api.quantize(m, [_x(1, 3, 32, 32) for _ in range(8)], per_layer=False, min_cosine=0.999999999),
+        _model,
+        AccuracyError,
+        "The INT8 model is below the required accuracy: output cosine",
+    ),
+]
+
+
 API_PENDING: dict[str, str] = {}
 
 
@@ -455,7 +685,12 @@ def test_api_bad_input(case, request):
     _RESULTS["api: " + case.input] = (info.value.exit_code, " ".join(str(info.value).split()))
     # nothing half-done: the caller's model is exactly as it was
     after = _state(model)
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    same = [
+        torch.equal(before[k], after[k])
+        or (before[k].is_floating_point() and torch.allclose(before[k], after[k], rtol=0, atol=0, equal_nan=True))
+        for k in before
+    ]
+    assert before.keys() == after.keys() and all(same)
     assert [m.training for m in model.modules()] == modes
 
 

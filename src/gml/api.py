@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from gml.capture import capture, check_deterministic, check_eval_mode
+from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, PipelineReport, compare_outputs, run_outputs
 from gml.verify.harness import random_inputs, verify_pass
@@ -43,6 +43,25 @@ class OptimizeResult:
         save(self.module, path)
 
 
+def _no_autograd(module: nn.Module, args: tuple) -> None:
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        from gml.errors import InputError
+
+        raise InputError(
+            "This GML-optimized module is for inference: its fused kernels do not propagate gradients, so "
+            "an input that requires grad would give an output whose backward() leaves the input's .grad None.",
+            hint="call it under torch.inference_mode() / torch.no_grad(), or pass x.detach(); train the "
+            "original nn.Module instead.",
+        )
+
+
+def refuse_autograd(module: nn.Module) -> None:
+    """Make ``module`` raise :class:`~gml.errors.InputError` when called with an input that requires
+    grad while autograd is on (issue #11: the output required grad, ``backward()`` silently left
+    ``x.grad`` None). Under ``no_grad``/``inference_mode`` nothing is checked."""
+    module.register_forward_pre_hook(_no_autograd)
+
+
 def _as_tuple(example_inputs: Any) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, list | tuple) else (example_inputs,)
 
@@ -65,15 +84,17 @@ def optimize(
 
     inputs = _as_tuple(example_inputs)
     check_eval_mode(model)
+    check_finite_parameters(model)
     check_deterministic(model, inputs)
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
     samples = [inputs, *random_inputs(inputs, max(0, n_check_inputs - 1), seed=1)]
-    ref = run_outputs(model, samples[:1])
+    ref = run_outputs(copy.deepcopy(model), samples[:1])  # a copy: forward may update buffers
     result = PassManager(list(passes) if passes is not None else fp32_passes(), strict=strict).run(gm, samples)
     err, _ = compare_outputs(ref, run_outputs(result.graph_module, samples[:1]), None)
     scale = max(
         (float(t.abs().max()) for outs in ref for t in outs if t.numel() and t.is_floating_point()), default=0.0
     )
+    refuse_autograd(result.graph_module)
     return OptimizeResult(result.graph_module, result.report, err, scale)
 
 
@@ -96,13 +117,40 @@ class QuantizeResult:
     accuracy: Any
     reference: fx.GraphModule
     seconds: dict[str, float]
+    #: the native engine running ``module``'s graph (gml.runtime), or None where torch runs it
+    engine: Any = None
+    #: which runtime runs each node and why (``str(result.runtime)``)
+    runtime: Any = None
+
+    @property
+    def executable(self) -> Any:
+        """What to call for inference: the engine where it covers the graph, else ``module``."""
+        return self.engine if self.engine is not None else self.module
 
     def save(self, path: str) -> None:
-        """Pickle the INT8 GraphModule (torch.export cannot capture the uint8 views between the INT8
-        kernels yet, docs/adr/004); ``gml.io.load(path, trust_pickle=True)`` reads it back."""
+        """Save the INT8 model as a ``torch.export`` program of ``torch.ops.gml`` calls (no pickle);
+        ``gml.io.load(path)`` reads it back without the model's source (docs/adr/005)."""
         from gml.io import save
 
-        save(self.module, path, format="pickle")
+        save(self.module, path)
+
+
+def check_min_cosine(acc: Any, min_cosine: float) -> None:
+    """Raise :class:`~gml.errors.AccuracyError` when the accuracy report falls below ``min_cosine``."""
+    from gml.errors import AccuracyError, GMLError
+
+    if not -1.0 <= min_cosine <= 1.0:
+        raise GMLError(f"min_cosine={min_cosine} is not a cosine.", hint="give a value in [-1, 1], e.g. 0.99.")
+    why = acc.below(min_cosine)
+    if why is None:
+        return
+    worst = acc.worst(1)
+    where = f" The worst layer is {worst[0].node} ({worst[0].op}), SQNR {worst[0].sqnr_db:.1f} dB." if worst else ""
+    raise AccuracyError(
+        f"The INT8 model is below the required accuracy: {why}.{where}",
+        hint="calibrate on real data (more batches), try --observer histogram or percentile, or keep the "
+        "worst layer in fp32; docs/bad-inputs.md lists what each exit code means.",
+    )
 
 
 def quantize(
@@ -118,6 +166,9 @@ def quantize(
     per_layer: bool = True,
     progress: bool = False,
     strict: bool = False,
+    runtime: str = "engine",
+    min_cosine: float | None = None,
+    leaf_modules: Sequence[str | type] = (),
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -129,17 +180,27 @@ def quantize(
         observer: ``minmax`` | ``moving_average`` | ``histogram`` | ``percentile``.
         eval_data / eval_labels: held-out batches for the accuracy report (default: 2 generated
             batches that the calibration did not see).
+        runtime: ``engine`` (default: the native oneDNN engine, ``result.engine``, where it covers
+            the graph; ``result.runtime`` says which path runs each node) or ``torch`` (the Python
+            executor only).
+        min_cosine: raise :class:`~gml.errors.AccuracyError` when the INT8 outputs' cosine with
+            fp32 on ``eval_data`` is below this (or NaN/Inf differ). Without it, a result below
+            :data:`~gml.quant.accuracy.BROKEN_COSINE` is returned with ``accuracy.broken`` set.
+        leaf_modules: submodule names or classes kept as opaque calls, as in :func:`gml.capture`.
     """
     import time
 
     from gml.errors import InputError
-    from gml.passes.lift_combine_quant import LiftCombineQuant
     from gml.quant.accuracy import accuracy_report
     from gml.quant.calibrate import generate_batches
     from gml.quant.frontend import prepare_reference
-    from gml.quant.lower import LowerToGML
+    from gml.quant.lower import CoverageEntry, coverage_of
+    from gml.quant.pipeline import lowering_passes
+    from gml.runtime.select import check_runtime
 
+    check_runtime(runtime)
     check_eval_mode(model, what="INT8 quantization")
+    check_finite_parameters(model, what="INT8 quantization")
     if example_inputs is None:
         if calib_data is None or isinstance(calib_data, int):
             raise InputError(
@@ -156,25 +217,60 @@ def quantize(
     seconds: dict[str, float] = {}
 
     t0 = time.perf_counter()
+    # The frontend traces, runs and calibrates the model: on a copy, so buffers that forward()
+    # updates (a running max) stay as the caller left them.
+    traced = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules) if leaf_modules else copy.deepcopy(model)
     ref = prepare_reference(
-        model, inputs, calib_data, observer=observer, per_channel=per_channel, backend=backend, progress=progress
+        traced,
+        inputs,
+        calib_data,
+        observer=observer,
+        per_channel=per_channel,
+        backend=backend,
+        progress=progress,
     )
     seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
 
-    # Lower first (it reads the reference Q/DQ form), then clean up the quantize ops it leaves.
-    lower = LowerToGML(backend)
+    # The post-convert half of the INT8 pipeline (gml.quant.pipeline: lower, fuse, clean up).
     samples = [inputs]
     t0 = time.perf_counter()
-    result = PassManager([lower, LiftCombineQuant()], strict=strict).run(copy.deepcopy(ref.graph_module), samples)
-    seconds["lower + clean up"] = time.perf_counter() - t0
+    passes = lowering_passes(backend)
+    result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
+    seconds["lower + fuse + clean up"] = time.perf_counter() - t0
+    # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
+    coverage = coverage_of(result.graph_module)
+    for r in result.report.rolled_back:
+        coverage.kept_fp32.append(CoverageEntry([f"(pass {r.name})"], r.name, "fp32", f"rolled back: {r.error}"))
 
     if eval_data is None:
         eval_data = generate_batches(inputs, 2, seed=12345)
     t0 = time.perf_counter()
     acc = accuracy_report(
-        model, result.graph_module, eval_data, labels=eval_labels, fp32_graph=ref.float_module, per_layer=per_layer
+        copy.deepcopy(model),
+        result.graph_module,
+        eval_data,
+        labels=eval_labels,
+        fp32_graph=ref.float_module,
+        per_layer=per_layer,
     )
     seconds["accuracy report"] = time.perf_counter() - t0
+    refuse_autograd(result.graph_module)
+    if min_cosine is not None:
+        check_min_cosine(acc, min_cosine)
+
+    from gml.runtime.select import attach_runtime
+
+    t0 = time.perf_counter()
+    engine, runtime_report = attach_runtime(result.graph_module, inputs, runtime)
+    seconds["engine compile"] = time.perf_counter() - t0
     return QuantizeResult(
-        result.graph_module, result.report, ref.report, lower.coverage, acc, ref.graph_module, seconds
+        result.graph_module,
+        result.report,
+        ref.report,
+        coverage,
+        acc,
+        ref.graph_module,
+        seconds,
+        engine,
+        runtime_report,
     )

@@ -8,6 +8,7 @@ line and what to do about it (leaf modules, ``concrete_args``, ``torch.where``).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import traceback
@@ -21,6 +22,8 @@ from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 from torch.utils._pytree import tree_flatten
 
 from gml.errors import InputError, TraceFailure, UnsupportedError
+from gml.ir.alias import MUTATES
+from gml.ir.layers import torch_layer_base
 from gml.models import child_names
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # the separator keeps torchvision/ a user dir
@@ -56,30 +59,182 @@ class _Tracer(fx.Tracer):
             self.stack.pop()
 
 
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-_HARMLESS = {"__init__", "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__firstlineno__"}
-_HARMLESS |= {"__static_attributes__", "__annotations__", "__parameters__", "__orig_bases__"}
+#: ``node.meta`` / ``GraphModule.meta`` key: the input shapes a graph was specialised to (see
+#: :class:`_ShapeTracer`), and why.
+SPECIALIZED = "gml_specialized_shapes"
+
+_SHAPE_ATTRS = frozenset({"shape", "ndim"})
+_SHAPE_METHODS = frozenset({"size", "dim", "numel"})
+_ARITH_MODULES = ("_operator", "operator", "builtins", "math")
 
 
-def torch_layer_base(m: nn.Module) -> type[nn.Module] | None:
-    """The ``torch.nn`` layer class a module subclasses without changing its ``forward``, if any.
+def _is_shape_query(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in _SHAPE_ATTRS
+    return node.op == "call_method" and node.target in _SHAPE_METHODS
 
-    torchvision's video ResNets build ``Conv3DSimple(nn.Conv3d)``, which only adds a constructor
-    and a static method. fx traces such a class through (it is not from ``torch.nn``), leaving a
-    bare ``torch.conv3d`` on ``get_attr`` weights that no pass folds BN into or quantizes.
-    """
-    cls = type(m)
-    if cls.__module__.startswith("torch.") or isinstance(m, _CONTAINERS):
-        return None
-    mro = cls.__mro__
-    for i, base in enumerate(mro[1:], start=1):
-        if base is nn.Module or not base.__module__.startswith("torch.nn."):
+
+def _shape_only(node: fx.Node) -> bool:
+    """Whether ``node``'s value is computed from tensor *shapes* and literals only (``x.shape[-2] < 7``,
+    ``math.ceil(x.size(2) / 2)``), not from any tensor's values."""
+    work, seen = [node], set()
+    while work:
+        n = work.pop()
+        if n in seen:
             continue
-        # the torch.nn ancestor must be what runs: the subclasses in between may add a constructor
-        # and new names (Conv3DSimple.get_downsample_stride) but override nothing the layer has
-        added = {name for sub in mro[:i] for name in vars(sub)} - _HARMLESS
-        return None if any(hasattr(base, name) for name in added) else base
-    return None
+        seen.add(n)
+        if _is_shape_query(n):
+            continue  # what the tensor holds does not matter, only its size
+        if n.op != "call_function" or getattr(n.target, "__module__", None) not in _ARITH_MODULES:
+            return False
+        work.extend(n.all_input_nodes)
+    return True
+
+
+try:
+    from torch.fx._symbolic_trace import _maybe_revert_all_patches as _revert_patches
+except ImportError:  # pragma: no cover - older torch: no concrete evaluation of module calls
+    import contextlib
+
+    _revert_patches = contextlib.nullcontext  # type: ignore[assignment]
+
+
+class _ShapeProxy(fx.Proxy):
+    """A proxy that turns into the example input's concrete number where Python needs one
+    (``int()``, ``math.ceil``, ``range()``, ``len()``), if the value is shape-only."""
+
+    def _concrete(self, why: str) -> Any:
+        return self.tracer.concrete(self, why)  # type: ignore[union-attr]
+
+    def __getattr__(self, k: str) -> Any:
+        # a tensor's rank: asserted everywhere (timm's BatchNormAct2d: `_assert(x.ndim == 4)`); as a
+        # graph value it would be one more reader of the tensor and block folding into its producer
+        if k in ("ndim", "dim"):
+            value = self.tracer.values.get(self.node)  # type: ignore[union-attr]
+            if isinstance(value, torch.Tensor):
+                self.tracer.ranks_used = True  # type: ignore[union-attr]
+                return value.ndim if k == "ndim" else value.dim
+        return super().__getattr__(k)
+
+    def __index__(self) -> int:
+        return self._concrete("an index")
+
+    def __int__(self) -> int:
+        return int(self._concrete("int()"))
+
+    def __float__(self) -> float:
+        return float(self._concrete("float()"))
+
+    def __ceil__(self) -> int:
+        return math.ceil(self._concrete("math.ceil"))
+
+    def __floor__(self) -> int:
+        return math.floor(self._concrete("math.floor"))
+
+    def __trunc__(self) -> int:
+        return math.trunc(self._concrete("math.trunc"))
+
+    def __round__(self, ndigits: int | None = None) -> Any:
+        return round(self._concrete("round()"), ndigits)
+
+    def __len__(self) -> int:
+        return len(self._concrete("len()"))
+
+
+def _plain_getattr(obj: Any, name: str) -> Any:
+    """``getattr`` that bypasses the tracer's patched ``nn.Module.__getattr__`` (which returns proxies)."""
+    if isinstance(obj, nn.Module):
+        for table in ("_parameters", "_buffers", "_modules"):
+            found = obj.__dict__.get(table, {})
+            if name in found:
+                return found[name]
+    return object.__getattribute__(obj, name)
+
+
+class _ShapeTracer(_Tracer):
+    """A tracer that also runs the model on the example inputs, node by node, as it records them.
+
+    Where Python in ``forward`` needs a concrete number or bool that depends only on tensor shapes
+    (``if x.shape[-2] < self.kernel``, timm's ``Conv2dSame`` padding from ``x.size()``), it gets the
+    example input's value, and the graph holds the result as a constant: the graph is *specialised*
+    to the example's input shapes (:data:`SPECIALIZED`; :class:`gml.nn.InputGuard` refuses other
+    shapes). A bool from tensor *values* (``if x.sum() > 0``) still fails, as it must.
+    """
+
+    def __init__(
+        self, example_inputs: Sequence[Any] = (), leaf_types: tuple[type, ...] = (), leaf_names: Iterable[str] = ()
+    ) -> None:
+        # default arguments: unpickling a GraphModule re-creates its tracer class with none
+        super().__init__(leaf_types, leaf_names)
+        self.example_inputs = list(example_inputs)
+        self.values: dict[fx.Node, Any] = {}
+        self.n_placeholders = 0
+        self.specialized: list[str] = []
+        self.ranks_used = False
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ShapeProxy(node, self)
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: Any = None, type_expr: Any = None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        try:
+            if kind == "call_module":
+                # the tracer patches nn.Module.__call__ / __getattr__ (and wrapped functions) while it
+                # runs: a leaf's concrete run must see the real ones (reverting costs ~ms: only here)
+                with _revert_patches():
+                    self._evaluate(node)
+            else:
+                self._evaluate(node)
+        except Exception:  # no concrete value: a later concrete() on it fails with the usual message
+            pass
+        return node
+
+    def _evaluate(self, node: fx.Node) -> None:
+        if node.op == "placeholder":
+            i = self.n_placeholders
+            self.n_placeholders += 1
+            if i < len(self.example_inputs):
+                x = self.example_inputs[i]
+                self.values[node] = x.clone() if isinstance(x, torch.Tensor) else x
+            return
+        if node.op == "get_attr":
+            obj: Any = self.root
+            for part in str(node.target).split("."):
+                obj = _plain_getattr(obj, part)
+            self.values[node] = obj
+            return
+        if node.op == "output" or any(a not in self.values for a in node.all_input_nodes):
+            return
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: self.values[n])
+        with torch.no_grad():
+            if node.op == "call_function":
+                self.values[node] = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                self.values[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+            elif node.op == "call_module":
+                self.values[node] = self.root.get_submodule(node.target)(*args, **kwargs)
+
+    def concrete(self, proxy: fx.Proxy, why: str) -> Any:
+        node = proxy.node
+        if node not in self.values or not _shape_only(node):
+            raise fx.proxy.TraceError(
+                "symbolically traced variables cannot be used as inputs to control flow"
+                if why == "control flow"
+                else f"a traced tensor value is used as a Python number ({why})"
+            )
+        value = self.values[node]
+        frame = _user_frame_now()
+        where = f" at {os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else ""
+        self.specialized.append(f"{why} on a shape{where}")
+        return value
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        return bool(self.concrete(obj, "control flow"))
+
+    def iter(self, obj: fx.Proxy) -> Any:
+        if obj.node in self.values and _shape_only(obj.node):
+            return iter(self.concrete(obj, "iteration"))
+        return super().iter(obj)
 
 
 def _as_torch_layers(gm: fx.GraphModule) -> None:
@@ -128,10 +283,20 @@ def trace(
     *,
     leaf_modules: Sequence[str | type] = (),
     concrete_args: dict[str, Any] | None = None,
+    example_inputs: Sequence[Any] | None = None,
 ) -> fx.GraphModule:
-    """Symbolically trace ``model``; raise :class:`TraceFailure` with a readable reason on failure."""
+    """Symbolically trace ``model``; raise :class:`TraceFailure` with a readable reason on failure.
+
+    With ``example_inputs`` (and no ``concrete_args``) shape-only Python in ``forward`` is answered
+    with the example's sizes (:class:`_ShapeTracer`); the graph is then specialised to those input
+    shapes, says so in ``gm.meta[SPECIALIZED]``, and refuses other shapes (:class:`gml.nn.InputGuard`).
+    """
     types, names = _leaf_spec(leaf_modules)
-    tracer = _Tracer(types, names)
+    tracer = (
+        _ShapeTracer(example_inputs, types, names)
+        if example_inputs is not None and not concrete_args
+        else _Tracer(types, names)
+    )
     model_name = type(model).__name__
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
@@ -156,19 +321,76 @@ def trace(
         raise TraceFailure(
             f"Cannot capture {model_name} with torch.fx: {_explain(exc)}{where}{inside}{code}.",
             hint=(
-                f"{leaf_hint}fix the value with concrete_args (e.g. a flag argument), or rewrite the "
+                (
+                    "if the branch only reads shapes, pass example inputs (gml.capture(model, (x,))) so it is "
+                    "decided for their shape; "
+                    if example_inputs is None and "control flow" in str(exc)
+                    else ""
+                )
+                + f"{leaf_hint}fix the value with concrete_args (e.g. a flag argument), or rewrite the "
                 "branch without Python control flow on tensors (torch.where, masking)."
             ),
         ) from None
     name = model_name if isinstance(model, nn.Module) else "GraphModule"
     gm = fx.GraphModule(tracer.root, graph, name)
+    # not .train(): the leaves are the caller's own modules; fx's fresh containers start in training mode
+    for m in (gm, *(m for m in gm.modules() if type(m) is nn.Module)):
+        m.training = model.training
     _as_torch_layers(gm)
+    if isinstance(tracer, _ShapeTracer) and (tracer.specialized or tracer.ranks_used):
+        _drop_dead_shape_arithmetic(gm)
+        _guard_inputs(gm, example_inputs or (), tracer.specialized)
     return gm
 
 
+def _drop_dead_shape_arithmetic(gm: fx.GraphModule) -> None:
+    """Erase the shape queries and arithmetic that only fed a Python decision made at trace time."""
+    work = [n for n in gm.graph.nodes if not n.users and n.op in ("call_function", "call_method") and _shape_only(n)]
+    while work:
+        n = work.pop()
+        if n.users or n.graph is not gm.graph or n.op not in ("call_function", "call_method", "get_attr"):
+            continue
+        inputs = n.all_input_nodes
+        gm.graph.erase_node(n)
+        work.extend(inputs)
+
+
+def _user_frame_now() -> traceback.FrameSummary | None:
+    """The innermost frame of the running stack outside torch and gml: the user's line being traced."""
+    user = [f for f in traceback.extract_stack() if not f.filename.startswith((_TORCH_DIR, _GML_DIR))]
+    return user[-1] if user else None
+
+
+def _guard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], why: list[str]) -> None:
+    """Record the input shapes (or, when only ranks were read, ranks) ``gm`` is specialised to and
+    put an :class:`InputGuard` first."""
+    from gml.nn import InputGuard
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        return
+    tensors = list(example_inputs)[: len(placeholders)]
+    if why:
+        shapes: list[Any] = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in tensors]
+        reason = why[0] + (f" and {len(why) - 1} more" if len(why) > 1 else "")
+    else:
+        shapes = [x.dim() if isinstance(x, torch.Tensor) else None for x in tensors]
+        reason = "it asserts or branches on tensor ranks (x.ndim / x.dim())"
+    gm.meta[SPECIALIZED] = {"shapes": shapes, "why": list(why) or [reason]}
+    gm.add_submodule("input_guard", InputGuard(shapes, reason))
+    with gm.graph.inserting_after(placeholders[-1]):
+        gm.graph.call_module("input_guard", tuple(placeholders[: len(shapes)]))
+    gm.graph.lint()
+    gm.recompile()
+
+
+#: ``node.meta`` key: the memory formats of a ``call_module`` node's inputs when it was captured
+#: (:class:`gml.passes.leaf_format.LeafMemoryFormat` hands an opaque leaf the same again).
+TRACED_FORMATS = "gml_traced_formats"
+
 #: ``node.meta`` keys shape propagation sets on a node that overwrote some of its inputs: the names
 #: of those input nodes, and the one the node returned (``x.add_(y)`` returns ``x``), if any.
-MUTATES = "gml_mutates"
+#: (``MUTATES`` is defined in :mod:`gml.ir.alias`, with the analysis that reads it.)
 RETURNS_MUTATED = "gml_returns_mutated"
 
 
@@ -319,6 +541,29 @@ def _same(a: Any, b: Any) -> tuple[bool, float]:
     return worst == 0.0, worst
 
 
+def _cloned(values: Sequence[Any]) -> list[Any]:
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in values]
+
+
+def check_finite_parameters(model: nn.Module, *, what: str = "optimization") -> None:
+    """Raise if a parameter holds NaN or Inf: every output is then NaN (or an Inf), and a rewrite
+    checked against NaN outputs is not checked at all (issue #11: a NaN weight was reported as
+    "max abs error 0" and an INT8 "top-1 agreement 100%"). Buffers are not checked: an attention
+    mask of -inf is a legitimate buffer."""
+    bad = []
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not torch.isfinite(p).all():
+            bad.append(f"{name} ({int(torch.isnan(p).sum())} NaN, {int(torch.isinf(p).sum())} Inf)")
+    if bad:
+        raise UnsupportedError(
+            f"The model's parameters hold NaN/Inf values: {', '.join(bad[:3])}"
+            + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            + f"; its outputs are not numbers, so {what} cannot check anything against them.",
+            hint="load the intended weights (a diverged training run or a damaged checkpoint writes NaN); "
+            "find them with [n for n, p in model.named_parameters() if not p.isfinite().all()].",
+        )
+
+
 def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what: str = "optimization") -> None:
     """Raise if two eval-mode runs of ``model`` on the same inputs differ.
 
@@ -329,11 +574,14 @@ def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what
     If the model does not even run on ``example_inputs``, nothing is raised here: :func:`capture`
     reports that with the node that failed.
     """
-    clones = [x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    # On a copy of the model and of the inputs: a forward that updates a buffer (a running max, a
+    # counter) or writes its input must not change the caller's objects, even when it is refused.
+    # One copy runs twice, so state that forward() carries from call to call still shows.
     try:
+        probe = copy.deepcopy(model)
         with torch.no_grad():
-            first = model(*clones)
-            second = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs])
+            first = probe(*_cloned(example_inputs))
+            second = probe(*_cloned(example_inputs))
     except Exception:
         return
     same, _ = _same(first, second)
@@ -370,7 +618,7 @@ def capture(
         from gml.capture_export import CAPTURE_META, CaptureInfo, choose_export, export_capture
 
         try:
-            gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args)
+            gm = trace(model, leaf_modules=leaf_modules, concrete_args=concrete_args, example_inputs=example_inputs)
         except TraceFailure as fx_error:
             if example_inputs is None or concrete_args or not export:
                 raise
@@ -392,4 +640,8 @@ def capture(
     # --- end #15 ---
     if example_inputs is not None:
         propagate_shapes(gm, example_inputs)
+        for node in gm.graph.nodes:
+            if node.op == "call_module":
+                metas = [a.meta.get("tensor_meta") if isinstance(a, fx.Node) else None for a in node.args]
+                node.meta.setdefault(TRACED_FORMATS, [getattr(m, "memory_format", None) for m in metas])
     return gm

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from gml.errors import GMLError
+from gml.errors import GMLError, InputError
 
 console = Console(highlight=False)
 
@@ -23,8 +23,9 @@ console = Console(highlight=False)
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model",
-        help="torchvision model name (e.g. resnet18), path/to/file.py:ClassName, hf:ArchitectureClass (e.g. "
-        "hf:BertModel: default config, random weights, nothing downloaded) or a local Hugging Face model folder",
+        help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, hf:ArchitectureClass "
+        "(e.g. hf:BertModel: default config, random weights, nothing downloaded) or a local Hugging Face model "
+        "folder; `inspect` also takes a model saved by gml (file.pt2)",
     )
     p.add_argument(
         "--input-shape",
@@ -84,6 +85,28 @@ def _short(value: object, limit: int = 48) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _load_saved(spec: str):
+    """``(graph module, example inputs)`` of a ``.pt2`` file written by ``gml.io.save``, or ``None``
+    when ``spec`` names no such file (a model name or ``file.py:Class``)."""
+    from pathlib import Path
+
+    import torch
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    if Path(spec).suffix != ".pt2" or not Path(spec).is_file():
+        return None
+    from gml.io import load
+
+    gm = load(spec)
+    inputs = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor):  # a symbolic (dynamic) batch is shown at size 1
+            inputs.append(torch.zeros([d if isinstance(d, int) else 1 for d in val.shape], dtype=val.dtype))
+    ShapeProp(gm).propagate(*inputs)
+    return gm, tuple(inputs)
+
+
 def _print_capture(gm, model, inputs) -> None:
     """#15: which capture path made the graph and why; what the generated inputs are."""
     import torch
@@ -107,9 +130,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from gml.passes.oplib import node_label
     from gml.passes.utils import modules_of
 
-    model, inputs = load_from_args(args)
-    gm = capture(model, inputs, leaf_modules=args.leaf)
-    _print_capture(gm, model, inputs)
+    saved = _load_saved(args.model)
+    if saved is not None:  # a model written by gml.io.save: show the graph it holds (gml ops for INT8)
+        gm, inputs = saved
+    else:
+        model, inputs = load_from_args(args)
+        gm = capture(model, inputs, leaf_modules=args.leaf)
+        _print_capture(gm, model, inputs)
     modules = modules_of(gm)
     n_params = sum(p.numel() for p in gm.parameters())
     console.print(
@@ -202,10 +229,31 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 15) ->
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def check_out_path(path: str | None) -> None:
+    """Fail before the run, not after it, when ``--out`` cannot be written."""
+    import os
+
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise GMLError(
+            f"--out '{path}' is a directory; it names the file to write.",
+            hint=f"give a file name, e.g. --out {os.path.join(path, 'model.pt2')}.",
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise GMLError(
+            f"--out '{path}': the directory '{parent}' does not exist.", hint=f"create it: mkdir -p {parent}"
+        )
+    if not os.access(parent, os.W_OK):
+        raise GMLError(f"--out '{path}': the directory '{parent}' is not writable.", hint="choose another place.")
+
+
 def cmd_optimize(args: argparse.Namespace) -> int:
     from gml.api import optimize
     from gml.passes.pipeline import passes_by_name
 
+    check_out_path(args.out)
     model, inputs = load_from_args(args)
     passes = passes_by_name([p.strip() for p in args.passes.split(",") if p.strip()]) if args.passes else None
     res = optimize(model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf)
@@ -287,21 +335,31 @@ def _is_transformer(model) -> bool:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from gml.api import quantize
 
+    if args.calib < 1:
+        raise GMLError("--calib must be at least 1.", hint="e.g. --calib 8")
+    if args.min_cosine is not None and not -1.0 <= args.min_cosine <= 1.0:
+        raise GMLError(f"--min-cosine {args.min_cosine:g} is not a cosine.", hint="give a value in [-1, 1], e.g. 0.99.")
+    check_out_path(args.out)
     model, inputs = load_from_args(args)
     if _is_transformer(model) and not args.leaf:  # --- #15: the transformer INT8 scheme ---
         return _quantize_transformer(args, model, inputs)
-    if args.calib < 1:
-        raise GMLError("--calib must be at least 1.", hint="e.g. --calib 8")
-    res = quantize(
-        model,
-        args.calib,
-        example_inputs=inputs,
-        backend=args.backend,
-        observer=args.observer,
-        per_channel=not args.per_tensor,
-        per_layer=not args.no_per_layer,
-        progress=True,
-    )
+    import warnings
+
+    from gml.quant.calibrate import CalibrationWarning
+
+    with warnings.catch_warnings():  # printed below, in the frontend summary
+        warnings.simplefilter("ignore", CalibrationWarning)
+        res = quantize(
+            model,
+            args.calib,
+            example_inputs=inputs,
+            backend=args.backend,
+            observer=args.observer,
+            per_channel=not args.per_tensor,
+            per_layer=not args.no_per_layer,
+            progress=True,
+            leaf_modules=args.leaf,
+        )
     fe = res.frontend
     if fe.fp32_passes is not None:
         console.print(fe.fp32_passes.table(title="fp32 passes before quantization"))
@@ -316,6 +374,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         worst = type(acc)(acc.samples, acc.cosine, acc.max_abs_diff, acc.top1_agreement, layers=acc.worst(10))
         console.print(worst.table(title="INT8 accuracy: the 10 layers with the lowest SQNR"))
     console.print(f"accuracy: {acc.summary()}")
+    if acc.broken:
+        console.print(f"[bold red]BROKEN:[/] {acc.broken}; do not deploy this INT8 model.")
     console.print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in res.seconds.items()))
     if not args.no_time:
         t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.module(*inputs)})
@@ -335,12 +395,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                 f"[yellow]warning:[/] the INT8 model is not faster than fp32 here: {why}"
                 "`gml optimize` (fp32 fusion) may serve this model better."
             )
+    if args.min_cosine is not None:
+        from gml.api import check_min_cosine
+
+        check_min_cosine(acc, args.min_cosine)  # before saving: a result below the bar is not written
     if args.out:
         res.save(args.out)
-        console.print(
-            f"saved to {args.out} (pickled GraphModule: load it with gml.io.load(path, trust_pickle=True), "
-            "only from a source you trust)"
-        )
+        console.print(f"saved to {args.out} (a torch.export program of gml ops: load it with gml.io.load(path))")
     return 0
 
 
@@ -403,7 +464,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-tensor", action="store_true", help="per-tensor instead of per-channel weight scales")
     p.add_argument("--no-per-layer", action="store_true", help="skip the per-layer SQNR table (faster)")
     p.add_argument("--no-time", action="store_true", help="skip the quick fp32-vs-INT8 latency check")
-    p.add_argument("--out", metavar="FILE", help="save the INT8 module (see docs/adr/004)")
+    p.add_argument(
+        "--min-cosine",
+        type=float,
+        metavar="X",
+        help="fail (exit 8, nothing saved) when the INT8 outputs' cosine with fp32 is below X (e.g. 0.99); "
+        "a cosine below 0.9 is reported BROKEN either way",
+    )
+    p.add_argument(
+        "--out", metavar="FILE", help="save the INT8 module as a torch.export program of gml ops (see docs/adr/005)"
+    )
     p.set_defaults(func=cmd_quantize)
 
     from gml.bench.cli import add_bench_arguments, bench_command
@@ -453,6 +523,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
+        from gml.models import is_out_of_memory
+
+        if is_out_of_memory(exc):  # the model's activations for this input do not fit: the user's choice
+            console.print(f"[bold red]error:[/] Out of memory: {str(exc).strip().splitlines()[0][:300]}")
+            console.print(
+                "[bold]what you can do:[/] use a smaller --input-shape (batch, resolution) or a smaller model."
+            )
+            return InputError.exit_code
         console.print(
             f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\n"
             "This is a bug in gml, not in your model. Re-run with --debug for the traceback and report it."

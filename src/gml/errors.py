@@ -48,3 +48,9 @@ class UnsupportedError(GMLError):
     """The model uses something a requested stage cannot handle (e.g. BN in training mode)."""
 
     exit_code = 7
+
+
+class AccuracyError(GMLError):
+    """The INT8 model is less accurate than asked (``gml quantize --min-cosine``, ``min_cosine=``)."""
+
+    exit_code = 8

@@ -10,8 +10,12 @@ allows it.
 program's ``GraphModule`` and *lifts* every fused-kernel call whose weights are constants back into
 its GML module (``_convolution_pointwise`` → :class:`~gml.kernels.fp32.FusedConv`, ...), which
 prepacks the weights again for this machine on first call. Loading needs ``gml`` and ``torch``,
-never the original model's Python code. Other kernel families (INT8) extend the lifting by passing
-their own :data:`Lifter` functions.
+never the original model's Python code.
+
+INT8 models (ADR 005) are graphs of ``torch.ops.gml.*`` calls with dense int8 weights as constants:
+they export as they are (the ops have schemas and fake kernels) and need no lifting after loading,
+because the ops' Python implementations prepack their weights on first call
+(:mod:`gml.kernels.int8_ops`).
 
 A pickled ``GraphModule`` (``format="pickle"``) is the escape hatch for graphs ``torch.export``
 cannot take. Unpickling runs code from the file, so :func:`load` refuses it unless the caller passes
@@ -33,6 +37,7 @@ from torch import fx, nn
 from gml import archive
 from gml.errors import GMLError, ModelLoadError
 from gml.kernels import fp32 as k32
+from gml.kernels.int8_ops import register as register_int8_ops
 from gml.passes.utils import replace_module
 
 # v2: sealed (every member's SHA-256 in the manifest, gml.archive) and no pickled sample inputs.
@@ -112,6 +117,7 @@ def save(
         example_inputs = _example_inputs(gm)
     args = tuple(example_inputs)
     k32.register_export_support()
+    register_int8_ops()  # the torch.ops.gml schemas (INT8 graphs) export through their fake kernels
     was_training = gm.training
     gm.eval()
     try:
@@ -290,7 +296,8 @@ def _is_empty(mod: nn.Module) -> bool:
 
 def _set_inplace_residuals(gm: fx.GraphModule) -> None:
     """Re-enable in-place residual accumulation where it is safe (the rule of FuseConvAdd)."""
-    from gml.passes.fuse_common import aliases, fresh_output_types, graph_order
+    from gml.ir.alias import may_alias
+    from gml.passes.fuse_common import fresh_output_types, graph_order
 
     order = graph_order(gm)
     modules = dict(gm.named_modules())
@@ -307,7 +314,7 @@ def _set_inplace_residuals(gm: fx.GraphModule) -> None:
         made_fresh = (other.op == "call_module" and isinstance(modules.get(str(other.target)), fresh)) or (
             other.op == "call_function" and other.target in fresh_ops
         )
-        if not made_fresh or aliases(node.args[0], other, modules):
+        if not made_fresh or may_alias(node.args[0], other, modules):
             continue
         if all(u is node or order[u] < order[node] for u in other.users):
             mod.inplace = True
@@ -356,6 +363,7 @@ def load(
 
 def _load_export(path: Path, info: dict[str, Any], lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
     k32.register_export_support()
+    register_int8_ops()  # an INT8 program calls torch.ops.gml.*: define them and their kernels
     try:
         ep = torch.export.load(path)
     except Exception as e:

@@ -4,6 +4,8 @@ A model spec is one of
 
 * a torchvision model name (``resnet18``, ``mobilenet_v2``, ...), built with random weights:
   GML-Lab never downloads anything;
+* ``timm:NAME`` (``timm:efficientnet_b0``): a timm model (``pip install 'gml-lab[timm]'``), built
+  with ``pretrained=False`` (random init; nothing is downloaded), inputs at its default resolution;
 * ``hf:BertModel`` (a transformers class built from its default config, random weights) or a local
   Hugging Face model folder (``config.json`` + weights): :mod:`gml.models_hf`;
 * ``path/to/file.py:ClassName``: the class is imported from that file and built with no arguments.
@@ -20,10 +22,12 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import inspect
+import math
 import os
 import pickle
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +77,42 @@ def _load_torchvision(name: str) -> nn.Module:
             f"Building torchvision's {name} with random weights failed: {type(exc).__name__}: {exc}",
             hint="build the model in Python and pass the module to gml's API.",
         ) from None
+
+
+TIMM_PREFIX = "timm:"
+
+
+def _load_timm(name: str) -> nn.Module:
+    """``timm.create_model(name, pretrained=False)``: random init, never a download."""
+    try:
+        import timm
+    except ImportError:
+        raise ModelLoadError(
+            f"'{TIMM_PREFIX}{name}' needs timm, which is not installed.",
+            hint="pip install 'gml-lab[timm]' (or pip install timm).",
+        ) from None
+    names = timm.list_models()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=3)
+        raise ModelLoadError(
+            f"Unknown timm model '{name}'.",
+            hint=(f"did you mean {', '.join(close)}? " if close else "")
+            + "`python -c 'import timm; print(timm.list_models())'` lists the names.",
+        )
+    try:
+        return timm.create_model(name, pretrained=False)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"Building timm's {name} with random weights failed: {type(exc).__name__}: {exc}",
+            hint="build the model in Python and pass the module to gml's API.",
+        ) from None
+
+
+def _timm_input_shape(model: nn.Module) -> tuple[int, ...] | None:
+    """The model's default ``(1, C, H, W)`` from its timm pretrained config, if it has one."""
+    cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
+    size = cfg.get("input_size")
+    return (1, *(int(d) for d in size)) if size else None
 
 
 def _user_module_name(path: str) -> str:
@@ -133,6 +173,8 @@ def load_model(
             ) from None
         if not isinstance(model, nn.Module):
             raise ModelLoadError(f"{cls_name} is not an nn.Module.", hint="point at an nn.Module subclass.")
+    elif spec.startswith(TIMM_PREFIX):
+        model = _load_timm(spec.removeprefix(TIMM_PREFIX))
     elif spec.endswith(".py"):
         raise ModelLoadError(f"'{spec}' names a file but no class.", hint=f"use {spec}:ClassName.")
     elif is_hf_spec(spec):  # #15: hf:ArchitectureClass or a local HF model folder (gml.models_hf)
@@ -169,16 +211,79 @@ def select_submodule(model: nn.Module, path: str) -> nn.Module:
         ) from None
 
 
+def pickled_globals(path: str) -> list[str] | None:
+    """The code references (``module.name``) a pickle in ``path`` would import, read with
+    :mod:`pickletools` (which parses opcodes and runs nothing); for a ``torch.save`` zip archive, of
+    its ``data.pkl``. ``None`` when the bytes are not a parseable pickle (a corrupt file)."""
+    import pickletools
+    import zipfile
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as zf:
+                name = next((n for n in zf.namelist() if n.endswith("data.pkl")), None)
+                if name is None:
+                    return None
+                data = zf.read(name)
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+        found: list[str] = []
+        strings: list[str] = []
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("GLOBAL", "INST") and isinstance(arg, str):
+                found.append(arg.replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                found.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+            elif op.name in ("REDUCE", "OBJ", "NEWOBJ", "NEWOBJ_EX", "BUILD") and not found:
+                found.append(f"(a {op.name} call)")
+        return found
+    except Exception:
+        return None
+
+
+# what torch.save writes for plain tensors; anything else is code a weights-only load refuses to run
+_TENSOR_GLOBALS = ("torch._utils._rebuild", "collections.OrderedDict", "torch.FloatStorage", "torch.")
+
+
 def load_checkpoint(model: nn.Module, path: str, *, unsafe_load: bool = False) -> None:
     """Load a state dict from ``path`` into ``model``, refusing pickled code unless ``unsafe_load``."""
+    if os.path.isdir(path):
+        raise ModelLoadError(
+            f"Checkpoint '{path}' is a directory, not a checkpoint file.",
+            hint="pass the .pt/.pth file inside it (a state_dict saved with torch.save).",
+        )
     if not os.path.isfile(path):
         raise ModelLoadError(f"Checkpoint '{path}' does not exist.")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=not unsafe_load)
+        with warnings.catch_warnings():  # "Detected pickle protocol 5 ...": the error below says it all
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=not unsafe_load)
     except pickle.UnpicklingError as exc:
         # weights_only=True names the first non-tensor global it refused ("GLOBAL posix.system");
         # without one, the bytes are simply not a readable pickle: a corrupt file, not an attack.
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if found is None and not unsafe_load:
+            # weights_only also stops at pickle opcodes it does not support ("Unsupported operand"),
+            # before reaching a GLOBAL: read the references ourselves (pickletools runs nothing)
+            refs = pickled_globals(path)
+            code = [r for r in refs or [] if not r.startswith(_TENSOR_GLOBALS)]
+            if code:
+                raise ModelLoadError(
+                    f"Refused to load '{path}': it contains a pickled reference to {code[0]}, not only "
+                    "tensors; unpickling it could run arbitrary code, so nothing in it was executed.",
+                    hint="save a state_dict with torch.save(model.state_dict(), path), or pass --unsafe-load "
+                    "if you trust the file.",
+                ) from None
+            if refs is not None and "Unsupported operand" in str(exc):
+                raise ModelLoadError(
+                    f"Refused to load '{path}': it is a pickle written with opcodes a weights-only load does not "
+                    "read (another pickle protocol), so nothing in it was executed.",
+                    hint="re-save it with torch.save(model.state_dict(), path), or pass --unsafe-load if you "
+                    "trust the file.",
+                ) from None
         if found is None or unsafe_load:
             raise ModelLoadError(
                 f"Checkpoint '{path}' is corrupt or truncated: not readable PyTorch checkpoint data.",
@@ -201,13 +306,44 @@ def load_checkpoint(model: nn.Module, path: str, *, unsafe_load: bool = False) -
         state = state.state_dict()
     if not isinstance(state, dict):
         raise ModelLoadError(f"Checkpoint '{path}' holds a {type(state).__name__}, not a state_dict.")
-    result = model.load_state_dict(state, strict=False)
+    expected = model.state_dict()
+    for key, value in state.items():
+        if key not in expected:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise ModelLoadError(
+                f"Checkpoint '{path}' does not match the model: '{key}' is a {type(value).__name__}, not a tensor.",
+                hint="check that the file is a state_dict of this model (torch.save(model.state_dict(), path)).",
+            )
+        if value.shape != expected[key].shape:
+            raise ModelLoadError(
+                f"Checkpoint '{path}' does not match the model: '{key}' has shape {tuple(value.shape)} in the "
+                f"file and {tuple(expected[key].shape)} in the model.",
+                hint="check that the checkpoint belongs to this architecture and configuration (e.g. the "
+                "number of classes).",
+            )
+    try:
+        result = model.load_state_dict(state, strict=False)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()
+        raise ModelLoadError(
+            f"Checkpoint '{path}' does not match the model: {first[-1].strip() if first else type(exc).__name__}",
+            hint="check that the checkpoint belongs to this architecture.",
+        ) from None
     if result.missing_keys or result.unexpected_keys:
+        hint = "check that the checkpoint belongs to this architecture."
+        prefixed = [k for k in result.unexpected_keys if k.startswith("module.")]
+        if prefixed and all(k.removeprefix("module.") in expected for k in prefixed):
+            hint = (
+                "its keys start with 'module.': it was saved from a DataParallel / DistributedDataParallel "
+                "wrapper. Save model.module.state_dict() instead, or strip the prefix: "
+                "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, 'module.')."
+            )
         raise ModelLoadError(
             f"Checkpoint '{path}' does not match the model: {len(result.missing_keys)} missing keys "
             f"(e.g. {result.missing_keys[:3]}), {len(result.unexpected_keys)} unexpected "
             f"(e.g. {result.unexpected_keys[:3]}).",
-            hint="check that the checkpoint belongs to this architecture.",
+            hint=hint,
         )
 
 
@@ -223,6 +359,11 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
             ) from None
         if not dims or any(d <= 0 for d in dims):
             raise InputError(f"Input shape '{part}' has a non-positive dimension.")
+        if any(d >= 2**31 for d in dims):
+            raise InputError(
+                f"Input shape '{part}' has a dimension of 2^31 or more; no tensor of that size fits in memory.",
+                hint="give the shape of one real input, e.g. 1x3x224x224.",
+            )
         shapes.append(dims)
     return shapes
 
@@ -246,6 +387,8 @@ def default_input_shapes(model: nn.Module, spec: str | nn.Module | None = None) 
         return [tuple(t.shape) for t in input_templates(model)]
     if isinstance(spec, str) and spec in _SPECIAL_SHAPES:
         return [_SPECIAL_SHAPES[spec]]
+    if isinstance(spec, str) and spec.startswith(TIMM_PREFIX) and (shape := _timm_input_shape(model)):
+        return [shape]
     if isinstance(spec, str) and ":" not in spec:
         import torchvision.models as tvm
 
@@ -317,9 +460,32 @@ def example_inputs(
     out = []
     for s, t in zip(shapes, templates):
         shape = (batch, *s[1:]) if batch is not None else tuple(s)
-        if t is None or t.is_floating_point():
-            out.append(torch.randn(*shape, generator=gen, dtype=dtype if t is None else t.dtype))
-        else:
-            lo, hi = (int(t.min()), int(t.max())) if t.numel() else (0, 1)
-            out.append(torch.randint(lo, hi + 1, shape, generator=gen).to(t.dtype))
+        try:
+            if t is None or t.is_floating_point():
+                out.append(torch.randn(*shape, generator=gen, dtype=dtype if t is None else t.dtype))
+            else:
+                lo, hi = (int(t.min()), int(t.max())) if t.numel() else (0, 1)
+                out.append(torch.randint(lo, hi + 1, shape, generator=gen).to(t.dtype))
+        except RuntimeError as exc:
+            if not is_out_of_memory(exc):
+                raise
+            size = math.prod(shape) * (dtype if t is None else t.dtype).itemsize
+            raise InputError(
+                f"Out of memory: an input of shape {'x'.join(map(str, shape))} needs {format_bytes(size)}, "
+                "more than this machine can allocate.",
+                hint="give the shape of one real input, e.g. --input-shape 1x3x224x224.",
+            ) from None
     return tuple(out)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is PyTorch failing to allocate memory (CPU: a RuntimeError, not MemoryError)."""
+    return isinstance(exc, MemoryError | torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} PiB"

@@ -96,4 +96,42 @@ class ReturnOverwritten(nn.Module):
         return f"fn={getattr(self.fn, '__qualname__', self.fn)}, index={self.index}"
 
 
-__all__ = ["Add", "AddScalar", "Mul", "MulScalar", "ReturnOverwritten"]
+class InputGuard(nn.Module):
+    """Refuse inputs of other shapes than the ones a graph was specialised to.
+
+    :func:`gml.capture` answers shape-only Python in ``forward`` (``if x.shape[-2] < k``, timm's
+    ``Conv2dSame`` padding from ``x.size()``) with the example input's sizes, so the captured graph
+    holds constants that are right for that input shape only. This node, first in the graph, makes a
+    call with another shape fail with a clear error instead of computing something else. Impure, so
+    dead-code elimination keeps it although nothing reads its result.
+    """
+
+    _is_impure = True
+
+    def __init__(self, shapes: list[tuple[int, ...] | int | None], why: str = "") -> None:
+        super().__init__()
+        #: per input: its full shape, or only its rank (an int) when forward() read nothing but ranks
+        self.shapes = [s if s is None or isinstance(s, int) else tuple(int(d) for d in s) for s in shapes]
+        self.why = why
+
+    def forward(self, *args: Any) -> None:
+        for i, (a, want) in enumerate(zip(args, self.shapes)):
+            if want is None or not isinstance(a, torch.Tensor):
+                continue
+            got: Any = a.dim() if isinstance(want, int) else tuple(a.shape)
+            if got != want:
+                from gml.errors import InputError
+
+                what = f"{want}-D input" if isinstance(want, int) else str(want)
+                raise InputError(
+                    f"input {i} has shape {tuple(a.shape)}, but this model was captured for {what}: "
+                    f"its forward() computes with the input's size in Python ({self.why}), which the graph "
+                    "holds as constants.",
+                    hint="capture / optimize / quantize again with an example input of the shape you will run.",
+                )
+
+    def extra_repr(self) -> str:
+        return f"shapes={self.shapes}"
+
+
+__all__ = ["Add", "AddScalar", "InputGuard", "Mul", "MulScalar", "ReturnOverwritten"]

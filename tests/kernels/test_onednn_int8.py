@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from gml.errors import InputError
-from gml.kernels.backend import Conv2dSpec, Int8Backend, QParams, as_uint8, clamp_bounds, get_backend
+from gml.ir.values import ConvSpec, QParams
+from gml.kernels.backend import Int8Backend, as_uint8, clamp_bounds
 from gml.kernels.fbgemm_int8 import FbgemmBackend
 from gml.kernels.fp32 import PostOp
 from gml.kernels.onednn_int8 import OneDNNBackend
+from gml.kernels.registry import get_backend
 
 BACKENDS = [name for name, cls in (("onednn", OneDNNBackend), ("fbgemm", FbgemmBackend)) if cls.is_available()]
 HALF_STEP = 0.5 + 1e-3
@@ -69,7 +71,7 @@ def test_conv2d_matches_fp32_conv_of_dequantized_values(be: Int8Backend, post_op
     x = _activation((2, 16, 9, 9), X_QP, be, seed=0)
     w, ws = _weights(8, (16 // groups, 3, 3), seed=1)
     bias = torch.linspace(-0.5, 0.5, 8)
-    spec = Conv2dSpec((stride, stride), (1, 1), (1, 1), groups)
+    spec = ConvSpec((stride, stride), (1, 1), (1, 1), groups)
     ref = F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, stride, 1, 1, groups)
     if post_op == "relu":
         ref = ref.relu()
@@ -84,7 +86,7 @@ def test_conv2d_matches_fp32_conv_of_dequantized_values(be: Int8Backend, post_op
 def test_conv2d_fp32_output(be: Int8Backend):
     x = _activation((1, 16, 8, 8), X_QP, be, seed=0)
     w, ws = _weights(4, (16, 1, 1), seed=2)
-    packed = be.prepack_conv2d(w, ws, None, Conv2dSpec(), X_QP, x.shape)
+    packed = be.prepack_conv2d(w, ws, None, ConvSpec(), X_QP, x.shape)
     y = be.conv2d(x, X_QP, packed, None, "relu")
     ref = F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws)).relu()
     assert y.dtype == torch.float32
@@ -100,7 +102,7 @@ def test_conv2d_add_is_one_kernel_with_the_residual(relu: bool):
     other_before = other.clone()
     w, ws = _weights(8, (16, 3, 3), seed=4)
     bias = torch.full((8,), 0.1)
-    packed = be.prepack_conv2d(w, ws, bias, Conv2dSpec(padding=(1, 1)), X_QP, x.shape)
+    packed = be.prepack_conv2d(w, ws, bias, ConvSpec(padding=(1, 1)), X_QP, x.shape)
     ref = F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, padding=1) + be.dequantize(other, other_qp)
     if relu:
         ref = ref.relu()
@@ -121,7 +123,7 @@ def test_onednn_output_scale_is_the_scale_not_its_reciprocal():
     be = get_backend("onednn")
     x = _activation((1, 4, 4, 4), X_QP, be, seed=0)
     w, ws = _weights(4, (4, 1, 1), seed=5)
-    packed = be.prepack_conv2d(w, ws, None, Conv2dSpec(), X_QP, x.shape)
+    packed = be.prepack_conv2d(w, ws, None, ConvSpec(), X_QP, x.shape)
     ref = F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws))
     qp = _fit(ref)
     y = torch.ops.onednn.qconv2d_pointwise(
@@ -134,7 +136,7 @@ def test_onednn_output_scale_is_the_scale_not_its_reciprocal():
 def test_onednn_packs_weights_once_per_input_shape():
     be = get_backend("onednn")
     w, ws = _weights(8, (16, 3, 3), seed=6)
-    packed = be.prepack_conv2d(w, ws, None, Conv2dSpec(padding=(1, 1)), X_QP, (1, 16, 8, 8))
+    packed = be.prepack_conv2d(w, ws, None, ConvSpec(padding=(1, 1)), X_QP, (1, 16, 8, 8))
     assert list(packed.packs) == [(1, 16, 8, 8)]
     for batch in (1, 3, 3):
         x = _activation((batch, 16, 8, 8), X_QP, be, seed=batch)
@@ -230,7 +232,7 @@ def test_onednn_packings_are_bounded():
 
     be = get_backend("onednn")
     w, ws = _weights(4, (4, 1, 1), seed=8)
-    packed = be.prepack_conv2d(w, ws, None, Conv2dSpec(), X_QP)
+    packed = be.prepack_conv2d(w, ws, None, ConvSpec(), X_QP)
     for batch in range(1, MAX_PACKINGS + 3):
         be.conv2d(_activation((batch, 4, 3, 3), X_QP, be, seed=batch), X_QP, packed, X_QP)
     assert sorted(packed.packs) == [(b, 4, 3, 3) for b in range(3, MAX_PACKINGS + 3)]
@@ -246,7 +248,7 @@ def test_conv2d_eltwise_post_op(be: Int8Backend, post_op: PostOp):
     x = _activation((1, 16, 7, 7), X_QP, be, seed=0)
     w, ws = _weights(8, (16, 3, 3), seed=1)
     bias = torch.linspace(-0.5, 0.5, 8)
-    packed = be.prepack_conv2d(w, ws, bias, Conv2dSpec(padding=(1, 1)), X_QP, x.shape)
+    packed = be.prepack_conv2d(w, ws, bias, ConvSpec(padding=(1, 1)), X_QP, x.shape)
     ref = post_op.apply(F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, padding=1))
     out_qp = _fit(ref)
     if not be.fuses("conv2d", post_op):  # fbgemm: no hardswish / swish epilogue
@@ -279,7 +281,7 @@ def test_relu6_clamps_at_six_where_the_output_grid_goes_further(be: Int8Backend)
     x = be.quantize(torch.rand(1, 8, 5, 5, generator=torch.Generator().manual_seed(2)) * 10, qp)
     w, ws = _weights(4, (8, 1, 1), seed=3)
     w, ws = w.abs(), ws * 3  # non-negative weights on a positive input: outputs well above 6
-    packed = be.prepack_conv2d(w, ws, None, Conv2dSpec(), qp, x.shape)
+    packed = be.prepack_conv2d(w, ws, None, ConvSpec(), qp, x.shape)
     ref = F.conv2d(be.dequantize(x, qp), _dq_weight(w, ws))
     assert float(ref.max()) > 7
     y = be.conv2d(x, qp, packed, qp, RELU6)
@@ -293,7 +295,7 @@ def test_onednn_qconv_rejects_other_eltwise_post_ops():
     be = get_backend("onednn")
     x = _activation((1, 4, 3, 3), X_QP, be, seed=0)
     w, ws = _weights(4, (4, 1, 1), seed=5)
-    packed = be.prepack_conv2d(w, ws, None, Conv2dSpec(), X_QP, x.shape)
+    packed = be.prepack_conv2d(w, ws, None, ConvSpec(), X_QP, x.shape)
     for attr in ("sigmoid", "hardsigmoid", "gelu"):
         with pytest.raises(RuntimeError, match="Unsupported post op"):
             be.conv2d(x, X_QP, packed, X_QP, PostOp(attr))
@@ -356,7 +358,7 @@ def test_conv2d_outputs_whose_window_is_all_padding_are_the_bias(be: Int8Backend
     x = _activation((1, 4, *size), X_QP, be, seed=6)
     w, ws = _weights(3, (4, k, k), seed=7)
     bias = torch.tensor([0.25, -0.5, 1.0])
-    spec = Conv2dSpec((1, 1), (pad, pad), (dil, dil), 1)
+    spec = ConvSpec((1, 1), (pad, pad), (dil, dil), 1)
     ref = F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, 1, pad, dil)
     packed = be.prepack_conv2d(w, ws, bias, spec, X_QP, x.shape)
     for _ in range(2):  # the garbage differed from call to call
@@ -412,7 +414,7 @@ def test_conv3d_matches_fp32_conv_of_dequantized_values(k, stride, pad, dil, gro
     x = _activation((2, 8, *size), X_QP, be, seed=0)
     w, ws = _weights(8, (8 // groups, *k), seed=1)
     bias = torch.linspace(-0.5, 0.5, 8)
-    spec = Conv2dSpec(stride, pad, dil, groups)
+    spec = ConvSpec(stride, pad, dil, groups)
     ref = F.conv3d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, stride, pad, dil, groups)
     packed = be.prepack_conv3d(w, ws, bias, spec, X_QP, x.shape)
     out_qp = _fit(ref)
@@ -427,7 +429,7 @@ def test_conv3d_relu_is_the_saturation_at_a_zero_point_of_zero():
     be = get_backend("onednn")
     x = _activation((1, 8, 3, 6, 6), X_QP, be, seed=4)
     w, ws = _weights(4, (8, 3, 3, 3), seed=5)
-    spec = Conv2dSpec((1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    spec = ConvSpec((1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     ref = F.conv3d(be.dequantize(x, X_QP), _dq_weight(w, ws), None, 1, 1).relu()
     out_qp = QParams(float(ref.max()) / 255, 0)
     y = be.conv3d(x, X_QP, be.prepack_conv3d(w, ws, None, spec, X_QP, x.shape), out_qp)

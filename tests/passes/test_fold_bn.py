@@ -174,7 +174,8 @@ class TestDeclined:
 
         _gm, result = fold(randomize_bn(M()), torch.randn(1, 3, 4, 4))
         assert self.reasons(result) == [
-            "BatchNorm reads x (x), not a conv or linear output; nothing to fold it into",
+            "BatchNorm reads x (x), not a conv or linear output; nothing to fold it into; "
+            "nor into a following layer (no plain conv/linear reads it)",
             "conv/linear is a function call (torch.conv2d); only modules are folded",
         ]
 
@@ -284,3 +285,51 @@ def test_under_pass_manager_reports_and_checks():
     rec = out.report.record("fold_bn")
     assert rec.status == "applied" and rec.matches == 2 and rec.nodes_before - rec.nodes_after == 2
     assert rec.max_abs_err is not None and rec.max_abs_err < 1e-5
+
+
+class TestFoldIntoNext:
+    """A BN no conv precedes folds into the unpadded conv / the Linear that reads it."""
+
+    @pytest.mark.parametrize("groups", [1, 2])
+    def test_bn_then_unpadded_conv_folds_exactly(self, groups: int):
+        model = randomize_bn(nn.Sequential(nn.MaxPool2d(2), nn.BatchNorm2d(4), nn.Conv2d(4, 6, 3, groups=groups)))
+        x = torch.randn(2, 4, 10, 10)
+        gm, result = fold(model, x, shapes=True)
+        assert result.matches == 1 and "next Conv2d" in result.notes[0]
+        assert not any(isinstance(m, nn.BatchNorm2d) for m in gm.modules())
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-4)
+
+    def test_bn_then_linear_folds(self):
+        model = randomize_bn(nn.Sequential(nn.ReLU(), nn.BatchNorm1d(5), nn.Linear(5, 3)))
+        x = torch.randn(4, 5)
+        gm, result = fold(model, x, shapes=True)
+        assert result.matches == 1
+        torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-4)
+
+    def test_bn_then_padded_conv_is_declined_with_the_reason(self):
+        model = randomize_bn(nn.Sequential(nn.MaxPool2d(2), nn.BatchNorm2d(4), nn.Conv2d(4, 6, 3, padding=1)))
+        _, result = fold(model, torch.randn(1, 4, 8, 8), shapes=True)
+        assert result.matches == 0
+        assert "only exact without padding" in result.skips[0].reason
+
+
+class MixedConv(nn.Module):
+    """timm's MixedConv2d: channel groups convolved with different kernels, concatenated, then BN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 4, 5, padding=2, bias=False)])
+        self.bn = nn.BatchNorm2d(6)
+
+    def forward(self, x):
+        a, b = torch.split(x, [2, 2], 1)
+        return self.bn(torch.cat([self.convs[0](a), self.convs[1](b)], 1))
+
+
+def test_bn_after_a_concat_of_convs_folds_into_each_slice():
+    model = randomize_bn(MixedConv())
+    x = torch.randn(2, 4, 8, 8)
+    gm, result = fold(model, x, shapes=True)
+    assert result.matches == 1 and "channel concat" in result.notes[0]
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in gm.modules())
+    torch.testing.assert_close(gm(x), model(x), atol=1e-5, rtol=1e-4)

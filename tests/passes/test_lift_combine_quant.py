@@ -9,7 +9,10 @@ import torch
 from torch import fx, nn
 from torch.testing import FileCheck
 
-from gml.passes.lift_combine_quant import LiftCombineQuant, QParams, output_qparams, quantize_of
+from gml.ir import library
+from gml.ir.values import TensorQParams as QParams
+from gml.kernels.int8_ops import register as register_int8_ops
+from gml.passes.lift_combine_quant import LiftCombineQuant, output_qparams, quantize_of
 from gml.passes.manager import PassManager
 from gml.passes.utils import modules_of
 
@@ -310,7 +313,7 @@ def test_qparams_computed_at_run_time_cannot_be_compared():
 
 
 class Quantize(nn.Module):
-    """Stand-in with the ADR 002 contract: output qparams in buffers, plain uint8 output."""
+    """A user module that happens to be called ``Quantize`` and stores ``output_scale`` buffers."""
 
     def __init__(self, scale: float, zp: int) -> None:
         super().__init__()
@@ -321,47 +324,48 @@ class Quantize(nn.Module):
         return torch.clamp(torch.round(x / float(self.output_scale)) + int(self.output_zp), 0, 255).to(torch.uint8)
 
 
-class Dequantize(nn.Module):
-    def __init__(self, scale: float, zp: int) -> None:
-        super().__init__()
-        self.scale, self.zp = scale, zp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.float() - self.zp) * self.scale
-
-
-def test_gml_quantize_modules_lift_combine_and_cancel():
-    root = nn.Module()
-    root.qa, root.qb, root.deq, root.qc = Quantize(0.1, 3), Quantize(0.1, 3), Dequantize(0.1, 3), Quantize(0.1, 3)
+def test_gml_quantize_ops_lift_combine_and_cancel():
+    register_int8_ops()
+    quantize, dequantize = library.op("quantize"), library.op("dequantize")
     g = fx.Graph()
     x = g.placeholder("x")
     v = g.call_method("view", (x, -1))
-    a = g.call_module("qa", (v,))
-    b = g.call_module("qb", (x,))  # same tensor, same values: merges with the lifted qa
-    d = g.call_module("deq", (b,))
-    c = g.call_module("qc", (d,))  # Dequantize → Quantize with equal qparams: a no-op
+    a = g.call_function(quantize, (v, 0.1, 3))
+    b = g.call_function(quantize, (x, 0.1, 3))  # same tensor, same values: merges with the lifted a
+    d = g.call_function(dequantize, (b, 0.1, 3))
+    c = g.call_function(quantize, (d, 0.1, 3))  # dequantize → quantize with equal qparams: a no-op
     g.output((a, c))
-    gm = fx.GraphModule(root, g)
+    gm = fx.GraphModule(nn.Module(), g)
     mods = modules_of(gm)
     assert quantize_of(gm, a, mods).qparams.dtype == torch.uint8
     x_in = torch.rand(2, 3) * 20
     expected = gm(x_in)
     res = _run_pass(gm)
     assert res.notes == ["lifted: 1, combined: 1, dq→q dropped: 1"]
-    kinds = [type(m).__name__ for n, m in gm.named_children()]
-    assert kinds.count("Quantize") == 1 and "Dequantize" not in kinds  # merged, unused ones deleted
+    ops = [library.gml_op_name(n) for n in gm.graph.nodes]
+    assert ops.count("quantize") == 1 and "dequantize" not in ops
     got = gm(x_in)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
-def test_output_qparams_reads_gml_module_buffers_and_views():
+def test_modules_are_not_recognised_by_class_name():
+    # ADR 005: a module called "Quantize" is not a quantize op because of its name (no duck typing)
     root = nn.Module()
-    root.q = Quantize(0.25, 9)
+    root.qa, root.qb = Quantize(0.1, 3), Quantize(0.1, 3)
     g = fx.Graph()
-    q = g.call_module("q", (g.placeholder("x"),))
+    x = g.placeholder("x")
+    g.output((g.call_module("qa", (x,)), g.call_module("qb", (x,))))
+    gm = fx.GraphModule(root, g)
+    assert quantize_of(gm, next(n for n in gm.graph.nodes if n.op == "call_module"), modules_of(gm)) is None
+    assert not _run_pass(gm).modified
+
+
+def test_output_qparams_reads_gml_op_arguments_and_views():
+    g = fx.Graph()
+    q = g.call_function(library.op("quantize"), (g.placeholder("x"), 0.25, 9))
     v = g.call_method("flatten", (q,))
     g.output(v)
-    gm = fx.GraphModule(root, g)
+    gm = fx.GraphModule(nn.Module(), g)
     qp = output_qparams(gm, v, modules_of(gm))
     assert qp is not None and qp.scale.item() == 0.25 and qp.zero_point.item() == 9
 

@@ -116,6 +116,7 @@ def test_report_lists_fp32_passes_and_calibration(ref_result):
     _, res = ref_result
     rep = res.report
     assert [r.name for r in rep.fp32_passes.records] == [
+        "fold_constants",
         "normalize",
         "untie",
         "fold_bn",

@@ -22,14 +22,11 @@ from torch.ao.quantization.backend_config.x86 import get_x86_backend_config
 from torch.ao.quantization.quantize_fx import convert_to_reference_fx, prepare_fx
 from torch.testing import FileCheck
 
+from gml.ir import library
+from gml.ir.ops import op_kind
 from gml.passes.manager import PassManager
-from gml.quant.lower import LowerToGML
-from gml.quant.modules import (
-    Dequantize,
-    GMLQuantModuleBase,
-    QConv2dAdd,
-    Quantize,
-)
+from gml.quant.fuse_int8 import FuseQConvAdd
+from gml.quant.lower import LowerToGML, coverage_of
 
 SHAPE = (1, 3, 32, 32)
 
@@ -51,8 +48,18 @@ def ao_reference(model: nn.Module, config: str = "onednn", shape: tuple[int, ...
     return convert_to_reference_fx(prepared, backend_config=backend_config)
 
 
-def module_counts(gm: fx.GraphModule) -> Counter[str]:
-    return Counter(type(gm.get_submodule(str(n.target))).__name__ for n in gm.graph.nodes if n.op == "call_module")
+def op_counts(gm: fx.GraphModule) -> Counter[str]:
+    """What each compute node of a lowered graph runs: the gml op, or the torch op on uint8 (``flatten``)."""
+    mods = dict(gm.named_modules())
+    return Counter(
+        library.gml_op_name(n) or op_kind(n, mods) or str(n.target) for n in gm.graph.nodes if n.op.startswith("call")
+    )
+
+
+def lowered(ref: fx.GraphModule, backend: str = "onednn", fuse: bool = True) -> fx.GraphModule:
+    """LowerToGML, then (``fuse``) FuseQConvAdd: the INT8 pipeline's lowering steps."""
+    gm = LowerToGML(backend)(copy.deepcopy(ref)).graph_module
+    return FuseQConvAdd()(gm).graph_module if fuse else gm
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,31 +104,33 @@ def cnn() -> nn.Module:
 @pytest.mark.parametrize("config", ["onednn", "x86"])
 def test_residual_cnn_golden_module_counts(cnn: nn.Module, config: str):
     ref = ao_reference(cnn, config)
-    lower = LowerToGML("onednn")
-    result = lower(copy.deepcopy(ref))
-    gm = result.graph_module
-    assert module_counts(gm) == {
-        "Quantize": 1,  # the model input, once
-        "QConv2d": 3,  # stem (+relu), conv1 (+relu), conv3 (+relu)
-        "QConv2dAdd": 2,  # conv2 + x → relu; down(x) + relu3(conv3(x))
-        "QMaxPool2d": 1,
-        "QAdaptiveAvgPool2d": 1,
-        "QFlatten": 1,
-        "QLinear": 1,
-        "Dequantize": 1,  # the logits, once
+    result = LowerToGML("onednn")(copy.deepcopy(ref))
+    fusion = FuseQConvAdd()(result.graph_module)
+    gm = fusion.graph_module
+    assert op_counts(gm) == {
+        "quantize": 1,  # the model input, once
+        "qconv": 3,  # stem (+relu), conv1 (+relu), conv3 (+relu)
+        "qconv_add": 2,  # conv2 + x → relu; down(x) + relu3(conv3(x))
+        "qmax_pool": 1,
+        "qadaptive_avg_pool": 1,
+        "flatten": 1,  # of the uint8 value
+        "qlinear": 1,
+        "dequantize": 1,  # the logits, once
     }
     assert result.skips == []
     assert result.matches == 9 + (2 if config == "x86" else 0)  # x86: adds lowered first, then fused
-    # uint8 flows between GML modules: no torch quantize/dequantize op is left anywhere
+    assert fusion.matches == (2 if config == "x86" else 0)
+    # uint8 flows between gml ops: no torch quantize/dequantize op, no module call is left anywhere
     FileCheck().check_not("quantize_per_tensor").check_not("dequantize()").run(gm.code)
-    FileCheck().check_count("self.q_", 11, exactly=True).run(gm.code)
+    FileCheck().check_count("torch.ops.gml.", 10, exactly=True).run(gm.code)
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)
     # the fused residual of the identity block reads the maxpool output as its skip tensor
-    fused = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), QConv2dAdd)]
-    skip_producers = sorted(type(gm.get_submodule(n.args[1].target)).__name__ for n in fused)
-    assert skip_producers == ["QConv2d", "QMaxPool2d"]
-    assert lower.coverage.counts()["QConv2dAdd"] == 2
+    fused = [n for n in gm.graph.nodes if library.gml_op_name(n) == "qconv_add"]
+    skip_producers = sorted(library.gml_op_name(library.op_args(n)["other"]) for n in fused)
+    assert skip_producers == ["qconv", "qmax_pool"]
+    assert coverage_of(gm).counts()["qconv_add"] == 2
     if config == "x86":
-        assert any("fused 2 QConv2d → QAdd" in note for note in result.notes)
+        assert any("fused 2 qconv → qadd" in note for note in fusion.notes)
 
 
 @pytest.mark.parametrize(
@@ -134,7 +143,7 @@ def test_residual_cnn_golden_module_counts(cnn: nn.Module, config: str):
 )
 def test_residual_cnn_matches_the_reference_graph(cnn: nn.Module, config: str, fuse: bool, min_cos_ref: float):
     ref = ao_reference(cnn, config)
-    gm = LowerToGML("onednn", fuse_conv_add=fuse)(copy.deepcopy(ref)).graph_module
+    gm = lowered(ref, fuse=fuse)
     with torch.no_grad():
         for x in _batches(3, seed=7):
             out, expected, fp32 = gm(x), ref(x), cnn(x)
@@ -144,13 +153,18 @@ def test_residual_cnn_matches_the_reference_graph(cnn: nn.Module, config: str, f
 
 
 def test_lowered_values_are_uint8_channels_last(cnn: nn.Module):
-    gm = LowerToGML("onednn")(ao_reference(cnn)).graph_module
+    gm = lowered(ao_reference(cnn))
     seen: dict[str, torch.Tensor] = {}
-    for name, mod in gm.named_modules():
-        if isinstance(mod, GMLQuantModuleBase):
-            mod.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out))
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            out = super().run_node(n)
+            if n.op.startswith("call") and library.gml_op_name(n) != "dequantize":
+                seen[n.name] = out
+            return out
+
     with torch.no_grad():
-        gm(_batches(1)[0])
+        Recorder(gm).run(_batches(1)[0])
     assert len(seen) == 10
     for name, t in seen.items():
         assert t.dtype == torch.uint8, name
@@ -164,12 +178,12 @@ def test_runs_under_the_pass_manager(cnn: nn.Module):
     result = PassManager([LowerToGML()], strict=True).run(ref, samples)
     record = result.report.record("lower_to_gml")
     assert record.status == "applied" and record.matches == 9
-    assert record.notes[0].startswith("lowered to INT8: 1 QAdaptiveAvgPool2d, 3 QConv2d, 2 QConv2dAdd")
+    assert record.notes[0].startswith("lowered to INT8: 1 flatten, 1 qadaptive_avg_pool, 3 qconv, 2 qconv_add")
     assert LowerToGML.tolerance is None
 
 
 def test_lowered_graph_survives_deepcopy_and_state_dict(cnn: nn.Module):
-    gm = LowerToGML()(ao_reference(cnn)).graph_module
+    gm = lowered(ao_reference(cnn))
     x = _batches(1, seed=5)[0]
     clone = copy.deepcopy(gm)
     clone.load_state_dict(gm.state_dict())
@@ -177,7 +191,9 @@ def test_lowered_graph_survives_deepcopy_and_state_dict(cnn: nn.Module):
         assert torch.equal(clone(x), gm(x))
     keys = gm.state_dict().keys()
     assert not any(k.endswith(("_scale_0", "_zero_point_0")) for k in keys)  # reference qparams dropped
-    assert sum(k.endswith("output_scale") for k in keys) == 10
+    # the state is the dense constants the ops read: int8 weights, their scales, fp32 biases
+    assert all(k.endswith(("_weight", "_weight_scale", "_bias")) for k in keys)
+    assert sum(k.endswith("_weight") for k in keys) == 6 and gm.q_fc_weight.dtype == torch.int8
 
 
 # ---------------------------------------------------------------- what stays fp32, and why
@@ -208,19 +224,19 @@ def _gelu_reference() -> fx.GraphModule:
 
 def test_op_without_int8_kernel_stays_fp32_with_the_reason():
     ref = _gelu_reference()
-    lower = LowerToGML()
-    result = lower(copy.deepcopy(ref))
+    result = LowerToGML()(copy.deepcopy(ref))
     gm = result.graph_module
     assert [(s.node, s.reason) for s in result.skips] == [("act", "no INT8 kernel for GELU; kept in fp32")]
-    assert [(e.nodes, e.reason) for e in lower.coverage.kept_fp32] == [
+    assert [(e.nodes, e.reason) for e in result.coverage.kept_fp32] == [
         (["act"], "no INT8 kernel for GELU; kept in fp32")
     ]
-    # DQ → GELU → Q, with GML's own boundary modules; both convs still INT8
+    assert coverage_of(gm).kept_fp32 == result.coverage.kept_fp32  # read off the graph, not a pass object
+    # DQ → GELU → Q, with gml's own boundary ops; both convs still INT8
     gelu = next(n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.GELU))
-    assert isinstance(gm.get_submodule(gelu.args[0].target), Dequantize)
+    assert library.gml_op_name(gelu.args[0]) == "dequantize"
     (user,) = gelu.users
-    assert isinstance(gm.get_submodule(user.target), Quantize)
-    assert module_counts(gm)["QConv2d"] == 2
+    assert library.gml_op_name(user) == "quantize"
+    assert op_counts(gm)["qconv"] == 2
     with torch.no_grad():
         x = _batches(1, seed=9)[0]
         assert cosine(gm(x), ref(x)) > 0.9999
@@ -240,9 +256,13 @@ def test_fbgemm_backend_declines_the_fused_residual_with_the_reason(cnn: nn.Modu
 def test_fbgemm_backend_lowers_separate_conv_and_add(cnn: nn.Module):
     ref = ao_reference(cnn, "x86")  # conv output quantized, add separate: no fused kernel needed
     result = LowerToGML("fbgemm")(copy.deepcopy(ref))
-    counts = module_counts(result.graph_module)
-    assert (counts["QConv2d"], counts["QAdd"], counts["QConv2dAdd"]) == (5, 2, 0)
     assert result.skips == []
+    fusion = FuseQConvAdd()(result.graph_module)
+    assert not fusion.modified and {s.reason for s in fusion.skips} == {
+        "the fbgemm backend has no conv kernel with a residual-add post-op"
+    }
+    counts = op_counts(result.graph_module)
+    assert (counts["qconv"], counts["qadd"], counts["qconv_add"]) == (5, 2, 0)
     with torch.no_grad():
         x = _batches(1, seed=2)[0]
         assert cosine(result.graph_module(x), ref(x)) > 0.9999
@@ -268,20 +288,14 @@ def test_skip_tensor_read_after_the_fused_add_is_protected():
     torch.manual_seed(3)
     model = SkipReadTwice().eval()
     ref = ao_reference(model, "x86")
-    gm = LowerToGML()(copy.deepcopy(ref)).graph_module
-    unfused = LowerToGML(fuse_conv_add=False)(copy.deepcopy(ref)).graph_module
-    fused = [m for m in gm.modules() if isinstance(m, QConv2dAdd)]
-    assert len(fused) == 2
-    # conv(a) + a runs before tail(a) reads `a`: that one must copy its skip tensor
-    order = [gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"]
-    first, second = sorted(fused, key=order.index)
-    assert (first.clone_other, second.clone_other) == (True, False)
+    gm = lowered(ref)
+    unfused = lowered(ref, fuse=False)
+    assert op_counts(gm)["qconv_add"] == 2
+    # conv(a) + a runs before tail(a) reads `a`: gml.qconv_add is functional (it never writes its
+    # residual operand), so `a` is intact when tail reads it
     x = _batches(1, seed=4)[0]
     with torch.no_grad():
-        good = gm(x)
-        assert cosine(good, unfused(x)) > 0.999
-        first.clone_other = False  # what would happen without the check: `a` is overwritten
-        assert cosine(gm(x), unfused(x)) < 0.99
+        assert cosine(gm(x), unfused(x)) > 0.999
 
 
 def test_requires_reference_graphs():
@@ -302,22 +316,21 @@ def test_resnet18_every_conv_linear_add_relu_pool_is_int8():
     model = torchvision.models.resnet18(weights=None).eval()
     example = (torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(1)),)
     ref = prepare_reference(model, example, 2, progress=False).graph_module
-    lower = LowerToGML("onednn")
-    result = lower(copy.deepcopy(ref))
-    gm = result.graph_module
-    counts = module_counts(gm)
+    result = LowerToGML("onednn")(copy.deepcopy(ref))
+    gm = FuseQConvAdd()(result.graph_module).graph_module
+    counts = op_counts(gm)
     assert counts == {
-        "Quantize": 1,
-        "QConv2d": 12,  # 20 convs: 12 alone (+relu) ...
-        "QConv2dAdd": 8,  # ... and 8 fused with their block's residual add + relu
-        "QMaxPool2d": 1,
-        "QAdaptiveAvgPool2d": 1,
-        "QFlatten": 1,
-        "QLinear": 1,  # writes the fp32 logits itself: no Dequantize module at all
+        "quantize": 1,
+        "qconv": 12,  # 20 convs: 12 alone (+relu) ...
+        "qconv_add": 8,  # ... and 8 fused with their block's residual add + relu
+        "qmax_pool": 1,
+        "qadaptive_avg_pool": 1,
+        "flatten": 1,
+        "qlinear": 1,  # writes the fp32 logits itself: no dequantize at all
     }
-    assert result.skips == [] and lower.coverage.kept_fp32 == []
-    fc = gm.get_submodule(next(n.target for n in gm.graph.nodes if n.op == "call_module" and "fc" in n.target))
-    assert fc.output_qparams is None  # the frontend keeps the logits fp32; the kernel writes them
+    assert result.skips == [] and result.coverage.kept_fp32 == []
+    fc = next(n for n in gm.graph.nodes if library.gml_op_name(n) == "qlinear")
+    assert library.op_args(fc)["out_dtype"] == torch.float32  # the frontend keeps the logits fp32
     with torch.no_grad():
         xs = _batches(2, (2, 3, 224, 224), seed=11)
         cos_fp32 = min(cosine(gm(x), model(x)) for x in xs)

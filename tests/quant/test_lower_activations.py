@@ -9,31 +9,21 @@ reference Q/DQ graph and the fp32 model, and the cases that stay fp32 with their
 from __future__ import annotations
 
 import copy
+import operator
 from collections import Counter
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from gml.kernels.backend import QParams
-from gml.kernels.fp32 import NO_POST_OP, PostOp
+from gml.ir import library
+from gml.ir.ops import op_kind
+from gml.ir.values import NO_POST_OP, PostOp, QParams
 from gml.quant.frontend import ReferenceResult, prepare_reference
-from gml.quant.lower import LoweringResult, LowerToGML
-from gml.quant.modules import (
-    GML_MODULES,
-    QActivation,
-    QCat,
-    QConv1d,
-    QConv2d,
-    QConv3d,
-    QHardtanh,
-    QLinear,
-    QMean,
-    QMove,
-    RuntimeArg,
-)
+from gml.quant.fuse_int8 import FuseQConvAdd
+from gml.quant.lower import LOWERED, LoweringResult, LowerToGML, coverage_of
+from gml.quant.modules import QMean, QMove, RuntimeArg
 
 SHAPE = (1, 3, 16, 16)
 RELU6 = PostOp("hardtanh", (0.0, 6.0))
@@ -60,32 +50,85 @@ def reference(model: nn.Module, backend: str = "onednn", shape: tuple[int, ...] 
     return prepare_reference(model, (torch.randn(*shape),), _batches(4, shape), backend=backend, progress=False)
 
 
-def lower(ref: ReferenceResult, backend: str = "onednn") -> tuple[fx.GraphModule, LoweringResult, LowerToGML]:
-    pass_ = LowerToGML(backend)
-    result = pass_(copy.deepcopy(ref.graph_module))
+def lower(ref: ReferenceResult, backend: str = "onednn") -> tuple[fx.GraphModule, LoweringResult]:
+    """The INT8 pipeline's lowering steps: LowerToGML, then FuseQConvAdd."""
+    result = LowerToGML(backend)(copy.deepcopy(ref.graph_module))
     assert isinstance(result, LoweringResult)
-    return result.graph_module, result, pass_
+    gm = FuseQConvAdd()(result.graph_module).graph_module
+    return gm, result
 
 
-def module_counts(gm: fx.GraphModule) -> Counter[str]:
-    return Counter(type(gm.get_submodule(str(n.target))).__name__ for n in gm.graph.nodes if n.op == "call_module")
+def op_counts(gm: fx.GraphModule) -> Counter[str]:
+    """What each compute node of a lowered graph runs: the gml op, or the torch op (by kind / label)."""
+    mods = dict(gm.named_modules())
+    return Counter(
+        library.gml_op_name(n) or op_kind(n, mods) or _label(n, mods) for n in gm.graph.nodes if n.op.startswith("call")
+    )
 
 
-def modules_of_type(gm: fx.GraphModule, cls: type[nn.Module]) -> list[Any]:
-    """The ``cls`` modules the graph calls, in graph order."""
-    called = (gm.get_submodule(str(n.target)) for n in gm.graph.nodes if n.op == "call_module")
-    return [m for m in called if type(m) is cls]
+def _label(n: fx.Node, mods: dict[str, nn.Module]) -> str:
+    return type(mods[str(n.target)]).__name__ if n.op == "call_module" else str(getattr(n.target, "__name__", n.target))
 
 
-def fp32_ops(gm: fx.GraphModule) -> list[str]:
-    """Nodes that compute in fp32: anything but a GML module, placeholders and the output."""
+class Call:
+    """A gml op call read through its schema (argument names, docs/ir.md)."""
+
+    def __init__(self, node: fx.Node) -> None:
+        self.node, self.args = node, library.op_args(node)
+
+    @property
+    def post_op(self) -> PostOp:
+        a = self.args
+        if "op" in a:  # qactivation
+            return PostOp(a["op"], tuple(a["scalars"]))
+        return PostOp(a["post_op"], tuple(a.get("post_op_scalars", ())), a.get("post_op_algorithm", ""))
+
+    @property
+    def input_qparams(self) -> QParams:
+        return QParams(self.args["x_scale"], self.args["x_zero_point"])
+
+    @property
+    def output_qparams(self) -> QParams | None:
+        qp = library.output_qparams_args(self.node)
+        return None if qp is None else QParams(*qp)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.args["stride"])
+
+
+def calls(gm: fx.GraphModule, op: str, ndim: int | None = None) -> list[Call]:
+    """The calls of gml op ``op`` (convs: of spatial rank ``ndim``), in graph order."""
+    found = [Call(n) for n in gm.graph.nodes if library.gml_op_name(n) == op]
+    return [c for c in found if ndim is None or c.ndim == ndim]
+
+
+def fp32_ops(gm: fx.GraphModule, shape: tuple[int, ...] = SHAPE) -> list[str]:
+    """Nodes computing an fp32 tensor that no gml op computes (run once on an input of ``shape``)."""
+    out: list[str] = []
+
+    class Run(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            y = super().run_node(n)
+            fp = isinstance(y, torch.Tensor) and y.is_floating_point()
+            if n.op.startswith("call") and fp and library.gml_op_name(n) is None:
+                out.append(n.name)
+            return y
+
+    with torch.no_grad():
+        Run(gm).run(torch.randn(shape))
+    return out
+
+
+def moves(gm: fx.GraphModule) -> list[tuple[str, int | None]]:
+    """``(op, item)`` of each data movement the lowering replayed on uint8 values."""
     out = []
     for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output", "get_attr"):
+        entry = n.meta.get(LOWERED)
+        if entry is None or library.gml_op_name(n) not in (None, "requantize"):
             continue
-        if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), GML_MODULES):
-            continue
-        out.append(n.name)
+        node = n.args[0] if library.gml_op_name(n) == "requantize" else n
+        out.append((entry.result, node.args[1] if node.target is operator.getitem else None))
     return out
 
 
@@ -151,34 +194,34 @@ def mbv2_ref(mbv2: nn.Module) -> ReferenceResult:
 
 
 def test_mobilenet_v2_block_has_no_fp32_op(mbv2: nn.Module, mbv2_ref: ReferenceResult):
-    gm, result, pass_ = lower(mbv2_ref)
+    gm, result = lower(mbv2_ref)
     assert fp32_ops(gm) == []
-    assert result.skips == [] and pass_.coverage.kept_fp32 == []
-    assert module_counts(gm) == {
-        "Quantize": 1,
-        "QConv2d": 4,  # stem, expand, depthwise, head: each with ReLU6 fused as hardtanh(0, 6)
-        "QConv2dAdd": 1,  # project + the identity skip (oneDNN sum post-op)
-        "QAdaptiveAvgPool2d": 1,
-        "QFlatten": 1,
-        "QLinear": 1,  # fp32 logits
+    assert result.skips == [] and coverage_of(gm).kept_fp32 == []
+    assert op_counts(gm) == {
+        "quantize": 1,
+        "qconv": 4,  # stem, expand, depthwise, head: each with ReLU6 fused as hardtanh(0, 6)
+        "qconv_add": 1,  # project + the identity skip (oneDNN sum post-op)
+        "qadaptive_avg_pool": 1,
+        "flatten": 1,
+        "qlinear": 1,  # fp32 logits
     }
-    convs = modules_of_type(gm, QConv2d)
+    convs = calls(gm, "qconv")
     assert [c.post_op for c in convs] == [RELU6] * 4
-    assert sorted(c.spec.groups for c in convs) == [1, 1, 1, 32]
+    assert sorted(c.args["groups"] for c in convs) == [1, 1, 1, 32]
     # the frontend fused conv + ReLU6 into one observed op and says so
     fused = [o.detail for o in mbv2_ref.report.ops if "ReLU6" in o.detail]
     assert fused == ["fused Conv2d + ReLU6"] * 4
 
 
 def test_mobilenet_v2_block_numerics(mbv2: nn.Module, mbv2_ref: ReferenceResult):
-    gm, _, _ = lower(mbv2_ref)
+    gm, _ = lower(mbv2_ref)
     check_numerics(gm, mbv2_ref, mbv2, min_ref=0.9999, min_fp32=0.999)
 
 
 def test_relu6_output_observer_stays_inside_zero_six(mbv2_ref: ReferenceResult):
     """The fused conv + ReLU6 uses the ordinary min/max observer: its range is never wider than [0, 6]."""
-    gm, _, _ = lower(mbv2_ref)
-    for c in modules_of_type(gm, QConv2d):
+    gm, _ = lower(mbv2_ref)
+    for c in calls(gm, "qconv"):
         qp = c.output_qparams
         assert qp.zero_point == 0 and 255 * qp.scale <= 6.0 + 1e-6
 
@@ -214,34 +257,33 @@ def zoo() -> nn.Module:
 
 def test_zoo_golden_onednn(zoo: nn.Module):
     ref = reference(zoo)
-    gm, result, _ = lower(ref)
+    gm, result = lower(ref)
     assert fp32_ops(gm) == [] and result.skips == []
-    assert module_counts(gm) == {
-        "Quantize": 1,
-        "QConv2d": 5,  # c1 + ReLU6, c2 + hardswish, c3 + swish, se conv + relu, se conv
-        "QAdaptiveAvgPool2d": 1,
-        "QActivation": 1,  # hardsigmoid
-        "QMul": 1,  # the SE gate [N, C, 1, 1] times the map, broadcast
-        "QHardtanh": 1,  # the standalone ReLU6: a clamp of the integers
-        "QMean": 1,
-        "QLinear": 2,  # fc1 + ReLU6, fc2 (fp32 logits)
+    assert op_counts(gm) == {
+        "quantize": 1,
+        "qconv": 5,  # c1 + ReLU6, c2 + hardswish, c3 + swish, se conv + relu, se conv
+        "qadaptive_avg_pool": 1,
+        "qactivation": 2,  # hardsigmoid; the standalone ReLU6 (a clamp of the integers)
+        "qmul": 1,  # the SE gate [N, C, 1, 1] times the map, broadcast
+        "qmean": 1,
+        "qlinear": 2,  # fc1 + ReLU6, fc2 (fp32 logits)
     }
-    assert [c.post_op for c in modules_of_type(gm, QConv2d)] == [
+    assert [c.post_op for c in calls(gm, "qconv")] == [
         RELU6,
         PostOp("hardswish"),
         PostOp("swish"),
         PostOp("relu"),
         NO_POST_OP,
     ]
-    assert [lin.post_op for lin in modules_of_type(gm, QLinear)] == [RELU6, NO_POST_OP]
-    (act,) = modules_of_type(gm, QActivation)
+    assert [lin.post_op for lin in calls(gm, "qlinear")] == [RELU6, NO_POST_OP]
+    act, clamp = calls(gm, "qactivation")
     assert act.post_op == PostOp("hardsigmoid")
     # torch's quantized sigmoids write fixed qparams: the frontend observes them with exactly those
     assert (act.output_qparams.scale, act.output_qparams.zero_point) == (1 / 256, 0)
-    (clamp,) = modules_of_type(gm, QHardtanh)
+    assert clamp.post_op == RELU6
     assert clamp.input_qparams == clamp.output_qparams  # shares its input's observer
-    (mean,) = modules_of_type(gm, QMean)
-    assert mean.dims == (2, 3) and not mean.keepdim
+    (mean,) = calls(gm, "qmean")
+    assert mean.args["dim"] == [2, 3] and not mean.args["keepdim"]
     check_numerics(gm, ref, zoo, min_ref=0.9999, min_fp32=0.99)
 
 
@@ -249,11 +291,12 @@ def test_zoo_fbgemm_keeps_silu_fp32_with_the_reason(zoo: nn.Module):
     """FBGEMM has no hardswish / SiLU epilogue: hardswish becomes its own INT8 op after the conv,
     SiLU (no quantized kernel at all) stays fp32 and the lowering says why."""
     ref = reference(zoo, backend="fbgemm")
-    gm, result, pass_ = lower(ref, backend="fbgemm")
-    counts = module_counts(gm)
-    assert counts["QConv2d"] == 5 and counts["QActivation"] == 2  # hardswish, hardsigmoid
-    assert counts["SiLU"] == 1 and counts["Quantize"] == 2 and counts["Dequantize"] == 1
-    assert [c.post_op for c in modules_of_type(gm, QConv2d)] == [
+    gm, result = lower(ref, backend="fbgemm")
+    counts = op_counts(gm)
+    assert counts["qconv"] == 5 and counts["qactivation"] == 3  # hardswish, hardsigmoid, ReLU6 clamp
+    assert counts["silu"] == 1 and counts["quantize"] == 2 and counts["dequantize"] == 1
+    assert [c.post_op for c in calls(gm, "qactivation")][:2] == [PostOp("hardswish"), PostOp("hardsigmoid")]
+    assert [c.post_op for c in calls(gm, "qconv")] == [
         RELU6,
         NO_POST_OP,
         NO_POST_OP,
@@ -264,27 +307,27 @@ def test_zoo_fbgemm_keeps_silu_fp32_with_the_reason(zoo: nn.Module):
     assert (
         result.skips[0].reason == "no INT8 kernel for SiLU on its own (only fused after a conv or linear); kept in fp32"
     )
-    assert [e.op for e in pass_.coverage.kept_fp32] == ["SiLU"]
+    assert [e.op for e in result.coverage.kept_fp32] == ["SiLU"]
     check_numerics(gm, ref, zoo, min_ref=0.9999, min_fp32=0.99)
 
 
 def test_fused_activation_the_backend_cannot_run_is_declined_with_the_reason(zoo: nn.Module):
     """A oneDNN reference graph (conv + hardswish fused) lowered for fbgemm: that conv stays fp32."""
     ref = reference(zoo, backend="onednn")
-    gm, result, _ = lower(ref, backend="fbgemm")
+    gm, result = lower(ref, backend="fbgemm")
     reasons = {s.node: s.reason for s in result.skips}
     assert reasons["c2_0"] == "the fbgemm backend has no INT8 conv2d kernel with a hardswish post-op; kept in fp32"
     assert reasons["c3_0"] == "the fbgemm backend has no INT8 conv2d kernel with a swish post-op; kept in fp32"
-    assert module_counts(gm)["ConvAct2d"] == 2  # the reference's fused modules run in fp32
+    assert op_counts(gm)["ConvAct2d"] == 2  # the reference's fused modules run in fp32
     check_numerics(gm, ref, zoo, min_ref=0.9999, min_fp32=0.99)
 
 
 def test_gelu_stays_fp32_with_the_reason():
     model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.GELU(), nn.Conv2d(8, 4, 1)).eval()
     ref = reference(model)
-    gm, result, _ = lower(ref)
+    gm, result = lower(ref)
     assert [(s.node, s.reason) for s in result.skips] == [("_1", "no INT8 kernel for GELU; kept in fp32")]
-    assert module_counts(gm)["GELU"] == 1
+    assert op_counts(gm)["gelu"] == 1
 
 
 # ---------------------------------------------------------------- ShuffleNet head: mean and shape queries
@@ -304,12 +347,12 @@ def test_spatial_mean_is_a_global_pool_and_shape_queries_read_uint8():
     torch.manual_seed(0)
     model = MeanHead().eval()
     ref = reference(model)
-    gm, result, _ = lower(ref)
+    gm, result = lower(ref)
     assert result.skips == []
-    counts = module_counts(gm)
-    assert counts["QMean"] == 1 and counts["Dequantize"] == 1  # only the logits, before the reshape
+    counts = op_counts(gm)
+    assert counts["qmean"] == 1 and counts["dequantize"] == 1  # only the logits, before the reshape
     size = next(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "size")
-    assert isinstance(gm.get_submodule(str(size.args[0].target)), QConv2d)
+    assert library.gml_op_name(size.args[0]) == "qconv"
     check_numerics(gm, ref, model, min_ref=0.9999, min_fp32=0.999)
 
 
@@ -355,26 +398,22 @@ def test_channel_shuffle_and_split_move_uint8():
     torch.manual_seed(0)
     model = ShuffleBlock().eval()
     ref = reference(model)
-    gm, result, pass_ = lower(ref)
-    assert result.skips == [] and pass_.coverage.kept_fp32 == []
-    counts = module_counts(gm)
-    assert counts["QMove"] == 6 and counts["QCat"] == 1 and counts["Quantize"] == 1
-    moves = [(m.method, m.item) for m in modules_of_type(gm, QMove)]
-    assert sorted(moves, key=str) == sorted(
-        [("chunk", 0), ("chunk", 1), ("view", None), ("transpose", None), ("contiguous", None), ("view", None)],
+    gm, result = lower(ref)
+    assert result.skips == [] and result.coverage.kept_fp32 == []
+    counts = op_counts(gm)
+    assert counts["qcat"] == 1 and counts["quantize"] == 1
+    # `view` replays as `reshape` on uint8 (channels-last: a view valid in fp32 can fail there)
+    assert sorted(moves(gm), key=str) == sorted(
+        [("chunk", 0), ("chunk", 1), ("reshape", None), ("transpose", None), ("contiguous", None), ("reshape", None)],
         key=str,
     )
-    # the sizes are read off the uint8 tensor and passed to the views at run time: no Dequantize
+    # the sizes are read off the uint8 tensor and passed to the views at run time: no dequantize
     # anywhere (the head conv writes the fp32 output itself)
-    assert "Dequantize" not in counts
+    assert "dequantize" not in counts
     size = next(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "size")
-    assert isinstance(gm.get_submodule(str(size.args[0].target)), QCat)
-    view = next(
-        n
-        for n in gm.graph.nodes
-        if n.op == "call_module" and getattr(gm.get_submodule(n.target), "method", "") == "view"
-    )
-    assert len(view.args) == 1 + 4  # the value, then n, c // 2, h, w computed from size()
+    assert library.gml_op_name(size.args[0]) == "qcat"
+    view = next(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "reshape" and len(n.args) == 5)
+    assert isinstance(view.args[1], fx.Node) and isinstance(view.args[3], fx.Node)  # n, c // 2 from size()
     check_numerics(gm, ref, model, min_ref=0.9999, min_fp32=0.999)
 
 
@@ -404,9 +443,9 @@ def test_data_movement_without_an_int8_replay_stays_fp32_with_the_reason():
             return self.b(torch.roll(self.a(x), 1, 2))
 
     ref = reference(Roll().eval())
-    gm, result, _ = lower(ref)
+    gm, result = lower(ref)
     assert [(s.node, s.reason) for s in result.skips] == [("roll", "no INT8 kernel for torch.roll; kept in fp32")]
-    assert module_counts(gm) == {"Quantize": 2, "QConv2d": 2, "Dequantize": 1}
+    assert op_counts(gm) == {"quantize": 2, "qconv": 2, "dequantize": 1, "roll": 1}
 
 
 def test_fp32_conv_output_read_by_an_activation_its_kernel_lacks():
@@ -425,10 +464,10 @@ def test_fp32_conv_output_read_by_an_activation_its_kernel_lacks():
     out.replace_input_with(out.args[0], sigmoid)  # and return sigmoid unquantized
     g.eliminate_dead_code()
     ref.graph_module.recompile()
-    gm, result, _ = lower(ref)
+    gm, result = lower(ref)
     assert result.skips == []
-    assert module_counts(gm) == {"Quantize": 1, "QConv2d": 1, "Sigmoid": 1}
-    (conv,) = modules_of_type(gm, QConv2d)
+    assert op_counts(gm) == {"quantize": 1, "qconv": 1, "sigmoid": 1}
+    (conv,) = calls(gm, "qconv")
     assert conv.output_qparams is None and conv.post_op == NO_POST_OP
     with torch.no_grad():
         x = _batches(1, seed=5)[0]
@@ -459,15 +498,11 @@ def test_bn_without_a_conv_before_it_and_avg_pools_are_int8():
     torch.manual_seed(0)
     model = _randomize_bn(_PreActivation())
     ref = reference(model)
-    gm, result, _ = lower(ref)
-    counts = module_counts(gm)
-    assert counts["QBatchNorm2d"] == 2 and counts["QAvgPool2d"] == 2
-    relus = sorted(
-        gm.get_submodule(str(n.target)).relu
-        for n in gm.graph.nodes
-        if "QBatchNorm2d" in str(type(gm.get_submodule(str(n.target))) if n.op == "call_module" else "")
-    )
-    assert relus == [False, True]  # norm1 took its ReLU along, norm2 stands alone
+    gm, result = lower(ref)
+    counts = op_counts(gm)
+    assert counts["qbatch_norm"] == 2 and counts["qavg_pool2d"] == 2
+    relus = sorted(c.args["post_op"] for c in calls(gm, "qbatch_norm"))
+    assert relus == ["none", "relu"]  # norm1 took its ReLU along, norm2 stands alone
     assert not [e for e in result.coverage.kept_fp32 if e.op in ("BatchNorm2d", "AvgPool2d", "ReLU")]
     # three integer-domain steps in a row round a little differently from the reference's fp32 ones;
     # the lowered model stays as close to fp32 as the reference graph (both ~0.9996 here)
@@ -476,8 +511,8 @@ def test_bn_without_a_conv_before_it_and_avg_pools_are_int8():
 
 def test_bn_after_a_conv_is_folded_not_lowered_on_its_own():
     model = _randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
-    gm, _, _ = lower(reference(model))
-    assert "QBatchNorm2d" not in module_counts(gm)
+    gm, _ = lower(reference(model))
+    assert "qbatch_norm" not in op_counts(gm)
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -486,17 +521,17 @@ def test_linear_gelu_is_one_int8_kernel_on_onednn(approximate: str):
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(approximate=approximate), nn.Linear(32, 8)).eval()
     shape = (4, 16)
     ref = reference(model, shape=shape)
-    gm, result, _ = lower(ref)
-    assert "GELU" not in module_counts(gm) and result.skips == []
-    first = modules_of_type(gm, QLinear)[0]
+    gm, result = lower(ref)
+    assert "gelu" not in op_counts(gm) and result.skips == []
+    first = calls(gm, "qlinear")[0]
     assert first.post_op == PostOp("gelu", (), approximate)
     check_numerics_shaped(gm, ref, model, shape)
 
 
 def test_linear_gelu_stays_fp32_on_fbgemm_with_the_reason():
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
-    gm, result, _ = lower(reference(model, "fbgemm", shape=(4, 16)), "fbgemm")
-    assert module_counts(gm)["GELU"] == 1
+    gm, result = lower(reference(model, "fbgemm", shape=(4, 16)), "fbgemm")
+    assert op_counts(gm)["gelu"] == 1
     assert [s.reason for s in result.skips] == ["no INT8 kernel for GELU; kept in fp32"]
 
 
@@ -524,14 +559,14 @@ class FusedMBConvish(nn.Module):
 @pytest.mark.parametrize(("act", "post_op"), [(nn.SiLU, PostOp("swish")), (nn.Hardswish, PostOp("hardswish"))])
 def test_conv_with_its_own_activation_does_not_fuse_with_the_add_after_it(act, post_op):
     """The sum post-op comes before the eltwise one in oneDNN's kernel: act(conv(x) + y) is not
-    act(conv(x)) + y, so the conv keeps its activation and the add stays a QAdd."""
+    act(conv(x)) + y, so the conv keeps its activation and the add stays a gml.qadd."""
     torch.manual_seed(0)
     model = _randomize_bn(FusedMBConvish(act))
     ref = reference(model)
-    gm, _, _ = lower(ref)
-    counts = module_counts(gm)
-    assert (counts["QConv2d"], counts["QAdd"], counts["QConv2dAdd"]) == (3, 1, 0)
-    assert [c.post_op for c in modules_of_type(gm, QConv2d)] == [post_op, post_op, NO_POST_OP]
+    gm, _ = lower(ref)
+    counts = op_counts(gm)
+    assert (counts["qconv"], counts["qadd"], counts["qconv_add"]) == (3, 1, 0)
+    assert [c.post_op for c in calls(gm, "qconv")] == [post_op, post_op, NO_POST_OP]
     check_numerics(gm, ref, model, min_ref=0.9999, min_fp32=0.999)
 
 
@@ -539,8 +574,8 @@ def test_conv_without_activation_still_fuses_with_the_add():
     torch.manual_seed(0)
     model = _randomize_bn(FusedMBConvish(nn.Identity))
     # nn.Identity leaves conv -> bn -> add; with the head after it, the add is not the model output
-    gm, _, _ = lower(reference(model))
-    assert module_counts(gm)["QConv2dAdd"] == 1
+    gm, _ = lower(reference(model))
+    assert op_counts(gm)["qconv_add"] == 1
 
 
 # ---------------------------------------------------------------- video: Conv3d
@@ -582,21 +617,22 @@ def r3d() -> nn.Module:
 
 def test_conv3d_lowers_to_qconv3d_with_relu_as_saturation(r3d: nn.Module):
     ref = reference(r3d, shape=VIDEO)
-    gm, result, _ = lower(ref)
-    counts = module_counts(gm)
+    gm, result = lower(ref)
+    counts = op_counts(gm)
     # every conv, the renamed ones included (the tracer keeps them as nn.Conv3d leaves)
-    assert counts["QConv3d"] == 3 and counts["QAdd"] == 1 and counts["QMaxPool3d"] == 1 and "Conv3d" not in counts
-    convs = modules_of_type(gm, QConv3d)
-    assert [c.relu for c in convs] == [True, True, False]
-    assert all(c.output_qparams.zero_point == 0 for c in convs if c.relu)
-    assert result.skips == [] and fp32_ops(gm) == [] and counts["QAdaptiveAvgPool3d"] == 1
+    convs = calls(gm, "qconv", ndim=3)
+    assert len(convs) == 3 and counts["qadd"] == 1 and counts["qmax_pool"] == 1 and "conv" not in counts
+    assert [c.args["post_op"] for c in convs] == ["relu", "relu", "none"]
+    assert all(c.output_qparams.zero_point == 0 for c in convs if c.args["post_op"] == "relu")
+    assert result.skips == [] and fp32_ops(gm, VIDEO) == [] and counts["qadaptive_avg_pool"] == 1
+    assert [len(c.args["output_size"]) for c in calls(gm, "qadaptive_avg_pool")] == [3]
     check_numerics_shaped(gm, ref, r3d, VIDEO)
 
 
 def test_conv3d_stays_fp32_on_fbgemm(r3d: nn.Module):
     ref = reference(r3d, backend="fbgemm", shape=VIDEO)
-    gm, _, _ = lower(ref, backend="fbgemm")
-    assert module_counts(gm)["QConv3d"] == 0 and module_counts(gm)["Conv3d"] == 3
+    gm, _ = lower(ref, backend="fbgemm")
+    assert calls(gm, "qconv", ndim=3) == [] and op_counts(gm)["conv"] == 3
 
 
 # ---------------------------------------------------------------- Conv1d (audio / sequence CNNs)
@@ -625,11 +661,13 @@ def test_conv1d_runs_on_the_2d_kernel_at_height_one(backend: str):
     torch.manual_seed(0)
     model = _randomize_bn(TinyTCN())
     ref = reference(model, backend=backend, shape=SEQ)
-    gm, result, _ = lower(ref, backend=backend)
-    counts = module_counts(gm)
-    assert counts["QConv1d"] == 3 and counts["QConv2dAdd"] == 0  # the residual stays a QAdd (3-D)
-    assert fp32_ops(gm) == [] and result.skips == []
-    convs = modules_of_type(gm, QConv1d)
-    assert [c.weight.shape[2] for c in convs] == [1, 1, 1]  # [O, I, 1, k]: height 1
-    assert [c.spec.dilation for c in convs] == [(1, 1), (1, 2), (1, 1)]
+    gm, result = lower(ref, backend=backend)
+    counts = op_counts(gm)
+    convs = calls(gm, "qconv", ndim=1)
+    assert len(convs) == 3 and counts["qconv_add"] == 0  # the residual stays a gml.qadd (3-D)
+    assert fp32_ops(gm, SEQ) == [] and result.skips == []
+    # the op is N-d: a 1-D conv keeps its 3-D weight [O, I, k] (the Python kernel runs it at height 1)
+    weights = [getattr(gm, c.args["weight"].target) for c in convs]
+    assert [w.dim() for w in weights] == [3, 3, 3]
+    assert [c.args["dilation"] for c in convs] == [[1], [2], [1]]
     check_numerics_shaped(gm, ref, model, SEQ)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from gml.kernels.backend import Conv2dSpec, QParams
+from gml.ir.values import ConvSpec, QParams
 from gml.quant.lower import LowerToGML
 from gml.quant.modules import (
     Dequantize,
@@ -41,13 +41,13 @@ def _u8(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
 def _conv(seed: int, qp_in: QParams = IN, qp_out: QParams = OUT) -> QConv2d:
     g = torch.Generator().manual_seed(seed)
     w, ws = quantize_weight(torch.randn(8, 4, 3, 3, generator=g))
-    return QConv2d(w, ws, torch.randn(8, generator=g), Conv2dSpec(padding=(1, 1)), qp_in, qp_out, relu=True)
+    return QConv2d(w, ws, torch.randn(8, generator=g), ConvSpec(padding=(1, 1)), qp_in, qp_out, relu=True)
 
 
 def _conv_add(seed: int, qp_out: QParams = OUT, **kw) -> QConv2dAdd:
     g = torch.Generator().manual_seed(seed)
     w, ws = quantize_weight(torch.randn(8, 4, 3, 3, generator=g))
-    return QConv2dAdd(w, ws, None, Conv2dSpec(padding=(1, 1)), IN, OTHER, qp_out, relu=True, **kw)
+    return QConv2dAdd(w, ws, None, ConvSpec(padding=(1, 1)), IN, OTHER, qp_out, relu=True, **kw)
 
 
 def _linear(seed: int, qp_out: QParams | None = OUT) -> QLinear:
@@ -186,26 +186,27 @@ def test_extract_qparams_reads_quantize_and_dequantize_nodes():
     assert extract_qparams(_node(gm, "x"), gm) is None
 
 
-def test_extract_qparams_reads_lowered_nodes_through_their_buffers():
+def test_lowered_nodes_carry_their_qparams_as_op_arguments():
+    from gml.ir import library
+
     gm = LowerToGML()(_hand_built_reference()).graph_module
-    lowered = {n.name: n for n in gm.graph.nodes if n.op == "call_module"}
-    kinds = {name: type(gm.get_submodule(str(n.target))).__name__ for name, n in lowered.items()}
-    assert sorted(kinds.values()) == ["Dequantize", "QReLU", "Quantize"]
-    relu_node = next(n for n in lowered.values() if kinds[n.name] == "QReLU")
-    assert extract_qparams(relu_node, gm) == OUT
-    assert extract_qparams(relu_node.args[0], gm) == QParams(0.019999999552965164, 128)  # the Quantize module
-    deq = next(n for n in lowered.values() if kinds[n.name] == "Dequantize")
-    assert extract_qparams(deq, gm) is None  # its output is fp32
-    # the same question asked after a state_dict edit sees the new values
-    gm.get_submodule(str(relu_node.target)).load_state_dict(
-        {
-            "output_scale": torch.tensor(0.5, dtype=torch.float64),
-            "output_zp": torch.tensor(9),
-            "input_scale": torch.tensor(0.02, dtype=torch.float64),
-            "input_zp": torch.tensor(128),
-        }
-    )
-    assert extract_qparams(relu_node, gm) == QParams(0.5, 9)
+    lowered = {library.gml_op_name(n): n for n in gm.graph.nodes if library.gml_op_name(n)}
+    assert sorted(lowered) == ["dequantize", "qactivation", "quantize"]
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)  # ops, not modules (ADR 005)
+    relu_node = lowered["qactivation"]
+    assert library.op_args(relu_node)["op"] == "relu"
+    assert QParams(*library.output_qparams_args(relu_node)) == OUT
+    assert QParams(*library.output_qparams_args(relu_node.args[0])) == QParams(0.019999999552965164, 128)
+    assert library.output_qparams_args(lowered["dequantize"]) is None  # its output is fp32
+    # the qparams are in the graph, so an edit of the graph is what the executor runs
+    x = torch.randn(1, 4, 3, 3)
+    before = gm(x)
+    relu_node.args = (*relu_node.args[:5], 0.5, 9, *relu_node.args[7:])
+    deq = lowered["dequantize"]
+    deq.args = (deq.args[0], 0.5, 9)
+    gm.recompile()
+    assert QParams(*library.output_qparams_args(relu_node)) == QParams(0.5, 9)
+    assert not torch.equal(gm(x), before)
 
 
 def test_extract_qparams_decomposed_ops_and_unsupported_dtypes():

@@ -31,7 +31,7 @@ def _positive(text: str) -> int:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``gml bench``'s arguments (including the positional MODEL) to ``p``."""
-    p.add_argument("model", help="torchvision model name (e.g. resnet18) or path/to/file.py:ClassName")
+    p.add_argument("model", help="torchvision name (resnet18), timm:NAME (random init) or path/to/file.py:ClassName")
     p.add_argument(
         "--input-shape",
         metavar="SHAPE",
@@ -48,6 +48,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--submodule",
         metavar="PATH",
         help="benchmark this part of the model only (e.g. backbone), when the whole does not trace",
+    )
+    p.add_argument(
+        "--leaf",
+        action="append",
+        default=[],
+        metavar="SUBMODULE",
+        help="keep this submodule opaque while tracing GML's variants (repeatable), as in gml optimize",
     )
     p.add_argument("--batch-sizes", type=_int_list, default=[1], metavar="N[,N...]", help="batch sizes (default: 1)")
     p.add_argument(
@@ -108,6 +115,7 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
         weights=args.weights,
         unsafe_load=args.unsafe_load,
         submodule=args.submodule,
+        leaf_modules=args.leaf,
         peak=peak,  # type: ignore[arg-type]
         console=console,
         progress=not args.no_progress,

@@ -361,6 +361,7 @@ def run_bench(
     submodule: str | None = None,
     console: Console | None = None,
     progress: bool = True,
+    leaf_modules: Sequence[str | type] = (),
 ) -> BenchResult:
     """Benchmark ``model`` (a spec ``gml.models.load_model`` accepts, or an ``nn.Module``).
 
@@ -379,6 +380,7 @@ def run_bench(
         footprint: compute the activation footprint of variants that are FX graphs.
         weights, unsafe_load: a state_dict checkpoint to load into the model (see ``gml.models``).
         submodule: benchmark only this part of the model (a dotted path, e.g. ``backbone``).
+        leaf_modules: submodules GML's variants keep opaque while tracing, as in :func:`gml.capture`.
     """
     console = console or Console(stderr=True)
     names = resolve_variants(variants if variants is None or isinstance(variants, str) else list(variants))
@@ -415,6 +417,7 @@ def run_bench(
                         peak_obj,
                         footprint,
                         like,
+                        leaf_modules=leaf_modules,
                     )
                 )
     finally:
@@ -453,6 +456,7 @@ def _run_batch(
     peak: Peak | None,
     want_footprint: bool,
     like: Sequence[torch.Tensor] | None = None,
+    leaf_modules: Sequence[str | type] = (),
 ) -> BatchResult:
     example = _inputs(shapes, bs, seed, like)
     calib = [_inputs(shapes, bs, seed + 1 + i, like) for i in range(calib_batches)]
@@ -469,7 +473,7 @@ def _run_batch(
     ref_outputs: list[Any] = []
     per_call: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="gml-bench-") as workdir:
-        ctx = BuildContext(eager_model, example, calib, threads, Path(workdir))
+        ctx = BuildContext(eager_model, example, calib, threads, Path(workdir), leaf_modules=tuple(leaf_modules))
         for name in names:
             res, built, native, outputs, per_call_ms = runner.build(name, ctx, check, warmup)
             results.append(res)

@@ -27,11 +27,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.kernels.backend import (
-    Conv2dSpec,
     ConvPostOp,
-    Int8Backend,
-    QParams,
     as_qtensor,
     as_uint8,
     clamp_bounds,
@@ -40,7 +38,7 @@ from gml.kernels.backend import (
     silence_quantized_tensor_warnings,
     split_post_op,
 )
-from gml.kernels.fp32 import PostOp
+from gml.kernels.quantized_cpu import QuantizedCPUBackend
 
 
 @contextlib.contextmanager
@@ -62,7 +60,7 @@ def _qweight(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     return torch._make_per_channel_quantized_tensor(weight, scale, zp, 0)
 
 
-class FbgemmBackend(Int8Backend):
+class FbgemmBackend(QuantizedCPUBackend):
     """PyTorch ``quantized::*`` kernels (FBGEMM engine)."""
 
     name = "fbgemm"
@@ -84,7 +82,7 @@ class FbgemmBackend(Int8Backend):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None,
-        spec: Conv2dSpec,
+        spec: ConvSpec,
         input_qparams: QParams,
         input_shape: Sequence[int] | None = None,
     ) -> Any:

@@ -44,12 +44,14 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+
+from gml.ir.ops import OPS
+from gml.ir.values import NO_POST_OP, UNARY_ATTRS, PostOp
 
 # --------------------------------------------------------------------------------------------------
 # Availability
@@ -117,85 +119,27 @@ def register_export_support() -> None:
 # Post-ops
 # --------------------------------------------------------------------------------------------------
 
-#: oneDNN attr names ``_convolution_pointwise`` / ``_linear_pointwise`` accept (aten/src/ATen/native/
-#: mkldnn/Utils.cpp, ``fusion_unary_attr_map``).
-UNARY_ATTRS = ("relu", "sigmoid", "tanh", "swish", "hardswish", "hardsigmoid", "leaky_relu", "hardtanh", "gelu")
+# PostOp / NO_POST_OP / UNARY_ATTRS are IR value types (gml.ir.values), imported above.
+
+#: Post-ops whose fused oneDNN form does not propagate NaN/Inf as ATen does: ``relu`` and the clamps
+#: (``hardtanh``, ``hardsigmoid``) map NaN to 0 or to a bound, ``gelu`` returns Inf where ATen gives
+#: NaN (measured on this build; tests/test_reliability.py pins it). ``aten._add_relu`` maps NaN
+#: to 0 and Inf to the largest float. Inputs holding NaN/Inf take the unfused ATen path instead.
+NONFINITE_UNSAFE_POST_OPS = frozenset({"relu", "hardtanh", "hardsigmoid", "gelu"})
 
 
-@dataclass(frozen=True)
-class PostOp:
-    """A fused element-wise epilogue: oneDNN ``attr`` name, its scalars and algorithm."""
-
-    attr: str = "none"
-    scalars: tuple[float, ...] = ()
-    algorithm: str = ""
-
-    def __post_init__(self) -> None:
-        if self.attr != "none" and self.attr not in UNARY_ATTRS:
-            raise ValueError(f"unknown oneDNN post-op {self.attr!r}; known: {', '.join(UNARY_ATTRS)}")
-
-    @property
-    def op_scalars(self) -> list[float | None]:
-        # ``[None]`` rather than ``[]``: torch.export cannot serialize an empty Scalar?[] list.
-        return list(self.scalars) if self.scalars else [None]
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """The same math with ATen ops (fallback path and test reference)."""
-        a = self.attr
-        if a == "none":
-            return x
-        if a == "relu":
-            return torch.relu(x)
-        if a == "sigmoid":
-            return torch.sigmoid(x)
-        if a == "tanh":
-            return torch.tanh(x)
-        if a == "swish":
-            return F.silu(x)
-        if a == "hardswish":
-            return F.hardswish(x)
-        if a == "hardsigmoid":
-            return F.hardsigmoid(x)
-        if a == "leaky_relu":
-            return F.leaky_relu(x, self.scalars[0])
-        if a == "hardtanh":
-            return F.hardtanh(x, self.scalars[0], self.scalars[1])
-        return F.gelu(x, approximate=self.algorithm or "none")
-
-    def __str__(self) -> str:
-        if self.attr == "hardtanh":
-            return f"hardtanh({self.scalars[0]:g}, {self.scalars[1]:g})"
-        if self.attr == "leaky_relu":
-            return f"leaky_relu({self.scalars[0]:g})"
-        if self.attr == "gelu":
-            return f"gelu({self.algorithm})" if self.algorithm == "tanh" else "gelu"
-        return self.attr
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether no tensor holds a NaN or an Inf: one read of each (a sum, no allocation), so cheap
+    next to the conv/linear it guards. A finite tensor whose sum overflows reads as non-finite: it
+    then takes the exact ATen path, which is slower but gives the same numbers."""
+    return all(bool(torch.isfinite(t.sum())) for t in tensors)
 
 
-NO_POST_OP = PostOp()
-
-_SIMPLE_MODULES: dict[type[nn.Module], str] = {
-    nn.ReLU: "relu",
-    nn.Sigmoid: "sigmoid",
-    nn.Tanh: "tanh",
-    nn.SiLU: "swish",
-    nn.Hardswish: "hardswish",
-    nn.Hardsigmoid: "hardsigmoid",
-}
-_SIMPLE_FUNCTIONS: dict[Any, str] = {
-    torch.relu: "relu",
-    torch.relu_: "relu",
-    F.relu: "relu",
-    F.relu_: "relu",
-    torch.sigmoid: "sigmoid",
-    F.sigmoid: "sigmoid",
-    torch.tanh: "tanh",
-    F.tanh: "tanh",
-    F.silu: "swish",
-    F.hardswish: "hardswish",
-    F.hardsigmoid: "hardsigmoid",
-}
-_SIMPLE_METHODS = {"relu": "relu", "relu_": "relu", "sigmoid": "sigmoid", "sigmoid_": "sigmoid", "tanh": "tanh"}
+# Activations that are one oneDNN post-op with no arguments to read, in every spelling: the op
+# table's ``post_op`` field (gml.ir.ops), not a list of its own.
+_SIMPLE_MODULES: dict[type[nn.Module], str] = {m: o.post_op for o in OPS if o.post_op for m in o.modules}
+_SIMPLE_FUNCTIONS: dict[Any, str] = {f: o.post_op for o in OPS if o.post_op for f in o.functions}
+_SIMPLE_METHODS: dict[str, str] = {m: o.post_op for o in OPS if o.post_op for m in o.methods}
 
 
 def post_op_of_module(mod: nn.Module) -> PostOp | str:
@@ -394,6 +338,10 @@ class FusedConv(_Prepacked):
             return torch.ops.mkldnn._convolution_pointwise(
                 x, self.weight, self.bias, pad, stride, dil, self.groups, *self._attr
             )
+        if self.post_op.attr in NONFINITE_UNSAFE_POST_OPS and not all_finite(
+            x
+        ):  # NaN/Inf propagate exactly as in eager
+            return self._reference(x)
         w = self._packed if self._packed is not None else self.packed()
         if self.dim == 1:
             y = torch.ops.mkldnn._convolution_pointwise(
@@ -482,6 +430,8 @@ class FusedConvAdd(_Prepacked):
             return torch.ops.mkldnn._convolution_pointwise.binary(
                 x, other, self.weight, self.bias, *self._args, self.groups, "add", None, self._unary, [None], ""
             )
+        if self.relu and not all_finite(x, other):  # the fused relu maps NaN to 0
+            return self._reference(x, other)
         w = self._packed if self._packed is not None else self.packed()
         if self.inplace:
             return torch.ops.mkldnn._convolution_pointwise_.binary(
@@ -493,7 +443,8 @@ class FusedConvAdd(_Prepacked):
 
     def _reference(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         conv = F.conv2d if self.weight.dim() == 4 else F.conv3d
-        y = conv(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups) + other
+        y = conv(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        y = y + other
         return torch.relu(y) if self.relu else y
 
     def extra_repr(self) -> str:
@@ -595,6 +546,10 @@ class FusedLinear(_Prepacked):
             return self.post_op.apply(F.linear(x, self.weight, self.bias))
         if torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, *self._attr)
+        if self.post_op.attr in NONFINITE_UNSAFE_POST_OPS and not all_finite(
+            x
+        ):  # NaN/Inf propagate exactly as in eager
+            return self.post_op.apply(F.linear(x, self.weight, self.bias))
         w = self._packed if self._packed is not None else self.packed()
         if self.backend == "mkl":
             return torch.ops.mkl._mkl_linear(x, w, self.weight, self.bias, self._mkl_rows)
@@ -611,6 +566,8 @@ class AddReLU(nn.Module):
     """``relu(a + b)`` in one pass over memory (ATen's fused ``_add_relu`` kernel)."""
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if not all_finite(a, b):  # _add_relu maps NaN to 0 and Inf to the largest float
+            return torch.relu(a + b)
         return torch.ops.aten._add_relu(a, b)
 
 
@@ -620,7 +577,7 @@ def fused_matmul_add_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> 
     Used by :class:`~gml.passes.fuse_matmul.FuseMatmulAddRelu` when ``w`` is computed at run time
     (a constant ``w`` becomes a :class:`FusedLinear` with a prepacked weight instead).
     """
-    if not kernels_available() or x.dtype != torch.float32:
+    if not kernels_available() or x.dtype != torch.float32 or not all_finite(x, w, b):
         return torch.relu(torch.matmul(x, w) + b)
     return torch.ops.mkldnn._linear_pointwise(x, w.t().contiguous(), b, "relu", [None], "")
 
@@ -643,6 +600,7 @@ def describe_kernels() -> str:
 
 
 __all__ = [
+    "NONFINITE_UNSAFE_POST_OPS",
     "NO_POST_OP",
     "UNARY_ATTRS",
     "AddReLU",
@@ -650,6 +608,7 @@ __all__ = [
     "FusedConvAdd",
     "FusedLinear",
     "PostOp",
+    "all_finite",
     "choose_linear_backend",
     "conv_padding",
     "describe_kernels",

@@ -18,6 +18,20 @@ channel ``g·(out/groups) + j`` is column ``j`` of the rows of group ``g``. With
 torch's ``transpose=True`` (scale on dim 1); with several groups the weight is regrouped to
 ``(out, in/groups, k...)`` first, scaled per output channel, and put back.
 
+**Through a channel concat.** ``BN(cat([conv_1(x), ..., conv_n(x)], dim=1))`` (timm's
+``MixedConv2d``) is the concat of per-slice BNs, each of which folds into the conv that produces
+its channels.
+
+**Forward, into the next layer.** A BN that no conv/linear feeds (after a pool, a concat, the
+model input) folds into the conv or Linear that is its only reader (:func:`fold_bn_into_next`)::
+
+    x → BN → Conv(W, b)   ⇒   x → Conv(W', b'),   W'[o,i,·] = W[o,i,·]·s_i,   b'_o = b_o + Σ_{i,k} W[o,i,k]·t_i
+
+with ``BN(x)_i = s_i·x_i + t_i``. This is exact only when that conv has **no padding**: the conv
+pads the *normalized* map with zeros, and a zero after the BN is ``−t_i/s_i`` before it, which no
+weight change can produce at the border (so a padded conv declines, with that reason; the BN then
+runs as an INT8 op after quantization). A Linear takes a ``BatchNorm1d`` on ``(N, features)``.
+
 The fused conv replaces the original module at the same path when that conv has no other call
 site and none of its parameters is read elsewhere; otherwise it is installed beside it
 (``<path>_folded``) so the other uses keep the unfolded weights. The BN node is erased and
@@ -68,6 +82,7 @@ _CONVS: tuple[type[nn.Module], ...] = (
 )
 _BNS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
+NOTHING_BEFORE = "not a conv or linear output; nothing to fold it into"
 LAYERNORM_REASON = (
     "LayerNorm normalises each row with that row's own mean and variance, computed at run time; "
     "they are not constants, so there is nothing to fold into the Linear (ADR 003)"
@@ -111,6 +126,40 @@ def fold_conv_bn(conv: nn.Module, bn: nn.modules.batchnorm._BatchNorm) -> nn.Mod
     return fused
 
 
+def fold_bn_into_next(bn: nn.modules.batchnorm._BatchNorm, layer: nn.Module) -> nn.Module:
+    """A new conv/linear computing ``layer(bn(x))`` in eval mode (an unpadded conv, or a Linear on
+    ``(N, features)``); ``bn`` and ``layer`` are left untouched.
+
+    With ``bn(x)_i = s_i·x_i + t_i`` (``s = γ/sqrt(σ²+ε)``, ``t = β − μ·s``) and input channel ``i``::
+
+        W'[o, i, ...] = W[o, i, ...]·s_i        b'_o = b_o + Σ_{i,k} W[o, i, k]·t_i
+
+    For a grouped conv, ``W[o, j]`` reads input channel ``group(o)·(C/groups) + j``.
+    """
+    assert bn.running_mean is not None and bn.running_var is not None
+    fused = copy.deepcopy(layer)
+    s = torch.rsqrt(bn.running_var + bn.eps)
+    if bn.weight is not None:
+        s = s * bn.weight
+    t = -bn.running_mean * s + (bn.bias if bn.bias is not None else 0)
+    w = layer.weight.detach()
+    if isinstance(layer, nn.Linear):
+        s_full, t_full = s.unsqueeze(0), t.unsqueeze(0)
+    else:
+        g, out = layer.groups, w.shape[0]
+        per = w.shape[1]
+        s_full = s.view(g, 1, per).expand(g, out // g, per).reshape(out, per)
+        t_full = t.view(g, 1, per).expand(g, out // g, per).reshape(out, per)
+    shape = (*s_full.shape, *([1] * (w.dim() - 2)))
+    with torch.no_grad():
+        new_w = w * s_full.reshape(shape)
+        shift = (w * t_full.reshape(shape)).flatten(1).sum(1)
+        new_b = shift if layer.bias is None else layer.bias.detach() + shift
+    fused.weight = nn.Parameter(new_w.detach(), layer.weight.requires_grad)
+    fused.bias = nn.Parameter(new_b.detach(), layer.weight.requires_grad)
+    return fused
+
+
 def fold_linear_bn(linear: nn.Linear, bn: nn.modules.batchnorm._BatchNorm) -> nn.Linear:
     """A new Linear computing ``bn(linear(x))`` for 2-D ``x`` in eval mode."""
     assert bn.running_mean is not None and bn.running_var is not None
@@ -147,6 +196,22 @@ class FoldBatchNorm(GraphPass):
             producer = node.args[0] if node.args else None
             pattern = f"{node_label(producer, modules) if isinstance(producer, fx.Node) else '?'} → BatchNorm"
             reason = self._why_not(gm, node, producer, modules)
+            if reason is not None and reason.endswith(NOTHING_BEFORE) and self._fold_through_cat(gm, node, modules):
+                folded["convs through a channel concat"] += 1
+                continue
+            if reason is not None and reason.endswith(NOTHING_BEFORE):
+                # nothing to fold into backwards: into the conv/linear that reads the BN, if exact
+                consumer = next(iter(node.users)) if len(node.users) == 1 else None
+                why_not_next = self._why_not_forward(node, consumer, modules)
+                if why_not_next is None:
+                    assert consumer is not None
+                    layer = modules[str(consumer.target)]
+                    self._install(gm, consumer, fold_bn_into_next(modules[str(node.target)], layer), modules)
+                    node.replace_all_uses_with(node.args[0])
+                    gm.graph.erase_node(node)
+                    folded[f"next {type(layer).__name__}"] += 1
+                    continue
+                reason = f"{reason}; {why_not_next}"
             if reason is not None:
                 skips.append(Skip(node.name, reason, pattern))
                 continue
@@ -186,10 +251,7 @@ class FoldBatchNorm(GraphPass):
         if producer.op != "call_module" or kind not in ("conv", "conv_transpose", "linear"):
             if kind in ("conv", "conv_transpose", "linear"):
                 return f"conv/linear is a function call ({node_label(producer, modules)}); only modules are folded"
-            return (
-                f"BatchNorm reads {producer.name} ({node_label(producer, modules)}), not a conv or linear "
-                "output; nothing to fold it into"
-            )
+            return f"BatchNorm reads {producer.name} ({node_label(producer, modules)}), {NOTHING_BEFORE}"
         layer = modules[str(producer.target)]
         if type(layer) not in (*_CONVS, nn.Linear):
             return f"{type(layer).__name__} is a subclass of a conv/linear; its forward may not be the plain op"
@@ -214,6 +276,69 @@ class FoldBatchNorm(GraphPass):
             return "unbatched conv output: BatchNorm would normalise a different dimension"
         if layer.weight.dtype != bn.running_mean.dtype:
             return f"dtype mismatch: {layer.weight.dtype} weights, {bn.running_mean.dtype} BatchNorm statistics"
+        return None
+
+    def _fold_through_cat(self, gm: fx.GraphModule, bn_node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+        """``BN(cat([conv_1(x_1), ..., conv_n(x_n)], dim=1))`` (timm's MixedConv2d: a conv split by
+        kernel size) is ``cat([BN_1(conv_1(x_1)), ...])`` with ``BN_j`` the channel slice of BN that
+        conv ``j`` produces; each slice folds into its conv. All or nothing."""
+        cat = bn_node.args[0] if bn_node.args else None
+        if not (isinstance(cat, fx.Node) and cat.op == "call_function" and op_kind(cat, modules) == "cat"):
+            return False
+        parts = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+        dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+        bn = modules[str(bn_node.target)]
+        if len(cat.users) != 1 or not isinstance(parts, list | tuple) or dim not in (1, -3 if _rank(cat) == 4 else 1):
+            return False
+        convs = []
+        for part in parts:
+            layer = modules.get(str(part.target)) if isinstance(part, fx.Node) and part.op == "call_module" else None
+            if type(layer) not in (nn.Conv1d, nn.Conv2d, nn.Conv3d) or len(part.users) != 1 or _has_hooks(layer):
+                return False
+            if _rank(part) != layer.weight.dim() or layer.weight.dtype != bn.running_mean.dtype:
+                return False
+            convs.append((part, layer))
+        if sum(layer.out_channels for _, layer in convs) != bn.num_features or _has_hooks(bn):
+            return False
+        start = 0
+        for part, layer in convs:
+            piece = copy.deepcopy(bn)
+            stop = start + layer.out_channels
+            piece.num_features = layer.out_channels
+            piece.running_mean, piece.running_var = bn.running_mean[start:stop], bn.running_var[start:stop]
+            if bn.weight is not None:
+                piece.weight = nn.Parameter(bn.weight.detach()[start:stop])
+                piece.bias = nn.Parameter(bn.bias.detach()[start:stop])
+            self._install(gm, part, fold_conv_bn(layer, piece), modules)
+            start = stop
+        bn_node.replace_all_uses_with(cat)
+        gm.graph.erase_node(bn_node)
+        return True
+
+    @staticmethod
+    def _why_not_forward(bn_node: fx.Node, consumer: fx.Node | None, modules: dict[str, nn.Module]) -> str | None:
+        """Why the BN cannot fold into the conv/linear reading it (``None``: it can)."""
+        if consumer is None:
+            return "nor into a following layer (the BN output has several readers)"
+        layer = modules.get(str(consumer.target)) if consumer.op == "call_module" else None
+        if type(layer) not in (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear) or consumer.args[:1] != (bn_node,):
+            return "nor into a following layer (no plain conv/linear reads it)"
+        bn = modules[str(bn_node.target)]
+        if _has_hooks(layer) or len(consumer.args) != 1 or consumer.kwargs:
+            return "nor into the following layer (hooks or extra arguments)"
+        if isinstance(layer, nn.Linear):
+            if _rank(bn_node) != 2 or layer.in_features != bn.num_features:
+                return "nor into the following Linear (only a BatchNorm1d on (N, features) folds into it)"
+        else:
+            if layer.in_channels != bn.num_features or _rank(bn_node) != layer.weight.dim():
+                return "nor into the following conv (channel or rank mismatch)"
+            if isinstance(layer.padding, str) or any(p != 0 for p in layer.padding):
+                return (
+                    "nor into the following conv: it pads with zeros, which are zeros after the BN but "
+                    "would be -beta'/scale before it, so the fold is only exact without padding"
+                )
+        if layer.weight.dtype != bn.running_mean.dtype:
+            return "nor into the following layer (dtype mismatch)"
         return None
 
     @staticmethod
@@ -251,4 +376,4 @@ class FoldBatchNorm(GraphPass):
         return skips
 
 
-__all__ = ["FoldBatchNorm", "fold_conv_bn", "fold_linear_bn"]
+__all__ = ["FoldBatchNorm", "fold_bn_into_next", "fold_conv_bn", "fold_linear_bn"]

@@ -14,13 +14,13 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from gml import nn as gnn
+from gml.ir.alias import mutates, returns_alias, writes_in_place, written_in_place
+from gml.ir.ops import ACTIVATION_KINDS as ACTIVATION_KINDS  # re-exported for the fusion passes
+from gml.ir.ops import op_kind
 from gml.kernels import fp32 as k32
-from gml.passes.normalize import written_in_place
-from gml.passes.oplib import SPECS, op_kind
 from gml.passes.utils import modules_of
 
 CONV_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-ACTIVATION_KINDS = frozenset(name for name, spec in SPECS.items() if "activation" in spec.tags)
 
 
 def kind_of(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
@@ -97,11 +97,82 @@ def conv_problem(gm: fx.GraphModule, node: fx.Node, mod: nn.Module) -> str | Non
     sites = call_sites(gm, str(node.target))
     if sites > 1:
         return f"conv module {node.target} is called at {sites} sites (run UntieSharedModules first)"
-    write = written_in_place(node, modules_of(gm))
+    modules = modules_of(gm)
+    write = written_in_place(node, modules)
     if write is not None:
         # a channels-last result turns later views into copies, and the write would miss the output
         return f"its output is overwritten in place by {write.name} (through a view)"
+    hazard = write_missing_a_downstream_value(node, modules)
+    if hazard is not None:
+        write, base = hazard
+        return (
+            f"{write.name} writes in place through a view of {base.name}, which is computed from this conv's "
+            f"output and read again after the write (a channels-last result would make that view a copy)"
+        )
     return None
+
+
+def write_missing_a_downstream_value(conv: fx.Node, modules: dict[str, nn.Module]) -> tuple[fx.Node, fx.Node] | None:
+    """``(write, base)``: an in-place write through a view of ``base``, a value computed from
+    ``conv``'s output, where ``base`` (or another view of it) is read after the write.
+
+    The fused conv returns channels-last; BN, activations and element-wise ops keep that layout, so
+    ``base`` is channels-last too and a later ``.view``/``flatten`` of it (made a ``reshape`` by
+    :func:`make_views_layout_safe`) is a *copy*: the write lands in the copy, and whoever reads
+    ``base`` afterwards misses it (fuzz seed 424242: conv → bn → ``.view`` → ``relu_``, bn read again).
+    A write directly on ``base`` is safe (no view, no copy); so is one nobody observes through ``base``.
+    """
+    order = {n: i for i, n in enumerate(conv.graph.nodes)}
+    for w in conv.graph.nodes:
+        if order[w] <= order[conv] or not (writes_in_place(w, modules) and w.args and isinstance(w.args[0], fx.Node)):
+            continue
+        chain = [w.args[0]]  # the written value back to the first non-view: the base it aliases
+        while returns_alias(chain[-1], modules) and chain[-1].args and isinstance(chain[-1].args[0], fx.Node):
+            chain.append(chain[-1].args[0])
+        if len(chain) < 2:
+            continue  # written directly: same tensor in either layout
+        base = chain[-1]
+        if not (base is conv or _reaches(conv, base)) or not _read_after(base, chain[0], w, modules, order):
+            continue
+        return w, base
+    return None
+
+
+def _reaches(src: fx.Node, dst: fx.Node) -> bool:
+    work, seen = [dst], {dst}
+    while work:
+        for parent in work.pop().all_input_nodes:
+            if parent is src:
+                return True
+            if parent not in seen:
+                seen.add(parent)
+                work.append(parent)
+    return False
+
+
+def _read_after(
+    base: fx.Node, written: fx.Node, write: fx.Node, modules: dict[str, nn.Module], order: dict[fx.Node, int]
+) -> bool:
+    """Whether ``base`` or a view of it other than ``written`` (and its own views) is read after ``write``."""
+    skip: set[fx.Node] = {written, write}
+    work = [written]
+    while work:  # the written tensor's own views see the write in both layouts
+        for user in work.pop().users:
+            if user not in skip and returns_alias(user, modules) and user.args and user.args[0] in skip:
+                skip.add(user)
+                work.append(user)
+    work, seen = [base], {base}
+    while work:
+        current = work.pop()
+        for user in current.users:
+            if user in skip:
+                continue
+            if order[user] > order[write]:
+                return True
+            if user not in seen and returns_alias(user, modules) and user.args and user.args[0] is current:
+                seen.add(user)
+                work.append(user)
+    return False
 
 
 def graph_order(gm: fx.GraphModule) -> dict[fx.Node, int]:
@@ -121,46 +192,6 @@ def fresh_output_types() -> tuple[type[nn.Module], ...]:
         nn.BatchNorm3d,
         gnn.Add,
     )
-
-
-_VIEW_METHODS = frozenset({"view", "reshape", "flatten", "contiguous", "permute", "transpose", "squeeze", "unsqueeze"})
-
-
-def aliases(node: fx.Node, base: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    """Whether ``node`` may share memory with ``base``: it is ``base`` or a view chain of it."""
-    seen = 0
-    while isinstance(node, fx.Node) and seen < 64:
-        if node is base:
-            return True
-        viewish = (
-            (node.op == "call_method" and node.target in _VIEW_METHODS)
-            or (node.op == "call_function" and node.target is operator.getitem)
-            or kind_of(node, modules) in ("view", "flatten", "identity")
-        )
-        if not viewish or not node.args:
-            return False
-        node = node.args[0]
-        seen += 1
-    return False
-
-
-_INPLACE_FUNCTIONS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem})
-
-
-def mutates(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    """Whether ``node`` may write into one of its inputs (``relu_``, ``+=``, ``inplace=True`` modules, ...)."""
-    if node.op == "call_module":
-        mod = modules.get(str(node.target))
-        return bool(getattr(mod, "inplace", False))
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.endswith("__")
-    if node.op == "call_function":
-        if node.target in _INPLACE_FUNCTIONS or node.kwargs.get("inplace") is True:
-            return True
-        name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.endswith("__")
-    return False
 
 
 def mutation_between(start: fx.Node, end: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:

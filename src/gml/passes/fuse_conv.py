@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from torch import fx, nn
 
+from gml.ir.alias import may_alias
 from gml.kernels import fp32 as k32
 from gml.passes import fuse_common as fc
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
@@ -176,7 +177,7 @@ class FuseConvAdd(GraphPass):
     ) -> str | None:
         if other.op != "call_module" or not isinstance(modules.get(str(other.target)), fc.fresh_output_types()):
             return "residual is not a fresh module output"
-        if fc.aliases(conv.args[0], other, modules):
+        if may_alias(conv.args[0], other, modules):
             return "the conv reads the residual itself (the kernel would overwrite its own input)"
         late = [u for u in other.users if u is not add and order[u] > order[add]]
         if late:

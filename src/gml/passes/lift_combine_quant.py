@@ -43,7 +43,11 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.ao.nn.quantized import Quantize as AoQuantize
 
+from gml.ir import library
+from gml.ir.qdq import is_dequantize
+from gml.ir.values import TensorQParams
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import node_label, op_kind
 from gml.passes.utils import remove_unused_nodes
@@ -52,56 +56,13 @@ _QUANTIZE_FNS = (torch.quantize_per_tensor, torch.quantize_per_channel)
 _VIEW_KINDS = ("view", "flatten", "identity")
 
 
-@dataclass(frozen=True)
-class QParams:
-    """Resolved quantization parameters. ``axis`` is ``None`` for per-tensor."""
-
-    scale: torch.Tensor  # float64, 1-D
-    zero_point: torch.Tensor  # int64, 1-D
-    dtype: torch.dtype
-    axis: int | None = None
-
-    def equals(self, other: QParams) -> bool:
-        return (
-            self.dtype == other.dtype
-            and self.axis == other.axis
-            and torch.equal(self.scale, other.scale)
-            and torch.equal(self.zero_point, other.zero_point)
-        )
-
-    def difference(self, other: QParams) -> str:
-        """Human reason why two parameter sets differ, e.g. ``scale 0.02 vs 0.03``."""
-        if self.dtype != other.dtype:
-            return f"dtype {str(self.dtype).removeprefix('torch.')} vs {str(other.dtype).removeprefix('torch.')}"
-        if self.axis != other.axis:
-            return f"axis {self.axis} vs {other.axis}"
-        if self.scale.shape != other.scale.shape:
-            return f"{self.scale.numel()} vs {other.scale.numel()} scales"
-        parts = []
-        if not torch.equal(self.scale, other.scale):
-            a, b = _fmt(self.scale), _fmt(other.scale)
-            if a == b:  # differ only beyond 6 digits (e.g. a float32 vs a float64 scale)
-                a, b = _fmt(self.scale, 17), _fmt(other.scale, 17)
-            parts.append(f"scale {a} vs {b}")
-        if not torch.equal(self.zero_point, other.zero_point):
-            parts.append(f"zero_point {_fmt(self.zero_point)} vs {_fmt(other.zero_point)}")
-        return ", ".join(parts)
-
-
-def _fmt(t: torch.Tensor, digits: int = 6) -> str:
-    if t.numel() == 1:
-        v = t.item()
-        return f"{v:.{digits}g}" if isinstance(v, float) else str(v)
-    return f"[{t.numel()} values]"
-
-
 @dataclass
 class QuantizeOp:
     """A quantize node: its fp32 input and the (possibly unresolved) parameters."""
 
     node: fx.Node
     input: fx.Node
-    qparams: QParams | None
+    qparams: TensorQParams | None
     unresolved: str = ""  # why qparams is None
 
 
@@ -148,10 +109,9 @@ def quantize_of(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module]
     """Recognise a quantize node and resolve its parameters.
 
     Forms: ``torch.quantize_per_tensor(x, scale, zero_point, dtype)``,
-    ``torch.quantize_per_channel(x, scales, zero_points, axis, dtype)``, and ``call_module`` of a
-    module of a class named ``Quantize``: GML's (``output_scale``/``output_zp`` buffers, ADR 002;
-    its output is a plain ``uint8`` tensor, so its dtype is ``torch.uint8`` unless the module
-    says ``output_dtype``) or ``torch.ao.nn.quantized.Quantize`` (``scale``/``zero_point``/``dtype``).
+    ``torch.quantize_per_channel(x, scales, zero_points, axis, dtype)``, GML's ``gml.quantize``
+    (plain ``uint8`` out, qparams as arguments) and a ``torch.ao.nn.quantized.Quantize`` module
+    (``scale``/``zero_point``/``dtype``).
     """
     if node.op == "call_function" and node.target in _QUANTIZE_FNS:
         per_channel = node.target is torch.quantize_per_channel
@@ -165,7 +125,7 @@ def quantize_of(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module]
         if not isinstance(x, fx.Node):
             return None
         try:
-            qp = QParams(
+            qp = TensorQParams(
                 _as_f64(_value(gm, b[names[1]], "scale")),
                 _as_i64(_value(gm, b[names[2]], "zero point")),
                 _value(gm, b["dtype"], "dtype"),
@@ -174,36 +134,23 @@ def quantize_of(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module]
         except _Unresolved as e:
             return QuantizeOp(node, x, None, str(e))
         return QuantizeOp(node, x, qp)
+    if library.gml_op_name(node) == "quantize" and isinstance(node.args[0], fx.Node):
+        out = library.output_qparams_args(node)  # GML's quantize: plain uint8 out, qparams as arguments
+        assert out is not None
+        return QuantizeOp(node, node.args[0], TensorQParams(_as_f64(out[0]), _as_i64(out[1]), torch.uint8))
     if node.op == "call_module" and node.args and isinstance(node.args[0], fx.Node):
         mod = modules.get(str(node.target))
-        if mod is None or type(mod).__name__ != "Quantize":
-            return None
-        if hasattr(mod, "output_scale") and hasattr(mod, "output_zp"):  # GML (ADR 002): plain uint8 out
-            qp = QParams(_as_f64(mod.output_scale), _as_i64(mod.output_zp), getattr(mod, "output_dtype", torch.uint8))
-            return QuantizeOp(node, node.args[0], qp)
-        if all(hasattr(mod, a) for a in ("scale", "zero_point", "dtype")):  # torch.ao.nn.quantized.Quantize
-            return QuantizeOp(node, node.args[0], QParams(_as_f64(mod.scale), _as_i64(mod.zero_point), mod.dtype))
+        if isinstance(mod, AoQuantize):
+            return QuantizeOp(node, node.args[0], TensorQParams(_as_f64(mod.scale), _as_i64(mod.zero_point), mod.dtype))
     return None
 
 
-def is_dequantize(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    if node.op == "call_method" and node.target == "dequantize":
-        return True
-    if node.op == "call_function" and node.target is torch.dequantize:
-        return True
-    if node.op == "call_module":
-        mod = modules.get(str(node.target))
-        return mod is not None and type(mod).__name__ in ("DeQuantize", "Dequantize")  # torch.ao / GML
-    return False
-
-
-def output_qparams(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module]) -> QParams | None:
+def output_qparams(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Module]) -> TensorQParams | None:
     """Parameters of the quantized tensor ``node`` produces, or ``None`` if they are not known.
 
-    Polymorphic over producers: a quantize op; a view of a per-tensor quantized tensor (views keep
-    the parameters); a module that declares its output parameters (ADR 002 INT8 modules register
-    ``output_scale``/``output_zp`` buffers and produce plain ``uint8`` unless they declare
-    ``output_dtype``).
+    Producers: a quantize op; a view of a per-tensor quantized tensor (views keep the parameters);
+    a lowered ``torch.ops.gml`` op (its ``out_scale``/``out_zero_point`` arguments, read by schema
+    name: :func:`gml.ir.library.output_qparams_args`).
     """
     for _ in range(64):  # view chains are short; the bound only guards against cycles in bad graphs
         q = quantize_of(gm, node, modules)
@@ -213,10 +160,9 @@ def output_qparams(gm: fx.GraphModule, node: fx.Node, modules: dict[str, nn.Modu
             node = node.args[0]
             continue
         break
-    mod = modules.get(str(node.target)) if node.op == "call_module" else None
-    if mod is not None and hasattr(mod, "output_scale") and hasattr(mod, "output_zp"):
-        dtype = getattr(mod, "output_dtype", torch.uint8)
-        return QParams(_as_f64(mod.output_scale), _as_i64(mod.output_zp), dtype)
+    out = library.output_qparams_args(node)  # a lowered op: its output qparams are its arguments
+    if out is not None:
+        return TensorQParams(_as_f64(out[0]), _as_i64(out[1]), torch.uint8)
     return None
 
 
@@ -430,4 +376,4 @@ class LiftCombineQuant(GraphPass):
         return dropped
 
 
-__all__ = ["LiftCombineQuant", "QParams", "QuantizeOp", "is_dequantize", "output_qparams", "quantize_of"]
+__all__ = ["LiftCombineQuant", "QuantizeOp", "TensorQParams", "output_qparams", "quantize_of"]

@@ -160,6 +160,48 @@ def compare_outputs(
     return worst, None
 
 
+def _refresh_shapes(gm: fx.GraphModule, args: tuple) -> str | None:
+    """Refill ``tensor_meta``; on failure, a note (metadata is a convenience, never fatal).
+
+    On copies (a model that writes its input must not change the caller's sample) and without
+    autograd (a buffer forward() updates must stay a leaf the next snapshot can copy)."""
+    try:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+    except Exception as e:
+        return f"shape propagation failed: {e}"
+    return None
+
+
+def _node_shapes(gm: fx.GraphModule) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """``name → (op, target, shape)`` of every node with a single-tensor ``tensor_meta``."""
+    shapes = {}
+    for n in gm.graph.nodes:
+        meta = n.meta.get("tensor_meta")
+        shape = getattr(meta, "shape", None)
+        if shape is not None and n.op != "output":
+            shapes[n.name] = (n.op, str(n.target), tuple(shape))
+    return shapes
+
+
+def _shape_change(before: dict[str, tuple], after: dict[str, tuple]) -> str | None:
+    """Why a pass changed an intermediate value's shape, or ``None``.
+
+    Comparing outputs alone misses a rewrite that shrinks a feature map in the middle of a network
+    whose head pools it back to the same logits shape (a "same"-padded conv lowered without its
+    padding: 7x7 became 4x4, the logits kept their shape). A node that survives the pass (same
+    name, op and target) must keep its shape.
+    """
+    for name, (op, target, shape) in before.items():
+        new = after.get(name)
+        if new is not None and new[:2] == (op, target) and new[2] != shape:
+            return (
+                f"intermediate value {name} ({op} {target}) changed shape from {list(shape)} to "
+                f"{list(new[2])}: the rewrite does not compute what it replaced"
+            )
+    return None
+
+
 class PassManager:
     """Runs passes in the given order with per-pass lint and numeric checks and rollback.
 
@@ -190,6 +232,8 @@ class PassManager:
         if self.check_numerics and not samples:
             raise ValueError("check_numerics=True needs sample_inputs")
         ref = run_outputs(gm, samples) if self.check_numerics else []
+        if self.propagate_shapes and samples:
+            _refresh_shapes(gm, samples[0])  # the intermediate shapes each pass is checked against
         for p in self.passes:
             gm, ref = self._run_one(p, gm, samples, ref, report)
         return PipelineResult(gm, report)
@@ -220,6 +264,7 @@ class PassManager:
         except Exception as e:  # a pass that crashes must not take the model down with it
             error = f"pass raised {type(e).__name__}: {e}"
         wall_ms = (time.perf_counter() - t0) * 1e3
+        shapes_before = _node_shapes(snapshot)
         if error is None and self.check_numerics and result is not None and result.modified:
             try:
                 new_ref = run_outputs(gm, samples)
@@ -228,6 +273,12 @@ class PassManager:
                     error = f"numerics: {why}"
             except Exception as e:
                 error = f"rewritten module failed to run: {type(e).__name__}: {e}"
+        if error is None and result is not None and result.modified and self.propagate_shapes and samples:
+            note = _refresh_shapes(gm, samples[0])
+            if note:
+                result.notes.append(note)
+            else:
+                error = _shape_change(shapes_before, _node_shapes(gm))
         if error is not None:
             if self.strict:
                 raise PassFailure(
@@ -249,11 +300,6 @@ class PassManager:
             )
             return snapshot, ref
         assert result is not None
-        if result.modified and self.propagate_shapes and samples:
-            try:
-                ShapeProp(gm).propagate(*samples[0])
-            except Exception as e:  # metadata is a convenience; never fail the pipeline on it
-                result.notes.append(f"shape propagation failed: {e}")
         report.records.append(
             PassRecord(
                 name,

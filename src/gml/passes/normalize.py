@@ -17,6 +17,10 @@ Before → after (``%m`` is a fresh submodule, placed in the scope the call came
     F.dropout(x, p, training=False), nn.Dropout in eval mode        →  removed (it is the identity)
     torchvision.ops.stochastic_depth(x, p, mode, training=False)    →  removed (likewise)
     nn.Identity()(x)                                                →  removed
+    F.batch_norm(x, mean, var, w, b, training=False, m, eps)        →  nn.BatchNorm{1,2,3}d (mean, var, w, b stored
+        (timm's BatchNormAct2d calls it on its own buffers)              get_attr tensors; rank from shape metadata)
+    F.conv{1,2,3}d(x, weight, bias, ...) with a stored weight       →  nn.Conv{1,2,3}d(...) sharing that weight
+    F.linear(x, weight, bias) with a stored weight                  →  nn.Linear(...) sharing that weight
     nn.ReLU(inplace=True) and other in-place activation modules     →  same module with inplace=False
 
 Every replacement module runs the very op it replaces, so the rewrite is bit-exact (tolerance 0).
@@ -41,7 +45,9 @@ write is also seen through a view read later, and the INT8 frontend then refuses
 **Skipped, with a reason** (the PassResult's ``skips``): calls whose arguments are computed at run
 time (``F.leaky_relu(x, slope_tensor)``), ``out=`` arguments, dropout that is active (``training=True``
 or a module in training mode: it is random, not an op to keep), scalar operands computed at run time
-(``x * x.size(1)``), and every tensor op with no module form here (``torch.cat``, ``.view()``,
+(``x * x.size(1)``), ``F.batch_norm`` with batch statistics (``training=True``) or computed
+statistics, ``F.conv`` whose weight is computed at run time, and every tensor op with no module
+form here (``torch.cat``, ``.view()``,
 ``torch.cumsum``; "no module form for torch.cumsum"). Shape arithmetic (``x.size(0) * 2``) is not
 a tensor op and is ignored. The notes give the coverage: rewritten / (rewritten + left).
 
@@ -66,10 +72,18 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from gml import nn as gnn
-from gml.capture import MUTATES, RETURNS_MUTATED
+from gml.capture import RETURNS_MUTATED
+from gml.ir.alias import (
+    INPLACE_CAPABLE_MODULES,
+    MUTATES,
+    returns_alias,
+    writes_in_place,
+)
+from gml.ir.alias import inplace_spelling as _is_inplace_spelling
+from gml.ir.layers import behaves_as
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import node_label, op_kind
-from gml.passes.utils import modules_of
+from gml.passes.utils import modules_of, remove_unused_nodes
 
 # Spellings oplib does not list yet (candidates to move there).
 _EXTRA_KINDS: dict[Callable, str] = {
@@ -132,6 +146,15 @@ _SIG_BY_KIND: dict[str, _Sig] = {
         {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True, "divisor_override": None},
     ),
     "dropout": _DROPOUT,
+    "batchnorm": _Sig(
+        ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+        {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
+    ),
+    "linear": _Sig(("input", "weight", "bias"), {"bias": None}),
+    "conv": _Sig(
+        ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+    ),
 }
 
 _ATEN_POOL = _Sig(
@@ -159,78 +182,9 @@ _SIG_BY_TARGET: dict[Any, _Sig] = {
 }
 _KWARG_ALIASES = {"train": "training", "self": "input"}
 
-# Activation modules whose ``inplace=True`` overwrites their input.
-_INPLACE_MODULES: tuple[type[nn.Module], ...] = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.Hardtanh,
-    nn.SiLU,
-    nn.Hardswish,
-    nn.Hardsigmoid,
-    nn.LeakyReLU,
-    nn.ELU,
-    nn.CELU,
-    nn.SELU,
-    nn.Mish,
-    nn.Threshold,
-    nn.RReLU,
-)
+# Activation modules whose ``inplace=True`` overwrites their input (the op table's activations).
+_INPLACE_MODULES = INPLACE_CAPABLE_MODULES
 _DROPOUT_MODULES = (nn.modules.dropout._DropoutNd,)
-
-# Ops whose result shares storage with their first argument.
-_VIEW_METHODS = frozenset(
-    [
-        "view",
-        "view_as",
-        "reshape",
-        "reshape_as",
-        "permute",
-        "transpose",
-        "t",
-        "squeeze",
-        "unsqueeze",
-        "flatten",
-        "unflatten",
-        "expand",
-        "expand_as",
-        "narrow",
-        "select",
-        "contiguous",
-        "split",
-        "chunk",
-        "unbind",
-        "as_strided",
-        "detach",
-        "movedim",
-        "swapaxes",
-        "diagonal",
-        "__getitem__",
-        "unfold",
-    ]
-)
-_VIEW_FUNCTIONS: frozenset[Any] = frozenset(
-    {
-        operator.getitem,
-        torch.reshape,
-        torch.flatten,
-        torch.transpose,
-        torch.permute,
-        torch.squeeze,
-        torch.unsqueeze,
-        torch.narrow,
-        torch.select,
-        torch.split,
-        torch.chunk,
-        torch.unbind,
-        torch.t,
-        torch.movedim,
-        torch.swapaxes,
-        torch.as_strided,
-        torch.detach,
-        torch.diagonal,
-    }
-)
-_ALIAS_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten, *_DROPOUT_MODULES)
 
 # Methods / attributes that yield Python numbers, shapes or dtypes rather than tensors.
 _NON_TENSOR_METHODS = frozenset(
@@ -243,54 +197,8 @@ class _Decline(Exception):
     """A candidate this pass will not rewrite; the message is the user-facing reason."""
 
 
-def _is_inplace_spelling(node: fx.Node) -> bool:
-    if node.target in (operator.iadd, operator.imul):
-        return True
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.endswith("__")
-
-
 #: Start of the skip reason for an opaque call whose in-place write stays invisible to data flow.
 OPAQUE_WRITE_KEPT = "opaque call overwrites"
-
-
-def returns_alias(n: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    """Whether ``n``'s result may share storage with its first argument (a view, an in-place op)."""
-    if n.op == "call_method":
-        return n.target in _VIEW_METHODS or _is_inplace_spelling(n)
-    if n.op == "call_function":
-        return n.target in _VIEW_FUNCTIONS or _is_inplace_spelling(n) or n.kwargs.get("inplace") is True
-    if n.op == "call_module":
-        mod = modules.get(str(n.target))
-        return isinstance(mod, _ALIAS_MODULES) or (isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False))
-    return False
-
-
-def written_in_place(node: fx.Node, modules: dict[str, nn.Module]) -> fx.Node | None:
-    """A later op that overwrites ``node``'s value, directly or through a view of it, if any."""
-    work, seen = [node], {node}
-    while work:
-        current = work.pop()
-        for user in current.users:
-            if (writes_in_place(user, modules) and user.args and user.args[0] is current) or (
-                current.name in user.meta.get(MUTATES, ())
-            ):
-                return user
-            if user not in seen and returns_alias(user, modules) and user.args and user.args[0] is current:
-                seen.add(user)
-                work.append(user)
-    return None
-
-
-def writes_in_place(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
-    """Whether ``node`` overwrites its first operand (``x.relu_()``, ``inplace=True``, an
-    ``nn.ReLU(inplace=True)`` call, ``x += y``)."""
-    if node.op == "call_module":
-        mod = modules.get(str(node.target))
-        return isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False)
-    if node.op in ("call_function", "call_method"):
-        return _is_inplace_spelling(node) or node.kwargs.get("inplace") is True
-    return False
 
 
 def _bind(node: fx.Node, sig: _Sig) -> dict[str, Any]:
@@ -503,7 +411,8 @@ class Normalize(GraphPass):
         sites: dict[str, list[fx.Node]] = {}
         for node in self._gm.graph.nodes:
             mod = self._modules.get(str(node.target)) if node.op == "call_module" else None
-            if isinstance(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False):
+            # behaves_as: a subclass with its own forward may not honour ``inplace=False``
+            if behaves_as(mod, _INPLACE_MODULES) and getattr(mod, "inplace", False):
                 sites.setdefault(str(node.target), []).append(node)
         for target, nodes in sites.items():
             hazards = [(n, self._mutation_hazard(n, n.args[0] if n.args else None)) for n in nodes]
@@ -586,7 +495,7 @@ class Normalize(GraphPass):
             self._gm.graph.erase_node(node)
             self._rewritten["nn.Identity"] += 1
             return
-        if not isinstance(mod, _DROPOUT_MODULES) or not self.remove_dropout:
+        if not behaves_as(mod, _DROPOUT_MODULES) or not self.remove_dropout:
             return
         if mod.training and mod.p > 0:
             self._decline(node, "dropout module is in training mode (random); call model.eval() first")
@@ -623,6 +532,7 @@ class Normalize(GraphPass):
             if not self._is_tensor(bound["input"]):
                 raise _Decline("the input is not a tensor")
             module, inputs = self._build(kind, node, bound), (bound["input"],)
+            stored = [a for a in node.all_input_nodes if a.op == "get_attr"]  # now held by the module
         inplace = _is_inplace_spelling(node) or bound.get("inplace") is True
         mutated = bound["input"]
         if inplace:
@@ -630,6 +540,8 @@ class Normalize(GraphPass):
             if hazard is not None:
                 raise _Decline(f"in-place op kept: {hazard}")
         new = self._insert_module(node, kind, module, inputs)
+        if kind in ("batchnorm", "conv", "linear"):
+            remove_unused_nodes(self._gm.graph, stored)
         if inplace:
             self._redirect_later_readers(node, mutated, new)
         self._rewritten[node_label(node, self._modules)] += 1
@@ -699,6 +611,12 @@ class Normalize(GraphPass):
 
     def _build(self, kind: str, node: fx.Node, bound: dict[str, Any]) -> nn.Module:
         c = lambda key: _constant(bound, key)  # noqa: E731
+        if kind == "batchnorm":
+            return self._batch_norm_module(node, bound)
+        if kind == "conv":
+            return self._conv_module(node, bound)
+        if kind == "linear":
+            return self._linear_module(bound)
         if kind == "relu":
             return nn.ReLU()
         if kind == "relu6":
@@ -750,6 +668,86 @@ class Normalize(GraphPass):
                 **kwargs,
             )
         raise _Decline(f"no module builder for {kind}")  # pragma: no cover - table and builders agree
+
+    def _stored_tensor(self, bound: dict[str, Any], key: str) -> torch.Tensor | None:
+        """A tensor argument that is a parameter/buffer of the model (a ``get_attr``), or None."""
+        value = bound[key]
+        if value is None:
+            return None
+        if not (isinstance(value, fx.Node) and value.op == "get_attr"):
+            raise _Decline(f"{key} is computed at run time, not a stored parameter or buffer")
+        obj: Any = self._gm
+        for part in str(value.target).split("."):
+            obj = getattr(obj, part)
+        if not isinstance(obj, torch.Tensor):
+            raise _Decline(f"{key} is not a tensor")
+        return obj
+
+    def _batch_norm_module(self, node: fx.Node, bound: dict[str, Any]) -> nn.Module:
+        """``F.batch_norm`` in eval form (``training=False``, stored running statistics; timm's
+        ``BatchNormAct2d`` calls it on its own buffers) → the ``nn.BatchNorm{1,2,3}d`` whose eval
+        forward makes this very call, so FoldBatchNorm and the INT8 lowering see a module."""
+        training = _constant(bound, "training")
+        mean, var = self._stored_tensor(bound, "running_mean"), self._stored_tensor(bound, "running_var")
+        if training is not False or mean is None or var is None:
+            raise _Decline("batch_norm with batch statistics (training=True or no running statistics)")
+        weight, bias = self._stored_tensor(bound, "weight"), self._stored_tensor(bound, "bias")
+        if (weight is None) != (bias is None):
+            raise _Decline("batch_norm with only one of weight/bias has no module form")
+        meta = bound["input"].meta.get("tensor_meta") if isinstance(bound["input"], fx.Node) else None
+        rank = len(meta.shape) if isinstance(meta, TensorMetadata) else None
+        cls = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}.get(rank or 0)
+        if cls is None:
+            raise _Decline(f"batch_norm on a {rank}-D input (unknown without shape propagation) has no module form")
+        momentum, eps = _constant(bound, "momentum"), _constant(bound, "eps")
+        affine = weight is not None
+        bn = cls(mean.numel(), eps=eps, momentum=momentum, affine=affine, device=mean.device, dtype=mean.dtype)
+        bn.running_mean, bn.running_var = mean.detach(), var.detach()  # shared, as the caller's were
+        if weight is not None and bias is not None:
+            bn.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(), False)
+            bn.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), False)
+        return bn.eval()
+
+    def _conv_module(self, node: fx.Node, bound: dict[str, Any]) -> nn.Module:
+        """``F.conv{1,2,3}d`` with a stored weight (timm's ``StdConv2d`` after FoldConstants, a
+        ``Conv2dSame`` traced through) → the ``nn.Conv{1,2,3}d`` whose forward makes this very call."""
+        weight, bias = self._stored_tensor(bound, "weight"), self._stored_tensor(bound, "bias")
+        assert weight is not None
+        dims = _dims(node.target)
+        if weight.dim() != dims + 2:
+            raise _Decline(f"conv{dims}d weight of rank {weight.dim()}")
+        groups = _constant(bound, "groups")
+        cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        conv = cls(
+            weight.shape[1] * groups,
+            weight.shape[0],
+            tuple(weight.shape[2:]),
+            stride=_constant(bound, "stride"),
+            padding=_constant(bound, "padding"),
+            dilation=_constant(bound, "dilation"),
+            groups=groups,
+            bias=bias is not None,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        conv.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(), False)
+        if bias is not None:
+            conv.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), False)
+        return conv.eval()
+
+    def _linear_module(self, bound: dict[str, Any]) -> nn.Module:
+        """``F.linear`` with a stored weight → the ``nn.Linear`` whose forward makes this very call."""
+        weight, bias = self._stored_tensor(bound, "weight"), self._stored_tensor(bound, "bias")
+        assert weight is not None
+        if weight.dim() != 2:
+            raise _Decline(f"linear weight of rank {weight.dim()}")
+        lin = nn.Linear(
+            weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+        )
+        lin.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(), False)
+        if bias is not None:
+            lin.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), False)
+        return lin.eval()
 
     # ------------------------------------------------------------------ report
     def _coverage(self) -> list[str]:

@@ -2,7 +2,9 @@
 
 Order matters and is fixed here, not discovered:
 
-* ``Normalize`` first, so every later pass sees one node kind per op (ADR 001).
+* ``FoldConstants`` first: what depends only on parameters (timm's standardized conv weights) becomes
+  a stored tensor, so Normalize can give the conv that reads it a module form.
+* ``Normalize`` next, so every later pass sees one node kind per op (ADR 001).
 * ``UntieSharedModules`` before anything that rewrites a module, so a rewrite at one call site
   can never change another (BasicBlock's shared ``relu``).
 * ``FoldBatchNorm`` before fusion: conv+BN+ReLU becomes conv+ReLU, which the fused kernels take.
@@ -10,6 +12,8 @@ Order matters and is fixed here, not discovered:
   matmul) and before the fusions: attention becomes one ``gml.attention`` call they leave alone.
 * fusions last, since they replace modules with kernel modules that other passes do not look into;
   their own order (and why) is in :mod:`gml.passes.fuse_all`.
+* ``LeafMemoryFormat`` after them: fused convs write channels-last; an opaque leaf gets back the
+  layout it was traced with.
 """
 
 from __future__ import annotations
@@ -17,24 +21,28 @@ from __future__ import annotations
 from gml.passes.attention import FuseAttention
 from gml.passes.base import GraphPass
 from gml.passes.fold_bn import FoldBatchNorm
+from gml.passes.fold_constants import FoldConstants
 from gml.passes.fuse_all import FUSION_PASS_CLASSES, fusion_passes
+from gml.passes.leaf_format import LeafMemoryFormat
 from gml.passes.normalize import Normalize
 from gml.passes.untie import UntieSharedModules
 
 
 def canonical_passes() -> list[GraphPass]:
-    """Normalize → untie → fold BN: the exact rewrites both the fp32 and INT8 pipelines start with."""
-    return [Normalize(), UntieSharedModules(), FoldBatchNorm()]
+    """Fold constants → normalize → untie → fold BN: the exact rewrites both the fp32 and INT8
+    pipelines start with."""
+    return [FoldConstants(), Normalize(), UntieSharedModules(), FoldBatchNorm()]
 
 
 def fp32_passes() -> list[GraphPass]:
     """The default fp32 pipeline of ``gml optimize`` / :func:`gml.optimize`."""
-    return [*canonical_passes(), FuseAttention(), *fusion_passes()]
+    return [*canonical_passes(), FuseAttention(), *fusion_passes(), LeafMemoryFormat()]
 
 
 def available_passes() -> dict[str, type[GraphPass]]:
     """Pass name → class, for ``gml optimize --passes``; names are the passes' own ``name``."""
-    classes: list[type[GraphPass]] = [Normalize, UntieSharedModules, FoldBatchNorm, FuseAttention, *FUSION_PASS_CLASSES]
+    classes: list[type[GraphPass]] = [FoldConstants, Normalize, UntieSharedModules, FoldBatchNorm, FuseAttention]
+    classes += [*FUSION_PASS_CLASSES, LeafMemoryFormat]
     return {cls.name: cls for cls in classes}
 
 

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from gml.capture import MutableArgsInterpreter
 from gml.errors import InputError
+from gml.ir.library import output_qparams_args
 from gml.passes.oplib import node_label
 
 
@@ -52,6 +53,12 @@ class LayerError:
         return self.sqnr_db / 6.02 if math.isfinite(self.sqnr_db) else math.inf
 
 
+#: Output cosine below which an INT8 result is reported BROKEN: a working INT8 model agrees with its
+#: fp32 source to 0.99+ (ResNet/MobileNet/ViT: 0.995-0.9999 here); 0.9 means the signal is mostly
+#: noise. ``gml quantize --min-cosine`` / ``quantize(min_cosine=...)`` set a stricter bar that fails.
+BROKEN_COSINE = 0.9
+
+
 @dataclass
 class AccuracyReport:
     """Model-level agreement and per-layer SQNR of an INT8 model against its fp32 source."""
@@ -66,6 +73,35 @@ class AccuracyReport:
     unmatched: list[str] = field(default_factory=list)  # INT8 nodes with no fp32 counterpart
     fp32_max_abs: float | None = None  # largest |output| of each model: says which side is zero
     int8_max_abs: float | None = None
+    fp32_nonfinite: int = 0  # NaN/Inf output elements of each model
+    int8_nonfinite: int = 0
+
+    @property
+    def broken(self) -> str | None:
+        """Why this INT8 result must not be used (cosine below :data:`BROKEN_COSINE`, NaN/Inf that
+        one model has and the other not), naming the worst layer; ``None`` when it is not broken."""
+        why = self.below(BROKEN_COSINE)
+        if why is None:
+            return None
+        worst = self.worst(1)
+        if worst:
+            e = worst[0]
+            sq = f"{e.sqnr_db:.1f} dB" if math.isfinite(e.sqnr_db) else str(e.sqnr_db)
+            why += f"; worst layer {e.node} ({e.op}): SQNR {sq}, max |diff| {e.max_abs_diff:.3g}"
+        return why
+
+    def below(self, min_cosine: float) -> str | None:
+        """Why the result fails the bar ``cosine >= min_cosine``, or ``None`` when it passes."""
+        if self.fp32_nonfinite or self.int8_nonfinite:
+            if self.fp32_nonfinite == self.int8_nonfinite and not math.isnan(self.cosine):
+                pass  # both sides agree on where NaN/Inf are; the cosine of the rest decides
+            else:
+                return f"non-finite outputs: {self.fp32_nonfinite} NaN/Inf in fp32, {self.int8_nonfinite} in INT8"
+        if math.isnan(self.cosine):
+            return None if self.fp32_max_abs == 0 and self.int8_max_abs == 0 else self._why_no_cosine()
+        if self.cosine < min_cosine:
+            return f"output cosine {self.cosine:.6f} is below {min_cosine}"
+        return None
 
     @property
     def accuracy_drop(self) -> float | None:
@@ -80,6 +116,11 @@ class AccuracyReport:
     def summary(self) -> str:
         cos = f"output cosine {self.cosine:.6f}" if math.isfinite(self.cosine) else self._why_no_cosine()
         parts = [f"{self.samples} samples", cos, f"max |diff| {self.max_abs_diff:.4g}"]
+        if self.fp32_nonfinite or self.int8_nonfinite:
+            parts.append(f"NaN/Inf outputs: fp32 {self.fp32_nonfinite}, INT8 {self.int8_nonfinite}")
+        broken = self.broken
+        if broken:
+            parts.insert(0, f"BROKEN ({broken})")
         if self.top1_agreement is not None:
             parts.append(f"top-1 agreement {100 * self.top1_agreement:.2f}%")
         if self.fp32_top1 is not None and self.int8_top1 is not None:
@@ -87,6 +128,10 @@ class AccuracyReport:
         return ", ".join(parts)
 
     def _why_no_cosine(self) -> str:
+        if self.fp32_nonfinite:
+            return f"output cosine undefined: the fp32 outputs hold {self.fp32_nonfinite} NaN/Inf values"
+        if self.int8_nonfinite:
+            return f"output cosine undefined: the INT8 outputs hold {self.int8_nonfinite} NaN/Inf values"
         if self.fp32_max_abs == 0:
             return "output cosine undefined (the fp32 outputs are all zero, e.g. a zero-initialised head)"
         if self.int8_max_abs == 0:
@@ -112,15 +157,15 @@ class AccuracyReport:
 
 
 # ---------------------------------------------------------------- helpers
-def _to_float(value: Any, module: nn.Module | None = None) -> torch.Tensor | None:
+def _to_float(value: Any, qparams: tuple[float, int] | None = None) -> torch.Tensor | None:
     """A dense fp32 view of an activation: QTensors are dequantized, GML uint8 outputs are mapped
-    back with the module's output qparams; non-tensors give ``None``."""
+    back with the op's output qparams (``(scale, zero_point)``); non-tensors give ``None``."""
     if not isinstance(value, torch.Tensor):
         return None
     if value.is_quantized:
         return value.dequantize()
-    if value.dtype in (torch.uint8, torch.int8) and module is not None and hasattr(module, "output_scale"):
-        return (value.to(torch.float32) - float(module.output_zp)) * float(module.output_scale)
+    if value.dtype in (torch.uint8, torch.int8) and qparams is not None:
+        return (value.to(torch.float32) - qparams[1]) * qparams[0]
     return value.float() if value.is_floating_point() else None
 
 
@@ -169,8 +214,7 @@ class _Recorder(MutableArgsInterpreter):
             if key in self.values:  # already holds the post-quantize value
                 return result
         if self.keys is None or key in self.keys:
-            mod = self.modules.get(str(n.target)) if n.op == "call_module" else None
-            value = _to_float(result, mod)
+            value = _to_float(result, output_qparams_args(n))
             if value is not None:
                 self.values[key] = value.detach()
         return result
@@ -184,6 +228,12 @@ def _compute_nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
                 continue
             out[_match_key(n)] = n
     return out
+
+
+def _arity(model: nn.Module) -> int | None:
+    if isinstance(model, fx.GraphModule):
+        return sum(1 for n in model.graph.nodes if n.op == "placeholder")
+    return None
 
 
 def _as_args(batch: Any) -> tuple[Any, ...]:
@@ -225,15 +275,33 @@ def accuracy_report(
 
     dot = na = nb = 0.0
     max_diff = max_r = max_q = 0.0
+    bad_r = bad_q = 0
     samples = agree = 0
     correct_fp32 = correct_int8 = 0
     classified = 0
     labels_list = list(labels) if labels is not None else None
+    arity = _arity(int8_model)
+    labelled = 0  # samples whose top-1 accuracy was counted
     batches = 0
     with torch.no_grad():
         for i, batch in enumerate(inputs):
             args = _as_args(batch)
-            ref_out = _flat_outputs(fp32_model(*args))
+            y = labels_list[i] if labels_list is not None and i < len(labels_list) else None
+            if arity is not None and len(args) > arity:
+                # (inputs, labels) pairs, as a DataLoader yields them: the extra item is the label
+                extra = args[arity]
+                if y is None and isinstance(extra, torch.Tensor) and not extra.is_floating_point():
+                    y = extra
+                args = args[:arity]
+            try:
+                ref_out = _flat_outputs(fp32_model(*args))
+            except Exception as exc:
+                shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
+                raise InputError(
+                    f"evaluation batch {i} (shapes {shapes}) does not fit the model: {type(exc).__name__}: "
+                    f"{(str(exc).strip().splitlines() or [''])[0]}",
+                    hint="evaluation batches must look like the example inputs (tensors or (inputs, labels) pairs).",
+                ) from None
             if layer_graphs:
                 rec_q = _Recorder(int8_model, keys, after_quantize=True)  # type: ignore[arg-type]
                 q_out = _flat_outputs(rec_q.run(*args))
@@ -257,6 +325,15 @@ def accuracy_report(
                 )
             for r, q in zip(ref_out, q_out):
                 r64, q64 = r.double().flatten(), q.double().flatten()
+                fin_r, fin_q = torch.isfinite(r64), torch.isfinite(q64)
+                bad_r += int((~fin_r).sum())
+                bad_q += int((~fin_q).sum())
+                if not (fin_r.all() and fin_q.all()):
+                    if not torch.equal(fin_r, fin_q) or not torch.equal(r64[~fin_r], q64[~fin_q]):
+                        # NaN/Inf in one model where the other has a number (or another NaN/Inf)
+                        dot, max_diff = math.nan, math.inf
+                    both = fin_r & fin_q  # the rest is compared as usual
+                    r64, q64 = r64[both], q64[both]
                 dot += float(r64 @ q64)
                 na += float(r64 @ r64)
                 nb += float(q64 @ q64)
@@ -271,14 +348,14 @@ def accuracy_report(
                 pr, pq = first_r.argmax(1), first_q.argmax(1)
                 agree += int((pr == pq).sum())
                 classified += n
-                if labels_list is not None:
-                    y = labels_list[i]
+                if y is not None:
+                    labelled += n
                     correct_fp32 += int((pr == y).sum())
                     correct_int8 += int((pq == y).sum())
             batches += 1
     if batches == 0:
         raise InputError("no inputs to compare on.", hint="pass at least one held-out batch.")
-    cosine = dot / math.sqrt(na * nb) if na > 0 and nb > 0 else float("nan")
+    cosine = dot / math.sqrt(na * nb) if na > 0 and nb > 0 and not math.isnan(dot) else float("nan")
     layers = []
     if layer_graphs:
         modules = dict(int8_model.named_modules(remove_duplicate=False))
@@ -287,18 +364,19 @@ def accuracy_report(
                 continue
             layers.append(LayerError(key, node_label(node, modules), sqnr_db(sig[key], noise[key]), worst[key]))
     unmatched = [k for k in int8_nodes if k not in keys or not compared[k]]
-    with_labels = labels_list is not None and classified
     return AccuracyReport(
         samples=samples,
         cosine=cosine,
         max_abs_diff=max_diff,
         top1_agreement=agree / classified if classified else None,
-        fp32_top1=correct_fp32 / classified if with_labels else None,
-        int8_top1=correct_int8 / classified if with_labels else None,
+        fp32_top1=correct_fp32 / labelled if labelled else None,
+        int8_top1=correct_int8 / labelled if labelled else None,
         layers=layers,
         unmatched=unmatched,
         fp32_max_abs=max_r,
         int8_max_abs=max_q,
+        fp32_nonfinite=bad_r,
+        int8_nonfinite=bad_q,
     )
 
 
@@ -312,4 +390,4 @@ def top1_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size
     return correct / len(x)
 
 
-__all__ = ["AccuracyReport", "LayerError", "accuracy_report", "sqnr_db", "top1_accuracy"]
+__all__ = ["BROKEN_COSINE", "AccuracyReport", "LayerError", "accuracy_report", "sqnr_db", "top1_accuracy"]

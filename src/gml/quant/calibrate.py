@@ -13,9 +13,11 @@ trailing items beyond the model's argument count are dropped. With no user data,
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +34,65 @@ class CalibrationStats:
     samples: int
     seconds: float
     source: str = "user data"  # or "generated"
+    warnings: list[str] = field(default_factory=list)  # what is weak about this calibration
+
+
+class CalibrationWarning(UserWarning):
+    """Calibration ran but is weak (too few samples); the INT8 model is made anyway."""
+
+
+#: Fewer calibration samples than this get a warning: ranges from a handful of images are noisy.
+MIN_SAMPLES = 8
+#: A largest |value| this many times the 99.9th percentile of |values| is an outlier that would set
+#: the whole input's scale (a 1e6 pixel among N(0, 1) data: INT8 cosine 0.73, every observer).
+OUTLIER_RATIO = 1e3
+#: Values this large are not data (uninitialised memory, a float limit): refused.
+EXTREME_ABS = 1e15
+
+
+class _RangeTracker:
+    """What calibration saw of each floating model input: range, largest |value| and where, and a
+    robust scale (99.9th percentile of |value| on a subsample), to tell degenerate data apart."""
+
+    def __init__(self) -> None:
+        self.lo: dict[int, float] = {}
+        self.hi: dict[int, float] = {}
+        self.peak: dict[int, tuple[float, int]] = {}  # input -> (max |x|, batch index)
+        self.typical: dict[int, float] = {}  # input -> largest per-batch 99.9th percentile of |x|
+
+    def update(self, args: tuple[Any, ...], index: int) -> None:
+        for j, a in enumerate(args):
+            if not (isinstance(a, torch.Tensor) and a.is_floating_point() and a.numel()):
+                continue
+            flat = a.detach().reshape(-1).float()
+            self.lo[j] = min(self.lo.get(j, math.inf), float(flat.min()))
+            self.hi[j] = max(self.hi.get(j, -math.inf), float(flat.max()))
+            mag = flat.abs()
+            peak = float(mag.max())
+            if peak > self.peak.get(j, (-1.0, 0))[0]:
+                self.peak[j] = (peak, index)
+            sample = mag[:: max(1, mag.numel() // 100_000)]
+            k = max(1, math.ceil(0.999 * sample.numel()))
+            self.typical[j] = max(self.typical.get(j, 0.0), float(sample.kthvalue(k).values))
+
+    def problems(self) -> list[str]:
+        """Why these inputs cannot calibrate anything (refused), one line per input."""
+        out = []
+        for j in sorted(self.lo):
+            lo, hi = self.lo[j], self.hi[j]
+            peak, at = self.peak[j]
+            if lo == hi == 0:
+                out.append(f"input {j} is all zeros in every batch")
+            elif lo == hi:
+                out.append(f"input {j} is the constant {lo:g} in every batch")
+            elif peak >= EXTREME_ABS:
+                out.append(f"input {j} reaches {peak:.3g} (batch {at}): not a value real data takes")
+            elif self.typical[j] > 0 and peak > OUTLIER_RATIO * self.typical[j]:
+                out.append(
+                    f"input {j} has an outlier {peak:.3g} in batch {at}, {peak / self.typical[j]:.0f}x its "
+                    f"99.9th percentile {self.typical[j]:.3g}: it would set the scale and crush every other value"
+                )
+        return out
 
 
 def generate_batches(
@@ -132,6 +193,7 @@ def calibrate(
     bar = _progress_bar(progress)
     t0 = time.perf_counter()
     batches = samples = 0
+    ranges = _RangeTracker()
     with bar, torch.no_grad():
         task = bar.add_task("calibrating", total=total)
         for i, batch in enumerate(_iterator(data)):
@@ -139,6 +201,7 @@ def calibrate(
                 break
             args = _as_args(batch, arity)
             _check_finite(args, i)
+            ranges.update(args, i)
             try:
                 prepared(*args)
             except Exception as exc:
@@ -157,7 +220,30 @@ def calibrate(
             "calibration data is empty: the observers saw nothing, so every scale would be a guess.",
             hint="pass at least one batch, or a number of batches to generate (e.g. --calib 8).",
         )
-    return CalibrationStats(batches, samples, time.perf_counter() - t0, source)
+    problems = ranges.problems()
+    if problems:
+        raise InputError(
+            "calibration data is degenerate: " + "; ".join(problems) + ". INT8 scales chosen from it would "
+            "not fit real inputs (all-zero batches gave cosine 0.98 and 0% top-1 agreement, one 1e6 outlier 0.73).",
+            hint="calibrate on real, preprocessed inputs (as the model sees them in production); drop or clip "
+            "outliers (torch.clamp) and check the data pipeline for padding-only or uninitialised batches.",
+        )
+    notes = []
+    if samples < MIN_SAMPLES:
+        notes.append(
+            f"calibrated on {samples} sample(s): activation ranges from fewer than {MIN_SAMPLES} are noisy; "
+            "pass more batches for stable INT8 scales"
+        )
+        warnings.warn(notes[-1], CalibrationWarning, stacklevel=2)
+    return CalibrationStats(batches, samples, time.perf_counter() - t0, source, notes)
 
 
-__all__ = ["CalibrationStats", "calibrate", "generate_batches"]
+__all__ = [
+    "EXTREME_ABS",
+    "MIN_SAMPLES",
+    "OUTLIER_RATIO",
+    "CalibrationStats",
+    "CalibrationWarning",
+    "calibrate",
+    "generate_batches",
+]

@@ -44,7 +44,9 @@ from torch import fx, nn
 from gml import nn as gnn
 from gml.capture import MUTATES
 from gml.errors import InputError, UnsupportedError
-from gml.passes.base import PassResult, Skip, Tolerance
+from gml.ir.layers import behaves_as
+from gml.ir.qdq import is_dequantize, is_quantize_any
+from gml.passes.base import PassResult, Skip
 from gml.passes.manager import PassManager, PipelineReport
 from gml.quant.backend_config import (
     NORMALIZED_MODULES,
@@ -58,7 +60,6 @@ from gml.quant.calibrate import CalibrationStats, calibrate, generate_batches
 # torch.ao.quantization's removal notice starts with this sentence (torch/ao/quantization/utils.py).
 _DEPRECATION = re.compile(r"torch\.ao\.quantization is deprecated", re.IGNORECASE)
 
-QUANTIZE_FNS = (torch.quantize_per_tensor, torch.quantize_per_channel)
 
 _QTENSOR_NOTICE = r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor creation"
 
@@ -123,6 +124,8 @@ class FrontendReport:
     def summary(self) -> str:
         cal = self.calibration
         seen = f"{cal.batches} batches / {cal.samples} samples ({cal.source})" if cal else "not calibrated"
+        if cal and cal.warnings:
+            seen += " (warning: " + "; ".join(cal.warnings) + ")"
         return (
             f"{len(self.quantized)} ops INT8 ({len(self.fused)} fused), {len(self.fp32)} fp32; "
             f"observer={self.observer}, weights per-{'channel' if self.per_channel else 'tensor'}, "
@@ -151,20 +154,10 @@ class ReferenceResult:
 
 # ---------------------------------------------------------------- fp32 passes
 def fp32_passes() -> list:
-    """The fp32 pipeline that runs before ``prepare``: the canonical passes (normalize so the
-    BackendConfig sees one module type per op; untie so every fusion owns its modules; fold BN so
-    the convs carry final weights when their ranges are observed), then put the fusable conv first
-    in each add (the one operand order the BackendConfig lists)."""
-    from gml.passes.base import FunctionPass
-    from gml.passes.pipeline import canonical_passes
+    """The fp32 passes before ``prepare``: :func:`gml.quant.pipeline.reference_passes`."""
+    from gml.quant.pipeline import reference_passes
 
-    exact = Tolerance(atol=0.0, rtol=0.0)
-    return [
-        *canonical_passes(),
-        # exact for y + y; other factors round differently by about an ulp (see its docstring)
-        FunctionPass(fold_self_add_into_conv, "fold_self_add_into_conv", Tolerance(atol=0.0, rtol=1e-5)),
-        FunctionPass(conv_operand_first, "conv_operand_first", exact),
-    ]
+    return reference_passes()
 
 
 def _fusable_conv(node: Any, modules: dict[str, nn.Module]) -> bool:
@@ -310,6 +303,7 @@ def prepare(
     from torch.ao.quantization.quantize_fx import prepare_fx
 
     gm = copy.deepcopy(gm)
+    _check_outputs_are_tensors(gm)
     leaves = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_module"})
     custom = (
         PrepareCustomConfig()
@@ -327,6 +321,21 @@ def prepare(
         )
     _observe_fixed_qparams_inputs(prepared, activation_observer(observer, backend=backend, percentile=percentile))
     return prepared
+
+
+def _check_outputs_are_tensors(gm: fx.GraphModule) -> None:
+    """torch.ao's prepare takes tensors (in tuples, lists, dicts) and ``None`` as outputs; a constant
+    among them (an int, a string) made it raise a bare ``Exception``."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    odd: list[Any] = []
+    fx.node.map_aggregate(out.args[0], lambda a: a if isinstance(a, fx.Node) or a is None else odd.append(a))
+    if odd:
+        raise UnsupportedError(
+            f"INT8 quantization needs forward() to return tensors (in tuples, lists or dicts); this model also "
+            f"returns the constant {odd[0]!r} ({type(odd[0]).__name__}).",
+            hint="return the constant from somewhere else (an attribute, a second method), or quantize the "
+            "part of the model that returns tensors (--submodule); `gml optimize` (fp32) keeps such outputs.",
+        )
 
 
 def _observe_fixed_qparams_inputs(prepared: fx.GraphModule, observer_ctor: Any) -> int:
@@ -399,16 +408,6 @@ def convert_reference(prepared: fx.GraphModule, *, backend: str = "onednn") -> f
 
 
 # ---------------------------------------------------------------- graph helpers
-def is_quantize(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in QUANTIZE_FNS
-
-
-def is_dequantize(node: fx.Node) -> bool:
-    return (node.op == "call_method" and node.target == "dequantize") or (
-        node.op == "call_function" and node.target is torch.dequantize
-    )
-
-
 def keep_outputs_fp32(gm: fx.GraphModule) -> list[str]:
     """Drop quantize → dequantize pairs right before the graph output when the quantized value
     comes from a weighted op (conv/linear): their INT8 kernels can write fp32 directly, and
@@ -420,12 +419,12 @@ def keep_outputs_fp32(gm: fx.GraphModule) -> list[str]:
         if not is_dequantize(dq) or len(dq.users) != 1:
             continue
         q = dq.args[0]
-        if not (isinstance(q, fx.Node) and is_quantize(q) and len(q.users) == 1):
+        if not (isinstance(q, fx.Node) and is_quantize_any(q) and len(q.users) == 1):
             continue
         src = q.args[0]
         mod = modules.get(str(src.target)) if isinstance(src, fx.Node) and src.op == "call_module" else None
         root = mod[0] if isinstance(mod, nn.Sequential) and len(mod) else mod  # fused nni modules
-        if not isinstance(root, nn.Conv2d | nn.Linear):
+        if not behaves_as(root, (nn.Conv2d, nn.Linear)):
             continue
         output.replace_input_with(dq, src)
         for n in (dq, q, *[a for a in q.args[1:] if isinstance(a, fx.Node)]):
@@ -460,7 +459,7 @@ def summarize_reference(gm: fx.GraphModule, backend: str = "onednn") -> list[OpS
     for node in gm.graph.nodes:
         if node.op not in ("call_module", "call_function", "call_method"):
             continue
-        if is_quantize(node) or is_dequantize(node) or node.target is operator.getitem:
+        if is_quantize_any(node) or is_dequantize(node) or node.target is operator.getitem:
             continue
         reads_dq = any(is_dequantize(a) for a in node.all_input_nodes)
         feeds_q = _feeds_quantize(node)
@@ -487,7 +486,7 @@ def _feeds_quantize(node: fx.Node) -> bool:
     """Output reaches a quantize directly or through a single-user chain (Add → ReLU → quantize)."""
     current = node
     for _ in range(4):
-        if any(is_quantize(u) for u in current.users):
+        if any(is_quantize_any(u) for u in current.users):
             return True
         if len(current.users) != 1:
             return False

@@ -1,4 +1,4 @@
-"""Lower a reference Q/DQ graph to GML INT8 modules that pass uint8 tensors to each other.
+"""Lower a reference Q/DQ graph to ``torch.ops.gml`` calls that pass uint8 tensors to each other.
 
 Before (what torch.ao's ``convert_to_reference_fx`` produces; every quantized value is a
 ``quantize`` node read through ``dequantize`` nodes)::
@@ -8,23 +8,23 @@ Before (what torch.ao's ``convert_to_reference_fx`` produces; every quantized va
     b  = relu(conv2(q1.dequantize()) + q0.dequantize());  q2 = quantize(b, s2, z2)
     y  = q2.dequantize()
 
-After::
+After (every qparam, geometry and post-op an argument; weights ``get_attr`` constants; docs/ir.md)::
 
-    u0 = Quantize(s0, z0)(x)          # fp32 → uint8, once, where the INT8 region starts
-    u1 = QConv2d(relu)(u0)            # uint8 → uint8
-    u2 = QConv2dAdd(relu)(u1, u0)     # relu(conv2(u1) + u0): one oneDNN kernel (sum post-op)
-    y  = Dequantize(s2, z2)(u2)       # uint8 → fp32, once, where it ends
+    u0 = gml.quantize(x, s0, z0)                          # fp32 → uint8, once, where INT8 starts
+    u1 = gml.qconv(u0, s0, z0, W1, sw1, b1, ..., s1, z1, uint8, "relu", ...)
+    u2 = gml.qconv_add(u1, s1, z1, W2, ..., u0, s0, z0, s2, z2, "relu")   # one oneDNN kernel
+    y  = gml.dequantize(u2, s2, z2)                       # uint8 → fp32, once, where it ends
 
-Math. A pattern ``Q_out(f(DQ(u_1), ..., DQ(u_n)))`` with ``DQ(u) = (u - z) * s`` becomes one module
+Math. A pattern ``Q_out(f(DQ(u_1), ..., DQ(u_n)))`` with ``DQ(u) = (u - z) * s`` becomes one op
 ``F(u_1, ..., u_n)`` that computes ``f`` on the integers with the input and output qparams folded in
 (the kernel's job), so each value is quantized exactly once. Fusions: conv/linear + an activation
 the backend's kernel has as eltwise post-op (relu; on oneDNN also ReLU6/hardtanh, hardswish,
-SiLU; on fbgemm ReLU6/hardtanh as a clamp of the result); conv + add (+ relu) for residuals (sum
-post-op). The sum post-op fusion also applies when
-the reference graph quantizes the conv output before the add (``conv → Q → DQ → add``): the
-intermediate rounding disappears, which moves results by at most about one output step — one
-reason this pass has no tolerance (``None``); the tests check it against the reference graph by
-cosine instead.
+SiLU; on fbgemm ReLU6/hardtanh as a clamp of the result); conv + add (+ relu) where the reference
+graph already fused them (torch.ao's ``ConvAdd2d``). When the reference quantizes the conv output
+before the add (``conv → Q → DQ → add``), this pass lowers conv and add separately and the next
+pass of the INT8 pipeline, :class:`~gml.quant.fuse_int8.FuseQConvAdd`, joins them. Lowering
+requantizes in integer kernels where the reference computed in fp32, so this pass has no tolerance
+(``None``); the tests check it against the reference graph by cosine instead.
 
 Phases of :meth:`LowerToGML.call`:
 
@@ -32,19 +32,22 @@ Phases of :meth:`LowerToGML.call`:
    with a fused activation, conv+add(+relu), add(+relu), mul, standalone activations (relu,
    ReLU6/hardtanh as integer clamps, hardswish, sigmoid, hardsigmoid), mean, max/avg pool,
    flatten, cat);
-   on a match, a GML module replaces the pattern; otherwise the quantize node becomes a
-   :class:`~gml.quant.modules.Quantize` module and the op stays in fp32 (a Skip with the reason,
-   e.g. "no INT8 kernel for GELU; kept in fp32", unless it is the model input);
+   on a match, the rule's plan value (a :mod:`gml.quant.modules` class, whose constructor checks
+   what the backend can run) replaces the pattern; otherwise the quantize node becomes a
+   ``gml.quantize`` and the op stays in fp32 (a Skip with the reason, e.g. "no INT8 kernel for
+   GELU; kept in fp32", unless it is the model input);
 2. the replaced patterns are deleted through :func:`~gml.passes.utils.remove_unused_nodes` only (a
    node still read by another branch, such as a residual's dequantize, is never erased); then
    conv / linear whose result is *not* quantized (e.g. logits the frontend keeps fp32) become
-   modules whose kernel writes fp32 directly;
-3. ``QConv2d → QAdd`` pairs fuse into ``QConv2dAdd`` when the backend has the kernel;
-4. shape queries (``x.size()``, ``x.dim()``, ``x.shape``) read the uint8 value directly;
-   dequantize nodes still read by fp32 code become :class:`Dequantize` modules; unused submodules
-   and the reference graph's qparam attributes are dropped;
-5. oneDNN's sum post-op writes into the skip tensor: ``clone_other`` is set on a fused node whose
-   skip tensor (or a view of it) is still read after it.
+   calls whose kernel writes fp32 directly (``out_dtype=torch.float32``);
+3. shape queries (``x.size()``, ``x.dim()``, ``x.shape``) read the uint8 value directly;
+   dequantize nodes still read by fp32 code become ``gml.dequantize``;
+4. every plan becomes the ``torch.ops.gml`` call its ``op_call`` names (data movement: the same
+   torch op on the integers, plus ``gml.requantize`` where qparams change); unused submodules and
+   the reference graph's qparam attributes are dropped.
+
+The ops are functional (``qconv_add`` never writes its residual operand), so no phase has to prove
+a skip tensor dead.
 
 Declined, with a reason: ops with no INT8 kernel (SiLU on its own, GELU, ...), a fused activation
 the backend's kernel lacks ("the fbgemm backend has no INT8 conv2d kernel with a hardswish
@@ -52,8 +55,9 @@ post-op"), inputs that are not quantized (fp32 regions),
 non-uint8 or per-channel activation qparams, asymmetric or non-int8 weights, conv with non-zero
 padding modes / string padding, pools that change qparams in ways the kernel cannot express,
 add with ``alpha != 1`` or broadcasting operands, fp32 op outputs read by other ops as well.
-The coverage (which nodes became which module, which stayed fp32 and why) is in
-:attr:`LowerToGML.coverage` after a run, and in the result's notes.
+The coverage (which nodes became which op, which stayed fp32 and why) lives in ``node.meta`` and
+is read off the graph by :func:`coverage_of` (also ``LoweringResult.coverage`` and the notes); the
+pass keeps no per-run state.
 """
 
 from __future__ import annotations
@@ -69,8 +73,15 @@ import torch.ao.nn.intrinsic as nni
 from torch import fx, nn
 
 from gml.errors import UnsupportedError
-from gml.kernels.backend import Conv2dSpec, Int8Backend, QParams, get_backend
+from gml.ir import library
+from gml.ir.layers import behaves_as
+from gml.ir.ops import ACTIVATION_KINDS, INT8_KINDS
+from gml.ir.qdq import is_dequantize, is_quantize, quantize_args
+from gml.ir.values import ConvSpec, QParams
+from gml.kernels.backend import Int8Backend
 from gml.kernels.fp32 import NO_POST_OP, PostOp, post_op_of, post_op_of_module
+from gml.kernels.int8_ops import register as register_int8_ops
+from gml.kernels.registry import get_backend
 from gml.passes.base import GraphPass, PassResult, Skip
 from gml.passes.oplib import node_label, op_kind
 from gml.passes.utils import add_module, remove_unused_nodes
@@ -102,9 +113,6 @@ from gml.quant.modules import (
     Quantize,
     RuntimeArg,
     extract_qparams,
-    is_dequantize,
-    is_quantize,
-    quantize_args,
     reference_weight,
 )
 
@@ -121,17 +129,24 @@ class CoverageEntry:
 
     nodes: list[str]
     op: str
-    result: str  # GML module class name, or "fp32"
+    result: str  # the torch.ops.gml op (or uint8 data-movement op) it became, or "fp32"
     reason: str = ""
 
 
 @dataclass
 class LoweringCoverage:
-    """Which nodes became which GML module, and which stayed fp32 and why."""
+    """Which nodes became which GML op, and which stayed fp32 and why.
+
+    Read off a lowered graph by :func:`coverage_of` (the entries live in ``node.meta``), so the
+    coverage always describes the module it is reported with, whichever passes ran after lowering.
+    """
 
     lowered: list[CoverageEntry] = field(default_factory=list)
     kept_fp32: list[CoverageEntry] = field(default_factory=list)
-    fused_conv_add: int = 0
+
+    @property
+    def fused_conv_add(self) -> int:
+        return self.counts().get("qconv_add", 0)
 
     def counts(self) -> Counter[str]:
         return Counter(e.result for e in self.lowered)
@@ -179,6 +194,8 @@ class _Ctx:
     gm: fx.GraphModule
     backend: Int8Backend
     modules: dict[str, nn.Module]
+    #: shapes of the uint8 inputs :meth:`u8_input` handed to the rule being tried (for its trial run)
+    input_shapes: list[tuple[int, ...] | None] = field(default_factory=list)
 
     def module(self, node: fx.Node) -> nn.Module | None:
         return self.modules.get(str(node.target)) if node.op == "call_module" else None
@@ -197,6 +214,7 @@ class _Ctx:
             raise Decline("an input's quantize op could not be lowered")
         qp = extract_qparams(src, self.gm)
         assert qp is not None
+        self.input_shapes.append(_shape(arg))
         return src, qp
 
     def label(self, node: fx.Node) -> str:
@@ -232,22 +250,22 @@ def _fused_post_op(act: nn.Module) -> PostOp:
 
 def _as_conv(mod: nn.Module | None) -> tuple[nn.Conv2d, PostOp] | None:
     """(conv, fused post-op) for Conv2d, reference Conv2d, ``nni.ConvReLU2d`` and :class:`ConvAct2d`."""
-    if isinstance(mod, nni.ConvReLU2d) and isinstance(mod[0], nn.Conv2d):
+    if isinstance(mod, nni.ConvReLU2d) and behaves_as(mod[0], nn.Conv2d):
         return mod[0], PostOp("relu")
-    if isinstance(mod, ConvAct2d) and isinstance(mod[0], nn.Conv2d):
+    if isinstance(mod, ConvAct2d) and behaves_as(mod[0], nn.Conv2d):
         return mod[0], _fused_post_op(mod[1])
-    if isinstance(mod, nn.Conv2d):
-        return mod, NO_POST_OP
+    if behaves_as(mod, nn.Conv2d):
+        return mod, NO_POST_OP  # type: ignore[return-value]
     return None
 
 
 def _as_linear(mod: nn.Module | None) -> tuple[nn.Linear, PostOp] | None:
-    if isinstance(mod, nni.LinearReLU) and isinstance(mod[0], nn.Linear):
+    if isinstance(mod, nni.LinearReLU) and behaves_as(mod[0], nn.Linear):
         return mod[0], PostOp("relu")
-    if isinstance(mod, LinearAct) and isinstance(mod[0], nn.Linear):
+    if isinstance(mod, LinearAct) and behaves_as(mod[0], nn.Linear):
         return mod[0], _fused_post_op(mod[1])
-    if isinstance(mod, nn.Linear):
-        return mod, NO_POST_OP
+    if behaves_as(mod, nn.Linear):
+        return mod, NO_POST_OP  # type: ignore[return-value]
     return None
 
 
@@ -275,11 +293,12 @@ def _add_operands(ctx: _Ctx, node: fx.Node) -> tuple[Any, Any] | None:
 
 
 #: Activations a conv/linear kernel may fuse, or that have a standalone INT8 op.
-ACTIVATION_KINDS = ("relu", "relu6", "hardtanh", "hardswish", "silu", "sigmoid", "hardsigmoid")
+#: activations with an INT8 lowering (standalone, or fused as a conv / linear post-op): the op table's tags
+INT8_ACTIVATION_KINDS = ACTIVATION_KINDS & INT8_KINDS
 
 
 def _is_activation(ctx: _Ctx, node: fx.Node) -> bool:
-    return op_kind(node, ctx.modules) in ACTIVATION_KINDS
+    return op_kind(node, ctx.modules) in INT8_ACTIVATION_KINDS
 
 
 def _fuses_into(ctx: _Ctx, producer: fx.Node, act: fx.Node) -> bool:
@@ -301,7 +320,7 @@ def _fuses_into(ctx: _Ctx, producer: fx.Node, act: fx.Node) -> bool:
 
 def _activation(ctx: _Ctx, node: fx.Node) -> PostOp | None:
     """The element-wise function ``node`` computes, as a post-op, if it is an activation we lower."""
-    if op_kind(node, ctx.modules) not in ACTIVATION_KINDS:
+    if op_kind(node, ctx.modules) not in INT8_ACTIVATION_KINDS:
         return None
     post_op = post_op_of(node, ctx.modules)
     if isinstance(post_op, str):
@@ -317,9 +336,23 @@ def _check_padding(conv: nn.Module) -> None:
         raise Decline(f"conv padding_mode={conv.padding_mode!r}; the INT8 conv pads with zeros only")
 
 
-def _conv_spec(conv: nn.Conv2d) -> Conv2dSpec:
+def _conv_spec(conv: nn.Conv2d) -> ConvSpec:
     _check_padding(conv)
-    return Conv2dSpec(_pair(conv.stride), _pair(conv.padding), _pair(conv.dilation), int(conv.groups))
+    return ConvSpec(_pair(conv.stride), _pair(conv.padding), _pair(conv.dilation), int(conv.groups))
+
+
+def _conv_out_shape(
+    x_shape: tuple[int, ...] | None, out_channels: int, kernel: Sequence[int], spec: ConvSpec
+) -> tuple[int, ...] | None:
+    """A 2-D conv's output shape for an input of ``x_shape`` (torch's formula), if that is known."""
+    if x_shape is None or len(x_shape) != 4:
+        return None
+    k = _pair(tuple(kernel))
+    hw = [
+        (size + 2 * pad - dil * (kk - 1) - 1) // stride + 1
+        for size, pad, dil, kk, stride in zip(x_shape[2:], spec.padding, spec.dilation, k, spec.stride)
+    ]
+    return (x_shape[0], int(out_channels), *hw)
 
 
 def _weights(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -354,15 +387,21 @@ def _qconv_add(
     src, in_qp = ctx.u8_input(x_arg)
     other, other_qp = ctx.u8_input(other_arg)
     other_shape, out_shape = _shape(other_arg), _shape(covered[-1])
-    if other_shape is not None and out_shape is not None and other_shape != out_shape:
-        raise Decline("the residual operand is broadcast; the fused kernel needs equal shapes")
+    conv_shape = _conv_out_shape(_shape(x_arg), conv.out_channels, conv.kernel_size, spec)
+    # (the PassManager propagates shapes before every pass; without metadata the trial run decides)
+    if any(s is not None and out_shape is not None and s != out_shape for s in (conv_shape, other_shape)):
+        raise Decline(
+            f"conv+add of shapes {conv_shape and list(conv_shape)} and {other_shape and list(other_shape)} "
+            "broadcasts; the fused kernel "
+            "(sum post-op) needs equal shapes"
+        )
     w, ws, b = _weights(conv)
     mod = QConv2dAdd(w, ws, b, spec, in_qp, other_qp, out_qp, relu=relu, input_shape=_shape(x_arg), backend=ctx.backend)
     return _Plan(mod, [src, other], covered, label)
 
 
 def _conv_add_module(ctx: _Ctx, node: fx.Node, mod: nn.Module | None) -> tuple[nn.Conv2d, bool] | None:
-    if isinstance(mod, nni.ConvAdd2d | nni.ConvAddReLU2d):
+    if isinstance(mod, nni.ConvAdd2d | nni.ConvAddReLU2d) and behaves_as(mod[0], nn.Conv2d):
         if not _is_plain_add_module(mod.add) and mod.add not in (operator.add, torch.add):
             alpha = getattr(getattr(mod.add, "add", mod.add), "alpha", "?")
             raise Decline(f"conv+add with a scaled or swapped add (alpha={alpha}) has no INT8 kernel")
@@ -382,16 +421,16 @@ def _rule_conv(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None
 def _rule_conv1d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     """``Conv1d`` / ``ConvReLU1d`` → :class:`QConv1d` (the 2-D kernel at height 1)."""
     mod = ctx.module(node)
-    if isinstance(mod, nni.ConvReLU1d) and isinstance(mod[0], nn.Conv1d):
+    if isinstance(mod, nni.ConvReLU1d) and behaves_as(mod[0], nn.Conv1d):
         conv, post_op = mod[0], PostOp("relu")
-    elif isinstance(mod, nn.Conv1d):
+    elif behaves_as(mod, nn.Conv1d):
         conv, post_op = mod, NO_POST_OP
     else:
         return None
     _check_fuses(ctx, "conv2d", post_op)
     _check_padding(conv)
     (stride,), (pad,), (dil,) = conv.stride, conv.padding, conv.dilation
-    spec = Conv2dSpec((1, int(stride)), (0, int(pad)), (1, int(dil)), int(conv.groups))
+    spec = ConvSpec((1, int(stride)), (0, int(pad)), (1, int(dil)), int(conv.groups))
     src, in_qp = ctx.u8_input(node.args[0])
     w, ws, b = _weights(conv)
     shape = _shape(node.args[0])
@@ -402,9 +441,9 @@ def _rule_conv1d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | No
 def _rule_conv3d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     """``Conv3d`` / ``ConvReLU3d`` (video models) → :class:`QConv3d`."""
     mod = ctx.module(node)
-    if isinstance(mod, nni.ConvReLU3d) and isinstance(mod[0], nn.Conv3d):
+    if isinstance(mod, nni.ConvReLU3d) and behaves_as(mod[0], nn.Conv3d):
         conv, relu = mod[0], True
-    elif isinstance(mod, nn.Conv3d):
+    elif behaves_as(mod, nn.Conv3d):
         conv, relu = mod, False
     else:
         return None
@@ -414,7 +453,7 @@ def _rule_conv3d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | No
         # the 5-D kernel has no eltwise post-op: ReLU comes from saturating at a zero point of 0
         raise Decline("conv3d + relu whose output is fp32 or has a non-zero zero point (no relu post-op in 3-D)")
     _check_padding(conv)
-    spec = Conv2dSpec(_ntuple(conv.stride, 3), _ntuple(conv.padding, 3), _ntuple(conv.dilation, 3), int(conv.groups))
+    spec = ConvSpec(_ntuple(conv.stride, 3), _ntuple(conv.padding, 3), _ntuple(conv.dilation, 3), int(conv.groups))
     src, in_qp = ctx.u8_input(node.args[0])
     w, ws, b = _weights(conv)
     q = QConv3d(w, ws, b, spec, in_qp, out_qp, relu=relu, input_shape=_shape(node.args[0]), backend=ctx.backend)
@@ -543,7 +582,7 @@ def _rule_max_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
     if out_qp is None:
         return None
     mod = ctx.module(node)
-    if not isinstance(mod, nn.MaxPool2d | nn.MaxPool3d):
+    if not behaves_as(mod, (nn.MaxPool2d, nn.MaxPool3d)):
         return None
     if mod.return_indices:
         raise Decline("max pool returning indices has no INT8 kernel")
@@ -570,7 +609,7 @@ def _rule_batch_norm(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan 
     mod = ctx.module(node)
     relu = isinstance(mod, nni.BNReLU2d)
     bn = mod[0] if relu else mod
-    if not isinstance(bn, nn.BatchNorm2d):
+    if not behaves_as(bn, nn.BatchNorm2d):
         return None
     if bn.training:
         raise Decline("batch norm in training mode (batch statistics) has no INT8 kernel")
@@ -585,7 +624,7 @@ def _rule_avg_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
     if out_qp is None:
         return None
     mod = ctx.module(node)
-    if isinstance(mod, nn.AvgPool2d):
+    if behaves_as(mod, nn.AvgPool2d):
         src, in_qp = ctx.u8_input(node.args[0])
         stride = mod.stride if mod.stride is not None else mod.kernel_size
         q = QAvgPool2d(
@@ -600,7 +639,7 @@ def _rule_avg_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
             backend=ctx.backend,
         )
         return _Plan(q, [src], [node], ctx.label(node))
-    if not isinstance(mod, nn.AdaptiveAvgPool2d | nn.AdaptiveAvgPool3d):
+    if not behaves_as(mod, (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
         return None
     cls, n = (QAdaptiveAvgPool2d, 2) if isinstance(mod, nn.AdaptiveAvgPool2d) else (QAdaptiveAvgPool3d, 3)
     size = mod.output_size
@@ -616,7 +655,7 @@ def _rule_flatten(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | N
     if out_qp is None:
         return None
     mod = ctx.module(node)
-    if isinstance(mod, nn.Flatten):
+    if behaves_as(mod, nn.Flatten):
         start, end = mod.start_dim, mod.end_dim
     elif op_kind(node, ctx.modules) == "flatten" and node.op != "call_module":
         extra = list(node.args[1:])
@@ -731,21 +770,26 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+#: ``node.meta`` keys of the lowering's coverage entries (see :func:`coverage_of`)
+LOWERED = "gml_coverage"
+KEPT_FP32 = "gml_kept_fp32"
+
+
 class LowerToGML(GraphPass):
-    """Replace ``DQ → op → Q`` patterns of a reference graph with GML INT8 modules.
+    """Replace ``DQ → op → Q`` patterns of a reference graph with calls of ``torch.ops.gml`` ops.
 
     Args:
-        backend: kernel backend name or instance (``None``: oneDNN if available, else FBGEMM).
-        fuse_conv_add: fuse ``QConv2d → QAdd`` into one residual kernel when the backend has it.
+        backend: kernel backend name or instance (``None``: oneDNN if available, else FBGEMM); it
+            decides which patterns lower (which post-ops fuse) and is recorded in each op's
+            ``backend`` argument for the Python executor.
     """
 
     name = "lower_to_gml"
     tolerance = None
 
-    def __init__(self, backend: str | Int8Backend | None = None, *, fuse_conv_add: bool = True) -> None:
+    def __init__(self, backend: str | Int8Backend | None = None) -> None:
         self.backend = get_backend(backend)
-        self.fuse_conv_add = fuse_conv_add
-        self.coverage = LoweringCoverage()
+        register_int8_ops()
 
     def requires(self, gm: fx.GraphModule) -> None:
         for node in gm.graph.nodes:
@@ -760,9 +804,7 @@ class LowerToGML(GraphPass):
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         ctx = _Ctx(gm, self.backend, dict(gm.named_modules(remove_duplicate=False)))
-        cov = LoweringCoverage()
         skips: list[Skip] = []
-        notes: list[str] = []
         graph = gm.graph
         dead: list[fx.Node] = []
         matches = 0
@@ -780,15 +822,13 @@ class LowerToGML(GraphPass):
             plan, reason = self._match(ctx, src, out_qp) if isinstance(src, fx.Node) else (None, "")
             if plan is not None:
                 new = self._insert(ctx, q, plan.module, plan.inputs, plan.covered[-1].name)
-                entry = CoverageEntry([n.name for n in plan.covered], plan.label, type(plan.module).__name__)
-                cov.lowered.append(entry)
-                new.meta["gml_coverage"] = entry
+                new.meta[LOWERED] = CoverageEntry([n.name for n in plan.covered], plan.label, "")
                 matches += 1
             else:
                 new = self._insert(ctx, q, Quantize(out_qp, backend=self.backend), [src], f"{_base(src)}_u8")
                 if reason:  # an op between DQ and Q that stays fp32 (not the model input)
                     skips.append(Skip(src.name, reason, ctx.label(src)))
-                    cov.kept_fp32.append(CoverageEntry([src.name], ctx.label(src), "fp32", reason))
+                    src.meta[KEPT_FP32] = CoverageEntry([src.name], ctx.label(src), "fp32", reason)
             q.replace_all_uses_with(new)
             dead.append(q)
 
@@ -797,20 +837,9 @@ class LowerToGML(GraphPass):
         remove_unused_nodes(graph, dead)
 
         # 2b. conv / linear whose result stays fp32 (e.g. the logits): their kernels write fp32
-        matches += self._lower_fp32_outputs(ctx, cov, skips)
+        matches += self._lower_fp32_outputs(ctx, skips)
 
-        # 3. conv + add → one residual kernel
-        if self.fuse_conv_add and self.backend.supports_conv_add:
-            fused = self._fuse_conv_add(ctx, cov)
-            cov.fused_conv_add = fused
-            if fused:
-                notes.append(
-                    f"fused {fused} QConv2d → QAdd pair(s) into QConv2dAdd; the conv output is no longer "
-                    "rounded to its own scale before the add"
-                )
-
-        # 4. dequantize nodes still read by fp32 code become Dequantize modules
-        reported = {n for e in cov.kept_fp32 for n in e.nodes}
+        # 3. dequantize nodes still read by fp32 code become gml.dequantize
         dequantize_nodes = [n for n in graph.nodes if is_dequantize(n)]
         for node in dequantize_nodes:
             if node.users and ctx.produces_u8(node.args[0]):
@@ -823,24 +852,20 @@ class LowerToGML(GraphPass):
                 new = self._insert(ctx, node, deq, [node.args[0]], f"{_base(node.args[0])}_fp32")
                 node.replace_all_uses_with(new)
                 for user in new.users:
-                    if user.op != "output" and user.name not in reported:
-                        reported.add(user.name)
+                    if user.op != "output" and KEPT_FP32 not in user.meta:
                         why = "its output is not quantized in the reference graph"
-                        cov.kept_fp32.append(CoverageEntry([user.name], ctx.label(user), "fp32", why))
+                        user.meta[KEPT_FP32] = CoverageEntry([user.name], ctx.label(user), "fp32", why)
         remove_unused_nodes(graph, dequantize_nodes)
-        self._drop_unused_attributes(gm, qparam_attrs)
 
-        # 5. the sum post-op overwrites its skip tensor: clone it where it is read later
-        cloned = self._protect_residuals(ctx)
-        if cloned:
-            notes.append(f"{cloned} fused residual(s) copy their skip tensor, which is read after the add")
+        # 4. every planned INT8 module becomes the torch.ops.gml call it stands for
+        self._emit_ops(ctx)
+        self._drop_unused_attributes(gm, qparam_attrs)
 
         graph.lint()
         gm.recompile()
-        self.coverage = cov
-        notes.insert(0, cov.summary())
+        cov = coverage_of(gm)
         return LoweringResult(
-            gm, modified=matches > 0 or bool(dead), matches=matches, skips=skips, notes=notes, coverage=cov
+            gm, modified=matches > 0 or bool(dead), matches=matches, skips=skips, notes=[cov.summary()], coverage=cov
         )
 
     # ------------------------------------------------------------------ helpers
@@ -851,15 +876,18 @@ class LowerToGML(GraphPass):
         if len(src.users) != 1:
             return None, f"{src.name}'s fp32 result is also read elsewhere ({len(src.users)} users); kept in fp32"
         for rule in RULES:
+            ctx.input_shapes = []
             try:
                 plan = rule(ctx, src, out_qp)
+                if plan is not None:
+                    _trial_run(ctx, plan)
             except Decline as e:
                 return None, f"{e}; kept in fp32"
             if plan is not None:
                 return plan, ""
         return None, f"no INT8 kernel for {_op_name(ctx, src)}; kept in fp32"
 
-    def _lower_fp32_outputs(self, ctx: _Ctx, cov: LoweringCoverage, skips: list[Skip]) -> int:
+    def _lower_fp32_outputs(self, ctx: _Ctx, skips: list[Skip]) -> int:
         graph = ctx.gm.graph
         lowered = 0
         for node in list(graph.nodes):
@@ -871,8 +899,11 @@ class LowerToGML(GraphPass):
                 continue  # the activation reading it fuses it
             plan, reason = None, ""
             for rule in (_rule_activation, _rule_conv, _rule_linear):
+                ctx.input_shapes = []
                 try:
                     plan = rule(ctx, node, None)
+                    if plan is not None:
+                        _trial_run(ctx, plan)
                 except Decline as e:
                     reason = f"{e}; kept in fp32"
                     break
@@ -881,14 +912,10 @@ class LowerToGML(GraphPass):
             if plan is None:
                 if reason:
                     skips.append(Skip(node.name, reason, ctx.label(node)))
-                    cov.kept_fp32.append(CoverageEntry([node.name], ctx.label(node), "fp32", reason))
+                    node.meta[KEPT_FP32] = CoverageEntry([node.name], ctx.label(node), "fp32", reason)
                 continue
             new = self._insert(ctx, node, plan.module, plan.inputs, node.name)
-            entry = CoverageEntry(
-                [n.name for n in plan.covered], f"{plan.label} (fp32 out)", type(plan.module).__name__
-            )
-            cov.lowered.append(entry)
-            new.meta["gml_coverage"] = entry
+            new.meta[LOWERED] = CoverageEntry([n.name for n in plan.covered], f"{plan.label} (fp32 out)", "")
             node.replace_all_uses_with(new)
             remove_unused_nodes(graph, [node])
             lowered += 1
@@ -899,81 +926,11 @@ class LowerToGML(GraphPass):
         ctx.modules[target] = module
         with ctx.gm.graph.inserting_before(before):
             node = ctx.gm.graph.call_module(target, tuple(inputs))
-        node.meta["gml_int8"] = type(module).__name__
         return node
 
-    def _fuse_conv_add(self, ctx: _Ctx, cov: LoweringCoverage) -> int:
-        graph = ctx.gm.graph
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        fused = 0
-        for add in list(graph.nodes):
-            add_mod = ctx.module(add)
-            if not isinstance(add_mod, QAdd):
-                continue
-            a, b = add.args
-            candidates = [
-                (i, op)
-                for i, op in enumerate((a, b))
-                # a conv with its own post-op (SiLU, Hardswish, ...) cannot fuse: the kernel applies the
-                # post-op after the sum, and act(conv(x)) + y is not act(conv(x) + y)
-                if type(ctx.module(op)) is QConv2d  # not QConv1d: the fused kernel is 2-D
-                and ctx.module(op).post_op == NO_POST_OP
-                and _single_user(op)
-                and a is not b
-            ]
-            if not candidates:
-                continue
-            i, conv_node = max(candidates, key=lambda c: order[c[1]])  # the later conv: its skip is ready
-            other = (a, b)[1 - i]
-            conv: QConv2d = ctx.module(conv_node)  # type: ignore[assignment]
-            other_qp = add_mod.other_qparams if i == 0 else add_mod.input_qparams
-            mod = QConv2dAdd(
-                conv.weight,
-                conv.weight_scale,
-                conv.bias,
-                conv.spec,
-                conv.input_qparams,
-                other_qp,
-                add_mod.output_qparams,
-                relu=add_mod.relu,
-                input_shape=conv.input_shape,
-                backend=self.backend,
-            )
-            new = self._insert(ctx, add, mod, [conv_node.args[0], other], add.name)
-            add.replace_all_uses_with(new)
-            remove_unused_nodes(graph, [add])
-            fused += 1
-            self._merge_coverage(cov, conv_node, add, new)
-        return fused
-
     @staticmethod
-    def _merge_coverage(cov: LoweringCoverage, conv: fx.Node, add: fx.Node, fused: fx.Node) -> None:
-        conv_entry, add_entry = conv.meta.get("gml_coverage"), add.meta.get("gml_coverage")
-        if conv_entry is None or add_entry is None:
-            return
-        cov.lowered.remove(conv_entry)
-        add_entry.nodes = conv_entry.nodes + add_entry.nodes
-        add_entry.op = f"{conv_entry.op} + {add_entry.op}"
-        add_entry.result = "QConv2dAdd"
-        fused.meta["gml_coverage"] = add_entry
-
-    def _protect_residuals(self, ctx: _Ctx) -> int:
-        if not self.backend.conv_add_writes_other:
-            return 0
-        order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
-        cloned = 0
-        for node in ctx.gm.graph.nodes:
-            mod = ctx.module(node)
-            if not isinstance(mod, QConv2dAdd):
-                continue
-            aliases = _aliases(ctx, node.args[1])
-            read_later = any(
-                order[u] > order[node] for a in aliases for u in a.users if u is not node and u not in aliases
-            )
-            if read_later or node.args[0] in aliases or any(a.op in ("placeholder", "get_attr") for a in aliases):
-                mod.clone_other = True
-                cloned += 1
-        return cloned
+    def _emit_ops(ctx: _Ctx) -> None:
+        emit_op_calls(ctx.gm, ctx.module)
 
     @staticmethod
     def _drop_unused_attributes(gm: fx.GraphModule, qparam_attrs: set[str]) -> None:
@@ -985,6 +942,91 @@ class LowerToGML(GraphPass):
             parent = gm.get_submodule(parent_name) if parent_name else gm
             if hasattr(parent, attr):
                 delattr(parent, attr)
+
+
+def emit_op_calls(gm: fx.GraphModule, module_of: Callable[[fx.Node], nn.Module | None]) -> None:
+    """Replace each call of a GML INT8 module (``module_of(node)``) by its
+    :class:`~gml.quant.modules.OpCall`: tensors among the arguments become buffers of the graph
+    module read by ``get_attr`` (dense constants). What :class:`LowerToGML` emits; tests build
+    one-op graphs of the IR with it."""
+    register_int8_ops()  # the graph calls torch.ops.gml.*: their schemas and Python kernels
+    graph = gm.graph
+    for node in list(graph.nodes):
+        mod = module_of(node)
+        if not isinstance(mod, GMLQuantModuleBase | Dequantize):
+            continue
+        call = mod.op_call(list(node.args))
+        prefix = str(node.target)
+        with graph.inserting_before(node):
+            if isinstance(call.target, str) and call.target.startswith("."):
+                new = graph.call_method(call.target[1:], call.args)
+                result = call.target[1:]
+            elif isinstance(call.target, str):
+                op = library.op(call.target)
+                names = [a.name for a in op._schema.arguments]
+                args = tuple(
+                    _constant_node(gm, f"{prefix}_{names[i]}", a) if isinstance(a, torch.Tensor) else a
+                    for i, a in enumerate(call.args)
+                )
+                new = graph.call_function(op, args)
+                result = call.target
+            else:
+                new = graph.call_function(call.target, call.args)
+                result = getattr(call.target, "__name__", str(call.target))
+            entry = node.meta.get(LOWERED)
+            if call.item is not None:
+                new = graph.call_function(operator.getitem, (new, call.item))
+            if call.requantize is not None and not call.requantize[0].close_to(call.requantize[1]):
+                (a, b) = call.requantize
+                new = graph.call_function(
+                    library.op("requantize"), (new, a.scale, a.zero_point, b.scale, b.zero_point)
+                )
+        if entry is not None:
+            entry.result = result
+            new.meta[LOWERED] = entry
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+def _constant_node(gm: fx.GraphModule, base: str, value: torch.Tensor) -> fx.Node:
+    """A ``get_attr`` node reading ``value``, registered as a buffer of ``gm`` under a fresh name."""
+    name, i = base.replace(".", "_"), 1
+    candidate = name
+    while hasattr(gm, candidate):
+        candidate, i = f"{name}_{i}", i + 1
+    gm.register_buffer(candidate, value.detach())
+    return gm.graph.get_attr(candidate)
+
+
+def coverage_of(gm: fx.GraphModule) -> LoweringCoverage:
+    """The lowering coverage of a lowered graph: which nodes became which op, which stayed fp32."""
+    cov = LoweringCoverage()
+    for node in gm.graph.nodes:
+        if LOWERED in node.meta:
+            cov.lowered.append(node.meta[LOWERED])
+        if KEPT_FP32 in node.meta:
+            cov.kept_fp32.append(node.meta[KEPT_FP32])
+    return cov
+
+
+def _trial_run(ctx: _Ctx, plan: _Plan) -> None:
+    """Run a planned INT8 module once on uint8 inputs of the recorded shapes (at the zero point):
+    a kernel the backend rejects for this geometry declines *this* rewrite, with the backend's
+    reason, instead of failing the whole lowered model (which the PassManager would roll back)."""
+    if len(ctx.input_shapes) != len(plan.inputs) or any(s is None for s in ctx.input_shapes):
+        return  # data-movement ops with run-time sizes, or no shape metadata: checked with the model
+    args = []
+    for node, shape in zip(plan.inputs, ctx.input_shapes):
+        assert shape is not None
+        qp = extract_qparams(node, ctx.gm)
+        t = torch.full(shape, qp.zero_point if qp is not None else 0, dtype=torch.uint8)
+        args.append(t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t)
+    try:
+        with torch.no_grad():
+            plan.module(*args)
+    except Exception as e:  # the backend's own error is the reason
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Decline(f"the {ctx.backend.name} kernel rejects {type(plan.module).__name__} here ({first})") from None
 
 
 def _base(node: Any) -> str:
@@ -1010,25 +1052,6 @@ def _is_shape_query(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in ("size", "dim")
     return node.op == "call_function" and node.target is getattr and node.args[1:2] == ("shape",)
-
-
-def _aliases(ctx: _Ctx, node: fx.Node) -> set[fx.Node]:
-    """``node`` and every GML value sharing its memory (through view modules, both directions)."""
-    seen: set[fx.Node] = set()
-    work = [node]
-    while work:
-        n = work.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        mod = ctx.module(n)
-        if isinstance(mod, GMLQuantModuleBase) and mod.is_view and n.args:
-            work.append(n.args[0])  # a view: its base shares memory
-        for u in n.users:
-            umod = ctx.module(u)
-            if isinstance(umod, GMLQuantModuleBase) and umod.is_view:
-                work.append(u)  # a view of it
-    return seen
 
 
 def _op_name(ctx: _Ctx, node: fx.Node) -> str:

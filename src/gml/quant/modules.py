@@ -1,4 +1,9 @@
-"""GML INT8 modules: what :class:`~gml.quant.lower.LowerToGML` puts in place of ``DQ → op → Q``.
+"""GML INT8 modules: the lowering rules' plan values for ``DQ → op → Q`` patterns.
+
+Since ADR 005 a lowered graph holds no modules: a rule of :mod:`gml.quant.lower` builds one of
+these (its constructor validates what the backend can run), and :class:`~gml.quant.lower.LowerToGML`
+emits it as the ``torch.ops.gml`` call its :meth:`~GMLQuantModuleBase.op_call` names. The modules
+still run eagerly (``forward``), which the kernel tests use.
 
 Hierarchy (ADR 002)::
 
@@ -29,15 +34,39 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from gml.kernels.backend import Conv2dSpec, Int8Backend, QParams, get_backend
-from gml.kernels.fp32 import NO_POST_OP, PostOp
+from gml.ir.qdq import DECOMPOSED_DQ, is_dequantize, is_quantize, quantize_args
+from gml.ir.values import NO_POST_OP, ConvSpec, PostOp, QParams
+from gml.kernels.backend import Int8Backend
+from gml.kernels.registry import get_backend
 
 BackendArg = str | Int8Backend | None
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """What the lowering emits for a module: a call of ``target`` (a ``torch.ops.gml`` op name, a
+    torch function, or ``".method"``) on ``args`` (tensors among them become graph constants),
+    then ``[item]`` and a ``gml.requantize`` when ``requantize=(in, out)`` qparams differ."""
+
+    target: Any
+    args: tuple[Any, ...]
+    item: int | None = None
+    requantize: tuple[QParams, QParams] | None = None
+
+
+def _qp(qp: QParams) -> tuple[float, int]:
+    return float(qp.scale), int(qp.zero_point)
+
+
+def _out(qp: QParams | None) -> tuple[float, int, torch.dtype]:
+    """``(out_scale, out_zero_point, out_dtype)``: an fp32 output is requested as (1.0, 0, float32)."""
+    return (1.0, 0, torch.float32) if qp is None else (float(qp.scale), int(qp.zero_point), torch.uint8)
 
 
 def _scalar_buffer(value: float | int, dtype: torch.dtype) -> torch.Tensor:
@@ -98,6 +127,10 @@ class GMLQuantModuleBase(nn.Module, ABC):
 
     @abstractmethod
     def forward(self, *args: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        """The ``torch.ops.gml`` call computing this module on ``inputs`` (what the lowering emits)."""
 
     def _qp_repr(self) -> str:
         qp = self._out_qp
@@ -231,7 +264,7 @@ class QConv2d(UnaryOpsBase, _Weighted):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None,
-        spec: Conv2dSpec,
+        spec: ConvSpec,
         input_qparams: QParams,
         output_qparams: QParams | None,
         *,
@@ -269,8 +302,31 @@ class QConv2d(UnaryOpsBase, _Weighted):
         geo = _conv_geometry(self.weight, self.spec)
         return f"{geo}{_post_op_repr(self.post_op)}, {self._qp_repr()}, {self.backend.name}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        stride, padding, dilation, groups = self.spec.as_args()
+        p = self.post_op
+        return OpCall(
+            "qconv",
+            (
+                inputs[0],
+                *_qp(self._in_qp),
+                self.weight,
+                self.weight_scale,
+                self.bias,
+                stride,
+                padding,
+                dilation,
+                groups,
+                *_out(self._out_qp),
+                p.attr,
+                list(p.scalars),
+                p.algorithm,
+                self.backend.name,
+            ),
+        )
 
-def _conv_geometry(weight: torch.Tensor, spec: Conv2dSpec) -> str:
+
+def _conv_geometry(weight: torch.Tensor, spec: ConvSpec) -> str:
     """``"64→128, k=3x3, stride=(2, 2), pad=(1, 1)"`` for a conv weight of any dimension."""
     o, i, *k = weight.shape
     geo = f"{i * spec.groups}→{o}, k={'x'.join(str(d) for d in k)}, stride={spec.stride}, pad={spec.padding}"
@@ -297,6 +353,14 @@ class QConv1d(QConv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.unsqueeze(2)).squeeze(2)
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        # the op is N-d: a 1-D conv is called with its 3-D weight and 1-entry geometry
+        call = super().op_call(inputs)
+        args = list(call.args)
+        args[3] = self.weight.squeeze(2)
+        args[6], args[7], args[8] = args[6][1:], args[7][1:], args[8][1:]
+        return OpCall(call.target, tuple(args))
+
 
 class QConv3d(UnaryOpsBase, _Weighted):
     """``[relu](conv3d(x))`` on uint8 → uint8 (or → fp32 when ``output_qparams`` is None), for video
@@ -312,7 +376,7 @@ class QConv3d(UnaryOpsBase, _Weighted):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None,
-        spec: Conv2dSpec,
+        spec: ConvSpec,
         input_qparams: QParams,
         output_qparams: QParams | None,
         *,
@@ -349,6 +413,28 @@ class QConv3d(UnaryOpsBase, _Weighted):
         geo = _conv_geometry(self.weight, self.spec)
         return f"{geo}{', relu' if self.relu else ''}, {self._qp_repr()}, {self.backend.name}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        stride, padding, dilation, groups = self.spec.as_args()
+        return OpCall(
+            "qconv",
+            (
+                inputs[0],
+                *_qp(self._in_qp),
+                self.weight,
+                self.weight_scale,
+                self.bias,
+                stride,
+                padding,
+                dilation,
+                groups,
+                *_out(self._out_qp),
+                "relu" if self.relu else "none",
+                [],
+                "",
+                self.backend.name,
+            ),
+        )
+
 
 class QConv2dAdd(BinaryOpsBase, _Weighted):
     """``relu?(conv2d(x) + other)``: the residual join as one kernel (oneDNN ``sum`` post-op).
@@ -363,7 +449,7 @@ class QConv2dAdd(BinaryOpsBase, _Weighted):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None,
-        spec: Conv2dSpec,
+        spec: ConvSpec,
         input_qparams: QParams,
         other_qparams: QParams,
         output_qparams: QParams,
@@ -399,6 +485,28 @@ class QConv2dAdd(BinaryOpsBase, _Weighted):
         geo = _conv_geometry(self.weight, self.spec)
         flags = " + other" + (", relu" if self.relu else "") + (", clone_other" if self.clone_other else "")
         return f"{geo}{flags}, {self._qp_repr()}, {self.backend.name}"
+
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        stride, padding, dilation, groups = self.spec.as_args()
+        return OpCall(
+            "qconv_add",
+            (
+                inputs[0],
+                *_qp(self._in_qp),
+                self.weight,
+                self.weight_scale,
+                self.bias,
+                stride,
+                padding,
+                dilation,
+                groups,
+                inputs[1],
+                *_qp(self._other_qp),
+                *_qp(self._out_qp),
+                "relu" if self.relu else "none",
+                self.backend.name,
+            ),
+        )
 
 
 class QLinear(UnaryOpsBase, _Weighted):
@@ -446,6 +554,24 @@ class QLinear(UnaryOpsBase, _Weighted):
         o, i = self.weight.shape
         return f"{i}→{o}{_post_op_repr(self.post_op)}, {self._qp_repr()}, {self.backend.name}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        p = self.post_op
+        return OpCall(
+            "qlinear",
+            (
+                inputs[0],
+                *_qp(self._in_qp),
+                self.weight,
+                self.weight_scale,
+                self.bias,
+                *_out(self._out_qp),
+                p.attr,
+                list(p.scalars),
+                p.algorithm,
+                self.backend.name,
+            ),
+        )
+
 
 class QAdd(BinaryOpsBase):
     """``relu?(a + b)`` of two uint8 tensors, requantized to the output qparams."""
@@ -468,6 +594,20 @@ class QAdd(BinaryOpsBase):
     def extra_repr(self) -> str:
         return f"{'relu, ' if self.relu else ''}{self._qp_repr()}, {self.backend.name}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        return OpCall(
+            "qadd",
+            (
+                inputs[0],
+                *_qp(self._in_qp),
+                inputs[1],
+                *_qp(self._other_qp),
+                *_qp(self._out_qp),
+                "relu" if self.relu else "none",
+                self.backend.name,
+            ),
+        )
+
 
 class QReLU(UnaryOpsBase):
     """ReLU in the integer domain (``max(q, zero_point)``), requantized if the output qparams differ."""
@@ -477,6 +617,9 @@ class QReLU(UnaryOpsBase):
 
     def extra_repr(self) -> str:
         return self._qp_repr()
+
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        return OpCall("qactivation", (inputs[0], *_qp(self._in_qp), "relu", [], *_qp(self._out_qp), self.backend.name))
 
 
 class QHardtanh(UnaryOpsBase):
@@ -505,6 +648,10 @@ class QHardtanh(UnaryOpsBase):
     def extra_repr(self) -> str:
         return f"min_val={self.min_val:g}, max_val={self.max_val:g}, {self._qp_repr()}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        args = (inputs[0], *_qp(self._in_qp), "hardtanh", [self.min_val, self.max_val], *_qp(self._out_qp))
+        return OpCall("qactivation", (*args, self.backend.name))
+
 
 class QActivation(UnaryOpsBase):
     """A standalone element-wise activation with an INT8 kernel (hardswish, sigmoid, hardsigmoid;
@@ -524,6 +671,11 @@ class QActivation(UnaryOpsBase):
     def extra_repr(self) -> str:
         return f"{self.post_op}, {self._qp_repr()}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        p = self.post_op
+        args = (inputs[0], *_qp(self._in_qp), p.attr, list(p.scalars), *_qp(self._out_qp))
+        return OpCall("qactivation", (*args, self.backend.name))
+
 
 class QMul(BinaryOpsBase):
     """``a * b`` of two uint8 tensors (broadcasting, e.g. a squeeze-excitation gate ``[N, C, 1, 1]``
@@ -534,6 +686,12 @@ class QMul(BinaryOpsBase):
 
     def extra_repr(self) -> str:
         return f"{self._qp_repr()}, {self.backend.name}"
+
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        return OpCall(
+            "qmul",
+            (inputs[0], *_qp(self._in_qp), inputs[1], *_qp(self._other_qp), *_qp(self._out_qp), self.backend.name),
+        )
 
 
 class QMaxPool2d(UnaryOpsBase):
@@ -561,6 +719,11 @@ class QMaxPool2d(UnaryOpsBase):
 
     def extra_repr(self) -> str:
         return f"k={self.kernel_size}, stride={self.stride}, pad={self.padding}, {self._qp_repr()}"
+
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        geo = [list(self.kernel_size), list(self.stride), list(self.padding), list(self.dilation)]
+        args = (inputs[0], *_qp(self._in_qp), *geo, bool(self.ceil_mode), self.backend.name)
+        return OpCall("qmax_pool", args, requantize=(self._in_qp, self._out_qp))
 
 
 class QMaxPool3d(QMaxPool2d):
@@ -607,6 +770,12 @@ class QAvgPool2d(UnaryOpsBase):
     def extra_repr(self) -> str:
         return f"k={self.kernel_size}, stride={self.stride}, pad={self.padding}, {self._qp_repr()}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        geo = [list(self.kernel_size), list(self.stride), list(self.padding)]
+        flags = (bool(self.ceil_mode), bool(self.count_include_pad), self.divisor_override)
+        args = (inputs[0], *_qp(self._in_qp), *geo, *flags, *_qp(self._out_qp), self.backend.name)
+        return OpCall("qavg_pool2d", args)
+
 
 class QBatchNorm2d(UnaryOpsBase):
     """``[relu](batch_norm(x))`` in inference form on uint8: a BN that no conv before it absorbed
@@ -650,6 +819,11 @@ class QBatchNorm2d(UnaryOpsBase):
     def extra_repr(self) -> str:
         return f"{self.weight.numel()}, eps={self.eps}{', relu' if self.relu else ''}, {self._qp_repr()}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        stats = (self.weight, self.bias, self.running_mean, self.running_var, self.eps)
+        args = (inputs[0], *_qp(self._in_qp), *stats, *_qp(self._out_qp), "relu" if self.relu else "none")
+        return OpCall("qbatch_norm", (*args, self.backend.name))
+
 
 class QAdaptiveAvgPool2d(UnaryOpsBase):
     """Adaptive average pooling on uint8, requantized to the output qparams."""
@@ -670,6 +844,10 @@ class QAdaptiveAvgPool2d(UnaryOpsBase):
 
     def extra_repr(self) -> str:
         return f"output_size={self.output_size}, {self._qp_repr()}"
+
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        args = (inputs[0], *_qp(self._in_qp), list(self.output_size), *_qp(self._out_qp), self.backend.name)
+        return OpCall("qadaptive_avg_pool", args)
 
 
 class QAdaptiveAvgPool3d(QAdaptiveAvgPool2d):
@@ -710,6 +888,10 @@ class QMean(UnaryOpsBase):
     def extra_repr(self) -> str:
         return f"dim={self.dims}, keepdim={self.keepdim}, {self._qp_repr()}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        args = (inputs[0], *_qp(self._in_qp), list(self.dims), bool(self.keepdim), *_qp(self._out_qp))
+        return OpCall("qmean", (*args, self.backend.name))
+
 
 class QFlatten(UnaryOpsBase):
     """``torch.flatten`` of the integers (a view when the layout allows)."""
@@ -734,6 +916,9 @@ class QFlatten(UnaryOpsBase):
 
     def extra_repr(self) -> str:
         return f"start_dim={self.start_dim}, end_dim={self.end_dim}, {self._qp_repr()}"
+
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        return OpCall(torch.flatten, (inputs[0], self.start_dim, self.end_dim), requantize=(self._in_qp, self._out_qp))
 
 
 class RuntimeArg:
@@ -798,6 +983,11 @@ class QMove(UnaryOpsBase):
         item = "" if self.item is None else f"[{self.item}]"
         return f"{self.method}({args}){item}, {self._qp_repr()}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        values = iter(inputs[1:])
+        args = [next(values) if isinstance(a, RuntimeArg) else a for a in self.args]
+        return OpCall("." + self._call, (inputs[0], *args), item=self.item, requantize=(self._in_qp, self._out_qp))
+
 
 class QCat(GMLQuantModuleBase):
     """``torch.cat`` of uint8 tensors, each requantized to the output qparams (exact when equal)."""
@@ -823,6 +1013,11 @@ class QCat(GMLQuantModuleBase):
     def extra_repr(self) -> str:
         return f"dim={self.dim}, inputs={len(self._in_qps)}, {self._qp_repr()}"
 
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        scales = [q.scale for q in self._in_qps]
+        zps = [q.zero_point for q in self._in_qps]
+        return OpCall("qcat", (list(inputs), scales, zps, self.dim, *_qp(self._out_qp), self.backend.name))
+
 
 class Quantize(GMLQuantModuleBase):
     """fp32 → uint8 where the INT8 region starts (model input, or after an op kept in fp32)."""
@@ -832,6 +1027,9 @@ class Quantize(GMLQuantModuleBase):
 
     def extra_repr(self) -> str:
         return self._qp_repr()
+
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        return OpCall("quantize", (inputs[0], *_qp(self._out_qp)))
 
 
 class Dequantize(nn.Module):
@@ -857,6 +1055,9 @@ class Dequantize(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in=({self._in_qp.scale:.4g}, {self._in_qp.zero_point})"
+
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        return OpCall("dequantize", (inputs[0], *_qp(self._in_qp)))
 
 
 GML_MODULES: tuple[type[nn.Module], ...] = (
@@ -886,63 +1087,6 @@ GML_MODULES: tuple[type[nn.Module], ...] = (
 
 
 # ---------------------------------------------------------------- reading qparams off the graph
-_QUANTIZE_FUNCS: set[Any] = {torch.quantize_per_tensor}
-_DEQUANTIZE_FUNCS: set[Any] = {torch.dequantize}
-_DECOMPOSED_Q: set[Any] = set()
-_DECOMPOSED_DQ: set[Any] = set()
-try:  # the decomposed ops are registered on import of torch.ao's quantize_fx machinery
-    import torch.ao.quantization.fx._decomposed
-
-    _qd = torch.ops.quantized_decomposed
-    _DECOMPOSED_Q = {_qd.quantize_per_tensor.default, _qd.quantize_per_tensor.tensor}
-    _DECOMPOSED_DQ = {_qd.dequantize_per_tensor.default, _qd.dequantize_per_tensor.tensor}
-except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
-    pass
-
-
-def is_quantize(node: fx.Node) -> bool:
-    """A per-tensor quantize op of a reference graph (torch or ``quantized_decomposed`` spelling)."""
-    return node.op == "call_function" and (node.target in _QUANTIZE_FUNCS or node.target in _DECOMPOSED_Q)
-
-
-def is_dequantize(node: fx.Node) -> bool:
-    """``x.dequantize()``, ``torch.dequantize(x)`` or ``quantized_decomposed.dequantize_per_tensor``."""
-    if node.op == "call_method":
-        return node.target == "dequantize"
-    return node.op == "call_function" and (node.target in _DEQUANTIZE_FUNCS or node.target in _DECOMPOSED_DQ)
-
-
-def _constant(arg: Any, gm: fx.GraphModule) -> Any:
-    """The value of a literal or ``get_attr`` argument (a tensor scalar becomes a Python number)."""
-    if isinstance(arg, fx.Node):
-        if arg.op != "get_attr":
-            raise ValueError(f"{arg.name} is computed at run time")
-        value: Any = gm
-        for part in str(arg.target).split("."):
-            value = getattr(value, part)
-        arg = value
-    if isinstance(arg, torch.Tensor):
-        if arg.numel() != 1:
-            raise ValueError("per-channel activation qparams")
-        return arg.item()
-    return arg
-
-
-def quantize_args(node: fx.Node, gm: fx.GraphModule) -> tuple[QParams, torch.dtype]:
-    """``(qparams, dtype)`` of a quantize (or decomposed dequantize) node; raises ValueError with a
-    human reason if the values are not static per-tensor numbers or the dtype is not 8-bit unsigned."""
-    if node.target in _DECOMPOSED_Q or node.target in _DECOMPOSED_DQ:
-        scale, zp, dtype = node.args[1], node.args[2], node.args[5]
-    else:
-        scale = node.args[1] if len(node.args) > 1 else node.kwargs.get("scale")
-        zp = node.args[2] if len(node.args) > 2 else node.kwargs.get("zero_point")
-        dtype = node.args[3] if len(node.args) > 3 else node.kwargs.get("dtype")
-    s, z = float(_constant(scale, gm)), int(_constant(zp, gm))
-    if dtype not in (torch.quint8, torch.uint8):
-        raise ValueError(f"activation dtype {dtype} (the INT8 kernels take unsigned 8-bit activations)")
-    return QParams(s, z), dtype
-
-
 def extract_qparams(node: fx.Node, gm: fx.GraphModule) -> QParams | None:
     """The qparams of the uint8 value ``node`` produces, or ``None`` if it produces no quantized value.
 
@@ -958,7 +1102,7 @@ def extract_qparams(node: fx.Node, gm: fx.GraphModule) -> QParams | None:
     if is_quantize(node):
         return quantize_args(node, gm)[0]
     if is_dequantize(node):
-        if node.target in _DECOMPOSED_DQ:
+        if node.target in DECOMPOSED_DQ:
             return quantize_args(node, gm)[0]
         src = node.args[0]
         return extract_qparams(src, gm) if isinstance(src, fx.Node) else None

@@ -353,7 +353,10 @@ class _Drawer:
         src = self.pick(self.live(lambda v: v.strided))
         if src is None:
             return False
-        self.add(L("contiguous", src), strided=False)  # may copy: a fresh tensor as far as we know
+        # .contiguous() copies only when the strides need it: a permute of size-1 dims is already
+        # contiguous, and then the result *is* the source tensor. So it keeps the source's storage
+        # root (an in-place op on it may write the source, a model input included).
+        self.add(L("contiguous", src), root=self.values[src].root, strided=False)
         return True
 
     def op_pool(self) -> bool:

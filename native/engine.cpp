@@ -1,0 +1,493 @@
+// GML engine: executes a planned GML graph segment as oneDNN primitives.
+//
+// The Python side (src/gml/runtime/) does all graph work: it translates each lowered node into one
+// of the op calls below, infers every value's shape and strides, and plans an activation arena from
+// value lifetimes. This file only turns that plan into oneDNN primitives, once per input shape, the
+// way oneDNN's own examples do (examples/primitives/convolution.cpp, cnn_inference_int8.cpp):
+//
+//   * a primitive descriptor per op, weights described with format_tag::any and reordered once
+//     into the layout the primitive picks; scales / zero points / bias kept as constant memories;
+//   * activations are plain strided memories (u8 NHWC as the Python executor keeps them), placed
+//     at planned offsets in one arena or in the caller's input / output tensors;
+//   * run() executes the primitive list on a stream with the GIL released.
+//
+// Concurrency: primitives are immutable after creation and may run from several threads at once.
+// Everything a run writes (arena, scratchpad, memory objects whose data handle changes per call)
+// lives in a Context; a run takes a free Context from a pool (or makes one), so concurrent calls
+// never share one.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+#include <omp.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace nb = nanobind;
+using dnnl::memory;
+using dt = dnnl::memory::data_type;
+
+namespace {
+
+using Dims = std::vector<int64_t>;
+using QP = std::optional<std::pair<float, int>>;                  // (scale, zero point) or none
+using Eltwise = std::vector<std::tuple<std::string, float, float>>;  // (algorithm, alpha, beta)
+
+constexpr size_t kAlign = 64;
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  return eng;
+}
+
+dt parse_dtype(const std::string& s) {
+  if (s == "u8") return dt::u8;
+  if (s == "s8") return dt::s8;
+  if (s == "f32") return dt::f32;
+  if (s == "s32") return dt::s32;
+  throw std::invalid_argument("gml engine: unsupported dtype '" + s + "'");
+}
+
+dnnl::algorithm parse_eltwise(const std::string& s) {
+  using A = dnnl::algorithm;
+  if (s == "relu") return A::eltwise_relu;
+  if (s == "clip") return A::eltwise_clip;  // hardtanh(alpha, beta)
+  if (s == "hardswish") return A::eltwise_hardswish;
+  if (s == "swish") return A::eltwise_swish;
+  if (s == "linear") return A::eltwise_linear;  // alpha * x + beta
+  if (s == "gelu_erf") return A::eltwise_gelu_erf;
+  if (s == "gelu_tanh") return A::eltwise_gelu_tanh;
+  if (s == "logistic") return A::eltwise_logistic;
+  if (s == "tanh") return A::eltwise_tanh;
+  throw std::invalid_argument("gml engine: unsupported eltwise post-op '" + s + "'");
+}
+
+// A fixed memory block owned by the plan (weights, bias, scales, zero points).
+struct Constant {
+  std::shared_ptr<void> data;
+  memory mem;
+};
+
+struct AlignedFree {
+  void operator()(void* p) const { std::free(p); }
+};
+
+std::shared_ptr<void> aligned_buffer(size_t bytes) {
+  size_t n = (bytes + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, n == 0 ? kAlign : n);
+  if (p == nullptr) throw std::bad_alloc();
+  return std::shared_ptr<void>(p, AlignedFree());
+}
+
+// Where a value's bytes live: in the arena, or in the k-th input / output of run().
+enum class Where : int { kArena = 0, kInput = 1, kOutput = 2 };
+
+struct Value {
+  memory::desc md;
+  Where where;
+  int index;       // input / output number (unused for the arena)
+  int64_t offset;  // bytes from the base
+};
+
+struct Step {
+  dnnl::primitive prim;
+  std::vector<std::pair<int, int>> value_args;  // (DNNL_ARG_*, value id)
+  std::vector<std::pair<int, memory>> const_args;
+  memory::desc scratchpad_md;
+  std::string name;
+};
+
+// Per-call mutable state (see the file comment).
+struct Context {
+  std::shared_ptr<void> arena, scratch;
+  std::vector<memory> values;
+  std::vector<std::unordered_map<int, memory>> args;
+  dnnl::stream stream;
+};
+
+class Plan {
+ public:
+  Plan() = default;
+
+  int add_value(const Dims& dims, const Dims& strides, const std::string& dtype, int where, int index,
+                int64_t offset) {
+    if (dims.size() != strides.size()) throw std::invalid_argument("gml engine: dims/strides rank mismatch");
+    if (where < 0 || where > 2) throw std::invalid_argument("gml engine: bad value location");
+    memory::dims d(dims.begin(), dims.end()), s(strides.begin(), strides.end());
+    values_.push_back(Value{memory::desc(d, parse_dtype(dtype), s), static_cast<Where>(where), index, offset});
+    if (where == 1 && index + 1 > n_inputs_) n_inputs_ = index + 1;
+    if (where == 2 && index + 1 > n_outputs_) n_outputs_ = index + 1;
+    return static_cast<int>(values_.size()) - 1;
+  }
+
+  // Convolution, INT8 (u8 src, s8 weights, per-channel or per-tensor weight scales) or fp32.
+  // ``weight`` points at a contiguous [O, I/groups, k...] tensor copied (reordered) here, never kept.
+  void conv(int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype,
+            const std::vector<float>& w_scales, uintptr_t bias, const Dims& strides, const Dims& dilation,
+            const Dims& pad_l, const Dims& pad_r, int64_t groups, QP src_q, QP dst_q, QP sum,
+            const Eltwise& eltwise, const std::string& name) {
+    const memory::desc& src_md = val(src).md;
+    const memory::desc& dst_md = val(dst).md;
+    const bool quant = wdtype == "s8";
+    // User weights: [O, I/g, k...] contiguous, as [g, O/g, I/g, k...] when grouped (same bytes).
+    memory::dims wd(wdims.begin(), wdims.end());
+    const int nsp = static_cast<int>(wd.size()) - 2;
+    if (nsp < 1 || nsp > 3) throw std::invalid_argument("gml engine: conv weight must be 3-D to 5-D");
+    if (groups > 1) {
+      wd[0] /= groups;
+      wd.insert(wd.begin(), groups);
+    }
+    memory::desc user_w(wd, parse_dtype(wdtype), plain_strides(wd));
+    memory::desc any_w(wd, parse_dtype(wdtype), memory::format_tag::any);
+    const int64_t oc = wdims[0];
+    memory::desc bias_md = bias ? memory::desc({oc}, dt::f32, memory::format_tag::a) : memory::desc();
+
+    dnnl::primitive_attr attr;
+    dnnl::post_ops po;
+    if (sum) po.append_sum(sum->first, sum->second);
+    append_eltwise(po, eltwise);
+    attr.set_post_ops(po);
+    std::vector<std::pair<int, memory>> consts;
+    if (quant) add_quant_attrs(attr, consts, src_q, dst_q, w_scales, groups > 1 ? 3 : 1);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+
+    memory::dims st(strides.begin(), strides.end()), dl(dilation.begin(), dilation.end());
+    memory::dims pl(pad_l.begin(), pad_l.end()), pr(pad_r.begin(), pad_r.end());
+    auto pd = dnnl::convolution_forward::primitive_desc(
+        cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, src_md, any_w,
+        bias_md, dst_md, st, dl, pl, pr, attr);
+    consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
+    if (bias) consts.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
+    push(dnnl::convolution_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts),
+         pd.scratchpad_desc(), name);
+  }
+
+  // Inner product (Linear) on a 2-D src: INT8 or fp32, like conv().
+  void inner_product(int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype,
+                     const std::vector<float>& w_scales, uintptr_t bias, QP src_q, QP dst_q,
+                     const Eltwise& eltwise, const std::string& name) {
+    const bool quant = wdtype == "s8";
+    memory::dims wd(wdims.begin(), wdims.end());
+    if (wd.size() != 2) throw std::invalid_argument("gml engine: inner product weight must be 2-D");
+    memory::desc user_w(wd, parse_dtype(wdtype), memory::format_tag::ab);
+    memory::desc any_w(wd, parse_dtype(wdtype), memory::format_tag::any);
+    memory::desc bias_md = bias ? memory::desc({wd[0]}, dt::f32, memory::format_tag::a) : memory::desc();
+    dnnl::primitive_attr attr;
+    dnnl::post_ops po;
+    append_eltwise(po, eltwise);
+    attr.set_post_ops(po);
+    std::vector<std::pair<int, memory>> consts;
+    if (quant) add_quant_attrs(attr, consts, src_q, dst_q, w_scales, 1);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto pd = dnnl::inner_product_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_inference,
+                                                          val(src).md, any_w, bias_md, val(dst).md, attr);
+    consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
+    if (bias) consts.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
+    push(dnnl::inner_product_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts),
+         pd.scratchpad_desc(), name);
+  }
+
+  // Reorder: layout change, quantize (f32 -> u8, dst_q), dequantize (u8 -> f32, src_q) or
+  // requantize (both). real = (q - zp) * scale on either side.
+  void reorder(int src, int dst, QP src_q, QP dst_q, const std::string& name) {
+    dnnl::primitive_attr attr;
+    std::vector<std::pair<int, memory>> consts;
+    if (src_q) add_qparams(attr, consts, DNNL_ARG_SRC, *src_q);
+    if (dst_q) add_qparams(attr, consts, DNNL_ARG_DST, *dst_q);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto pd = dnnl::reorder::primitive_desc(cpu_engine(), val(src).md, cpu_engine(), val(dst).md, attr);
+    push(dnnl::reorder(pd), {{DNNL_ARG_FROM, src}, {DNNL_ARG_TO, dst}}, std::move(consts), pd.scratchpad_desc(),
+         name);
+  }
+
+  // Max / average pooling; requantization (if any) is an eltwise ``linear`` post-op.
+  void pool(int src, int dst, const std::string& alg, const Dims& kernel, const Dims& strides, const Dims& dilation,
+            const Dims& pad_l, const Dims& pad_r, const Eltwise& eltwise, const std::string& name) {
+    dnnl::algorithm a;
+    if (alg == "max") a = dnnl::algorithm::pooling_max;
+    else if (alg == "avg_include") a = dnnl::algorithm::pooling_avg_include_padding;
+    else if (alg == "avg_exclude") a = dnnl::algorithm::pooling_avg_exclude_padding;
+    else throw std::invalid_argument("gml engine: unknown pooling '" + alg + "'");
+    dnnl::primitive_attr attr;
+    dnnl::post_ops po;
+    append_eltwise(po, eltwise);
+    attr.set_post_ops(po);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    memory::dims k(kernel.begin(), kernel.end()), st(strides.begin(), strides.end());
+    memory::dims dl(dilation.begin(), dilation.end()), pl(pad_l.begin(), pad_l.end()), pr(pad_r.begin(), pad_r.end());
+    auto pd = dnnl::pooling_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_inference, a,
+                                                    val(src).md, val(dst).md, st, k, dl, pl, pr, attr);
+    push(dnnl::pooling_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, {}, pd.scratchpad_desc(), name);
+  }
+
+  // Element-wise binary op: dst = post_ops(scale0 * src0 <alg> scale1 * src1).
+  void binary(int src0, int src1, int dst, const std::string& alg, std::optional<float> scale0,
+              std::optional<float> scale1, const Eltwise& eltwise, const std::string& name) {
+    dnnl::algorithm a;
+    if (alg == "add") a = dnnl::algorithm::binary_add;
+    else if (alg == "mul") a = dnnl::algorithm::binary_mul;
+    else if (alg == "max") a = dnnl::algorithm::binary_max;
+    else throw std::invalid_argument("gml engine: unknown binary op '" + alg + "'");
+    dnnl::primitive_attr attr;
+    dnnl::post_ops po;
+    append_eltwise(po, eltwise);
+    attr.set_post_ops(po);
+    std::vector<std::pair<int, memory>> consts;
+    if (scale0) add_scale(attr, consts, DNNL_ARG_SRC_0, *scale0);
+    if (scale1) add_scale(attr, consts, DNNL_ARG_SRC_1, *scale1);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto pd = dnnl::binary::primitive_desc(cpu_engine(), a, val(src0).md, val(src1).md, val(dst).md, attr);
+    push(dnnl::binary(pd), {{DNNL_ARG_SRC_0, src0}, {DNNL_ARG_SRC_1, src1}, {DNNL_ARG_DST, dst}}, std::move(consts),
+         pd.scratchpad_desc(), name);
+  }
+
+  // Concatenation along ``axis`` (same dtype and qparams on every input: the caller requantizes).
+  void concat(const std::vector<int>& srcs, int dst, int axis, const std::string& name) {
+    std::vector<memory::desc> mds;
+    std::vector<std::pair<int, int>> args{{DNNL_ARG_DST, dst}};
+    for (size_t i = 0; i < srcs.size(); ++i) {
+      mds.push_back(val(srcs[i]).md);
+      args.emplace_back(DNNL_ARG_MULTIPLE_SRC + static_cast<int>(i), srcs[i]);
+    }
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto pd = dnnl::concat::primitive_desc(cpu_engine(), val(dst).md, axis, mds, attr);
+    push(dnnl::concat(pd), std::move(args), {}, pd.scratchpad_desc(), name);
+  }
+
+  void finalize(int64_t arena_bytes) {
+    if (arena_bytes < 0) throw std::invalid_argument("gml engine: negative arena size");
+    arena_bytes_ = arena_bytes;
+    for (const auto& s : steps_) scratch_bytes_ = std::max(scratch_bytes_, s.scratchpad_md.get_size());
+    finalized_ = true;
+  }
+
+  // One inference: inputs / outputs are data pointers of tensors laid out as planned.
+  void run(const std::vector<uintptr_t>& inputs, const std::vector<uintptr_t>& outputs, int nthreads) {
+    if (!finalized_) throw std::runtime_error("gml engine: plan not finalized");
+    if (static_cast<int>(inputs.size()) != n_inputs_ || static_cast<int>(outputs.size()) != n_outputs_)
+      throw std::invalid_argument("gml engine: wrong number of inputs or outputs");
+    if (nthreads > 0) omp_set_num_threads(nthreads);  // this OS thread's OpenMP team size
+    std::unique_ptr<Context> ctx = acquire();
+    for (size_t v = 0; v < values_.size(); ++v) {
+      const Value& val = values_[v];
+      if (val.where == Where::kArena) continue;
+      uintptr_t base = val.where == Where::kInput ? inputs[val.index] : outputs[val.index];
+      ctx->values[v].set_data_handle(reinterpret_cast<void*>(base + val.offset));
+    }
+    try {
+      for (size_t i = 0; i < steps_.size(); ++i) steps_[i].prim.execute(ctx->stream, ctx->args[i]);
+      ctx->stream.wait();
+    } catch (...) {
+      release(std::move(ctx));
+      throw;
+    }
+    release(std::move(ctx));
+  }
+
+  size_t num_steps() const { return steps_.size(); }
+  int64_t arena_bytes() const { return arena_bytes_; }
+  size_t scratch_bytes() const { return scratch_bytes_; }
+  std::vector<std::string> step_names() const {
+    std::vector<std::string> out;
+    for (const auto& s : steps_) out.push_back(s.name);
+    return out;
+  }
+  // The implementation oneDNN picked for each step (e.g. "brg:avx512_core_vnni"), for reports.
+  std::vector<std::string> step_impls() const {
+    std::vector<std::string> out;
+    for (const auto& s : steps_) {
+      const_dnnl_primitive_desc_t cpd;
+      dnnl::error::wrap_c_api(dnnl_primitive_get_primitive_desc(s.prim.get(), &cpd), "no primitive desc");
+      const char* impl = nullptr;
+      dnnl::error::wrap_c_api(dnnl_primitive_desc_query(cpd, dnnl_query_impl_info_str, 0, &impl), "no impl");
+      out.emplace_back(impl ? impl : "?");
+    }
+    return out;
+  }
+
+ private:
+  const Value& val(int id) const {
+    if (id < 0 || id >= static_cast<int>(values_.size())) throw std::invalid_argument("gml engine: bad value id");
+    return values_[id];
+  }
+
+  static memory::dims plain_strides(const memory::dims& d) {
+    memory::dims s(d.size(), 1);
+    for (int i = static_cast<int>(d.size()) - 2; i >= 0; --i) s[i] = s[i + 1] * d[i + 1];
+    return s;
+  }
+
+  static void append_eltwise(dnnl::post_ops& po, const Eltwise& eltwise) {
+    for (const auto& [alg, alpha, beta] : eltwise) po.append_eltwise(parse_eltwise(alg), alpha, beta);
+  }
+
+  static memory f32_constant(std::vector<std::pair<int, memory>>& consts, const std::vector<float>& v, int arg) {
+    memory m(memory::desc({static_cast<int64_t>(v.size())}, dt::f32, memory::format_tag::a), cpu_engine());
+    std::memcpy(m.get_data_handle(), v.data(), v.size() * sizeof(float));
+    consts.emplace_back(arg, m);
+    return m;
+  }
+
+  static void add_scale(dnnl::primitive_attr& attr, std::vector<std::pair<int, memory>>& consts, int arg, float s) {
+    attr.set_scales_mask(arg, 0);
+    f32_constant(consts, {s}, DNNL_ARG_ATTR_SCALES | arg);
+  }
+
+  static void add_qparams(dnnl::primitive_attr& attr, std::vector<std::pair<int, memory>>& consts, int arg,
+                          std::pair<float, int> qp) {
+    add_scale(attr, consts, arg, qp.first);
+    if (qp.second != 0) {
+      attr.set_zero_points_mask(arg, 0);
+      memory m(memory::desc({1}, dt::s32, memory::format_tag::a), cpu_engine());
+      *static_cast<int32_t*>(m.get_data_handle()) = qp.second;
+      consts.emplace_back(DNNL_ARG_ATTR_ZERO_POINTS | arg, m);
+    }
+  }
+
+  // src/dst scales + zero points and the weights' scales of an INT8 conv / inner product.
+  // oneDNN 3.x: dst = post_ops(src_scale * w_scale * sum((src - src_zp) * w) + bias) / dst_scale + dst_zp.
+  static void add_quant_attrs(dnnl::primitive_attr& attr, std::vector<std::pair<int, memory>>& consts, QP src_q,
+                              QP dst_q, const std::vector<float>& w_scales, int per_channel_mask) {
+    if (!src_q) throw std::invalid_argument("gml engine: an INT8 op needs the input's qparams");
+    add_qparams(attr, consts, DNNL_ARG_SRC, *src_q);
+    if (dst_q) add_qparams(attr, consts, DNNL_ARG_DST, *dst_q);
+    attr.set_scales_mask(DNNL_ARG_WEIGHTS, w_scales.size() > 1 ? per_channel_mask : 0);
+    f32_constant(consts, w_scales, DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS);
+  }
+
+  // Copies the caller's bytes at ``ptr`` (layout ``user``) into plan-owned memory of layout ``want``.
+  memory reorder_constant(uintptr_t ptr, const memory::desc& user, const memory::desc& want) {
+    memory src(user, cpu_engine(), reinterpret_cast<void*>(ptr));
+    memory dst(want, cpu_engine());
+    dnnl::stream s(cpu_engine());
+    dnnl::reorder(src, dst).execute(s, src, dst);
+    s.wait();
+    return dst;
+  }
+
+  memory copy_constant(uintptr_t ptr, const memory::desc& md) {
+    memory m(md, cpu_engine());
+    std::memcpy(m.get_data_handle(), reinterpret_cast<void*>(ptr), md.get_size());
+    return m;
+  }
+
+  void push(dnnl::primitive prim, std::vector<std::pair<int, int>> value_args,
+            std::vector<std::pair<int, memory>> consts, memory::desc scratch, const std::string& name) {
+    if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
+    steps_.push_back(Step{std::move(prim), std::move(value_args), std::move(consts), std::move(scratch), name});
+  }
+
+  std::unique_ptr<Context> acquire() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!pool_.empty()) {
+        auto ctx = std::move(pool_.back());
+        pool_.pop_back();
+        return ctx;
+      }
+    }
+    auto ctx = std::make_unique<Context>();
+    ctx->arena = aligned_buffer(static_cast<size_t>(arena_bytes_));
+    ctx->scratch = aligned_buffer(scratch_bytes_);
+    ctx->stream = dnnl::stream(cpu_engine());
+    char* arena = static_cast<char*>(ctx->arena.get());
+    for (const auto& v : values_) {
+      void* h = v.where == Where::kArena ? static_cast<void*>(arena + v.offset) : nullptr;
+      if (v.where == Where::kArena && v.offset + static_cast<int64_t>(v.md.get_size()) > arena_bytes_)
+        throw std::runtime_error("gml engine: a value lies outside the arena");
+      ctx->values.emplace_back(v.md, cpu_engine(), h);  // external handles are set per run
+    }
+    for (const auto& s : steps_) {
+      std::unordered_map<int, memory> args;
+      for (const auto& [arg, v] : s.value_args) args.emplace(arg, ctx->values[v]);
+      for (const auto& [arg, m] : s.const_args) args.emplace(arg, m);
+      if (s.scratchpad_md.get_size() > 0) args.emplace(DNNL_ARG_SCRATCHPAD, memory(s.scratchpad_md, cpu_engine(), ctx->scratch.get()));
+      ctx->args.push_back(std::move(args));
+    }
+    return ctx;
+  }
+
+  void release(std::unique_ptr<Context> ctx) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pool_.push_back(std::move(ctx));
+  }
+
+  std::vector<Value> values_;
+  std::vector<Step> steps_;
+  int n_inputs_ = 0, n_outputs_ = 0;
+  int64_t arena_bytes_ = 0;
+  size_t scratch_bytes_ = 0;
+  bool finalized_ = false;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Context>> pool_;
+};
+
+std::string isa_name() {
+  using I = dnnl::cpu_isa;
+  switch (dnnl::get_effective_cpu_isa()) {
+    case I::avx512_core_amx: return "avx512_core_amx";
+    case I::avx512_core_amx_fp16: return "avx512_core_amx_fp16";
+    case I::avx512_core_fp16: return "avx512_core_fp16";
+    case I::avx512_core_bf16: return "avx512_core_bf16";
+    case I::avx512_core_vnni: return "avx512_core_vnni";
+    case I::avx512_core: return "avx512_core";
+    case I::avx2_vnni_2: return "avx2_vnni_2";
+    case I::avx2_vnni: return "avx2_vnni";
+    case I::avx2: return "avx2";
+    case I::sse41: return "sse41";
+    default: return "other";
+  }
+}
+
+}  // namespace
+
+NB_MODULE(_engine, m) {
+  m.doc() = "GML engine: planned graph segments executed as oneDNN primitives (see native/engine.cpp).";
+  m.def("onednn_version", [] {
+    const dnnl_version_t* v = dnnl_version();
+    return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
+  });
+  m.def("cpu_isa", &isa_name, "The instruction set oneDNN dispatches to on this CPU.");
+  nb::class_<Plan>(m, "Plan")
+      .def(nb::init<>())
+      .def("add_value", &Plan::add_value, nb::arg("dims"), nb::arg("strides"), nb::arg("dtype"), nb::arg("where"),
+           nb::arg("index"), nb::arg("offset"))
+      .def("conv", &Plan::conv, nb::arg("src"), nb::arg("dst"), nb::arg("weight"), nb::arg("wdims"),
+           nb::arg("wdtype"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("strides"), nb::arg("dilation"),
+           nb::arg("pad_l"), nb::arg("pad_r"), nb::arg("groups"), nb::arg("src_q").none(), nb::arg("dst_q").none(),
+           nb::arg("sum").none(), nb::arg("eltwise"), nb::arg("name"))
+      .def("inner_product", &Plan::inner_product, nb::arg("src"), nb::arg("dst"), nb::arg("weight"),
+           nb::arg("wdims"), nb::arg("wdtype"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("src_q").none(),
+           nb::arg("dst_q").none(), nb::arg("eltwise"), nb::arg("name"))
+      .def("reorder", &Plan::reorder, nb::arg("src"), nb::arg("dst"), nb::arg("src_q").none(),
+           nb::arg("dst_q").none(), nb::arg("name"))
+      .def("pool", &Plan::pool, nb::arg("src"), nb::arg("dst"), nb::arg("alg"), nb::arg("kernel"), nb::arg("strides"),
+           nb::arg("dilation"), nb::arg("pad_l"), nb::arg("pad_r"), nb::arg("eltwise"), nb::arg("name"))
+      .def("binary", &Plan::binary, nb::arg("src0"), nb::arg("src1"), nb::arg("dst"), nb::arg("alg"),
+           nb::arg("scale0").none(), nb::arg("scale1").none(), nb::arg("eltwise"), nb::arg("name"))
+      .def("concat", &Plan::concat, nb::arg("srcs"), nb::arg("dst"), nb::arg("axis"), nb::arg("name"))
+      .def("finalize", &Plan::finalize, nb::arg("arena_bytes"))
+      .def("run", &Plan::run, nb::arg("inputs"), nb::arg("outputs"), nb::arg("nthreads"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("num_steps", &Plan::num_steps)
+      .def_prop_ro("arena_bytes", &Plan::arena_bytes)
+      .def_prop_ro("scratch_bytes", &Plan::scratch_bytes)
+      .def("step_names", &Plan::step_names)
+      .def("step_impls", &Plan::step_impls);
+}

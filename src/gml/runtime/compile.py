@@ -1,0 +1,347 @@
+"""Compile a lowered GraphModule for the native engine: partition, segments, shape-keyed plans.
+
+Partition: every node the translation table (:mod:`gml.runtime.translate`) accepts is an engine
+node; each maximal run of engine nodes (in graph order) becomes one :class:`EngineSegment` module,
+and everything else stays a torch node between segments. The result is an ordinary GraphModule
+(``EngineModule.graph_module``), so mixed graphs run as they did, with the segments as single calls.
+
+A segment compiles a plan per input layout (shape, strides, dtype): it runs its own Python executor
+(the original nodes, kept as ``segment.reference``) once on copies of the inputs to learn every
+value's layout, translates the nodes, plans the arena and creates the oneDNN primitives
+(:mod:`gml.runtime.plan`). A shape the engine cannot plan runs the reference for that shape, and the
+report says why.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from gml.errors import InputError, UnsupportedError
+from gml.runtime import native
+from gml.runtime.plan import Builder
+from gml.runtime.translate import Unsupported, read_call, rule_for
+
+#: Plans a segment keeps (one per input layout seen; the oldest goes first beyond this).
+MAX_PLANS = 8
+
+
+@dataclass
+class NodeReport:
+    name: str
+    op: str
+    runs_in: str  # "engine" | "torch"
+    reason: str = ""
+
+
+@dataclass
+class RuntimeReport:
+    """Which path ran: per node, engine or torch and why; per segment, its shape fallbacks."""
+
+    runtime: str  # "engine" | "torch"
+    nodes: list[NodeReport] = field(default_factory=list)
+    segments: int = 0
+    note: str = ""
+    shape_fallbacks: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def engine_nodes(self) -> int:
+        return sum(n.runs_in == "engine" for n in self.nodes)
+
+    @property
+    def torch_nodes(self) -> list[NodeReport]:
+        return [n for n in self.nodes if n.runs_in == "torch"]
+
+    @property
+    def path(self) -> str:
+        """``engine`` (every compute node), ``mixed``, or ``torch``."""
+        if self.runtime == "torch" or self.engine_nodes == 0:
+            return "torch"
+        return "engine" if not self.torch_nodes and not self.shape_fallbacks else "mixed"
+
+    def __str__(self) -> str:
+        lines = [
+            f"runtime: {self.path} ({self.engine_nodes} nodes in {self.segments} engine segment(s), "
+            f"{len(self.torch_nodes)} in torch)"
+        ]
+        if self.note:
+            lines.append(f"  {self.note}")
+        lines += [f"  torch: {n.name} ({n.op}): {n.reason}" for n in self.torch_nodes]
+        lines += [f"  torch for shape {k}: {v}" for k, v in self.shape_fallbacks.items()]
+        return "\n".join(lines)
+
+
+def _last_use(graph: fx.Graph) -> dict[fx.Node, float]:
+    """Position of each node's last reader (``inf`` when the graph returns it)."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    out: dict[fx.Node, float] = {}
+    for n in graph.nodes:
+        out[n] = max((float("inf") if u.op == "output" else pos[u] for u in n.users), default=pos[n])
+    return out
+
+
+class EngineSegment(nn.Module):
+    """A run of engine nodes: ``forward(*tensors) -> tuple`` through a plan for the inputs' layout."""
+
+    def __init__(self, reference: fx.GraphModule, report: RuntimeReport) -> None:
+        super().__init__()
+        self.reference = reference
+        self._report = report
+        self._plans: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_plans"], state["_lock"] = OrderedDict(), None  # native plans are rebuilt, never saved
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo: dict) -> EngineSegment:
+        import copy
+
+        return EngineSegment(copy.deepcopy(self.reference, memo), self._report)
+
+    @property
+    def num_plans(self) -> int:
+        return len(self._plans)
+
+    def plan_for(self, inputs: Sequence[torch.Tensor]) -> tuple[Any, list[tuple]]:
+        key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in inputs)
+        entry = self._plans.get(key)
+        if entry is None:
+            with self._lock:
+                entry = self._plans.get(key)
+                if entry is None:
+                    entry = self._compile(inputs, key)
+                    while len(self._plans) >= MAX_PLANS:
+                        self._plans.popitem(last=False)
+                    self._plans[key] = entry
+        return entry
+
+    def _compile(self, inputs: Sequence[torch.Tensor], key: tuple) -> tuple[Any, list[tuple]]:
+        # 1. the executor's own tensors, on copies (a residual add may write an input in place)
+        copies = [t.clone() for t in inputs]
+        recorder = _Recorder(self.reference)
+        try:
+            with torch.no_grad():
+                recorder.run(*copies)
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+            raise InputError(
+                f"the model cannot run on inputs of shape {shapes}: {e}",
+                hint="give inputs of the shape and dtype the model was compiled with.",
+            ) from e
+        # 2. translate
+        try:
+            plan, outs = self._translate(recorder.values)
+        except (Unsupported, RuntimeError, ValueError) as e:
+            self._report.shape_fallbacks[_key_str(key)] = str(e)
+            return None, []
+        return plan, outs
+
+    def _translate(self, env: dict[fx.Node, Any]) -> tuple[Any, list[tuple]]:
+        graph = self.reference.graph
+        b = Builder(_last_use(graph))
+        vals: dict[fx.Node, Any] = {}
+        inputs, outputs, metas = [], [], []
+        for pos, node in enumerate(graph.nodes):
+            b.pos, b.node_name = pos, node.name
+            if node.op == "placeholder":
+                vals[node] = b.value_for(node, env[node])
+                inputs.append(vals[node])
+                b.place_inputs(inputs)  # now: a later in-place step must see it is the caller's
+            elif node.op == "output":
+                for a in node.args[0]:
+                    outputs.append(vals[a])
+                    metas.append(env[a])
+            elif node.op != "get_attr":  # constants are read by the rules through the Call
+                call = read_call(self.reference, node)
+                rule, reason = rule_for(call)
+                if rule is None:
+                    raise Unsupported(reason)
+                t = env[node]
+                if not isinstance(t, torch.Tensor):
+                    raise Unsupported(f"{node.name} returns {type(t).__name__}")
+                vals[node] = b.value_for(node, t)
+                rule.emit(b, call, [vals[a] for a in call.inputs], vals[node])
+        b.place_outputs(outputs, metas)
+        plan = b.build(native.load())
+        return plan, [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in metas]
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        plan, outs = self.plan_for(inputs)
+        if plan is None:
+            return tuple(self.reference(*inputs))
+        results = [torch.empty_strided(s, st, dtype=dt) for s, st, dt in outs]
+        plan.run([t.data_ptr() for t in inputs], [r.data_ptr() for r in results], torch.get_num_threads())
+        return tuple(results)
+
+
+class _Recorder(fx.Interpreter):
+    """The segment's Python executor, keeping every node's result (layouts for the plan)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        self.values[n] = out
+        return out
+
+
+def _key_str(key: tuple) -> str:
+    return ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, _, d in key)
+
+
+def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
+    """A copy of ``gm`` with each maximal run of engine nodes replaced by one EngineSegment call."""
+    report = RuntimeReport("engine")
+    graph = gm.graph
+    runs: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op == "get_attr":  # a weight read by the next op: it goes where its readers go
+            continue
+        ok, reason = _engine_node(gm, node)
+        if node.op in ("call_module", "call_function", "call_method"):
+            call = read_call(gm, node)
+            op = call.op if call is not None else str(getattr(node.target, "__name__", node.target))
+            report.nodes.append(NodeReport(node.name, op, "engine" if ok else "torch", reason or ""))
+        if ok:
+            current.append(node)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+
+    new = fx.GraphModule(gm, _copy_graph(graph))
+    name_map = {n.name: n for n in new.graph.nodes}
+    for i, run in enumerate(runs):
+        nodes = [name_map[n.name] for n in run]
+        _replace_run(new, nodes, f"engine_segment_{i}", report)
+    for node in list(new.graph.nodes):  # weights now read inside a segment
+        if node.op == "get_attr" and not node.users:
+            new.graph.erase_node(node)
+    new.graph.lint()
+    new.delete_all_unused_submodules()
+    new.recompile()
+    report.segments = len(runs)
+    return new, report
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = g.graph_copy(graph, env)
+    g.output(out)
+    return g
+
+
+def _engine_node(gm: fx.GraphModule, node: fx.Node) -> tuple[bool, str | None]:
+    if node.op in ("placeholder", "output", "get_attr"):
+        return False, None
+    call = read_call(gm, node)
+    rule, reason = rule_for(call)
+    if rule is None:
+        return False, reason
+    if node.op == "call_module" and (node.kwargs or not all(isinstance(a, fx.Node) for a in node.args)):
+        return False, "non-tensor arguments"
+    if rule.arity is not None and len(call.inputs) != rule.arity:
+        return False, f"{len(call.inputs)} inputs (expects {rule.arity})"
+    return True, None
+
+
+def _replace_run(gm: fx.GraphModule, run: list[fx.Node], name: str, report: RuntimeReport) -> None:
+    inside = set(run)
+    inputs: list[fx.Node] = []
+    weights: list[fx.Node] = []
+    for n in run:
+        for a in n.all_input_nodes:
+            group = weights if a.op == "get_attr" else inputs
+            if a not in inside and a not in group:
+                group.append(a)
+    outputs = [n for n in run if any(u not in inside for u in n.users)]
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in inputs}
+    for w in weights:  # constants stay constants of the segment (its reference module holds them)
+        env[w] = sub.get_attr(str(w.target))
+    for n in run:
+        env[n] = sub.node_copy(n, lambda x: env[x])
+    sub.output(tuple(env[o] for o in outputs))
+    reference = fx.GraphModule(gm, sub)
+    gm.add_submodule(name, EngineSegment(reference, report))
+    with gm.graph.inserting_before(run[0]):
+        call = gm.graph.call_module(name, tuple(inputs))
+        for i, o in enumerate(outputs):
+            item = gm.graph.call_function(operator.getitem, (call, i))
+            o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(run):
+        gm.graph.erase_node(n)
+
+
+class EngineModule(nn.Module):
+    """A lowered model executed by the native engine where it covers the graph.
+
+    ``graph_module`` is the partitioned graph (EngineSegment calls between torch nodes);
+    ``report`` says which nodes run where and why. Inputs are checked against the example the model
+    was compiled with (device, dtype, rank, channels): a mismatch is an :class:`InputError`.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, report: RuntimeReport, example: Sequence[torch.Tensor]):
+        super().__init__()
+        self.graph_module = graph_module
+        self.report = report
+        # channels (dim 1) are fixed for image / video inputs; other dims may change (a new plan),
+        # and for other ranks dim 1 may be a sequence length: the plan's compile run checks those
+        self._expect = [(t.dtype, t.dim(), t.shape[1] if t.dim() >= 4 else None) for t in example]
+
+    def forward(self, *inputs: Any) -> Any:
+        self._check(inputs)
+        return self.graph_module(*inputs)
+
+    def _check(self, inputs: Sequence[Any]) -> None:
+        if len(inputs) != len(self._expect):
+            raise InputError(f"the model takes {len(self._expect)} input(s), got {len(inputs)}.")
+        for i, (t, (dtype, rank, channels)) in enumerate(zip(inputs, self._expect)):
+            want = f"a {dtype} tensor of rank {rank}" + (f" with {channels} channels (dim 1)" if channels else "")
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"input {i} is a {type(t).__name__}; the model expects {want}.")
+            if t.device.type != "cpu":
+                raise InputError(f"input {i} is on {t.device}; the engine runs on the CPU.", hint="pass x.cpu().")
+            if t.dtype != dtype or t.dim() != rank or (channels is not None and t.shape[1] != channels):
+                raise InputError(
+                    f"input {i} is a {t.dtype} tensor of shape {tuple(t.shape)}; the model expects {want}."
+                )
+
+    def segments(self) -> list[EngineSegment]:
+        return [m for m in self.graph_module.modules() if isinstance(m, EngineSegment)]
+
+
+def compile_engine(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> EngineModule:
+    """Partition ``gm`` for the engine and compile the plan for ``example_inputs``' shapes.
+
+    Raises :class:`UnsupportedError` if the native engine is not built (see :func:`native.load`).
+    """
+    native.load()
+    part, report = partition(gm)
+    module = EngineModule(part, report, list(example_inputs))
+    with torch.no_grad():
+        module(*example_inputs)  # compiles the plans for these shapes
+    if report.engine_nodes == 0:
+        report.note = "no node of this graph has an engine kernel"
+    return module
+
+
+__all__ = ["EngineModule", "EngineSegment", "RuntimeReport", "UnsupportedError", "compile_engine", "partition"]

@@ -1,0 +1,336 @@
+"""One engine plan: the steps of a graph segment for one input shape, and its activation arena.
+
+:class:`Builder` is what the translation table (:mod:`gml.runtime.translate`) writes to. It records
+steps over :class:`Val` values whose shapes / strides / dtypes come from one run of the segment's
+Python executor on the inputs (so they are, by construction, what that executor produces), then
+
+1. places values in **storage groups**: a view (flatten) or an in-place accumulation (the residual
+   ``sum``) joins the group of the value it aliases; a group holding a segment output lives in the
+   caller's output tensor, one holding an input in the caller's input tensor;
+2. gives every other group an offset in one arena from its lifetime (first step that touches it to
+   the last): groups whose lifetimes overlap never overlap in memory; dead buffers are reused
+   (greedy first fit, largest first);
+3. creates the native plan (``gml._engine.Plan``): one oneDNN primitive per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from gml.runtime.translate import QP, Eltwise, Unsupported
+
+_DTYPES = {torch.uint8: "u8", torch.int8: "s8", torch.float32: "f32"}
+ALIGN = 64
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPES.get(dtype)
+    if name is None:
+        raise Unsupported(f"{dtype} tensors")
+    return name
+
+
+def _span(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
+    if any(d == 0 for d in shape):
+        return 0
+    return (sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * itemsize
+
+
+@dataclass(eq=False)
+class Group:
+    """Bytes shared by aliasing values: in the arena, or an input / output tensor of the call."""
+
+    where: str = "arena"  # "arena" | "input" | "output"
+    index: int = -1
+    members: list[Val] = field(default_factory=list)
+    arena_offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return max((m.offset + m.nbytes for m in self.members), default=0)
+
+
+@dataclass(eq=False)
+class Val:
+    """A value of the plan: its layout, the node it stands for (None for temporaries), its group."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype_name: str
+    node: fx.Node | None = None
+    group: Group | None = None
+    offset: int = 0  # bytes from the start of the group
+    ref: torch.Tensor | None = None  # the Python executor's tensor for this value (compile time only)
+
+    @property
+    def nbytes(self) -> int:
+        return _span(self.shape, self.stride, 4 if self.dtype_name == "f32" else 1)
+
+
+@dataclass(eq=False)
+class Step:
+    method: str
+    reads: list[Val]
+    writes: list[Val]
+    kwargs: dict[str, Any]
+    name: str
+
+
+class Builder:
+    """Records the steps of one plan (see the module docstring). ``node_pos`` / ``last_use`` come
+    from the segment graph: a value read by a later node or returned must not be overwritten."""
+
+    def __init__(self, last_use: dict[fx.Node, float]) -> None:
+        self.vals: list[Val] = []
+        self.steps: list[Step] = []
+        self.last_use = last_use
+        self.pos = 0  # position of the node being translated
+        self.node_name = ""
+
+    # ------------------------------------------------------------ values
+    def _new(self, shape: Any, stride: Any, dtype: str, node: fx.Node | None = None) -> Val:
+        v = Val(tuple(int(d) for d in shape), tuple(int(s) for s in stride), dtype, node)
+        v.group = Group(members=[v])
+        self.vals.append(v)
+        return v
+
+    def value_for(self, node: fx.Node | None, t: torch.Tensor) -> Val:
+        v = self._new(t.shape, t.stride(), dtype_name(t.dtype), node)
+        v.ref = t
+        return v
+
+    def temp(self, shape: Any, stride: Any, dtype: str) -> Val:
+        return self._new(shape, stride, dtype)
+
+    def is_view_of(self, out: Val, src: Val) -> bool:
+        """Whether the Python executor returned ``out`` as a view of ``src``'s memory."""
+        if out.ref is None or src.ref is None:
+            return False
+        return out.ref.untyped_storage().data_ptr() == src.ref.untyped_storage().data_ptr()
+
+    def _join(self, v: Val, base: Val, offset: int) -> None:
+        assert v.group is not None and base.group is not None
+        if len(v.group.members) != 1:
+            raise Unsupported("a value aliased twice")
+        v.group = base.group
+        v.offset = base.offset + offset
+        base.group.members.append(v)
+
+    def alias(self, out: Val, src: Val) -> None:
+        """``out`` is a view of ``src`` (same bytes, as the executor's storage offsets say)."""
+        assert out.ref is not None and src.ref is not None
+        delta = (out.ref.storage_offset() - src.ref.storage_offset()) * out.ref.element_size()
+        self._join(out, src, delta)
+
+    def view(self, base: Val, shape: Any, stride: Any) -> Val:
+        """A new value over ``base``'s bytes with another shape / strides (for copies in a new order)."""
+        v = self._new(shape, stride, base.dtype_name)
+        self._join(v, base, 0)
+        return v
+
+    def share(self, out: Val, other: Val) -> None:
+        """``out`` is computed in place into ``other``'s memory (the residual ``sum``). If ``other``
+        (or a value aliasing it) is read after this node, or is the caller's, copy it first."""
+        assert other.group is not None
+        live = other.group.where == "input" or any(
+            m.node is not None and self.last_use.get(m.node, 0) > self.pos for m in other.group.members
+        )
+        if live or other.stride != out.stride or other.shape != out.shape:
+            t = self.temp(out.shape, out.stride, other.dtype_name)
+            self.reorder(other, t, src_q=None, dst_q=None)
+            other = t
+        self._join(out, other, 0)
+
+    # ------------------------------------------------------------ steps (names as in native/engine.cpp)
+    def _step(self, method: str, reads: list[Val], writes: list[Val], **kwargs: Any) -> None:
+        self.steps.append(Step(method, reads, writes, kwargs, self.node_name))
+
+    def conv(self, src: Val, dst: Val, *, sum_q: QP = None, **kw: Any) -> None:
+        reads = [src, dst] if sum_q is not None else [src]
+        self._step("conv", reads, [dst], sum_q=sum_q, **kw)
+
+    def inner_product(self, src: Val, dst: Val, **kw: Any) -> None:
+        self._step("inner_product", [src], [dst], **kw)
+
+    def reorder(self, src: Val, dst: Val, *, src_q: QP, dst_q: QP) -> None:
+        self._step("reorder", [src], [dst], src_q=src_q, dst_q=dst_q)
+
+    def pool(
+        self,
+        src: Val,
+        dst: Val,
+        alg: str,
+        kernel: Any,
+        stride: Any,
+        dilation: Any,
+        pad_l: Any,
+        pad_r: Any,
+        eltwise: Eltwise,
+    ) -> None:
+        self._step(
+            "pool",
+            [src],
+            [dst],
+            alg=alg,
+            kernel=kernel,
+            stride=stride,
+            dilation=dilation,
+            pad_l=pad_l,
+            pad_r=pad_r,
+            eltwise=eltwise,
+        )
+
+    def binary(
+        self, a: Val, b: Val, dst: Val, alg: str, *, scale0: float | None, scale1: float | None, eltwise: Eltwise
+    ) -> None:
+        # oneDNN 3.2's binary primitive gives wrong values when a source's strides differ from the
+        # destination's (found by the INT8 fuzzer: an NWC conv output plus an NCW input): bring such a
+        # source into the destination's layout first.
+        if a.stride != dst.stride and a.shape == dst.shape:
+            a = self._relayout(a, dst)
+        if b.stride != dst.stride and b.shape == dst.shape:
+            b = self._relayout(b, dst)
+        self._step("binary", [a, b], [dst], alg=alg, scale0=scale0, scale1=scale1, eltwise=eltwise)
+
+    def _relayout(self, v: Val, like: Val) -> Val:
+        t = self.temp(like.shape, like.stride, v.dtype_name)
+        self.reorder(v, t, src_q=None, dst_q=None)
+        return t
+
+    def concat(self, srcs: list[Val], dst: Val, axis: int) -> None:
+        self._step("concat", list(srcs), [dst], axis=axis)
+
+    # ------------------------------------------------------------ placement
+    def place_inputs(self, inputs: list[Val]) -> None:
+        for i, v in enumerate(inputs):
+            assert v.group is not None
+            v.group.where, v.group.index = "input", i
+
+    def place_outputs(self, outputs: list[Val], metas: list[torch.Tensor]) -> list[Val]:
+        """Put each output's group in the caller's output tensor, or copy into it when the group is
+        the caller's input, another output's, or larger than the output (a view of a bigger value)."""
+        placed: list[Val] = []
+        for k, (v, t) in enumerate(zip(outputs, metas)):
+            g = v.group
+            assert g is not None
+            if g.where == "arena" and v.offset == 0 and v.nbytes >= g.nbytes:
+                g.where, g.index = "output", k
+                placed.append(v)
+                continue
+            o = self.value_for(None, t)
+            assert o.group is not None
+            o.group.where, o.group.index = "output", k
+            self.node_name = "output"
+            self.reorder(v, o, src_q=None, dst_q=None)
+            placed.append(o)
+        return placed
+
+    def plan_arena(self) -> int:
+        """Arena offsets from group lifetimes; returns the arena size in bytes."""
+        life: dict[Group, list[int]] = {}
+        for i, s in enumerate(self.steps):
+            for v in (*s.reads, *s.writes):
+                assert v.group is not None
+                if v.group.where != "arena":
+                    continue
+                span = life.setdefault(v.group, [i, i])
+                span[0], span[1] = min(span[0], i), max(span[1], i)
+        placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+        size = 0
+        for g, (first, last) in sorted(life.items(), key=lambda kv: -kv[0].nbytes):
+            need = (g.nbytes + ALIGN - 1) // ALIGN * ALIGN
+            busy = sorted((o, e) for o, e, f, la in placed if not (la < first or last < f))
+            offset = 0
+            for o, e in busy:
+                if offset + need <= o:
+                    break
+                offset = max(offset, e)
+            g.arena_offset = offset
+            placed.append((offset, offset + need, first, last))
+            size = max(size, offset + need)
+        return size
+
+    # ------------------------------------------------------------ native plan
+    def build(self, native: Any) -> Any:
+        arena = self.plan_arena()
+        plan = native.Plan()
+        ids: dict[Val, int] = {}
+        where = {"arena": 0, "input": 1, "output": 2}
+        for v in self.vals:
+            g = v.group
+            assert g is not None
+            if not any(v in s.reads or v in s.writes for s in self.steps):
+                continue
+            base = g.arena_offset if g.where == "arena" else 0
+            ids[v] = plan.add_value(
+                list(v.shape), list(v.stride), v.dtype_name, where[g.where], g.index, base + v.offset
+            )
+        for s in self.steps:
+            kw = dict(s.kwargs)
+            if s.method in ("conv", "inner_product"):
+                w, scales, bias = kw.pop("weight"), kw.pop("w_scales"), kw.pop("bias")
+                w = w.contiguous()
+                bias = None if bias is None else bias.detach().float().contiguous()
+                common = dict(
+                    weight=w.data_ptr(),
+                    wdims=list(w.shape),
+                    wdtype=dtype_name(w.dtype),
+                    w_scales=[float(x) for x in scales.flatten()],
+                    bias=0 if bias is None else bias.data_ptr(),
+                    src_q=kw.pop("src_q"),
+                    dst_q=kw.pop("dst_q"),
+                    eltwise=kw.pop("eltwise"),
+                    name=s.name,
+                )
+                if s.method == "conv":
+                    plan.conv(
+                        ids[s.reads[0]],
+                        ids[s.writes[0]],
+                        strides=list(kw["stride"]),
+                        dilation=list(kw["dilation"]),
+                        pad_l=list(kw["pad_l"]),
+                        pad_r=list(kw["pad_r"]),
+                        groups=int(kw["groups"]),
+                        sum=kw["sum_q"],
+                        **common,
+                    )
+                else:
+                    plan.inner_product(ids[s.reads[0]], ids[s.writes[0]], **common)
+            elif s.method == "reorder":
+                plan.reorder(ids[s.reads[0]], ids[s.writes[0]], kw["src_q"], kw["dst_q"], s.name)
+            elif s.method == "pool":
+                plan.pool(
+                    ids[s.reads[0]],
+                    ids[s.writes[0]],
+                    kw["alg"],
+                    list(kw["kernel"]),
+                    list(kw["stride"]),
+                    list(kw["dilation"]),
+                    list(kw["pad_l"]),
+                    list(kw["pad_r"]),
+                    kw["eltwise"],
+                    s.name,
+                )
+            elif s.method == "binary":
+                plan.binary(
+                    ids[s.reads[0]],
+                    ids[s.reads[1]],
+                    ids[s.writes[0]],
+                    kw["alg"],
+                    kw["scale0"],
+                    kw["scale1"],
+                    kw["eltwise"],
+                    s.name,
+                )
+            elif s.method == "concat":
+                plan.concat([ids[v] for v in s.reads], ids[s.writes[0]], kw["axis"], s.name)
+            else:  # pragma: no cover - the Builder only records the methods above
+                raise AssertionError(s.method)
+        plan.finalize(arena)
+        for v in self.vals:
+            v.ref = None  # the executor's tensors were for layouts only
+        return plan

@@ -1,0 +1,82 @@
+"""Choosing the runtime of a lowered model: the native engine where it covers the graph, else torch.
+
+:func:`attach_runtime` is what ``gml.quantize`` calls. The engine's outputs on the example inputs
+are checked against the Python executor's before it is chosen: a disagreement (a miscompile) keeps
+the model on the Python executor and the report says so, it never returns wrong numbers silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from gml.errors import GMLError, InputError
+from gml.runtime.compile import EngineModule, RuntimeReport, compile_engine
+
+RUNTIMES = ("engine", "torch")
+
+
+def check_runtime(runtime: str) -> None:
+    if runtime not in RUNTIMES:
+        raise InputError(f"unknown runtime {runtime!r}.", hint=f"use one of: {', '.join(RUNTIMES)}.")
+
+
+def _flat(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, list | tuple):
+        return [t for o in out for t in _flat(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _flat(o)]
+    return []
+
+
+def agreement_error(ref: Any, got: Any) -> str | None:
+    """Why the engine's outputs differ from the Python executor's beyond rounding, or None."""
+    a, b = _flat(ref), _flat(got)
+    if len(a) != len(b):
+        return f"{len(b)} outputs instead of {len(a)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"output {i} is {y.dtype} {tuple(y.shape)}, expected {x.dtype} {tuple(x.shape)}"
+        if not x.is_floating_point():
+            if x.numel() and int((x.int() - y.int()).abs().max()) > 1:
+                return f"output {i} differs by more than one integer step"
+            continue
+        if not x.numel():
+            continue
+        scale = float(x.abs().max()) or 1.0
+        err = float((x - y).abs().max())
+        # one INT8 rounding step flipped here and there moves an fp32 output by ~1% of its range
+        if not err <= 0.05 * scale:
+            return f"output {i} differs by {err:.3g} (outputs reach {scale:.3g})"
+    return None
+
+
+def attach_runtime(
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], runtime: str = "engine"
+) -> tuple[EngineModule | None, RuntimeReport]:
+    """``(engine module or None, report)`` for ``gm``: None means "run the Python executor"."""
+    check_runtime(runtime)
+    if runtime == "torch":
+        return None, RuntimeReport("torch", note="runtime='torch' requested: the Python executor runs every node")
+    try:
+        engine = compile_engine(gm, example_inputs)
+    except GMLError as e:
+        return None, RuntimeReport("torch", note=f"engine unavailable: {e.message}")
+    if engine.report.engine_nodes == 0:
+        return None, RuntimeReport("torch", nodes=engine.report.nodes, note=engine.report.note)
+    with torch.no_grad():
+        ref = gm(*[t.clone() for t in example_inputs])
+        got = engine(*[t.clone() for t in example_inputs])
+    problem = agreement_error(ref, got)
+    if problem:
+        return None, RuntimeReport(
+            "torch",
+            nodes=engine.report.nodes,
+            note=f"the engine disagreed with the Python executor ({problem}); using torch",
+        )
+    return engine, engine.report

@@ -1,0 +1,111 @@
+"""Building one-op lowered graphs and comparing the engine with the Python executor."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from gml.ir.values import ConvSpec, QParams
+from gml.quant import modules as qm
+from gml.quant.lower import emit_op_calls
+from gml.runtime import compile_engine
+
+IN_QP, OUT_QP = QParams(0.05, 120), QParams(0.2, 100)
+
+
+def graph_of(*mods: nn.Module, n_inputs: int = 1, wiring: list[tuple[int, ...]] | None = None) -> fx.GraphModule:
+    """The lowered IR of ``x0..xk -> mods[0] -> mods[1] ... -> output``: each GML INT8 module becomes
+    the ``torch.ops.gml`` call the lowering emits for it (fp32 fused modules stay module calls).
+    ``wiring[i]`` lists the value indices module i reads (values: inputs first, then each module's
+    output); default: a chain."""
+    root = nn.Module()
+    g = fx.Graph()
+    values = [g.placeholder(f"x{i}") for i in range(n_inputs)]
+    for i, m in enumerate(mods):
+        root.add_module(f"m{i}", m)
+        args = tuple(values[j] for j in wiring[i]) if wiring else (values[-1],)
+        values.append(g.call_module(f"m{i}", args))
+    g.output(values[-1])
+    gm = fx.GraphModule(root, g)
+    modules = dict(gm.named_modules())
+    emit_op_calls(gm, lambda n: modules.get(str(n.target)) if n.op == "call_module" else None)
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def rand_u8(*shape: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    return x.contiguous(memory_format=torch.channels_last) if len(shape) == 4 else x
+
+
+def fit_qparams(t: torch.Tensor) -> QParams:
+    """uint8 qparams covering ``t``'s range (0 included)."""
+    lo, hi = min(float(t.min()), 0.0), max(float(t.max()), 0.0)
+    scale = max(hi - lo, 1e-6) / 255.0
+    return QParams(scale, round(-lo / scale))
+
+
+def int8_weight(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(-127, 128, shape, dtype=torch.int8, generator=gen)
+    scale = torch.rand(shape[0], generator=gen) * 0.01 + 0.002
+    return w, scale
+
+
+def assert_close_int(ref: torch.Tensor, got: torch.Tensor, *, frac: float = 0.02) -> None:
+    """Same dtype and shape; integers differ by at most 1 (a rounding tie), on few elements."""
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.dtype, ref.shape)
+    if ref.dtype == torch.uint8:
+        d = (ref.int() - got.int()).abs()
+        assert int(d.max()) <= 1, f"max integer difference {int(d.max())}"
+        assert float((d > 0).float().mean()) <= frac, f"{float((d > 0).float().mean()):.3f} of elements differ"
+    else:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * max(1.0, float(ref.abs().max())))
+
+
+def check_engine(gm: fx.GraphModule, *inputs: torch.Tensor, expect_engine: bool = True, frac: float = 0.02):
+    """Engine vs the Python executor on ``inputs``; returns the EngineModule."""
+    with torch.no_grad():
+        ref = gm(*[t.clone() for t in inputs])
+        saved = [t.clone() for t in inputs]
+        eng = compile_engine(gm, inputs)
+        got = eng(*inputs)
+    for t, s in zip(inputs, saved):
+        assert torch.equal(t, s), "the engine wrote into a caller's input"
+    if expect_engine:
+        assert eng.report.path == "engine", str(eng.report)
+    assert_close_int(ref, got, frac=frac)
+    return eng
+
+
+def qconv(
+    cin: int,
+    cout: int,
+    k: int | tuple[int, int],
+    *,
+    stride=(1, 1),
+    padding=(0, 0),
+    dilation=(1, 1),
+    groups=1,
+    in_qp=IN_QP,
+    out_qp: QParams | None = OUT_QP,
+    post_op=None,
+    bias=True,
+    seed=0,
+) -> qm.QConv2d:
+    kh, kw = (k, k) if isinstance(k, int) else k
+    w, s = int8_weight((cout, cin // groups, kh, kw), seed)
+    b = torch.randn(cout, generator=torch.Generator().manual_seed(seed)) if bias else None
+    spec = ConvSpec(tuple(stride), tuple(padding), tuple(dilation), groups)
+    return qm.QConv2d(w, s, b, spec, in_qp, out_qp, post_op=post_op)
+
+
+def calibrated_qconv(x: torch.Tensor, **kw) -> qm.QConv2d:
+    """A QConv2d whose output qparams fit its fp32-output result on ``x`` (no saturation)."""
+    probe = qconv(x.shape[1], kw.pop("cout"), kw.pop("k"), out_qp=None, **kw)
+    with torch.no_grad():
+        y = probe(x)
+    return qconv(x.shape[1], probe.weight.shape[0], tuple(probe.weight.shape[2:]), out_qp=fit_qparams(y), **kw)

@@ -1,0 +1,290 @@
+"""The timm patterns of issue #16 on tiny local models (tests/assets/timm_like.py; no timm needed)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import gml
+from assets.timm_like import (
+    BnActNet,
+    Conv2dSame,
+    GlobalContextNet,
+    SameNet,
+    ShapeCheckNet,
+    StdConvNet,
+    ValueBranchNet,
+    randomize_bn,
+)
+from gml.capture import SPECIALIZED, behaves_as
+from gml.errors import InputError, TraceFailure
+from gml.passes.base import GraphPass, PassResult
+from gml.passes.manager import PassManager
+from gml.passes.oplib import op_kind
+from gml.quant.lower import coverage_of
+from gml.quant.modules import GMLQuantModuleBase, QConv2dAdd, Quantize
+
+X = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
+def _int8_counts(gm: fx.GraphModule) -> Counter[str]:
+    mods = dict(gm.named_modules())
+    return Counter(
+        type(mods[str(n.target)]).__name__
+        for n in gm.graph.nodes
+        if n.op == "call_module"
+        and isinstance(mods[str(n.target)], GMLQuantModuleBase)
+        and not isinstance(mods[str(n.target)], Quantize)
+    )
+
+
+# ---------------------------------------------------------------- 1. a subclass is not its base class
+class RenamedConv(nn.Conv2d):
+    """A subclass that only adds a constructor: it still computes nn.Conv2d."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 4, 3)
+
+
+def test_behaves_as_tells_an_overridden_forward_from_a_renamed_layer():
+    assert behaves_as(nn.Conv2d(3, 4, 3), nn.Conv2d)
+    assert behaves_as(RenamedConv(), nn.Conv2d)
+    assert not behaves_as(Conv2dSame(3, 4, 3, stride=2), nn.Conv2d)
+    gm = gml.capture(SameNet().eval(), leaf_modules=[Conv2dSame])
+    node = next(n for n in gm.graph.nodes if n.target == "dw")
+    assert op_kind(node, dict(gm.named_modules())) is None  # not "conv"
+
+
+def test_conv2d_same_leaf_is_not_lowered_as_a_padding_free_conv():
+    """tf_efficientnet_lite0: the strided depthwise Conv2dSame became QConv2d(padding=0) (cosine 0.61)."""
+    torch.manual_seed(0)
+    model = randomize_bn(SameNet()).eval()
+    r = gml.quantize(model, 4, example_inputs=(X,), leaf_modules=[Conv2dSame])
+    kept = {n: e.reason for e in r.coverage.kept_fp32 for n in e.nodes}
+    assert "no INT8 kernel for Conv2dSame" in kept["dw"]
+    assert r.accuracy.cosine > 0.99
+    with torch.no_grad():
+        assert _cos(r.module(X), model(X)) > 0.99
+
+
+class DropPadding(GraphPass):
+    """Deliberately wrong, as the old lowering was: the "same" conv loses its padding; the head
+    pools, so the output keeps its shape. Tolerance None, like a quantizing pass."""
+
+    name = "drop_padding"
+    tolerance = None
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        dw: nn.Conv2d = gm.get_submodule("dw")
+        plain = nn.Conv2d(16, 16, 3, stride=2, groups=16, bias=False)
+        plain.weight = dw.weight
+        gm.dw = plain
+        gm.recompile()
+        return PassResult(gm, True, matches=1)
+
+
+def test_pass_manager_rejects_a_rewrite_that_changes_an_intermediate_shape():
+    model = SameNet().eval()
+    gm = gml.capture(model, (X,), leaf_modules=[Conv2dSame])
+    result = PassManager([DropPadding()]).run(gm, [(X,)])
+    (rec,) = result.report.records
+    assert rec.status == "rolled back"
+    assert "changed shape from [1, 16, 14, 14] to [1, 16, 13, 13]" in rec.error
+    assert isinstance(result.graph_module.get_submodule("dw"), Conv2dSame)
+
+
+# ---------------------------------------------------------------- 2. broadcasting conv → add; honest coverage
+def test_broadcasting_conv_add_is_declined_with_a_reason_and_the_rest_lowers():
+    torch.manual_seed(0)
+    model = randomize_bn(GlobalContextNet()).eval()
+    r = gml.quantize(model, 4, example_inputs=(X,))
+    assert not r.report.rolled_back
+    kept = {n: e.reason for e in r.coverage.kept_fp32 for n in e.nodes}
+    assert "broadcasts" in kept["mlp"]
+    counts = _int8_counts(r.module)
+    assert counts["QConv2dAdd"] == 2  # the two ordinary residuals still fuse
+    assert Counter(e.result for e in r.coverage.lowered) == counts  # the report is the module's content
+    assert r.accuracy.cosine > 0.99
+
+
+def test_a_rewrite_the_kernel_rejects_is_declined_alone(monkeypatch: pytest.MonkeyPatch):
+    """Per-rewrite isolation: a kernel that raises for one op declines that op, not the whole lowering."""
+
+    def reject(self, *args):
+        raise RuntimeError("could not create a primitive descriptor")
+
+    monkeypatch.setattr(QConv2dAdd, "forward", reject)
+    torch.manual_seed(0)
+    r = gml.quantize(randomize_bn(GlobalContextNet()).eval(), 4, example_inputs=(X,))
+    assert not r.report.rolled_back
+    counts = _int8_counts(r.module)
+    assert counts["QConv2dAdd"] == 0 and counts["QConv2d"] >= 1 and counts["QLinear"] == 1
+    reasons = [e.reason for e in r.coverage.kept_fp32]
+    assert any("rejects QConv2dAdd here (could not create a primitive descriptor)" in why for why in reasons), reasons
+    assert Counter(e.result for e in r.coverage.lowered) == counts
+
+
+def test_coverage_of_a_module_without_int8_kernels_says_nothing_was_lowered():
+    gm = gml.capture(GlobalContextNet().eval(), (X,))
+    cov = coverage_of(gm)
+    assert cov.summary() == "lowered to INT8: nothing"
+
+
+# ---------------------------------------------------------------- 3. functional BN (BatchNormAct2d)
+def test_batchnormact_normalizes_to_a_module_and_folds_into_its_conv():
+    torch.manual_seed(0)
+    model = randomize_bn(BnActNet()).eval()
+    r = gml.optimize(model, (X,))
+    assert r.rel_err < 1e-5
+    fold = r.report.record("fold_bn")
+    # bn1, bn2: their F.batch_norm became nn.BatchNorm2d, then folded; bn3 (after the pool) folds
+    # forward into the unpadded 1x1 conv
+    assert fold.matches == 3
+    left = [n for n in r.module.graph.nodes if n.op == "call_function" and n.target is F.batch_norm]
+    assert not left
+
+
+def test_functional_batch_norm_with_batch_statistics_is_declined_with_a_reason():
+    class TrainBN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.register_buffer("mean", torch.zeros(4))
+            self.register_buffer("var", torch.ones(4))
+
+        def forward(self, x):
+            return F.batch_norm(self.conv(x), self.mean, self.var, training=True, momentum=0.0)
+
+    from gml.passes.normalize import Normalize
+
+    gm = gml.capture(TrainBN().eval(), (X,))
+    result = Normalize()(gm)
+    assert any("batch statistics" in s.reason for s in result.skips)
+
+
+def test_every_bn_of_the_block_folds_and_the_model_quantizes():
+    torch.manual_seed(0)
+    r = gml.quantize(randomize_bn(BnActNet()).eval(), 4, example_inputs=(X,))
+    assert _int8_counts(r.module)["QBatchNorm2d"] == 0  # every BN folded (bn3 into the next conv)
+    assert r.accuracy.cosine > 0.99
+
+
+# ---------------------------------------------------------------- 4. weight standardization
+def test_standardized_weights_are_folded_once_and_the_convs_fuse_and_quantize():
+    torch.manual_seed(0)
+    model = StdConvNet().eval()
+    r = gml.optimize(model, (X,))
+    assert r.rel_err < 1e-5
+    assert r.report.record("fold_constants").matches == 2
+    assert not [n for n in r.module.graph.nodes if n.target is F.batch_norm]
+    q = gml.quantize(model, 4, example_inputs=(X,))
+    assert _int8_counts(q.module)["QConv2d"] == 2 and q.accuracy.cosine > 0.99
+
+
+def test_fold_constants_keeps_an_op_that_writes_state():
+    class Running(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            # parameters, so fx records get_attr nodes instead of running the call at trace time
+            self.w = nn.Parameter(torch.randn(2, 4), requires_grad=False)
+            self.mean = nn.Parameter(torch.zeros(4), requires_grad=False)
+            self.var = nn.Parameter(torch.ones(4), requires_grad=False)
+
+        def forward(self, x):  # updates running statistics of a constant: state, not a constant
+            return x + F.batch_norm(self.w, self.mean, self.var, training=True)
+
+    from gml.passes.fold_constants import FoldConstants
+
+    model = Running().eval()
+    gm = fx.symbolic_trace(model)
+    result = FoldConstants()(gm)
+    assert result.matches == 0
+    assert any("state-updating" in s.reason for s in result.skips)
+    assert torch.equal(model.mean, torch.zeros(4))  # evaluated on copies
+
+
+# ---------------------------------------------------------------- 5. shape-only Python
+def test_shape_checks_in_forward_trace_by_specialising_to_the_example_shape():
+    torch.manual_seed(0)
+    model = randomize_bn(ShapeCheckNet()).eval()
+    gm = gml.capture(model, (X,))
+    assert gm.meta[SPECIALIZED]["shapes"] == [tuple(X.shape)]
+    assert "timm_like.py" in gm.meta[SPECIALIZED]["why"][0]
+    assert not gm.training
+    r = gml.optimize(model, (X,))
+    assert r.rel_err < 1e-5
+    q = gml.quantize(model, 4, example_inputs=(X,))
+    assert q.accuracy.cosine > 0.99
+    for module in (gm, r.module, q.module):
+        with pytest.raises(InputError, match=r"captured for \(1, 3, 28, 28\)"):
+            module(torch.randn(1, 3, 32, 32))
+
+
+def test_rank_asserts_guard_the_rank_only():
+    gm = gml.capture(BnActNet().eval(), (X,))
+    assert gm.meta[SPECIALIZED]["shapes"] == [4]
+    gm(torch.randn(2, 3, 20, 20))  # another batch and size: fine
+    with pytest.raises(InputError, match="4-D input"):
+        gm(torch.randn(3, 20, 20))
+
+
+def test_value_dependent_control_flow_still_fails_clearly():
+    with pytest.raises(TraceFailure, match=r"data-dependent control flow .* `if y.sum\(\) > 0:`"):
+        gml.capture(ValueBranchNet().eval(), (X,))
+
+
+# ---------------------------------------------------------------- 6. leaves get their traced layout
+class RecordingLeaf(nn.Module):
+    """An opaque leaf that remembers the layouts it was called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 8, 3)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.is_contiguous())
+        return self.conv(x)
+
+
+def test_a_leaf_gets_the_memory_format_it_was_traced_with():
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), RecordingLeaf()).eval()
+    r = gml.optimize(model, (X,), leaf_modules=[RecordingLeaf])
+    rec = r.report.record("leaf_memory_format")
+    fused = r.report.record("fuse_conv")
+    leaf = r.module.get_submodule("2")
+    leaf.seen.clear()
+    r.module(X)
+    assert leaf.seen == [True]
+    if fused.matches:  # the fused conv writes channels-last: the pass converted it back
+        assert rec.matches == 1
+    assert r.rel_err < 1e-5
+
+
+def test_functional_conv_and_linear_on_stored_weights_get_module_forms():
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 3, 3, 3))
+            self.fc = nn.Parameter(torch.randn(10, 8))
+
+        def forward(self, x):
+            y = F.conv2d(x, self.w, None, 2, 1)
+            return F.linear(y.mean((2, 3)), self.fc)
+
+    from gml.passes.normalize import Normalize
+
+    model = Functional().eval()
+    gm = gml.capture(model, (X,))
+    Normalize()(gm)
+    kinds = Counter(type(m).__name__ for m in gm.modules())
+    assert kinds["Conv2d"] == 1 and kinds["Linear"] == 1
+    assert torch.equal(gm(X), model(X))  # the very same calls: bit-exact
