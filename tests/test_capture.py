@@ -84,7 +84,7 @@ def test_a_wrapped_function_may_edit_its_constant_list_arguments():
 def test_renamed_torch_layers_stay_leaves_and_become_the_torch_class():
     """torchvision's Conv3DSimple subclasses nn.Conv3d and only adds a constructor: fx used to trace
     through it, leaving torch.conv3d on get_attr weights that no pass folds BN into or quantizes."""
-    from gml.capture import torch_layer_base
+    from gml.ir.layers import torch_layer_base
 
     class Renamed(nn.Conv2d):
         def __init__(self) -> None:

@@ -20,8 +20,9 @@ from assets.timm_like import (
     ValueBranchNet,
     randomize_bn,
 )
-from gml.capture import SPECIALIZED, behaves_as
+from gml.capture import SPECIALIZED
 from gml.errors import InputError, TraceFailure
+from gml.ir.layers import behaves_as
 from gml.passes.base import GraphPass, PassResult
 from gml.passes.manager import PassManager
 from gml.passes.oplib import op_kind

@@ -21,7 +21,15 @@ from typing import Any
 import torch
 from torch import fx
 
-from gml.runtime.translate import QP, Eltwise, Unsupported
+#: A uint8 value's (scale, zero point), or None for fp32.
+QP = tuple[float, int] | None
+#: Fused oneDNN eltwise post-ops: ``(algorithm, alpha, beta)`` each.
+Eltwise = list[tuple[str, float, float]]
+
+
+class Unsupported(Exception):
+    """The engine has no kernel for this node (or this shape of it); the message says why."""
+
 
 _DTYPES = {torch.uint8: "u8", torch.int8: "s8", torch.float32: "f32"}
 ALIGN = 64

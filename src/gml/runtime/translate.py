@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx
@@ -30,16 +30,7 @@ from gml.ir.library import gml_op_name, op_args
 from gml.ir.values import PostOp, QParams
 from gml.kernels import fp32
 from gml.kernels.backend import clamp_bounds
-
-if TYPE_CHECKING:
-    from gml.runtime.plan import Builder, Val
-
-QP = tuple[float, int] | None
-Eltwise = list[tuple[str, float, float]]
-
-
-class Unsupported(Exception):
-    """The engine has no kernel for this node (or this shape of it); the message says why."""
+from gml.runtime.plan import QP, Builder, Eltwise, Unsupported, Val
 
 
 def qp(q: QParams | None) -> QP:
