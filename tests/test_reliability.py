@@ -210,12 +210,13 @@ def test_a_broken_int8_result_is_flagged_with_its_worst_layer(monkeypatch):
     monkeypatch.setattr(od.OneDNNPackedConv, "needs_explicit_padding", old_rule)
     bad = gml.quantize(model, 8, example_inputs=(x,))
     assert bad.accuracy.cosine < 0.9
-    assert bad.accuracy.broken.startswith("output cosine") and "worst layer _0 (QConv3d)" in bad.accuracy.broken
+    assert bad.accuracy.broken.startswith("output cosine")
+    assert "worst layer _0 (gml.qconv.default)" in bad.accuracy.broken
     assert bad.accuracy.summary().startswith("BROKEN (")
     try:
         gml.quantize(model, 8, example_inputs=(x,), min_cosine=0.99)
     except gml.errors.AccuracyError as exc:
-        assert exc.exit_code == 8 and "worst layer is _0 (QConv3d)" in exc.message
+        assert exc.exit_code == 8 and "worst layer is _0 (gml.qconv.default)" in exc.message
     else:
         raise AssertionError("min_cosine did not stop a broken result")
 
