@@ -25,7 +25,7 @@ import gml.api as api
 import gml.passes.fold_bn as fold_bn_module
 from assets.models import SmallCNN
 from gml.cli import main
-from gml.errors import AccuracyError, GMLError, InputError, UnsupportedError
+from gml.errors import AccuracyError, GMLError, InputError, ModelLoadError, UnsupportedError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(ROOT, "tests", "assets", "models.py")
@@ -664,6 +664,71 @@ API_CASES += [
     ),
 ]
 
+
+
+# ---------------------------------------------------------------- saved models (gml.io.load, #11)
+#: A fixed folder, so the catalog shows the same path on every run.
+_SAVED_DIR = os.path.join(__import__("tempfile").gettempdir(), "gml-catalog-saved")
+
+
+def _saved_path(name: str) -> str:
+    os.makedirs(_SAVED_DIR, exist_ok=True)
+    return os.path.join(_SAVED_DIR, name)
+
+
+def _load_saved(edit: Callable[[bytes], bytes]) -> object:
+    """Save an optimized SmallCNN with gml.io.save, pass its bytes through ``edit``, load it again."""
+    from gml import io as gio
+
+    path = _saved_path("m.pt2")
+    gio.save(api.optimize(_model(), _x(1, 3, 32, 32)).module, path)
+    with open(path, "rb") as f:
+        data = edit(f.read())
+    with open(path, "wb") as f:
+        f.write(data)
+    return gio.load(path)
+
+
+def _flip_middle(data: bytes) -> bytes:
+    b = bytearray(data)
+    b[len(b) // 3] ^= 0x10  # inside the first weight member
+    return bytes(b)
+
+
+def _pickled_model(m: nn.Module) -> object:
+    from gml import io as gio
+
+    path = _saved_path("m.pkl")
+    gio.save(api.optimize(m, _x(1, 3, 32, 32)).module, path, format="pickle")
+    return gio.load(path)
+
+
+API_CASES += [
+    ApiCase(
+        "truncated saved model",
+        "gml.io.load(path), the file cut to half its size",
+        lambda m: _load_saved(lambda d: d[: len(d) // 2]),
+        _model,
+        ModelLoadError,
+        "is damaged: the zip archive does not parse",
+    ),
+    ApiCase(
+        "saved model with one flipped bit",
+        "gml.io.load(path), one bit of a weight flipped",
+        lambda m: _load_saved(_flip_middle),
+        _model,
+        ModelLoadError,
+        "fails its CRC-32 check",
+    ),
+    ApiCase(
+        "pickled saved model without opt-in",
+        "gml.io.save(gm, path, format='pickle'); gml.io.load(path)",
+        _pickled_model,
+        _model,
+        ModelLoadError,
+        "was refused: it is a pickled model, and unpickling runs code from the file",
+    ),
+]
 
 API_PENDING: dict[str, str] = {}
 

@@ -139,6 +139,8 @@ def open_sealed(path: Path) -> Sealed | None:
     except ModelLoadError:
         raise
     except ZIP_ERRORS as e:
+        if "CRC-32" in str(e):  # zipfile's own check of a member's bytes
+            raise _damaged(path, f"a member fails its CRC-32 check ({e})") from e
         raise _damaged(path, f"the zip archive does not parse ({type(e).__name__}: {e})") from e
     header = {k: v for k, v in manifest.items() if k != "members"}
     return Sealed(path, prefix, header, frozenset(listed))
