@@ -19,12 +19,12 @@ import torch
 from torch import fx, nn
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
-from torch.utils._pytree import tree_flatten
 
 from gml.errors import InputError, TraceFailure, UnsupportedError
 from gml.ir.alias import MUTATES
 from gml.ir.layers import torch_layer_base
 from gml.models import child_names
+from gml.outputs import same_outputs
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # the separator keeps torchvision/ a user dir
 _GML_DIR = os.path.dirname(__file__) + os.sep
@@ -519,28 +519,6 @@ def check_eval_mode(model: nn.Module, *, what: str = "optimization") -> None:
         )
 
 
-def _same(a: Any, b: Any) -> tuple[bool, float]:
-    """Whether two output structures are equal (NaN equals NaN), and the max abs difference."""
-    xs, ys = tree_flatten(a)[0], tree_flatten(b)[0]
-    if len(xs) != len(ys):
-        return False, math.inf
-    worst = 0.0
-    for x, y in zip(xs, ys):
-        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-            if x != y:
-                return False, math.inf
-            continue
-        if x.shape != y.shape:
-            return False, math.inf
-        if x.is_floating_point():
-            differ = (x != y) & ~(torch.isnan(x) & torch.isnan(y))
-            if differ.any():
-                worst = max(worst, float((x - y)[differ].abs().max()))
-        elif not torch.equal(x, y):
-            worst = math.inf
-    return worst == 0.0, worst
-
-
 def _cloned(values: Sequence[Any]) -> list[Any]:
     return [x.clone() if isinstance(x, torch.Tensor) else x for x in values]
 
@@ -584,7 +562,7 @@ def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what
             second = probe(*_cloned(example_inputs))
     except Exception:
         return
-    same, _ = _same(first, second)
+    same, _ = same_outputs(first, second)
     if not same:
         raise UnsupportedError(
             # the difference itself is random, so the message does not quote it

@@ -288,7 +288,7 @@ def export_capture(model: nn.Module, example_inputs: Sequence[Any], *, reason: s
 
 
 def _check_against_eager(model: nn.Module, gm: fx.GraphModule, inputs: tuple) -> None:
-    from gml.capture import _same
+    from gml.outputs import same_outputs
 
     with torch.no_grad():
         ref = model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
@@ -300,7 +300,7 @@ def _check_against_eager(model: nn.Module, gm: fx.GraphModule, inputs: tuple) ->
                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
                 hint="report this with the model; --leaf keeps the torch.fx path.",
             ) from None
-    same, worst = _same(ref, got)
+    same, worst = same_outputs(ref, got)
     scale = max(
         (
             float(t.abs().max())

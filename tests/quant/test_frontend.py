@@ -402,7 +402,7 @@ class _ConvTwice(nn.Module):
 
 
 def test_fold_self_add_into_conv_doubles_the_conv_exactly():
-    from gml.quant.frontend import fold_self_add_into_conv
+    from gml.quant.reference_rewrites import fold_self_add_into_conv
 
     torch.manual_seed(0)
     model, x = _ConvTwice().eval(), torch.randn(2, 3, 8, 8)

@@ -230,7 +230,7 @@ FUSED_LINEAR_ACTIVATIONS: dict[str, tuple[type[nn.Module], ...]] = {
 # Only the conv-first operand order is listed: torch.ao looks fuser methods up by the *types* it
 # matched, so with a conv on both sides, (Add, Conv2d, *) and (Add, *, Conv2d) are
 # indistinguishable and the fuser could pick the wrong conv. The frontend puts the fusable conv
-# first instead (:func:`gml.quant.frontend.conv_operand_first`).
+# first instead (:func:`gml.quant.reference_rewrites.conv_operand_first`).
 def _fuse_conv_add(is_qat: bool, add: nn.Module, conv: nn.Conv2d, other: Any) -> nn.Module:
     return nni.ConvAdd2d(conv, add)
 

@@ -24,12 +24,11 @@ from gml.passes.lift_combine_quant import LiftCombineQuant
 from gml.passes.pipeline import canonical_passes
 from gml.quant.fuse_int8 import FuseQConvAdd
 from gml.quant.lower import LowerToGML
+from gml.quant.reference_rewrites import conv_operand_first, fold_self_add_into_conv
 
 
 def reference_passes() -> list[GraphPass]:
     """The fp32 passes before ``prepare_fx``."""
-    from gml.quant.frontend import conv_operand_first, fold_self_add_into_conv
-
     exact = Tolerance(atol=0.0, rtol=0.0)
     return [
         # Normalize (one module type per op, which the BackendConfig matches), untie (every fusion
