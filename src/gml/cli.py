@@ -377,8 +377,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if acc.broken:
         console.print(f"[bold red]BROKEN:[/] {acc.broken}; do not deploy this INT8 model.")
     console.print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in res.seconds.items()))
+    if res.runtime is not None:  # which executor runs the INT8 graph (the native engine by default)
+        console.print(str(res.runtime))
     if not args.no_time:
-        t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.module(*inputs)})
+        t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.executable(*inputs)})
         console.print(
             f"latency (median of 15 interleaved calls): fp32 eager {t['fp32']:.2f} ms, "
             f"INT8 {t['int8']:.2f} ms ({t['fp32'] / t['int8']:.2f}x); use `gml bench` for a full measurement"

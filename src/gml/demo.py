@@ -343,21 +343,24 @@ class _Tour:
             raise _NotAvailable(f"gml.quantize: {exc}") from None
         build_s = time.perf_counter() - t0
         q = res.module
+        run = getattr(res, "executable", q)  # the native engine where it covers the graph
         self.c.print(
             f"Calibrated on {len(calib)} generated batches, quantized and lowered in {build_s:.1f} s "
-            "(observers → per-channel INT8 weights → Q/DQ graph → fused oneDNN INT8 kernels)."
+            "(observers → per-channel INT8 weights → Q/DQ graph → torch.ops.gml INT8 ops)."
         )
+        if getattr(res, "runtime", None) is not None:
+            self.c.print(str(res.runtime))
         report = getattr(res, "report", None)
         if report is not None and hasattr(report, "table"):
             self.c.print(report.table("INT8 pipeline"))
         if isinstance(q, fx.GraphModule):
             self.c.print(_ops_table(q, "Ops of the INT8 graph (most common)"))
         with torch.no_grad():
-            ref, out = model(check[0]), q(check[0])
+            ref, out = model(check[0]), run(check[0])
             err, cos = _err(ref, out)
             top1 = top1_agreement(ref, out)
             samples = time_interleaved(
-                {"fp32 eager": lambda: model(x), "GML INT8": lambda: q(x)}, rounds=max(3, self.rounds // 2)
+                {"fp32 eager": lambda: model(x), "GML INT8": lambda: run(x)}, rounds=max(3, self.rounds // 2)
             )
         fp32_ms, int8_ms = (summarize(samples[k]).median for k in ("fp32 eager", "GML INT8"))
         agree = "" if top1 is None else f", top-1 agreement {100 * top1:.0f}%"
