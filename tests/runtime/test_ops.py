@@ -262,3 +262,14 @@ def test_spec_geometry_is_the_modules():
     from gml.runtime import compile_engine
 
     assert_close_int(ref, compile_engine(gm, (x,))(x))
+
+
+def test_conv_add_of_its_own_source_is_not_accumulated_into_it():
+    """``conv(q) + q`` with ``q`` made inside the segment: the residual sum must not overwrite ``q``
+    while the conv still reads it (fuzz seed 424242: error 0.37 against outputs of 1.6)."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 8, 2, 1) * 2  # W=1 as in the fuzz case; any shape would do
+    conv = _conv_add(rand_u8(1, 8, 2, 1), other_qp=IN)
+    eng = check_engine(graph_of(qm.Quantize(IN), conv, wiring=[(0,), (1, 1)]), x)
+    plan = eng.segments()[0]._plans[next(iter(eng.segments()[0]._plans))][0]
+    assert plan.step_names().count("qconv_add_default") == 2  # the protective copy, then the conv

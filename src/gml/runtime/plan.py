@@ -140,12 +140,16 @@ class Builder:
         self._join(v, base, 0)
         return v
 
-    def share(self, out: Val, other: Val) -> None:
+    def share(self, out: Val, other: Val, *, also_read: Val | None = None) -> None:
         """``out`` is computed in place into ``other``'s memory (the residual ``sum``). If ``other``
-        (or a value aliasing it) is read after this node, or is the caller's, copy it first."""
+        (or a value aliasing it) is read after this node, is the caller's, or shares memory with
+        ``also_read`` (the conv's own source: ``conv(x) + x`` would overwrite x while the conv
+        reads it; fuzz seed 424242), copy it first."""
         assert other.group is not None
-        live = other.group.where == "input" or any(
-            m.node is not None and self.last_use.get(m.node, 0) > self.pos for m in other.group.members
+        live = (
+            other.group.where == "input"
+            or (also_read is not None and also_read.group is other.group)
+            or any(m.node is not None and self.last_use.get(m.node, 0) > self.pos for m in other.group.members)
         )
         if live or other.stride != out.stride or other.shape != out.shape:
             t = self.temp(out.shape, out.stride, other.dtype_name)

@@ -186,7 +186,7 @@ def _emit_conv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     # post_op(conv(x) + other) with oneDNN's ``sum`` post-op, accumulated in place into the skip
     # buffer: the output shares other's memory (the builder copies other first only if it is still
     # read later or belongs to the caller).
-    b.share(out, ins[1])
+    b.share(out, ins[1], also_read=ins[0])
     _emit_conv(b, c, ins[:1], out, sum_with=ins[1])
 
 
@@ -371,7 +371,8 @@ def _emit_fconv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val 
 
 
 def _emit_fconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    b.share(out, ins[1])  # conv(x) + other accumulated in other's memory (a copy if other lives on)
+    # conv(x) + other accumulated in other's memory (a copy if other lives on or is x itself)
+    b.share(out, ins[1], also_read=ins[0])
     _emit_fconv(b, c, ins[:1], out, sum_with=ins[1])
 
 
