@@ -60,6 +60,7 @@ dt parse_dtype(const std::string& s) {
   if (s == "s8") return dt::s8;
   if (s == "f32") return dt::f32;
   if (s == "s32") return dt::s32;
+  if (s == "bf16") return dt::bf16;
   throw std::invalid_argument("gml engine: unsupported dtype '" + s + "'");
 }
 
@@ -73,6 +74,7 @@ dnnl::algorithm parse_eltwise(const std::string& s) {
   if (s == "gelu_erf") return A::eltwise_gelu_erf;
   if (s == "gelu_tanh") return A::eltwise_gelu_tanh;
   if (s == "logistic") return A::eltwise_logistic;
+  if (s == "hardsigmoid") return A::eltwise_hardsigmoid;  // max(0, min(1, alpha * x + beta))
   if (s == "tanh") return A::eltwise_tanh;
   throw std::invalid_argument("gml engine: unsupported eltwise post-op '" + s + "'");
 }

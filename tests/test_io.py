@@ -53,7 +53,8 @@ def test_round_trip_rebuilds_fused_kernels_and_keeps_state_dict(tmp_path):
     model, x = Net(), torch.randn(2, 3, 8, 8)
     gm = optimized(model, x)
     path = io.save(gm, tmp_path / "net.pt2")
-    loaded = io.load(path)
+    loaded = io.load(path, runtime="torch")
+    assert loaded.runtime.path == "torch"
     assert kernel_types(loaded) == kernel_types(gm) == Counter({"FusedConv": 2, "FusedConvAdd": 1, "FusedLinear": 1})
     assert set(loaded.state_dict()) == set(gm.state_dict())
     assert loaded.get_submodule("fc").post_op == k32.PostOp("gelu", (), "none")
@@ -64,11 +65,31 @@ def test_round_trip_rebuilds_fused_kernels_and_keeps_state_dict(tmp_path):
 
 
 @needs_onednn
+def test_fp32_load_rebuilds_the_engine_by_default(tmp_path):
+    from gml.runtime import EngineModule, unavailable_reason
+
+    if unavailable_reason():
+        pytest.skip(unavailable_reason())
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 3, 8, 8)
+    loaded = io.load(io.save(optimized(model, x), tmp_path / "net.pt2"))
+    assert isinstance(loaded, EngineModule), str(loaded.runtime)
+    # the four fused kernels run in the engine (fp32 pooling stays in torch: no fp32 pool rule yet)
+    engine_ops = Counter(n.op for n in loaded.runtime.nodes if n.runs_in == "engine")
+    expect = Counter({"FusedConv": 2, "FusedConvAdd": 1, "FusedLinear": 1, "flatten": 1})
+    assert engine_ops == expect, str(loaded.runtime)
+    with torch.no_grad():
+        for n in (1, 5):  # the plan for each new batch size is compiled on its first call
+            xn = torch.randn(n, 3, 8, 8)
+            assert (loaded(xn) - model(xn)).abs().max().item() < 1e-4
+
+
+@needs_onednn
 @pytest.mark.slow
 def test_resnet18_round_trip(tmp_path):
     model, x = torchvision.models.resnet18(weights=None).eval(), torch.randn(1, 3, 64, 64)
     gm = optimized(model, x)
-    loaded = io.load(io.save(gm, tmp_path / "r18.pt2"))
+    loaded = io.load(io.save(gm, tmp_path / "r18.pt2"), runtime="torch")
     assert kernel_types(loaded) == Counter({"FusedConv": 12, "FusedConvAdd": 8, "FusedLinear": 1})
     # in-place residual accumulation is re-derived after loading
     assert sum(m.inplace for m in loaded.modules() if isinstance(m, k32.FusedConvAdd)) == 8
@@ -79,7 +100,7 @@ def test_resnet18_round_trip(tmp_path):
 def test_lift_false_runs_the_exported_ops_with_dense_weights(tmp_path):
     model, x = Net(), torch.randn(1, 3, 8, 8)
     gm = optimized(model, x)
-    loaded = io.load(io.save(gm, tmp_path / "net.pt2"), lift=False)
+    loaded = io.load(io.save(gm, tmp_path / "net.pt2"), lift=False, runtime="torch")
     assert not kernel_types(loaded)
     with torch.no_grad():
         assert (loaded(x) - model(x)).abs().max().item() < 1e-4

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from gml.api import OptimizeResult, QuantizeResult, optimize, quantize, verify
 from gml.capture import capture
 from gml.errors import GMLError
 from gml.verify import VerifyResult, verify_pass
+
+
+def load(path: str, *, runtime: str = "engine", trust_pickle: bool = False) -> Any:
+    """Load a model saved by ``gml.optimize(...).save`` / ``gml.quantize(...).save`` (no pickle, no
+    model source) and rebuild it for this machine; ``runtime="engine"`` compiles the native engine's
+    plan here. See :func:`gml.io.load`."""
+    from gml.io import load as _load
+
+    return _load(path, runtime=runtime, trust_pickle=trust_pickle)
+
 
 __all__ = [
     "GMLError",
@@ -13,6 +25,7 @@ __all__ = [
     "QuantizeResult",
     "VerifyResult",
     "capture",
+    "load",
     "optimize",
     "quantize",
     "verify",

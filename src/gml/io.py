@@ -64,18 +64,32 @@ class Lift:
 # --------------------------------------------------------------------------------------------------
 
 
-def _example_inputs(gm: fx.GraphModule) -> tuple[torch.Tensor, ...]:
+def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Inputs shaped like ``gm``'s placeholders: ``meta["val"]`` (a ``torch.export`` program, where a
+    dynamic dimension is symbolic and becomes 1) or ``meta["tensor_meta"]`` (a captured graph).
+
+    Zeros, or with ``seed`` standard-normal floats (integers stay zero): what a load-time check of
+    the engine against the Python executor runs on. Raises :class:`GMLError` for a placeholder
+    without shape metadata.
+    """
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
     args = []
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        meta = node.meta.get("tensor_meta")
+        meta = node.meta.get("val")
+        if not isinstance(meta, torch.Tensor):
+            meta = node.meta.get("tensor_meta")
         if meta is None:
             raise GMLError(
                 f"cannot save: input {node.name!r} has no shape metadata",
                 hint="pass example_inputs=(x,) to gml.io.save, or capture the model with gml.capture(model, (x,))",
             )
-        args.append(torch.zeros(tuple(meta.shape), dtype=meta.dtype))
+        shape = tuple(d if isinstance(d, int) else 1 for d in meta.shape)
+        if gen is not None and meta.dtype.is_floating_point:
+            args.append(torch.randn(shape, generator=gen).to(meta.dtype))
+        else:
+            args.append(torch.zeros(shape, dtype=meta.dtype))
     return tuple(args)
 
 
@@ -114,7 +128,7 @@ def save(
     if example_inputs is None:
         if not isinstance(gm, fx.GraphModule):
             raise GMLError("cannot save: no example inputs", hint="pass example_inputs=(x,)")
-        example_inputs = _example_inputs(gm)
+        example_inputs = placeholder_inputs(gm)
     args = tuple(example_inputs)
     k32.register_export_support()
     register_int8_ops()  # the torch.ops.gml schemas (INT8 graphs) export through their fake kernels
@@ -323,19 +337,57 @@ def _set_inplace_residuals(gm: fx.GraphModule) -> None:
 def load(
     path: str | Path,
     *,
+    runtime: str = "engine",
     trust_pickle: bool = False,
     lift: bool = True,
     lifters: Sequence[Lifter] = DEFAULT_LIFTERS,
-) -> fx.GraphModule:
-    """Load a module written by :func:`save`; fused kernels are rebuilt with packed weights.
+) -> nn.Module:
+    """Load a module written by :func:`save` and rebuild it for this machine.
 
     Before anything is deserialized the archive is checked (:mod:`gml.archive`): every member
     against its recorded SHA-256 (a damaged file is refused), and a ``torch.export`` file member by
     member (anything torch would unpickle is refused). ``trust_pickle=True`` is required for
     ``format="pickle"`` files and for files of older gml versions: unpickling runs code from the
-    file. ``lift=False`` returns the exported program's module as is (dense weights, slower).
+    file. ``lift=False`` keeps the exported program's fp32 oneDNN calls as they are (dense
+    weights, slower); with ``lift=True`` they become GML's fused modules again.
+
+    ``runtime="engine"`` (default) compiles the graph for the native engine (:mod:`gml.runtime`) on
+    this machine — oneDNN primitives and weight layouts for this CPU, a plan for the file's input
+    shape now and for other shapes on their first call — and checks its outputs against the
+    Python executor's on seeded random inputs, as :func:`gml.quantize` does; the result is then an
+    :class:`~gml.runtime.EngineModule`. Where the engine is unavailable, covers no node or
+    disagrees, and with ``runtime="torch"``, the result is the ``GraphModule`` (the Python
+    executor). Either way ``result.runtime`` is the report saying which path runs each node.
     """
-    path = Path(path)
+    from gml.runtime.select import check_runtime
+
+    check_runtime(runtime)
+    gm = _load_module(Path(path), trust_pickle, lift, lifters)
+    return attach_loaded_runtime(gm, runtime)
+
+
+def attach_loaded_runtime(gm: nn.Module, runtime: str = "engine") -> nn.Module:
+    """``gm`` run by the native engine where it covers the graph and agrees (see :func:`load`), else
+    ``gm``; the module returned carries the :class:`~gml.runtime.RuntimeReport` as ``.runtime``."""
+    from gml.runtime.compile import RuntimeReport
+    from gml.runtime.select import attach_runtime
+
+    if not isinstance(gm, fx.GraphModule):
+        report = RuntimeReport("torch", note=f"a pickled {type(gm).__name__}, not a graph: torch runs it")
+        gm.runtime = report
+        return gm
+    try:
+        inputs = placeholder_inputs(gm, seed=0)
+    except GMLError as e:  # a pickled graph saved without shapes: nothing to compile a plan for
+        engine, report = None, RuntimeReport("torch", note=f"no input shapes to compile the engine for ({e.message})")
+    else:
+        engine, report = attach_runtime(gm, inputs, runtime)
+    module: nn.Module = engine if engine is not None else gm
+    module.runtime = report
+    return module
+
+
+def _load_module(path: Path, trust_pickle: bool, lift: bool, lifters: Sequence[Lifter]) -> nn.Module:
     if not path.exists():
         raise ModelLoadError(f"no such file: {path}", hint="check the path given to gml.io.load")
     if path.is_dir():
@@ -428,8 +480,10 @@ __all__ = [
     "FORMAT_PICKLE",
     "Lift",
     "Lifter",
+    "attach_loaded_runtime",
     "lift_fp32",
     "lift_kernels",
     "load",
+    "placeholder_inputs",
     "save",
 ]

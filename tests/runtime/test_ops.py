@@ -242,12 +242,12 @@ def test_relu_and_hardtanh(shape, out_qp):
 def test_unsupported_node_stays_in_torch_between_segments():
     x = rand_u8(1, 8, 6, 6)
     c0 = calibrated_qconv(x, cout=8, k=3, padding=(1, 1), in_qp=IN)
-    mul = qm.QMul(c0.output_qparams, c0.output_qparams, c0.output_qparams)  # no engine kernel: stays in torch
+    mean = qm.QMean((2, 3), True, c0.output_qparams, c0.output_qparams)  # no engine kernel: stays in torch
     c1 = calibrated_qconv(x, cout=8, k=1, in_qp=c0.output_qparams)
-    eng = check_engine(graph_of(c0, mul, c1, wiring=[(0,), (1, 1), (2,)]), x, expect_engine=False)
+    eng = check_engine(graph_of(c0, mean, c1), x, expect_engine=False)
     assert eng.report.path == "mixed" and eng.report.segments == 2
-    assert [n.op for n in eng.report.torch_nodes] == ["qmul"]
-    assert "no engine kernel for qmul" in str(eng.report)
+    assert [n.op for n in eng.report.torch_nodes] == ["qmean"]
+    assert "no engine kernel for qmean" in str(eng.report)
 
 
 def test_spec_geometry_is_the_modules():

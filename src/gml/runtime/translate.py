@@ -18,6 +18,7 @@ This is the one file of the runtime that knows the graph's vocabulary.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -52,6 +53,8 @@ def eltwise_of(post_op: PostOp) -> Eltwise:
         return [("swish", 1.0, 0.0)]
     if a == "sigmoid":
         return [("logistic", 0.0, 0.0)]
+    if a == "hardsigmoid":  # relu6(x + 3) / 6 = clamp(x / 6 + 1 / 2, 0, 1)
+        return [("hardsigmoid", 1.0 / 6.0, 0.5)]
     if a == "tanh":
         return [("tanh", 0.0, 0.0)]
     if a == "leaky_relu":
@@ -112,7 +115,8 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
         return Call(type(mod).__name__, mod, tuple(a for a in node.args if isinstance(a, fx.Node)))
     if node.op != "call_function":
         return None
-    if node.target is torch.flatten and isinstance(node.args[0], fx.Node):
+    # torch.flatten in a traced graph; aten.flatten.using_ints in a torch.export program (gml.io)
+    if node.target in (torch.flatten, torch.ops.aten.flatten.using_ints) and isinstance(node.args[0], fx.Node):
         start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
         end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
         return Call("flatten", SimpleNamespace(start_dim=start, end_dim=end), (node.args[0],))
@@ -148,18 +152,20 @@ def _post_op(a: Any) -> PostOp:
 
 # ---------------------------------------------------------------- conv / linear
 def _check_conv(c: Call) -> str | None:
-    if c.a.weight.dim() != 4:
-        return f"{c.a.weight.dim() - 2}-D INT8 conv (the engine plans 2-D convs)"
+    if c.a.weight.dim() not in (3, 4, 5):
+        return f"INT8 conv with a {c.a.weight.dim()}-D weight (the engine plans 1-D, 2-D and 3-D convs)"
     return None
 
 
 def _emit_conv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val | None = None) -> None:
     a, x = c.a, ins[0]
-    if x.dtype_name != "u8" or len(x.shape) != 4:
-        raise Unsupported(f"conv input {x.dtype_name} rank {len(x.shape)} (expects uint8 NHWC)")
+    if x.dtype_name != "u8" or len(x.shape) != a.weight.dim():
+        raise Unsupported(f"conv input {x.dtype_name} rank {len(x.shape)} (expects uint8 of the weight's rank)")
     k = tuple(a.weight.shape[2:])
     stride, padding, dilation = tuple(a.stride), tuple(a.padding), tuple(a.dilation)
-    pad_r = [_pad_right(_spatial(x)[i], _spatial(out)[i], k[i], stride[i], dilation[i], padding[i]) for i in range(2)]
+    pad_r = [
+        _pad_right(_spatial(x)[i], _spatial(out)[i], k[i], stride[i], dilation[i], padding[i]) for i in range(len(k))
+    ]
     if sum_with is None:
         eltwise, out_q = eltwise_of(_post_op(a)), _out(a)
     else:  # qconv_add: post_op is none or relu, the output uint8
@@ -190,10 +196,39 @@ def _emit_conv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     _emit_conv(b, c, ins[:1], out, sum_with=ins[1])
 
 
+def _rows_strides(v: Val) -> tuple[int, int] | None:
+    """``(row stride, feature stride)`` when ``v``'s leading dims collapse into one (a view), else None."""
+    dims = [(d, s) for d, s in zip(v.shape[:-1], v.stride[:-1]) if d != 1]
+    for (_, outer), (d, inner) in itertools.pairwise(dims):
+        if outer != inner * d:
+            return None
+    return (dims[-1][1] if dims else v.shape[-1] * v.stride[-1]), v.stride[-1]
+
+
+def _as_rows(b: Builder, v: Val, *, output: bool = False) -> Val:
+    """``v`` ([..., features], rank >= 2) as the 2-D ``[rows, features]`` matrix an inner product
+    takes: a view of the same bytes, or (an input whose dims do not collapse) a contiguous copy."""
+    if len(v.shape) == 2:
+        return v
+    rows = 1
+    for d in v.shape[:-1]:
+        rows *= d
+    strides = _rows_strides(v)
+    if strides is None:
+        if output:
+            raise Unsupported(f"linear output layout {v.stride} does not collapse to rows")
+        t = b.temp(v.shape, _contiguous_strides(v.shape), v.dtype_name)
+        b.reorder(v, t, src_q=None, dst_q=None)
+        v, strides = t, (v.shape[-1], 1)
+    return b.view(v, (rows, v.shape[-1]), strides)
+
+
 def _emit_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    a, x = c.a, ins[0]
-    if len(x.shape) != 2:
-        raise Unsupported(f"INT8 linear on a rank-{len(x.shape)} input (the engine plans 2-D inner products)")
+    a = c.a
+    if len(ins[0].shape) < 2:
+        raise Unsupported(f"INT8 linear on a rank-{len(ins[0].shape)} input")
+    # rank > 2 ([batch, tokens, features]): the same inner product over the rows
+    x, out = _as_rows(b, ins[0]), _as_rows(b, out, output=True)
     # oneDNN 3.2's inner product takes no source zero point: fold it into the bias,
     # s_x * s_w[o] * sum_i (x_i - z) w[o, i] = s_x * s_w[o] * sum_i x_i w[o, i] - s_x * s_w[o] * z * sum_i w[o, i].
     in_q, out_q = _x(a), _out(a)
@@ -234,18 +269,63 @@ def _emit_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     b.binary(ins[0], ins[1], out, "add", scale0=qa.scale, scale1=qb.scale, eltwise=eltwise)
 
 
+def _activation_post_op(c: Call) -> PostOp:
+    return PostOp(c.a.op, tuple(c.a.scalars), "")
+
+
 def _check_activation(c: Call) -> str | None:
-    return None if c.a.op in ("relu", "hardtanh") else f"INT8 {c.a.op} (no integer clamp form)"
+    if c.a.op in ("relu", "hardtanh"):
+        return None
+    try:
+        eltwise_of(_activation_post_op(c))
+    except (Unsupported, ValueError) as e:
+        return f"INT8 {c.a.op}: {e}"
+    return None
 
 
 def _emit_activation(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    # relu / hardtanh are a clamp of the integers (exact: quantization is monotone, see
-    # gml.kernels.backend.clamp_bounds), then the requantization, as post-ops of max(x, x): the one
-    # primitive that takes any rank
-    in_q = _x(c.a)
-    lo, hi = (in_q.zero_point, 255) if c.a.op == "relu" else clamp_bounds(in_q, *c.a.scalars)
-    eltwise: Eltwise = [("clip", float(lo), float(hi)), *requant_eltwise(in_q, _out(c.a))]
+    # All as post-ops of max(x, x), the one primitive that takes any rank and layout.
+    in_q, out_q = _x(c.a), _out(c.a)
+    if c.a.op in ("relu", "hardtanh"):
+        # a clamp of the integers (exact: quantization is monotone, see
+        # gml.kernels.backend.clamp_bounds), then the requantization
+        lo, hi = (in_q.zero_point, 255) if c.a.op == "relu" else clamp_bounds(in_q, *c.a.scalars)
+        eltwise: Eltwise = [("clip", float(lo), float(hi)), *requant_eltwise(in_q, out_q)]
+    else:
+        # hardswish, sigmoid, hardsigmoid, ...: dequantize (s * (q - z)), the function on real
+        # values, quantize (y / s_out + z_out; the u8 destination rounds to nearest and saturates)
+        eltwise = [
+            ("linear", in_q.scale, -in_q.scale * in_q.zero_point),
+            *eltwise_of(_activation_post_op(c)),
+            ("linear", 1.0 / out_q.scale, float(out_q.zero_point)),
+        ]
     b.binary(ins[0], ins[0], out, "max", scale0=None, scale1=None, eltwise=eltwise)
+
+
+def _emit_mul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    # s_a (a - z_a) * s_b (b - z_b) / s_out + z_out. The binary primitive scales its sources but
+    # takes no zero points: an operand with one is dequantized to fp32 first (a zero-point-free
+    # operand, e.g. a ReLU output or a sigmoid gate, is read as uint8 directly).
+    a, bq, o = _q(c.a.a_scale, c.a.a_zero_point), _q(c.a.b_scale, c.a.b_zero_point), _out(c.a)
+    srcs: list[tuple[Val, float | None]] = []
+    for v, q in zip(ins, (a, bq)):
+        if q.zero_point:
+            t = b.temp(v.shape, v.stride, "f32")
+            b.reorder(v, t, src_q=qp(q), dst_q=None)
+            srcs.append((t, None))
+        else:
+            srcs.append((v, q.scale))
+    if srcs[0][0].shape != out.shape:  # oneDNN 3.2 broadcasts the second source only
+        srcs.reverse()
+    (x, sx), (y, sy) = srcs
+    if x.shape != out.shape:
+        raise Unsupported(f"INT8 mul with both inputs broadcast ({x.shape} * {y.shape})")
+    if len(y.shape) < len(out.shape):  # numpy broadcasting: leading 1s
+        pad = len(out.shape) - len(y.shape)
+        outer = y.shape[0] * y.stride[0] if y.shape else 1
+        y = b.view(y, (1,) * pad + y.shape, (outer,) * pad + y.stride)
+    eltwise: Eltwise = [("linear", 1.0 / o.scale, float(o.zero_point))]
+    b.binary(x, y, out, "mul", scale0=sx, scale1=sy, eltwise=eltwise)
 
 
 def _check_maxpool(c: Call) -> str | None:
@@ -334,8 +414,8 @@ def _emit_requantize(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 # ---------------------------------------------------------------- fp32 fused kernels (gml.kernels.fp32)
 def _check_fconv(c: Call) -> str | None:
     mod = c.a
-    if mod.weight.dim() != 4:
-        return f"{mod.weight.dim() - 2}-D fp32 conv (the engine plans 2-D convs)"
+    if mod.weight.dim() not in (3, 4, 5):
+        return f"fp32 conv with a {mod.weight.dim()}-D weight (the engine plans 1-D, 2-D and 3-D convs)"
     if not mod.fused:
         return "the fp32 kernels are unavailable (the module runs its ATen fallback)"
     return None
@@ -343,12 +423,12 @@ def _check_fconv(c: Call) -> str | None:
 
 def _emit_fconv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val | None = None) -> None:
     mod, x = c.a, ins[0]
-    if x.dtype_name != "f32" or len(x.shape) != 4:
+    if x.dtype_name != "f32" or len(x.shape) != mod.weight.dim():
         raise Unsupported(f"fp32 conv input {x.dtype_name} rank {len(x.shape)}")
     k = tuple(mod.weight.shape[2:])
     pad_r = [
         _pad_right(_spatial(x)[i], _spatial(out)[i], k[i], mod.stride[i], mod.dilation[i], mod.padding[i])
-        for i in range(2)
+        for i in range(len(k))
     ]
     relu: Eltwise = [("relu", 0.0, 0.0)] if getattr(mod, "relu", False) else []
     eltwise = eltwise_of(mod.post_op) if sum_with is None else relu
@@ -377,9 +457,10 @@ def _emit_fconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 
 def _emit_flinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    mod, x = c.a, ins[0]
-    if len(x.shape) != 2 or x.dtype_name != "f32":
-        raise Unsupported(f"fp32 linear on a rank-{len(x.shape)} {x.dtype_name} input (the engine plans 2-D)")
+    mod = c.a
+    if len(ins[0].shape) < 2 or ins[0].dtype_name != "f32":
+        raise Unsupported(f"fp32 linear on a rank-{len(ins[0].shape)} {ins[0].dtype_name} input")
+    x, out = _as_rows(b, ins[0]), _as_rows(b, out, output=True)
     b.inner_product(
         x,
         out,
@@ -412,6 +493,7 @@ RULES: dict[str, Rule] = {
     "qlinear": Rule(_always, _emit_linear),
     "qadd": Rule(_check_add, _emit_add, 2),
     "qactivation": Rule(_check_activation, _emit_activation),
+    "qmul": Rule(_always, _emit_mul, 2),
     "qmax_pool": Rule(_check_maxpool, _emit_maxpool),
     "qavg_pool2d": Rule(_check_avgpool, _emit_avgpool),
     "qadaptive_avg_pool": Rule(_always, _emit_adaptive),
