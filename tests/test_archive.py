@@ -261,3 +261,39 @@ def test_sealed_pickle_files_check_their_digests_before_unpickling(saved, tmp_pa
         gio.load(tmp_path / "bad.pkl", trust_pickle=True)
     with torch.no_grad():
         assert torch.equal(gio.load(path, trust_pickle=True)(x), model(x))
+
+
+@pytest.fixture(scope="module")
+def saved_int8(tmp_path_factory) -> Path:
+    import gml
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)).eval()
+    res = gml.quantize(model, 2, example_inputs=(torch.randn(1, 3, 4, 4),), per_layer=False)
+    path = tmp_path_factory.mktemp("saved_int8") / "int8.pt2"
+    res.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("protocol", [2, "torch.save"])
+def test_int8_files_with_a_pickled_member_are_refused_not_run(saved_int8, tmp_path, protocol):
+    """The INT8 format (gml ops, int8 weights as constants) goes through the same member checks."""
+    loaded = gio.load(saved_int8)  # the clean file loads, onto the engine where it is built
+    assert loaded.runtime.path in ("engine", "torch")
+
+    def weights(m):
+        name = _weights_config(m) if any(n.endswith("_weights_config.json") for n in m) else None
+        config = json.loads(m[name])["config"] if name else {}
+        if not config:  # the INT8 graph keeps its tensors as constants
+            name = next(n for n in m if n.endswith("_constants_config.json"))
+        _set_config(m, name, use_pickle=True)
+
+    def sample_inputs(m):
+        m[next(n for n in m if "sample_inputs" in n)] = _payload_bytes(protocol)
+
+    for edit, expect in ((weights, "asks for a pickled payload"), (sample_inputs, "carries pickled sample inputs")):
+        bad = _rewrite(saved_int8, tmp_path / "bad.pt2", edit)
+        with pytest.raises(ModelLoadError, match=expect):
+            gio.load(bad)
+        with pytest.raises(ModelLoadError, match="was refused"):
+            gio.load(bad, trust_pickle=True, runtime="torch")

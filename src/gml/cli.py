@@ -25,7 +25,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "model",
         help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, hf:ArchitectureClass "
         "(e.g. hf:BertModel: default config, random weights, nothing downloaded) or a local Hugging Face model "
-        "folder; `inspect` also takes a model saved by gml (file.pt2)",
+        "folder; `inspect` also takes a model saved by gml (file.pt2: its graph and the runtime it loads onto)",
     )
     p.add_argument(
         "--input-shape",
@@ -86,25 +86,29 @@ def _short(value: object, limit: int = 48) -> str:
 
 
 def _load_saved(spec: str):
-    """``(graph module, example inputs)`` of a ``.pt2`` file written by ``gml.io.save``, or ``None``
-    when ``spec`` names no such file (a model name or ``file.py:Class``)."""
-    from pathlib import Path
-
-    import torch
+    """``(graph module, example inputs)`` of a file written by ``gml.io.save`` (the graph on the
+    Python executor, shapes propagated), or ``None`` when ``spec`` names no such file (a model name
+    or ``file.py:Class``)."""
     from torch.fx.passes.shape_prop import ShapeProp
 
-    if Path(spec).suffix != ".pt2" or not Path(spec).is_file():
-        return None
-    from gml.io import load
+    from gml.io import is_saved_model, load, placeholder_inputs
 
-    gm = load(spec)
-    inputs = []
-    for node in gm.graph.nodes:
-        val = node.meta.get("val") if node.op == "placeholder" else None
-        if isinstance(val, torch.Tensor):  # a symbolic (dynamic) batch is shown at size 1
-            inputs.append(torch.zeros([d if isinstance(d, int) else 1 for d in val.shape], dtype=val.dtype))
+    if not is_saved_model(spec):
+        return None
+    gm = load(spec, runtime="torch")
+    inputs = placeholder_inputs(gm)  # a symbolic (dynamic) batch is shown at size 1
     ShapeProp(gm).propagate(*inputs)
-    return gm, tuple(inputs)
+    return gm, inputs
+
+
+def _print_saved_runtime(gm) -> None:
+    """Which runtime a saved model loads onto here: the engine's plan, compiled now, or torch and why."""
+    from rich.markup import escape
+
+    from gml.io import attach_loaded_runtime
+
+    report = attach_loaded_runtime(gm, "engine").runtime
+    console.print(f"[bold]loads onto[/] {escape(str(report))}")
 
 
 def _print_capture(gm, model, inputs) -> None:
@@ -133,6 +137,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     saved = _load_saved(args.model)
     if saved is not None:  # a model written by gml.io.save: show the graph it holds (gml ops for INT8)
         gm, inputs = saved
+        _print_saved_runtime(gm)
     else:
         model, inputs = load_from_args(args)
         gm = capture(model, inputs, leaf_modules=args.leaf)

@@ -82,7 +82,7 @@ def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[
             meta = node.meta.get("tensor_meta")
         if meta is None:
             raise GMLError(
-                f"cannot save: input {node.name!r} has no shape metadata",
+                f"input {node.name!r} has no shape metadata",
                 hint="pass example_inputs=(x,) to gml.io.save, or capture the model with gml.capture(model, (x,))",
             )
         shape = tuple(d if isinstance(d, int) else 1 for d in meta.shape)
@@ -91,6 +91,30 @@ def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[
         else:
             args.append(torch.zeros(shape, dtype=meta.dtype))
     return tuple(args)
+
+
+def _input_specs(gm: nn.Module, example_inputs: Sequence[torch.Tensor] | None) -> list[dict[str, Any]] | None:
+    """``[{"shape": [...], "dtype": "float32"}, ...]`` of the inputs, or None when unknown."""
+    try:
+        inputs = tuple(example_inputs) if example_inputs is not None else placeholder_inputs(gm)  # type: ignore[arg-type]
+    except GMLError:
+        return None
+    if not all(isinstance(t, torch.Tensor) for t in inputs):
+        return None
+    return [{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for t in inputs]
+
+
+def _set_input_meta(gm: nn.Module, specs: Any) -> None:
+    """Give a pickled graph's placeholders the input shapes its manifest records (meta tensors)."""
+    if not isinstance(gm, fx.GraphModule) or not isinstance(specs, list):
+        return
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(nodes) != len(specs):
+        return
+    for node, spec in zip(nodes, specs):
+        dtype = getattr(torch, str(spec.get("dtype")), None) if isinstance(spec, dict) else None
+        if isinstance(dtype, torch.dtype) and "val" not in node.meta and "tensor_meta" not in node.meta:
+            node.meta["val"] = torch.empty([int(d) for d in spec["shape"]], dtype=dtype, device="meta")
 
 
 def _export(gm: nn.Module, args: tuple, dynamic_batch: bool) -> tuple[Any, bool]:
@@ -121,7 +145,11 @@ def save(
     path = Path(path)
     if format == "pickle":
         torch.save({"gml_format": FORMAT_PICKLE, "module": gm}, path)
-        archive.seal(path, {"format": FORMAT_PICKLE, "torch": torch.__version__})
+        header: dict[str, Any] = {"format": FORMAT_PICKLE, "torch": torch.__version__}
+        specs = _input_specs(gm, example_inputs)
+        if specs is not None:  # JSON, so load can compile the engine's plan for the graph's inputs
+            header["inputs"] = specs
+        archive.seal(path, header)
         return path
     if format != "export":
         raise GMLError(f"unknown save format {format!r}", hint="use format='export' or format='pickle'")
@@ -378,13 +406,29 @@ def attach_loaded_runtime(gm: nn.Module, runtime: str = "engine") -> nn.Module:
         return gm
     try:
         inputs = placeholder_inputs(gm, seed=0)
-    except GMLError as e:  # a pickled graph saved without shapes: nothing to compile a plan for
-        engine, report = None, RuntimeReport("torch", note=f"no input shapes to compile the engine for ({e.message})")
+    except GMLError as e:  # a pickled graph saved without example inputs: nothing to compile a plan for
+        note = f"no input shapes to compile the engine for ({e.message}; save with example_inputs=(x,))"
+        engine, report = None, RuntimeReport("torch", note=note)
     else:
         engine, report = attach_runtime(gm, inputs, runtime)
     module: nn.Module = engine if engine is not None else gm
     module.runtime = report
     return module
+
+
+def is_saved_model(spec: str | Path) -> bool:
+    """Whether ``spec`` names a file for :func:`load`: a ``.pt2`` file, or any zip archive sealed by
+    :func:`save` (the CLI's MODEL argument: ``gml inspect model.pt2``, ``gml bench model.pt2``)."""
+    p = Path(spec)
+    if not p.is_file():
+        return False
+    if p.suffix == ".pt2":
+        return True
+    try:
+        with zipfile.ZipFile(p) as z:
+            return any(n.endswith("/" + archive.MANIFEST) for n in z.namelist())
+    except archive.ZIP_ERRORS:
+        return False
 
 
 def _load_module(path: Path, trust_pickle: bool, lift: bool, lifters: Sequence[Lifter]) -> nn.Module:
@@ -410,7 +454,9 @@ def _load_module(path: Path, trust_pickle: bool, lift: bool, lifters: Sequence[L
             hint="if you wrote it with gml.io.save(..., format='pickle') (or an older gml) and trust it, "
             "call gml.io.load(path, trust_pickle=True)",
         )
-    return _load_trusted(path, lift, lifters)
+    gm = _load_trusted(path, lift, lifters)
+    _set_input_meta(gm, sealed.header.get("inputs") if sealed is not None else None)
+    return gm
 
 
 def _load_export(path: Path, info: dict[str, Any], lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
@@ -481,6 +527,7 @@ __all__ = [
     "Lift",
     "Lifter",
     "attach_loaded_runtime",
+    "is_saved_model",
     "lift_fp32",
     "lift_kernels",
     "load",

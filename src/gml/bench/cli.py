@@ -31,7 +31,11 @@ def _positive(text: str) -> int:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``gml bench``'s arguments (including the positional MODEL) to ``p``."""
-    p.add_argument("model", help="torchvision name (resnet18), timm:NAME (random init) or path/to/file.py:ClassName")
+    p.add_argument(
+        "model",
+        help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, or a model "
+        "saved by gml (file.pt2: timed on the native engine against its Python executor)",
+    )
     p.add_argument(
         "--input-shape",
         metavar="SHAPE",
@@ -97,6 +101,21 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
         from gml.models import parse_shapes
 
         shapes = parse_shapes(args.input_shape)
+    from gml.io import is_saved_model
+
+    if is_saved_model(args.model):  # a file gml.io.save wrote: its engine vs its Python executor
+        from gml.bench.saved import bench_saved
+
+        return bench_saved(
+            args.model,
+            batch_sizes=args.batch_sizes,
+            rounds=args.rounds,
+            threads=args.threads,
+            seed=args.seed,
+            input_shape=shapes,
+            settle_ms=args.settle_ms,
+            console=console,
+        )
     peak: object = None
     if not args.no_floor:
         threads = args.threads or _default_threads()

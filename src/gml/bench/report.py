@@ -80,6 +80,11 @@ def _floor_line(result: BenchResult, b: BatchResult) -> str:
         )
         if p.int8_ops:
             parts.append(f"int8 {p.int8_ops / 1e9:.0f} GOP/s → floor {_ms(p.floor_ms(b.flops, 'int8'))} ms")
+        if p.bf16_flops:
+            parts.append(f"bf16 {p.bf16_flops / 1e9:.0f} GFLOP/s → floor {_ms(p.floor_ms(b.flops, 'bf16'))} ms")
+        if p.kernels:  # what reached each peak, and the ISA oneDNN dispatched (roofline.measure_peak)
+            via = ", ".join(f"{k}: {v}" for k, v in p.kernels.items())
+            parts.append(f"peaks via {via}" + (f" (oneDNN ISA {p.isa})" if p.isa else ""))
     return "; ".join(parts)
 
 
