@@ -120,3 +120,20 @@ def test_a_graph_torch_export_cannot_take_is_a_clear_error_and_pickle_needs_trus
 def test_runtime_argument_is_checked_before_the_file_is_read(tmp_path):
     with pytest.raises(GMLError, match="unknown runtime 'gpu'"):
         gml.load(str(tmp_path / "missing.pt2"), runtime="gpu")
+
+
+def test_gml_bench_of_a_saved_file_times_the_rebuilt_engine(tmp_path, capsys, monkeypatch):
+    from gml.cli import main
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()).eval()
+    res = gml.quantize(model, 2, example_inputs=(torch.randn(1, 3, 8, 8),), per_layer=False)
+    path = tmp_path / "small.pt2"
+    res.save(str(path))
+    monkeypatch.setenv("COLUMNS", "200")
+    capsys.readouterr()
+    assert main(["bench", str(path), "--batch-sizes", "1,3", "--rounds", "2", "--settle-ms", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "a model saved by gml; runtime: engine (" in out and "oneDNN ISA" in out
+    rows = [line for line in out.splitlines() if "engine " in line and "│" in line]
+    assert len(rows) == 2 and all("python executor" not in r for r in rows)  # one engine row per batch size

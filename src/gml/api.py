@@ -129,7 +129,8 @@ class QuantizeResult:
 
     def save(self, path: str) -> None:
         """Save the INT8 model as a ``torch.export`` program of ``torch.ops.gml`` calls (no pickle);
-        ``gml.io.load(path)`` reads it back without the model's source (docs/adr/005)."""
+        ``gml.load(path)`` reads it back without pickle or the model's source and rebuilds the native
+        engine's plan on the machine it loads on (docs/adr/004, 005)."""
         from gml.io import save
 
         save(self.module, path)

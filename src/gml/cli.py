@@ -408,7 +408,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         check_min_cosine(acc, args.min_cosine)  # before saving: a result below the bar is not written
     if args.out:
         res.save(args.out)
-        console.print(f"saved to {args.out} (a torch.export program of gml ops: load it with gml.io.load(path))")
+        console.print(
+            f"saved to {args.out} (a torch.export program of gml ops, no pickle: gml.load(path) rebuilds the engine)"
+        )
     return 0
 
 

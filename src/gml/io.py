@@ -17,6 +17,10 @@ they export as they are (the ops have schemas and fake kernels) and need no lift
 because the ops' Python implementations prepack their weights on first call
 (:mod:`gml.kernels.int8_ops`).
 
+By default :func:`load` then compiles the graph for the native engine on this machine
+(:func:`attach_loaded_runtime`; the file never holds a plan): see ADR 004's 2026-11-24 amendment
+for what the archive holds and why nothing in it is pickled.
+
 A pickled ``GraphModule`` (``format="pickle"``) is the escape hatch for graphs ``torch.export``
 cannot take. Unpickling runs code from the file, so :func:`load` refuses it unless the caller passes
 ``trust_pickle=True``.

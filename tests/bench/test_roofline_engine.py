@@ -29,3 +29,13 @@ def test_measured_peak_records_the_isa_and_what_reached_each_peak():
     if p.isa in BF16_ISAS:
         assert p.bf16_flops and p.bf16_flops > 0 and p.kernels["bf16"].startswith("engine ")
         assert p.floor_ms(2 * p.bf16_flops, "bf16") == pytest.approx(2000.0)
+
+
+def test_a_precision_without_its_peak_has_no_floor():
+    import torch
+
+    from gml.bench.roofline import Peak
+
+    p = Peak(fp32_flops=1e11, int8_ops=None, threads=1, cpu="test", torch_version=torch.__version__)
+    assert p.floor_ms(1e9, "fp32") == pytest.approx(10.0)
+    assert p.floor_ms(1e9, "int8") is None and p.floor_ms(1e9, "bf16") is None

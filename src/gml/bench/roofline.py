@@ -56,7 +56,7 @@ class Peak:
         return asdict(self)
 
     def floor_ms(self, flops: float, precision: str) -> float | None:
-        rate = {"int8": self.int8_ops, "bf16": self.bf16_flops}.get(precision) or self.fp32_flops
+        rate = {"int8": self.int8_ops, "bf16": self.bf16_flops}.get(precision, self.fp32_flops)
         return flops / rate * 1e3 if rate else None
 
 

@@ -490,7 +490,7 @@ def _run_batch(
             if want_footprint:
                 _footprint(res, built, eager_model if name == "eager" else None, example)
             if peak is not None and flops is not None:
-                res.floor_ms = peak.floor_ms(flops, res.precision) if res.precision != "bf16" else None
+                res.floor_ms = peak.floor_ms(flops, res.precision)  # bf16: None without a native bf16 peak
         ctx.cache.clear()
 
         ok = [r.name for r in results if r.ok]
