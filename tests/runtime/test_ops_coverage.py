@@ -148,3 +148,53 @@ def test_fp32_linear_rank_3():
         got = eng(x)
     assert eng.report.path == "engine", str(eng.report)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- 3-D pools (video models)
+@pytest.mark.parametrize(
+    ("k", "s", "p", "ceil"), [((3, 3, 3), (2, 2, 2), (1, 1, 1), False), ((1, 3, 3), (1, 2, 2), (0, 1, 1), True)]
+)
+def test_maxpool3d(k, s, p, ceil):
+    x = rand_u8(2, 4, 5, 7, 6).contiguous(memory_format=torch.channels_last_3d)
+    check_engine(graph_of(qm.QMaxPool3d(k, s, p, (1, 1, 1), ceil, IN, IN)), x)
+
+
+@pytest.mark.parametrize(("size", "out"), [((4, 6, 6), (1, 1, 1)), ((4, 6, 6), (2, 3, 1))], ids=str)
+def test_adaptive_avgpool3d(size, out):
+    x = rand_u8(2, 8, *size).contiguous(memory_format=torch.channels_last_3d)
+    check_engine(graph_of(qm.QAdaptiveAvgPool3d(out, IN, QParams(0.04, 110))), x)
+
+
+# ---------------------------------------------------------------- data movement on INT8 values
+@pytest.mark.parametrize(
+    "moves",
+    [
+        [("permute", (0, 2, 3, 1)), ("reshape", (2, -1, 5))],  # NHWC view, then a reshape that copies
+        [("transpose", (1, 3)), ("contiguous", ())],  # a strided view, then a copy into contiguous
+        [("unsqueeze", (2,)), ("squeeze", (2,)), ("view", (2, 5, 12))],  # views of views
+    ],
+    ids=str,
+)
+def test_moves_run_as_views_or_copies(moves):
+    x = torch.randn(2, 5, 3, 4)
+    mods = [qm.Quantize(IN)] + [qm.QMove(m, a, IN, IN) for m, a in moves] + [qm.Dequantize(IN)]
+    gm = graph_of(*mods)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_method"] == [
+        "reshape" if m == "view" else m for m, _ in moves
+    ]
+    eng = check_engine(gm, x, frac=0.0)
+    assert eng.report.engine_nodes == len(mods)
+
+
+def test_a_move_of_an_fp32_torch_value_stays_in_torch_with_its_reason():
+    from torch import fx
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.sin, (x,))
+    g.output(g.call_method("permute", (y, 0, 2, 1)))
+    eng = compile_engine(fx.GraphModule(torch.nn.Module(), g), (torch.randn(2, 3, 4),))
+    assert [(n.op, n.reason) for n in eng.report.torch_nodes][-1] == (
+        "permute",
+        "permute of a value no lowered GML op made (an fp32 torch op's output: runs in torch)",
+    )

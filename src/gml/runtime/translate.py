@@ -108,15 +108,39 @@ def _constant(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
     return value
 
 
+_FLATTENS = (torch.flatten, torch.ops.aten.flatten.using_ints)
+#: shape-only ops (Tensor methods, their torch functions and aten overloads) the engine runs as views
+MOVES = frozenset({"reshape", "view", "_unsafe_view", "squeeze", "unsqueeze", "permute", "transpose", "contiguous"})
+
+
+def move_name(node: fx.Node) -> str | None:
+    """``"permute"`` for ``x.permute(...)`` / ``torch.permute`` / ``aten.permute.default``, else None."""
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        name = node.target.overloadpacket.__name__ if node.target.namespace == "aten" else ""
+    elif node.op == "call_function":  # torch.reshape, torch.permute, ...
+        fn = str(getattr(node.target, "__name__", ""))
+        name = fn if fn and getattr(torch, fn, None) is node.target else ""
+    else:
+        return None
+    return name if name in MOVES and node.args and isinstance(node.args[0], fx.Node) else None
+
+
 def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     """The :class:`Call` of ``node``, or ``None`` for a node no rule reads."""
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
         return Call(type(mod).__name__, mod, tuple(a for a in node.args if isinstance(a, fx.Node)))
+    move = move_name(node)
+    if move is not None:
+        # sizes computed at run time (a dynamic batch in an exported program) are graph values
+        run_time = any(isinstance(a, fx.Node) for a in _flat([*node.args[1:], *node.kwargs.values()]))
+        return Call(move, SimpleNamespace(run_time_sizes=run_time), (node.args[0],))
     if node.op != "call_function":
         return None
     # torch.flatten in a traced graph; aten.flatten.using_ints in a torch.export program (gml.io)
-    if node.target in (torch.flatten, torch.ops.aten.flatten.using_ints) and isinstance(node.args[0], fx.Node):
+    if node.target in _FLATTENS and isinstance(node.args[0], fx.Node):
         start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
         end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
         return Call("flatten", SimpleNamespace(start_dim=start, end_dim=end), (node.args[0],))
@@ -329,13 +353,16 @@ def _emit_mul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 
 def _check_maxpool(c: Call) -> str | None:
-    return None if len(c.a.kernel_size) == 2 else f"{len(c.a.kernel_size)}-D max pool"
+    n = len(c.a.kernel_size)
+    return None if n in (1, 2, 3) else f"{n}-D max pool (the engine plans 1-D to 3-D pools)"
 
 
 def _emit_maxpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x, a = ins[0], c.a
     k, s, p, d = (tuple(v) for v in (a.kernel_size, a.stride, a.padding, a.dilation))
-    pad_r = [_pad_right(_spatial(x)[i], _spatial(out)[i], k[i], s[i], d[i], p[i]) for i in range(2)]
+    if len(x.shape) != len(k) + 2:
+        raise Unsupported(f"{len(k)}-D max pool of a rank-{len(x.shape)} input")
+    pad_r = [_pad_right(_spatial(x)[i], _spatial(out)[i], k[i], s[i], d[i], p[i]) for i in range(len(k))]
     b.pool(x, out, "max", k, s, tuple(v - 1 for v in d), p, pad_r, [])  # the output keeps x's qparams
 
 
@@ -361,10 +388,11 @@ def _emit_avgpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 def _emit_adaptive(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x = ins[0]
     size, osize = _spatial(x), _spatial(out)
-    if len(size) != 2 or any(i % o for i, o in zip(size, osize)):
+    if not 1 <= len(size) <= 3 or len(osize) != len(size) or any(i % o for i, o in zip(size, osize)):
         raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)} is not a regular pooling window")
     k = tuple(i // o for i, o in zip(size, osize))
-    b.pool(x, out, "avg_exclude", k, k, (0, 0), (0, 0), (0, 0), requant_eltwise(_x(c.a), _out(c.a)))
+    zero = (0,) * len(k)
+    b.pool(x, out, "avg_exclude", k, k, zero, zero, zero, requant_eltwise(_x(c.a), _out(c.a)))
 
 
 def _emit_flatten(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
@@ -374,6 +402,38 @@ def _emit_flatten(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         return
     # a copy in the flattened order: reorder x into out's memory seen with x's dims
     b.reorder(x, b.view(out, x.shape, _contiguous_strides(x.shape)), src_q=None, dst_q=None)
+
+
+def _check_move(c: Call) -> str | None:
+    if c.a.run_time_sizes:
+        return f"{c.op} to sizes computed at run time"
+    src = c.inputs[0]
+    while src.op in ("call_method", "call_function") and (move_name(src) or src.target in _FLATTENS):
+        src = src.args[0]  # type: ignore[assignment]
+    if src.op == "placeholder":
+        # a model input (or, in a segment's own graph, a value the partition already vetted): the
+        # engine takes uint8 and fp32 tensors
+        meta = src.meta.get("val", src.meta.get("tensor_meta"))
+        dtype = getattr(meta, "dtype", None)
+        if dtype is not None and dtype not in (torch.uint8, torch.float32):
+            return f"{c.op} of a {dtype} input"
+        return None
+    if gml_op_name(src) is None:
+        return f"{c.op} of a value no lowered GML op made (an fp32 torch op's output: runs in torch)"
+    return None
+
+
+def _emit_move(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x = ins[0]
+    if b.is_view_of(out, x):
+        b.alias(out, x)  # the executor made a view (permute, squeeze, ...): no step at all
+    elif out.shape == x.shape:  # contiguous(): the same elements in another layout
+        b.reorder(x, out, src_q=None, dst_q=None)
+    elif c.op != "permute" and c.op != "transpose" and out.stride == _contiguous_strides(out.shape):
+        # a reshape that copied: x's elements in their logical order into out's contiguous memory
+        b.reorder(x, b.view(out, x.shape, _contiguous_strides(x.shape)), src_q=None, dst_q=None)
+    else:
+        raise Unsupported(f"{c.op} copying into layout {out.stride}")
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -502,6 +562,7 @@ RULES: dict[str, Rule] = {
     "dequantize": Rule(_always, _emit_dequantize),
     "requantize": Rule(_always, _emit_requantize),
     "flatten": Rule(_always, _emit_flatten),
+    **{name: Rule(_check_move, _emit_move) for name in sorted(MOVES)},
     fp32.FusedConv.__name__: Rule(_check_fconv, _emit_fconv),
     fp32.FusedConvAdd.__name__: Rule(_check_fconv, _emit_fconv_add, 2),
     fp32.FusedLinear.__name__: Rule(_always, _emit_flinear),
