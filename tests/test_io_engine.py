@@ -11,7 +11,7 @@ from torch import nn
 
 import gml
 from gml import io as gio
-from gml.errors import GMLError, ModelLoadError
+from gml.errors import GMLError, InputError, ModelLoadError
 from gml.ir import library
 from gml.ir.values import QParams
 from gml.quant import modules as qm
@@ -75,6 +75,8 @@ def test_every_int8_op_kind_round_trips_and_runs_in_the_rebuilt_engine(tmp_path)
             ref, got = res.module(xn), loaded(xn)
             assert torch.equal(got, res.executable(xn))  # the same plan as in the quantizing process
             assert float((got - ref).abs().max()) <= 0.02 * float(ref.abs().max())
+    with pytest.raises(InputError, match=r"expects a torch\.float32 tensor of rank 4 with 3 channels"):
+        loaded(torch.randn(1, 4, 16, 16))
 
 
 def test_requantize_quantize_dequantize_round_trip(tmp_path):
