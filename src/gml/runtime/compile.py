@@ -14,7 +14,6 @@ report says why.
 
 from __future__ import annotations
 
-import copy
 import operator
 import threading
 from collections import OrderedDict
@@ -108,6 +107,8 @@ class EngineSegment(nn.Module):
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> EngineSegment:
+        import copy
+
         return EngineSegment(copy.deepcopy(self.reference, memo), self._report)
 
     @property
@@ -241,6 +242,8 @@ def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    import copy
+
     g = fx.Graph()
     # keep the graph's codegen: an exported program's module (gml.io.load) flattens its inputs and
     # unflattens its outputs with a pytree spec, so a single output comes back as a tensor, not (y,)
