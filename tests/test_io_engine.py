@@ -139,3 +139,17 @@ def test_gml_bench_of_a_saved_file_times_the_rebuilt_engine(tmp_path, capsys, mo
     assert "a model saved by gml; runtime: engine (" in out and "oneDNN ISA" in out
     rows = [line for line in out.splitlines() if "engine " in line and "│" in line]
     assert len(rows) == 2 and all("python executor" not in r for r in rows)  # one engine row per batch size
+
+
+def test_optimize_and_quantize_of_a_saved_file_say_what_to_do(tmp_path, capsys, monkeypatch):
+    from gml.cli import main
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3)).eval()
+    gm = gml.optimize(model, torch.randn(1, 3, 8, 8)).module
+    path = gio.save(gm, tmp_path / "m.pt2")
+    monkeypatch.setenv("COLUMNS", "200")
+    for command in ("optimize", "quantize"):
+        capsys.readouterr()
+        assert main([command, str(path)]) == ModelLoadError.exit_code
+        out = " ".join(capsys.readouterr().out.split())  # rich wraps long paths
+        assert "is a model saved by gml: it is already optimized" in out and f"gml bench {path}" in out

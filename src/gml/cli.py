@@ -55,8 +55,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def load_from_args(args: argparse.Namespace, batch: int | None = None):
     """(model, example_inputs) from the common model arguments."""
+    from gml.errors import ModelLoadError
+    from gml.io import is_saved_model
     from gml.models import example_inputs, load_with_defaults, parse_shapes
 
+    if is_saved_model(args.model):
+        raise ModelLoadError(
+            f"{args.model} is a model saved by gml: it is already optimized, and this command starts from "
+            "the original model",
+            hint=f"`gml inspect {args.model}` shows its graph and the runtime it loads onto, `gml bench "
+            f"{args.model}` times it on the native engine; in Python, gml.load(path) runs it",
+        )
     model, shapes, like = load_with_defaults(
         args.model, weights=args.weights, unsafe_load=args.unsafe_load, submodule=args.submodule
     )
