@@ -79,6 +79,38 @@ def test_every_int8_op_kind_round_trips_and_runs_in_the_rebuilt_engine(tmp_path)
         loaded(torch.randn(1, 4, 16, 16))
 
 
+class SequenceNet(nn.Module):
+    """The rest of the op kinds: a 1-D conv, hardtanh, data movement, a standalone BN, a rank-3
+    linear and a mean (BN and mean stay in torch between engine segments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv1d(4, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 6)
+
+    def forward(self, x):  # [N, 4, L]
+        y = nn.functional.relu6(self.c1(x))
+        z = self.bn(y.unsqueeze(-1)).squeeze(-1).permute(0, 2, 1)  # [N, L, 8]
+        return self.fc(z).mean(1)
+
+
+def test_sequence_op_kinds_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model, x = SequenceNet().eval(), torch.randn(1, 4, 12)
+    model.bn.running_mean.normal_()
+    model.bn.running_var.uniform_(0.5, 2.0)
+    res = gml.quantize(model, 4, example_inputs=(x,), per_layer=False)
+    assert {"qconv", "qactivation", "qbatch_norm", "qlinear", "qmean"} <= set(_ops(res.module))
+    res.save(str(tmp_path / "seq.pt2"))
+    loaded = gml.load(str(tmp_path / "seq.pt2"))
+    assert sorted(n.op for n in loaded.runtime.torch_nodes) == ["qbatch_norm", "qmean"], str(loaded.runtime)
+    assert {n.op for n in loaded.runtime.nodes if n.runs_in == "engine"} >= {"permute", "squeeze", "unsqueeze"}
+    with torch.no_grad():
+        x2 = torch.randn(3, 4, 12)
+        assert torch.equal(loaded(x2), res.executable(x2))
+
+
 def test_requantize_quantize_dequantize_round_trip(tmp_path):
     from runtime.helpers import graph_of
 
