@@ -10,7 +10,7 @@ from gml.api import optimize
 from gml.capture import capture
 from gml.capture_export import capture_info
 from gml.errors import TraceFailure
-from gml.ops_attention import is_attention
+from gml.ir.attention import is_attention
 from gml.passes.raise_aten import RaiseATen
 
 

@@ -31,7 +31,11 @@ def _positive(text: str) -> int:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``gml bench``'s arguments (including the positional MODEL) to ``p``."""
-    p.add_argument("model", help="torchvision name (resnet18), timm:NAME (random init) or path/to/file.py:ClassName")
+    p.add_argument(
+        "model",
+        help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, hf:ArchitectureClass "
+        "(default config, random weights) or a local Hugging Face model folder",
+    )
     p.add_argument(
         "--input-shape",
         metavar="SHAPE",

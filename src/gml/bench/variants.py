@@ -178,6 +178,8 @@ def build_gml_int8(ctx: BuildContext) -> Built:
     mod = res.module
     runtime = getattr(res, "runtime", None)  # the native engine where it covers the graph (gml.runtime)
     notes = _report_notes(res.report) + ([f"runtime: {runtime.path}"] if runtime is not None else [])
+    if getattr(res, "scheme", "static") != "static":  # #15: a transformer gets the transformer scheme
+        notes.append(f"scheme: {res.scheme} ({res.frontend.summary()})")
     return _torch_built(getattr(res, "executable", mod), mod if isinstance(mod, fx.GraphModule) else None, notes)
 
 

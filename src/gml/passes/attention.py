@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from gml import nn as gnn
-from gml.ops_attention import attention_op
+from gml.ir.attention import attention_op
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import op_kind
 from gml.passes.utils import modules_of
