@@ -509,10 +509,15 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         at = f" at node '{node.name}' ({node.op} {node.target})" if node is not None else ""
         hint = "pass --input-shape (e.g. 1x3x224x224) / example_inputs matching what forward() expects."
         weights = {p.dtype for p in gm.parameters() if p.is_floating_point()}
-        odd = [  # an integer input of a float model is normal (token ids, indices): not the suspect
+        # an integer input of a model with embedding tables is normal (token ids): not the suspect
+        ids_ok = any(isinstance(m, nn.Embedding | nn.EmbeddingBag) for m in gm.modules())
+        odd = [
             (i, a.dtype)
             for i, a in enumerate(example_inputs)
-            if isinstance(a, torch.Tensor) and a.is_floating_point() and len(weights) == 1 and a.dtype not in weights
+            if isinstance(a, torch.Tensor)
+            and len(weights) == 1
+            and a.dtype not in weights
+            and (a.is_floating_point() or not ids_ok)
         ]
         if odd:  # the shape may be fine: say that the dtype is what differs
             (w,) = weights

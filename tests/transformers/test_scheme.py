@@ -185,7 +185,7 @@ def test_a_leaf_returning_a_model_output_keeps_its_attributes() -> None:
 
 def test_an_int_input_that_does_not_fit_is_not_blamed_on_its_dtype() -> None:
     with pytest.raises(InputError) as info:
-        capture(nn.Embedding(10, 4).eval(), (torch.full((2, 3), 12),))
+        capture(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)).eval(), (torch.full((2, 3), 12),))
     assert "convert the input" not in (info.value.hint or "")
 
 
