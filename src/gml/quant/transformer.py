@@ -358,30 +358,21 @@ def precisions(gm: fx.GraphModule) -> list[GemmPrecision]:
 
 def transformer_reason(model: nn.Module) -> str | None:
     """Why ``model`` gets the transformer scheme (``None``: it does not): a transformers model, or
-    one holding ``torch.nn`` attention/transformer layers."""
+    one holding ``torch.nn`` attention/transformer layers, or a captured graph that calls attention."""
     from gml.capture_export import OPAQUE_TO_FX
 
     if isinstance(model, fx.GraphModule):
         from gml.ir.attention import is_attention
+        from gml.passes.attention import SDPA_TARGETS
 
-        if any(is_attention(n) for n in model.graph.nodes):
-            return "its graph holds gml.attention ops"
+        if any(is_attention(n) or (n.op == "call_function" and n.target in SDPA_TARGETS) for n in model.graph.nodes):
+            return "its graph holds attention (gml.attention / scaled_dot_product_attention)"
     for name, m in model.named_modules():
         if isinstance(m, OPAQUE_TO_FX):
             return f"it holds torch.nn.{type(m).__name__} ('{name or type(model).__name__}')"
     for c in type(model).__mro__:
         if c.__module__.startswith("transformers."):
             return f"it is a transformers {type(model).__name__}"
-    if isinstance(model, fx.GraphModule):
-        from gml.capture_export import capture_info
-
-        info = capture_info(model)
-        if (
-            info is not None
-            and info.path == "torch.export"
-            and any("attention" in str(n.meta.get("nn_module_stack", "")).lower() for n in model.graph.nodes)
-        ):
-            return "its exported graph comes from attention modules"
     return None
 
 
