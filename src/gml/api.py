@@ -109,6 +109,11 @@ class QuantizeResult:
     ``accuracy``: output cosine / max diff / top-1 agreement and per-layer SQNR vs fp32;
     ``reference``: torch.ao's reference Q/DQ graph the lowering started from;
     ``seconds``: wall time of each stage.
+
+    With the transformer scheme (``scheme == "transformer"``): ``frontend`` is the
+    :class:`~gml.quant.transformer.TransformerQuantResult` (its ``table()`` / ``summary()``), ``coverage``
+    lists every GEMM as INT8 or fp32 (with why) and what stays fp32, ``reference`` is the fp32 graph
+    the GEMMs were quantized from, ``engine`` is None.
     """
 
     module: fx.GraphModule

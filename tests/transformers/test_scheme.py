@@ -264,3 +264,17 @@ def test_calibration_batches_that_do_not_fit_are_refused_clearly() -> None:
     with pytest.raises(InputError, match=r"calibration batch 1 .* does not look like the example inputs"):
         quantize_transformer(model, (torch.randn(2, 4, 32),), calib_data=calib)
     assert math.isfinite(DynamicQuantLinear(nn.Linear(4, 4))(torch.zeros(1, 4)).sum().item())
+
+
+def test_cli_min_sqnr_and_smooth_alpha_reach_the_scheme(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    _bert().save_pretrained(tmp_path)
+    args = ["quantize", str(tmp_path), "--input-shape", "2x16", "--no-time", "--calib", "2", "--no-per-layer"]
+    assert main([*args, "--min-sqnr", "90"]) == 0  # every GEMM is below 90 dB: all kept fp32, said so
+    out = capsys.readouterr().out
+    assert "0/9 GEMMs INT8" in out and "9 kept fp32" in out and "< 90 dB on calibration data" in out
+    assert main([*args, "--smooth-alpha", "0.5", "--min-sqnr", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert "9/9 GEMMs INT8" in out and "accuracy fallback" not in out
+    assert main([*args, "--smooth-alpha", "2"]) == InputError.exit_code
+    assert "smooth_alpha=2.0 is outside (0, 1)" in capsys.readouterr().out

@@ -443,12 +443,13 @@ def quantize_transformer(
         batches = [_as_args(b, len(inputs)) for b in calib_data]
         source = f"{len(batches)} user batch(es)"
     _check_batches(batches, inputs)
+    quantize_pass = QuantizeLinearsDynamic(
+        batches, min_sqnr_db=min_sqnr_db, smooth_alpha=smooth_alpha
+    )  # checks options
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
     fp32 = PassManager([*canonical_passes(), FuseAttention(), HorizontalMerge()], strict=strict).run(gm, [inputs])
     fp32_gm = copy.deepcopy(fp32.graph_module)
-    q = PassManager(
-        [QuantizeLinearsDynamic(batches, min_sqnr_db=min_sqnr_db, smooth_alpha=smooth_alpha)], strict=strict
-    ).run(fp32.graph_module, [inputs])
+    q = PassManager([quantize_pass], strict=strict).run(fp32.graph_module, [inputs])
     for r in q.report.rolled_back:  # never hand back an fp32 model labelled INT8 without saying so
         from gml.errors import GMLError
 
