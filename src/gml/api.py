@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from torch import fx, nn
 from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, PipelineReport, compare_outputs, run_outputs
+from gml.quant.transformer import DEFAULT_MIN_SQNR_DB as _DEFAULT_MIN_SQNR_DB
 from gml.verify.harness import random_inputs, verify_pass
 
 verify = verify_pass
@@ -108,6 +109,11 @@ class QuantizeResult:
     ``accuracy``: output cosine / max diff / top-1 agreement and per-layer SQNR vs fp32;
     ``reference``: torch.ao's reference Q/DQ graph the lowering started from;
     ``seconds``: wall time of each stage.
+
+    With the transformer scheme (``scheme == "transformer"``): ``frontend`` is the
+    :class:`~gml.quant.transformer.TransformerQuantResult` (its ``table()`` / ``summary()``), ``coverage``
+    lists every GEMM as INT8 or fp32 (with why) and what stays fp32, ``reference`` is the fp32 graph
+    the GEMMs were quantized from, ``engine`` is None.
     """
 
     module: fx.GraphModule
@@ -121,6 +127,12 @@ class QuantizeResult:
     engine: Any = None
     #: which runtime runs each node and why (``str(result.runtime)``)
     runtime: Any = None
+    #: ``static`` (torch.ao calibration, lowered onto gml INT8 ops) or ``transformer``
+    #: (:mod:`gml.quant.transformer`: per-token dynamic INT8 GEMMs); ``scheme_reason`` says why
+    scheme: str = "static"
+    scheme_reason: str = ""
+    #: transformer scheme: every GEMM, attention, LayerNorm, softmax, opaque block with its precision and why
+    precisions: list[Any] = field(default_factory=list)
 
     @property
     def executable(self) -> Any:
@@ -132,6 +144,14 @@ class QuantizeResult:
         ``gml.load(path)`` reads it back without pickle or the model's source and rebuilds the native
         engine's plan on the machine it loads on (docs/adr/004, 005)."""
         from gml.io import save
+
+        if self.scheme == "transformer":
+            from gml.errors import UnsupportedError
+
+            raise UnsupportedError(
+                "Saving a model quantized with the transformer INT8 scheme is not supported yet.",
+                hint="keep result.module in the process, or save the fp32 model (gml optimize --out).",
+            )
 
         save(self.module, path)
 
@@ -170,8 +190,20 @@ def quantize(
     runtime: str = "engine",
     min_cosine: float | None = None,
     leaf_modules: Sequence[str | type] = (),
+    scheme: str = "auto",
+    min_sqnr_db: float | None = _DEFAULT_MIN_SQNR_DB,
+    smooth_alpha: float | None = None,
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
+
+    ``scheme="auto"`` (default) picks the transformer scheme (:mod:`gml.quant.transformer`: INT8
+    GEMMs with per-token dynamic activation scales, residual stream / LayerNorm / softmax /
+    attention fp32, GEMMs below ``min_sqnr_db`` on the calibration data kept fp32, SmoothQuant with
+    ``smooth_alpha``) for a transformer — a transformers model, or one holding ``torch.nn``
+    attention layers — and the static scheme (torch.ao calibration of per-tensor activation
+    ranges, lowered onto gml INT8 ops) for everything else; ``"static"`` / ``"transformer"`` force
+    one. ``result.scheme`` / ``result.scheme_reason`` say which and why. ``backend``, ``observer``
+    and ``per_channel`` concern the static scheme only.
 
     Args:
         calib_data: iterable of batches (tensors, tuples, or ``(x, label)`` pairs), or an int N for
@@ -215,6 +247,16 @@ def quantize(
         example_inputs = first if isinstance(first, torch.Tensor) else first[0]
     inputs = _as_tuple(example_inputs)
     check_deterministic(model, inputs, what="INT8 quantization")
+    from gml.models_hf import token_range as vocab_range
+
+    token_range = vocab_range(model)  # generated token ids come from the vocabulary (#15)
+    chosen, why = choose_scheme(model, scheme)
+    if chosen == "transformer":
+        return _quantize_transformer(
+            model, calib_data, inputs, eval_data=eval_data, eval_labels=eval_labels, per_layer=per_layer,
+            strict=strict, min_cosine=min_cosine, leaf_modules=leaf_modules, min_sqnr_db=min_sqnr_db,
+            smooth_alpha=smooth_alpha, token_range=token_range, reason=why,
+        )  # fmt: skip
     seconds: dict[str, float] = {}
 
     t0 = time.perf_counter()
@@ -229,6 +271,7 @@ def quantize(
         per_channel=per_channel,
         backend=backend,
         progress=progress,
+        token_range=token_range,
     )
     seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
 
@@ -244,7 +287,7 @@ def quantize(
         coverage.kept_fp32.append(CoverageEntry([f"(pass {r.name})"], r.name, "fp32", f"rolled back: {r.error}"))
 
     if eval_data is None:
-        eval_data = generate_batches(inputs, 2, seed=12345)
+        eval_data = generate_batches(inputs, 2, seed=12345, token_range=token_range)
     t0 = time.perf_counter()
     acc = accuracy_report(
         copy.deepcopy(model),
@@ -274,4 +317,84 @@ def quantize(
         seconds,
         engine,
         runtime_report,
+        "static",
+        why,
     )
+
+
+SCHEMES = ("auto", "static", "transformer")
+
+
+def choose_scheme(model: nn.Module, scheme: str = "auto") -> tuple[str, str]:
+    """``(scheme, why)``: the INT8 scheme :func:`quantize` uses for ``model`` and the reason."""
+    from gml.errors import InputError
+    from gml.quant.transformer import WHY_SCHEME, transformer_reason
+
+    if scheme not in SCHEMES:
+        raise InputError(f"unknown INT8 scheme {scheme!r}.", hint=f"use one of {', '.join(SCHEMES)}.")
+    if scheme != "auto":
+        return scheme, f"scheme={scheme!r} requested"
+    found = transformer_reason(model)
+    if found is not None:
+        return "transformer", f"transformer scheme: {found}; {WHY_SCHEME}"
+    return "static", "static scheme: no transformer layers found (calibrated per-tensor activation ranges)"
+
+
+def _quantize_transformer(
+    model: nn.Module,
+    calib_data: Any,
+    inputs: tuple,
+    *,
+    eval_data: Any,
+    eval_labels: Sequence[Any] | None,
+    per_layer: bool,
+    strict: bool,
+    min_cosine: float | None,
+    leaf_modules: Sequence[str | type],
+    min_sqnr_db: float | None,
+    smooth_alpha: float | None,
+    token_range: tuple[int, int] | None,
+    reason: str,
+) -> QuantizeResult:
+    """:func:`quantize` with the transformer scheme, returned in the same result type: ``coverage``
+    lists every GEMM (INT8 or fp32 and why) and what stays fp32 (attention, LayerNorm, softmax,
+    opaque blocks); ``reference`` is the fp32 graph the GEMMs were quantized from."""
+    import time
+
+    from gml.quant.accuracy import accuracy_report
+    from gml.quant.calibrate import generate_batches
+    from gml.quant.lower import CoverageEntry, LoweringCoverage
+    from gml.quant.transformer import quantize_transformer
+    from gml.runtime.compile import RuntimeReport
+
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    res = quantize_transformer(
+        model, inputs, calib_data=calib_data if calib_data is not None else 8, min_sqnr_db=min_sqnr_db,
+        smooth_alpha=smooth_alpha, leaf_modules=leaf_modules, strict=strict, token_range=token_range,
+    )  # fmt: skip
+    seconds["capture + fp32 passes + measure + quantize"] = time.perf_counter() - t0
+    coverage = LoweringCoverage()
+    for p in res.precisions:
+        if p.precision == "int8":
+            coverage.lowered.append(CoverageEntry([p.node], p.op, "int8 GEMM (per-token dynamic)", p.why))
+        else:
+            coverage.kept_fp32.append(CoverageEntry([p.node], p.op, p.precision, p.why))
+    if eval_data is None:
+        eval_data = generate_batches(inputs, 2, seed=12345, token_range=token_range)
+    t0 = time.perf_counter()
+    acc = accuracy_report(
+        copy.deepcopy(model), res.module, eval_data, labels=eval_labels, fp32_graph=res.fp32_module,
+        per_layer=per_layer,
+    )  # fmt: skip
+    seconds["accuracy report"] = time.perf_counter() - t0
+    refuse_autograd(res.module)
+    if min_cosine is not None:
+        check_min_cosine(acc, min_cosine)
+    runtime = RuntimeReport(
+        "torch", note="transformer scheme: the Python executor runs it (the native engine has no per-token INT8 GEMM)"
+    )
+    return QuantizeResult(
+        res.module, res.report, res, coverage, acc, res.fp32_module, seconds, None, runtime, "transformer", reason,
+        res.precisions,
+    )  # fmt: skip

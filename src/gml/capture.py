@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 
@@ -278,6 +279,20 @@ def _leaf_spec(leaf_modules: Sequence[str | type]) -> tuple[tuple[type, ...], li
     return types, names
 
 
+def _omitted_none_args(model: nn.Module, n_given: int) -> dict[str, None]:
+    """``forward`` parameters after the ``n_given`` example inputs whose default is ``None``: traced as
+    ``None`` (fx would make each a placeholder, and ``if mask is not None:`` would take the branch for a
+    value that is ``None`` at run time). Passing one later fails fx's ``_assert_is_none`` guard."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name: None for p in params[n_given:] if p.kind in kinds and p.default is None}
+
+
 def trace(
     model: nn.Module,
     *,
@@ -297,6 +312,8 @@ def trace(
         if example_inputs is not None and not concrete_args
         else _Tracer(types, names)
     )
+    if example_inputs is not None and not concrete_args:
+        concrete_args = _omitted_none_args(model, len(example_inputs)) or None
     model_name = type(model).__name__
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
@@ -395,12 +412,15 @@ RETURNS_MUTATED = "gml_returns_mutated"
 
 
 def _thaw(value: Any) -> Any:
-    """Plain ``list`` / ``dict`` copies of fx's immutable node-argument containers, recursively."""
-    if isinstance(value, list):
+    """Plain ``list`` / ``dict`` copies of fx's immutable node-argument containers, recursively.
+
+    Only plain and fx-immutable containers: a value a node produced that subclasses ``dict`` (HF's
+    ``ModelOutput``, returned by a leaf) stays what it is (#15: its attributes were lost)."""
+    if type(value) in (list, immutable_list):
         return [_thaw(v) for v in value]
     if type(value) is tuple:  # not torch.Size or a namedtuple: they stay what they are
         return tuple(_thaw(v) for v in value)
-    if isinstance(value, dict):
+    if type(value) in (dict, immutable_dict):
         return {k: _thaw(v) for k, v in value.items()}
     return value
 
@@ -489,10 +509,15 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         at = f" at node '{node.name}' ({node.op} {node.target})" if node is not None else ""
         hint = "pass --input-shape (e.g. 1x3x224x224) / example_inputs matching what forward() expects."
         weights = {p.dtype for p in gm.parameters() if p.is_floating_point()}
+        # an integer input of a model with embedding tables is normal (token ids): not the suspect
+        ids_ok = any(isinstance(m, nn.Embedding | nn.EmbeddingBag) for m in gm.modules())
         odd = [
             (i, a.dtype)
             for i, a in enumerate(example_inputs)
-            if isinstance(a, torch.Tensor) and len(weights) == 1 and a.dtype not in weights
+            if isinstance(a, torch.Tensor)
+            and len(weights) == 1
+            and a.dtype not in weights
+            and (a.is_floating_point() or not ids_ok)
         ]
         if odd:  # the shape may be fine: say that the dtype is what differs
             (w,) = weights

@@ -293,57 +293,22 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quantize_transformer(args: argparse.Namespace, model, inputs) -> int:
-    """#15: a transformer gets the transformer INT8 scheme (gml.quant.transformer), not torch.ao's
-    static one: INT8 GEMMs with per-token activation scales, LayerNorm/softmax/residuals fp32."""
-    import torch
-    from rich.markup import escape
-
-    from gml.errors import UnsupportedError
-    from gml.models import example_inputs
-    from gml.models_hf import describe_inputs
-    from gml.quant.transformer import quantize_transformer
-
-    if args.out:
-        raise UnsupportedError(
-            "Saving a model quantized with the transformer INT8 scheme is not supported yet.",
-            hint="run without --out; in Python, gml.quant.transformer.quantize_transformer returns the module.",
-        )
-    res = quantize_transformer(model, inputs)
+def _print_transformer_result(args: argparse.Namespace, res, model, inputs) -> None:
+    """#15: what the transformer INT8 scheme did: passes, every GEMM/attention/LayerNorm/softmax with
+    its precision and why."""
     _print_capture(res.module, model, inputs)
-    console.print("[dim]transformer INT8 scheme: INT8 GEMMs with per-token dynamic activation scales; "
-                  "residual stream, LayerNorm, softmax and attention in fp32 (no calibration needed)[/]")  # fmt: skip
     console.print(res.report.table(title=f"gml quantize {_model_label(args)} (transformer scheme)"))
     if res.report.skips or res.report.rolled_back:
         console.print(res.report.skip_table(title="Declined candidates"))
-    console.print(res.table())
-    # accuracy on an input the quantization never saw (another seed of the same kind of input)
-    held_out = example_inputs([tuple(t.shape) for t in inputs], seed=1, like=inputs)
-    with torch.no_grad():
-        ref, got = model(*held_out), res.module(*held_out)
-    flat = [t.flatten().double() for t in torch.utils._pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
-    mine = [t.flatten().double() for t in torch.utils._pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
-    cos = torch.nn.functional.cosine_similarity(flat[0], mine[0], dim=0)
-    console.print(
-        f"accuracy: output cosine vs fp32 {float(cos):.5f} on a held-out input "
-        f"({escape(describe_inputs(model, held_out))})"
-    )
-    if not args.no_time:
-        t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.module(*inputs)})
-        console.print(
-            f"latency (median of 15 interleaved calls): fp32 eager {t['fp32']:.2f} ms, "
-            f"INT8 {t['int8']:.2f} ms ({t['fp32'] / t['int8']:.2f}x); use `gml bench` for a full measurement"
-        )
-    return 0
+    console.print(res.frontend.table())
+    console.print(res.frontend.summary())
+    from rich.markup import escape
 
+    from gml.models_hf import token_range
+    from gml.quant.calibrate import describe_generated
 
-def _is_transformer(model) -> bool:
-    """A transformers model, or one holding torch.nn attention/transformer layers."""
-    from gml.capture_export import OPAQUE_TO_FX
-
-    if any(isinstance(m, OPAQUE_TO_FX) for m in model.modules()):
-        return True
-    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+    held_out = escape(describe_generated(inputs, token_range(model)))
+    console.print(f"[dim]accuracy below: on 2 held-out {held_out} the calibration did not see[/]")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -355,8 +320,16 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise GMLError(f"--min-cosine {args.min_cosine:g} is not a cosine.", hint="give a value in [-1, 1], e.g. 0.99.")
     check_out_path(args.out)
     model, inputs = load_from_args(args)
-    if _is_transformer(model) and not args.leaf:  # --- #15: the transformer INT8 scheme ---
-        return _quantize_transformer(args, model, inputs)
+    from gml.api import choose_scheme
+
+    scheme, why = choose_scheme(model, args.scheme)
+    if scheme == "transformer" and args.out:  # before the run, not after it
+        from gml.errors import UnsupportedError
+
+        raise UnsupportedError(
+            "Saving a model quantized with the transformer INT8 scheme is not supported yet.",
+            hint="run without --out (or with --scheme static, at the accuracy cost #15 describes).",
+        )
     import warnings
 
     from gml.quant.calibrate import CalibrationWarning
@@ -373,16 +346,23 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             per_layer=not args.no_per_layer,
             progress=True,
             leaf_modules=args.leaf,
+            scheme=scheme,
+            min_sqnr_db=None if args.min_sqnr < 0 else args.min_sqnr,
+            smooth_alpha=args.smooth_alpha,
         )
+    console.print(f"[dim]{why}[/]")
     fe = res.frontend
-    if fe.fp32_passes is not None:
-        console.print(fe.fp32_passes.table(title="fp32 passes before quantization"))
-    console.print(res.report.table(title="INT8 passes after convert"))
-    if res.report.skips or res.report.rolled_back:
-        console.print(res.report.skip_table(title="Declined candidates"))
-    console.print(res.coverage.table())
-    console.print(res.coverage.summary())
-    console.print(f"frontend: {fe.summary()}")
+    if res.scheme == "transformer":
+        _print_transformer_result(args, res, model, inputs)
+    else:
+        if fe.fp32_passes is not None:
+            console.print(fe.fp32_passes.table(title="fp32 passes before quantization"))
+        console.print(res.report.table(title="INT8 passes after convert"))
+        if res.report.skips or res.report.rolled_back:
+            console.print(res.report.skip_table(title="Declined candidates"))
+        console.print(res.coverage.table())
+        console.print(res.coverage.summary())
+        console.print(f"frontend: {fe.summary()}")
     acc = res.accuracy
     if acc.layers:
         worst = type(acc)(acc.samples, acc.cosine, acc.max_abs_diff, acc.top1_agreement, layers=acc.worst(10))
@@ -462,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", help="save the optimized module (see docs/adr/004)")
     p.set_defaults(func=cmd_optimize)
 
+    from gml.quant.transformer import DEFAULT_MIN_SQNR_DB
+
     p = sub.add_parser(
         "quantize",
         help="quantize to INT8 and lower onto fused INT8 kernels; report coverage and accuracy",
@@ -488,6 +470,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="X",
         help="fail (exit 8, nothing saved) when the INT8 outputs' cosine with fp32 is below X (e.g. 0.99); "
         "a cosine below 0.9 is reported BROKEN either way",
+    )
+    p.add_argument(
+        "--scheme",
+        choices=("auto", "static", "transformer"),
+        default="auto",
+        help="INT8 scheme (default auto: 'transformer' — per-token dynamic INT8 GEMMs, LayerNorm/softmax/"
+        "attention fp32 — for transformers models and models holding torch.nn attention layers, else 'static')",
+    )
+    p.add_argument(
+        "--min-sqnr",
+        type=float,
+        default=DEFAULT_MIN_SQNR_DB,
+        metavar="DB",
+        help=f"transformer scheme: keep a GEMM fp32 when its INT8 SQNR on the calibration batches is below DB "
+        f"(default {DEFAULT_MIN_SQNR_DB:g}; a negative value keeps every GEMM INT8)",
+    )
+    p.add_argument(
+        "--smooth-alpha",
+        type=float,
+        metavar="A",
+        help="transformer scheme: SmoothQuant outlier migration with strength A in (0, 1) (e.g. 0.5), used for "
+        "each GEMM where it raises the measured SQNR",
     )
     p.add_argument(
         "--out", metavar="FILE", help="save the INT8 module as a torch.export program of gml ops (see docs/adr/005)"

@@ -106,6 +106,15 @@ def _token_range(config: Any) -> tuple[int, int]:
     return lo, hi
 
 
+def token_range(model: nn.Module) -> tuple[int, int] | None:
+    """The token ids generated inputs of ``model`` draw from (its vocabulary without the padding id),
+    or ``None`` when ``model`` has no ``config.vocab_size`` (not a transformers text model)."""
+    config = getattr(model, "config", None)
+    if config is None or not isinstance(getattr(config, "vocab_size", None), int):
+        return None
+    return _token_range(config)
+
+
 def _takes_mask(model: nn.Module) -> bool:
     params = list(inspect.signature(model.forward).parameters)
     return len(params) >= 2 and params[1] == "attention_mask"

@@ -345,7 +345,7 @@ def test_peer_runtimes_build_and_agree_with_eager():
     res = run_bench(
         TinyNet().eval(),
         input_shape=(1, 3, 8, 8),
-        variants="ort-fp32,ort-int8,ov-fp32,ov-int8",
+        variants="ort-fp32,ort-int8,ort-int8-dyn,ov-fp32,ov-int8",
         rounds=2,
         warmup=1,
         threads=1,
@@ -360,7 +360,7 @@ def test_peer_runtimes_build_and_agree_with_eager():
         v = b.variant(name)
         assert v.ok, v.message
         assert v.max_abs_diff < 1e-4 and v.cosine == pytest.approx(1.0, abs=1e-6)
-    for name in ("ort-int8", "ov-int8"):
+    for name in ("ort-int8", "ort-int8-dyn", "ov-int8"):
         v = b.variant(name)
         assert v.ok, v.message
         assert v.cosine > 0.9 and v.max_abs_diff > 0  # quantized, yet close (tiny random net: 0.96+)

@@ -11,7 +11,7 @@ from torch import fx, nn
 
 from gml.api import optimize
 from gml.capture import capture
-from gml.ops_attention import attention_op, is_attention
+from gml.ir.attention import attention_op, is_attention
 from gml.passes.attention import PATTERN, SDPA, FuseAttention
 from gml.passes.normalize import Normalize
 

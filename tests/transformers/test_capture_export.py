@@ -10,7 +10,7 @@ from gml.api import optimize
 from gml.capture import capture
 from gml.capture_export import capture_info
 from gml.errors import TraceFailure
-from gml.ops_attention import is_attention
+from gml.ir.attention import is_attention
 from gml.passes.raise_aten import RaiseATen
 
 
@@ -33,7 +33,9 @@ def test_transformer_encoder_captures_from_the_plain_model() -> None:
     gm = capture(model, (x,))
     info = capture_info(gm)
     assert info is not None and info.path == "torch.export"
-    assert "torch.fx failed" in info.reason and "_none_or_dtype" in info.reason
+    # mask / src_key_padding_mask are traced as None (not placeholders): fx then stops at the
+    # encoder's data-dependent fast-path checks, and torch.export takes over
+    assert "torch.fx failed" in info.reason and "data-dependent control flow" in info.reason
     kinds = _kinds(gm)
     assert kinds.count("Linear") == 8 and kinds.count("LayerNorm") == 4  # in_proj, out_proj, linear1/2 per layer
     assert _aten(gm, "aten.linear") == 0 and _aten(gm, "aten.layer_norm") == 0

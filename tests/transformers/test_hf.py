@@ -16,9 +16,9 @@ from gml.capture import capture  # noqa: E402
 from gml.capture_export import capture_info  # noqa: E402
 from gml.cli import main  # noqa: E402
 from gml.errors import ModelLoadError  # noqa: E402
+from gml.ir.attention import is_attention  # noqa: E402
 from gml.models import example_inputs, load_with_defaults  # noqa: E402
 from gml.models_hf import describe_inputs, load_hf  # noqa: E402
-from gml.ops_attention import is_attention  # noqa: E402
 
 SMALL = {
     "num_hidden_layers": 2,
@@ -125,8 +125,11 @@ def test_cli_quantize_takes_the_transformer_scheme(tmp_path, capsys, monkeypatch
     code = main(["quantize", str(tmp_path), "--input-shape", "2x16", "--no-time"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "transformer INT8 scheme" in out and "quantize_linears_dynamic" in out
+    assert "transformer scheme: it is a transformers BertModel" in out and "quantize_linears_dynamic" in out
     assert out.count("per token") >= 9  # 2 x (QKV merged, out, 2 MLP) + pooler: every GEMM listed as int8
-    assert "LayerNorm" in out or "layernorm" in out
-    cos = float(out.split("output cosine vs fp32 ")[1].split()[0])
+    assert "9/9 GEMMs INT8" in out and "dB on calibration data" in out
+    assert "layernorm" in out and "attention (q·kᵀ, softmax, p·v)" in out
+    # calibration on varied ids from the vocabulary, labelled as such (#15), never "N(0,1)"
+    assert "random integer ids uniform in [1, 999] (the model's vocabulary" in out and "N(0" not in out
+    cos = float(out.split("output cosine ")[1].split()[0].rstrip(","))
     assert cos > 0.99

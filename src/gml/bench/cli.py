@@ -33,8 +33,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``gml bench``'s arguments (including the positional MODEL) to ``p``."""
     p.add_argument(
         "model",
-        help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, or a model "
-        "saved by gml (file.pt2: timed on the native engine against its Python executor)",
+        help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, hf:ArchitectureClass "
+        "(default config, random weights), a local Hugging Face model folder, or a model saved by gml "
+        "(file.pt2: timed on the native engine against its Python executor)",
     )
     p.add_argument(
         "--input-shape",

@@ -178,6 +178,8 @@ def build_gml_int8(ctx: BuildContext) -> Built:
     mod = res.module
     runtime = getattr(res, "runtime", None)  # the native engine where it covers the graph (gml.runtime)
     notes = _report_notes(res.report) + ([f"runtime: {runtime.path}"] if runtime is not None else [])
+    if getattr(res, "scheme", "static") != "static":  # #15: a transformer gets the transformer scheme
+        notes.append(f"scheme: {res.scheme} ({res.frontend.summary()})")
     return _torch_built(getattr(res, "executable", mod), mod if isinstance(mod, fx.GraphModule) else None, notes)
 
 
@@ -318,6 +320,21 @@ def build_ort_int8(ctx: BuildContext) -> Built:
     return _ort_built(_ort_session(qpath, ctx.threads), notes, export_s)
 
 
+def build_ort_int8_dynamic(ctx: BuildContext) -> Built:
+    """ONNX Runtime's dynamic INT8 (``quantize_dynamic``: int8 weights, activations quantized at run
+    time, no calibration): its recommended scheme for transformers, the #15 comparison."""
+    require("onnxruntime")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    (path, how), export_s = _onnx_file(ctx)
+    qpath = ctx.workdir / "model.int8dyn.onnx"
+    with _quiet():
+        logging.getLogger("onnxruntime").setLevel(logging.ERROR)
+        quantize_dynamic(str(path), str(qpath), weight_type=QuantType.QInt8, per_channel=True)
+    notes = [f"torch.onnx.export ({how}) + quantize_dynamic S8 per-channel weights"]
+    return _ort_built(_ort_session(qpath, ctx.threads), notes, export_s)
+
+
 # --- OpenVINO --------------------------------------------------------------------------------
 
 
@@ -398,6 +415,7 @@ VARIANTS: dict[str, VariantSpec] = {
         VariantSpec("ao-int8-jit", "torch.ao INT8 + jit.freeze", "int8", build_ao_int8_jit),
         VariantSpec("ort-fp32", "ONNX Runtime fp32", "fp32", build_ort_fp32, "onnxruntime"),
         VariantSpec("ort-int8", "ONNX Runtime INT8 (QDQ)", "int8", build_ort_int8, "onnxruntime"),
+        VariantSpec("ort-int8-dyn", "ONNX Runtime dynamic INT8", "int8", build_ort_int8_dynamic, "onnxruntime"),
         VariantSpec("ov-fp32", "OpenVINO fp32", "fp32", _ov_precision_variant("f32"), "openvino"),
         VariantSpec("ov-bf16", "OpenVINO bf16 (its default)", "bf16", _ov_precision_variant("bf16"), "openvino"),
         VariantSpec("ov-int8", "OpenVINO INT8 (NNCF)", "int8", build_ov_int8, "openvino"),

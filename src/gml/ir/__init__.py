@@ -6,6 +6,7 @@
 * :mod:`gml.ir.alias` — the one alias / mutation analysis;
 * :mod:`gml.ir.qdq` — quantize / dequantize recognition and their parameters;
 * :mod:`gml.ir.library` — the lowered ops ``torch.ops.gml.*`` (schemas + fake kernels);
+* :mod:`gml.ir.attention` — ``torch.ops.gml.attention`` (SDPA semantics, one op for attention);
 * :mod:`gml.ir.match` — the pattern matcher rules are written with.
 """
 

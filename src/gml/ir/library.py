@@ -245,6 +245,8 @@ def output_qparams_args(node: fx.Node) -> tuple[float, int] | None:
         return None
     if name in SAME_QPARAMS_OPS:
         return float(args["x_scale"]), int(args["x_zero_point"])
+    if "out_scale" not in args:  # an fp32 op of the gml namespace (gml.attention)
+        return None
     return float(args["out_scale"]), int(args["out_zero_point"])
 
 

