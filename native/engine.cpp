@@ -333,7 +333,8 @@ class Plan {
   // One inference: inputs / outputs are data pointers of tensors laid out as planned.
   void run(const std::vector<uintptr_t>& inputs, const std::vector<uintptr_t>& outputs, int nthreads) {
     if (!finalized_) throw std::runtime_error("gml engine: plan not finalized");
-    if (static_cast<int>(inputs.size()) != n_inputs_ || static_cast<int>(outputs.size()) != n_outputs_)
+    // an input no step reads (a segment whose only node is dead code) is never added as a value
+    if (static_cast<int>(inputs.size()) < n_inputs_ || static_cast<int>(outputs.size()) != n_outputs_)
       throw std::invalid_argument("gml engine: wrong number of inputs or outputs");
     if (nthreads > 0) omp_set_num_threads(nthreads);  // this OS thread's OpenMP team size
     std::unique_ptr<Context> ctx = acquire();

@@ -171,3 +171,23 @@ def test_optimize_keeps_torch_when_the_engine_disagrees(monkeypatch):
     res = gml.optimize(model, (torch.randn(1, 3, 8, 8),))
     assert res.engine is None and res.runtime.path == "torch"
     assert "disagreed with the Python executor" in str(res.runtime)
+
+
+def test_a_segment_whose_only_node_is_dead_code():
+    # fp32 fuzz (gml.optimize on the engine): ``flatten(relu(x))`` computed and never used, between
+    # torch nodes, made a segment with no output and no step; its plan reads no input at all
+    class Dead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.flatten, self.conv = nn.Flatten(), nn.ConvTranspose1d(1, 1, 1)
+
+        def forward(self, x):
+            y = torch.relu(x)
+            self.flatten(y)
+            return self.conv(y)
+
+    model = Dead().eval()
+    x = torch.randn(1, 1, 1)
+    res = gml.optimize(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x))
