@@ -8,7 +8,11 @@
 //   * a primitive descriptor per op, weights described with format_tag::any and reordered once
 //     into the layout the primitive picks; scales / zero points / bias kept as constant memories;
 //   * activations are plain strided memories (u8 NHWC as the Python executor keeps them), placed
-//     at planned offsets in one arena or in the caller's input / output tensors;
+//     at planned offsets in one arena or in the caller's input / output tensors; a value added
+//     with no strides is "free": its producer's primitive picks its layout (format_tag::any, e.g.
+//     fp32 nChw16c on AVX-512), and the Python side plans its bytes after the steps exist
+//     (value_bytes / set_offset, see gml/runtime/plan.py); tie() gives a value another's layout
+//     (the residual sum accumulates in the skip value's memory and layout);
 //   * run() executes the primitive list on a stream with the GIL released.
 //
 // Concurrency: primitives are immutable after creation and may run from several threads at once.
@@ -100,10 +104,12 @@ std::shared_ptr<void> aligned_buffer(size_t bytes) {
 enum class Where : int { kArena = 0, kInput = 1, kOutput = 2 };
 
 struct Value {
-  memory::desc md;
+  memory::desc md;  // format_tag::any until its producer resolves it (a free value)
   Where where;
   int index;       // input / output number (unused for the arena)
   int64_t offset;  // bytes from the base
+  bool free = false;
+  int tie = -1;  // takes this value's layout
 };
 
 struct Step {
@@ -128,10 +134,14 @@ class Plan {
 
   int add_value(const Dims& dims, const Dims& strides, const std::string& dtype, int where, int index,
                 int64_t offset) {
-    if (dims.size() != strides.size()) throw std::invalid_argument("gml engine: dims/strides rank mismatch");
+    if (!strides.empty() && dims.size() != strides.size()) throw std::invalid_argument("gml engine: dims/strides rank mismatch");
     if (where < 0 || where > 2) throw std::invalid_argument("gml engine: bad value location");
     memory::dims d(dims.begin(), dims.end()), s(strides.begin(), strides.end());
-    values_.push_back(Value{memory::desc(d, parse_dtype(dtype), s), static_cast<Where>(where), index, offset});
+    const bool free = strides.empty() && !dims.empty();
+    if (free && where != 0) throw std::invalid_argument("gml engine: a free-layout value must live in the arena");
+    memory::desc md = free ? memory::desc(d, parse_dtype(dtype), memory::format_tag::any)
+                           : memory::desc(d, parse_dtype(dtype), s);
+    values_.push_back(Value{md, static_cast<Where>(where), index, offset, free, -1});
     if (where == 1 && index + 1 > n_inputs_) n_inputs_ = index + 1;
     if (where == 2 && index + 1 > n_outputs_) n_outputs_ = index + 1;
     return static_cast<int>(values_.size()) - 1;
@@ -143,8 +153,8 @@ class Plan {
             const std::vector<float>& w_scales, uintptr_t bias, const Dims& strides, const Dims& dilation,
             const Dims& pad_l, const Dims& pad_r, int64_t groups, QP src_q, QP dst_q, QP sum,
             const Eltwise& eltwise, const std::string& name) {
-    const memory::desc& src_md = val(src).md;
-    const memory::desc& dst_md = val(dst).md;
+    const memory::desc src_md = md_in(src);
+    const memory::desc dst_md = md_out(dst);
     const bool quant = wdtype == "s8";
     // User weights: [O, I/g, k...] contiguous, as [g, O/g, I/g, k...] when grouped (same bytes).
     memory::dims wd(wdims.begin(), wdims.end());
@@ -173,6 +183,7 @@ class Plan {
     auto pd = dnnl::convolution_forward::primitive_desc(
         cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, src_md, any_w,
         bias_md, dst_md, st, dl, pl, pr, attr);
+    resolve(dst, pd.dst_desc());
     consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
     if (bias) consts.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
     push(dnnl::convolution_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts),
@@ -197,7 +208,8 @@ class Plan {
     if (quant) add_quant_attrs(attr, consts, src_q, dst_q, w_scales, 1);
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     auto pd = dnnl::inner_product_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_inference,
-                                                          val(src).md, any_w, bias_md, val(dst).md, attr);
+                                                          md_in(src), any_w, bias_md, md_out(dst), attr);
+    resolve(dst, pd.dst_desc());
     consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
     if (bias) consts.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
     push(dnnl::inner_product_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts),
@@ -212,7 +224,8 @@ class Plan {
     if (src_q) add_qparams(attr, consts, DNNL_ARG_SRC, *src_q);
     if (dst_q) add_qparams(attr, consts, DNNL_ARG_DST, *dst_q);
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    auto pd = dnnl::reorder::primitive_desc(cpu_engine(), val(src).md, cpu_engine(), val(dst).md, attr);
+    if (!resolved(dst)) resolve(dst, md_in(src));  // a free destination takes the source's layout
+    auto pd = dnnl::reorder::primitive_desc(cpu_engine(), md_in(src), cpu_engine(), md_in(dst), attr);
     push(dnnl::reorder(pd), {{DNNL_ARG_FROM, src}, {DNNL_ARG_TO, dst}}, std::move(consts), pd.scratchpad_desc(),
          name);
   }
@@ -233,7 +246,8 @@ class Plan {
     memory::dims k(kernel.begin(), kernel.end()), st(strides.begin(), strides.end());
     memory::dims dl(dilation.begin(), dilation.end()), pl(pad_l.begin(), pad_l.end()), pr(pad_r.begin(), pad_r.end());
     auto pd = dnnl::pooling_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_inference, a,
-                                                    val(src).md, val(dst).md, st, k, dl, pl, pr, attr);
+                                                    md_in(src), md_out(dst), st, k, dl, pl, pr, attr);
+    resolve(dst, pd.dst_desc());
     push(dnnl::pooling_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, {}, pd.scratchpad_desc(), name);
   }
 
@@ -253,7 +267,8 @@ class Plan {
     if (scale0) add_scale(attr, consts, DNNL_ARG_SRC_0, *scale0);
     if (scale1) add_scale(attr, consts, DNNL_ARG_SRC_1, *scale1);
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    auto pd = dnnl::binary::primitive_desc(cpu_engine(), a, val(src0).md, val(src1).md, val(dst).md, attr);
+    auto pd = dnnl::binary::primitive_desc(cpu_engine(), a, md_in(src0), md_in(src1), md_out(dst), attr);
+    resolve(dst, pd.dst_desc());
     push(dnnl::binary(pd), {{DNNL_ARG_SRC_0, src0}, {DNNL_ARG_SRC_1, src1}, {DNNL_ARG_DST, dst}}, std::move(consts),
          pd.scratchpad_desc(), name);
   }
@@ -263,17 +278,55 @@ class Plan {
     std::vector<memory::desc> mds;
     std::vector<std::pair<int, int>> args{{DNNL_ARG_DST, dst}};
     for (size_t i = 0; i < srcs.size(); ++i) {
-      mds.push_back(val(srcs[i]).md);
+      mds.push_back(md_in(srcs[i]));
       args.emplace_back(DNNL_ARG_MULTIPLE_SRC + static_cast<int>(i), srcs[i]);
     }
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    auto pd = dnnl::concat::primitive_desc(cpu_engine(), val(dst).md, axis, mds, attr);
+    auto pd = dnnl::concat::primitive_desc(cpu_engine(), md_out(dst), axis, mds, attr);
+    resolve(dst, pd.dst_desc());
     push(dnnl::concat(pd), std::move(args), {}, pd.scratchpad_desc(), name);
+  }
+
+  // ``v`` takes ``other``'s layout (resolved when either is first used).
+  void tie(int v, int other) {
+    val(v);
+    val(other);
+    if (!values_[v].free) throw std::invalid_argument("gml engine: only a free-layout value can be tied");
+    values_[v].tie = other;
+  }
+
+  // Bytes of a value's (resolved) layout, for the arena plan of free values.
+  int64_t value_bytes(int id) const { return static_cast<int64_t>(md_in(id).get_size()); }
+
+  void set_offset(int id, int64_t offset) {
+    if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
+    if (offset < 0) throw std::invalid_argument("gml engine: negative offset");
+    values_[id_ok(id)].offset = offset;
+  }
+
+  // The layout a value has in the plan, as oneDNN prints it (e.g. "aBcd16b"), for reports / tests.
+  std::string value_layout(int id) const {
+    const memory::desc md = md_in(id);
+    if (md.get_format_kind() != memory::format_kind::blocked) return "?";
+    const dnnl_memory_desc_t c = md.get();
+    int nblks = 0;
+    dnnl::error::wrap_c_api(dnnl_memory_desc_query(c, dnnl_query_inner_nblks_s32, &nblks), "layout");
+    std::string out;
+    for (int64_t s : md.get_strides()) out += std::to_string(s) + ",";
+    if (nblks > 0) {
+      dnnl_dims_t *blks = nullptr, *idxs = nullptr;
+      dnnl::error::wrap_c_api(dnnl_memory_desc_query(c, dnnl_query_inner_blks, &blks), "layout");
+      dnnl::error::wrap_c_api(dnnl_memory_desc_query(c, dnnl_query_inner_idxs, &idxs), "layout");
+      for (int i = 0; i < nblks; ++i) out += "/" + std::to_string((*blks)[i]) + "@" + std::to_string((*idxs)[i]);
+    }
+    return out;
   }
 
   void finalize(int64_t arena_bytes) {
     if (arena_bytes < 0) throw std::invalid_argument("gml engine: negative arena size");
+    for (size_t v = 0; v < values_.size(); ++v)
+      if (!resolved(static_cast<int>(v))) values_[v].md = memory::desc();  // never used by a step
     arena_bytes_ = arena_bytes;
     for (const auto& s : steps_) scratch_bytes_ = std::max(scratch_bytes_, s.scratchpad_md.get_size());
     finalized_ = true;
@@ -282,7 +335,8 @@ class Plan {
   // One inference: inputs / outputs are data pointers of tensors laid out as planned.
   void run(const std::vector<uintptr_t>& inputs, const std::vector<uintptr_t>& outputs, int nthreads) {
     if (!finalized_) throw std::runtime_error("gml engine: plan not finalized");
-    if (static_cast<int>(inputs.size()) != n_inputs_ || static_cast<int>(outputs.size()) != n_outputs_)
+    // an input no step reads (a segment whose only node is dead code) is never added as a value
+    if (static_cast<int>(inputs.size()) < n_inputs_ || static_cast<int>(outputs.size()) != n_outputs_)
       throw std::invalid_argument("gml engine: wrong number of inputs or outputs");
     if (nthreads > 0) omp_set_num_threads(nthreads);  // this OS thread's OpenMP team size
     std::unique_ptr<Context> ctx = acquire();
@@ -324,9 +378,39 @@ class Plan {
   }
 
  private:
-  const Value& val(int id) const {
+  const Value& val(int id) const { return values_[id_ok(id)]; }
+
+  int id_ok(int id) const {
     if (id < 0 || id >= static_cast<int>(values_.size())) throw std::invalid_argument("gml engine: bad value id");
-    return values_[id];
+    return id;
+  }
+
+  // The value whose layout ``id`` has (itself, or what it is tied to).
+  int layout_root(int id) const {
+    for (int hops = 0; values_[id_ok(id)].tie >= 0; ++hops) {
+      if (hops > static_cast<int>(values_.size())) throw std::invalid_argument("gml engine: tie cycle");
+      id = values_[id].tie;
+    }
+    return id;
+  }
+
+  bool resolved(int id) const {
+    return values_[layout_root(id)].md.get_format_kind() != memory::format_kind::any;
+  }
+
+  // A value a step reads: its layout must be known by now.
+  memory::desc md_in(int id) const {
+    if (!resolved(id)) throw std::invalid_argument("gml engine: a free-layout value is read before it is written");
+    return values_[layout_root(id)].md;
+  }
+
+  // A value a step writes: its layout, or format_tag::any for a free value not yet resolved.
+  memory::desc md_out(int id) const { return values_[layout_root(id)].md; }
+
+  void resolve(int id, const memory::desc& md) {
+    Value& root = values_[layout_root(id)];
+    if (root.md.get_format_kind() == memory::format_kind::any) root.md = md;
+    if (id != layout_root(id)) values_[id].md = root.md;
   }
 
   static memory::dims plain_strides(const memory::dims& d) {
@@ -409,11 +493,13 @@ class Plan {
     ctx->scratch = aligned_buffer(scratch_bytes_);
     ctx->stream = dnnl::stream(cpu_engine());
     char* arena = static_cast<char*>(ctx->arena.get());
-    for (const auto& v : values_) {
+    for (size_t i = 0; i < values_.size(); ++i) {
+      const Value& v = values_[i];
+      const memory::desc md = resolved(static_cast<int>(i)) ? values_[layout_root(static_cast<int>(i))].md : memory::desc();
       void* h = v.where == Where::kArena ? static_cast<void*>(arena + v.offset) : nullptr;
-      if (v.where == Where::kArena && v.offset + static_cast<int64_t>(v.md.get_size()) > arena_bytes_)
+      if (v.where == Where::kArena && v.offset + static_cast<int64_t>(md.get_size()) > arena_bytes_)
         throw std::runtime_error("gml engine: a value lies outside the arena");
-      ctx->values.emplace_back(v.md, cpu_engine(), h);  // external handles are set per run
+      ctx->values.emplace_back(md, cpu_engine(), h);  // external handles are set per run
     }
     for (const auto& s : steps_) {
       std::unordered_map<int, memory> args;
@@ -484,6 +570,10 @@ NB_MODULE(_engine, m) {
       .def("binary", &Plan::binary, nb::arg("src0"), nb::arg("src1"), nb::arg("dst"), nb::arg("alg"),
            nb::arg("scale0").none(), nb::arg("scale1").none(), nb::arg("eltwise"), nb::arg("name"))
       .def("concat", &Plan::concat, nb::arg("srcs"), nb::arg("dst"), nb::arg("axis"), nb::arg("name"))
+      .def("tie", &Plan::tie, nb::arg("value"), nb::arg("other"))
+      .def("value_bytes", &Plan::value_bytes, nb::arg("value"))
+      .def("value_layout", &Plan::value_layout, nb::arg("value"))
+      .def("set_offset", &Plan::set_offset, nb::arg("value"), nb::arg("offset"))
       .def("finalize", &Plan::finalize, nb::arg("arena_bytes"))
       .def("run", &Plan::run, nb::arg("inputs"), nb::arg("outputs"), nb::arg("nthreads"),
            nb::call_guard<nb::gil_scoped_release>())

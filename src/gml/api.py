@@ -32,6 +32,15 @@ class OptimizeResult:
     max_abs_err: float
     #: largest |output| of the eager model: the scale ``max_abs_err`` is to be read against
     max_abs_ref: float = 0.0
+    #: the native engine running ``module``'s graph (gml.runtime), or None where torch runs it
+    engine: Any = None
+    #: which runtime runs each node and why (``str(result.runtime)``)
+    runtime: Any = None
+
+    @property
+    def executable(self) -> Any:
+        """What to call for inference: the engine where it covers the graph, else ``module``."""
+        return self.engine if self.engine is not None else self.module
 
     @property
     def rel_err(self) -> float:
@@ -75,14 +84,22 @@ def optimize(
     strict: bool = False,
     leaf_modules: Sequence[str | type] = (),
     n_check_inputs: int = 3,
+    runtime: str = "engine",
 ) -> OptimizeResult:
     """Run the fp32 pipeline (normalize → untie → fold BN → fuse) on a copy of ``model``.
 
     Every pass is checked against the outputs before it on ``example_inputs`` plus seeded random
     inputs of the same shapes; a pass that breaks numerics or lint is rolled back (``strict``: raised).
+
+    ``runtime``: ``engine`` (default: the fused graph also compiled for the native oneDNN engine,
+    ``result.engine``, where it covers the graph and agrees with the Python executor on
+    ``example_inputs``; ``result.executable`` is what to call, ``result.runtime`` says which path
+    runs each node) or ``torch`` (the Python executor only).
     """
     from gml.passes.pipeline import fp32_passes
+    from gml.runtime.select import FP32_TOLERANCE, attach_runtime, check_runtime
 
+    check_runtime(runtime)
     inputs = _as_tuple(example_inputs)
     check_eval_mode(model)
     check_finite_parameters(model)
@@ -96,7 +113,10 @@ def optimize(
         (float(t.abs().max()) for outs in ref for t in outs if t.numel() and t.is_floating_point()), default=0.0
     )
     refuse_autograd(result.graph_module)
-    return OptimizeResult(result.graph_module, result.report, err, scale)
+    engine, runtime_report = attach_runtime(result.graph_module, inputs, runtime, tolerance=FP32_TOLERANCE)
+    if engine is not None:
+        refuse_autograd(engine)
+    return OptimizeResult(result.graph_module, result.report, err, scale, engine, runtime_report)
 
 
 @dataclass

@@ -280,8 +280,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             console.print(f"[dim]{rec.name}: {note}[/]")
     scale = f"{res.rel_err:.1e} of the largest output, {res.max_abs_ref:.3g}"
     console.print(f"max abs error vs eager: {res.max_abs_err:.2e} ({scale})")
+    if getattr(res, "runtime", None) is not None:  # which executor runs the fp32 graph (the native engine by default)
+        console.print(str(res.runtime))
     if not args.no_time:
-        t = _time_interleaved({"eager": lambda: model(*inputs), "optimized": lambda: res.module(*inputs)})
+        t = _time_interleaved({"eager": lambda: model(*inputs), "optimized": lambda: res.executable(*inputs)})
         console.print(
             f"latency (median of 15 interleaved calls): eager {t['eager']:.2f} ms, "
             f"optimized {t['optimized']:.2f} ms ({t['eager'] / t['optimized']:.2f}x); "

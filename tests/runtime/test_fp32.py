@@ -67,6 +67,127 @@ def test_optimized_resnet18_through_the_engine():
     x = torch.randn(2, 3, 64, 64)
     gm = gml.optimize(model, (x,)).module
     eng = compile_engine(gm, (x,))
-    assert eng.report.engine_nodes == 20, str(eng.report)  # every conv, residual adds fused (pools, fc in torch)
+    # every node, one plan: convs (residual adds fused), max pool, average pool, flatten, fc
+    assert eng.report.path == "engine" and eng.report.segments == 1, str(eng.report)
+    assert eng.report.engine_nodes == 24, str(eng.report)
     with torch.no_grad():
         torch.testing.assert_close(eng(x), gm(x), rtol=1e-4, atol=1e-4)
+    plan = next(iter(eng.segments()[0]._plans.values()))[0]
+    # free layouts: the convs read and write the layout they pick, no step falls back to oneDNN's
+    # reference kernels (a plain NCHW input with an NHWC output did: 13 s per ResNet18 call)
+    assert not [i for i in plan.step_impls() if i.startswith("ref")], plan.step_impls()
+
+
+# ---------------------------------------------------------------- free layouts (gml.runtime.plan)
+def _fconv(cin: int, cout: int, *, seed: int = 0, **kw) -> FusedConv:
+    torch.manual_seed(seed)
+    return FusedConv.from_conv(nn.Conv2d(cin, cout, 3, padding=1, **kw).eval(), PostOp("relu"))
+
+
+@pytest.mark.parametrize(
+    "pool",
+    [
+        nn.MaxPool2d(3, 2, 1),
+        nn.MaxPool2d(2, 2, ceil_mode=True),
+        nn.MaxPool2d(3, 1, 1, dilation=2),
+        nn.AvgPool2d(3, 2, 1),
+        nn.AvgPool2d(3, 2, 1, count_include_pad=False),
+        nn.AdaptiveAvgPool2d(1),
+        nn.AdaptiveAvgPool2d((3, 1)),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("cout", [16, 20])  # a whole channel block, and a padded one
+def test_fp32_pools_between_convs(pool, cout):
+    # conv -> pool -> conv: the pool reads and writes the convs' blocked layout; the last conv's
+    # output goes back to the caller's plain layout
+    x = torch.randn(2, 3, 9, 11)
+    gm = graph_of(_fconv(3, cout), pool, _fconv(cout, 8, seed=1))
+    check_engine(gm, x)
+
+
+def test_fp32_pool_then_flatten_and_linear():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 8, 8)
+    gm = graph_of(_fconv(4, 24), nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Linear(24, 5).eval())
+    eng = check_engine(gm, x)
+    assert eng.report.engine_nodes == 4
+
+
+def test_fp32_residual_sum_on_a_live_blocked_value():
+    # y = conv1(x); z = conv2(y) + y; out = conv3(z) + y: y is still read after the first sum, so
+    # the sum accumulates into a copy of y in y's (blocked) layout
+    x = torch.randn(1, 16, 10, 10)
+    add1 = FusedConvAdd.from_conv(_conv(16, 16, 3, padding=1), relu=True, inplace=False)
+    add2 = FusedConvAdd.from_conv(_conv(16, 16, 3, padding=1), relu=False, inplace=False)
+    gm = graph_of(_fconv(16, 16), add1, add2, n_inputs=1, wiring=[(0,), (1, 1), (2, 1)])
+    check_engine(gm, x)
+
+
+def test_fp32_blocked_layouts_are_used():
+    # between two convs the plan keeps the layout oneDNN picks: on AVX-512 / AVX2 a channel-blocked
+    # one (no step reorders between the convs, none falls back to the reference kernels); the last
+    # conv writes that layout too, and one reorder brings it to the caller's plain output
+    x = torch.randn(1, 3, 16, 16)
+    eng = check_engine(graph_of(_fconv(3, 32), _fconv(32, 32, seed=1), _fconv(32, 8, seed=2)), x)
+    plan = next(iter(eng.segments()[0]._plans.values()))[0]
+    assert plan.num_steps == 4, plan.step_names()
+    assert not [i for i in plan.step_impls() if i.startswith("ref")], plan.step_impls()
+
+
+# ---------------------------------------------------------------- gml.optimize's runtime
+def test_optimize_runs_on_the_engine_by_default():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(1, 3, 64, 64)
+    res = gml.optimize(model, (x,))
+    assert res.engine is not None and res.executable is res.engine, str(res.runtime)
+    assert res.runtime.path == "engine" and "runtime: engine" in str(res.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-4, atol=1e-4)
+    torch_only = gml.optimize(model, (x,), runtime="torch")
+    assert torch_only.engine is None and torch_only.executable is torch_only.module
+    assert torch_only.runtime.path == "torch" and "runtime='torch'" in str(torch_only.runtime)
+
+
+def test_optimize_refuses_an_unknown_runtime():
+    with pytest.raises(gml.errors.InputError, match="unknown runtime"):
+        gml.optimize(nn.Linear(3, 3).eval(), (torch.randn(1, 3),), runtime="onnx")
+
+
+def test_optimize_keeps_torch_when_the_engine_disagrees(monkeypatch):
+    # a wrong engine result (simulated: every weight doubled when the plan is built) is caught by the
+    # check against the Python executor: the result runs torch and the report says why
+    from gml.runtime import plan as plan_module
+
+    real = plan_module.Builder.conv
+
+    def doubled(self, src, dst, **kw):
+        kw["weight"] = kw["weight"] * 2
+        return real(self, src, dst, **kw)
+
+    monkeypatch.setattr(plan_module.Builder, "conv", doubled)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    res = gml.optimize(model, (torch.randn(1, 3, 8, 8),))
+    assert res.engine is None and res.runtime.path == "torch"
+    assert "disagreed with the Python executor" in str(res.runtime)
+
+
+def test_a_segment_whose_only_node_is_dead_code():
+    # fp32 fuzz (gml.optimize on the engine): ``flatten(relu(x))`` computed and never used, between
+    # torch nodes, made a segment with no output and no step; its plan reads no input at all
+    class Dead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.flatten, self.conv = nn.Flatten(), nn.ConvTranspose1d(1, 1, 1)
+
+        def forward(self, x):
+            y = torch.relu(x)
+            self.flatten(y)
+            return self.conv(y)
+
+    model = Dead().eval()
+    x = torch.randn(1, 1, 1)
+    res = gml.optimize(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x))

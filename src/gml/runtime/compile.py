@@ -78,6 +78,26 @@ class RuntimeReport:
         return "\n".join(lines)
 
 
+def free_values(gm: fx.GraphModule, env: dict[fx.Node, Any]) -> set[fx.Node]:
+    """Nodes whose value may take the layout its primitive picks (see gml.runtime.plan, "Free
+    layouts"): fp32 4-D, written by a rule with ``writes_free``, read only by rules with
+    ``reads_free`` inside the segment (never returned, never a view's base)."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        t = env.get(node)
+        if node.op not in ("call_module", "call_function") or not isinstance(t, torch.Tensor):
+            continue
+        if t.dtype != torch.float32 or t.dim() != 4 or not node.users:
+            continue
+        rule, _ = rule_for(read_call(gm, node))
+        if rule is None or not rule.writes_free:
+            continue
+        readers = [rule_for(read_call(gm, u))[0] if u.op != "output" else None for u in node.users]
+        if all(r is not None and r.reads_free for r in readers):
+            out.add(node)
+    return out
+
+
 def _last_use(graph: fx.Graph) -> dict[fx.Node, float]:
     """Position of each node's last reader (``inf`` when the graph returns it)."""
     pos = {n: i for i, n in enumerate(graph.nodes)}
@@ -152,6 +172,7 @@ class EngineSegment(nn.Module):
     def _translate(self, env: dict[fx.Node, Any]) -> tuple[Any, list[tuple]]:
         graph = self.reference.graph
         b = Builder(_last_use(graph))
+        free = free_values(self.reference, env)
         vals: dict[fx.Node, Any] = {}
         inputs, outputs, metas = [], [], []
         for pos, node in enumerate(graph.nodes):
@@ -172,7 +193,7 @@ class EngineSegment(nn.Module):
                 t = env[node]
                 if not isinstance(t, torch.Tensor):
                     raise Unsupported(f"{node.name} returns {type(t).__name__}")
-                vals[node] = b.value_for(node, t)
+                vals[node] = b.value_for(node, t, free=node in free)
                 rule.emit(b, call, [vals[a] for a in call.inputs], vals[node])
         b.place_outputs(outputs, metas)
         plan = b.build(native.load())

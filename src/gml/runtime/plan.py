@@ -11,6 +11,18 @@ Python executor on the inputs (so they are, by construction, what that executor 
    the last): groups whose lifetimes overlap never overlap in memory; dead buffers are reused
    (greedy first fit, largest first);
 3. creates the native plan (``gml._engine.Plan``): one oneDNN primitive per step.
+
+**Free layouts.** A value marked ``free`` (fp32, 4-D, inside a segment, written by a conv / pool and
+read only by convs, pools, residual sums or a flatten: :func:`gml.runtime.compile.free_values`)
+has no strides here: the primitive that writes it picks its layout (``format_tag::any``; fp32 on
+AVX-512 gets ``nChw16c``, 16 channels innermost, the layout oneDNN's direct fp32 kernels run
+fastest in), every later reader takes that layout as it is, and only the steps at the segment's
+edges (a flatten, an output) reorder back to the executor's plain strides. A value in the same
+memory as a free one (the residual ``sum``) is *tied* to it: same layout. Because a blocked layout's
+size (channels padded to the block) is known only once its primitive exists, the arena is planned
+after the native steps are created, from the sizes the plan reports (``Plan.value_bytes``).
+INT8 values stay plain NHWC: oneDNN's INT8 kernels (``brgconv``) take NHWC directly (measured:
+docs/adr/006-native-engine.md, "Layouts").
 """
 
 from __future__ import annotations
@@ -73,9 +85,17 @@ class Val:
     group: Group | None = None
     offset: int = 0  # bytes from the start of the group
     ref: torch.Tensor | None = None  # the Python executor's tensor for this value (compile time only)
+    #: layout chosen by the primitive writing it (``stride`` is then the executor's, unused)
+    free: bool = False
+    #: the value whose layout this one takes (the residual sum's skip value)
+    tie: Val | None = None
+    #: bytes of a free value's layout, once the native plan knows it
+    layout_bytes: int | None = None
 
     @property
     def nbytes(self) -> int:
+        if self.layout_bytes is not None:
+            return self.layout_bytes
         return _span(self.shape, self.stride, 4 if self.dtype_name == "f32" else 1)
 
 
@@ -106,13 +126,17 @@ class Builder:
         self.vals.append(v)
         return v
 
-    def value_for(self, node: fx.Node | None, t: torch.Tensor) -> Val:
+    def value_for(self, node: fx.Node | None, t: torch.Tensor, *, free: bool = False) -> Val:
         v = self._new(t.shape, t.stride(), dtype_name(t.dtype), node)
-        v.ref = t
+        v.ref, v.free = t, free
         return v
 
-    def temp(self, shape: Any, stride: Any, dtype: str) -> Val:
-        return self._new(shape, stride, dtype)
+    def temp(self, shape: Any, stride: Any, dtype: str, *, like: Val | None = None) -> Val:
+        """A new value; ``like`` a free value: the temp is free too, in that value's layout."""
+        v = self._new(shape, stride, dtype)
+        if like is not None and like.free:
+            v.free, v.tie = True, like
+        return v
 
     def is_view_of(self, out: Val, src: Val) -> bool:
         """Whether the Python executor returned ``out`` as a view of ``src``'s memory."""
@@ -151,7 +175,15 @@ class Builder:
             or (also_read is not None and also_read.group is other.group)
             or any(m.node is not None and self.last_use.get(m.node, 0) > self.pos for m in other.group.members)
         )
-        if live or other.stride != out.stride or other.shape != out.shape:
+        if out.free:  # the sum's destination takes the skip value's layout, whatever it is
+            if live:
+                t = self.temp(other.shape, other.stride, other.dtype_name, like=other)
+                self.reorder(other, t, src_q=None, dst_q=None)
+                other = t
+            out.tie = other
+            if not other.free:
+                out.free, out.tie, out.stride = False, None, other.stride
+        elif live or other.free or other.stride != out.stride or other.shape != out.shape:
             t = self.temp(out.shape, out.stride, other.dtype_name)
             self.reorder(other, t, src_q=None, dst_q=None)
             other = t
@@ -161,9 +193,25 @@ class Builder:
     def _step(self, method: str, reads: list[Val], writes: list[Val], **kwargs: Any) -> None:
         self.steps.append(Step(method, reads, writes, kwargs, self.node_name))
 
+    def _free_edge(self, src: Val, dst: Val) -> Val:
+        """Where a step reading a free value writes a plain one (the segment's edge): a free temp
+        to write, reordered into ``dst`` afterwards (a primitive given a blocked source and a plain
+        destination may find only oneDNN's reference kernel). Returns what the step writes."""
+        if not src.free or dst.free:
+            return dst
+        t = self.temp(dst.shape, dst.stride, dst.dtype_name)
+        t.free = True
+        return t
+
+    def _finish_edge(self, written: Val, dst: Val) -> None:
+        if written is not dst:
+            self.reorder(written, dst, src_q=None, dst_q=None)
+
     def conv(self, src: Val, dst: Val, *, sum_q: QP = None, **kw: Any) -> None:
         reads = [src, dst] if sum_q is not None else [src]
-        self._step("conv", reads, [dst], sum_q=sum_q, **kw)
+        written = dst if sum_q is not None else self._free_edge(src, dst)
+        self._step("conv", reads, [written], sum_q=sum_q, **kw)
+        self._finish_edge(written, dst)
 
     def inner_product(self, src: Val, dst: Val, **kw: Any) -> None:
         self._step("inner_product", [src], [dst], **kw)
@@ -183,10 +231,11 @@ class Builder:
         pad_r: Any,
         eltwise: Eltwise,
     ) -> None:
+        written = self._free_edge(src, dst)
         self._step(
             "pool",
             [src],
-            [dst],
+            [written],
             alg=alg,
             kernel=kernel,
             stride=stride,
@@ -195,6 +244,7 @@ class Builder:
             pad_r=pad_r,
             eltwise=eltwise,
         )
+        self._finish_edge(written, dst)
 
     def binary(
         self, a: Val, b: Val, dst: Val, alg: str, *, scale0: float | None, scale1: float | None, eltwise: Eltwise
@@ -202,6 +252,8 @@ class Builder:
         # oneDNN 3.2's binary primitive gives wrong values when a source's strides differ from the
         # destination's (found by the INT8 fuzzer: an NWC conv output plus an NCW input): bring such a
         # source into the destination's layout first.
+        if a.free or b.free or dst.free:
+            raise Unsupported("a binary op on a free-layout value")  # free_values() never marks these
         if a.stride != dst.stride and a.shape == dst.shape:
             a = self._relayout(a, dst)
         if b.stride != dst.stride and b.shape == dst.shape:
@@ -229,7 +281,7 @@ class Builder:
         for k, (v, t) in enumerate(zip(outputs, metas)):
             g = v.group
             assert g is not None
-            if g.where == "arena" and v.offset == 0 and v.nbytes >= g.nbytes:
+            if g.where == "arena" and v.offset == 0 and v.nbytes >= g.nbytes and not v.free:
                 g.where, g.index = "output", k
                 placed.append(v)
                 continue
@@ -268,19 +320,39 @@ class Builder:
 
     # ------------------------------------------------------------ native plan
     def build(self, native: Any) -> Any:
-        arena = self.plan_arena()
+        """The native plan: values, then steps (which fix the free values' layouts), then the arena."""
         plan = native.Plan()
         ids: dict[Val, int] = {}
         where = {"arena": 0, "input": 1, "output": 2}
+        used = {v for s in self.steps for v in (*s.reads, *s.writes)}
         for v in self.vals:
             g = v.group
             assert g is not None
-            if not any(v in s.reads or v in s.writes for s in self.steps):
+            if v not in used and not any(m.tie is v for m in self.vals if m in used):
                 continue
-            base = g.arena_offset if g.where == "arena" else 0
+            if v.free and (g.where != "arena" or (len(g.members) > 1 and v.offset)):
+                raise Unsupported("a free-layout value outside the arena or at an offset")
             ids[v] = plan.add_value(
-                list(v.shape), list(v.stride), v.dtype_name, where[g.where], g.index, base + v.offset
+                list(v.shape), [] if v.free else list(v.stride), v.dtype_name, where[g.where], g.index, 0
             )
+        for v in ids:
+            if v.tie is not None:
+                plan.tie(ids[v], ids[v.tie])
+        self._emit_steps(plan, ids)
+        for v in ids:
+            if v.free:
+                v.layout_bytes = int(plan.value_bytes(ids[v]))
+        arena = self.plan_arena()
+        for v, i in ids.items():
+            g = v.group
+            assert g is not None
+            plan.set_offset(i, (g.arena_offset if g.where == "arena" else 0) + v.offset)
+        plan.finalize(arena)
+        for v in self.vals:
+            v.ref = None  # the executor's tensors were for layouts only
+        return plan
+
+    def _emit_steps(self, plan: Any, ids: dict[Val, int]) -> None:
         for s in self.steps:
             kw = dict(s.kwargs)
             if s.method in ("conv", "inner_product"):
@@ -342,7 +414,3 @@ class Builder:
                 plan.concat([ids[v] for v in s.reads], ids[s.writes[0]], kw["axis"], s.name)
             else:  # pragma: no cover - the Builder only records the methods above
                 raise AssertionError(s.method)
-        plan.finalize(arena)
-        for v in self.vals:
-            v.ref = None  # the executor's tensors were for layouts only
-        return plan

@@ -386,20 +386,16 @@ def _emit_avgpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 
 def _emit_adaptive(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    x = ins[0]
-    size, osize = _spatial(x), _spatial(out)
-    if not 1 <= len(size) <= 3 or len(osize) != len(size) or any(i % o for i, o in zip(size, osize)):
-        raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)} is not a regular pooling window")
-    k = tuple(i // o for i, o in zip(size, osize))
-    zero = (0,) * len(k)
-    b.pool(x, out, "avg_exclude", k, k, zero, zero, zero, requant_eltwise(_x(c.a), _out(c.a)))
+    _emit_adaptive_pool(b, ins[0], out, requant_eltwise(_x(c.a), _out(c.a)))
 
 
 def _emit_flatten(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x = ins[0]
-    if b.is_view_of(out, x):
+    if not x.free and b.is_view_of(out, x):
         b.alias(out, x)  # a view: no step at all
         return
+    if out.stride != _contiguous_strides(out.shape):
+        raise Unsupported(f"flatten to a non-contiguous {out.shape} (strides {out.stride})")
     # a copy in the flattened order: reorder x into out's memory seen with x's dims
     b.reorder(x, b.view(out, x.shape, _contiguous_strides(x.shape)), src_q=None, dst_q=None)
 
@@ -529,8 +525,60 @@ def _emit_flinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         bias=mod.bias,
         src_q=None,
         dst_q=None,
-        eltwise=eltwise_of(mod.post_op),
+        eltwise=eltwise_of(mod.post_op) if hasattr(mod, "post_op") else [],  # a plain nn.Linear: none
     )
+
+
+def _check_flatten(c: Call) -> str | None:
+    return None if type(c.a) is torch.nn.Flatten else f"{type(c.a).__module__}.Flatten (not torch.nn.Flatten)"
+
+
+def _check_flin(c: Call) -> str | None:
+    return None if type(c.a) is torch.nn.Linear else f"{type(c.a).__module__}.Linear (not torch.nn.Linear)"
+
+
+def _check_fpool(c: Call) -> str | None:
+    if type(c.a) not in (torch.nn.MaxPool2d, torch.nn.AvgPool2d, torch.nn.AdaptiveAvgPool2d):
+        return f"{type(c.a).__module__}.{type(c.a).__name__} (not a torch.nn pool)"
+    mod = c.a
+    if isinstance(mod, torch.nn.MaxPool2d) and mod.return_indices:
+        return "max pool returning indices"
+    if isinstance(mod, torch.nn.AvgPool2d):
+        if mod.divisor_override is not None:
+            return "avg pool with divisor_override"
+        if mod.ceil_mode:
+            return "avg pool with ceil_mode"
+    return None
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)  # type: ignore[return-value]
+
+
+def _emit_fpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    # fp32 nn.MaxPool2d / nn.AvgPool2d / nn.AdaptiveAvgPool2d (modules of the fp32 graph)
+    mod, x = c.a, ins[0]
+    if x.dtype_name != "f32" or len(x.shape) != 4:
+        raise Unsupported(f"fp32 pool on a {x.dtype_name} rank-{len(x.shape)} input")
+    if isinstance(mod, torch.nn.AdaptiveAvgPool2d):
+        _emit_adaptive_pool(b, x, out, [])
+        return
+    k, s = _pair(mod.kernel_size), _pair(mod.stride if mod.stride is not None else mod.kernel_size)
+    p = _pair(mod.padding)
+    d = _pair(getattr(mod, "dilation", 1))
+    pad_r = [_pad_right(_spatial(x)[i], _spatial(out)[i], k[i], s[i], d[i], p[i]) for i in range(2)]
+    max_pool = isinstance(mod, torch.nn.MaxPool2d)
+    alg = "max" if max_pool else "avg_include" if mod.count_include_pad else "avg_exclude"
+    b.pool(x, out, alg, k, s, tuple(v - 1 for v in d), p, pad_r, [])
+
+
+def _emit_adaptive_pool(b: Builder, x: Val, out: Val, eltwise: Eltwise) -> None:
+    size, osize = _spatial(x), _spatial(out)
+    if not 1 <= len(size) <= 3 or len(osize) != len(size) or any(i % o for i, o in zip(size, osize)):
+        raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)} is not a regular pooling window")
+    k = tuple(i // o for i, o in zip(size, osize))
+    zero = (0,) * len(k)
+    b.pool(x, out, "avg_exclude", k, k, zero, zero, zero, eltwise)
 
 
 def _always(c: Call) -> str | None:
@@ -543,6 +591,11 @@ class Rule:
     emit: Callable[..., None]
     #: number of tensor inputs the node must have
     arity: int | None = 1
+    #: its output may take a layout its primitive picks (a "free" value, gml.runtime.plan): fp32
+    #: convs and pools, whose oneDNN kernels run fastest in blocked layouts (nChw16c on AVX-512)
+    writes_free: bool = False
+    #: it reads a free value in any layout (a oneDNN primitive that takes its source as it is)
+    reads_free: bool = False
 
 
 #: The translation table (see the module docstring), keyed by :attr:`Call.op`. A node whose op is not
@@ -561,12 +614,21 @@ RULES: dict[str, Rule] = {
     "quantize": Rule(_always, _emit_quantize),
     "dequantize": Rule(_always, _emit_dequantize),
     "requantize": Rule(_always, _emit_requantize),
-    "flatten": Rule(_always, _emit_flatten),
+    "flatten": Rule(_always, _emit_flatten, reads_free=True),
     **{name: Rule(_check_move, _emit_move) for name in sorted(MOVES)},
-    fp32.FusedConv.__name__: Rule(_check_fconv, _emit_fconv),
-    fp32.FusedConvAdd.__name__: Rule(_check_fconv, _emit_fconv_add, 2),
+    fp32.FusedConv.__name__: Rule(_check_fconv, _emit_fconv, writes_free=True, reads_free=True),
+    fp32.FusedConvAdd.__name__: Rule(_check_fconv, _emit_fconv_add, 2, writes_free=True, reads_free=True),
     fp32.FusedLinear.__name__: Rule(_always, _emit_flinear),
+    "Linear": Rule(_check_flin, _emit_flinear),  # an fp32 nn.Linear the fusion left as it was
+    "MaxPool2d": Rule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
+    "AvgPool2d": Rule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
+    "AdaptiveAvgPool2d": Rule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
+    "Flatten": Rule(_check_flatten, _emit_flatten, reads_free=True),
 }
+
+#: fp32 ops whose ``backend`` names another library for the same fp32 math (MKL's GEMM for a
+#: ``FusedLinear``): the engine runs them on oneDNN, equal up to float rounding.
+FP32_BACKENDS = {fp32.FusedLinear.__name__: ("mkl", "aten")}
 
 
 def rule_for(call: Call | None) -> tuple[Rule | None, str | None]:
@@ -578,7 +640,7 @@ def rule_for(call: Call | None) -> tuple[Rule | None, str | None]:
         return None, f"no engine kernel for {call.op}"
     backend = getattr(call.a, "backend", "onednn")
     backend = getattr(backend, "name", backend)
-    if backend != "onednn":
+    if backend != "onednn" and backend not in FP32_BACKENDS.get(call.op, ()):
         return None, f"{call.op} uses the {backend} backend (the engine runs oneDNN's math)"
     reason = rule.check(call)
     return (None, reason) if reason else (rule, None)

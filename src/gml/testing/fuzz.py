@@ -140,7 +140,8 @@ def _optimize(model: nn.Module, inputs: tuple[torch.Tensor, ...], passes: Sequen
         optimize = None
     if optimize is not None:
         res = optimize(model, inputs, passes=chosen)
-        return res.module, res.report
+        # the runtime gml.optimize chose (the native engine where it covers the graph)
+        return getattr(res, "executable", res.module), res.report
     from gml.capture import capture
     from gml.passes.manager import PassManager
 
@@ -195,8 +196,9 @@ def check_fp32(
             + "; ".join(f"{r.name}: {r.error}" for r in rolled)
             + f"\n{spec.pretty()}"
         )
+    graph_module = getattr(gm, "graph_module", gm)  # an EngineModule runs a partitioned GraphModule
     try:
-        gm.graph.lint()
+        graph_module.graph.lint()
     except Exception as exc:
         raise FuzzFailure(f"final graph fails lint: {exc}\n{spec.pretty()}") from exc
     for x, ref in zip(checks, eager):
@@ -212,7 +214,7 @@ def check_fp32(
         if err > allowed:
             raise FuzzFailure(
                 f"fp32 pipeline output differs from eager: max error {err:.3g} of the output magnitude "
-                f"(allowed {allowed:.3g})\n{spec.pretty()}\n{gm.code}"
+                f"(allowed {allowed:.3g})\n{spec.pretty()}\n{graph_module.code}"
             )
     after = _state(model)
     changed = [k for k in state if not torch.equal(state[k], after.get(k, torch.empty(0)))]
