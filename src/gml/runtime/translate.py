@@ -28,7 +28,7 @@ from torch import fx
 
 from gml.ir.library import gml_op_name, op_args
 from gml.ir.values import PostOp, QParams
-from gml.kernels import fp32
+from gml.kernels import bf16, fp32
 from gml.kernels.backend import clamp_bounds
 from gml.runtime.plan import QP, Builder, Eltwise, Unsupported, Val
 
@@ -110,8 +110,12 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
         return Call(type(mod).__name__, mod, tuple(a for a in node.args if isinstance(a, fx.Node)))
+    if node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1 and not node.kwargs:
+        return Call("contiguous", SimpleNamespace(), (node.args[0],))  # a fused conv's output made NCHW
     if node.op != "call_function":
         return None
+    if node.target in _CASTS and isinstance(node.args[0], fx.Node):  # gml.kernels.bf16 dtype conversions
+        return Call(_CASTS[node.target], SimpleNamespace(), (node.args[0],))
     if node.target is torch.flatten and isinstance(node.args[0], fx.Node):
         start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
         end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
@@ -392,6 +396,140 @@ def _emit_flinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     )
 
 
+# ---------------------------------------------------------------- bf16 kernels (gml.kernels.bf16)
+# bf16 src / weights / dst, fp32 accumulation inside oneDNN; the bias (bf16-rounded by the module)
+# goes in as fp32, as the fp32 rules pass it. An fp32 source (the model's input) is reordered to bf16
+# first, in its own layout: the step the module's ``x.to(torch.bfloat16)`` is.
+_CASTS = {bf16.to_fp32: "to_fp32", bf16.to_bf16: "to_bf16"}
+
+
+def _nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    _, c, h, w = shape
+    return (h * w * c, 1, w * c, c)
+
+
+def _bf16_src(b: Builder, x: Val) -> Val:
+    """``x`` as bf16, and NHWC when it is 4-D: oneDNN's fast bf16 convs (brgconv) take NHWC; an
+    NCHW bf16 source gets its reference kernel (measured: 17 s for ResNet18's stem)."""
+    want = _nhwc_strides(x.shape) if len(x.shape) == 4 else x.stride
+    if x.dtype_name == "bf16" and x.stride == want:
+        return x
+    if x.dtype_name not in ("f32", "bf16"):
+        raise Unsupported(f"bf16 kernel input {x.dtype_name}")
+    t = b.temp(x.shape, want, "bf16")
+    b.reorder(x, t, src_q=None, dst_q=None)
+    return t
+
+
+def _emit_bconv(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    _emit_fconv_any(b, c, [_bf16_src(b, ins[0])], out, "bf16")
+
+
+def _emit_bconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    if ins[1].dtype_name != "bf16":
+        raise Unsupported(f"bf16 conv + add of a {ins[1].dtype_name} tensor")
+    x = _bf16_src(b, ins[0])
+    b.share(out, ins[1], also_read=x)
+    _emit_fconv_any(b, c, [x], out, "bf16", sum_with=ins[1])
+
+
+def _emit_fconv_any(b: Builder, c: Call, ins: list[Val], out: Val, dtype: str, *, sum_with: Val | None = None) -> None:
+    mod, x = c.a, ins[0]
+    if x.dtype_name != dtype or len(x.shape) != 4:
+        raise Unsupported(f"{dtype} conv input {x.dtype_name} rank {len(x.shape)}")
+    k = tuple(mod.weight.shape[2:])
+    pad_r = [
+        _pad_right(_spatial(x)[i], _spatial(out)[i], k[i], mod.stride[i], mod.dilation[i], mod.padding[i])
+        for i in range(2)
+    ]
+    relu: Eltwise = [("relu", 0.0, 0.0)] if getattr(mod, "relu", False) else []
+    b.conv(
+        x,
+        out,
+        weight=mod.weight.detach(),
+        w_scales=torch.ones(1),
+        bias=mod.bias,
+        stride=mod.stride,
+        dilation=tuple(d - 1 for d in mod.dilation),
+        pad_l=mod.padding,
+        pad_r=pad_r,
+        groups=mod.groups,
+        src_q=None,
+        dst_q=None,
+        sum_q=None if sum_with is None else (1.0, 0),
+        eltwise=eltwise_of(mod.post_op) if sum_with is None else relu,
+    )
+
+
+def _check_blinear(c: Call) -> str | None:
+    return None if c.a.backend == "onednn" else f"bf16 linear on the {c.a.backend} path"
+
+
+def _rows_view(b: Builder, v: Val) -> Val:
+    """A rank-N contiguous value seen as the 2-D ``[rows, K]`` the inner product takes."""
+    if len(v.shape) == 2:
+        return v
+    if v.stride != _contiguous_strides(v.shape):
+        raise Unsupported(f"linear on a non-contiguous rank-{len(v.shape)} value")
+    rows = 1
+    for d in v.shape[:-1]:
+        rows *= d
+    return b.view(v, (rows, v.shape[-1]), (v.shape[-1], 1))
+
+
+def _emit_blinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    mod = c.a
+    x = _rows_view(b, _bf16_src(b, ins[0]))
+    b.inner_product(
+        x,
+        _rows_view(b, out),
+        weight=mod.weight.detach(),
+        w_scales=torch.ones(1),
+        bias=mod.bias,
+        src_q=None,
+        dst_q=None,
+        eltwise=eltwise_of(mod.post_op),
+    )
+
+
+def _emit_cast(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    b.reorder(ins[0], out, src_q=None, dst_q=None)  # f32 <-> bf16 (round to nearest even), any layout
+
+
+def _check_maxpool_module(c: Call) -> str | None:
+    mod = c.a
+    if mod.return_indices:
+        return "max pool returning indices"
+    if not isinstance(mod.kernel_size, int) and len(mod.kernel_size) != 2:
+        return "max pool that is not 2-D"
+    return None
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def _emit_maxpool_module(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x, m = ins[0], c.a
+    if len(x.shape) != 4 or x.dtype_name not in ("f32", "bf16"):
+        raise Unsupported(f"max pool on a rank-{len(x.shape)} {x.dtype_name} value")
+    k, d, p = _pair(m.kernel_size), _pair(m.dilation), _pair(m.padding)
+    s = _pair(m.stride if m.stride is not None else m.kernel_size)
+    pad_r = [_pad_right(_spatial(x)[i], _spatial(out)[i], k[i], s[i], d[i], p[i]) for i in range(2)]
+    b.pool(x, out, "max", k, s, tuple(v - 1 for v in d), p, pad_r, [])
+
+
+def _emit_adaptive_module(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x = ins[0]
+    if len(x.shape) != 4 or x.dtype_name not in ("f32", "bf16"):
+        raise Unsupported(f"adaptive pool on a rank-{len(x.shape)} {x.dtype_name} value")
+    size, osize = _spatial(x), _spatial(out)
+    if any(i % o for i, o in zip(size, osize)):
+        raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)} is not a regular pooling window")
+    k = tuple(i // o for i, o in zip(size, osize))
+    b.pool(x, out, "avg_exclude", k, k, (0, 0), (0, 0), (0, 0), [])
+
+
 def _always(c: Call) -> str | None:
     return None
 
@@ -423,6 +561,15 @@ RULES: dict[str, Rule] = {
     fp32.FusedConv.__name__: Rule(_check_fconv, _emit_fconv),
     fp32.FusedConvAdd.__name__: Rule(_check_fconv, _emit_fconv_add, 2),
     fp32.FusedLinear.__name__: Rule(_always, _emit_flinear),
+    bf16.Bf16Conv.__name__: Rule(_check_fconv, _emit_bconv),
+    bf16.Bf16ConvAdd.__name__: Rule(_check_fconv, _emit_bconv_add, 2),
+    bf16.Bf16Linear.__name__: Rule(_check_blinear, _emit_blinear),
+    "to_fp32": Rule(_always, _emit_cast),
+    "to_bf16": Rule(_always, _emit_cast),
+    "MaxPool2d": Rule(_check_maxpool_module, _emit_maxpool_module),
+    "AdaptiveAvgPool2d": Rule(_always, _emit_adaptive_module),
+    "Flatten": Rule(_always, _emit_flatten),
+    "contiguous": Rule(_always, _emit_flatten),  # a view when already contiguous, else a reordered copy
 }
 
 
