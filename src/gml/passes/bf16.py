@@ -282,6 +282,8 @@ class LowerToBf16(GraphPass):
             return FP32, _FP32_FUNCTIONS[node.target]
         if node.op == "call_method" and str(node.target) in _FP32_METHODS:
             return FP32, _FP32_METHODS[str(node.target)]
+        if kind is not None and "view" in SPECS[kind].tags:
+            return "follow", "no math"  # views and reshapes: not listed in the report
         if kind is not None and (kind in FOLLOW_OPS or any(t in SPECS[kind].tags for t in FOLLOW_TAGS)):
             return "follow", "data movement / element-wise: runs in its input's dtype"
         if mod is not None and isinstance(mod, _follow_modules()):
