@@ -171,3 +171,18 @@ def test_lower_bf16_needs_shapes():
     if fused:
         with pytest.raises(GMLError, match="tensor_meta"):
             LowerToBf16()(gm)
+
+
+@needs_bf16
+def test_bf16_model_saves_and_loads_bit_exact(tmp_path):
+    from gml.io import load
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    res = gml.optimize(model, x, precision="bf16", runtime="torch")
+    res.save(str(tmp_path / "m.pt2"))
+    loaded = load(str(tmp_path / "m.pt2"))
+    assert _types(loaded)["Bf16Conv"] == 1 and _types(loaded)["Bf16Linear"] == 1  # lifted to the bf16 twins
+    with torch.no_grad():
+        assert torch.equal(loaded(x), res.module(x))
