@@ -105,3 +105,18 @@ def test_optimize_bf16_picks_the_engine_and_reports_it():
     assert float((a - b).abs().max()) <= BF16_ENGINE_RTOL * float(a.abs().max())
     torch_only = gml.optimize(model, x, precision="bf16", runtime="torch")
     assert torch_only.engine is None and torch_only.executable is torch_only.module
+
+
+def test_partly_covered_bf16_graph_stays_on_the_executor_and_says_why():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.ln(x + self.fc(x))
+
+    torch.manual_seed(0)
+    res = gml.optimize(Block().eval(), torch.randn(4, 32), precision="bf16")
+    assert res.engine is None and res.executable is res.module
+    assert res.runtime.path == "torch" and "covers part of this bf16 graph" in res.runtime.note
