@@ -63,6 +63,7 @@ dt parse_dtype(const std::string& s) {
   if (s == "u8") return dt::u8;
   if (s == "s8") return dt::s8;
   if (s == "f32") return dt::f32;
+  if (s == "bf16") return dt::bf16;  // bf16 conv / inner product / reorder (gml.kernels.bf16)
   if (s == "s32") return dt::s32;
   if (s == "bf16") return dt::bf16;
   throw std::invalid_argument("gml engine: unsupported dtype '" + s + "'");

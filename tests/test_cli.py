@@ -100,6 +100,11 @@ def test_help_is_complete():
     ).stdout
     for flag in ("--input-shape", "--weights", "--unsafe-load", "--leaf", "--submodule", "--svg", "--no-nodes"):
         assert flag in sub
+    for command in ("optimize", "bench"):
+        sub = subprocess.run(
+            [sys.executable, "-m", "gml.cli", command, "--help"], capture_output=True, text=True, check=True
+        ).stdout
+        assert "--precision {fp32,bf16}" in sub
 
 
 def test_optimize_prints_report(capsys, monkeypatch):
@@ -108,6 +113,32 @@ def test_optimize_prints_report(capsys, monkeypatch):
     assert code == 0
     assert "fold_bn" in out and "applied" in out
     assert "max abs error vs eager" in out and "of the largest output" in out  # read against the scale
+
+
+def test_optimize_bf16_prints_each_ops_precision(capsys, monkeypatch):
+    from gml.kernels import bf16 as kb
+
+    if not kb.bf16_available():
+        pytest.skip(f"no native bf16: {kb.bf16_unavailable_reason()}")
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out = _run(capsys, "optimize", f"{ASSETS}:SmallCNN", "--no-time", "--precision", "bf16")
+    assert code == 0
+    assert "lower_bf16" in out and "Precision per op" in out and "Bf16Conv" in out
+    assert "precision: bf16 on oneDNN ISA" in out or "precision: bf16 on torch" in out
+    assert "runtime:" in out  # the engine where it covers the graph
+
+
+def test_optimize_bf16_on_a_cpu_without_bf16_warns_and_runs_fp32(capsys, monkeypatch):
+    from gml.kernels import bf16 as kb
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no native bf16 instructions (simulated)")
+    with pytest.warns(RuntimeWarning):
+        code, out = _run(capsys, "optimize", f"{ASSETS}:SmallCNN", "--no-time", "--precision", "bf16")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "warning: bf16 requested but this CPU has no native bf16 instructions (simulated)" in text
+    assert "precision: fp32 (requested bf16" in text and "lower_bf16" not in out
 
 
 def test_quantize_prints_coverage_and_accuracy(capsys, monkeypatch):

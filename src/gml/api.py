@@ -32,9 +32,11 @@ class OptimizeResult:
     max_abs_err: float
     #: largest |output| of the eager model: the scale ``max_abs_err`` is to be read against
     max_abs_ref: float = 0.0
+    #: which precision each op runs in and why (``precision="bf16"``; None for plain fp32)
+    precision: Any = None
     #: the native engine running ``module``'s graph (gml.runtime), or None where torch runs it
     engine: Any = None
-    #: which runtime runs each node and why (``str(result.runtime)``)
+    #: which runtime runs each node and why (``str(result.runtime)``), when an engine was tried
     runtime: Any = None
 
     @property
@@ -84,6 +86,7 @@ def optimize(
     strict: bool = False,
     leaf_modules: Sequence[str | type] = (),
     n_check_inputs: int = 3,
+    precision: str = "fp32",
     runtime: str = "engine",
 ) -> OptimizeResult:
     """Run the fp32 pipeline (normalize → untie → fold BN → fuse) on a copy of ``model``.
@@ -91,14 +94,21 @@ def optimize(
     Every pass is checked against the outputs before it on ``example_inputs`` plus seeded random
     inputs of the same shapes; a pass that breaks numerics or lint is rolled back (``strict``: raised).
 
-    ``runtime``: ``engine`` (default: the fused graph also compiled for the native oneDNN engine,
+    ``runtime``: ``engine`` (default: the optimized graph also compiled for the native oneDNN engine,
     ``result.engine``, where it covers the graph and agrees with the Python executor on
     ``example_inputs``; ``result.executable`` is what to call, ``result.runtime`` says which path
     runs each node) or ``torch`` (the Python executor only).
+
+    ``precision="bf16"`` adds :class:`~gml.passes.bf16.LowerToBf16` (bf16 weights and activations,
+    fp32 accumulation, LayerNorm/softmax/reductions/outputs in fp32; ``result.precision`` lists every
+    op's precision and why). On a CPU without native bf16 it warns and returns the fp32 model
+    (``result.precision.warnings``); never a slow emulation. A bf16 graph the engine covers only in
+    part stays on the executor (measured faster than engine segments between torch nodes).
     """
     from gml.passes.pipeline import fp32_passes
-    from gml.runtime.select import FP32_TOLERANCE, attach_runtime, check_runtime
+    from gml.runtime.select import FP32_TOLERANCE, INT8_TOLERANCE, attach_runtime, check_runtime
 
+    check_precision(precision)
     check_runtime(runtime)
     inputs = _as_tuple(example_inputs)
     check_eval_mode(model)
@@ -107,16 +117,64 @@ def optimize(
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
     samples = [inputs, *random_inputs(inputs, max(0, n_check_inputs - 1), seed=1)]
     ref = run_outputs(copy.deepcopy(model), samples[:1])  # a copy: forward may update buffers
-    result = PassManager(list(passes) if passes is not None else fp32_passes(), strict=strict).run(gm, samples)
+    pipeline = list(passes) if passes is not None else fp32_passes()
+    refusal = _bf16_refusal() if precision == "bf16" else None
+    if precision == "bf16" and refusal is None:
+        from gml.passes.bf16 import LowerToBf16
+
+        pipeline.append(LowerToBf16())
+    result = PassManager(pipeline, strict=strict).run(gm, samples)
     err, _ = compare_outputs(ref, run_outputs(result.graph_module, samples[:1]), None)
     scale = max(
         (float(t.abs().max()) for outs in ref for t in outs if t.numel() and t.is_floating_point()), default=0.0
     )
     refuse_autograd(result.graph_module)
-    engine, runtime_report = attach_runtime(result.graph_module, inputs, runtime, tolerance=FP32_TOLERANCE)
-    if engine is not None:
-        refuse_autograd(engine)
-    return OptimizeResult(result.graph_module, result.report, err, scale, engine, runtime_report)
+    out = OptimizeResult(result.graph_module, result.report, err, scale)
+    bf16 = False
+    if precision == "bf16":
+        from gml.passes.bf16 import bf16_outcome
+
+        out.precision = bf16_outcome(result.graph_module, result.report, refusal)
+        bf16 = out.precision.effective == "bf16"
+    # bf16 on both sides still rounds differently (fusion order, bf16 stores): the INT8 bound applies
+    tolerance = INT8_TOLERANCE if bf16 else FP32_TOLERANCE
+    out.engine, out.runtime = attach_runtime(result.graph_module, inputs, runtime, tolerance=tolerance)
+    if bf16 and out.engine is not None and out.runtime.path != "engine":
+        # Measured (benchmarks/bf16.py, MiniLM seq128, Zen 4): a bf16 graph the engine covers only
+        # in part runs slower as segments between torch nodes (122 ms) than on the executor (108).
+        from gml.runtime.compile import RuntimeReport
+
+        covered = f"{out.runtime.engine_nodes} of {len(out.runtime.nodes)} nodes"
+        note = f"the engine covers part of this bf16 graph ({covered}); mixed runs measured slower: using torch"
+        out.engine, out.runtime = None, RuntimeReport("torch", nodes=out.runtime.nodes, note=note)
+    if out.engine is not None:
+        refuse_autograd(out.engine)
+    return out
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        from gml.errors import InputError
+
+        raise InputError(f"unknown precision {precision!r}.", hint=f"use one of: {', '.join(PRECISIONS)}.")
+
+
+def _bf16_refusal() -> str | None:
+    """Why bf16 is refused here (a warning is issued), or None. The CPU probe is
+    :func:`gml.kernels.bf16.bf16_unavailable_reason` (monkeypatch it to simulate a CPU)."""
+    import warnings
+
+    from gml.kernels import bf16 as kb
+
+    why = kb.bf16_unavailable_reason()
+    if why is None:
+        return None
+    msg = f"bf16 requested but {why}; returning the fp32 model instead"
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return msg
 
 
 @dataclass

@@ -270,7 +270,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     check_out_path(args.out)
     model, inputs = load_from_args(args)
     passes = passes_by_name([p.strip() for p in args.passes.split(",") if p.strip()]) if args.passes else None
-    res = optimize(model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf)
+    res = optimize(
+        model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf, precision=args.precision
+    )
     _print_capture(res.module, model, inputs)
     console.print(res.report.table(title=f"gml optimize {_model_label(args)}"))
     if res.report.skips or res.report.rolled_back:
@@ -278,6 +280,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     for rec in res.report.records:
         for note in rec.notes:
             console.print(f"[dim]{rec.name}: {note}[/]")
+    if res.precision is not None:  # --precision bf16: every op's precision and why, or why not bf16
+        from rich.markup import escape
+
+        if res.precision.effective == "bf16":
+            console.print(res.precision.table())
+        for w in res.precision.warnings:
+            console.print(f"[yellow]warning: {escape(w)}[/]")
+        console.print(escape(res.precision.summary()))
     scale = f"{res.rel_err:.1e} of the largest output, {res.max_abs_ref:.3g}"
     console.print(f"max abs error vs eager: {res.max_abs_err:.2e} ({scale})")
     if getattr(res, "runtime", None) is not None:  # which executor runs the fp32 graph (the native engine by default)
@@ -440,6 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. normalize,untie,fold_bn)",
     )
     p.add_argument("--strict", action="store_true", help="fail on the first broken pass instead of rolling it back")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32 (default) or bf16: bf16 weights/activations on oneDNN's bf16 kernels, fp32 accumulation, "
+        "LayerNorm/softmax/reductions/outputs in fp32; a CPU without native bf16 gets a warning and fp32",
+    )
     p.add_argument("--no-time", action="store_true", help="skip the quick eager-vs-optimized latency check")
     p.add_argument("--out", metavar="FILE", help="save the optimized module (see docs/adr/004)")
     p.set_defaults(func=cmd_optimize)

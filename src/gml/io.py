@@ -214,6 +214,15 @@ def _post_op(attr: str, scalars: Sequence[Any], algorithm: str | None) -> k32.Po
     return k32.PostOp(attr, tuple(float(s) for s in scalars if s is not None), algorithm or "")
 
 
+def _twin(cls: type, weight: torch.Tensor) -> Any:
+    """The module class for a kernel's weight: the bf16 twin (gml.kernels.bf16) for a bf16 weight."""
+    if weight.dtype == torch.bfloat16:
+        from gml.kernels import bf16 as kb
+
+        return kb.BF16_TWINS[cls]
+    return cls
+
+
 def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
     """Lifter for the oneDNN fp32 ops :mod:`gml.kernels.fp32` emits."""
     mk = torch.ops.mkldnn
@@ -223,7 +232,7 @@ def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
             weight, bias = _const(gm, w), _const(gm, b)
             if weight is None:
                 return None
-            mod = k32.FusedConv(
+            mod = _twin(k32.FusedConv, weight)(
                 weight,
                 bias,
                 stride=stride,
@@ -239,7 +248,7 @@ def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
             weight, bias = _const(gm, w), _const(gm, b)
             if weight is None or binary != "add" or alpha not in (None, 1) or unary not in (None, "relu"):
                 return None
-            mod = k32.FusedConvAdd(
+            mod = _twin(k32.FusedConvAdd, weight)(
                 weight,
                 bias,
                 stride=stride,
@@ -257,7 +266,7 @@ def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
                 return None
             shape = _static_shape(x)
             rows = int(torch.tensor(shape[:-1]).prod()) if shape else None
-            mod = k32.FusedLinear(weight, bias, post_op=_post_op(attr, scalars, algo), rows=rows)
+            mod = _twin(k32.FusedLinear, weight)(weight, bias, post_op=_post_op(attr, scalars, algo), rows=rows)
             return Lift(mod, (x,), str(w.target))
     except _NotConst:
         return None

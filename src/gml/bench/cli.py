@@ -69,6 +69,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated variants, 'all' or 'default' (default: {','.join(DEFAULT_VARIANTS)}). "
         f"Known: {', '.join(VARIANTS)}",
     )
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="which default variants run: fp32 (above) or bf16 (eager, gml-fp32, gml-bf16, ov-fp32, ov-bf16: "
+        "GML bf16 against OpenVINO bf16); --variants still picks any list, gml-bf16 included",
+    )
     p.add_argument("--rounds", type=_positive, default=20, help="interleaved timing rounds (default: 20)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per variant (default: 3)")
     p.add_argument("--threads", type=_positive, default=None, help="threads for every runtime (default: all cores)")
@@ -136,6 +143,7 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
         unsafe_load=args.unsafe_load,
         submodule=args.submodule,
         leaf_modules=args.leaf,
+        precision=args.precision,
         peak=peak,  # type: ignore[arg-type]
         console=console,
         progress=not args.no_progress,

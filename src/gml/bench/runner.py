@@ -362,6 +362,7 @@ def run_bench(
     console: Console | None = None,
     progress: bool = True,
     leaf_modules: Sequence[str | type] = (),
+    precision: str = "fp32",
 ) -> BenchResult:
     """Benchmark ``model`` (a spec ``gml.models.load_model`` accepts, or an ``nn.Module``).
 
@@ -381,9 +382,13 @@ def run_bench(
         weights, unsafe_load: a state_dict checkpoint to load into the model (see ``gml.models``).
         submodule: benchmark only this part of the model (a dotted path, e.g. ``backbone``).
         leaf_modules: submodules GML's variants keep opaque while tracing, as in :func:`gml.capture`.
+        precision: ``fp32`` or ``bf16``: the default variant list (``bf16``: GML bf16 against
+            OpenVINO bf16, with both fp32 rows; :data:`gml.bench.variants.BF16_VARIANTS`).
     """
     console = console or Console(stderr=True)
-    names = resolve_variants(variants if variants is None or isinstance(variants, str) else list(variants))
+    names = resolve_variants(
+        variants if variants is None or isinstance(variants, str) else list(variants), precision=precision
+    )
     threads = threads or _default_threads()
     eager_model, model_name, declared, like = _load(model, weights, unsafe_load, submodule)
     if input_shape is None:

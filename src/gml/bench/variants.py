@@ -172,6 +172,28 @@ def build_gml_fp32(ctx: BuildContext) -> Built:
     return _torch_built(getattr(res, "executable", mod), mod if isinstance(mod, fx.GraphModule) else None, notes)
 
 
+def build_gml_bf16(ctx: BuildContext) -> Built:
+    """``gml.optimize(precision="bf16")``: skipped (with the reason) on a CPU without native bf16,
+    where GML returns the fp32 model: measuring that as "bf16" would be a mislabelled row."""
+    _gml_fn("optimize")
+    from gml.kernels.bf16 import bf16_unavailable_reason
+
+    why = bf16_unavailable_reason()
+    if why is not None:
+        raise VariantSkipped(f"no native bf16 here: {why}")
+    res = _gml_call(
+        "optimize", copy.deepcopy(ctx.model), ctx.example, leaf_modules=ctx.leaf_modules, precision="bf16"
+    )
+    if res.precision is None or res.precision.effective != "bf16":
+        reason = "; ".join(res.precision.warnings) if res.precision is not None else "no precision report"
+        raise VariantSkipped(f"bf16 not applied: {reason}")
+    mod = res.module
+    runtime = getattr(res, "runtime", None)
+    notes = [*_report_notes(res.report), res.precision.summary()]
+    notes += [f"runtime: {runtime.path}"] if runtime is not None else []
+    return _torch_built(res.executable, mod if isinstance(mod, fx.GraphModule) else None, notes)
+
+
 def build_gml_int8(ctx: BuildContext) -> Built:
     _gml_fn("quantize")
     res = _gml_call(
@@ -412,6 +434,7 @@ VARIANTS: dict[str, VariantSpec] = {
         VariantSpec("eager", "eager fp32", "fp32", build_eager),
         VariantSpec("gml-fp32", "GML fp32", "fp32", build_gml_fp32, "gml"),
         VariantSpec("gml-int8", "GML INT8", "int8", build_gml_int8, "gml"),
+        VariantSpec("gml-bf16", "GML bf16", "bf16", build_gml_bf16, "gml"),
         VariantSpec("compile", "torch.compile (inductor)", "fp32", build_compile),
         VariantSpec("ao-int8", "torch.ao FX INT8 (x86)", "int8", build_ao_int8),
         VariantSpec("ao-int8-jit", "torch.ao INT8 + jit.freeze", "int8", build_ao_int8_jit),
@@ -440,21 +463,34 @@ DEFAULT_VARIANTS: tuple[str, ...] = (
 )
 
 
-def resolve_variants(names: str | list[str] | tuple[str, ...] | None) -> list[str]:
+#: ``gml bench --precision bf16``: GML bf16 against its peer, OpenVINO bf16 (and both fp32 rows for scale).
+BF16_VARIANTS: tuple[str, ...] = ("eager", "gml-fp32", "gml-bf16", "ov-fp32", "ov-bf16")
+
+#: ``--precision`` → the default variant list.
+PRECISION_DEFAULTS: dict[str, tuple[str, ...]] = {"fp32": DEFAULT_VARIANTS, "bf16": BF16_VARIANTS}
+
+
+def resolve_variants(
+    names: str | list[str] | tuple[str, ...] | None, precision: str = "fp32"
+) -> list[str]:
     """``"eager,compile"`` / ``["eager", ...]`` / ``"all"`` / ``None`` (defaults) → ordered names.
 
     ``eager`` is always included (first): it is the reference for speedups and accuracy.
+    ``precision="bf16"`` makes the default list :data:`BF16_VARIANTS` (``default`` too).
     """
     from gml.errors import InputError
 
+    defaults = PRECISION_DEFAULTS.get(precision)
+    if defaults is None:
+        raise InputError(f"unknown precision {precision!r}.", hint=f"use one of: {', '.join(PRECISION_DEFAULTS)}.")
     if names is None:
-        chosen = list(DEFAULT_VARIANTS)
+        chosen = list(defaults)
     else:
         items = names.split(",") if isinstance(names, str) else list(names)
         items = [s.strip() for s in items if s.strip()]
         chosen = []
         for s in items:
-            expanded = list(VARIANTS) if s == "all" else list(DEFAULT_VARIANTS) if s == "default" else [s]
+            expanded = list(VARIANTS) if s == "all" else list(defaults) if s == "default" else [s]
             chosen.extend(expanded)
         unknown = [s for s in chosen if s not in VARIANTS]
         if unknown:

@@ -566,7 +566,8 @@ class AddReLU(nn.Module):
     """``relu(a + b)`` in one pass over memory (ATen's fused ``_add_relu`` kernel)."""
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if not all_finite(a, b):  # _add_relu maps NaN to 0 and Inf to the largest float
+        if a.dtype != torch.float32 or b.dtype != torch.float32 or not all_finite(a, b):
+            # _add_relu maps NaN to 0 and Inf to the largest float; it has no bf16 kernel (a bf16 graph)
             return torch.relu(a + b)
         return torch.ops.aten._add_relu(a, b)
 

@@ -43,7 +43,8 @@ class Unsupported(Exception):
     """The engine has no kernel for this node (or this shape of it); the message says why."""
 
 
-_DTYPES = {torch.uint8: "u8", torch.int8: "s8", torch.float32: "f32"}
+_DTYPES = {torch.uint8: "u8", torch.int8: "s8", torch.float32: "f32", torch.bfloat16: "bf16"}
+_ITEMSIZE = {"f32": 4, "bf16": 2}
 ALIGN = 64
 
 
@@ -96,7 +97,7 @@ class Val:
     def nbytes(self) -> int:
         if self.layout_bytes is not None:
             return self.layout_bytes
-        return _span(self.shape, self.stride, 4 if self.dtype_name == "f32" else 1)
+        return _span(self.shape, self.stride, _ITEMSIZE.get(self.dtype_name, 1))
 
 
 @dataclass(eq=False)

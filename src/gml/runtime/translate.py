@@ -29,7 +29,7 @@ from torch import fx
 
 from gml.ir.library import gml_op_name, op_args
 from gml.ir.values import PostOp, QParams
-from gml.kernels import fp32
+from gml.kernels import bf16, fp32
 from gml.kernels.backend import clamp_bounds
 from gml.runtime.plan import QP, Builder, Eltwise, Unsupported, Val
 
@@ -139,6 +139,8 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
         return Call(move, SimpleNamespace(run_time_sizes=run_time), (node.args[0],))
     if node.op != "call_function":
         return None
+    if node.target in _CASTS and isinstance(node.args[0], fx.Node):  # gml.kernels.bf16 dtype conversions
+        return Call(_CASTS[node.target], SimpleNamespace(), (node.args[0],))
     # torch.flatten in a traced graph; aten.flatten.using_ints in a torch.export program (gml.io)
     if node.target in _FLATTENS and isinstance(node.args[0], fx.Node):
         start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
@@ -419,6 +421,11 @@ def _check_move(c: Call) -> str | None:
     return None
 
 
+def _check_contiguous(c: Call) -> str | None:
+    """``.contiguous()`` of an engine module's output (fp32 / bf16 convs), else as any move."""
+    return None if c.inputs[0].op == "call_module" else _check_move(c)
+
+
 def _emit_move(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x = ins[0]
     if b.is_view_of(out, x):
@@ -529,6 +536,106 @@ def _emit_flinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     )
 
 
+# ---------------------------------------------------------------- bf16 kernels (gml.kernels.bf16)
+# bf16 src / weights / dst, fp32 accumulation inside oneDNN; the bias (bf16-rounded by the module)
+# goes in as fp32, as the fp32 rules pass it. An fp32 source (the model's input) is reordered to bf16
+# first, in its own layout: the step the module's ``x.to(torch.bfloat16)`` is.
+_CASTS = {bf16.to_fp32: "to_fp32", bf16.to_bf16: "to_bf16"}
+
+
+def _nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    _, c, h, w = shape
+    return (h * w * c, 1, w * c, c)
+
+
+def _bf16_src(b: Builder, x: Val) -> Val:
+    """``x`` as bf16, and NHWC when it is 4-D: oneDNN's fast bf16 convs (brgconv) take NHWC; an
+    NCHW bf16 source gets its reference kernel (measured: 17 s for ResNet18's stem)."""
+    want = _nhwc_strides(x.shape) if len(x.shape) == 4 else x.stride
+    if x.dtype_name == "bf16" and x.stride == want:
+        return x
+    if x.dtype_name not in ("f32", "bf16"):
+        raise Unsupported(f"bf16 kernel input {x.dtype_name}")
+    t = b.temp(x.shape, want, "bf16")
+    b.reorder(x, t, src_q=None, dst_q=None)
+    return t
+
+
+def _emit_bconv(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    _emit_fconv_any(b, c, [_bf16_src(b, ins[0])], out, "bf16")
+
+
+def _emit_bconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    if ins[1].dtype_name != "bf16":
+        raise Unsupported(f"bf16 conv + add of a {ins[1].dtype_name} tensor")
+    x = _bf16_src(b, ins[0])
+    b.share(out, ins[1], also_read=x)
+    _emit_fconv_any(b, c, [x], out, "bf16", sum_with=ins[1])
+
+
+def _emit_fconv_any(b: Builder, c: Call, ins: list[Val], out: Val, dtype: str, *, sum_with: Val | None = None) -> None:
+    mod, x = c.a, ins[0]
+    if x.dtype_name != dtype or len(x.shape) != 4:
+        raise Unsupported(f"{dtype} conv input {x.dtype_name} rank {len(x.shape)}")
+    k = tuple(mod.weight.shape[2:])
+    pad_r = [
+        _pad_right(_spatial(x)[i], _spatial(out)[i], k[i], mod.stride[i], mod.dilation[i], mod.padding[i])
+        for i in range(2)
+    ]
+    relu: Eltwise = [("relu", 0.0, 0.0)] if getattr(mod, "relu", False) else []
+    b.conv(
+        x,
+        out,
+        weight=mod.weight.detach(),
+        w_scales=torch.ones(1),
+        bias=mod.bias,
+        stride=mod.stride,
+        dilation=tuple(d - 1 for d in mod.dilation),
+        pad_l=mod.padding,
+        pad_r=pad_r,
+        groups=mod.groups,
+        src_q=None,
+        dst_q=None,
+        sum_q=None if sum_with is None else (1.0, 0),
+        eltwise=eltwise_of(mod.post_op) if sum_with is None else relu,
+    )
+
+
+def _check_blinear(c: Call) -> str | None:
+    return None if c.a.backend == "onednn" else f"bf16 linear on the {c.a.backend} path"
+
+
+def _rows_view(b: Builder, v: Val) -> Val:
+    """A rank-N contiguous value seen as the 2-D ``[rows, K]`` the inner product takes."""
+    if len(v.shape) == 2:
+        return v
+    if v.stride != _contiguous_strides(v.shape):
+        raise Unsupported(f"linear on a non-contiguous rank-{len(v.shape)} value")
+    rows = 1
+    for d in v.shape[:-1]:
+        rows *= d
+    return b.view(v, (rows, v.shape[-1]), (v.shape[-1], 1))
+
+
+def _emit_blinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    mod = c.a
+    x = _rows_view(b, _bf16_src(b, ins[0]))
+    b.inner_product(
+        x,
+        _rows_view(b, out),
+        weight=mod.weight.detach(),
+        w_scales=torch.ones(1),
+        bias=mod.bias,
+        src_q=None,
+        dst_q=None,
+        eltwise=eltwise_of(mod.post_op),
+    )
+
+
+def _emit_cast(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    b.reorder(ins[0], out, src_q=None, dst_q=None)  # f32 <-> bf16 (round to nearest even), any layout
+
+
 def _check_flatten(c: Call) -> str | None:
     return None if type(c.a) is torch.nn.Flatten else f"{type(c.a).__module__}.Flatten (not torch.nn.Flatten)"
 
@@ -552,14 +659,14 @@ def _check_fpool(c: Call) -> str | None:
 
 
 def _pair(v: Any) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else tuple(v)  # type: ignore[return-value]
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 def _emit_fpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    # fp32 nn.MaxPool2d / nn.AvgPool2d / nn.AdaptiveAvgPool2d (modules of the fp32 graph)
+    # nn.MaxPool2d / nn.AvgPool2d / nn.AdaptiveAvgPool2d of an fp32 or bf16 graph
     mod, x = c.a, ins[0]
-    if x.dtype_name != "f32" or len(x.shape) != 4:
-        raise Unsupported(f"fp32 pool on a {x.dtype_name} rank-{len(x.shape)} input")
+    if x.dtype_name not in ("f32", "bf16") or len(x.shape) != 4:
+        raise Unsupported(f"pool module on a {x.dtype_name} rank-{len(x.shape)} input")
     if isinstance(mod, torch.nn.AdaptiveAvgPool2d):
         _emit_adaptive_pool(b, x, out, [])
         return
@@ -624,6 +731,13 @@ RULES: dict[str, Rule] = {
     "AvgPool2d": Rule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
     "AdaptiveAvgPool2d": Rule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
     "Flatten": Rule(_check_flatten, _emit_flatten, reads_free=True),
+    bf16.Bf16Conv.__name__: Rule(_check_fconv, _emit_bconv),
+    bf16.Bf16ConvAdd.__name__: Rule(_check_fconv, _emit_bconv_add, 2),
+    bf16.Bf16Linear.__name__: Rule(_check_blinear, _emit_blinear),
+    "to_fp32": Rule(_always, _emit_cast),
+    "to_bf16": Rule(_always, _emit_cast),
+    # after the moves: a fused conv module's output made contiguous (a view, or one reordered copy)
+    "contiguous": Rule(_check_contiguous, _emit_flatten, reads_free=True),
 }
 
 #: fp32 ops whose ``backend`` names another library for the same fp32 math (MKL's GEMM for a

@@ -1,0 +1,287 @@
+"""BF16 fused kernels: oneDNN convolution / inner product with bf16 weights and activations.
+
+The bf16 twins of :mod:`gml.kernels.fp32`'s modules (same constructor arguments, same post-ops,
+same module path in the graph), made by :class:`gml.passes.bf16.LowerToBf16`:
+
+=====================  ================================================  =================================
+module                 kernel                                            math
+=====================  ================================================  =================================
+:class:`Bf16Conv`      ``mkldnn._convolution_pointwise`` on bf16         ``bf16(act(conv(x, W) + b))``
+:class:`Bf16ConvAdd`   ``mkldnn._convolution_pointwise[_].binary``       ``bf16([relu](conv(x, W) + b
+                                                                         + other))``
+:class:`Bf16Linear`    ``mkldnn._linear_pointwise`` on bf16              ``bf16(act(x W^T + b))``
+=====================  ================================================  =================================
+
+**Numerics.** ``x`` and ``W`` are bf16 (8 significant bits: one rounding costs at most
+``u = 2^-9`` relative, :data:`BF16_UNIT_ROUNDOFF`); products are exact in fp32 and oneDNN
+accumulates them in fp32 (AVX512-BF16 ``vdpbf16ps`` / AMX ``tdpbf16ps``); the bias is added in fp32
+and the post-op runs on the fp32 accumulator; the result is rounded to bf16 once. So one layer's
+output differs from the fp32 layer on the *rounded* inputs by at most ``u * |y|`` plus the fp32
+summation error, and from the fp32 layer on the exact inputs by about ``|W||x| * 2u`` (both
+operands rounded). :func:`bf16_dot_bound` is that bound, the one the tests use.
+
+**Weights** are stored as bf16 parameters (half the bytes of fp32) plus a copy reordered once into
+the blocked layout the primitive wants (``_reorder_convolution_weight`` / ``_reorder_linear_weight``
+on the bf16 tensor), rebuilt lazily after ``load_state_dict``/``.to()``/deepcopy (see
+:class:`gml.kernels.fp32._Prepacked`). The bias is bf16-rounded (``u * |b|``, below the output's own
+rounding) and added in fp32.
+
+**Activations** enter as bf16 (an fp32 input is converted once, at the first kernel) and leave as
+bf16 in channels-last, so consecutive kernels never convert.
+
+**Availability.** :func:`bf16_unavailable_reason` is the one capability query: oneDNN must dispatch
+to an ISA with native bf16 dot products (AVX512-BF16, AMX-BF16, AVX-NE-CONVERT + AVX-VNNI-INT8's
+``avx2_vnni_2``). On other CPUs oneDNN would emulate bf16 by converting to fp32 around every
+instruction, slower than fp32: GML then refuses bf16 and keeps the fp32 model, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gml.ir.values import NO_POST_OP, PostOp
+from gml.kernels import fp32 as k32
+
+#: bf16's unit roundoff: 8 significant bits (7 stored + the implicit one), round-to-nearest-even.
+BF16_UNIT_ROUNDOFF = 2.0**-9
+
+#: oneDNN ISAs (``gml._engine.cpu_isa()`` names) with native bf16 dot products.
+NATIVE_BF16_ISAS = frozenset(
+    {"avx512_core_bf16", "avx512_core_fp16", "avx512_core_amx", "avx512_core_amx_fp16", "avx2_vnni_2"}
+)
+
+
+def bf16_dot_bound(abs_dot: torch.Tensor | float, k: int = 1) -> torch.Tensor | float:
+    """Error bound of one bf16 kernel vs the same fp32 op: ``(2u + u + k*2^-24) * sum|w||x|``.
+
+    Both operands are rounded to bf16 (``2u``), the output once more (``u``), and the fp32
+    accumulation of ``k`` products adds ``k * 2^-24`` (fp32's unit roundoff) at most; ``abs_dot``
+    is ``|W| @ |x|`` (+ ``|b|``), the magnitude the rounding errors scale with.
+    """
+    return (3 * BF16_UNIT_ROUNDOFF + k * 2.0**-24) * abs_dot
+
+
+def _cpu_isa() -> str | None:
+    """oneDNN's dispatch ISA from the native engine (respects ``ONEDNN_MAX_CPU_ISA``), else None."""
+    try:
+        from gml import _engine  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return str(_engine.cpu_isa())
+
+
+def _torch_native_bf16() -> bool | None:
+    """torch's own CPU feature probe (cpuinfo), where this torch build has it."""
+    cpu = getattr(torch._C, "_cpu", None)
+    probe = getattr(cpu, "_is_avx512_bf16_supported", None)
+    if probe is None:
+        return None
+    amx = getattr(cpu, "_is_amx_tile_supported", lambda: False)
+    return bool(probe()) or bool(amx())
+
+
+@functools.cache
+def bf16_unavailable_reason() -> str | None:
+    """Why bf16 kernels cannot run *natively* here, or ``None`` when they can (probed once).
+
+    The one function tests monkeypatch to simulate a CPU without bf16 (``functools.cache``d: patch
+    the module attribute, or call ``bf16_unavailable_reason.cache_clear()``).
+    """
+    why = k32.kernel_unavailable_reason()
+    if why is not None:
+        return why
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "oneDNN in this torch build has no bf16 support on this CPU"
+    isa = _cpu_isa()
+    if isa is not None:
+        if isa not in NATIVE_BF16_ISAS:
+            return (
+                f"this CPU has no native bf16 instructions (oneDNN dispatches to {isa}; bf16 needs "
+                "AVX512-BF16, AMX-BF16 or AVX-NE-CONVERT): bf16 would be emulated, slower than fp32"
+            )
+        return None
+    native = _torch_native_bf16()
+    if native is False:
+        return "this CPU has no AVX512-BF16 or AMX-BF16 (torch's CPU probe): bf16 would be emulated"
+    return None
+
+
+def bf16_available() -> bool:
+    return bf16_unavailable_reason() is None
+
+
+def cpu_description() -> str:
+    """One line naming what bf16 runs on here, for reports."""
+    isa = _cpu_isa()
+    return f"oneDNN ISA {isa}" if isa else f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def to_bf16(x: Any) -> Any:
+    """``x`` as bf16 if it is an fp32 tensor; anything else unchanged."""
+    return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x
+
+
+def to_fp32(x: Any) -> Any:
+    """``x`` as fp32 if it is a bf16 tensor; anything else (fp32, integers, non-tensors) unchanged.
+
+    Inserted by :class:`~gml.passes.bf16.LowerToBf16` before ops that compute in fp32 (LayerNorm,
+    softmax, reductions, ops without a bf16 kernel) and on the model's outputs."""
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 else x
+
+
+torch.fx.wrap("to_fp32")
+
+
+def _bf16_weight(module: k32._Prepacked) -> None:
+    module.weight = nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
+    if module.bias is not None:  # torch's oneDNN binding takes the bias in the input's dtype
+        module.bias = nn.Parameter(module.bias.detach().to(torch.bfloat16), requires_grad=False)
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
+class Bf16Conv(k32.FusedConv):
+    """``bf16(post_op(conv(x, W) + b))``: bf16 weights/activations, fp32 accumulate and bias."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, **kwargs: Any) -> None:
+        super().__init__(weight.float(), None if bias is None else bias.float(), **kwargs)
+        _bf16_weight(self)
+
+    @classmethod
+    def from_fused(cls, m: k32.FusedConv) -> Bf16Conv:
+        return cls(
+            m.weight,
+            m.bias,
+            stride=m.stride,
+            padding=m.padding,
+            dilation=m.dilation,
+            groups=m.groups,
+            post_op=m.post_op,
+            input_size=m.input_size,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(to_bf16(x))
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        conv = (F.conv1d, F.conv2d, F.conv3d)[self.dim - 1]
+        y = conv(x.float(), self.weight.float(), _f32(self.bias), self.stride, self.padding, self.dilation, self.groups)
+        return self.post_op.apply(y).to(torch.bfloat16)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", bf16"
+
+
+class Bf16ConvAdd(k32.FusedConvAdd):
+    """``bf16([relu](conv(x, W) + b + other))``; ``other`` is read as bf16 (oneDNN's sum post-op)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, **kwargs: Any) -> None:
+        super().__init__(weight.float(), None if bias is None else bias.float(), **kwargs)
+        _bf16_weight(self)
+
+    @classmethod
+    def from_fused(cls, m: k32.FusedConvAdd) -> Bf16ConvAdd:
+        return cls(
+            m.weight,
+            m.bias,
+            stride=m.stride,
+            padding=m.padding,
+            dilation=m.dilation,
+            groups=m.groups,
+            relu=m.relu,
+            inplace=m.inplace,
+            input_size=m.input_size,
+        )
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        x = to_bf16(x)
+        if other.dtype != torch.bfloat16:  # a fresh copy: accumulating into it in place is safe
+            other = other.to(torch.bfloat16, memory_format=torch.channels_last)
+        return super().forward(x, other)
+
+    def _reference(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        conv = F.conv2d if self.weight.dim() == 4 else F.conv3d
+        y = conv(x.float(), self.weight.float(), _f32(self.bias), self.stride, self.padding, self.dilation, self.groups)
+        y = y + other.float()
+        return (torch.relu(y) if self.relu else y).to(torch.bfloat16)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", bf16"
+
+
+class Bf16Linear(k32.FusedLinear):
+    """``bf16(post_op(x W^T + b))`` on oneDNN's bf16 inner product (any leading dims)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        post_op: PostOp = NO_POST_OP,
+        rows: int | None = None,
+        backend: str = "onednn",
+    ) -> None:
+        # MKL's packed GEMM is fp32-only: bf16 always runs oneDNN's inner product
+        fbias = None if bias is None else bias.float()
+        super().__init__(weight.float(), fbias, post_op=post_op, rows=rows, backend="onednn")
+        _bf16_weight(self)
+
+    @classmethod
+    def from_fused(cls, m: k32.FusedLinear) -> Bf16Linear:
+        return cls(m.weight, m.bias, post_op=m.post_op, rows=m.rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = to_bf16(x)
+        if self.backend == "aten" or (self.post_op.attr in k32.NONFINITE_UNSAFE_POST_OPS and not k32.all_finite(x)):
+            return self._reference(x)
+        if torch.compiler.is_compiling():
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, *self._attr)
+        w = self._packed if self._packed is not None else self.packed()
+        return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, *self._attr)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post_op.apply(F.linear(x.float(), self.weight.float(), _f32(self.bias))).to(torch.bfloat16)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", bf16"
+
+
+#: fp32 fused module type → its bf16 twin.
+BF16_TWINS: dict[type[nn.Module], Any] = {
+    k32.FusedConv: Bf16Conv,
+    k32.FusedConvAdd: Bf16ConvAdd,
+    k32.FusedLinear: Bf16Linear,
+}
+
+
+def bf16_kernel_modules() -> tuple[type[nn.Module], ...]:
+    return (Bf16Conv, Bf16ConvAdd, Bf16Linear)
+
+
+def weight_bytes(modules: Sequence[nn.Module]) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in modules if isinstance(m, k32._Prepacked))
+
+
+__all__ = [
+    "BF16_TWINS",
+    "BF16_UNIT_ROUNDOFF",
+    "NATIVE_BF16_ISAS",
+    "Bf16Conv",
+    "Bf16ConvAdd",
+    "Bf16Linear",
+    "bf16_available",
+    "bf16_dot_bound",
+    "bf16_kernel_modules",
+    "bf16_unavailable_reason",
+    "cpu_description",
+    "to_bf16",
+    "to_fp32",
+]

@@ -1,0 +1,188 @@
+"""LowerToBf16 (gml.passes.bf16) and gml.optimize(precision="bf16"): golden graphs, numerics vs
+eager within the bf16 bound, the precision report, and the refusal on a CPU without bf16."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from torch import fx, nn
+from torch.testing import FileCheck
+
+import gml
+from gml.errors import InputError, UnsupportedError
+from gml.kernels import bf16 as kb
+from gml.kernels import fp32 as k32
+from gml.passes.bf16 import BF16_TOLERANCE, LowerToBf16
+from gml.passes.manager import PassManager
+from gml.passes.pipeline import fp32_passes
+
+needs_bf16 = pytest.mark.skipif(not kb.bf16_available(), reason=f"no native bf16: {kb.bf16_unavailable_reason()}")
+
+
+class ResBlock(nn.Module):
+    """conv-bn-relu, conv-bn + skip, relu, global average, linear: every bf16 class of op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.conv1, self.bn1 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.conv2, self.bn2 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = torch.relu(self.bn2(self.conv2(y)) + x)
+        return self.fc(torch.flatten(self.pool(y), 1))
+
+
+class Encoder(nn.Module):
+    """A pre-norm transformer MLP block: LayerNorm + softmax must stay fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(32)
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        h = self.fc2(self.act(self.fc1(self.ln(x))))
+        return torch.softmax(x + h, dim=-1)
+
+
+def _types(gm: fx.GraphModule) -> Counter[str]:
+    mods = dict(gm.named_modules())
+    return Counter(type(mods[n.target]).__name__ for n in gm.graph.nodes if n.op == "call_module")
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@needs_bf16
+def test_resblock_golden_graph_and_report():
+    torch.manual_seed(0)
+    model, x = ResBlock().eval(), torch.randn(2, 3, 12, 12)
+    res = gml.optimize(model, x, precision="bf16", runtime="torch")
+    gm = res.module
+    assert _types(gm) == Counter(
+        {"Bf16Conv": 2, "Bf16ConvAdd": 1, "Bf16Linear": 1, "AdaptiveAvgPool2d": 1, "Flatten": 1}
+    )
+    # the average is a reduction: fp32 in; the output converted back to fp32
+    FileCheck().check("to_fp32").check("self.pool(").check("self.fc(").check("to_fp32").run(gm.code)
+    rep = res.precision
+    assert rep.requested == rep.effective == "bf16" and rep.warnings == []
+    by_op = {e.op: e for e in rep.entries}
+    assert by_op["Bf16Conv"].precision == "bf16" and "fp32 accumulate" in by_op["Bf16Conv"].reason
+    assert by_op["AdaptiveAvgPool2d"].precision == "fp32" and "reduction" in by_op["AdaptiveAvgPool2d"].reason
+    assert "bf16" in str(rep) and "fp32" in rep.summary()
+    with torch.no_grad():
+        y, ref = res.module(x), model(x)
+    assert y.dtype == torch.float32
+    assert _rel_err(y, ref) <= BF16_TOLERANCE.rtol
+    assert float(torch.nn.functional.cosine_similarity(y.flatten(), ref.flatten(), 0)) > 0.999
+
+
+@needs_bf16
+def test_layernorm_and_softmax_stay_fp32():
+    torch.manual_seed(1)
+    model, x = Encoder().eval(), torch.randn(2, 5, 32)
+    res = gml.optimize(model, x, precision="bf16", runtime="torch")
+    entries = {e.op: e for e in res.precision.entries}
+    assert entries["LayerNorm"].precision == "fp32" and "LayerNorm statistics" in entries["LayerNorm"].reason
+    assert entries["softmax"].precision == "fp32"
+    assert entries["Bf16Linear"].precision == "bf16"
+    # the residual add mixes the fp32 input and a bf16 linear output: promoted, and said so
+    assert entries["Add"].precision == "fp32" and "promoted" in entries["Add"].reason
+    with torch.no_grad():
+        y, ref = res.module(x), model(x)
+    assert y.dtype == torch.float32 and _rel_err(y, ref) <= BF16_TOLERANCE.rtol
+
+
+@needs_bf16
+def test_pass_rolls_back_when_bf16_is_too_coarse():
+    """A model whose output is a small difference of large values loses every digit in bf16: the
+    manager's bf16 bound catches it and keeps fp32, the report says why."""
+
+    class Cancels(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+            with torch.no_grad():
+                self.b.weight.copy_(self.a.weight * (1 + 2**-12))
+                self.b.bias.copy_(self.a.bias)
+
+        def forward(self, x):
+            return (self.b(x) - self.a(x)) * 1000.0
+
+    torch.manual_seed(2)
+    res = gml.optimize(Cancels().eval(), torch.randn(4, 16) * 100, precision="bf16", runtime="torch")
+    rec = next(r for r in res.report.records if r.name == "lower_bf16")
+    assert rec.status == "rolled back" and "numerics" in rec.error
+    assert res.precision.effective == "fp32" and "rolled back" in res.precision.warnings[0]
+    assert not any(isinstance(m, kb.bf16_kernel_modules()) for m in res.module.modules())
+
+
+def test_no_bf16_cpu_gives_warning_and_the_fp32_model(monkeypatch):
+    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no native bf16 instructions (simulated)")
+    model, x = ResBlock().eval(), torch.randn(1, 3, 8, 8)
+    with pytest.warns(RuntimeWarning, match="bf16 requested but this CPU has no native bf16"):
+        res = gml.optimize(model, x, precision="bf16")
+    assert res.precision.requested == "bf16" and res.precision.effective == "fp32"
+    assert "simulated" in res.precision.warnings[0] and "fp32 model" in res.precision.summary()
+    assert not any(isinstance(m, kb.bf16_kernel_modules()) for m in res.module.modules())
+    assert any(isinstance(m, k32.FusedConv) for m in res.module.modules())
+    assert res.engine is None  # nothing emulated anywhere
+    # the pass itself refuses too, clearly
+    with pytest.raises(UnsupportedError, match="bf16 is not available"):
+        LowerToBf16()(res.module)
+
+
+def test_unknown_precision_is_an_input_error():
+    with pytest.raises(InputError, match="unknown precision"):
+        gml.optimize(nn.Linear(2, 2).eval(), torch.randn(1, 2), precision="fp16")
+
+
+def test_pass_without_fused_kernels_leaves_graph_unchanged():
+    gm = fx.symbolic_trace(nn.Sequential(nn.ReLU()))
+    result = LowerToBf16(check_cpu=False)(gm)
+    assert not result.modified and "no fused conv/linear" in result.notes[0]
+
+
+@needs_bf16
+def test_model_without_conv_or_linear_says_it_stays_fp32():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        res = gml.optimize(nn.Sequential(nn.ReLU()).eval(), torch.randn(2, 3), precision="bf16")
+    assert res.precision.effective == "fp32" and "no fused conv/linear" in res.precision.warnings[0]
+
+
+@needs_bf16
+def test_lower_bf16_needs_shapes():
+    gm = fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4)).eval())
+    gm = PassManager(fp32_passes(), check_numerics=False, propagate_shapes=False).run(gm).graph_module
+    from gml.errors import GMLError
+
+    fused = any(isinstance(m, k32.FusedLinear) for m in gm.modules())
+    if fused:
+        with pytest.raises(GMLError, match="tensor_meta"):
+            LowerToBf16()(gm)
+
+
+@needs_bf16
+def test_bf16_model_saves_and_loads_bit_exact(tmp_path):
+    from gml.io import load
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    res = gml.optimize(model, x, precision="bf16", runtime="torch")
+    res.save(str(tmp_path / "m.pt2"))
+    loaded = load(str(tmp_path / "m.pt2"))
+    assert _types(loaded)["Bf16Conv"] == 1 and _types(loaded)["Bf16Linear"] == 1  # lifted to the bf16 twins
+    with torch.no_grad():
+        assert torch.equal(loaded(x), res.module(x))
