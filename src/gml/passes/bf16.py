@@ -54,7 +54,7 @@ from gml.errors import GMLError
 from gml.ir.ops import SPECS, op_kind
 from gml.kernels import bf16 as kb
 from gml.kernels import fp32 as k32
-from gml.ops_attention import is_attention
+from gml.ir.attention import is_attention
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.utils import modules_of, replace_module
 
