@@ -260,7 +260,7 @@ def test_sealed_pickle_files_check_their_digests_before_unpickling(saved, tmp_pa
     with pytest.raises(ModelLoadError, match="is damaged"):
         gio.load(tmp_path / "bad.pkl", trust_pickle=True)
     with torch.no_grad():
-        assert torch.equal(gio.load(path, trust_pickle=True)(x), model(x))
+        assert torch.equal(gio.load(path, trust_pickle=True, runtime="torch")(x), model(x))
 
 
 @pytest.fixture(scope="module")
