@@ -143,14 +143,19 @@ def _weighted(gm: Any) -> int:
     return n
 
 
-def run_one(spec: str, rounds: int, inner: int, calib: int) -> dict[str, Any]:
+#: the gml ops of conv / linear kernels (docs/ir.md)
+WEIGHTED_OPS = ("qconv", "qconv_add", "qlinear")
+
+
+def run_one(spec: str, rounds: int, inner: int, calib: int, cost_policy: str = "measure") -> dict[str, Any]:
     import warnings
+    from collections import Counter
 
     import torch
 
     import gml
+    from gml.ir import library
     from gml.models import default_input_shapes, load_model
-    from gml.quant.modules import QConv1d, QConv2d, QConv2dAdd, QConv3d, QLinear
 
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
@@ -172,19 +177,20 @@ def run_one(spec: str, rounds: int, inner: int, calib: int) -> dict[str, Any]:
     except Exception as e:  # the row says what failed
         row["optimize_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     try:
-        q = gml.quantize(model, calib, example_inputs=(x,), per_layer=False)
-        counts = {"QConv2d": 0}
-        mods = dict(q.module.named_modules())
-        kinds = (QConv1d, QConv2d, QConv2dAdd, QConv3d, QLinear)
-        int8_weighted = sum(
-            isinstance(mods.get(str(n.target)), kinds) for n in q.module.graph.nodes if n.op == "call_module"
-        )
+        q = gml.quantize(model, calib, example_inputs=(x,), per_layer=False, cost_policy=cost_policy)
+        # what the returned graph computes (its torch.ops.gml calls) vs what its report says
+        in_graph = Counter(library.gml_op_name(n) for n in q.module.graph.nodes if library.gml_op_name(n))
+        reported = Counter(e.result for e in q.coverage.lowered)
+        int8_weighted = sum(in_graph[k] for k in WEIGHTED_OPS)
         row["int8_weighted"] = int8_weighted
         row["weighted"] = _weighted(q.reference)
         row["coverage"] = q.coverage.summary()
-        row["coverage_agrees"] = sum(1 for e in q.coverage.lowered if e.result in {k.__name__ for k in kinds}) == (
-            int8_weighted
-        )
+        boundary = {"quantize", "dequantize", "requantize"}  # conversions: not coverage entries
+        row["coverage_agrees"] = all(in_graph[k] == reported[k] for k in {*WEIGHTED_OPS, *in_graph} - boundary)
+        row["cost"] = str(q.cost)
+        row["cost_kept_fp32"] = len(q.cost.kept_fp32) if q.cost is not None else 0
+        if q.cost is not None and q.cost.whole is not None:
+            row["guard_int8_ms"], row["guard_fp32_ms"] = q.cost.whole
         row["kept_fp32"] = [f"{','.join(e.nodes)}: {e.reason}" for e in q.coverage.kept_fp32][:8]
         row["lower_rolled_back"] = [f"{r.name}: {r.error}" for r in q.report.rolled_back]
         with torch.no_grad():
@@ -198,8 +204,8 @@ def run_one(spec: str, rounds: int, inner: int, calib: int) -> dict[str, Any]:
             acc = accuracy_report(q.reference, q.module, [x], per_layer=True)
             worst = min(acc.layers, key=lambda layer: layer.sqnr_db, default=None)
             row["worst_layer"] = f"{worst.node} ({worst.op}, SQNR {worst.sqnr_db:.1f} dB)" if worst else "?"
-        fns["gml_int8"] = q.module
-        del counts
+        row["runtime"] = q.runtime.path if q.runtime is not None else "torch"
+        fns["gml_int8"] = q.executable  # what gml.quantize says to call: the engine where it covers the graph
     except Exception as e:
         row["quantize_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     row.update({f"ms_{k}": v for k, v in _latency_ms(fns, x, rounds, inner).items()})
@@ -211,13 +217,14 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    row = run_one(args.child, args.rounds, args.inner, args.calib)
+    row = run_one(args.child, args.rounds, args.inner, args.calib, args.cost_policy)
     print("ZOO_ROW " + json.dumps(row))
 
 
 def _run_in_process(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--threads", str(args.threads)]
     cmd += ["--rounds", str(args.rounds), "--inner", str(args.inner), "--calib", str(args.calib)]
+    cmd += ["--cost-policy", args.cost_policy]
     t0 = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -328,6 +335,25 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in done:
         if r.get("kept_fp32"):
             lines.append(f"- **{r['model']}**: " + "; ".join(r["kept_fp32"][:4]).replace("|", "/"))
+    lines += [
+        "",
+        f"## Cost policy (`cost_policy={meta.get('cost_policy', 'measure')}`): INT8 regions kept fp32, measured",
+        "",
+        "Per model: the INT8 regions `gml.quantize` timed slower than their fp32 ops (kept fp32, numbers "
+        "from that run), and its last guard, the whole INT8 executable vs the all-fp32 float twin.",
+        "",
+    ]
+    for r in done:
+        cost = [ln.strip() for ln in r.get("cost", "").splitlines()[1:]]
+        if cost:
+            shown = [ln for ln in cost if not ln.startswith("whole")][:3] + [
+                ln for ln in cost if ln.startswith("whole")
+            ]
+            more = r.get("cost_kept_fp32", 0) - len([ln for ln in shown if ln.startswith("region")])
+            lines.append(
+                f"- **{r['model']}**: "
+                + "; ".join(shown + ([f"(+{more} more region(s))"] if more > 0 else [])).replace("|", "/")
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -341,6 +367,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--calib", type=int, default=4)
+    ap.add_argument("--cost-policy", default="measure", choices=["measure", "off"], help="gml.quantize's cost_policy")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--note", default="", help="a line to add under the header (e.g. the commit measured)")
@@ -366,6 +393,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "rounds": args.rounds,
         "calib": args.calib,
+        "cost_policy": args.cost_policy,
     }
     if not args.render_only:
         os.makedirs(os.path.dirname(args.results), exist_ok=True)

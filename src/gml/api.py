@@ -7,7 +7,7 @@ returns a result object carrying the rewritten module *and* the report that expl
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +121,8 @@ class QuantizeResult:
     engine: Any = None
     #: which runtime runs each node and why (``str(result.runtime)``)
     runtime: Any = None
+    #: the cost policy's measurements and decisions (gml.quant.cost_policy.CostReport)
+    cost: Any = None
 
     @property
     def executable(self) -> Any:
@@ -169,6 +171,7 @@ def quantize(
     runtime: str = "engine",
     min_cosine: float | None = None,
     leaf_modules: Sequence[str | type] = (),
+    cost_policy: str | Callable[[Any], Any] = "measure",
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -187,18 +190,26 @@ def quantize(
             fp32 on ``eval_data`` is below this (or NaN/Inf differ). Without it, a result below
             :data:`~gml.quant.accuracy.BROKEN_COSINE` is returned with ``accuracy.broken`` set.
         leaf_modules: submodule names or classes kept as opaque calls, as in :func:`gml.capture`.
+        cost_policy: ``measure`` (default): time each INT8 region against its fp32 ops on
+            ``example_inputs`` with the chosen runtime and keep fp32 the regions where INT8 is
+            slower (``coverage.kept_fp32`` gives the numbers; ``result.cost`` the whole report,
+            including the whole-model INT8 vs fp32 guard); ``off``: every op with an INT8 kernel
+            runs INT8; or a function ``region -> RegionCost`` that replaces the measurement (the
+            same rule on given costs). See :mod:`gml.quant.cost_policy`.
     """
     import time
 
     from gml.errors import InputError
     from gml.quant.accuracy import accuracy_report
     from gml.quant.calibrate import generate_batches
+    from gml.quant.cost_policy import CostReport, check_policy, guard_whole_model, plan_regions
     from gml.quant.frontend import prepare_reference
     from gml.quant.lower import CoverageEntry, coverage_of
     from gml.quant.pipeline import lowering_passes
     from gml.runtime.select import check_runtime
 
     check_runtime(runtime)
+    check_policy(cost_policy)
     check_eval_mode(model, what="INT8 quantization")
     check_finite_parameters(model, what="INT8 quantization")
     if example_inputs is None:
@@ -237,6 +248,16 @@ def quantize(
     passes = lowering_passes(backend)
     result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
     seconds["lower + fuse + clean up"] = time.perf_counter() - t0
+    cost = CostReport("off")
+    if cost_policy != "off":  # INT8 regions slower than their fp32 ops stay fp32; lower again
+        t0 = time.perf_counter()
+        given = cost_policy if callable(cost_policy) else None
+        kept_ref, cost = plan_regions(
+            result.graph_module, ref.graph_module, ref.float_module, inputs, runtime=runtime, cost=given
+        )
+        if kept_ref is not None:
+            result = PassManager(lowering_passes(backend), strict=strict).run(kept_ref, samples)
+        seconds["cost policy"] = time.perf_counter() - t0
     # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
     coverage = coverage_of(result.graph_module)
     for r in result.report.rolled_back:
@@ -263,6 +284,8 @@ def quantize(
     t0 = time.perf_counter()
     engine, runtime_report = attach_runtime(result.graph_module, inputs, runtime)
     seconds["engine compile"] = time.perf_counter() - t0
+    if cost_policy != "off":  # the last guard: the whole executable vs the all-fp32 model
+        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, ref.float_module, inputs)
     return QuantizeResult(
         result.graph_module,
         result.report,
@@ -273,4 +296,5 @@ def quantize(
         seconds,
         engine,
         runtime_report,
+        cost,
     )

@@ -359,6 +359,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             per_layer=not args.no_per_layer,
             progress=True,
             leaf_modules=args.leaf,
+            cost_policy=args.cost_policy,
         )
     fe = res.frontend
     if fe.fp32_passes is not None:
@@ -379,6 +380,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     console.print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in res.seconds.items()))
     if res.runtime is not None:  # which executor runs the INT8 graph (the native engine by default)
         console.print(str(res.runtime))
+    if res.cost is not None:  # which INT8 regions the cost policy kept fp32, with the measured numbers
+        console.print(str(res.cost), markup=False)
     if not args.no_time:
         t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.executable(*inputs)})
         console.print(
@@ -466,6 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-tensor", action="store_true", help="per-tensor instead of per-channel weight scales")
     p.add_argument("--no-per-layer", action="store_true", help="skip the per-layer SQNR table (faster)")
     p.add_argument("--no-time", action="store_true", help="skip the quick fp32-vs-INT8 latency check")
+    p.add_argument(
+        "--cost-policy",
+        choices=("measure", "off"),
+        default="measure",
+        help="measure (default): keep fp32 the INT8 regions timed slower than their fp32 ops on this machine; "
+        "off: every op with an INT8 kernel runs INT8 (docs/cost-policy.md)",
+    )
     p.add_argument(
         "--min-cosine",
         type=float,

@@ -989,6 +989,33 @@ class QMove(UnaryOpsBase):
         return OpCall("." + self._call, (inputs[0], *args), item=self.item, requantize=(self._in_qp, self._out_qp))
 
 
+class QPad(UnaryOpsBase):
+    """A constant zero pad on the integers: ``Q(pad(DQ(u), 0)) = pad(u, zero_point)``.
+
+    Real 0 is the integer ``zero_point`` (``(zp - zp) * s = 0``), always representable, so padding
+    with it is exact; then a requantize where the output's qparams differ (as every move op).
+    """
+
+    is_view = False
+
+    def __init__(
+        self, pads: Sequence[int], input_qparams: QParams, output_qparams: QParams, *, backend: BackendArg = None
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        self.pads = tuple(int(p) for p in pads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.constant_pad_nd(x, self.pads, float(self._in_qp.zero_point))
+        return self.backend.requantize(y, self._in_qp, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return f"pads={list(self.pads)}, {self._qp_repr()}"
+
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        args = (inputs[0], list(self.pads), float(self._in_qp.zero_point))
+        return OpCall(torch.constant_pad_nd, args, requantize=(self._in_qp, self._out_qp))
+
+
 class QCat(GMLQuantModuleBase):
     """``torch.cat`` of uint8 tensors, each requantized to the output qparams (exact when equal)."""
 
