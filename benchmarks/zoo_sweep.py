@@ -85,6 +85,11 @@ TIMM = [
     "mobilevit_xs",
     "tiny_vit_5m_224",
     "levit_128s",
+    # re-parameterisable and hybrid CNN families added on 2026-11-24
+    "hgnetv2_b0",
+    "starnet_s1",
+    "repvit_m0_9",
+    "fastvit_t8",
 ]
 MODELS = TORCHVISION + [f"timm:{n}" for n in TIMM]
 
@@ -261,15 +266,19 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"shared machine; torch {meta['torch']}, timm {meta['timm']}; {meta['date']}.",
         "Random init (timm `pretrained=False`), batch 1, the model's default resolution, "
         f"{meta['calib']} generated calibration batches; latency = median of {meta['rounds']} interleaved rounds. "
-        "No hand fixes (no leaf modules, no concrete_args).",
+        "No hand fixes (no leaf modules, no concrete_args). "
+        f"`gml.quantize(..., cost_policy={meta.get('cost_policy', 'measure')!r})` (docs/cost-policy.md). "
+        f"Machine load (1/5/15-min load average on 2 cores) when the run started: {meta.get('load', '?')}.",
         *([meta["note"]] if meta.get("note") else []),
         "",
         "Columns: **BN left** after the fp32 pipeline; **INT8 conv/linear** = conv/linear ops running on "
         "INT8 kernels / conv/linear ops in torch.ao's reference graph; **cos ao** = cosine of GML INT8 "
         "vs torch.ao's reference Q/DQ graph on the same input (< 0.99 is flagged with the worst layer); "
         "**cos fp32** = GML INT8 vs the fp32 model (random-init models can have near-degenerate "
-        "outputs, so this one is informative only); **ok** = the report's coverage matches the module's "
-        "INT8 kernels.",
+        "outputs, so this one is informative only); **GML INT8 ms** = `result.executable` (the native "
+        "engine where it covers the graph, torch elsewhere); **ok** = the report's coverage matches the gml "
+        "ops of the returned graph. A conv/linear the cost policy measured slower in INT8 is fp32 by "
+        "decision (last section).",
         "",
         "| model | input | BN left | INT8 conv/linear | cos ao | cos fp32 | eager ms | GML fp32 ms | GML INT8 ms | "
         "INT8/fp32 | ok | notes |",
@@ -311,6 +320,13 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     flagged = [r for r in done if r.get("cos_ref", 1.0) < 0.99]
     bn = [r for r in rows if r.get("bn_left")]
     slower = [r for r in done if r.get("ms_gml_int8") and r.get("ms_gml_fp32") and r["ms_gml_int8"] > r["ms_gml_fp32"]]
+    traced = [
+        r
+        for r in rows
+        if "trac" in " ".join(str(r.get(k, "")) for k in ("error", "optimize_error", "quantize_error")).lower()
+    ]
+    costed = [r for r in done if r.get("cost_kept_fp32")]
+    guard = [r for r in done if r.get("guard_int8_ms") and r["guard_int8_ms"] > r["guard_fp32_ms"]]
     lines += [
         "",
         "## Summary",
@@ -328,6 +344,14 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "- GML INT8 slower than GML fp32 (same run, interleaved): "
         + (", ".join(f"{r['model']} ({r['ms_gml_int8'] / r['ms_gml_fp32']:.2f}x)" for r in slower) or "none")
         + ".",
+        "- the cost policy's own whole-model guard (INT8 executable vs the all-fp32 float twin, inside "
+        "`gml.quantize`) found INT8 slower in: "
+        + (", ".join(f"{r['model']} ({r['guard_int8_ms'] / r['guard_fp32_ms']:.2f}x)" for r in guard) or "none")
+        + ".",
+        f"- INT8 regions kept fp32 by the cost policy in {len(costed)} model(s): "
+        + (", ".join(f"{r['model']} ({r['cost_kept_fp32']})" for r in costed) or "none")
+        + ".",
+        "- trace failures: " + (", ".join(r["model"] for r in traced) or "none") + ".",
         "",
         "## What stayed fp32 (first reasons per model)",
         "",
@@ -394,6 +418,7 @@ def main() -> None:
         "rounds": args.rounds,
         "calib": args.calib,
         "cost_policy": args.cost_policy,
+        "load": "{:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg()),
     }
     if not args.render_only:
         os.makedirs(os.path.dirname(args.results), exist_ok=True)

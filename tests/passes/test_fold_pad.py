@@ -88,7 +88,8 @@ def test_int8_pads_run_on_the_integers_and_match_the_reference(tmp_path):
     assert ops.count("constant_pad_nd") == 2
     assert ops.count("dequantize") == 1 and ops.count("quantize") == 2  # only around the reflect pad
     kept = [e for e in q.coverage.kept_fp32 if e.op in ("F.pad", "ZeroPad2d")]
-    assert [e.reason for e in kept] == ["a reflect pad with value None has no INT8 replay (only zero pads); kept in fp32"]
+    why = "a reflect pad with value None has no INT8 replay (only zero pads); kept in fp32"
+    assert [e.reason for e in kept] == [why]
     with torch.no_grad():
         a, b = q.module(X), q.reference(X)
         assert float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0)) > 0.999

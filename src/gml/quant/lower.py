@@ -88,6 +88,7 @@ from gml.passes.utils import add_module, remove_unused_nodes
 from gml.quant.backend_config import ConvAct2d, LinearAct
 from gml.quant.modules import (
     MOVE_METHODS,
+    PIECE_METHODS,
     Dequantize,
     GMLQuantModuleBase,
     QActivation,
@@ -685,6 +686,8 @@ def _move_method(node: fx.Node) -> str | None:
     if node.op == "call_function":
         if node.target is torch.chunk:
             return "chunk"
+        if node.target is torch.split:
+            return "split"
         return _MOVE_FUNCTIONS.get(node.target)
     return None
 
@@ -710,7 +713,8 @@ def _flat(a: Any) -> list[Any]:
 
 
 def _rule_move(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
-    """view / reshape / transpose / permute / contiguous / (un)squeeze, and ``chunk(...)[i]``, on the
+    """view / reshape / transpose / permute / contiguous / (un)squeeze, and ``chunk(...)[i]`` /
+    ``split(...)[i]`` (Res2Net, MixNet, CSP), on the
     integers (ShuffleNet's channel shuffle and split)."""
     if out_qp is None:
         return None
@@ -718,11 +722,11 @@ def _rule_move(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None
     target = node
     if node.op == "call_function" and node.target is operator.getitem:
         src, index = node.args
-        if not isinstance(src, fx.Node) or _move_method(src) != "chunk" or not isinstance(index, int):
+        if not isinstance(src, fx.Node) or _move_method(src) not in PIECE_METHODS or not isinstance(index, int):
             return None
         target, item = src, index
     method = _move_method(target)
-    if method is None or (method == "chunk") != (item is not None):
+    if method is None or (method in PIECE_METHODS) != (item is not None):
         return None
     if target.kwargs and set(target.kwargs) - {"dim"}:
         raise Decline(f"{method} with keyword arguments {sorted(target.kwargs)} has no INT8 replay")
@@ -745,11 +749,10 @@ def _rule_pad(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     pads, mode, value = spec
     if mode != "constant" or value not in (None, 0, 0.0):
         raise Decline(f"a {mode} pad with value {value} has no INT8 replay (only zero pads)")
-    if not all(isinstance(p, int) for p in pads):
-        raise Decline(f"pad {pads} has sizes computed at run time")
+    template, runtime = _move_args(node, pads)  # sizes from x.shape (timm's "same" pads): run-time inputs
     src, in_qp = ctx.u8_input(node.args[0])
     assert out_qp is not None
-    return _Plan(QPad(pads, in_qp, out_qp, backend=ctx.backend), [src], [node], ctx.label(node))
+    return _Plan(QPad(template, in_qp, out_qp, backend=ctx.backend), [src, *runtime], [node], ctx.label(node))
 
 
 def _rule_cat(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
