@@ -472,9 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--cost-policy",
         choices=("measure", "off"),
-        default="measure",
-        help="measure (default): keep fp32 the INT8 regions timed slower than their fp32 ops on this machine; "
-        "off: every op with an INT8 kernel runs INT8 (docs/cost-policy.md)",
+        default=None,
+        help="measure (default, or $GML_COST_POLICY): keep fp32 the INT8 regions timed slower than their fp32 "
+        "ops on this machine; off: every op with an INT8 kernel runs INT8 (docs/cost-policy.md)",
     )
     p.add_argument(
         "--min-cosine",

@@ -3,6 +3,7 @@ rewrite that keeps a region fp32, and gml.quantize applying it (costs injected: 
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -157,3 +158,43 @@ def test_measured_costs_are_real_numbers():
 def test_unknown_cost_policy_is_a_clear_error():
     with pytest.raises(InputError, match="unknown cost_policy 'fast'"):
         gml.quantize(_model(), 2, example_inputs=(X,), cost_policy="fast")
+
+
+def test_a_failing_cost_policy_keeps_the_lowering_and_says_so():
+    def broken(region: Region) -> RegionCost:
+        raise RuntimeError("timer exploded")
+
+    q = gml.quantize(_model(), 2, example_inputs=(X,), cost_policy=broken, per_layer=False)
+    assert _ops(q.module)["qconv"] == 3
+    assert "cost policy failed (RuntimeError: timer exploded)" in str(q.cost)
+    with pytest.raises(RuntimeError, match="timer exploded"):
+        gml.quantize(_model(), 2, example_inputs=(X,), cost_policy=broken, per_layer=False, strict=True)
+
+
+def test_the_default_policy_comes_from_the_environment(monkeypatch):
+    from gml.quant.cost_policy import default_policy
+
+    monkeypatch.delenv("GML_COST_POLICY", raising=False)
+    assert default_policy() == "measure"
+    monkeypatch.setenv("GML_COST_POLICY", "off")
+    assert default_policy() == "off"
+    monkeypatch.setenv("GML_COST_POLICY", "fastest")
+    with pytest.raises(InputError, match="unknown cost_policy 'fastest'"):
+        default_policy()
+
+
+def test_timing_stops_early_when_one_side_is_far_slower():
+    from gml.quant.cost_policy import time_interleaved
+
+    calls = {"fast": 0, "slow": 0}
+
+    def fast() -> None:
+        calls["fast"] += 1
+
+    def slow() -> None:
+        calls["slow"] += 1
+        time.sleep(0.03)
+
+    t_fast, t_slow = time_interleaved([fast, slow], rounds=5, min_ms=0.5)
+    assert t_slow > 10 * t_fast
+    assert calls["slow"] == 2  # warm-up and one timed call: no rounds spent on a decided comparison

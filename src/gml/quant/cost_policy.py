@@ -224,17 +224,24 @@ def subgraph(gm: fx.GraphModule, names: Sequence[str]) -> tuple[fx.GraphModule, 
     return fx.GraphModule(gm, g), outside
 
 
-def time_interleaved(fns: Sequence[Callable[[], Any]], rounds: int = 5, min_ms: float = 2.0) -> list[float]:
+def time_interleaved(
+    fns: Sequence[Callable[[], Any]], rounds: int = 5, min_ms: float = 2.0, decisive: float = 10.0
+) -> list[float]:
     """Median ms per call of each function, in interleaved rounds (machine noise hits all alike);
-    each sample repeats a call until it takes ``min_ms`` so that short regions are not timer noise."""
+    each sample repeats a call until it takes ``min_ms`` so that short regions are not timer noise.
+    When one call is ``decisive`` times slower than another already (a kernel gone wrong), the
+    first timed calls are the answer: more rounds would not change the ranking, only cost time."""
     with torch.no_grad():
-        inner = []
+        inner, first = [], []
         for f in fns:  # warm up (oneDNN primitives, allocator) and size the inner loop
             f()
             t0 = time.perf_counter()
             f()
             once = max(time.perf_counter() - t0, 1e-6) * 1e3
+            first.append(once)
             inner.append(max(1, min(200, int(min_ms / once) + 1)))
+        if len(first) > 1 and max(first) > decisive * min(first) and max(first) > 10 * min_ms:
+            return first
         samples: list[list[float]] = [[] for _ in fns]
         for _ in range(rounds):
             for i, f in enumerate(fns):
@@ -438,6 +445,16 @@ def guard_whole_model(
     return t8, t32
 
 
+def default_policy() -> str:
+    """The policy when none is given: ``GML_COST_POLICY`` if set (a deployment or CI default, e.g.
+    ``off`` for runs that must not depend on timing), else ``measure``."""
+    import os
+
+    policy = os.environ.get("GML_COST_POLICY", "measure")
+    check_policy(policy)
+    return policy
+
+
 def check_policy(policy: str | Callable[[Region], RegionCost]) -> None:
     """An :class:`~gml.errors.InputError` unless ``policy`` is one of :data:`POLICIES` or a cost function."""
     from gml.errors import InputError
@@ -456,6 +473,7 @@ __all__ = [
     "RegionDecision",
     "check_policy",
     "decide",
+    "default_policy",
     "find_regions",
     "guard_whole_model",
     "keep_fp32",
