@@ -174,7 +174,7 @@ def run_one(spec: str, rounds: int, inner: int, calib: int, cost_policy: str = "
         y = model(x)
     fns: dict[str, Any] = {"eager": model}
     try:
-        opt = gml.optimize(model, (x,))
+        opt = gml.optimize(model, (x,), n_check_inputs=1)  # each pass checked on the example input
         row["bn_left"] = _bn_left(opt.module)
         row["fp32_rel_err"] = opt.rel_err
         row["rolled_back"] = [r.name for r in opt.report.rolled_back]

@@ -203,11 +203,11 @@ def quantize(
     from gml.errors import InputError
     from gml.quant.accuracy import accuracy_report
     from gml.quant.calibrate import generate_batches
-    from gml.quant.cost_policy import CostReport, check_policy, default_policy, guard_whole_model, plan_regions
+    from gml.quant.cost_policy import check_policy, default_policy, run_policy
     from gml.quant.frontend import prepare_reference
     from gml.quant.lower import CoverageEntry, coverage_of
     from gml.quant.pipeline import lowering_passes
-    from gml.runtime.select import check_runtime
+    from gml.runtime.select import attach_runtime, check_runtime
 
     check_runtime(runtime)
     cost_policy = default_policy() if cost_policy is None else cost_policy
@@ -250,22 +250,20 @@ def quantize(
     passes = lowering_passes(backend)
     result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
     seconds["lower + fuse + clean up"] = time.perf_counter() - t0
-    cost = CostReport("off")
-    if cost_policy != "off":  # INT8 regions slower than their fp32 ops stay fp32; lower again
-        t0 = time.perf_counter()
-        given = cost_policy if callable(cost_policy) else None
-        try:
-            kept_ref, cost = plan_regions(
-                result.graph_module, ref.graph_module, ref.float_module, inputs, runtime=runtime, cost=given
-            )
-            if kept_ref is not None:
-                result = PassManager(lowering_passes(backend), strict=strict).run(kept_ref, samples)
-        except Exception as e:  # the lowering's result stands; the report says the policy did not run
-            if strict:
-                raise
-            why = f"cost policy failed ({type(e).__name__}: {e}); every region kept INT8"
-            cost = CostReport("measure", notes=[why])
-        seconds["cost policy"] = time.perf_counter() - t0
+    # INT8 regions slower than their fp32 ops stay fp32 (lowered again); picks the runtime too
+    t0 = time.perf_counter()
+    result, engine, runtime_report, cost = run_policy(
+        result,
+        ref.graph_module,
+        ref.float_module,
+        inputs,
+        policy=cost_policy,
+        runtime=runtime,
+        relower=lambda gm: PassManager(lowering_passes(backend), strict=strict).run(gm, samples),
+        attach=lambda gm: attach_runtime(gm, inputs, runtime),
+        strict=strict,
+    )
+    seconds["cost policy + engine compile"] = time.perf_counter() - t0
     # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
     coverage = coverage_of(result.graph_module)
     for r in result.report.rolled_back:
@@ -287,17 +285,6 @@ def quantize(
     if min_cosine is not None:
         check_min_cosine(acc, min_cosine)
 
-    from gml.runtime.select import attach_runtime
-
-    t0 = time.perf_counter()
-    engine, runtime_report = attach_runtime(result.graph_module, inputs, runtime)
-    seconds["engine compile"] = time.perf_counter() - t0
-    if cost_policy != "off":  # the last guard: the whole executable vs the all-fp32 model
-        try:
-            executable = engine if engine is not None else result.graph_module
-            cost.whole = guard_whole_model(executable, ref.float_module, inputs)
-        except Exception as e:
-            cost.notes.append(f"whole-model guard not measured ({type(e).__name__}: {e})")
     return QuantizeResult(
         result.graph_module,
         result.report,

@@ -48,6 +48,15 @@ class Islands(nn.Module):
         return self.fc(y.mean((2, 3)))
 
 
+@pytest.fixture(autouse=True)
+def _whole_model_pays(monkeypatch):
+    """The whole-model guard times the real executable; here it reports INT8 2x faster, so that
+    the decisions under test come from the injected region costs only (one test overrides it)."""
+    import gml.quant.cost_policy as cp
+
+    monkeypatch.setattr(cp, "guard_whole_model", lambda *a, **k: (1.0, 2.0))
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return Islands().eval()
@@ -198,3 +207,21 @@ def test_timing_stops_early_when_one_side_is_far_slower():
     t_fast, t_slow = time_interleaved([fast, slow], rounds=5, min_ms=0.5)
     assert t_slow > 10 * t_fast
     assert calls["slow"] == 2  # warm-up and one timed call: no rounds spent on a decided comparison
+
+
+def test_a_whole_model_slower_in_int8_keeps_every_region_fp32(monkeypatch):
+    """The last guard: regions that each won (injected costs) but a whole model measured slower than
+    its fp32 twin (a patched timer) — every region goes back to fp32, and the report says why."""
+    import gml.quant.cost_policy as cp
+
+    timings = iter([(3.0, 1.0), (1.0, 1.0)])  # before the fallback, and after it
+    monkeypatch.setattr(cp, "guard_whole_model", lambda *a, **k: next(timings))
+    q = gml.quantize(_model(), 2, example_inputs=(X,), cost_policy=_slow(set()), per_layer=False)
+    assert q.cost.all_fp32 and "every region kept fp32" in str(q.cost)
+    assert "qconv" not in _ops(q.module) and "qlinear" not in _ops(q.module)
+    kept = {n for e in q.coverage.kept_fp32 for n in e.nodes}
+    assert {"c1", "c2", "c3", "fc"} <= kept
+    assert any("the whole INT8 model ran 3.00 ms vs 1.00 ms" in e.reason for e in q.coverage.kept_fp32)
+    assert q.cost.whole == (1.0, 1.0)
+    with torch.no_grad():
+        assert _cos(q.executable(X), _model()(X)) > 0.9999  # fp32 again

@@ -97,6 +97,8 @@ class CostReport:
     whole: tuple[float, float] | None = None
     shapes: str = ""
     notes: list[str] = field(default_factory=list)
+    #: the whole-model guard kept every region fp32 (INT8 could not pay on this model)
+    all_fp32: bool = False
 
     @property
     def kept_fp32(self) -> list[RegionDecision]:
@@ -445,6 +447,75 @@ def guard_whole_model(
     return t8, t32
 
 
+def run_policy(
+    lowered: Any,
+    reference: fx.GraphModule,
+    twin: fx.GraphModule,
+    inputs: Sequence[Any],
+    *,
+    policy: str | Callable[[Region], RegionCost],
+    runtime: str,
+    relower: Callable[[fx.GraphModule], Any],
+    attach: Callable[[fx.GraphModule], tuple[Any, Any]],
+    strict: bool = False,
+    whole_margin: float = 1.1,
+) -> tuple[Any, Any, Any, CostReport]:
+    """The policy inside ``gml.quantize``: ``(pass result, engine, runtime report, CostReport)``.
+
+    ``lowered`` is the lowering's PassManager result, ``relower(reference) -> result`` runs the
+    lowering again and ``attach(gm) -> (engine or None, report)`` picks the runtime. Regions are
+    measured with the runtime that will run them (the engine unless it declines this graph). Last
+    guard: when the whole INT8 executable is still more than ``whole_margin`` times slower than the
+    all-fp32 float twin, every region is kept fp32 (and the report says so with both numbers).
+    """
+    if policy == "off":
+        engine, runtime_report = attach(lowered.graph_module)
+        return lowered, engine, runtime_report, CostReport("off")
+    given = policy if callable(policy) else None
+    result = lowered
+    try:
+        measure_on = runtime
+        if runtime == "engine" and attach(lowered.graph_module)[0] is None:
+            measure_on = "torch"  # the engine declines this graph: the Python executor will run it
+        kept_ref, cost = plan_regions(lowered.graph_module, reference, twin, inputs, runtime=measure_on, cost=given)
+        if kept_ref is not None:
+            result = relower(kept_ref)
+    except Exception as e:  # the lowering's result stands; the report says the policy did not run
+        if strict:
+            raise
+        return (lowered, *attach(lowered.graph_module), CostReport("measure", notes=[_failed(e)]))
+    engine, runtime_report = attach(result.graph_module)
+    try:
+        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, twin, inputs)
+    except Exception as e:
+        cost.notes.append(f"whole-model guard not measured ({type(e).__name__}: {e})")
+        return result, engine, runtime_report, cost
+    i8, f32 = cost.whole
+    if i8 <= whole_margin * f32 or not cost.decisions:
+        return result, engine, runtime_report, cost
+    why = (
+        f"cost policy: the whole INT8 model ran {i8:.2f} ms vs {f32:.2f} ms in fp32 after the regions were "
+        "decided one by one; kept fp32"
+    )
+    keep = {c: why for d in cost.decisions for c in d.region.covered}
+    int8 = {c for d in cost.decisions for c in d.region.covered}
+    result = relower(keep_fp32(reference, twin, keep, int8))
+    engine, runtime_report = attach(result.graph_module)
+    cost.notes.append(
+        f"whole model INT8 {i8:.2f} ms vs fp32 {f32:.2f} ms (> {whole_margin:g}x): every region kept fp32"
+    )
+    cost.all_fp32 = True
+    try:
+        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, twin, inputs)
+    except Exception as e:
+        cost.notes.append(f"whole-model guard not re-measured ({type(e).__name__}: {e})")
+    return result, engine, runtime_report, cost
+
+
+def _failed(e: Exception) -> str:
+    return f"cost policy failed ({type(e).__name__}: {e}); every region kept INT8"
+
+
 def default_policy() -> str:
     """The policy when none is given: ``GML_COST_POLICY`` if set (a deployment or CI default, e.g.
     ``off`` for runs that must not depend on timing), else ``measure``."""
@@ -478,6 +549,7 @@ __all__ = [
     "guard_whole_model",
     "keep_fp32",
     "plan_regions",
+    "run_policy",
     "subgraph",
     "time_interleaved",
 ]
