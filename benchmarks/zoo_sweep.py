@@ -302,6 +302,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                     f"torch.ao's own reference vs fp32: cos {ref_fp32:.4f} (this random-init model's INT8 error is "
                     "large in both; GML and the reference round differently at the flagged layer)"
                 )
+        if r.get("commit"):
+            notes.append(f"measured on commit {r['commit']}")
         if r.get("lower_rolled_back"):
             notes.append("lowering rolled back: " + "; ".join(r["lower_rolled_back"])[:200])
         if r.get("rolled_back"):

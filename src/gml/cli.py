@@ -380,7 +380,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     console.print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in res.seconds.items()))
     if res.runtime is not None:  # which executor runs the INT8 graph (the native engine by default)
         console.print(str(res.runtime))
-    if res.cost is not None:  # which INT8 regions the cost policy kept fp32, with the measured numbers
+    if res.cost is not None and res.cost.policy != "off":  # regions kept fp32, with the measured numbers
         console.print(str(res.cost), markup=False)
     if not args.no_time:
         t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.executable(*inputs)})

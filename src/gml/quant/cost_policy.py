@@ -24,9 +24,9 @@ float twin's modules (no fake-quantized weights), the quantize → dequantize pa
 and their fp32 neighbours vanish, and each op is marked so the lowering leaves it fp32 with the
 measured numbers as its reason (``coverage.kept_fp32``). Then the lowering runs again.
 
-Last guard: the whole INT8 executable against the all-fp32 float twin, interleaved rounds
-(:attr:`CostReport.whole`). It is reported, never acted on silently: a slower whole model after
-the region decisions is a note in the report with both numbers.
+Last guard (:func:`run_policy`): the whole INT8 executable against the all-fp32 float twin,
+interleaved rounds (:attr:`CostReport.whole`). When INT8 is still more than ``whole_margin`` (1.1x)
+slower after the region decisions, every region is kept fp32, with both numbers as the reason.
 
 The policy takes its costs from a function (``cost(region) -> RegionCost``): :class:`MeasuredCost`
 times the regions; tests inject fixed costs, so the decisions are deterministic there.
