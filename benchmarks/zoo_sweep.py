@@ -85,6 +85,11 @@ TIMM = [
     "mobilevit_xs",
     "tiny_vit_5m_224",
     "levit_128s",
+    # re-parameterisable and hybrid CNN families added on 2026-11-24
+    "hgnetv2_b0",
+    "starnet_s1",
+    "repvit_m0_9",
+    "fastvit_t8",
 ]
 MODELS = TORCHVISION + [f"timm:{n}" for n in TIMM]
 
@@ -143,14 +148,19 @@ def _weighted(gm: Any) -> int:
     return n
 
 
-def run_one(spec: str, rounds: int, inner: int, calib: int) -> dict[str, Any]:
+#: the gml ops of conv / linear kernels (docs/ir.md)
+WEIGHTED_OPS = ("qconv", "qconv_add", "qlinear")
+
+
+def run_one(spec: str, rounds: int, inner: int, calib: int, cost_policy: str = "measure") -> dict[str, Any]:
     import warnings
+    from collections import Counter
 
     import torch
 
     import gml
+    from gml.ir import library
     from gml.models import default_input_shapes, load_model
-    from gml.quant.modules import QConv1d, QConv2d, QConv2dAdd, QConv3d, QLinear
 
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
@@ -164,7 +174,7 @@ def run_one(spec: str, rounds: int, inner: int, calib: int) -> dict[str, Any]:
         y = model(x)
     fns: dict[str, Any] = {"eager": model}
     try:
-        opt = gml.optimize(model, (x,))
+        opt = gml.optimize(model, (x,), n_check_inputs=1)  # each pass checked on the example input
         row["bn_left"] = _bn_left(opt.module)
         row["fp32_rel_err"] = opt.rel_err
         row["rolled_back"] = [r.name for r in opt.report.rolled_back]
@@ -172,19 +182,20 @@ def run_one(spec: str, rounds: int, inner: int, calib: int) -> dict[str, Any]:
     except Exception as e:  # the row says what failed
         row["optimize_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     try:
-        q = gml.quantize(model, calib, example_inputs=(x,), per_layer=False)
-        counts = {"QConv2d": 0}
-        mods = dict(q.module.named_modules())
-        kinds = (QConv1d, QConv2d, QConv2dAdd, QConv3d, QLinear)
-        int8_weighted = sum(
-            isinstance(mods.get(str(n.target)), kinds) for n in q.module.graph.nodes if n.op == "call_module"
-        )
+        q = gml.quantize(model, calib, example_inputs=(x,), per_layer=False, cost_policy=cost_policy)
+        # what the returned graph computes (its torch.ops.gml calls) vs what its report says
+        in_graph = Counter(library.gml_op_name(n) for n in q.module.graph.nodes if library.gml_op_name(n))
+        reported = Counter(e.result for e in q.coverage.lowered)
+        int8_weighted = sum(in_graph[k] for k in WEIGHTED_OPS)
         row["int8_weighted"] = int8_weighted
         row["weighted"] = _weighted(q.reference)
         row["coverage"] = q.coverage.summary()
-        row["coverage_agrees"] = sum(1 for e in q.coverage.lowered if e.result in {k.__name__ for k in kinds}) == (
-            int8_weighted
-        )
+        boundary = {"quantize", "dequantize", "requantize"}  # conversions: not coverage entries
+        row["coverage_agrees"] = all(in_graph[k] == reported[k] for k in {*WEIGHTED_OPS, *in_graph} - boundary)
+        row["cost"] = str(q.cost)
+        row["cost_kept_fp32"] = len(q.cost.kept_fp32) if q.cost is not None else 0
+        if q.cost is not None and q.cost.whole is not None:
+            row["guard_int8_ms"], row["guard_fp32_ms"] = q.cost.whole
         row["kept_fp32"] = [f"{','.join(e.nodes)}: {e.reason}" for e in q.coverage.kept_fp32][:8]
         row["lower_rolled_back"] = [f"{r.name}: {r.error}" for r in q.report.rolled_back]
         with torch.no_grad():
@@ -198,8 +209,8 @@ def run_one(spec: str, rounds: int, inner: int, calib: int) -> dict[str, Any]:
             acc = accuracy_report(q.reference, q.module, [x], per_layer=True)
             worst = min(acc.layers, key=lambda layer: layer.sqnr_db, default=None)
             row["worst_layer"] = f"{worst.node} ({worst.op}, SQNR {worst.sqnr_db:.1f} dB)" if worst else "?"
-        fns["gml_int8"] = q.module
-        del counts
+        row["runtime"] = q.runtime.path if q.runtime is not None else "torch"
+        fns["gml_int8"] = q.executable  # what gml.quantize says to call: the engine where it covers the graph
     except Exception as e:
         row["quantize_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     row.update({f"ms_{k}": v for k, v in _latency_ms(fns, x, rounds, inner).items()})
@@ -211,13 +222,14 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    row = run_one(args.child, args.rounds, args.inner, args.calib)
+    row = run_one(args.child, args.rounds, args.inner, args.calib, args.cost_policy)
     print("ZOO_ROW " + json.dumps(row))
 
 
 def _run_in_process(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--threads", str(args.threads)]
     cmd += ["--rounds", str(args.rounds), "--inner", str(args.inner), "--calib", str(args.calib)]
+    cmd += ["--cost-policy", args.cost_policy]
     t0 = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -254,15 +266,19 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"shared machine; torch {meta['torch']}, timm {meta['timm']}; {meta['date']}.",
         "Random init (timm `pretrained=False`), batch 1, the model's default resolution, "
         f"{meta['calib']} generated calibration batches; latency = median of {meta['rounds']} interleaved rounds. "
-        "No hand fixes (no leaf modules, no concrete_args).",
+        "No hand fixes (no leaf modules, no concrete_args). "
+        f"`gml.quantize(..., cost_policy={meta.get('cost_policy', 'measure')!r})` (docs/cost-policy.md). "
+        f"Machine load (1/5/15-min load average on 2 cores) when the run started: {meta.get('load', '?')}.",
         *([meta["note"]] if meta.get("note") else []),
         "",
         "Columns: **BN left** after the fp32 pipeline; **INT8 conv/linear** = conv/linear ops running on "
         "INT8 kernels / conv/linear ops in torch.ao's reference graph; **cos ao** = cosine of GML INT8 "
         "vs torch.ao's reference Q/DQ graph on the same input (< 0.99 is flagged with the worst layer); "
         "**cos fp32** = GML INT8 vs the fp32 model (random-init models can have near-degenerate "
-        "outputs, so this one is informative only); **ok** = the report's coverage matches the module's "
-        "INT8 kernels.",
+        "outputs, so this one is informative only); **GML INT8 ms** = `result.executable` (the native "
+        "engine where it covers the graph, torch elsewhere); **ok** = the report's coverage matches the gml "
+        "ops of the returned graph. A conv/linear the cost policy measured slower in INT8 is fp32 by "
+        "decision (last section).",
         "",
         "| model | input | BN left | INT8 conv/linear | cos ao | cos fp32 | eager ms | GML fp32 ms | GML INT8 ms | "
         "INT8/fp32 | ok | notes |",
@@ -286,6 +302,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                     f"torch.ao's own reference vs fp32: cos {ref_fp32:.4f} (this random-init model's INT8 error is "
                     "large in both; GML and the reference round differently at the flagged layer)"
                 )
+        if r.get("commit"):
+            notes.append(f"measured on commit {r['commit']}")
         if r.get("lower_rolled_back"):
             notes.append("lowering rolled back: " + "; ".join(r["lower_rolled_back"])[:200])
         if r.get("rolled_back"):
@@ -304,6 +322,13 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     flagged = [r for r in done if r.get("cos_ref", 1.0) < 0.99]
     bn = [r for r in rows if r.get("bn_left")]
     slower = [r for r in done if r.get("ms_gml_int8") and r.get("ms_gml_fp32") and r["ms_gml_int8"] > r["ms_gml_fp32"]]
+    traced = [
+        r
+        for r in rows
+        if "trac" in " ".join(str(r.get(k, "")) for k in ("error", "optimize_error", "quantize_error")).lower()
+    ]
+    costed = [r for r in done if r.get("cost_kept_fp32")]
+    guard = [r for r in done if r.get("guard_int8_ms") and r["guard_int8_ms"] > r["guard_fp32_ms"]]
     lines += [
         "",
         "## Summary",
@@ -321,6 +346,14 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "- GML INT8 slower than GML fp32 (same run, interleaved): "
         + (", ".join(f"{r['model']} ({r['ms_gml_int8'] / r['ms_gml_fp32']:.2f}x)" for r in slower) or "none")
         + ".",
+        "- the cost policy's own whole-model guard (INT8 executable vs the all-fp32 float twin, inside "
+        "`gml.quantize`) found INT8 slower in: "
+        + (", ".join(f"{r['model']} ({r['guard_int8_ms'] / r['guard_fp32_ms']:.2f}x)" for r in guard) or "none")
+        + ".",
+        f"- INT8 regions kept fp32 by the cost policy in {len(costed)} model(s): "
+        + (", ".join(f"{r['model']} ({r['cost_kept_fp32']})" for r in costed) or "none")
+        + ".",
+        "- trace failures: " + (", ".join(r["model"] for r in traced) or "none") + ".",
         "",
         "## What stayed fp32 (first reasons per model)",
         "",
@@ -328,6 +361,25 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in done:
         if r.get("kept_fp32"):
             lines.append(f"- **{r['model']}**: " + "; ".join(r["kept_fp32"][:4]).replace("|", "/"))
+    lines += [
+        "",
+        f"## Cost policy (`cost_policy={meta.get('cost_policy', 'measure')}`): INT8 regions kept fp32, measured",
+        "",
+        "Per model: the INT8 regions `gml.quantize` timed slower than their fp32 ops (kept fp32, numbers "
+        "from that run), and its last guard, the whole INT8 executable vs the all-fp32 float twin.",
+        "",
+    ]
+    for r in done:
+        cost = [ln.strip() for ln in r.get("cost", "").splitlines()[1:]]
+        if cost:
+            shown = [ln for ln in cost if not ln.startswith("whole")][:3] + [
+                ln for ln in cost if ln.startswith("whole")
+            ]
+            more = r.get("cost_kept_fp32", 0) - len([ln for ln in shown if ln.startswith("region")])
+            lines.append(
+                f"- **{r['model']}**: "
+                + "; ".join(shown + ([f"(+{more} more region(s))"] if more > 0 else [])).replace("|", "/")
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -341,6 +393,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--calib", type=int, default=4)
+    ap.add_argument("--cost-policy", default="measure", choices=["measure", "off"], help="gml.quantize's cost_policy")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--note", default="", help="a line to add under the header (e.g. the commit measured)")
@@ -366,6 +419,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "rounds": args.rounds,
         "calib": args.calib,
+        "cost_policy": args.cost_policy,
+        "load": "{:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg()),
     }
     if not args.render_only:
         os.makedirs(os.path.dirname(args.results), exist_ok=True)

@@ -5,6 +5,11 @@ import sys
 
 import torch
 
+# gml.quantize's cost policy times regions on this (shared, noisy) machine: tests that count INT8 ops
+# must not depend on timing, and measuring every small model would slow the suite. Tests of the
+# policy pass cost_policy explicitly (tests/quant/test_cost_policy.py).
+os.environ.setdefault("GML_COST_POLICY", "off")
+
 # Tests share 2 cores with each other's processes; a fixed thread count keeps runs comparable.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 sys.path.insert(0, os.path.dirname(__file__))

@@ -7,7 +7,7 @@ returns a result object carrying the rewritten module *and* the report that expl
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,6 +211,8 @@ class QuantizeResult:
     scheme_reason: str = ""
     #: transformer scheme: every GEMM, attention, LayerNorm, softmax, opaque block with its precision and why
     precisions: list[Any] = field(default_factory=list)
+    #: the cost policy's measurements and decisions (gml.quant.cost_policy.CostReport)
+    cost: Any = None
 
     @property
     def executable(self) -> Any:
@@ -271,6 +273,7 @@ def quantize(
     scheme: str = "auto",
     min_sqnr_db: float | None = _DEFAULT_MIN_SQNR_DB,
     smooth_alpha: float | None = None,
+    cost_policy: str | Callable[[Any], Any] | None = None,
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -298,18 +301,28 @@ def quantize(
             fp32 on ``eval_data`` is below this (or NaN/Inf differ). Without it, a result below
             :data:`~gml.quant.accuracy.BROKEN_COSINE` is returned with ``accuracy.broken`` set.
         leaf_modules: submodule names or classes kept as opaque calls, as in :func:`gml.capture`.
+        cost_policy: ``measure`` (default; ``None`` reads ``GML_COST_POLICY``, else ``measure``):
+            time each INT8 region against its fp32 ops on
+            ``example_inputs`` with the chosen runtime and keep fp32 the regions where INT8 is
+            slower (``coverage.kept_fp32`` gives the numbers; ``result.cost`` the whole report,
+            including the whole-model INT8 vs fp32 guard); ``off``: every op with an INT8 kernel
+            runs INT8; or a function ``region -> RegionCost`` that replaces the measurement (the
+            same rule on given costs). See :mod:`gml.quant.cost_policy`.
     """
     import time
 
     from gml.errors import InputError
     from gml.quant.accuracy import accuracy_report
     from gml.quant.calibrate import generate_batches
+    from gml.quant.cost_policy import check_policy, default_policy, run_policy
     from gml.quant.frontend import prepare_reference
     from gml.quant.lower import CoverageEntry, coverage_of
     from gml.quant.pipeline import lowering_passes
-    from gml.runtime.select import check_runtime
+    from gml.runtime.select import attach_runtime, check_runtime
 
     check_runtime(runtime)
+    cost_policy = default_policy() if cost_policy is None else cost_policy
+    check_policy(cost_policy)
     check_eval_mode(model, what="INT8 quantization")
     check_finite_parameters(model, what="INT8 quantization")
     if example_inputs is None:
@@ -359,6 +372,20 @@ def quantize(
     passes = lowering_passes(backend)
     result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
     seconds["lower + fuse + clean up"] = time.perf_counter() - t0
+    # INT8 regions slower than their fp32 ops stay fp32 (lowered again); picks the runtime too
+    t0 = time.perf_counter()
+    result, engine, runtime_report, cost = run_policy(
+        result,
+        ref.graph_module,
+        ref.float_module,
+        inputs,
+        policy=cost_policy,
+        runtime=runtime,
+        relower=lambda gm: PassManager(lowering_passes(backend), strict=strict).run(gm, samples),
+        attach=lambda gm: attach_runtime(gm, inputs, runtime),
+        strict=strict,
+    )
+    seconds["cost policy + engine compile"] = time.perf_counter() - t0
     # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
     coverage = coverage_of(result.graph_module)
     for r in result.report.rolled_back:
@@ -380,11 +407,6 @@ def quantize(
     if min_cosine is not None:
         check_min_cosine(acc, min_cosine)
 
-    from gml.runtime.select import attach_runtime
-
-    t0 = time.perf_counter()
-    engine, runtime_report = attach_runtime(result.graph_module, inputs, runtime)
-    seconds["engine compile"] = time.perf_counter() - t0
     return QuantizeResult(
         result.graph_module,
         result.report,
@@ -395,8 +417,9 @@ def quantize(
         seconds,
         engine,
         runtime_report,
-        "static",
-        why,
+        scheme="static",
+        scheme_reason=why,
+        cost=cost,
     )
 
 

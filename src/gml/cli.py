@@ -361,6 +361,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             scheme=scheme,
             min_sqnr_db=None if args.min_sqnr < 0 else args.min_sqnr,
             smooth_alpha=args.smooth_alpha,
+            cost_policy=args.cost_policy,
         )
     console.print(f"[dim]{why}[/]")
     fe = res.frontend
@@ -385,6 +386,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     console.print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in res.seconds.items()))
     if res.runtime is not None:  # which executor runs the INT8 graph (the native engine by default)
         console.print(str(res.runtime))
+    if res.cost is not None and res.cost.policy != "off":  # regions kept fp32, with the measured numbers
+        console.print(str(res.cost), markup=False)
     if not args.no_time:
         t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.executable(*inputs)})
         console.print(
@@ -483,6 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-tensor", action="store_true", help="per-tensor instead of per-channel weight scales")
     p.add_argument("--no-per-layer", action="store_true", help="skip the per-layer SQNR table (faster)")
     p.add_argument("--no-time", action="store_true", help="skip the quick fp32-vs-INT8 latency check")
+    p.add_argument(
+        "--cost-policy",
+        choices=("measure", "off"),
+        default=None,
+        help="measure (default, or $GML_COST_POLICY): keep fp32 the INT8 regions timed slower than their fp32 "
+        "ops on this machine; off: every op with an INT8 kernel runs INT8 (docs/cost-policy.md)",
+    )
     p.add_argument(
         "--min-cosine",
         type=float,

@@ -417,19 +417,47 @@ def test_channel_shuffle_and_split_move_uint8():
     check_numerics(gm, ref, model, min_ref=0.9999, min_fp32=0.999)
 
 
+class Res2Split(nn.Module):
+    """Res2Net / MixNet / CSP: ``x.split(width, 1)``, a conv per piece, concatenated back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 12, 1), nn.ReLU())
+        self.convs = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1) for _ in range(2))
+        self.head = nn.Conv2d(12, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stem(x)
+        pieces = s.split(4, 1)
+        rest = torch.split(s, [8, 4], dim=1)[1]
+        return self.head(torch.cat([self.convs[0](pieces[0]), self.convs[1](pieces[1]), rest], 1))
+
+
+def test_split_pieces_move_uint8():
+    torch.manual_seed(0)
+    model = Res2Split().eval()
+    ref = reference(model)
+    gm, result = lower(ref)
+    assert result.coverage.kept_fp32 == []
+    assert sorted(m for m in moves(gm) if m[0] == "split") == [("split", 0), ("split", 1), ("split", 1)]
+    assert "dequantize" not in op_counts(gm)
+    check_numerics(gm, ref, model, min_ref=0.9999, min_fp32=0.999)
+
+
 def test_qmove_replays_the_op_on_the_integers():
     qp = QParams(0.1, 128)
     x = torch.randint(0, 256, (2, 8, 3, 3), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
     shuffle = QMove("view", [RuntimeArg(), 2, 4, 3, 3], qp, qp)
     assert torch.equal(shuffle(x, 2), x.reshape(2, 2, 4, 3, 3))  # channels-last: view would need reshape
     assert torch.equal(QMove("chunk", [2, 1], qp, qp, item=1)(x), x[:, 4:])
+    assert torch.equal(QMove("split", [[3, 5], 1], qp, qp, item=1)(x), x[:, 3:])
     # other output qparams: requantized, exactly as the reference's quantize(dequantize(...)) would
     out = QParams(0.2, 128)
     y = QMove("permute", [[0, 2, 3, 1]], qp, out)(x)
     assert torch.equal(
         y, torch.quantize_per_tensor((x.permute(0, 2, 3, 1).float() - 128) * 0.1, 0.2, 128, torch.quint8).int_repr()
     )
-    with pytest.raises(ValueError, match="chunk needs the index"):
+    with pytest.raises(ValueError, match="chunk / split need the index"):
         QMove("chunk", [2, 1], qp, qp)
 
 

@@ -51,10 +51,10 @@ from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from gml.errors import GMLError
+from gml.ir.attention import is_attention
 from gml.ir.ops import SPECS, op_kind
 from gml.kernels import bf16 as kb
 from gml.kernels import fp32 as k32
-from gml.ir.attention import is_attention
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.utils import modules_of, replace_module
 

@@ -8,6 +8,8 @@ Order matters and is fixed here, not discovered:
 * ``UntieSharedModules`` before anything that rewrites a module, so a rewrite at one call site
   can never change another (BasicBlock's shared ``relu``).
 * ``FoldBatchNorm`` before fusion: conv+BN+ReLU becomes conv+ReLU, which the fused kernels take.
+* ``FoldPadIntoConv`` after it (a BN folds forward only into an unpadded conv, so the pad stays
+  visible to it): a symmetric zero pad becomes the conv's padding.
 * ``FuseAttention`` after Normalize (which removes eval dropout between softmax and the second
   matmul) and before the fusions: attention becomes one ``gml.attention`` call they leave alone.
 * fusions last, since they replace modules with kernel modules that other passes do not look into;
@@ -22,6 +24,7 @@ from gml.passes.attention import FuseAttention
 from gml.passes.base import GraphPass
 from gml.passes.fold_bn import FoldBatchNorm
 from gml.passes.fold_constants import FoldConstants
+from gml.passes.fold_pad import FoldPadIntoConv
 from gml.passes.fuse_all import FUSION_PASS_CLASSES, fusion_passes
 from gml.passes.leaf_format import LeafMemoryFormat
 from gml.passes.normalize import Normalize
@@ -29,9 +32,9 @@ from gml.passes.untie import UntieSharedModules
 
 
 def canonical_passes() -> list[GraphPass]:
-    """Fold constants → normalize → untie → fold BN: the exact rewrites both the fp32 and INT8
-    pipelines start with."""
-    return [FoldConstants(), Normalize(), UntieSharedModules(), FoldBatchNorm()]
+    """Fold constants → normalize → untie → fold BN → fold pads: the exact rewrites both the fp32
+    and INT8 pipelines start with."""
+    return [FoldConstants(), Normalize(), UntieSharedModules(), FoldBatchNorm(), FoldPadIntoConv()]
 
 
 def fp32_passes() -> list[GraphPass]:
@@ -41,7 +44,8 @@ def fp32_passes() -> list[GraphPass]:
 
 def available_passes() -> dict[str, type[GraphPass]]:
     """Pass name → class, for ``gml optimize --passes``; names are the passes' own ``name``."""
-    classes: list[type[GraphPass]] = [FoldConstants, Normalize, UntieSharedModules, FoldBatchNorm, FuseAttention]
+    classes: list[type[GraphPass]] = [FoldConstants, Normalize, UntieSharedModules, FoldBatchNorm, FoldPadIntoConv]
+    classes += [FuseAttention]
     classes += [*FUSION_PASS_CLASSES, LeafMemoryFormat]
     return {cls.name: cls for cls in classes}
 

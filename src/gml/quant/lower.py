@@ -88,6 +88,7 @@ from gml.passes.utils import add_module, remove_unused_nodes
 from gml.quant.backend_config import ConvAct2d, LinearAct
 from gml.quant.modules import (
     MOVE_METHODS,
+    PIECE_METHODS,
     Dequantize,
     GMLQuantModuleBase,
     QActivation,
@@ -109,6 +110,7 @@ from gml.quant.modules import (
     QMean,
     QMove,
     QMul,
+    QPad,
     QReLU,
     Quantize,
     RuntimeArg,
@@ -684,6 +686,8 @@ def _move_method(node: fx.Node) -> str | None:
     if node.op == "call_function":
         if node.target is torch.chunk:
             return "chunk"
+        if node.target is torch.split:
+            return "split"
         return _MOVE_FUNCTIONS.get(node.target)
     return None
 
@@ -709,7 +713,8 @@ def _flat(a: Any) -> list[Any]:
 
 
 def _rule_move(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
-    """view / reshape / transpose / permute / contiguous / (un)squeeze, and ``chunk(...)[i]``, on the
+    """view / reshape / transpose / permute / contiguous / (un)squeeze, and ``chunk(...)[i]`` /
+    ``split(...)[i]`` (Res2Net, MixNet, CSP), on the
     integers (ShuffleNet's channel shuffle and split)."""
     if out_qp is None:
         return None
@@ -717,11 +722,11 @@ def _rule_move(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None
     target = node
     if node.op == "call_function" and node.target is operator.getitem:
         src, index = node.args
-        if not isinstance(src, fx.Node) or _move_method(src) != "chunk" or not isinstance(index, int):
+        if not isinstance(src, fx.Node) or _move_method(src) not in PIECE_METHODS or not isinstance(index, int):
             return None
         target, item = src, index
     method = _move_method(target)
-    if method is None or (method == "chunk") != (item is not None):
+    if method is None or (method in PIECE_METHODS) != (item is not None):
         return None
     if target.kwargs and set(target.kwargs) - {"dim"}:
         raise Decline(f"{method} with keyword arguments {sorted(target.kwargs)} has no INT8 replay")
@@ -731,6 +736,23 @@ def _rule_move(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None
     q = QMove(method, template, in_qp, out_qp, item=item, backend=ctx.backend)
     label = ctx.label(target) + ("" if item is None else f"[{item}]")
     return _Plan(q, [src, *runtime], [node], label)
+
+
+def _rule_pad(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+    """A constant zero pad (``F.pad``, ``nn.ZeroPad2d``, ``nn.ConstantPad2d(p, 0)``) on the integers,
+    padding with the zero point (a symmetric one before a conv was folded into its padding)."""
+    from gml.passes.fold_pad import pad_of
+
+    spec = pad_of(node, ctx.modules) if out_qp is not None else None
+    if spec is None:
+        return None
+    pads, mode, value = spec
+    if mode != "constant" or value not in (None, 0, 0.0):
+        raise Decline(f"a {mode} pad with value {value} has no INT8 replay (only zero pads)")
+    template, runtime = _move_args(node, pads)  # sizes from x.shape (timm's "same" pads): run-time inputs
+    src, in_qp = ctx.u8_input(node.args[0])
+    assert out_qp is not None
+    return _Plan(QPad(template, in_qp, out_qp, backend=ctx.backend), [src, *runtime], [node], ctx.label(node))
 
 
 def _rule_cat(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
@@ -766,6 +788,7 @@ RULES: tuple[Rule, ...] = (
     _rule_batch_norm,
     _rule_flatten,
     _rule_move,
+    _rule_pad,
     _rule_cat,
 )
 
@@ -773,6 +796,8 @@ RULES: tuple[Rule, ...] = (
 #: ``node.meta`` keys of the lowering's coverage entries (see :func:`coverage_of`)
 LOWERED = "gml_coverage"
 KEPT_FP32 = "gml_kept_fp32"
+#: set by the cost policy (gml.quant.cost_policy.KEEP_FP32) on ops it keeps fp32: the reason
+KEEP_FP32_COST = "gml_cost_keep_fp32"
 
 
 class LowerToGML(GraphPass):
@@ -873,6 +898,8 @@ class LowerToGML(GraphPass):
         """A plan for the producer of a quantize node, or the reason it stays fp32 ("" at the input)."""
         if not _reads_int8(ctx, src):
             return None, ""  # fp32 → quantize: the INT8 region starts here
+        if KEEP_FP32_COST in src.meta:  # the cost policy measured INT8 slower here
+            return None, str(src.meta[KEEP_FP32_COST])
         if len(src.users) != 1:
             return None, f"{src.name}'s fp32 result is also read elsewhere ({len(src.users)} users); kept in fp32"
         for rule in RULES:
@@ -894,6 +921,8 @@ class LowerToGML(GraphPass):
             if node.op not in ("call_module", "call_function", "call_method") or is_dequantize(node):
                 continue
             if any(is_quantize(u) for u in node.users) or not _reads_int8(ctx, node):
+                continue
+            if KEEP_FP32_COST in node.meta:
                 continue
             if _single_user(node) and _fuses_into(ctx, node, next(iter(node.users))):
                 continue  # the activation reading it fuses it

@@ -936,12 +936,14 @@ class RuntimeArg:
 
 
 #: Tensor methods :class:`QMove` replays on uint8 (``view`` runs as ``reshape``, see there).
-MOVE_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "squeeze", "unsqueeze", "chunk")
+MOVE_METHODS = ("view", "reshape", "transpose", "permute", "contiguous", "squeeze", "unsqueeze", "chunk", "split")
+#: the methods that return pieces: QMove takes one of them (``item``)
+PIECE_METHODS = ("chunk", "split")
 
 
 class QMove(UnaryOpsBase):
     """A data-movement op (``view``, ``reshape``, ``transpose``, ``permute``, ``contiguous``,
-    ``squeeze``, ``unsqueeze``, or one piece of ``chunk``) applied to the integers.
+    ``squeeze``, ``unsqueeze``, or one piece of ``chunk`` / ``split``) applied to the integers.
 
     Moving values does not change them, so the op commutes with (de)quantization:
     ``Q(move(DQ(u))) = move(u)`` when the output shares the input's qparams (the BackendConfig
@@ -965,8 +967,8 @@ class QMove(UnaryOpsBase):
         super().__init__(input_qparams, output_qparams, backend)
         if method not in MOVE_METHODS:
             raise ValueError(f"unknown data-movement method {method!r}; known: {', '.join(MOVE_METHODS)}")
-        if (method == "chunk") != (item is not None):
-            raise ValueError("chunk needs the index of the piece (item), other methods none")
+        if (method in PIECE_METHODS) != (item is not None):
+            raise ValueError("chunk / split need the index of the piece (item), other methods none")
         self.method, self.args, self.item = method, tuple(args), item
         self._call = "reshape" if method == "view" else method
 
@@ -987,6 +989,44 @@ class QMove(UnaryOpsBase):
         values = iter(inputs[1:])
         args = [next(values) if isinstance(a, RuntimeArg) else a for a in self.args]
         return OpCall("." + self._call, (inputs[0], *args), item=self.item, requantize=(self._in_qp, self._out_qp))
+
+
+class QPad(UnaryOpsBase):
+    """A constant zero pad on the integers: ``Q(pad(DQ(u), 0)) = pad(u, zero_point)``.
+
+    Real 0 is the integer ``zero_point`` (``(zp - zp) * s = 0``), always representable, so padding
+    with it is exact; then a requantize where the output's qparams differ (as every move op).
+    """
+
+    is_view = False
+
+    def __init__(
+        self,
+        pads: Sequence[int | RuntimeArg],
+        input_qparams: QParams,
+        output_qparams: QParams,
+        *,
+        backend: BackendArg = None,
+    ) -> None:
+        super().__init__(input_qparams, output_qparams, backend)
+        # sizes computed at run time (timm's "same" padding from x.shape) are RuntimeArg slots,
+        # filled from the extra inputs in order
+        self.pads = tuple(p if isinstance(p, RuntimeArg) else int(p) for p in pads)
+
+    def _sizes(self, runtime: Sequence[Any]) -> list[Any]:
+        values = iter(runtime)
+        return [next(values) if isinstance(p, RuntimeArg) else p for p in self.pads]
+
+    def forward(self, x: torch.Tensor, *runtime: int) -> torch.Tensor:
+        y = torch.constant_pad_nd(x, [int(p) for p in self._sizes(runtime)], float(self._in_qp.zero_point))
+        return self.backend.requantize(y, self._in_qp, self._out_qp)
+
+    def extra_repr(self) -> str:
+        return f"pads={list(self.pads)}, {self._qp_repr()}"
+
+    def op_call(self, inputs: Sequence[Any]) -> OpCall:
+        args = (inputs[0], self._sizes(inputs[1:]), float(self._in_qp.zero_point))
+        return OpCall(torch.constant_pad_nd, args, requantize=(self._in_qp, self._out_qp))
 
 
 class QCat(GMLQuantModuleBase):

@@ -183,10 +183,43 @@ def _check_conv(c: Call) -> str | None:
     return None
 
 
+def _nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Dense channels-last strides of an ``N, C, *spatial`` shape (NWC / NHWC / NDHWC)."""
+    stride, inner = [1] * len(shape), shape[1]  # channels innermost
+    for i in range(len(shape) - 1, 1, -1):
+        stride[i] = inner
+        inner *= shape[i]
+    stride[0] = inner
+    return tuple(stride)
+
+
+def _is_nhwc(v: Val) -> bool:
+    """Dense channels-last (strides of size-1 dims do not matter)."""
+    want = _nhwc_strides(v.shape)
+    return all(d == 1 or s == t for d, s, t in zip(v.shape, v.stride, want))
+
+
+def _as_nhwc(b: Builder, v: Val) -> Val:
+    """``v``, or a channels-last copy of it: oneDNN's INT8 convs are jitted for NHWC only; any other
+    layout (e.g. a quantized permute of LayerNorm's output in ConvNeXt) falls to its reference
+    kernel, hundreds of times slower (issue #16: convnext_atto, resnest14d)."""
+    if _is_nhwc(v):
+        return v
+    t = b.temp(v.shape, _nhwc_strides(v.shape), v.dtype_name)
+    b.reorder(v, t, src_q=None, dst_q=None)
+    return t
+
+
 def _emit_conv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val | None = None) -> None:
     a, x = c.a, ins[0]
     if x.dtype_name != "u8" or len(x.shape) != a.weight.dim():
         raise Unsupported(f"conv input {x.dtype_name} rank {len(x.shape)} (expects uint8 of the weight's rank)")
+    x = _as_nhwc(b, x)
+    if sum_with is None and not _is_nhwc(out):  # compute channels-last, then copy into the layout wanted
+        t = b.temp(out.shape, _nhwc_strides(out.shape), out.dtype_name)
+        _emit_conv(b, c, [x], t)
+        b.reorder(t, out, src_q=None, dst_q=None)
+        return
     k = tuple(a.weight.shape[2:])
     stride, padding, dilation = tuple(a.stride), tuple(a.padding), tuple(a.dilation)
     pad_r = [
@@ -541,11 +574,6 @@ def _emit_flinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 # goes in as fp32, as the fp32 rules pass it. An fp32 source (the model's input) is reordered to bf16
 # first, in its own layout: the step the module's ``x.to(torch.bfloat16)`` is.
 _CASTS = {bf16.to_fp32: "to_fp32", bf16.to_bf16: "to_bf16"}
-
-
-def _nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    _, c, h, w = shape
-    return (h * w * c, 1, w * c, c)
 
 
 def _bf16_src(b: Builder, x: Val) -> Val:

@@ -1,0 +1,555 @@
+"""The INT8 cost policy: keep fp32 every INT8 region that is slower than its fp32 counterpart.
+
+INT8 pays where a run of INT8 kernels is long enough to amortise the conversions around it. It
+does not pay for an *island* — one conv between two fp32 ops, wrapped in a ``quantize`` and a
+``dequantize`` —, for depthwise or tiny convs where those conversions cost more than the conv,
+or for ops only the Python executor runs. Which regions lose depends on the CPU, the shapes and
+the runtime, so the policy *measures* them, on the example input, with the runtime that will run
+the model (:func:`gml.runtime.select.attach_runtime`: the native engine where it covers the graph).
+
+Regions. After lowering, a *region* is a maximal connected set of nodes of the lowered graph whose
+values are uint8, plus the ``gml.quantize`` nodes that enter it and the nodes that leave it (a
+``gml.dequantize``, a conv/linear writing fp32). Regions are separated by fp32 ops, so each one
+can be kept INT8 or fp32 on its own without changing the others.
+
+The rule (per region ``R``, ``t`` = measured median latency at the example input's shapes)::
+
+    t_int8(R) = time of R's lowered nodes, entry quantize and exit dequantize included,
+                run the way the executable runs them (engine segments where the engine covers them)
+    t_fp32(R) = time of the fp32 ops R replaced (the float twin's nodes, run by torch)
+    keep R in INT8  iff  t_fp32(R) / t_int8(R) >= min_speedup     (default 1.0: never slower)
+
+A region kept fp32 is rewritten in the *reference* graph (:func:`keep_fp32`): its ops take the
+float twin's modules (no fake-quantized weights), the quantize → dequantize pairs between them
+and their fp32 neighbours vanish, and each op is marked so the lowering leaves it fp32 with the
+measured numbers as its reason (``coverage.kept_fp32``). Then the lowering runs again.
+
+Last guard (:func:`run_policy`): the whole INT8 executable against the all-fp32 float twin,
+interleaved rounds (:attr:`CostReport.whole`). When INT8 is still more than ``whole_margin`` (1.1x)
+slower after the region decisions, every region is kept fp32, with both numbers as the reason.
+
+The policy takes its costs from a function (``cost(region) -> RegionCost``): :class:`MeasuredCost`
+times the regions; tests inject fixed costs, so the decisions are deterministic there.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from gml.ir.qdq import is_dequantize, is_quantize_any
+from gml.passes.utils import remove_unused_nodes
+from gml.quant.lower import KEEP_FP32_COST as KEEP_FP32  # node.meta key LowerToGML reads
+
+POLICIES = ("measure", "off")
+
+
+@dataclass
+class Region:
+    """One INT8 region of a lowered graph."""
+
+    index: int
+    #: lowered-graph nodes: entry quantizes, INT8 ops, exit nodes (graph order)
+    nodes: list[str]
+    #: the reference-graph ops the region computes (what stays fp32 if it loses)
+    covered: list[str]
+    #: the gml op of each INT8 node, for the report
+    ops: list[str]
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for op in self.ops:
+            counts[op] = counts.get(op, 0) + 1
+        return ", ".join(f"{n}x {op}" if n > 1 else op for op, n in sorted(counts.items()))
+
+
+@dataclass
+class RegionCost:
+    """Milliseconds of a region in INT8 and of its fp32 counterpart (None: not measured, and why)."""
+
+    int8_ms: float | None
+    fp32_ms: float | None
+    note: str = ""
+
+
+@dataclass
+class RegionDecision:
+    region: Region
+    cost: RegionCost
+    int8: bool
+    reason: str
+
+
+@dataclass
+class CostReport:
+    """What the cost policy measured and decided, region by region, and the whole-model guard."""
+
+    policy: str
+    decisions: list[RegionDecision] = field(default_factory=list)
+    #: (INT8 ms, fp32 ms) of the whole returned executable vs the all-fp32 float twin
+    whole: tuple[float, float] | None = None
+    shapes: str = ""
+    notes: list[str] = field(default_factory=list)
+    #: the whole-model guard kept every region fp32 (INT8 could not pay on this model)
+    all_fp32: bool = False
+
+    @property
+    def kept_fp32(self) -> list[RegionDecision]:
+        return [d for d in self.decisions if not d.int8]
+
+    @property
+    def slower_than_fp32(self) -> bool:
+        return self.whole is not None and self.whole[0] > self.whole[1]
+
+    def __str__(self) -> str:
+        if self.policy == "off":
+            return "cost policy: off (every op with an INT8 kernel runs INT8)"
+        lines = [
+            f"cost policy: {len(self.decisions)} INT8 region(s) measured at {self.shapes}; "
+            f"{len(self.kept_fp32)} kept fp32 (slower in INT8)"
+        ]
+        for d in self.kept_fp32:
+            lines.append(f"  region {d.region.index} ({d.region.describe()}): {d.reason}")
+        if self.whole is not None:
+            i8, f32 = self.whole
+            verdict = "INT8 is SLOWER than fp32" if i8 > f32 else f"{f32 / i8:.2f}x faster than fp32"
+            lines.append(f"  whole model: INT8 {i8:.2f} ms vs fp32 {f32:.2f} ms ({verdict})")
+        lines += [f"  {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- regions
+def _is_u8(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.uint8
+    if isinstance(value, list | tuple):
+        return any(_is_u8(v) for v in value)
+    return False
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        self.values[n] = out
+        return out
+
+
+def record(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Node, Any]:
+    """Every node's value on ``inputs`` (a run of the Python executor on copies)."""
+    rec = _Recorder(gm)
+    with torch.no_grad():
+        rec.run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+    return rec.values
+
+
+def find_regions(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> list[Region]:
+    """The INT8 regions of a lowered graph, given every node's value (see the module docstring)."""
+    from gml.ir.library import gml_op_name
+    from gml.quant.lower import LOWERED
+
+    compute = ("call_function", "call_method", "call_module")
+    member: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op not in compute:
+            continue
+        v = values.get(n)
+        reads_u8 = any(_is_u8(values.get(a)) for a in n.all_input_nodes)
+        if _is_u8(v) or (reads_u8 and isinstance(v, torch.Tensor)):
+            member.add(n)
+    parent: dict[fx.Node, fx.Node] = {n: n for n in member}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in member:
+        for a in n.all_input_nodes:
+            if a in member and _is_u8(values.get(a)):
+                parent[find(a)] = find(n)
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for n in gm.graph.nodes:  # graph order
+        if n in member:
+            groups.setdefault(find(n), []).append(n)
+    regions = []
+    for nodes in groups.values():
+        covered: list[str] = []
+        ops: list[str] = []
+        for n in nodes:
+            entry = n.meta.get(LOWERED)
+            if entry is not None:
+                covered += [c for c in entry.nodes if c not in covered]
+            name = gml_op_name(n)
+            if name not in (None, "quantize", "dequantize", "requantize"):
+                ops.append(name)
+        if not ops:  # a quantize read only by a dequantize, or by shape queries: nothing to decide
+            continue
+        regions.append(Region(len(regions), [n.name for n in nodes], covered, ops))
+    return regions
+
+
+# ---------------------------------------------------------------- measuring
+def subgraph(gm: fx.GraphModule, names: Sequence[str]) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """``gm``'s nodes ``names`` as a GraphModule of their own: ``(module, the outside nodes it
+    reads, in placeholder order)``; it returns, as a tuple, every member read outside it."""
+    wanted = set(names)
+    nodes = [n for n in gm.graph.nodes if n.name in wanted]
+    inside = set(nodes)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    outside: list[fx.Node] = []
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in inside or a in env:
+                continue
+            if a.op == "get_attr":
+                env[a] = g.get_attr(str(a.target))
+            else:
+                env[a] = g.placeholder(f"in_{len(outside)}")
+                outside.append(a)
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda x: env[x])
+    outs = [n for n in nodes if any(u not in inside for u in n.users)]
+    g.output(tuple(env[n] for n in outs))
+    return fx.GraphModule(gm, g), outside
+
+
+def time_interleaved(
+    fns: Sequence[Callable[[], Any]], rounds: int = 5, min_ms: float = 2.0, decisive: float = 10.0
+) -> list[float]:
+    """Median ms per call of each function, in interleaved rounds (machine noise hits all alike);
+    each sample repeats a call until it takes ``min_ms`` so that short regions are not timer noise.
+    When one call is ``decisive`` times slower than another already (a kernel gone wrong), the
+    first timed calls are the answer: more rounds would not change the ranking, only cost time."""
+    with torch.no_grad():
+        inner, first = [], []
+        for f in fns:  # warm up (oneDNN primitives, allocator) and size the inner loop
+            f()
+            t0 = time.perf_counter()
+            f()
+            once = max(time.perf_counter() - t0, 1e-6) * 1e3
+            first.append(once)
+            inner.append(max(1, min(200, int(min_ms / once) + 1)))
+        if len(first) > 1 and max(first) > decisive * min(first) and max(first) > 10 * min_ms:
+            return first
+        samples: list[list[float]] = [[] for _ in fns]
+        for _ in range(rounds):
+            for i, f in enumerate(fns):
+                t0 = time.perf_counter()
+                for _ in range(inner[i]):
+                    f()
+                samples[i].append((time.perf_counter() - t0) * 1e3 / inner[i])
+    return [statistics.median(s) for s in samples]
+
+
+class MeasuredCost:
+    """``cost(region)`` by timing, on the example input's values, the region as the runtime runs it
+    (engine segments where the engine covers its nodes, torch otherwise) and the float twin's ops it
+    replaced (torch: what runs when the region stays fp32)."""
+
+    def __init__(
+        self,
+        lowered: fx.GraphModule,
+        twin: fx.GraphModule,
+        inputs: Sequence[Any],
+        *,
+        runtime: str = "engine",
+        rounds: int = 5,
+        lowered_values: dict[fx.Node, Any] | None = None,
+    ) -> None:
+        self.lowered, self.twin, self.runtime, self.rounds = lowered, twin, runtime, rounds
+        self.values = lowered_values if lowered_values is not None else record(lowered, inputs)
+        self.twin_values = record(twin, inputs)
+
+    def _int8_fn(self, region: Region) -> Callable[[], Any]:
+        sub, outside = subgraph(self.lowered, region.nodes)
+        args = [self.values[a] for a in outside]
+        run: Callable[..., Any] = sub
+        if self.runtime == "engine":
+            from gml.runtime import native
+            from gml.runtime.compile import partition
+
+            try:
+                native.load()
+                run, _ = partition(sub)
+            except Exception:  # no engine build: the Python executor runs the model too
+                run = sub
+        return lambda: run(*args)
+
+    def _fp32_fn(self, region: Region) -> Callable[[], Any]:
+        names = {n.name for n in self.twin.graph.nodes}
+        missing = [c for c in region.covered if c not in names]
+        if missing:
+            raise LookupError(f"no fp32 counterpart for {', '.join(missing[:3])}")
+        sub, outside = subgraph(self.twin, region.covered)
+        args = [self.twin_values[a] for a in outside]
+        return lambda: sub(*args)
+
+    def __call__(self, region: Region) -> RegionCost:
+        try:
+            f8, f32 = self._int8_fn(region), self._fp32_fn(region)
+            t8, t32 = time_interleaved([f8, f32], rounds=self.rounds)
+        except Exception as e:  # a region we cannot time stays as the lowering made it
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return RegionCost(None, None, f"not measured ({first[:160]})")
+        return RegionCost(t8, t32)
+
+
+# ---------------------------------------------------------------- deciding
+def decide(
+    regions: Sequence[Region], cost: Callable[[Region], RegionCost], *, min_speedup: float = 1.0
+) -> list[RegionDecision]:
+    """The rule of the module docstring, region by region (``cost`` may be measured or injected)."""
+    out = []
+    for r in regions:
+        c = cost(r)
+        if c.int8_ms is None or c.fp32_ms is None:
+            out.append(RegionDecision(r, c, True, c.note or "not measured; kept as lowered"))
+            continue
+        speedup = c.fp32_ms / c.int8_ms if c.int8_ms > 0 else float("inf")
+        int8 = speedup >= min_speedup
+        why = f"INT8 {c.int8_ms:.3f} ms (with its quantize/dequantize) vs fp32 {c.fp32_ms:.3f} ms measured" + (
+            "" if int8 else "; kept fp32 (cost policy)"
+        )
+        out.append(RegionDecision(r, c, int8, why))
+    return out
+
+
+# ---------------------------------------------------------------- applying
+def keep_fp32(
+    reference: fx.GraphModule, twin: fx.GraphModule, keep: dict[str, str], int8_ops: set[str] | None = None
+) -> fx.GraphModule:
+    """A copy of the reference Q/DQ graph where the ops named in ``keep`` (name → reason) run fp32.
+
+    Before: ``… DQ → conv_ref → Q → DQ → relu → Q → DQ …`` (all of it INT8 after lowering).
+    After, for ``keep = {conv, relu}`` between INT8 neighbours: ``… DQ → conv → relu → Q …``:
+    each kept op takes the float twin's module (fp32 weights: no fake-quantized copy per call);
+    a kept op reads the fp32 value directly (no ``Q → DQ`` rounding) unless an INT8 op that stays
+    INT8 produced it (then the ``DQ`` stays: a ``gml.dequantize`` after lowering); an INT8 reader
+    of a kept op keeps its ``Q → DQ`` (a ``gml.quantize``). Each kept op is marked
+    (``node.meta[KEEP_FP32]``): :class:`~gml.quant.lower.LowerToGML` leaves it fp32 and reports
+    the reason. Exact where it removes a pair (fp32 is what the reference approximates).
+    ``int8_ops``: the reference ops the lowering made INT8 (default: every op next to a Q/DQ pair).
+    """
+    from gml.quant.lower import KEPT_FP32, CoverageEntry
+
+    gm = copy.deepcopy(reference)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    twin_modules = dict(twin.named_modules())
+    modules = dict(gm.named_modules())
+    quantized = int8_ops if int8_ops is not None else _int8_ops(gm)
+    remaining = quantized - set(keep)
+    for name, reason in keep.items():
+        node = nodes.get(name)
+        if node is None:
+            continue
+        node.meta[KEEP_FP32] = reason
+        node.meta[KEPT_FP32] = CoverageEntry([name], _label(node, modules), "fp32", reason)
+        if node.op == "call_module":
+            target = str(node.target)
+            mod = twin_modules.get(target)
+            if mod is not None and type(mod) is not type(modules.get(target)):
+                _set_submodule(gm, target, copy.deepcopy(mod))
+    dead: list[fx.Node] = []
+    for dq in [n for n in gm.graph.nodes if is_dequantize(n)]:
+        q = dq.args[0]
+        if not (isinstance(q, fx.Node) and is_quantize_any(q)) or not isinstance(q.args[0], fx.Node):
+            continue
+        v = q.args[0]
+        if v.name in remaining:
+            continue  # an INT8 value read in fp32: a gml.dequantize after lowering
+        for u in list(dq.users):
+            if u.name not in remaining and (u.name in keep or v.name in keep):
+                u.replace_input_with(dq, v)
+        dead.append(dq)
+    remove_unused_nodes(gm.graph, dead)
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _int8_ops(gm: fx.GraphModule) -> set[str]:
+    """Names of ops that read a dequantize or whose result is quantized."""
+    out: set[str] = set()
+    for n in gm.graph.nodes:
+        if is_quantize_any(n) and isinstance(n.args[0], fx.Node):
+            out.add(n.args[0].name)
+        elif not is_dequantize(n) and any(is_dequantize(a) for a in n.all_input_nodes):
+            out.add(n.name)
+    return out
+
+
+def _label(node: fx.Node, modules: dict[str, Any]) -> str:
+    from gml.passes.oplib import node_label
+
+    return node_label(node, modules)
+
+
+def _set_submodule(gm: fx.GraphModule, target: str, module: torch.nn.Module) -> None:
+    parent_name, _, attr = target.rpartition(".")
+    parent = gm.get_submodule(parent_name) if parent_name else gm
+    setattr(parent, attr, module)
+
+
+def plan_regions(
+    lowered: fx.GraphModule,
+    reference: fx.GraphModule,
+    twin: fx.GraphModule,
+    inputs: Sequence[Any],
+    *,
+    runtime: str = "engine",
+    cost: Callable[[Region], RegionCost] | None = None,
+    min_speedup: float = 1.0,
+    rounds: int = 5,
+) -> tuple[fx.GraphModule | None, CostReport]:
+    """Decide every INT8 region of ``lowered``; ``(reference graph to lower again, or None when
+    every region stays INT8, the report)``. ``cost`` defaults to :class:`MeasuredCost`."""
+    from gml.quant.lower import LOWERED
+
+    values = record(lowered, inputs)
+    regions = find_regions(lowered, values)
+    shapes = ", ".join("x".join(map(str, t.shape)) for t in inputs if isinstance(t, torch.Tensor))
+    report = CostReport("measure", shapes=shapes)
+    if not regions:
+        return None, report
+    if cost is None:
+        cost = MeasuredCost(lowered, twin, inputs, runtime=runtime, rounds=rounds, lowered_values=values)
+    report.decisions = decide(regions, cost, min_speedup=min_speedup)
+    keep: dict[str, str] = {}
+    for d in report.kept_fp32:
+        why = f"cost policy: region {d.region.index} ({d.region.describe()}) {d.reason}"
+        keep.update({name: why for name in d.region.covered})
+    if not keep:
+        return None, report
+    int8 = {c for n in lowered.graph.nodes if LOWERED in n.meta for c in n.meta[LOWERED].nodes}
+    return keep_fp32(reference, twin, keep, int8), report
+
+
+def guard_whole_model(
+    executable: Any, twin: fx.GraphModule, inputs: Sequence[Any], *, rounds: int = 5
+) -> tuple[float, float]:
+    """(INT8 ms, fp32 ms): the returned executable against the all-fp32 float twin, interleaved."""
+    args = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+    t8, t32 = time_interleaved([lambda: executable(*args), lambda: twin(*args)], rounds=rounds, min_ms=0.0)
+    return t8, t32
+
+
+def run_policy(
+    lowered: Any,
+    reference: fx.GraphModule,
+    twin: fx.GraphModule,
+    inputs: Sequence[Any],
+    *,
+    policy: str | Callable[[Region], RegionCost],
+    runtime: str,
+    relower: Callable[[fx.GraphModule], Any],
+    attach: Callable[[fx.GraphModule], tuple[Any, Any]],
+    strict: bool = False,
+    whole_margin: float = 1.1,
+) -> tuple[Any, Any, Any, CostReport]:
+    """The policy inside ``gml.quantize``: ``(pass result, engine, runtime report, CostReport)``.
+
+    ``lowered`` is the lowering's PassManager result, ``relower(reference) -> result`` runs the
+    lowering again and ``attach(gm) -> (engine or None, report)`` picks the runtime. Regions are
+    measured with the runtime that will run them (the engine unless it declines this graph). Last
+    guard: when the whole INT8 executable is still more than ``whole_margin`` times slower than the
+    all-fp32 float twin, every region is kept fp32 (and the report says so with both numbers).
+    """
+    if policy == "off":
+        engine, runtime_report = attach(lowered.graph_module)
+        return lowered, engine, runtime_report, CostReport("off")
+    given = policy if callable(policy) else None
+    result = lowered
+    try:
+        measure_on = runtime
+        if runtime == "engine" and attach(lowered.graph_module)[0] is None:
+            measure_on = "torch"  # the engine declines this graph: the Python executor will run it
+        kept_ref, cost = plan_regions(lowered.graph_module, reference, twin, inputs, runtime=measure_on, cost=given)
+        if kept_ref is not None:
+            result = relower(kept_ref)
+    except Exception as e:  # the lowering's result stands; the report says the policy did not run
+        if strict:
+            raise
+        return (lowered, *attach(lowered.graph_module), CostReport("measure", notes=[_failed(e)]))
+    engine, runtime_report = attach(result.graph_module)
+    try:
+        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, twin, inputs)
+    except Exception as e:
+        cost.notes.append(f"whole-model guard not measured ({type(e).__name__}: {e})")
+        return result, engine, runtime_report, cost
+    i8, f32 = cost.whole
+    if i8 <= whole_margin * f32 or not cost.decisions:
+        return result, engine, runtime_report, cost
+    why = (
+        f"cost policy: the whole INT8 model ran {i8:.2f} ms vs {f32:.2f} ms in fp32 after the regions were "
+        "decided one by one; kept fp32"
+    )
+    keep = {c: why for d in cost.decisions for c in d.region.covered}
+    int8 = {c for d in cost.decisions for c in d.region.covered}
+    result = relower(keep_fp32(reference, twin, keep, int8))
+    engine, runtime_report = attach(result.graph_module)
+    cost.notes.append(
+        f"whole model INT8 {i8:.2f} ms vs fp32 {f32:.2f} ms (> {whole_margin:g}x): every region kept fp32"
+    )
+    cost.all_fp32 = True
+    try:
+        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, twin, inputs)
+    except Exception as e:
+        cost.notes.append(f"whole-model guard not re-measured ({type(e).__name__}: {e})")
+    return result, engine, runtime_report, cost
+
+
+def _failed(e: Exception) -> str:
+    return f"cost policy failed ({type(e).__name__}: {e}); every region kept INT8"
+
+
+def default_policy() -> str:
+    """The policy when none is given: ``GML_COST_POLICY`` if set (a deployment or CI default, e.g.
+    ``off`` for runs that must not depend on timing), else ``measure``."""
+    import os
+
+    policy = os.environ.get("GML_COST_POLICY", "measure")
+    check_policy(policy)
+    return policy
+
+
+def check_policy(policy: str | Callable[[Region], RegionCost]) -> None:
+    """An :class:`~gml.errors.InputError` unless ``policy`` is one of :data:`POLICIES` or a cost function."""
+    from gml.errors import InputError
+
+    if not callable(policy) and policy not in POLICIES:
+        raise InputError(f"unknown cost_policy {policy!r}.", hint=f"use one of: {', '.join(POLICIES)}.")
+
+
+__all__ = [
+    "KEEP_FP32",
+    "POLICIES",
+    "CostReport",
+    "MeasuredCost",
+    "Region",
+    "RegionCost",
+    "RegionDecision",
+    "check_policy",
+    "decide",
+    "default_policy",
+    "find_regions",
+    "guard_whole_model",
+    "keep_fp32",
+    "plan_regions",
+    "run_policy",
+    "subgraph",
+    "time_interleaved",
+]

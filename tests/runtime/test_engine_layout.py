@@ -1,0 +1,33 @@
+"""An INT8 conv whose uint8 input is not channels-last (ConvNeXt: LayerNorm over a permuted tensor,
+then quantize) runs on a jitted NHWC kernel after a reorder, not on oneDNN's reference kernel
+(hundreds of times slower: issue #16, convnext_atto / resnest14d)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import gml
+
+
+class PermutedNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(32)
+        self.fc = nn.Conv2d(32, 64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return torch.relu(self.fc(x))
+
+
+def test_conv_on_a_permuted_uint8_input_runs_a_jitted_kernel():
+    torch.manual_seed(0)
+    model = PermutedNorm().eval()
+    x = torch.randn(1, 32, 4, 4)
+    q = gml.quantize(model, 2, example_inputs=(x,), per_layer=False, cost_policy="off")
+    assert q.engine is not None
+    impls = [i for seg in q.engine.segments() for plan, _ in seg._plans.values() if plan for i in plan.step_impls()]
+    assert impls and not [i for i in impls if i.startswith("ref")], impls
+    with torch.no_grad():
+        assert torch.allclose(q.executable(x), q.module(x), atol=1e-5)
