@@ -144,6 +144,12 @@ def _bf16_weight(module: k32._Prepacked) -> None:
         module.bias = nn.Parameter(module.bias.detach().to(torch.bfloat16), requires_grad=False)
 
 
+def _geometry(m: k32.FusedConv | k32.FusedConvAdd) -> dict[str, Any]:
+    """The constructor arguments that place a fused conv's window (shared by both bf16 twins)."""
+    return {"stride": m.stride, "padding": m.padding, "dilation": m.dilation, "groups": m.groups,
+            "input_size": m.input_size}  # fmt: skip
+
+
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
@@ -157,16 +163,7 @@ class Bf16Conv(k32.FusedConv):
 
     @classmethod
     def from_fused(cls, m: k32.FusedConv) -> Bf16Conv:
-        return cls(
-            m.weight,
-            m.bias,
-            stride=m.stride,
-            padding=m.padding,
-            dilation=m.dilation,
-            groups=m.groups,
-            post_op=m.post_op,
-            input_size=m.input_size,
-        )
+        return cls(m.weight, m.bias, post_op=m.post_op, **_geometry(m))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(to_bf16(x))
@@ -189,17 +186,7 @@ class Bf16ConvAdd(k32.FusedConvAdd):
 
     @classmethod
     def from_fused(cls, m: k32.FusedConvAdd) -> Bf16ConvAdd:
-        return cls(
-            m.weight,
-            m.bias,
-            stride=m.stride,
-            padding=m.padding,
-            dilation=m.dilation,
-            groups=m.groups,
-            relu=m.relu,
-            inplace=m.inplace,
-            input_size=m.input_size,
-        )
+        return cls(m.weight, m.bias, relu=m.relu, inplace=m.inplace, **_geometry(m))
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         x = to_bf16(x)

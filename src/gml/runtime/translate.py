@@ -517,10 +517,13 @@ def _check_fconv(c: Call) -> str | None:
     return None
 
 
-def _emit_fconv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val | None = None) -> None:
+def _emit_fconv(
+    b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val | None = None, dtype: str = "f32"
+) -> None:
+    """A float conv (fp32, or bf16 with fp32 accumulation): weights reordered once, bias fp32."""
     mod, x = c.a, ins[0]
-    if x.dtype_name != "f32" or len(x.shape) != mod.weight.dim():
-        raise Unsupported(f"fp32 conv input {x.dtype_name} rank {len(x.shape)}")
+    if x.dtype_name != dtype or len(x.shape) != mod.weight.dim() or (dtype == "bf16" and len(x.shape) != 4):
+        raise Unsupported(f"{dtype} conv input {x.dtype_name} rank {len(x.shape)}")
     k = tuple(mod.weight.shape[2:])
     pad_r = [
         _pad_right(_spatial(x)[i], _spatial(out)[i], k[i], mod.stride[i], mod.dilation[i], mod.padding[i])
@@ -590,7 +593,7 @@ def _bf16_src(b: Builder, x: Val) -> Val:
 
 
 def _emit_bconv(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    _emit_fconv_any(b, c, [_bf16_src(b, ins[0])], out, "bf16")
+    _emit_fconv(b, c, [_bf16_src(b, ins[0])], out, dtype="bf16")
 
 
 def _emit_bconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
@@ -598,35 +601,7 @@ def _emit_bconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         raise Unsupported(f"bf16 conv + add of a {ins[1].dtype_name} tensor")
     x = _bf16_src(b, ins[0])
     b.share(out, ins[1], also_read=x)
-    _emit_fconv_any(b, c, [x], out, "bf16", sum_with=ins[1])
-
-
-def _emit_fconv_any(b: Builder, c: Call, ins: list[Val], out: Val, dtype: str, *, sum_with: Val | None = None) -> None:
-    mod, x = c.a, ins[0]
-    if x.dtype_name != dtype or len(x.shape) != 4:
-        raise Unsupported(f"{dtype} conv input {x.dtype_name} rank {len(x.shape)}")
-    k = tuple(mod.weight.shape[2:])
-    pad_r = [
-        _pad_right(_spatial(x)[i], _spatial(out)[i], k[i], mod.stride[i], mod.dilation[i], mod.padding[i])
-        for i in range(2)
-    ]
-    relu: Eltwise = [("relu", 0.0, 0.0)] if getattr(mod, "relu", False) else []
-    b.conv(
-        x,
-        out,
-        weight=mod.weight.detach(),
-        w_scales=torch.ones(1),
-        bias=mod.bias,
-        stride=mod.stride,
-        dilation=tuple(d - 1 for d in mod.dilation),
-        pad_l=mod.padding,
-        pad_r=pad_r,
-        groups=mod.groups,
-        src_q=None,
-        dst_q=None,
-        sum_q=None if sum_with is None else (1.0, 0),
-        eltwise=eltwise_of(mod.post_op) if sum_with is None else relu,
-    )
+    _emit_fconv(b, c, [x], out, sum_with=ins[1], dtype="bf16")
 
 
 def _check_blinear(c: Call) -> str | None:
