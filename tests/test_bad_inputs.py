@@ -730,6 +730,56 @@ API_CASES += [
     ),
 ]
 
+def _load_with_runtime(runtime: str) -> object:
+    from gml import io as gio
+
+    return gio.load(_saved_path("never-read.pt2"), runtime=runtime)  # refused before the file is read
+
+
+# Option values of this session's features (#13 runtimes, #14 precision, #15 schemes, #16 cost policy)
+API_CASES += [
+    ApiCase(
+        "unknown precision",
+        "gml.optimize(m, x, precision='fp16')",
+        lambda m: api.optimize(m, _x(1, 3, 32, 32), precision="fp16"),
+        _model,
+        InputError,
+        "unknown precision 'fp16'",
+    ),
+    ApiCase(
+        "unknown runtime",
+        "gml.optimize(m, x, runtime='onnx')",
+        lambda m: api.optimize(m, _x(1, 3, 32, 32), runtime="onnx"),
+        _model,
+        InputError,
+        "unknown runtime 'onnx'",
+    ),
+    ApiCase(
+        "unknown INT8 scheme",
+        "gml.quantize(m, 2, example_inputs=x, scheme='dynamic')",
+        lambda m: api.quantize(m, 2, example_inputs=_x(1, 3, 32, 32), scheme="dynamic"),
+        _model,
+        InputError,
+        "unknown INT8 scheme 'dynamic'",
+    ),
+    ApiCase(
+        "unknown cost policy",
+        "gml.quantize(m, 2, example_inputs=x, cost_policy='fast')",
+        lambda m: api.quantize(m, 2, example_inputs=_x(1, 3, 32, 32), cost_policy="fast"),
+        _model,
+        InputError,
+        "unknown cost_policy 'fast'",
+    ),
+    ApiCase(
+        "unknown runtime for a saved model",
+        "gml.io.load(path, runtime='onnx')",
+        lambda m: _load_with_runtime("onnx"),
+        _model,
+        InputError,
+        "unknown runtime 'onnx'",
+    ),
+]
+
 API_PENDING: dict[str, str] = {}
 
 
