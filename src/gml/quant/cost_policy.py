@@ -134,20 +134,11 @@ def _is_u8(value: Any) -> bool:
     return False
 
 
-class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.values: dict[fx.Node, Any] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        self.values[n] = out
-        return out
-
-
 def record(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Node, Any]:
     """Every node's value on ``inputs`` (a run of the Python executor on copies)."""
-    rec = _Recorder(gm)
+    from gml.runtime.compile import Recorder
+
+    rec = Recorder(gm)
     with torch.no_grad():
         rec.run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
     return rec.values

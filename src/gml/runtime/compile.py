@@ -151,7 +151,7 @@ class EngineSegment(nn.Module):
     def _compile(self, inputs: Sequence[torch.Tensor], key: tuple) -> tuple[Any, list[tuple]]:
         # 1. the executor's own tensors, on copies (a residual add may write an input in place)
         copies = [t.clone() for t in inputs]
-        recorder = _Recorder(self.reference)
+        recorder = Recorder(self.reference)
         try:
             with torch.no_grad():
                 recorder.run(*copies)
@@ -208,8 +208,9 @@ class EngineSegment(nn.Module):
         return tuple(results)
 
 
-class _Recorder(fx.Interpreter):
-    """The segment's Python executor, keeping every node's result (layouts for the plan)."""
+class Recorder(fx.Interpreter):
+    """A Python executor keeping every node's result (a segment's layouts for its plan; the INT8
+    cost policy's region values)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
