@@ -18,7 +18,8 @@ import gml
 from fuzz.known_bugs import known_fp32_bug
 from gml.kernels import bf16 as kb
 from gml.passes.bf16 import BF16_TOLERANCE
-from gml.testing.fuzz import check_fp32
+from gml.testing.fuzz import FuzzFailure, check_fp32
+from gml.testing.graphgen import L, ModelSpec
 from gml.testing.strategies import fuzz_seed, fuzz_settings, model_specs
 
 pytestmark = pytest.mark.skipif(not kb.bf16_available(), reason=f"no native bf16: {kb.bf16_unavailable_reason()}")
@@ -43,3 +44,25 @@ def test_bf16_pipeline_matches_eager_within_the_bf16_bound(spec):
         if record.name == "lower_bf16" and record.matches:
             event("lowered to bf16")
     event(f"error {'< 2^-7' if outcome.max_rel_err < 2**-7 else '>= 2^-7'} of the output magnitude")
+
+
+# The property above only raises (gml.testing.fuzz.FuzzFailure); these pin what it checks.
+_SPEC = ModelSpec(
+    inputs=[(1, 3, 6, 6)],
+    layers=[L("conv", 0, out=8, k=3, pad=1), L("bn", 1), L("act", 2, kind="relu"), L("conv", 3, out=4, k=3, pad=1)],
+)
+
+
+def test_a_fixed_graph_runs_in_bf16_within_the_bound():
+    outcome = check_fp32(_SPEC, optimize=_optimize_bf16, rtol=BF16_TOLERANCE.rtol, ulp=BF16_ULP)
+    assert outcome.refused is None
+    assert outcome.report.record("lower_bf16").matches >= 1
+    # really bf16 (far above fp32 rounding) and still inside the documented bound
+    assert 2.0**-16 < outcome.max_rel_err <= BF16_TOLERANCE.rtol, outcome.max_rel_err
+
+
+def test_the_property_catches_a_wrong_bf16_kernel(monkeypatch):
+    real = kb.Bf16Conv.forward
+    monkeypatch.setattr(kb.Bf16Conv, "forward", lambda self, x: real(self, x) * 1.25)  # 25 % off
+    with pytest.raises(FuzzFailure, match=r"pass rolled back|differs from eager"):
+        check_fp32(_SPEC, optimize=_optimize_bf16, rtol=BF16_TOLERANCE.rtol, ulp=BF16_ULP)
