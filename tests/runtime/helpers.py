@@ -66,8 +66,9 @@ def assert_close_int(ref: torch.Tensor, got: torch.Tensor, *, frac: float = 0.02
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * max(1.0, float(ref.abs().max())))
 
 
-def check_engine(gm: fx.GraphModule, *inputs: torch.Tensor, expect_engine: bool = True, frac: float = 0.02):
-    """Engine vs the Python executor on ``inputs``; returns the EngineModule."""
+def run_both(gm: fx.GraphModule, *inputs: torch.Tensor):
+    """``(Python executor's output, EngineModule, engine's output)`` on ``inputs``; the engine must
+    leave the caller's inputs as they were."""
     with torch.no_grad():
         ref = gm(*[t.clone() for t in inputs])
         saved = [t.clone() for t in inputs]
@@ -75,6 +76,12 @@ def check_engine(gm: fx.GraphModule, *inputs: torch.Tensor, expect_engine: bool 
         got = eng(*inputs)
     for t, s in zip(inputs, saved):
         assert torch.equal(t, s), "the engine wrote into a caller's input"
+    return ref, eng, got
+
+
+def check_engine(gm: fx.GraphModule, *inputs: torch.Tensor, expect_engine: bool = True, frac: float = 0.02):
+    """Engine vs the Python executor on ``inputs``; returns the EngineModule."""
+    ref, eng, got = run_both(gm, *inputs)
     if expect_engine:
         assert eng.report.path == "engine", str(eng.report)
     assert_close_int(ref, got, frac=frac)
