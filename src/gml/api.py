@@ -341,7 +341,7 @@ def quantize(
     from gml.models_hf import token_range as vocab_range
 
     token_range = vocab_range(model)  # generated token ids come from the vocabulary (#15)
-    chosen, why = choose_scheme(model, scheme)
+    chosen, why = choose_scheme(model, scheme, inputs)
     if chosen == "transformer":
         return _quantize_transformer(
             model, calib_data, inputs, eval_data=eval_data, eval_labels=eval_labels, per_layer=per_layer,
@@ -426,8 +426,9 @@ def quantize(
 SCHEMES = ("auto", "static", "transformer")
 
 
-def choose_scheme(model: nn.Module, scheme: str = "auto") -> tuple[str, str]:
-    """``(scheme, why)``: the INT8 scheme :func:`quantize` uses for ``model`` and the reason."""
+def choose_scheme(model: nn.Module, scheme: str = "auto", inputs: Sequence[Any] | None = None) -> tuple[str, str]:
+    """``(scheme, why)``: the INT8 scheme :func:`quantize` uses for ``model`` and the reason; with
+    ``inputs`` a plain module is captured to look for attention in its graph."""
     from gml.errors import InputError
     from gml.quant.transformer import WHY_SCHEME, transformer_reason
 
@@ -435,7 +436,7 @@ def choose_scheme(model: nn.Module, scheme: str = "auto") -> tuple[str, str]:
         raise InputError(f"unknown INT8 scheme {scheme!r}.", hint=f"use one of {', '.join(SCHEMES)}.")
     if scheme != "auto":
         return scheme, f"scheme={scheme!r} requested"
-    found = transformer_reason(model)
+    found = transformer_reason(model, inputs)
     if found is not None:
         return "transformer", f"transformer scheme: {found}; {WHY_SCHEME}"
     return "static", "static scheme: no transformer layers found (calibrated per-tensor activation ranges)"

@@ -279,10 +279,12 @@ def _leaf_spec(leaf_modules: Sequence[str | type]) -> tuple[tuple[type, ...], li
     return types, names
 
 
-def _omitted_none_args(model: nn.Module, n_given: int) -> dict[str, None]:
-    """``forward`` parameters after the ``n_given`` example inputs whose default is ``None``: traced as
-    ``None`` (fx would make each a placeholder, and ``if mask is not None:`` would take the branch for a
-    value that is ``None`` at run time). Passing one later fails fx's ``_assert_is_none`` guard."""
+def _omitted_default_args(model: nn.Module, n_given: int) -> dict[str, Any]:
+    """``forward`` parameters after the ``n_given`` example inputs whose default is ``None`` or a plain
+    constant (bool, int, float, str): traced as that default. fx would make each a placeholder, so
+    ``if mask is not None:`` would take the branch for a value that is ``None`` at run time and
+    ``if is_causal:`` (timm's ViT, ``forward(x, attn_mask=None, is_causal=False)``) would be Python
+    control flow on a Proxy. Passing a different value later fails fx's guard for that argument."""
     import inspect
 
     try:
@@ -290,7 +292,8 @@ def _omitted_none_args(model: nn.Module, n_given: int) -> dict[str, None]:
     except (TypeError, ValueError):
         return {}
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {p.name: None for p in params[n_given:] if p.kind in kinds and p.default is None}
+    plain = (type(None), bool, int, float, str)
+    return {p.name: p.default for p in params[n_given:] if p.kind in kinds and type(p.default) in plain}
 
 
 def trace(
@@ -313,7 +316,7 @@ def trace(
         else _Tracer(types, names)
     )
     if example_inputs is not None and not concrete_args:
-        concrete_args = _omitted_none_args(model, len(example_inputs)) or None
+        concrete_args = _omitted_default_args(model, len(example_inputs)) or None
     model_name = type(model).__name__
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)

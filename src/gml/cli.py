@@ -334,7 +334,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     model, inputs = load_from_args(args)
     from gml.api import choose_scheme
 
-    scheme, why = choose_scheme(model, args.scheme)
+    scheme, why = choose_scheme(model, args.scheme, inputs)
     if scheme == "transformer" and args.out:  # before the run, not after it
         from gml.errors import UnsupportedError
 

@@ -278,3 +278,42 @@ def test_cli_min_sqnr_and_smooth_alpha_reach_the_scheme(tmp_path, capsys, monkey
     assert "9/9 GEMMs INT8" in out and "accuracy fallback" not in out
     assert main([*args, "--smooth-alpha", "2"]) == InputError.exit_code
     assert "smooth_alpha=2.0 is outside (0, 1)" in capsys.readouterr().out
+
+
+class _TimmStyleViT(nn.Module):
+    """timm's ViT shape: hand-written attention in a plain module, ``forward(x, attn_mask=None,
+    is_causal=False)`` branching on both optional arguments (timm ≥ 1.0.2x)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.norm, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(self.norm(x)).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        a = (q @ k.transpose(-2, -1)) * self.scale
+        if attn_mask is not None or is_causal:
+            a = a + (attn_mask if attn_mask is not None else torch.zeros_like(a))
+        a = self.drop(a.softmax(dim=-1))
+        x = x + self.proj((a @ v).transpose(1, 2).reshape(b, n, c))
+        return self.head(x.mean(1))
+
+
+def test_auto_finds_hand_written_attention_in_a_plain_module_and_captures_default_flags() -> None:
+    """A plain module whose attention is hand-written (timm's ViTs) gets the transformer scheme: the
+    module tree says nothing, so the scheme is chosen from its captured graph; capture fixes omitted
+    ``None`` / bool defaults (``if attn_mask is not None or is_causal:``) instead of tracing them."""
+    model, x = _TimmStyleViT().eval(), torch.randn(1, 9, 32)
+    assert transformer_reason(model) is None  # nothing to see without the graph
+    found = transformer_reason(model, (x,))
+    assert found == "its graph holds 1 attention op(s) (gml.attention / scaled_dot_product_attention)"
+    res = gml.quantize(model, 2, example_inputs=(x,))
+    assert res.scheme == "transformer" and found in res.scheme_reason
+    with torch.no_grad():
+        assert torch.nn.functional.cosine_similarity(res.module(x).flatten(), model(x).flatten(), 0) > 0.99
+    # a CNN still gets the static scheme, with inputs given
+    cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
+    assert gml.api.choose_scheme(cnn, inputs=(torch.randn(1, 3, 8, 8),))[0] == "static"

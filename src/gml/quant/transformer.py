@@ -356,24 +356,46 @@ def precisions(gm: fx.GraphModule) -> list[GemmPrecision]:
     return rows
 
 
-def transformer_reason(model: nn.Module) -> str | None:
+def transformer_reason(model: nn.Module, inputs: Sequence[Any] | None = None) -> str | None:
     """Why ``model`` gets the transformer scheme (``None``: it does not): a transformers model, or
-    one holding ``torch.nn`` attention/transformer layers, or a captured graph that calls attention."""
+    one holding ``torch.nn`` attention/transformer layers, or a graph that calls attention. Given
+    ``inputs``, a plain module (timm's ViTs, a hand-written encoder) is captured and normalized to
+    find attention the way the fp32 pipeline does: an SDPA call or the hand-written
+    matmul → scale → mask → softmax → matmul chain (:class:`gml.passes.attention.FuseAttention`)."""
     from gml.capture_export import OPAQUE_TO_FX
 
     if isinstance(model, fx.GraphModule):
-        from gml.ir.attention import is_attention
-        from gml.passes.attention import SDPA_TARGETS
-
-        if any(is_attention(n) or (n.op == "call_function" and n.target in SDPA_TARGETS) for n in model.graph.nodes):
-            return "its graph holds attention (gml.attention / scaled_dot_product_attention)"
+        return _graph_attention(model)
     for name, m in model.named_modules():
         if isinstance(m, OPAQUE_TO_FX):
             return f"it holds torch.nn.{type(m).__name__} ('{name or type(model).__name__}')"
     for c in type(model).__mro__:
         if c.__module__.startswith("transformers."):
             return f"it is a transformers {type(model).__name__}"
-    return None
+    if inputs is None:
+        return None
+    import copy
+
+    from gml.capture import capture
+    from gml.errors import GMLError
+    from gml.passes.attention import FuseAttention
+    from gml.passes.normalize import Normalize
+
+    try:
+        gm = capture(copy.deepcopy(model), inputs, export=False)
+        gm = Normalize().call(gm).graph_module
+        gm = FuseAttention().call(gm).graph_module
+    except GMLError:  # the static path reports why the model does not capture
+        return None
+    return _graph_attention(gm)
+
+
+def _graph_attention(gm: fx.GraphModule) -> str | None:
+    from gml.ir.attention import is_attention
+    from gml.passes.attention import SDPA_TARGETS
+
+    n = sum(is_attention(n) or (n.op == "call_function" and n.target in SDPA_TARGETS) for n in gm.graph.nodes)
+    return f"its graph holds {n} attention op(s) (gml.attention / scaled_dot_product_attention)" if n else None
 
 
 #: Why transformers get this scheme rather than the static one (reports quote it).

@@ -263,13 +263,13 @@ INT8_MIN_COSINE = 0.995
 def check_block_int8(spec: BlockSpec) -> dict[str, Any]:
     """``gml.quantize(scheme="transformer")`` of the block: outputs keep shape and finiteness, cosine
     with fp32 ≥ :data:`INT8_MIN_COSINE` on unseen inputs; every GEMM is listed as INT8, or fp32 with
-    the accuracy-fallback reason; one attention row per fused attention. torch.nn blocks must get the
-    transformer scheme from ``scheme="auto"``."""
+    the accuracy-fallback reason; one attention row per fused attention. Every block (torch.nn layers,
+    SDPA and the hand-written spellings) must get the transformer scheme from ``scheme="auto"``."""
     from gml.api import choose_scheme, quantize
     from gml.testing.fuzz import FuzzFailure
 
     model = build_block(spec)
-    if spec.kind != "block" and choose_scheme(model)[0] != "transformer":
+    if choose_scheme(model, inputs=spec.example_inputs(0))[0] != "transformer":
         raise FuzzFailure(f"scheme='auto' did not pick the transformer scheme\n{spec!r}")
     calib = [spec.example_inputs(s) for s in (3, 4, 5)]
     held = [spec.example_inputs(s) for s in (1, 2)]
