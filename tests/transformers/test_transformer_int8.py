@@ -45,8 +45,8 @@ def test_pass_golden_and_declined() -> None:
     gm = capture(M().eval(), (torch.randn(3, 16),))
     res = QuantizeLinearsDynamic()(gm)
     out = res.graph_module
-    kinds = [gml_op_name(n) or type(out.get_submodule(str(n.target))).__name__
-             for n in out.graph.nodes if n.op in ("call_module", "call_function") and n.target is not torch.relu]  # fmt: skip
+    calls = [n for n in out.graph.nodes if n.op in ("call_module", "call_function") and n.target is not torch.relu]
+    kinds = [gml_op_name(n) or type(out.get_submodule(str(n.target))).__name__ for n in calls]
     assert kinds == ["dynamic_linear", "Linear"]  # the GEMM is an op of the IR, its int8 weights constants
     assert not any(isinstance(m, DynamicQuantLinear) for m in out.modules()) and not hasattr(out, "a")
     assert res.matches == 1 and [s.reason for s in res.skips] == ["torch.float64 weights, not fp32"]

@@ -52,7 +52,7 @@ def quantize_rows(rows: torch.Tensor, smooth_inv: torch.Tensor | None = None) ->
     return torch.round(rows * inv).to(torch.int8), amax
 
 
-def apply_post_op(y: torch.Tensor, post_op: str, scalars: list[float] | tuple[float, ...], algorithm: str) -> torch.Tensor:
+def apply_post_op(y: torch.Tensor, post_op: str, algorithm: str) -> torch.Tensor:
     """The fused activation of a ``dynamic_linear`` (in place on ``y``): ``none``, ``relu``, ``gelu``."""
     if post_op == "none":
         return y
@@ -86,4 +86,4 @@ def dynamic_linear(
     y = torch.mul(acc, weight_scale / QMAX).mul_(amax)  # float(acc) * (s_w / 127), then * amax: two roundings
     if bias is not None:
         y.add_(bias)
-    return apply_post_op(y, post_op, post_op_scalars, post_op_algorithm).reshape(*shape[:-1], n)
+    return apply_post_op(y, post_op, post_op_algorithm).reshape(*shape[:-1], n)

@@ -211,7 +211,8 @@ class QuantizeLinearsDynamic(GraphPass):
     Before → after: ``%y = linear(%x)`` → ``%y = gml.dynamic_linear(%x, %w_s8, %w_scale, %bias,
     %smooth_inv?, "none", [], "")`` with the int8 weights and scales as ``get_attr`` constants (the
     lowered graph is data: the Python executor, the native engine and ``torch.export`` read it); the
-    math is in the module docstring and :mod:`gml.kernels.dynamic_int8`. Changes numerics on purpose (tolerance ``None``: shapes and finiteness are checked).
+    math is in the module docstring and :mod:`gml.kernels.dynamic_int8`. Changes numerics on
+    purpose (tolerance ``None``: shapes and finiteness are checked).
 
     Options: ``calib_data`` (batches of the graph's inputs) turns on the accuracy-driven fallback:
     a GEMM whose measured SQNR is below ``min_sqnr_db`` stays ``nn.Linear`` (fp32); ``smooth_alpha``
