@@ -82,7 +82,9 @@ def dynamic_linear(
     if shape[-1] != k:
         raise ValueError(f"dynamic_linear: input has {shape[-1]} features, the weight {k}")
     q_x, amax = quantize_rows(x.reshape(-1, k).float(), smooth_inv)
-    acc = torch._int_mm(q_x, weight.t())  # int8 x int8 -> int32, exact
+    # int8 x int8 -> int32, exact; torch._int_mm returns wrong sums for K = 1 and N > 1 (torch 2.14
+    # CPU), where the GEMM is an outer product
+    acc = q_x.int() * weight.int().t() if k == 1 else torch._int_mm(q_x, weight.t())
     y = torch.mul(acc, weight_scale / QMAX).mul_(amax)  # float(acc) * (s_w / 127), then * amax: two roundings
     if bias is not None:
         y.add_(bias)
