@@ -225,14 +225,10 @@ class QuantizeResult:
         engine's plan on the machine it loads on (docs/adr/004, 005)."""
         from gml.io import save
 
-        if self.scheme == "transformer":
-            from gml.errors import UnsupportedError
-
-            raise UnsupportedError(
-                "Saving a model quantized with the transformer INT8 scheme is not supported yet.",
-                hint="keep result.module in the process, or save the fp32 model (gml optimize --out).",
-            )
-
+        if self.scheme == "transformer":  # gml.dynamic_linear calls + int8 constants (ADR 008); the
+            # example's batch and sequence length stay dynamic where the graph allows
+            save(self.module, path, self.frontend.example_inputs, dynamic_dims="all")
+            return
         save(self.module, path)
 
 

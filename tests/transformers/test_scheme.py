@@ -13,7 +13,7 @@ from torch import fx, nn
 import gml
 from gml.capture import capture
 from gml.cli import main
-from gml.errors import InputError, UnsupportedError
+from gml.errors import InputError
 from gml.quant.calibrate import describe_generated, generate_batches
 from gml.quant.transformer import DynamicQuantLinear, quantize_transformer, transformer_reason
 
@@ -75,8 +75,35 @@ def test_quantize_api_picks_the_transformer_scheme_for_a_transformer() -> None:
     assert type(got) is type(ref) and type(via) is type(ref)  # the ModelOutput, as the model returns it
     for key in ("last_hidden_state", "pooler_output"):  # the pooler reads hidden[:, 0], a view with gaps
         torch.testing.assert_close(via[key], got[key], rtol=0, atol=1e-5)
-    with pytest.raises(UnsupportedError, match="transformer INT8 scheme"):
-        res.save("/tmp/never-written.pt2")
+
+
+def test_transformer_int8_saves_and_loads_pickle_free(tmp_path) -> None:
+    """The INT8 transformer is a graph of gml.dynamic_linear calls with int8 constants: it exports
+    (no pickle), loads without transformers' source, onto the engine, for other batch / sequence
+    lengths, with the same numbers; a padded batch too."""
+    from gml.archive import looks_pickled
+    from gml.io import load
+
+    model = _bert()
+    ids, mask = _tokens(2, 16)
+    mask[1, 11:] = 0  # a padded sentence
+    res = gml.quantize(model, 2, example_inputs=(ids, mask), per_layer=False)
+    path = tmp_path / "bert-int8.pt2"
+    res.save(str(path))
+    assert not looks_pickled(path)
+    loaded = load(path)  # trust_pickle stays False: nothing in the file is unpickled
+    gemms = [n for n in loaded.runtime.nodes if n.op == "dynamic_linear"]
+    assert len(gemms) == 9, str(loaded.runtime)
+    from gml.runtime import unavailable_reason
+
+    if unavailable_reason() is None:
+        assert all(n.runs_in == "engine" for n in gemms), str(loaded.runtime)
+    for batch, seq in ((2, 16), (1, 7), (3, 23)):
+        x = _tokens(batch, seq) if seq != 16 else (ids, mask)
+        with torch.no_grad():
+            want, got = res.module(*x), loaded(*x)
+        for key in ("last_hidden_state", "pooler_output"):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
 
 
 def test_quantize_api_keeps_the_static_scheme_elsewhere_and_validates_the_choice() -> None:

@@ -378,6 +378,8 @@ class TransformerQuantResult:
     precisions: list[GemmPrecision] = field(default_factory=list)
     fp32_module: fx.GraphModule | None = None
     calibration: str = ""
+    #: the example inputs the graph was captured with (saving exports the graph on them)
+    example_inputs: tuple = ()
 
     def table(self):  # -> rich.table.Table
         from rich.table import Table
@@ -559,4 +561,4 @@ def quantize_transformer(
         )
     report = fp32.report
     report.records.extend(q.report.records)
-    return TransformerQuantResult(q.graph_module, report, precisions(q.graph_module), fp32_gm, source)
+    return TransformerQuantResult(q.graph_module, report, precisions(q.graph_module), fp32_gm, source, inputs)
