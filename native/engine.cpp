@@ -27,9 +27,12 @@
 #include <nanobind/stl/vector.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -113,8 +116,13 @@ struct Value {
   int tie = -1;  // takes this value's layout
 };
 
+// A step that is not a oneDNN primitive (gml::dynamic_linear's per-row quantization): it reads and
+// writes the memories of its args map, as a primitive would.
+using Kernel = std::function<void(const std::unordered_map<int, memory>&)>;
+
 struct Step {
-  dnnl::primitive prim;
+  dnnl::primitive prim;  // empty for a Kernel step
+  Kernel kernel;
   std::vector<std::pair<int, int>> value_args;  // (DNNL_ARG_*, value id)
   std::vector<std::pair<int, memory>> const_args;
   memory::desc scratchpad_md;
@@ -128,6 +136,47 @@ struct Context {
   std::vector<std::unordered_map<int, memory>> args;
   dnnl::stream stream;
 };
+
+// ---------------------------------------------------------------- gml::dynamic_linear
+// Per-row symmetric int8 quantization, bit for bit the math of gml.kernels.dynamic_int8.quantize_rows:
+//   v[k] = x[k] * smooth_inv[k] (or x[k]);  amax = max(max_k |v[k]|, kAmaxFloor);
+//   inv = 127 / amax (one IEEE fp32 division);  q[k] = round_half_even(v[k] * inv)
+// |v * inv| <= 127 up to one rounding, so q fits int8 with no clamp. round_half_even(t) is
+// (t + 1.5 * 2^23) - 1.5 * 2^23: exact for |t| < 2^22 in the default rounding mode, and it
+// vectorizes (nearbyintf does not). The file is compiled with -ffp-contract=off (CMakeLists.txt): an
+// FMA fused into v * inv + 1.5 * 2^23 would round once instead of twice and could pick another
+// integer than torch.round(v * inv) does. target_clones: AVX-512, AVX2 and baseline bodies, picked
+// when the library loads.
+constexpr float kAmaxFloor = 1e-30f;  // = gml.kernels.dynamic_int8.AMAX_FLOOR
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void quantize_row_s8(
+    const float* x, const float* smooth_inv, int64_t k, int8_t* q, float* amax_out) {
+  float amax = 0.0f;
+  if (smooth_inv) {
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i] * smooth_inv[i]));
+  } else {
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
+  }
+  amax = std::max(amax, kAmaxFloor);
+  const float inv = 127.0f / amax;
+  if (smooth_inv) {
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) {
+      const float t = (x[i] * smooth_inv[i]) * inv;
+      q[i] = static_cast<int8_t>(static_cast<int32_t>((t + kRoundMagic) - kRoundMagic));
+    }
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) {
+      const float t = x[i] * inv;
+      q[i] = static_cast<int8_t>(static_cast<int32_t>((t + kRoundMagic) - kRoundMagic));
+    }
+  }
+  *amax_out = amax;
+}
 
 class Plan {
  public:
@@ -215,6 +264,82 @@ class Plan {
     if (bias) consts.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
     push(dnnl::inner_product_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts),
          pd.scratchpad_desc(), name);
+  }
+
+  // gml::dynamic_linear (docs/adr/008-dynamic-int8-gemm.md): fp32 src [M, K] (unit column stride,
+  // any row stride) -> fp32 dst [M, N], as two steps:
+  //   1. quantize_row_s8 per row into ``q`` (s8, dense) and ``amax`` (f32, one per row), arena temps;
+  //   2. a oneDNN matmul q x W (s8 x s8 -> f32), W prepacked once from the caller's int8 [N, K] (format
+  //      any), with dst = eltwise((acc * w_scales[n]) * amax[m] + bias[n]): the weight scales per
+  //      output channel, then a binary-mul post-op broadcasting amax over N, a binary-add post-op for
+  //      the bias (the matmul's own bias would be added before the per-row multiply), then the
+  //      eltwise post-op. oneDNN 3.2's matmul takes one src scale per tensor only, hence the binary
+  //      mul. ``w_scales`` are weight_scale / 127 (computed by the caller, as the Python kernel does).
+  // The matmul is planned 3-D, q [1, M, K] x W [1, K, N] -> dst [1, M, N] with amax [1, M, 1] and bias
+  // [1, 1, N] (the caller adds q, amax and dst as 3-D views): measured on oneDNN 3.2 (avx512_core_vnni),
+  // the 2-D form with an [M, 1] binary operand finds only the reference matmul ("ref:any", ~100x
+  // slower), the 3-D form brgemm ("brg:avx512_core_vnni").
+  void dynamic_linear(int src, int dst, int q, int amax, uintptr_t weight, const Dims& wdims,
+                      const std::vector<float>& w_scales, uintptr_t bias, const std::vector<float>& smooth_inv,
+                      const Eltwise& eltwise, const std::string& name) {
+    const memory::desc src_md = md_in(src), q_md = md_in(q), amax_md = md_in(amax), dst_md = md_out(dst);
+    if (src_md.get_ndims() != 2 || src_md.get_data_type() != dt::f32)
+      throw std::invalid_argument("gml engine: dynamic_linear takes a 2-D fp32 source");
+    const memory::dims sd = src_md.get_dims(), ss = src_md.get_strides();
+    const int64_t m = sd[0], k = sd[1];
+    if (wdims.size() != 2 || wdims[1] != k) throw std::invalid_argument("gml engine: dynamic_linear weight is not [N, K]");
+    const int64_t n = wdims[0];
+    if (ss[1] != 1 && k > 1) throw std::invalid_argument("gml engine: dynamic_linear source columns must be dense");
+    if (q_md.get_data_type() != dt::s8 || q_md.get_dims() != memory::dims{1, m, k} || q_md.get_strides()[1] != k ||
+        (k > 1 && q_md.get_strides()[2] != 1))
+      throw std::invalid_argument("gml engine: dynamic_linear needs a dense s8 [1, M, K] temporary");
+    if (amax_md.get_data_type() != dt::f32 || amax_md.get_dims() != memory::dims{1, m, 1} ||
+        (m > 1 && amax_md.get_strides()[1] != 1))
+      throw std::invalid_argument("gml engine: dynamic_linear needs a dense f32 [1, M, 1] temporary");
+    if (dst_md.get_ndims() != 3 || dst_md.get_dims() != memory::dims{1, m, n})
+      throw std::invalid_argument("gml engine: dynamic_linear writes a [1, M, N] destination");
+    if (!smooth_inv.empty() && static_cast<int64_t>(smooth_inv.size()) != k)
+      throw std::invalid_argument("gml engine: dynamic_linear smooth_inv must have K entries");
+    if (w_scales.size() != 1 && static_cast<int64_t>(w_scales.size()) != n)
+      throw std::invalid_argument("gml engine: dynamic_linear needs 1 or N weight scales");
+
+    // Step 1: the row quantization (rows split over the OpenMP team when there is enough work).
+    auto smooth = std::make_shared<std::vector<float>>(smooth_inv);
+    const int64_t ld = ss[0];
+    Kernel quantize = [m, k, ld, smooth](const std::unordered_map<int, memory>& args) {
+      const float* x = static_cast<const float*>(args.at(DNNL_ARG_SRC).get_data_handle());
+      int8_t* qx = static_cast<int8_t*>(args.at(DNNL_ARG_DST).get_data_handle());
+      float* am = static_cast<float*>(args.at(DNNL_ARG_DST_1).get_data_handle());
+      const float* si = smooth->empty() ? nullptr : smooth->data();
+#pragma omp parallel for schedule(static) if (m * k >= (1 << 15))
+      for (int64_t r = 0; r < m; ++r) quantize_row_s8(x + r * ld, si, k, qx + r * k, am + r);
+    };
+    if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
+    steps_.push_back(Step{dnnl::primitive(), std::move(quantize),
+                          {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, q}, {DNNL_ARG_DST_1, amax}}, {}, memory::desc(),
+                          name + ":quantize"});
+
+    // Step 2: the matmul. The caller's [N, K] int8 rows are the [K, N] weights in column-major order.
+    memory::desc user_w({1, k, n}, dt::s8, memory::dims{k * n, 1, k});
+    memory::desc any_w({1, k, n}, dt::s8, memory::format_tag::any);
+    dnnl::primitive_attr attr;
+    std::vector<std::pair<int, memory>> consts;
+    attr.set_scales_mask(DNNL_ARG_WEIGHTS, w_scales.size() > 1 ? 1 << 2 : 0);  // per N
+    f32_constant(consts, w_scales, DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS);
+    dnnl::post_ops po;
+    po.append_binary(dnnl::algorithm::binary_mul, amax_md);  // post-op 0: * amax[m], broadcast over N
+    memory::desc bias_md({1, 1, n}, dt::f32, memory::format_tag::abc);
+    if (bias) po.append_binary(dnnl::algorithm::binary_add, bias_md);  // post-op 1: + bias[n], over M
+    append_eltwise(po, eltwise);
+    attr.set_post_ops(po);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto pd = dnnl::matmul::primitive_desc(cpu_engine(), q_md, any_w, dst_md, attr);
+    resolve(dst, pd.dst_desc());
+    consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
+    if (bias) consts.emplace_back(DNNL_ARG_ATTR_MULTIPLE_POST_OP(1) | DNNL_ARG_SRC_1, copy_constant(bias, bias_md));
+    push(dnnl::matmul(pd),
+         {{DNNL_ARG_SRC, q}, {DNNL_ARG_DST, dst}, {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, amax}},
+         std::move(consts), pd.scratchpad_desc(), name);
   }
 
   // Reorder: layout change, quantize (f32 -> u8, dst_q), dequantize (u8 -> f32, src_q) or
@@ -348,7 +473,10 @@ class Plan {
       ctx->values[v].set_data_handle(reinterpret_cast<void*>(base + val.offset));
     }
     try {
-      for (size_t i = 0; i < steps_.size(); ++i) steps_[i].prim.execute(ctx->stream, ctx->args[i]);
+      for (size_t i = 0; i < steps_.size(); ++i) {
+        if (steps_[i].kernel) steps_[i].kernel(ctx->args[i]);  // CPU primitives run synchronously: in order
+        else steps_[i].prim.execute(ctx->stream, ctx->args[i]);
+      }
       ctx->stream.wait();
     } catch (...) {
       release(std::move(ctx));
@@ -369,6 +497,10 @@ class Plan {
   std::vector<std::string> step_impls() const {
     std::vector<std::string> out;
     for (const auto& s : steps_) {
+      if (s.kernel) {
+        out.emplace_back("gml:row_quantize_s8");
+        continue;
+      }
       const_dnnl_primitive_desc_t cpd;
       dnnl::error::wrap_c_api(dnnl_primitive_get_primitive_desc(s.prim.get(), &cpd), "no primitive desc");
       const char* impl = nullptr;
@@ -477,7 +609,7 @@ class Plan {
   void push(dnnl::primitive prim, std::vector<std::pair<int, int>> value_args,
             std::vector<std::pair<int, memory>> consts, memory::desc scratch, const std::string& name) {
     if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
-    steps_.push_back(Step{std::move(prim), std::move(value_args), std::move(consts), std::move(scratch), name});
+    steps_.push_back(Step{std::move(prim), {}, std::move(value_args), std::move(consts), std::move(scratch), name});
   }
 
   std::unique_ptr<Context> acquire() {
@@ -564,6 +696,9 @@ NB_MODULE(_engine, m) {
       .def("inner_product", &Plan::inner_product, nb::arg("src"), nb::arg("dst"), nb::arg("weight"),
            nb::arg("wdims"), nb::arg("wdtype"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("src_q").none(),
            nb::arg("dst_q").none(), nb::arg("eltwise"), nb::arg("name"))
+      .def("dynamic_linear", &Plan::dynamic_linear, nb::arg("src"), nb::arg("dst"), nb::arg("q"), nb::arg("amax"),
+           nb::arg("weight"), nb::arg("wdims"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("smooth_inv"),
+           nb::arg("eltwise"), nb::arg("name"))
       .def("reorder", &Plan::reorder, nb::arg("src"), nb::arg("dst"), nb::arg("src_q").none(),
            nb::arg("dst_q").none(), nb::arg("name"))
       .def("pool", &Plan::pool, nb::arg("src"), nb::arg("dst"), nb::arg("alg"), nb::arg("kernel"), nb::arg("strides"),

@@ -191,7 +191,7 @@ class QuantizeResult:
     With the transformer scheme (``scheme == "transformer"``): ``frontend`` is the
     :class:`~gml.quant.transformer.TransformerQuantResult` (its ``table()`` / ``summary()``), ``coverage``
     lists every GEMM as INT8 or fp32 (with why) and what stays fp32, ``reference`` is the fp32 graph
-    the GEMMs were quantized from, ``engine`` is None.
+    the GEMMs were quantized from; ``engine`` runs its ``gml.dynamic_linear`` GEMMs natively (ADR 008).
     """
 
     module: fx.GraphModule
@@ -225,14 +225,10 @@ class QuantizeResult:
         engine's plan on the machine it loads on (docs/adr/004, 005)."""
         from gml.io import save
 
-        if self.scheme == "transformer":
-            from gml.errors import UnsupportedError
-
-            raise UnsupportedError(
-                "Saving a model quantized with the transformer INT8 scheme is not supported yet.",
-                hint="keep result.module in the process, or save the fp32 model (gml optimize --out).",
-            )
-
+        if self.scheme == "transformer":  # gml.dynamic_linear calls + int8 constants (ADR 008); the
+            # example's batch and sequence length stay dynamic where the graph allows
+            save(self.module, path, self.frontend.example_inputs, dynamic_dims="all")
+            return
         save(self.module, path)
 
 
@@ -346,7 +342,7 @@ def quantize(
         return _quantize_transformer(
             model, calib_data, inputs, eval_data=eval_data, eval_labels=eval_labels, per_layer=per_layer,
             strict=strict, min_cosine=min_cosine, leaf_modules=leaf_modules, min_sqnr_db=min_sqnr_db,
-            smooth_alpha=smooth_alpha, token_range=token_range, reason=why,
+            smooth_alpha=smooth_alpha, token_range=token_range, reason=why, runtime=runtime,
         )  # fmt: skip
     seconds: dict[str, float] = {}
 
@@ -457,6 +453,7 @@ def _quantize_transformer(
     smooth_alpha: float | None,
     token_range: tuple[int, int] | None,
     reason: str,
+    runtime: str = "engine",
 ) -> QuantizeResult:
     """:func:`quantize` with the transformer scheme, returned in the same result type: ``coverage``
     lists every GEMM (INT8 or fp32 and why) and what stays fp32 (attention, LayerNorm, softmax,
@@ -467,7 +464,7 @@ def _quantize_transformer(
     from gml.quant.calibrate import generate_batches
     from gml.quant.lower import CoverageEntry, LoweringCoverage
     from gml.quant.transformer import quantize_transformer
-    from gml.runtime.compile import RuntimeReport
+    from gml.runtime.select import attach_runtime
 
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -493,10 +490,12 @@ def _quantize_transformer(
     refuse_autograd(res.module)
     if min_cosine is not None:
         check_min_cosine(acc, min_cosine)
-    runtime = RuntimeReport(
-        "torch", note="transformer scheme: the Python executor runs it (the native engine has no per-token INT8 GEMM)"
-    )
+    # the native engine runs the gml.dynamic_linear GEMMs (and what else it covers), checked against
+    # the Python executor on the example first (gml.runtime.select)
+    t0 = time.perf_counter()
+    engine, runtime_report = attach_runtime(res.module, inputs, runtime)
+    seconds["engine compile"] = time.perf_counter() - t0
     return QuantizeResult(
-        res.module, res.report, res, coverage, acc, res.fp32_module, seconds, None, runtime, "transformer", reason,
-        res.precisions,
+        res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",
+        reason, res.precisions,
     )  # fmt: skip

@@ -335,13 +335,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from gml.api import choose_scheme
 
     scheme, why = choose_scheme(model, args.scheme, inputs)
-    if scheme == "transformer" and args.out:  # before the run, not after it
-        from gml.errors import UnsupportedError
-
-        raise UnsupportedError(
-            "Saving a model quantized with the transformer INT8 scheme is not supported yet.",
-            hint="run without --out (or with --scheme static, at the accuracy cost #15 describes).",
-        )
     import warnings
 
     from gml.quant.calibrate import CalibrationWarning

@@ -121,7 +121,15 @@ def _set_input_meta(gm: nn.Module, specs: Any) -> None:
             node.meta["val"] = torch.empty([int(d) for d in spec["shape"]], dtype=dtype, device="meta")
 
 
-def _export(gm: nn.Module, args: tuple, dynamic_batch: bool) -> tuple[Any, bool]:
+def _export(gm: nn.Module, args: tuple, dynamic_batch: bool, all_dims: bool = False) -> tuple[Any, bool]:
+    if all_dims and all(isinstance(a, torch.Tensor) for a in args):
+        # every dim Dim.AUTO (a transformer: batch and sequence length): export keeps dynamic what the
+        # graph allows and specializes the rest without failing
+        auto = tuple({i: torch.export.Dim.AUTO for i in range(a.dim())} for a in args)
+        try:
+            return torch.export.export(gm, args, dynamic_shapes=auto, strict=False), True
+        except Exception:  # fall back to the batch-only / static export below
+            pass
     if dynamic_batch and all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):
         batch = torch.export.Dim("batch", min=1, max=4096)
         # export specializes a dimension whose example size is 1, so trace the dynamic one at 2
@@ -140,12 +148,17 @@ def save(
     *,
     dynamic_batch: bool = True,
     format: str = "export",
+    dynamic_dims: str = "batch",
 ) -> Path:
     """Save an optimized module so :func:`load` can rebuild it without the original source.
 
     ``format="export"`` (default) writes a ``torch.export`` program; ``"pickle"`` pickles the
-    ``GraphModule`` (loading it then needs ``trust_pickle=True``). Returns the path written.
+    ``GraphModule`` (loading it then needs ``trust_pickle=True``). ``dynamic_dims="all"`` exports
+    every input dim as ``Dim.AUTO`` (a transformer's batch *and* sequence length; where the graph
+    specializes a dim it stays static) instead of the batch alone. Returns the path written.
     """
+    if dynamic_dims not in ("batch", "all"):
+        raise GMLError(f"unknown dynamic_dims {dynamic_dims!r}", hint="use 'batch' or 'all'")
     path = Path(path)
     if format == "pickle":
         torch.save({"gml_format": FORMAT_PICKLE, "module": gm}, path)
@@ -168,7 +181,7 @@ def save(
     gm.eval()
     try:
         with torch.no_grad():
-            ep, dynamic = _export(gm, args, dynamic_batch)
+            ep, dynamic = _export(gm, args, dynamic_batch, all_dims=dynamic_dims == "all")
     except Exception as e:
         raise GMLError(
             f"torch.export could not capture the optimized model: {type(e).__name__}: {str(e).splitlines()[0]}",

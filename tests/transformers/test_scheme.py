@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
 
 import gml
 from gml.capture import capture
 from gml.cli import main
-from gml.errors import InputError, UnsupportedError
+from gml.errors import InputError
 from gml.quant.calibrate import describe_generated, generate_batches
 from gml.quant.transformer import DynamicQuantLinear, quantize_transformer, transformer_reason
 
@@ -61,12 +61,49 @@ def test_quantize_api_picks_the_transformer_scheme_for_a_transformer() -> None:
     assert {"layernorm", "attention (q·kᵀ, softmax, p·v)"} <= kinds
     assert res.coverage.counts() == {"int8 GEMM (per-token dynamic)": 9}
     assert res.accuracy.cosine > 0.999 and res.accuracy.layers  # per-layer SQNR, paired by node name
-    assert res.executable is res.module and res.runtime.path == "torch"
+    from gml.runtime import unavailable_reason
+
+    if unavailable_reason() is None:  # the native engine runs every gml.dynamic_linear (ADR 008)
+        assert res.engine is not None, str(res.runtime)
+        assert res.executable is res.engine and res.runtime.path == "mixed", str(res.runtime)
+        ops = {n.op for n in res.runtime.nodes if n.runs_in == "engine"}
+        assert "dynamic_linear" in ops
+        assert sum(n.op == "dynamic_linear" and n.runs_in == "engine" for n in res.runtime.nodes) == 9
     with torch.no_grad():
         got, ref = res.module(*inputs), model(*inputs)
-    assert type(got) is type(ref)  # the ModelOutput, as the model returns it
-    with pytest.raises(UnsupportedError, match="transformer INT8 scheme"):
-        res.save("/tmp/never-written.pt2")
+        via = res.executable(*inputs)
+    assert type(got) is type(ref) and type(via) is type(ref)  # the ModelOutput, as the model returns it
+    for key in ("last_hidden_state", "pooler_output"):  # the pooler reads hidden[:, 0], a view with gaps
+        torch.testing.assert_close(via[key], got[key], rtol=0, atol=1e-5)
+
+
+def test_transformer_int8_saves_and_loads_pickle_free(tmp_path) -> None:
+    """The INT8 transformer is a graph of gml.dynamic_linear calls with int8 constants: it exports
+    (no pickle), loads without transformers' source, onto the engine, for other batch / sequence
+    lengths, with the same numbers; a padded batch too."""
+    from gml.archive import looks_pickled
+    from gml.io import load
+
+    model = _bert()
+    ids, mask = _tokens(2, 16)
+    mask[1, 11:] = 0  # a padded sentence
+    res = gml.quantize(model, 2, example_inputs=(ids, mask), per_layer=False)
+    path = tmp_path / "bert-int8.pt2"
+    res.save(str(path))
+    assert not looks_pickled(path)
+    loaded = load(path)  # trust_pickle stays False: nothing in the file is unpickled
+    gemms = [n for n in loaded.runtime.nodes if n.op == "dynamic_linear"]
+    assert len(gemms) == 9, str(loaded.runtime)
+    from gml.runtime import unavailable_reason
+
+    if unavailable_reason() is None:
+        assert all(n.runs_in == "engine" for n in gemms), str(loaded.runtime)
+    for batch, seq in ((2, 16), (1, 7), (3, 23)):
+        x = _tokens(batch, seq) if seq != 16 else (ids, mask)
+        with torch.no_grad():
+            want, got = res.module(*x), loaded(*x)
+        for key in ("last_hidden_state", "pooler_output"):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
 
 
 def test_quantize_api_keeps_the_static_scheme_elsewhere_and_validates_the_choice() -> None:
@@ -232,17 +269,26 @@ def test_fallback_keeps_the_outlier_gemm_fp32_and_smoothquant_recovers_it() -> N
     rows = {p.node: p for p in kept.precisions}
     assert rows["fc2"].precision == "fp32" and "accuracy fallback: INT8 SQNR" in rows["fc2"].why
     assert type(kept.module.get_submodule("fc2")) is nn.Linear
-    assert isinstance(kept.module.get_submodule("fc1"), DynamicQuantLinear)
+    assert _gemm(kept.module, "fc1")["weight"].op == "get_attr"  # gml.dynamic_linear with int8 constants
     assert "1 kept fp32" in kept.summary()
 
     smooth = quantize_transformer(model, x, calib_data=calib, smooth_alpha=0.5)
     rows = {p.node: p for p in smooth.precisions}
     assert rows["fc2"].precision == "int8" and "SmoothQuant α=0.5" in rows["fc2"].why
     assert float(rows["fc2"].why.split("SQNR ")[1].split(" dB")[0]) > 20
-    assert smooth.module.get_submodule("fc2").smooth_inv is not None
+    assert _gemm(smooth.module, "fc2")["smooth_inv"] is not None
     with torch.no_grad():
         c_forced, c_kept, c_smooth = (_cos(ref, r.module(held)) for r in (forced, kept, smooth))
     assert c_kept > c_forced and c_smooth > c_forced and c_smooth > 0.999, (c_forced, c_kept, c_smooth)
+
+
+def _gemm(gm: fx.GraphModule, name: str) -> dict:
+    """The arguments of the ``gml.dynamic_linear`` call named ``name``."""
+    from gml.ir.library import gml_op_name, op_args
+
+    (node,) = [n for n in gm.graph.nodes if n.name == name]
+    assert gml_op_name(node) == "dynamic_linear"
+    return op_args(node)
 
 
 def test_smoothquant_is_exact_before_rounding_and_checks_its_option() -> None:
@@ -278,6 +324,11 @@ def test_cli_min_sqnr_and_smooth_alpha_reach_the_scheme(tmp_path, capsys, monkey
     assert "9/9 GEMMs INT8" in out and "accuracy fallback" not in out
     assert main([*args, "--smooth-alpha", "2"]) == InputError.exit_code
     assert "smooth_alpha=2.0 is outside (0, 1)" in capsys.readouterr().out
+    saved = tmp_path / "int8.pt2"  # --out: the INT8 transformer saved pickle-free (ADR 008)
+    assert main([*args, "--smooth-alpha", "0.5", "--out", str(saved)]) == 0
+    assert "saved to" in capsys.readouterr().out
+    assert main(["inspect", str(saved)]) == 0
+    assert "dynamic_linear" in capsys.readouterr().out
 
 
 class _TimmStyleViT(nn.Module):

@@ -10,6 +10,7 @@ from torch import fx, nn
 
 from gml.capture import capture
 from gml.capture_export import capture_info
+from gml.ir.library import gml_op_name
 from gml.quant.transformer import DynamicQuantLinear, QuantizeLinearsDynamic, quantize_transformer
 
 
@@ -28,7 +29,7 @@ def test_per_token_scales_keep_small_tokens_accurate() -> None:
     assert got.shape == ref.shape
     for t in range(1, 5):  # every ordinary token keeps > 35 dB despite the outlier in the batch
         assert _sqnr(ref[0, t], got[0, t]) > 35
-    assert q.weight_t.dtype == torch.int8 and q.weight_scale.shape == (32,)
+    assert q.weight.dtype == torch.int8 and q.weight_scale.shape == (32,)
 
 
 def test_pass_golden_and_declined() -> None:
@@ -43,10 +44,11 @@ def test_pass_golden_and_declined() -> None:
 
     gm = capture(M().eval(), (torch.randn(3, 16),))
     res = QuantizeLinearsDynamic()(gm)
-    kinds = [
-        type(gm.get_submodule(str(n.target))).__name__ for n in res.graph_module.graph.nodes if n.op == "call_module"
-    ]
-    assert kinds == ["DynamicQuantLinear", "Linear"]
+    out = res.graph_module
+    calls = [n for n in out.graph.nodes if n.op in ("call_module", "call_function") and n.target is not torch.relu]
+    kinds = [gml_op_name(n) or type(out.get_submodule(str(n.target))).__name__ for n in calls]
+    assert kinds == ["dynamic_linear", "Linear"]  # the GEMM is an op of the IR, its int8 weights constants
+    assert not any(isinstance(m, DynamicQuantLinear) for m in out.modules()) and not hasattr(out, "a")
     assert res.matches == 1 and [s.reason for s in res.skips] == ["torch.float64 weights, not fp32"]
     assert isinstance(res.graph_module, fx.GraphModule)
 
@@ -112,3 +114,40 @@ def test_real_minilm_int8_sentence_embeddings(minilm) -> None:
     cos = (_embed(model, inputs) * _embed(q.module, inputs)).sum(-1)
     # the full check (24 sentences, Spearman, latency) is benchmarks/minilm_int8.py
     assert float(cos.mean()) >= 0.995 and float(cos.min()) >= 0.99, cos
+
+
+def test_fuse_activation_golden_numerics_and_declined() -> None:
+    """GELU / ReLU that alone read a gml.dynamic_linear become its post-op; a GEMM output read
+    twice keeps its activation, with the reason."""
+    from gml.ir.library import op_args
+    from gml.quant.transformer import FuseDynamicLinearActivation
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 8)
+            self.act = nn.GELU(approximate="tanh")
+
+        def forward(self, x):
+            h = self.act(self.a(x))  # fused: gelu (tanh)
+            y = torch.relu(self.b(h))  # fused: relu
+            z = self.c(y)
+            return torch.nn.functional.gelu(z) + z  # declined: z is read twice
+
+    torch.manual_seed(0)
+    model, x = M().eval(), torch.randn(2, 5, 16)
+    gm = QuantizeLinearsDynamic()(capture(model, (x,))).graph_module
+    with torch.no_grad():
+        before = gm(x)
+    res = FuseDynamicLinearActivation()(gm)
+    out = res.graph_module
+    gemms = [n for n in out.graph.nodes if gml_op_name(n) == "dynamic_linear"]
+    posts = [(op_args(n)["post_op"], op_args(n)["post_op_algorithm"]) for n in gemms]
+    assert posts == [("gelu", "tanh"), ("relu", ""), ("none", "")]
+    assert res.matches == 2 and [s.reason for s in res.skips] == ["its output is also read by another node"]
+    assert not any(isinstance(m, nn.GELU) for m in out.modules())
+    with torch.no_grad():
+        after = out(x)
+        ref = model(x)
+    assert torch.equal(after, before)  # the same fp32 function applied to the same GEMM output
+    assert _sqnr(ref, after) > 30

@@ -19,6 +19,12 @@ oneDNN eltwise attr name (``none``, ``relu``, ``hardtanh`` with ``[min, max]``, 
 ``swish``, ``gelu`` with algorithm ``none``/``tanh``). ``backend`` names the Python kernel set that
 runs the op (``onednn`` or ``fbgemm``); it is not part of the math and other executors ignore it.
 
+``dynamic_linear`` is the one op with fp32 input and output: an INT8 GEMM whose activations are
+quantized per row at run time (symmetric, ``amax / 127`` per row; SmoothQuant's ``smooth_inv``
+divides the input channels first), weights int8 ``[N, K]`` with ``weight_scale`` per output channel;
+its ``post_op`` is ``none``, ``relu`` or ``gelu``. Its math is defined in
+``gml.kernels.dynamic_int8`` (ADR 008).
+
 This module imports no other gml package; it only declares. Importing it twice is harmless.
 """
 
@@ -76,6 +82,8 @@ SCHEMAS: dict[str, str] = {
     ),
     "qmean": f"(Tensor x, {_X}, int[] dim, bool keepdim, {_OUT}, {_B}) -> Tensor",
     "qcat": f"(Tensor[] xs, float[] x_scales, int[] x_zero_points, int dim, {_OUT}, {_B}) -> Tensor",
+    # fp32 in and out, int8 GEMM inside: activations quantized per row at run time (gml.kernels.dynamic_int8)
+    "dynamic_linear": f"(Tensor x, {_W}, Tensor? smooth_inv, {_POST}) -> Tensor",
 }
 
 #: ops whose uint8 output keeps the input's qparams (no ``out_*`` arguments)
@@ -130,6 +138,10 @@ def _fake_qlinear(x, xs, xz, weight, ws, bias, os_, oz, out_dtype, *rest):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
+def _fake_dynamic_linear(x, weight, *rest):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
+
+
 def _fake_binary(a, a_s, a_z, b, *rest):
     return _fake_empty(a, torch.broadcast_shapes(a.shape, b.shape), torch.uint8)
 
@@ -180,6 +192,7 @@ _FAKES: dict[str, Any] = {
     "qbatch_norm": _fake_same,
     "qmean": _fake_qmean,
     "qcat": _fake_qcat,
+    "dynamic_linear": _fake_dynamic_linear,
 }
 
 

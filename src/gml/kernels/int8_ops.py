@@ -21,6 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gml.ir import library
 from gml.ir.values import ConvSpec, PostOp, QParams
+from gml.kernels import dynamic_int8
 from gml.kernels.backend import Int8Backend
 from gml.kernels.registry import get_backend
 
@@ -259,6 +260,7 @@ IMPLEMENTATIONS: dict[str, Any] = {
     "qbatch_norm": qbatch_norm,
     "qmean": qmean,
     "qcat": qcat,
+    "dynamic_linear": dynamic_int8.dynamic_linear,  # fp32 in / out: the math is defined there
 }
 
 

@@ -41,21 +41,24 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from gml.ir.library import gml_op_name, op, op_args
+from gml.kernels import dynamic_int8
 from gml.passes.base import GraphPass, PassResult, Skip
-from gml.passes.utils import modules_of, replace_module
+from gml.passes.utils import modules_of
 
-QMAX = 127
 #: Default of ``min_sqnr_db``: a GEMM whose INT8 output is below this SQNR on the calibration data
 #: stays fp32. Per-token INT8 GEMMs of real all-MiniLM-L6-v2 measure 29-43 dB; a GEMM fed by an
 #: outlier channel (one input channel ~200x the rest in every token, small weights) falls to ~1 dB.
 DEFAULT_MIN_SQNR_DB = 20.0
 #: ``node.meta`` key: the :class:`GemmPrecision` :class:`QuantizeLinearsDynamic` decided for a GEMM
 PRECISION = "gml_precision"
-_TINY = torch.finfo(torch.float32).tiny
 
 
 class DynamicQuantLinear(nn.Module):
-    """``nn.Linear`` with int8 per-channel weights and per-token dynamic int8 activations (module docstring).
+    """``nn.Linear`` with int8 per-channel weights and per-token dynamic int8 activations: the
+    constants of one ``gml::dynamic_linear`` call, run by its kernel (:mod:`gml.kernels.dynamic_int8`
+    holds the math). Calibration uses it to measure a GEMM's INT8 error; the quantized graph holds
+    the op call itself, not this module.
 
     ``smooth`` (one positive factor per input channel, SmoothQuant) is folded into the weights
     before they are quantized and divided out of the activations at run time.
@@ -63,35 +66,53 @@ class DynamicQuantLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, smooth: torch.Tensor | None = None) -> None:
         super().__init__()
-        w = linear.weight.detach().float()
-        if smooth is not None:
-            w = w * smooth[None, :]
-        scale = (w.abs().amax(dim=1) / QMAX).clamp_min(_TINY)
-        q = torch.round(w / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8)
+        q, scale = dynamic_int8.quantize_weight(linear.weight, smooth)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # [in, out] for x @ w; stored as the transpose of a contiguous [out, in] (what the GEMM reads best)
-        self.register_buffer("weight_t", q.t())
+        self.register_buffer("weight", q)  # int8 [out, in], contiguous
         self.register_buffer("weight_scale", scale)
-        self.register_buffer("weight_scale_q", scale / QMAX)  # s_w / 127: what the rescale multiplies by
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
         self.register_buffer("smooth_inv", None if smooth is None else (1.0 / smooth).float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1])
-        if self.smooth_inv is not None:
-            rows = rows * self.smooth_inv
-        amax = rows.abs().amax(dim=1, keepdim=True).clamp_min_(_TINY)
-        # |x · 127 / max|x|| <= 127 by construction: no clamp before the int8 cast
-        q_x = torch.round(rows * (QMAX / amax)).to(torch.int8)
-        acc = torch._int_mm(q_x, self.weight_t).to(torch.float32)
-        scale = amax * self.weight_scale_q  # s_x[t] * s_w[o] = (max|x[t]| / 127) * s_w[o]
-        out = acc.mul_(scale) if self.bias is None else torch.addcmul(self.bias, acc, scale)
-        return out.reshape(*shape[:-1], self.out_features)
+        return dynamic_int8.dynamic_linear(x, self.weight, self.weight_scale, self.bias, self.smooth_inv)
 
     def extra_repr(self) -> str:
         smooth = ", SmoothQuant" if self.smooth_inv is not None else ""
         return f"{self.in_features}->{self.out_features}, int8 weights per channel, int8 activations per token{smooth}"
+
+
+def is_dynamic_linear(node: fx.Node) -> bool:
+    """Whether ``node`` calls ``torch.ops.gml.dynamic_linear``."""
+    return gml_op_name(node) == "dynamic_linear"
+
+
+def _register_constants(gm: fx.GraphModule, prefix: str, q: DynamicQuantLinear) -> list[str | None]:
+    """``q``'s tensors as buffers of ``gm`` (fresh names); ``None`` for an absent bias / smooth_inv."""
+    from gml.quant.lower import _constant_node
+
+    names: list[str | None] = []
+    for name in ("weight", "weight_scale", "bias", "smooth_inv"):
+        t = getattr(q, name)
+        if t is None:
+            names.append(None)
+            continue
+        node = _constant_node(gm, f"{prefix}_{name}", t)  # registers the buffer
+        names.append(str(node.target))
+        gm.graph.erase_node(node)  # each call site reads it with its own get_attr
+    return names
+
+
+def _emit_dynamic_linear(gm: fx.GraphModule, node: fx.Node, constants: list[str | None]) -> fx.Node:
+    """Replace the ``nn.Linear`` call ``node`` by ``gml.dynamic_linear(x, <constants>, "none", [], "")``."""
+    with gm.graph.inserting_before(node):
+        args = [None if c is None else gm.graph.get_attr(c) for c in constants]
+        new = gm.graph.call_function(op("dynamic_linear"), (node.args[0], *args, "none", [], ""))
+    new.meta.update({k: v for k, v in node.meta.items() if k in ("tensor_meta", "stack_trace", "val", PRECISION)})
+    node.replace_all_uses_with(new)
+    name = node.name
+    gm.graph.erase_node(node)
+    new.name = name  # the precision table and the per-layer accuracy report pair nodes by name
+    return new
 
 
 def smooth_factors(x_absmax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -185,10 +206,13 @@ def _op(lin: nn.Linear) -> str:
 
 
 class QuantizeLinearsDynamic(GraphPass):
-    """Replace each ``nn.Linear`` with :class:`DynamicQuantLinear` (INT8 GEMM, per-token activation scales).
+    """Lower each ``nn.Linear`` to ``gml.dynamic_linear`` (INT8 GEMM, per-token activation scales).
 
-    Before → after: ``%y = linear(%x)`` → ``%y = DynamicQuantLinear(linear)(%x)``; the math is in the
-    module docstring. Changes numerics on purpose (tolerance ``None``: shapes and finiteness are checked).
+    Before → after: ``%y = linear(%x)`` → ``%y = gml.dynamic_linear(%x, %w_s8, %w_scale, %bias,
+    %smooth_inv?, "none", [], "")`` with the int8 weights and scales as ``get_attr`` constants (the
+    lowered graph is data: the Python executor, the native engine and ``torch.export`` read it); the
+    math is in the module docstring and :mod:`gml.kernels.dynamic_int8`. Changes numerics on
+    purpose (tolerance ``None``: shapes and finiteness are checked).
 
     Options: ``calib_data`` (batches of the graph's inputs) turns on the accuracy-driven fallback:
     a GEMM whose measured SQNR is below ``min_sqnr_db`` stays ``nn.Linear`` (fp32); ``smooth_alpha``
@@ -238,8 +262,11 @@ class QuantizeLinearsDynamic(GraphPass):
             candidates.append(node)
         targets = sorted({str(n.target) for n in candidates})
         stats = _measure(gm, targets, self.calib_data, self.smooth_alpha) if self.calib_data and targets else {}
+        from gml.kernels.int8_ops import register
+
+        register()  # the graph will call torch.ops.gml.dynamic_linear: its schema and Python kernel
         done = smoothed = fallback = 0
-        replaced: set[str] = set()
+        constants: dict[str, list[str | None]] = {}  # per nn.Linear: the buffers its op calls read
         for node in candidates:
             target = str(node.target)
             lin = modules[target]
@@ -265,11 +292,13 @@ class QuantizeLinearsDynamic(GraphPass):
                     why += f" with SmoothQuant α={self.smooth_alpha:g} ({sq:.1f} dB without)"
                     smoothed += 1
             node.meta[PRECISION] = GemmPrecision(node.name, _op(lin), "int8", why)
-            if target not in replaced:
-                replace_module(gm, target, DynamicQuantLinear(lin, smooth))
-                replaced.add(target)
+            if target not in constants:
+                with gm.graph.inserting_before(node):
+                    constants[target] = _register_constants(gm, target, DynamicQuantLinear(lin, smooth))
+            _emit_dynamic_linear(gm, node, constants[target])
             done += 1
         if done:
+            gm.delete_all_unused_submodules()
             gm.recompile()
         notes = [f"{done} linear(s) now INT8 GEMMs with per-token scales"]
         if stats:
@@ -279,6 +308,61 @@ class QuantizeLinearsDynamic(GraphPass):
         if fallback:
             notes.append(f"{fallback} kept fp32 (SQNR below {self.min_sqnr_db:g} dB)")
         return PassResult(gm, done > 0, done, skips, notes)
+
+
+def _activation(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[str, str] | None:
+    """``(post_op, algorithm)`` when ``node`` is a ReLU or GELU of its first argument alone, else None."""
+    from gml.passes.oplib import op_kind
+
+    kind = op_kind(node, modules)
+    if kind == "relu":
+        return "relu", ""
+    if kind != "gelu":
+        return None
+    if node.op == "call_module":
+        approximate = getattr(modules[str(node.target)], "approximate", "none")
+    else:
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    return ("gelu", "tanh" if approximate == "tanh" else "none") if approximate in ("none", "tanh") else None
+
+
+class FuseDynamicLinearActivation(GraphPass):
+    """Fuse a ReLU / GELU that alone reads a ``gml.dynamic_linear`` into the op's post-op.
+
+    Before → after: ``%y = gml.dynamic_linear(%x, ..., "none", [], ""); %z = gelu(%y)`` →
+    ``%z = gml.dynamic_linear(%x, ..., "gelu", [], "none")`` (``"tanh"`` for ``approximate="tanh"``).
+    The same fp32 function of the same fp32 GEMM output (the Python kernel applies ``F.gelu`` /
+    ``relu`` to it; the engine uses oneDNN's eltwise post-op, equal within float rounding).
+
+    Skipped, with the reason: the GEMM output has other readers (it must stay a value).
+    """
+
+    name = "fuse_dynamic_linear_activation"
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        modules = modules_of(gm)
+        skips: list[Skip] = []
+        done = 0
+        for node in list(gm.graph.nodes):
+            if not is_dynamic_linear(node) or op_args(node)["post_op"] != "none":
+                continue
+            acts = [(u, _activation(u, modules)) for u in node.users]
+            acts = [(u, a) for u, a in acts if a is not None and u.args and u.args[0] is node]
+            if not acts:
+                continue
+            if len(node.users) != 1:
+                skips.append(Skip(node.name, "its output is also read by another node", "dynamic_linear → act"))
+                continue
+            act, (post_op, algorithm) = acts[0]
+            node.args = (*node.args[:5], post_op, [], algorithm)
+            node.meta["tensor_meta"] = act.meta.get("tensor_meta", node.meta.get("tensor_meta"))
+            act.replace_all_uses_with(node)
+            gm.graph.erase_node(act)
+            done += 1
+        if done:
+            gm.delete_all_unused_submodules()
+            gm.recompile()
+        return PassResult(gm, done > 0, done, skips, [f"{done} activation(s) fused into INT8 GEMMs"] if done else [])
 
 
 @dataclass
@@ -294,6 +378,8 @@ class TransformerQuantResult:
     precisions: list[GemmPrecision] = field(default_factory=list)
     fp32_module: fx.GraphModule | None = None
     calibration: str = ""
+    #: the example inputs the graph was captured with (saving exports the graph on them)
+    example_inputs: tuple = ()
 
     def table(self):  # -> rich.table.Table
         from rich.table import Table
@@ -319,6 +405,13 @@ def _linears_inside(mod: nn.Module) -> int:
     return sum(1 for m in mod.modules() if isinstance(m, nn.Linear))
 
 
+def _attr(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
+    value: Any = gm
+    for part in str(node.target).split("."):
+        value = getattr(value, part)
+    return value
+
+
 def precisions(gm: fx.GraphModule) -> list[GemmPrecision]:
     """Every GEMM, attention, LayerNorm, softmax and opaque block of ``gm`` with its precision and why."""
     from gml.ir.attention import is_attention
@@ -329,7 +422,16 @@ def precisions(gm: fx.GraphModule) -> list[GemmPrecision]:
     for node in gm.graph.nodes:
         mod = modules.get(str(node.target)) if node.op == "call_module" else None
         kind = op_kind(node, modules) if node.op.startswith("call") else None
-        if PRECISION in node.meta and isinstance(mod, DynamicQuantLinear | nn.Linear):
+        if is_dynamic_linear(node):
+            row = node.meta.get(PRECISION)
+            if row is None:
+                n, k = _attr(gm, op_args(node)["weight"]).shape
+                row = GemmPrecision(node.name, f"linear {k}->{n}", "int8", "weights per channel, activations per token")
+            post = op_args(node)["post_op"]
+            if post != "none" and "post-op" not in row.why:
+                row = GemmPrecision(row.node, row.op, row.precision, f"{row.why}; {post} fused as its post-op")
+            rows.append(row)
+        elif PRECISION in node.meta and isinstance(mod, DynamicQuantLinear | nn.Linear):
             rows.append(node.meta[PRECISION])
         elif isinstance(mod, DynamicQuantLinear):
             rows.append(GemmPrecision(node.name, _op(mod), "int8", "weights per channel, activations per token"))  # type: ignore[arg-type]
@@ -471,7 +573,7 @@ def quantize_transformer(
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
     fp32 = PassManager([*canonical_passes(), FuseAttention(), HorizontalMerge()], strict=strict).run(gm, [inputs])
     fp32_gm = copy.deepcopy(fp32.graph_module)
-    q = PassManager([quantize_pass], strict=strict).run(fp32.graph_module, [inputs])
+    q = PassManager([quantize_pass, FuseDynamicLinearActivation()], strict=strict).run(fp32.graph_module, [inputs])
     for r in q.report.rolled_back:  # never hand back an fp32 model labelled INT8 without saying so
         from gml.errors import GMLError
 
@@ -481,4 +583,4 @@ def quantize_transformer(
         )
     report = fp32.report
     report.records.extend(q.report.records)
-    return TransformerQuantResult(q.graph_module, report, precisions(q.graph_module), fp32_gm, source)
+    return TransformerQuantResult(q.graph_module, report, precisions(q.graph_module), fp32_gm, source, inputs)

@@ -149,8 +149,12 @@ class EngineSegment(nn.Module):
         return entry
 
     def _compile(self, inputs: Sequence[torch.Tensor], key: tuple) -> tuple[Any, list[tuple]]:
-        # 1. the executor's own tensors, on copies (a residual add may write an input in place)
-        copies = [t.clone() for t in inputs]
+        # 1. the executor's own tensors, on copies (a residual add may write an input in place) in
+        # the inputs' own strides: the plan reads the caller's tensors with the strides it saw here
+        copies = [_copy_with_strides(t) for t in inputs]
+        if any(c.stride() != t.stride() for c, t in zip(copies, inputs)):
+            self._report.shape_fallbacks[_key_str(key)] = "an input with overlapping strides (an expand)"
+            return None, []
         recorder = Recorder(self.reference)
         try:
             with torch.no_grad():
@@ -220,6 +224,21 @@ class Recorder(fx.Interpreter):
         out = super().run_node(n)
         self.values[n] = out
         return out
+
+
+def _copy_with_strides(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with ``t``'s strides (``clone()`` makes a view with gaps, e.g. ``x[:, 0]``,
+    contiguous); a tensor whose elements overlap (``expand``) gets a contiguous copy."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    c = t.clone()  # preserve_format: a dense tensor keeps its strides
+    if c.stride() == t.stride():
+        return c
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    try:
+        return out.copy_(t)
+    except RuntimeError:  # internal overlap: no copy can have these strides
+        return t.clone()
 
 
 def _key_str(key: tuple) -> str:

@@ -217,6 +217,18 @@ class Builder:
     def inner_product(self, src: Val, dst: Val, **kw: Any) -> None:
         self._step("inner_product", [src], [dst], **kw)
 
+    def dynamic_linear(self, src: Val, dst: Val, **kw: Any) -> None:
+        """``gml::dynamic_linear`` on 2-D fp32 ``[M, K]`` → ``[M, N]``: the engine's row quantization
+        writes two arena temporaries (int8 rows, per-row abs-max) that its matmul reads."""
+        m, k = src.shape
+        n = dst.shape[1]
+        q = self.temp((m, k), (k, 1), "s8")
+        amax = self.temp((m, 1), (1, 1), "f32")
+        # the native matmul is planned 3-D ([1, M, K] x [1, K, N]; native/engine.cpp says why): views
+        q3, amax3 = self.view(q, (1, m, k), (m * k, k, 1)), self.view(amax, (1, m, 1), (m, 1, 1))
+        dst3 = self.view(dst, (1, m, n), (m * dst.stride[0], dst.stride[0], dst.stride[1]))
+        self._step("dynamic_linear", [src], [dst3, q3, amax3], **kw)
+
     def reorder(self, src: Val, dst: Val, *, src_q: QP, dst_q: QP) -> None:
         self._step("reorder", [src], [dst], src_q=src_q, dst_q=dst_q)
 
@@ -385,6 +397,24 @@ class Builder:
                     )
                 else:
                     plan.inner_product(ids[s.reads[0]], ids[s.writes[0]], **common)
+            elif s.method == "dynamic_linear":
+                w = kw["weight"].contiguous()
+                keep = [w, kw["bias"]]  # alive until the native plan has copied them
+                bias = kw["bias"]
+                plan.dynamic_linear(
+                    ids[s.reads[0]],
+                    ids[s.writes[0]],
+                    ids[s.writes[1]],
+                    ids[s.writes[2]],
+                    weight=w.data_ptr(),
+                    wdims=list(w.shape),
+                    w_scales=[float(x) for x in kw["w_scales"].flatten()],
+                    bias=0 if bias is None else bias.data_ptr(),
+                    smooth_inv=[] if kw["smooth_inv"] is None else [float(x) for x in kw["smooth_inv"].flatten()],
+                    eltwise=kw["eltwise"],
+                    name=s.name,
+                )
+                del keep
             elif s.method == "reorder":
                 plan.reorder(ids[s.reads[0]], ids[s.writes[0]], kw["src_q"], kw["dst_q"], s.name)
             elif s.method == "pool":

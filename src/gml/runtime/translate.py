@@ -310,6 +310,41 @@ def _emit_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     )
 
 
+def _check_dynamic_linear(c: Call) -> str | None:
+    from gml.kernels.dynamic_int8 import POST_OPS
+
+    if c.a.post_op not in POST_OPS:
+        return f"dynamic INT8 linear with post-op {c.a.post_op}"
+    if c.a.weight.dtype != torch.int8 or c.a.weight.dim() != 2:
+        return f"dynamic INT8 linear with a {c.a.weight.dtype} {c.a.weight.dim()}-D weight"
+    return None
+
+
+def _emit_dynamic_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``gml.dynamic_linear`` (fp32 → fp32; per-row INT8 inside: ADR 008): the rows of ``x``
+    (leading dims collapsed, a view where they collapse), the engine's row quantization, then one
+    oneDNN matmul with the per-row scale and bias as post-ops."""
+    from gml.kernels.dynamic_int8 import QMAX
+
+    a, x = c.a, ins[0]
+    if len(x.shape) < 2 or x.dtype_name != "f32":
+        raise Unsupported(f"dynamic INT8 linear on a rank-{len(x.shape)} {x.dtype_name} input")
+    x, out = _as_rows(b, x), _as_rows(b, out, output=True)
+    if x.stride[1] != 1 and x.shape[1] > 1:  # the row quantization reads dense rows
+        t = b.temp(x.shape, _contiguous_strides(x.shape), "f32")
+        b.reorder(x, t, src_q=None, dst_q=None)
+        x = t
+    b.dynamic_linear(
+        x,
+        out,
+        weight=a.weight,
+        w_scales=(a.weight_scale.float() / QMAX).contiguous(),  # exactly the Python kernel's s_w / 127
+        bias=None if a.bias is None else a.bias.detach().float().contiguous(),
+        smooth_inv=None if a.smooth_inv is None else a.smooth_inv.detach().float(),
+        eltwise=eltwise_of(_post_op(a)),
+    )
+
+
 # ---------------------------------------------------------------- element-wise / pooling / movement
 def _check_add(c: Call) -> str | None:
     return None if c.a.post_op in ("none", "relu") else f"INT8 add with post-op {c.a.post_op}"
@@ -714,6 +749,7 @@ RULES: dict[str, Rule] = {
     "qconv": Rule(_check_conv, _emit_conv),
     "qconv_add": Rule(_check_conv, _emit_conv_add, 2),
     "qlinear": Rule(_always, _emit_linear),
+    "dynamic_linear": Rule(_check_dynamic_linear, _emit_dynamic_linear),
     "qadd": Rule(_check_add, _emit_add, 2),
     "qactivation": Rule(_check_activation, _emit_activation),
     "qmul": Rule(_always, _emit_mul, 2),

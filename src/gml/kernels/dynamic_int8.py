@@ -1,0 +1,91 @@
+"""Dynamic INT8 GEMM: the one definition of ``gml::dynamic_linear``'s math, and its Python kernel.
+
+``gml::dynamic_linear(x, weight, weight_scale, bias, smooth_inv, post_op, ...)`` (docs/ir.md) is a
+linear layer with int8 weights (symmetric, one scale per output channel, quantized once by
+:func:`quantize_weight`) and int8 activations quantized **per row** (token) at run time by
+:func:`quantize_rows`; ``x`` fp32 ``[..., K]`` → fp32 ``[..., N]``:
+
+* ``v = x * smooth_inv`` (SmoothQuant; ``v = x`` without it), one row ``t`` at a time:
+  ``amax[t] = max(max_k |v[t, k]|, AMAX_FLOOR)``, ``q_x[t, k] = round_half_even(v[t, k] * (127 / amax[t]))``
+  (``127 / amax`` one IEEE fp32 division; ``|q_x| <= 127`` by construction, no clamp);
+* ``acc[t, o] = sum_k q_x[t, k] * weight[o, k]`` exactly, in int32;
+* ``y[t, o] = post_op(((float(acc) * (weight_scale[o] / 127)) * amax[t]) + bias[o])``, each operation
+  one fp32 rounding, in that order — the order oneDNN's matmul applies a per-output-channel weight
+  scale, a binary-mul post-op and a binary-add post-op, so the native engine
+  (native/engine.cpp, ``Plan::dynamic_linear``) computes the same integers and the same fp32
+  operations. (``weight_scale[o] / 127 * amax[t]`` is ``s_w[o] * s_x[t]`` with
+  ``s_x[t] = amax[t] / 127``.)
+
+A row's rounding error is relative to that row's own largest value, never the batch's.
+``AMAX_FLOOR`` only matters for an all-zero row (``127 / 0`` would be ``inf`` and ``0 * inf`` NaN):
+its ``q_x`` is 0 and its output the bias.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QMAX = 127
+#: Smallest per-row abs-max used as a divisor: ``127 / AMAX_FLOOR`` is finite in fp32.
+AMAX_FLOOR = 1e-30
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: ``weight`` ``[N, K]`` (times ``smooth[k]`` per input channel, SmoothQuant) as
+    contiguous int8 ``[N, K]``, symmetric, ``scale[o] = max_k |w[o, k]| / 127`` (fp32 ``[N]``)."""
+    w = weight.detach().float()
+    if smooth is not None:
+        w = w * smooth[None, :]
+    scale = (w.abs().amax(dim=1) / QMAX).clamp_min(_TINY)
+    q = torch.round(w / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8).contiguous()
+    return q, scale.contiguous()
+
+
+def quantize_rows(rows: torch.Tensor, smooth_inv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_x, amax)`` of fp32 ``rows`` ``[M, K]``: int8 ``[M, K]`` and fp32 ``[M, 1]`` (module docstring)."""
+    if smooth_inv is not None:
+        rows = rows * smooth_inv
+    amax = rows.abs().amax(dim=1, keepdim=True).clamp_min_(AMAX_FLOOR)
+    inv = torch.full_like(amax, float(QMAX)).div_(amax)  # one fp32 division (not reciprocal() * 127)
+    return torch.round(rows * inv).to(torch.int8), amax
+
+
+def apply_post_op(y: torch.Tensor, post_op: str, algorithm: str) -> torch.Tensor:
+    """The fused activation of a ``dynamic_linear`` (in place on ``y``): ``none``, ``relu``, ``gelu``."""
+    if post_op == "none":
+        return y
+    if post_op == "relu":
+        return y.relu_()
+    if post_op == "gelu":
+        return F.gelu(y, approximate="tanh" if algorithm == "tanh" else "none")
+    raise ValueError(f"dynamic_linear: post_op {post_op!r} is not one of none, relu, gelu")
+
+
+POST_OPS = ("none", "relu", "gelu")
+
+
+def dynamic_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    smooth_inv: torch.Tensor | None,
+    post_op: str = "none",
+    post_op_scalars: list[float] | tuple[float, ...] = (),
+    post_op_algorithm: str = "",
+) -> torch.Tensor:
+    """The Python kernel of ``gml::dynamic_linear`` (module docstring): ``torch._int_mm`` on the int8 rows."""
+    shape = x.shape
+    n, k = weight.shape
+    if shape[-1] != k:
+        raise ValueError(f"dynamic_linear: input has {shape[-1]} features, the weight {k}")
+    q_x, amax = quantize_rows(x.reshape(-1, k).float(), smooth_inv)
+    # int8 x int8 -> int32, exact; torch._int_mm returns wrong sums for K = 1 and N > 1 (torch 2.14
+    # CPU), where the GEMM is an outer product
+    acc = q_x.int() * weight.int().t() if k == 1 else torch._int_mm(q_x, weight.t())
+    y = torch.mul(acc, weight_scale / QMAX).mul_(amax)  # float(acc) * (s_w / 127), then * amax: two roundings
+    if bias is not None:
+        y.add_(bias)
+    return apply_post_op(y, post_op, post_op_algorithm).reshape(*shape[:-1], n)
