@@ -7,7 +7,7 @@ BENCH_STAMP := $(VENV)/.gml-bench-installed
 
 .PHONY: demo test lint fuzz bench install install-bench clean sanitize
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard native/*.cpp native/*.h native/CMakeLists.txt)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
