@@ -136,7 +136,7 @@ class EngineSegment(nn.Module):
         return len(self._plans)
 
     def plan_for(self, inputs: Sequence[torch.Tensor]) -> tuple[Any, list[tuple]]:
-        key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in inputs)
+        key = tuple(_input_key(t) for t in inputs)
         entry = self._plans.get(key)
         if entry is None:
             with self._lock:
@@ -150,7 +150,7 @@ class EngineSegment(nn.Module):
 
     def _compile(self, inputs: Sequence[torch.Tensor], key: tuple) -> tuple[Any, list[tuple]]:
         # 1. the executor's own tensors, on copies (a residual add may write an input in place)
-        copies = [t.clone() for t in inputs]
+        copies = [_layout_copy(t) if isinstance(t, torch.Tensor) else t for t in inputs]
         recorder = Recorder(self.reference)
         try:
             with torch.no_grad():
@@ -178,11 +178,17 @@ class EngineSegment(nn.Module):
         for pos, node in enumerate(graph.nodes):
             b.pos, b.node_name = pos, node.name
             if node.op == "placeholder":
+                if not isinstance(env[node], torch.Tensor):  # a size computed outside (sym_size)
+                    if isinstance(env[node], int | float | bool):
+                        continue
+                    raise Unsupported(f"segment input {node.name} is a {type(env[node]).__name__}")
                 vals[node] = b.value_for(node, env[node])
                 inputs.append(vals[node])
                 b.place_inputs(inputs)  # now: a later in-place step must see it is the caller's
             elif node.op == "output":
                 for a in node.args[0]:
+                    if not isinstance(env[a], torch.Tensor):
+                        raise Unsupported(f"segment output {a.name} is a {type(env[a]).__name__}")
                     outputs.append(vals[a])
                     metas.append(env[a])
             elif node.op != "get_attr":  # constants are read by the rules through the Call
@@ -191,6 +197,9 @@ class EngineSegment(nn.Module):
                 if rule is None:
                     raise Unsupported(reason)
                 t = env[node]
+                if rule.tuple_out:  # split: its getitem readers alias pieces of its input
+                    vals[node] = vals[call.inputs[0]]
+                    continue
                 if not isinstance(t, torch.Tensor):
                     raise Unsupported(f"{node.name} returns {type(t).__name__}")
                 vals[node] = b.value_for(node, t, free=node in free)
@@ -204,7 +213,8 @@ class EngineSegment(nn.Module):
         if plan is None:
             return tuple(self.reference(*inputs))
         results = [torch.empty_strided(s, st, dtype=dt) for s, st, dt in outs]
-        plan.run([t.data_ptr() for t in inputs], [r.data_ptr() for r in results], torch.get_num_threads())
+        tensors = [t.data_ptr() for t in inputs if isinstance(t, torch.Tensor)]  # sizes are in the plan's key
+        plan.run(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
         return tuple(results)
 
 
@@ -220,6 +230,23 @@ class Recorder(fx.Interpreter):
         out = super().run_node(n)
         self.values[n] = out
         return out
+
+
+def _layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with ``t``'s strides: ``clone()`` makes an expanded (stride 0) tensor dense,
+    and the plan must be made for the layout the inputs have (an expanded attention mask)."""
+    c = t.clone()
+    if c.stride() == t.stride():
+        return c
+    out = torch.empty(0, dtype=t.dtype)
+    return out.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
+
+
+def _input_key(t: Any) -> tuple:
+    """A segment input's part of a plan's key: a tensor's layout, or a size's value (``sym_size``)."""
+    if isinstance(t, torch.Tensor):
+        return (tuple(t.shape), tuple(t.stride()), t.dtype)
+    return ((), (), t)
 
 
 def _key_str(key: tuple) -> str:
