@@ -39,15 +39,16 @@ import math
 import operator
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from gml.runtime.plan import Builder, Unsupported, Val
 
-if TYPE_CHECKING:
-    from gml.runtime.translate import Call
+#: a gml.runtime.translate.Call (not imported: translate imports this module; the functions here
+#: import what they need from it when they run)
+Call = Any
 
 #: the additive mask value of a masked key: finite, so that ``(m - 1) * MASKED`` is never NaN
 MASKED = float(torch.finfo(torch.float32).max)
