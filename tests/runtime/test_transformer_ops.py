@@ -235,3 +235,27 @@ def _names(eng) -> list[str]:
     (seg,) = eng.segments()
     ((plan, _),) = seg._plans.values()
     return list(plan.step_names())
+
+
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=needs_bf16)])
+def test_torchvision_vit_runs_its_encoder_on_the_engine(precision):
+    """ViT (nn.MultiheadAttention captured by torch.export): LayerNorm, attention, every linear
+    (the MHA out_proj reads a permuted value: copied dense first) in engine segments."""
+    import torchvision
+
+    import gml
+
+    torch.manual_seed(0)
+    m = torchvision.models.VisionTransformer(32, 8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32).eval()
+    with torch.no_grad():
+        m.heads.head.weight.normal_()  # zero-initialised: the output would be 0
+    x = torch.randn(2, 3, 32, 32)
+    res = gml.optimize(m, x, precision=precision)
+    assert res.engine is not None and not res.runtime.shape_fallbacks, str(res.runtime)
+    ran = {n.op for n in res.runtime.nodes if n.runs_in == "engine"}
+    assert {"attention", "LayerNorm"} <= ran
+    assert not {n.op for n in res.runtime.torch_nodes} & {"attention", "LayerNorm", "FusedLinear", "Bf16Linear"}
+    with torch.no_grad():
+        ref, got = m(x), res.executable(x)
+    tol = 1e-5 if precision == "fp32" else 2.0**-4
+    assert float((got - ref).abs().max()) <= tol * float(ref.abs().max())

@@ -642,24 +642,14 @@ def _check_blinear(c: Call) -> str | None:
     return None if c.a.backend == "onednn" else f"bf16 linear on the {c.a.backend} path"
 
 
-def _rows_view(b: Builder, v: Val) -> Val:
-    """A rank-N contiguous value seen as the 2-D ``[rows, K]`` the inner product takes."""
-    if len(v.shape) == 2:
-        return v
-    if v.stride != _contiguous_strides(v.shape):
-        raise Unsupported(f"linear on a non-contiguous rank-{len(v.shape)} value")
-    rows = 1
-    for d in v.shape[:-1]:
-        rows *= d
-    return b.view(v, (rows, v.shape[-1]), (v.shape[-1], 1))
-
-
 def _emit_blinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     mod = c.a
-    x = _rows_view(b, _bf16_src(b, ins[0]))
+    # any layout: a view where the leading dims collapse, else a dense copy (ViT's MHA out_proj
+    # reads a permuted value)
+    x = _as_rows(b, _bf16_src(b, ins[0]))
     b.inner_product(
         x,
-        _rows_view(b, out),
+        _as_rows(b, out, output=True),
         weight=mod.weight.detach(),
         w_scales=torch.ones(1),
         bias=mod.bias,
