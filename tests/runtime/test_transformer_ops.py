@@ -140,6 +140,21 @@ def test_a_linear_read_again_after_the_add_is_not_fused():
     assert _names(eng) == ["m0", "m1", "m2"]
 
 
+def test_a_residual_add_of_a_transposed_linear_output_is_not_fused():
+    """nn.TransformerEncoderLayer's ``x + out_proj(...).view(...).transpose(0, 1)``: the add reads the
+    linear's bytes in another order, so it cannot be the linear's post-op (a fuzzed-block bug)."""
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.lin = FusedLinear.from_linear(nn.Linear(4, 4), PostOp())
+    root.add = gnn.Add()
+    g = fx.Graph()
+    x, r = g.placeholder("x"), g.placeholder("r")
+    t = g.call_method("transpose", (g.call_module("lin", (x,)), 0, 1))
+    g.output(g.call_module("add", (r, t)))
+    eng = check(fx.GraphModule(root, g), torch.randn(3, 2, 4), torch.randn(2, 3, 4))
+    assert "lin+add" not in _names(eng)
+
+
 @pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU(), nn.Tanh(), nn.SiLU()], ids=str)
 def test_activation_module_on_its_own_and_after_a_linear(act):
     check(graph_of(act), torch.randn(2, 3, 10) * 3)
