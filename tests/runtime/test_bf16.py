@@ -102,6 +102,26 @@ def test_optimize_bf16_picks_the_engine_and_reports_it():
 
 
 def test_partly_covered_bf16_graph_stays_on_the_executor_and_says_why():
+    """A bf16 kernel, attention or LayerNorm left in torch (here a LayerNorm over two dims, which the
+    engine declines) keeps the graph on the executor."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.ln = nn.Linear(16, 16), nn.LayerNorm((6, 16))
+
+        def forward(self, x):
+            return self.ln(x + self.fc(x))
+
+    torch.manual_seed(0)
+    res = gml.optimize(Block().eval(), torch.randn(2, 6, 16), precision="bf16")
+    assert res.engine is None and res.executable is res.module
+    assert res.runtime.path == "torch" and "covers part of this bf16 graph" in res.runtime.note
+
+
+def test_a_bf16_layer_norm_block_runs_on_the_engine():
+    """LayerNorm(x + linear(x)): the linear and the residual add are one matmul, then a layer_norm."""
+
     class Block(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -111,6 +131,9 @@ def test_partly_covered_bf16_graph_stays_on_the_executor_and_says_why():
             return self.ln(x + self.fc(x))
 
     torch.manual_seed(0)
-    res = gml.optimize(Block().eval(), torch.randn(4, 32), precision="bf16")
-    assert res.engine is None and res.executable is res.module
-    assert res.runtime.path == "torch" and "covers part of this bf16 graph" in res.runtime.note
+    x = torch.randn(4, 32)
+    res = gml.optimize(Block().eval(), x, precision="bf16")
+    assert res.runtime.path == "engine", str(res.runtime)
+    with torch.no_grad():
+        ref, got = res.module(x), res.executable(x)
+    assert float((got - ref).abs().max()) <= BF16_ENGINE_RTOL * 4 * float(ref.abs().max())

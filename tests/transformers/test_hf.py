@@ -133,3 +133,26 @@ def test_cli_quantize_takes_the_transformer_scheme(tmp_path, capsys, monkeypatch
     assert "random integer ids uniform in [1, 999] (the model's vocabulary" in out and "N(0" not in out
     cos = float(out.split("output cosine ")[1].split()[0].rstrip(","))
     assert cos > 0.99
+
+
+@pytest.mark.parametrize("build", [_bert, _distilbert], ids=["bert", "distilbert"])
+def test_hf_encoder_runs_on_the_engine_with_padding_and_new_shapes(build) -> None:
+    """LayerNorm, attention (the padding mask), GEMMs, residual adds on the native engine; only the
+    embedding lookups and the mask arithmetic stay in torch. Other batch / sequence sizes get
+    their own plans (the sizes are segment inputs)."""
+    from gml.runtime import unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(str(unavailable_reason()))
+    model = build()
+    res = optimize(model, _tokens(2, 12, 7))
+    assert res.engine is not None, str(res.runtime)
+    in_torch = {n.op for n in res.runtime.torch_nodes}
+    assert not in_torch & {"attention", "LayerNorm", "FusedLinear", "Linear", "Add"}, str(res.runtime)
+    assert not res.runtime.shape_fallbacks
+    for batch, seq, pad in ((2, 12, 7), (3, 20, 11), (1, 1, None)):
+        ids, mask = _tokens(batch, seq, pad)
+        with torch.no_grad():
+            got, ref = res.executable(ids, mask), model(ids, mask)
+        torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state, atol=1e-5, rtol=1e-4)
+    assert not res.runtime.shape_fallbacks, res.runtime.shape_fallbacks

@@ -104,6 +104,26 @@ def test_real_minilm_fp32_matches_eager(minilm) -> None:
     assert res.report.record("fuse_attention").matches == 6
     cos = (_embed(model, inputs) * _embed(res.module, inputs)).sum(-1)
     assert float(cos.min()) > 0.99999
+    # the native engine (the default runtime): the encoder as one plan of oneDNN primitives
+    assert res.engine is not None and not {n.op for n in res.runtime.torch_nodes} & {"attention", "LayerNorm"}
+    cos = (_embed(model, inputs) * _embed(res.executable, inputs)).sum(-1)
+    assert float(cos.min()) > 0.99999
+
+
+def test_real_minilm_bf16_on_the_engine(minilm) -> None:
+    """#14's accuracy bar (sentence-embedding cosine >= 0.9999) with LayerNorm, attention and the
+    GEMMs as the engine's bf16 / fp32 primitives."""
+    from gml.api import optimize
+    from gml.kernels.bf16 import bf16_available
+
+    if not bf16_available():
+        pytest.skip("no native bf16 on this CPU")
+    model, gm, inputs = minilm
+    res = optimize(gm, inputs, n_check_inputs=1, precision="bf16")
+    assert res.engine is not None, str(res.runtime)
+    assert not {n.op for n in res.runtime.torch_nodes} & {"attention", "LayerNorm", "Bf16Linear"}
+    cos = (_embed(model, inputs) * _embed(res.executable, inputs)).sum(-1)
+    assert float(cos.min()) >= 0.9999, cos
 
 
 def test_real_minilm_int8_sentence_embeddings(minilm) -> None:

@@ -136,7 +136,7 @@ class EngineSegment(nn.Module):
         return len(self._plans)
 
     def plan_for(self, inputs: Sequence[torch.Tensor]) -> tuple[Any, list[tuple]]:
-        key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype) for t in inputs)
+        key = tuple(_input_key(t) for t in inputs)
         entry = self._plans.get(key)
         if entry is None:
             with self._lock:
@@ -149,12 +149,8 @@ class EngineSegment(nn.Module):
         return entry
 
     def _compile(self, inputs: Sequence[torch.Tensor], key: tuple) -> tuple[Any, list[tuple]]:
-        # 1. the executor's own tensors, on copies (a residual add may write an input in place) in
-        # the inputs' own strides: the plan reads the caller's tensors with the strides it saw here
-        copies = [_copy_with_strides(t) for t in inputs]
-        if any(c.stride() != t.stride() for c, t in zip(copies, inputs)):
-            self._report.shape_fallbacks[_key_str(key)] = "an input with overlapping strides (an expand)"
-            return None, []
+        # 1. the executor's own tensors, on copies (a residual add may write an input in place)
+        copies = [_layout_copy(t) if isinstance(t, torch.Tensor) else t for t in inputs]
         recorder = Recorder(self.reference)
         try:
             with torch.no_grad():
@@ -182,11 +178,17 @@ class EngineSegment(nn.Module):
         for pos, node in enumerate(graph.nodes):
             b.pos, b.node_name = pos, node.name
             if node.op == "placeholder":
+                if not isinstance(env[node], torch.Tensor):  # a size computed outside (sym_size)
+                    if isinstance(env[node], int | float | bool):
+                        continue
+                    raise Unsupported(f"segment input {node.name} is a {type(env[node]).__name__}")
                 vals[node] = b.value_for(node, env[node])
                 inputs.append(vals[node])
                 b.place_inputs(inputs)  # now: a later in-place step must see it is the caller's
             elif node.op == "output":
                 for a in node.args[0]:
+                    if not isinstance(env[a], torch.Tensor):
+                        raise Unsupported(f"segment output {a.name} is a {type(env[a]).__name__}")
                     outputs.append(vals[a])
                     metas.append(env[a])
             elif node.op != "get_attr":  # constants are read by the rules through the Call
@@ -195,6 +197,9 @@ class EngineSegment(nn.Module):
                 if rule is None:
                     raise Unsupported(reason)
                 t = env[node]
+                if rule.tuple_out:  # split: its getitem readers alias pieces of its input
+                    vals[node] = vals[call.inputs[0]]
+                    continue
                 if not isinstance(t, torch.Tensor):
                     raise Unsupported(f"{node.name} returns {type(t).__name__}")
                 vals[node] = b.value_for(node, t, free=node in free)
@@ -208,7 +213,8 @@ class EngineSegment(nn.Module):
         if plan is None:
             return tuple(self.reference(*inputs))
         results = [torch.empty_strided(s, st, dtype=dt) for s, st, dt in outs]
-        plan.run([t.data_ptr() for t in inputs], [r.data_ptr() for r in results], torch.get_num_threads())
+        tensors = [t.data_ptr() for t in inputs if isinstance(t, torch.Tensor)]  # sizes are in the plan's key
+        plan.run(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
         return tuple(results)
 
 
@@ -226,19 +232,21 @@ class Recorder(fx.Interpreter):
         return out
 
 
-def _copy_with_strides(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with ``t``'s strides (``clone()`` makes a view with gaps, e.g. ``x[:, 0]``,
-    contiguous); a tensor whose elements overlap (``expand``) gets a contiguous copy."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    c = t.clone()  # preserve_format: a dense tensor keeps its strides
+def _layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with ``t``'s strides: ``clone()`` makes an expanded (stride 0) tensor dense,
+    and the plan must be made for the layout the inputs have (an expanded attention mask)."""
+    c = t.clone()
     if c.stride() == t.stride():
         return c
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-    try:
-        return out.copy_(t)
-    except RuntimeError:  # internal overlap: no copy can have these strides
-        return t.clone()
+    out = torch.empty(0, dtype=t.dtype)
+    return out.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
+
+
+def _input_key(t: Any) -> tuple:
+    """A segment input's part of a plan's key: a tensor's layout, or a size's value (``sym_size``)."""
+    if isinstance(t, torch.Tensor):
+        return (tuple(t.shape), tuple(t.stride()), t.dtype)
+    return ((), (), t)
 
 
 def _key_str(key: tuple) -> str:

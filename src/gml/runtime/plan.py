@@ -27,6 +27,7 @@ docs/adr/006-native-engine.md, "Layouts").
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,13 +38,16 @@ from torch import fx
 QP = tuple[float, int] | None
 #: Fused oneDNN eltwise post-ops: ``(algorithm, alpha, beta)`` each.
 Eltwise = list[tuple[str, float, float]]
+#: matmul post-ops: an eltwise ``(algorithm, alpha, beta, None)`` or a binary op with a value.
+PostOps = Sequence[tuple[str, float, float, "Val | None"]]
 
 
 class Unsupported(Exception):
     """The engine has no kernel for this node (or this shape of it); the message says why."""
 
 
-_DTYPES = {torch.uint8: "u8", torch.int8: "s8", torch.float32: "f32", torch.bfloat16: "bf16"}
+#: torch.bool is u8 (the same bytes: 0 / 1), read only as an attention mask (gml.runtime.transformer_rules)
+_DTYPES = {torch.uint8: "u8", torch.int8: "s8", torch.float32: "f32", torch.bfloat16: "bf16", torch.bool: "u8"}
 _ITEMSIZE = {"f32": 4, "bf16": 2}
 ALIGN = 64
 
@@ -56,16 +60,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _span(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
+    """Bytes a strided value spans, as oneDNN counts them (``max(dim * stride)`` for plain strided
+    memory: a slice such as a split's last piece reaches past its last element, and the native
+    plan checks that every arena value fits)."""
     if any(d == 0 for d in shape):
         return 0
-    return (sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * itemsize
+    last = sum((d - 1) * s for d, s in zip(shape, stride)) + 1
+    return max(last, *(d * s for d, s in zip(shape, stride))) * itemsize
 
 
 @dataclass(eq=False)
 class Group:
     """Bytes shared by aliasing values: in the arena, or an input / output tensor of the call."""
 
-    where: str = "arena"  # "arena" | "input" | "output"
+    where: str = "arena"  # "arena" | "input" | "output" | "const" (plan-owned: Builder.constant)
     index: int = -1
     members: list[Val] = field(default_factory=list)
     arena_offset: int = 0
@@ -119,6 +127,8 @@ class Builder:
         self.last_use = last_use
         self.pos = 0  # position of the node being translated
         self.node_name = ""
+        #: values a rule computes once per plan and reuses (an attention mask made additive)
+        self.memo: dict[str, Any] = {}
 
     # ------------------------------------------------------------ values
     def _new(self, shape: Any, stride: Any, dtype: str, node: fx.Node | None = None) -> Val:
@@ -137,6 +147,15 @@ class Builder:
         v = self._new(shape, stride, dtype)
         if like is not None and like.free:
             v.free, v.tie = True, like
+        return v
+
+    def constant(self, t: torch.Tensor) -> Val:
+        """A value the plan owns (a copy of ``t``, dense): a causal or a constant attention mask."""
+        t = t.detach().contiguous()
+        v = self._new(t.shape, t.stride(), dtype_name(t.dtype))
+        assert v.group is not None
+        v.group.where = "const"
+        v.ref = t
         return v
 
     def is_view_of(self, out: Val, src: Val) -> bool:
@@ -281,6 +300,34 @@ class Builder:
     def concat(self, srcs: list[Val], dst: Val, axis: int) -> None:
         self._step("concat", list(srcs), [dst], axis=axis)
 
+    # transformer ops (native/engine.cpp: matmul, softmax, layer_norm)
+    def matmul(
+        self,
+        src: Val,
+        wei: Val | None,
+        dst: Val,
+        *,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        post: PostOps = (),
+    ) -> None:
+        """``dst = post(src @ wei + bias)``: ``wei`` a value, or ``weight`` a constant ``[K, N]``
+        tensor (any strides: a Linear's weight transposed). ``post`` entries: eltwise
+        ``(alg, alpha, beta, None)`` or ``("binary_add" | "binary_mul", 0, 0, value)``."""
+        if (wei is None) == (weight is None):
+            raise ValueError("matmul takes a weight value or a constant weight")
+        operands = [p[3] for p in post if p[3] is not None]
+        reads = [src, *([wei] if wei is not None else []), *operands]
+        self._step("matmul", reads, [dst], wei=wei, weight=weight, bias=bias, post=list(post))
+
+    def softmax(self, src: Val, dst: Val, axis: int) -> None:
+        self._step("softmax", [src], [dst], axis=axis)
+
+    def layer_norm(
+        self, src: Val, dst: Val, *, gamma: torch.Tensor | None, beta: torch.Tensor | None, eps: float
+    ) -> None:
+        self._step("layer_norm", [src], [dst], gamma=gamma, beta=beta, eps=eps)
+
     # ------------------------------------------------------------ placement
     def place_inputs(self, inputs: list[Val]) -> None:
         for i, v in enumerate(inputs):
@@ -345,6 +392,11 @@ class Builder:
                 continue
             if v.free and (g.where != "arena" or (len(g.members) > 1 and v.offset)):
                 raise Unsupported("a free-layout value outside the arena or at an offset")
+            if g.where == "const":
+                if len(g.members) != 1 or v.ref is None:
+                    raise Unsupported("a view of a plan constant")
+                ids[v] = plan.add_constant(list(v.shape), list(v.stride), v.dtype_name, v.ref.data_ptr())
+                continue
             ids[v] = plan.add_value(
                 list(v.shape), [] if v.free else list(v.stride), v.dtype_name, where[g.where], g.index, 0
             )
@@ -359,7 +411,8 @@ class Builder:
         for v, i in ids.items():
             g = v.group
             assert g is not None
-            plan.set_offset(i, (g.arena_offset if g.where == "arena" else 0) + v.offset)
+            if g.where != "const":
+                plan.set_offset(i, (g.arena_offset if g.where == "arena" else 0) + v.offset)
         plan.finalize(arena)
         for v in self.vals:
             v.ref = None  # the executor's tensors were for layouts only
@@ -443,5 +496,43 @@ class Builder:
                 )
             elif s.method == "concat":
                 plan.concat([ids[v] for v in s.reads], ids[s.writes[0]], kw["axis"], s.name)
+            elif s.method in ("matmul", "softmax", "layer_norm"):
+                _emit_transformer_step(plan, ids, s)
             else:  # pragma: no cover - the Builder only records the methods above
                 raise AssertionError(s.method)
+
+
+def _f32_param(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().contiguous()
+
+
+def _emit_transformer_step(plan: Any, ids: dict[Val, int], s: Step) -> None:
+    """The native call of a matmul / softmax / layer_norm step (Builder.matmul, ...)."""
+    kw = s.kwargs
+    if s.method == "softmax":
+        plan.softmax(ids[s.reads[0]], ids[s.writes[0]], int(kw["axis"]), s.name)
+    elif s.method == "layer_norm":
+        gamma, beta = _f32_param(kw["gamma"]), _f32_param(kw["beta"])
+        plan.layer_norm(
+            ids[s.reads[0]],
+            ids[s.writes[0]],
+            0 if gamma is None else gamma.data_ptr(),
+            0 if beta is None else beta.data_ptr(),
+            float(kw["eps"]),
+            s.name,
+        )
+    else:
+        w, bias = kw["weight"], _f32_param(kw["bias"])
+        post = [(alg, float(a), float(b), -1 if v is None else ids[v]) for alg, a, b, v in kw["post"]]
+        plan.matmul(
+            ids[s.reads[0]],
+            -1 if kw["wei"] is None else ids[kw["wei"]],
+            ids[s.writes[0]],
+            0 if w is None else w.data_ptr(),
+            [] if w is None else list(w.shape),
+            [] if w is None else list(w.stride()),
+            "f32" if w is None else dtype_name(w.dtype),
+            0 if bias is None else bias.data_ptr(),
+            post,
+            s.name,
+        )

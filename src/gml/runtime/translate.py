@@ -32,6 +32,19 @@ from gml.ir.values import PostOp, QParams
 from gml.kernels import bf16, fp32
 from gml.kernels.backend import clamp_bounds
 from gml.runtime.plan import QP, Builder, Eltwise, Unsupported, Val
+from gml.runtime.transformer_rules import (
+    check_attention,
+    check_eltwise,
+    check_float_add,
+    check_layer_norm,
+    check_split,
+    emit_attention,
+    emit_eltwise,
+    emit_float_add,
+    emit_layer_norm,
+    emit_split_item,
+    read_split,
+)
 
 
 def qp(q: QParams | None) -> QP:
@@ -137,6 +150,9 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
         # sizes computed at run time (a dynamic batch in an exported program) are graph values
         run_time = any(isinstance(a, fx.Node) for a in _flat([*node.args[1:], *node.kwargs.values()]))
         return Call(move, SimpleNamespace(run_time_sizes=run_time), (node.args[0],))
+    split = read_split(node)  # torch.split's pieces (the QKV merge's q, k, v): views
+    if split is not None:
+        return split
     if node.op != "call_function":
         return None
     if node.target in _CASTS and isinstance(node.args[0], fx.Node):  # gml.kernels.bf16 dtype conversions
@@ -268,6 +284,10 @@ def _as_rows(b: Builder, v: Val, *, output: bool = False) -> Val:
     """``v`` ([..., features], rank >= 2) as the 2-D ``[rows, features]`` matrix an inner product
     takes: a view of the same bytes, or (an input whose dims do not collapse) a contiguous copy."""
     if len(v.shape) == 2:
+        if v.shape[0] == 1 and v.stride[0] != v.shape[1] * v.stride[1]:
+            # one row picked out of a bigger tensor (BERT's pooler: hidden[:, 0]): its row stride
+            # is irrelevant, but oneDNN reads it and falls to its reference inner product
+            return b.view(v, v.shape, (v.shape[1] * v.stride[1], v.stride[1]))
         return v
     rows = 1
     for d in v.shape[:-1]:
@@ -471,22 +491,36 @@ def _emit_flatten(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 
 def _check_move(c: Call) -> str | None:
-    if c.a.run_time_sizes:
-        return f"{c.op} to sizes computed at run time"
-    src = c.inputs[0]
-    while src.op in ("call_method", "call_function") and (move_name(src) or src.target in _FLATTENS):
+    # sizes computed at run time (sym_size of a dynamic dim) are ints the segment takes as inputs
+    return check_move_source(c.inputs[0], c.op)
+
+
+def check_move_source(src: fx.Node, op: str) -> str | None:
+    """Why a move (or split) of ``src`` stays in torch, or None: the value must come from a node the
+    engine runs (through other moves / split pieces) or be an input of a dtype the engine takes."""
+    while src.op in ("call_method", "call_function") and (
+        move_name(src) or src.target in _FLATTENS or read_split(src) is not None
+    ):
         src = src.args[0]  # type: ignore[assignment]
     if src.op == "placeholder":
         # a model input (or, in a segment's own graph, a value the partition already vetted): the
-        # engine takes uint8 and fp32 tensors
+        # engine takes uint8, fp32 and bf16 tensors
         meta = src.meta.get("val", src.meta.get("tensor_meta"))
         dtype = getattr(meta, "dtype", None)
-        if dtype is not None and dtype not in (torch.uint8, torch.float32):
-            return f"{c.op} of a {dtype} input"
+        if dtype is not None and dtype not in (torch.uint8, torch.float32, torch.bfloat16):
+            return f"{op} of a {dtype} input"
         return None
-    if gml_op_name(src) is None:
-        return f"{c.op} of a value no lowered GML op made (an fp32 torch op's output: runs in torch)"
+    if gml_op_name(src) is None and not _engine_runs(src):
+        return f"{op} of a value no lowered GML op made (an fp32 torch op's output: runs in torch)"
     return None
+
+
+def _engine_runs(node: fx.Node) -> bool:
+    """Whether the engine runs ``node`` (an fp32 / bf16 kernel module, a cast, LayerNorm, ...)."""
+    gm = node.graph.owning_module
+    if gm is None or node.op not in ("call_module", "call_function"):
+        return False
+    return rule_for(read_call(gm, node))[0] is not None
 
 
 def _check_contiguous(c: Call) -> str | None:
@@ -643,24 +677,14 @@ def _check_blinear(c: Call) -> str | None:
     return None if c.a.backend == "onednn" else f"bf16 linear on the {c.a.backend} path"
 
 
-def _rows_view(b: Builder, v: Val) -> Val:
-    """A rank-N contiguous value seen as the 2-D ``[rows, K]`` the inner product takes."""
-    if len(v.shape) == 2:
-        return v
-    if v.stride != _contiguous_strides(v.shape):
-        raise Unsupported(f"linear on a non-contiguous rank-{len(v.shape)} value")
-    rows = 1
-    for d in v.shape[:-1]:
-        rows *= d
-    return b.view(v, (rows, v.shape[-1]), (v.shape[-1], 1))
-
-
 def _emit_blinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     mod = c.a
-    x = _rows_view(b, _bf16_src(b, ins[0]))
+    # any layout: a view where the leading dims collapse, else a dense copy (ViT's MHA out_proj
+    # reads a permuted value)
+    x = _as_rows(b, _bf16_src(b, ins[0]))
     b.inner_product(
         x,
-        _rows_view(b, out),
+        _as_rows(b, out, output=True),
         weight=mod.weight.detach(),
         w_scales=torch.ones(1),
         bias=mod.bias,
@@ -741,6 +765,8 @@ class Rule:
     writes_free: bool = False
     #: it reads a free value in any layout (a oneDNN primitive that takes its source as it is)
     reads_free: bool = False
+    #: its value is a tuple of views of its input (split) that getitem readers take apart: no step
+    tuple_out: bool = False
 
 
 #: The translation table (see the module docstring), keyed by :attr:`Call.op`. A node whose op is not
@@ -777,6 +803,13 @@ RULES: dict[str, Rule] = {
     "to_bf16": Rule(_always, _emit_cast),
     # after the moves: a fused conv module's output made contiguous (a view, or one reordered copy)
     "contiguous": Rule(_check_contiguous, _emit_flatten, reads_free=True),
+    # transformers (gml.runtime.transformer_rules)
+    "LayerNorm": Rule(check_layer_norm, emit_layer_norm),
+    "attention": Rule(check_attention, emit_attention, None),
+    "Add": Rule(check_float_add, emit_float_add, 2),
+    "split": Rule(check_split, _always, tuple_out=True),
+    "split_item": Rule(_always, emit_split_item),
+    **{name: Rule(check_eltwise, emit_eltwise) for name in ("GELU", "ReLU", "Tanh", "Sigmoid", "SiLU")},
 }
 
 #: fp32 ops whose ``backend`` names another library for the same fp32 math (MKL's GEMM for a

@@ -242,9 +242,18 @@ def check_block_fp32(spec: BlockSpec) -> dict[str, Any]:
         x = spec.example_inputs(seed)
         with torch.no_grad():
             err = rel_err([model(*x)], [res.module(*x)])
-        worst = max(worst, err)
+            # the native engine (LayerNorm, attention, GEMMs as oneDNN primitives), where attached
+            err_engine = rel_err([model(*x)], [res.executable(*x)])
+        worst = max(worst, err, err_engine)
         if err > FP32_RTOL:
             raise FuzzFailure(f"fp32 block differs from eager: {err:.3g} of the output magnitude\n{spec!r}")
+        if err_engine > FP32_RTOL:
+            raise FuzzFailure(f"the engine's fp32 block differs from eager: {err_engine:.3g}\n{res.runtime}\n{spec!r}")
+    if res.engine is None:
+        raise FuzzFailure(f"the engine did not take the fp32 block: {res.runtime}\n{spec!r}")
+    in_torch = [n for n in res.runtime.torch_nodes if n.op in ("attention", "LayerNorm", "FusedLinear")]
+    if in_torch:
+        raise FuzzFailure(f"transformer ops left in torch: {[(n.name, n.reason) for n in in_torch]}\n{spec!r}")
     fused = res.report.record("fuse_attention")
     if fused.matches != expected_attention(spec):
         raise FuzzFailure(f"FuseAttention made {fused.matches} attention op(s), expected {expected_attention(spec)}: "

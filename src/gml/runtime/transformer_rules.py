@@ -1,0 +1,373 @@
+"""The transformer rows of the translation table (#15 / #14): LayerNorm, attention, float adds, split.
+
+Each function here is a ``check`` or an ``emit`` of a :class:`~gml.runtime.translate.Rule` (the rows
+are listed in :data:`gml.runtime.translate.RULES`); they write the engine's transformer steps
+(``Builder.layer_norm`` / ``matmul`` / ``softmax``, native/engine.cpp):
+
+==========================  ========================================================================
+node                        engine steps
+==========================  ========================================================================
+``nn.LayerNorm`` (last dim)  one oneDNN ``layer_normalization`` (statistics in fp32; f32 or bf16 in
+                            and out, as the Python executor's values are) over the rows view
+``gml.attention``           ``S = Q @ Kᵀ`` (matmul, fp32 accumulation and fp32 output; ``Kᵀ`` is K's
+                            strides swapped, no copy) with the scale (eltwise ``linear``) and the
+                            mask (binary ``add``, broadcast over heads / queries) as post-ops →
+                            ``P = softmax(S)`` (fp32 math, written in Q's dtype) → ``O = P @ V``
+``gml.nn.Add`` (float)      one binary ``add`` (oneDNN broadcasts the smaller operand); f32 / bf16,
+                            mixed operands promote as torch does (the executor's output dtype)
+``split`` + ``getitem``     views of the split tensor (no step): the QKV merge's ``q, k, v``
+==========================  ========================================================================
+
+**Masks.** A float mask is added as it is. A bool mask (``True`` = attend, SDPA's convention) is
+converted once per plan to an additive one, ``(m - 1) * FLT_MAX`` (one u8 → f32 reorder with a zero
+point), not ``-inf``: ``0 * inf`` would be NaN. A masked score becomes ``-FLT_MAX`` and its softmax
+weight exactly 0, as with ``-inf``; only a query row whose keys are *all* masked differs (SDPA gives
+NaN there, the engine the uniform average) — padded batches never mask every key of a row.
+Dimensions a mask has by broadcasting (``expand``: stride 0) are described with size 1, so the
+``[B, 1, L, S]`` boolean masks transformers builds are read without materializing them.
+
+A constant mask (a model's buffer, e.g. a causal mask) and ``is_causal`` (SDPA's top-left aligned
+``j <= i``) are additive fp32 constants the plan owns, one more binary post-op each.
+
+**Not covered** (the node stays in torch with this reason): masks of another dtype, a scale
+computed at run time, LayerNorm over more than the last dim.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from gml.runtime.plan import Builder, Unsupported, Val
+
+#: a gml.runtime.translate.Call (not imported: translate imports this module; the functions here
+#: import what they need from it when they run)
+Call = Any
+
+#: the additive mask value of a masked key: finite, so that ``(m - 1) * MASKED`` is never NaN
+MASKED = float(torch.finfo(torch.float32).max)
+_FLOATS = (torch.float32, torch.bfloat16)
+#: a matmul post-op (gml.runtime.plan.PostOps)
+PostOp = tuple[str, float, float, "Val | None"]
+_SPLITS = (torch.split, torch.functional.split, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
+
+
+def meta_dtype(node: Any) -> torch.dtype | None:
+    """The dtype shape propagation / export recorded for ``node`` (None when unknown: a segment's
+    own placeholders; the emit functions check the values' actual dtypes again)."""
+    if not isinstance(node, fx.Node):
+        return None
+    meta = node.meta.get("val", node.meta.get("tensor_meta"))
+    return getattr(meta, "dtype", None)
+
+
+# ---------------------------------------------------------------- split / getitem (views)
+def is_split(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "split"
+    return node.op == "call_function" and node.target in _SPLITS
+
+
+def read_split(node: fx.Node) -> Call | None:
+    """A ``split`` or a ``getitem`` of one as a :class:`Call` (both read the split's source)."""
+    from gml.runtime.translate import Call
+
+    if is_split(node) and node.args and isinstance(node.args[0], fx.Node):
+        return Call("split", SimpleNamespace(node=node), (node.args[0],))
+    if (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and is_split(node.args[0])
+        and isinstance(node.args[1], int)
+    ):
+        return Call("split_item", SimpleNamespace(index=node.args[1]), (node.args[0],))
+    return None
+
+
+def check_split(c: Call) -> str | None:
+    from gml.runtime.translate import check_move_source
+
+    if not all(u.op == "call_function" and u.target is operator.getitem for u in c.a.node.users):
+        return "a split whose pieces are not taken apart by getitem"
+    return check_move_source(c.inputs[0], "split")
+
+
+def check_split_item(c: Call) -> str | None:
+    return None
+
+
+def emit_split_item(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x = ins[0]
+    if not b.is_view_of(out, x):
+        raise Unsupported("a split piece that is not a view of its source")
+    b.alias(out, x)
+
+
+# ---------------------------------------------------------------- LayerNorm
+def check_layer_norm(c: Call) -> str | None:
+    mod = c.a
+    if type(mod) is not nn.LayerNorm:
+        return f"{type(mod).__module__}.{type(mod).__name__} (not torch.nn.LayerNorm)"
+    if len(mod.normalized_shape) != 1:
+        return f"LayerNorm over {len(mod.normalized_shape)} dims (the engine normalizes the last dim)"
+    dtype = meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in _FLOATS:
+        return f"LayerNorm of a {dtype} tensor"
+    return None
+
+
+def _dense_rows(b: Builder, v: Val) -> Val:
+    """``v`` as ``[rows, features]`` with unit feature stride: a view, or a contiguous copy."""
+    from gml.runtime.translate import _as_rows, _contiguous_strides
+
+    if v.stride[-1] != 1 and v.shape[-1] != 1:
+        t = b.temp(v.shape, _contiguous_strides(v.shape), v.dtype_name)
+        b.reorder(v, t, src_q=None, dst_q=None)
+        v = t
+    return _as_rows(b, v) if len(v.shape) != 2 else v
+
+
+def emit_layer_norm(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    from gml.runtime.translate import _as_rows
+
+    mod, x = c.a, ins[0]
+    if x.dtype_name not in ("f32", "bf16") or out.dtype_name not in ("f32", "bf16") or len(x.shape) < 1:
+        raise Unsupported(f"LayerNorm {x.dtype_name} -> {out.dtype_name}")
+    if len(x.shape) == 1:
+        x, out = (
+            b.view(x, (1, x.shape[0]), (x.shape[0], x.stride[0])),
+            b.view(out, (1, out.shape[0]), (out.shape[0], 1)),
+        )
+    x = _dense_rows(b, x)
+    if out.stride[-1] != 1 and out.shape[-1] != 1:
+        raise Unsupported(f"LayerNorm output layout {out.stride}")
+    out = _as_rows(b, out, output=True) if len(out.shape) != 2 else out
+    b.layer_norm(x, out, gamma=mod.weight, beta=mod.bias, eps=float(mod.eps))
+
+
+# ---------------------------------------------------------------- float add (residuals)
+def check_float_add(c: Call) -> str | None:
+    from gml import nn as gnn
+
+    if type(c.a) is not gnn.Add or c.a.alpha != 1:
+        return f"{type(c.a).__name__} with alpha {getattr(c.a, 'alpha', '?')}"
+    if any(n.op == "get_attr" for n in c.inputs):
+        return "add of a constant (the engine adds two computed values)"
+    dtypes = [meta_dtype(n) for n in c.inputs]
+    if len(dtypes) != 2 or any(d is not None and d not in _FLOATS for d in dtypes):
+        return f"add of {', '.join(str(d) for d in dtypes)} tensors (the engine adds fp32 / bf16)"
+    return None
+
+
+def emit_float_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x, y = ins
+    if {x.dtype_name, y.dtype_name, out.dtype_name} - {"f32", "bf16"}:
+        raise Unsupported(f"add of {x.dtype_name} and {y.dtype_name}")
+    if _fuse_into_linear(b, x, y, out) or _fuse_into_linear(b, y, x, out):
+        return
+    if x.shape != out.shape:  # oneDNN broadcasts the second source only
+        x, y = y, x
+    if x.shape != out.shape or len(y.shape) > len(out.shape):
+        raise Unsupported(f"add of {x.shape} and {y.shape} broadcasting both operands")
+    # oneDNN 3.2's binary has no jitted kernel for mixed bf16 / f32 sources (measured: ref:any,
+    # 2-6 ms for a 128 x 384 add): such operands are converted to the output's dtype first
+    if x.dtype_name != out.dtype_name:
+        x = _converted(b, x, out.dtype_name)
+    if y.dtype_name != out.dtype_name:
+        y = _converted(b, y, out.dtype_name)
+    y = broadcast_view(b, y, len(out.shape))
+    b.binary(x, y, out, "add", scale0=None, scale1=None, eltwise=[])
+
+
+def _converted(b: Builder, v: Val, dtype: str) -> Val:
+    t = b.temp(v.shape, v.stride, dtype)
+    b.reorder(v, t, src_q=None, dst_q=None)
+    return t
+
+
+def _fuse_into_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
+    """``linear(x) + other`` as one matmul with a binary ``add`` post-op (see :func:`_extend_linear`):
+    ``out = post_op(x Wᵀ + b) + other`` in the fp32 accumulator (a bf16 linear's output is then not
+    rounded to bf16 before the add: one rounding fewer than the Python executor)."""
+    from gml.runtime.translate import _as_rows, _rows_strides
+
+    if other.free or other.shape != out.shape or _rows_strides(other) is None:
+        return False
+    return _extend_linear(b, lin, out, lambda: [("binary_add", 0.0, 0.0, _as_rows(b, other))])
+
+
+def _extend_linear(b: Builder, lin: Val, out: Val, extra: Callable[[], list[PostOp]]) -> bool:
+    """Append post-ops to the float linear that just wrote ``lin`` and write ``out`` instead, when
+    the step just recorded is that linear node's own (an inner product, or a matmul this function
+    made) and nothing else reads ``lin``. The step is re-recorded as one matmul with constant
+    weights (oneDNN's inner product takes no binary post-op)."""
+    from gml.runtime.translate import _as_rows, _rows_strides
+
+    if not b.steps or lin.node is None or lin.free or out.free or lin.shape != out.shape:
+        return False
+    step = b.steps[-1]
+    if step.method == "inner_product":
+        if step.kwargs.get("src_q") is not None or step.kwargs["weight"].dtype not in _FLOATS:
+            return False
+        weight = step.kwargs["weight"].detach().t()
+        post: list[PostOp] = [(a, al, be, None) for a, al, be in step.kwargs["eltwise"]]
+    elif step.method == "matmul" and step.kwargs["weight"] is not None:
+        weight, post = step.kwargs["weight"], list(step.kwargs["post"])
+    else:
+        return False
+    # the step is the linear node's own (not a view of its output in another order: a transpose)
+    own = step.name.split("+")[-1] == lin.node.name and step.writes[0].group is lin.group
+    if not own or b.last_use.get(lin.node, 0) != b.pos or _rows_strides(out) is None:
+        return False
+    b.steps.pop()
+    post += extra()
+    b.matmul(step.reads[0], None, _as_rows(b, out, output=True), weight=weight, bias=step.kwargs["bias"], post=post)
+    b.steps[-1].name = f"{step.name}+{b.node_name}"
+    return True
+
+
+# ---------------------------------------------------------------- element-wise activations
+#: float activation modules → oneDNN eltwise (algorithm, alpha, beta)
+_ELTWISE: dict[type[nn.Module], Callable[[Any], tuple[str, float, float]]] = {
+    nn.GELU: lambda m: ("gelu_tanh" if m.approximate == "tanh" else "gelu_erf", 0.0, 0.0),
+    nn.ReLU: lambda m: ("relu", 0.0, 0.0),
+    nn.Tanh: lambda m: ("tanh", 0.0, 0.0),
+    nn.Sigmoid: lambda m: ("logistic", 0.0, 0.0),
+    nn.SiLU: lambda m: ("swish", 1.0, 0.0),
+}
+
+
+def check_eltwise(c: Call) -> str | None:
+    if type(c.a) not in _ELTWISE:
+        return f"{type(c.a).__module__}.{type(c.a).__name__} (not a torch.nn activation the engine has)"
+    dtype = meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in _FLOATS:
+        return f"{type(c.a).__name__} of a {dtype} tensor"
+    return None
+
+
+def emit_eltwise(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """A post-op of the linear before it when nothing else reads that linear's output; else one
+    ``max(x, x)`` binary with the activation as its post-op (the primitive that takes any rank)."""
+    x = ins[0]
+    if x.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name or x.shape != out.shape:
+        raise Unsupported(f"{type(c.a).__name__} of {x.dtype_name} {x.shape} -> {out.dtype_name} {out.shape}")
+    alg, alpha, beta = _ELTWISE[type(c.a)](c.a)
+    if _extend_linear(b, x, out, lambda: [(alg, alpha, beta, None)]):
+        return
+    b.binary(x, x, out, "max", scale0=None, scale1=None, eltwise=[(alg, alpha, beta)])
+
+
+# ---------------------------------------------------------------- attention
+def check_attention(c: Call) -> str | None:
+    a = c.a
+    if not (a.scale is None or isinstance(a.scale, int | float)):
+        return "attention scale computed at run time"
+    if isinstance(a.attn_mask, torch.Tensor) and a.attn_mask.dtype not in (torch.bool, *_FLOATS):
+        return f"a constant {a.attn_mask.dtype} attention mask"
+    dtypes = [meta_dtype(n) for n in c.inputs[:3]]
+    if None in dtypes:
+        return None
+    if len(set(dtypes)) != 1 or dtypes[0] not in _FLOATS:
+        return f"attention on {', '.join(str(d) for d in dtypes)} q / k / v"
+    if a.attn_mask is not None:
+        m = meta_dtype(a.attn_mask)
+        if m is not None and m not in (torch.bool, dtypes[0]):
+            return f"a {m} attention mask with {dtypes[0]} q / k / v"
+    return None
+
+
+def broadcast_view(b: Builder, v: Val, rank: int) -> Val:
+    """``v`` with leading 1s up to ``rank`` and every stride-0 (expanded) dim seen as size 1."""
+    shape = (1,) * (rank - len(v.shape)) + tuple(v.shape)
+    stride = (0,) * (rank - len(v.shape)) + tuple(v.stride)
+    if shape == v.shape and 0 not in stride:
+        return v
+    shape = tuple(1 if s == 0 else d for d, s in zip(shape, stride))
+    dense, acc = [], 1  # strides of size-1 dims are free: give them plain values oneDNN accepts
+    for d, s in reversed(list(zip(shape, stride))):
+        dense.append(s if d != 1 else acc)
+        acc = max(acc, (s if d != 1 else acc) * d)
+    return b.view(v, shape, tuple(reversed(dense)))
+
+
+def _additive_mask(b: Builder, m: Val, rank: int) -> Val:
+    """The float mask to add to the scores (see the module docstring), once per plan."""
+    memo = b.memo.setdefault("attention_masks", {})
+    key = id(m)
+    if key in memo:
+        return memo[key]
+    if m.dtype_name == "u8":  # a bool mask (torch.bool is the engine's u8)
+        from gml.runtime.translate import _contiguous_strides
+
+        view = broadcast_view(b, m, rank)
+        t = b.temp(view.shape, _contiguous_strides(view.shape), "f32")
+        b.reorder(view, t, src_q=(MASKED, 1), dst_q=None)  # (m - 1) * FLT_MAX
+        out = t
+    else:
+        out = broadcast_view(b, m, rank)
+    memo[key] = out
+    return out
+
+
+def _additive_constant(m: torch.Tensor, rank: int) -> torch.Tensor:
+    """A constant mask as the fp32 tensor added to the scores, with leading 1s up to ``rank``."""
+    m = m.detach()
+    add = torch.zeros(m.shape).masked_fill(~m, -MASKED) if m.dtype == torch.bool else m.float()
+    return add.reshape((1,) * (rank - add.dim()) + tuple(add.shape)).contiguous()
+
+
+def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    from gml.runtime.translate import _contiguous_strides
+
+    q, k, v = ins[:3]
+    a = c.a
+    if len(ins) > 3 and ins[3].dtype_name not in ("u8", q.dtype_name):
+        raise Unsupported(f"a {ins[3].dtype_name} attention mask with {q.dtype_name} q / k / v")
+    if len({q.dtype_name, k.dtype_name, v.dtype_name}) != 1 or q.dtype_name not in ("f32", "bf16"):
+        raise Unsupported(f"attention on {q.dtype_name} / {k.dtype_name} / {v.dtype_name}")
+    rank = len(q.shape)
+    if rank < 2 or len(k.shape) != rank or len(v.shape) != rank or 0 in q.shape or 0 in k.shape:
+        raise Unsupported(f"attention of shapes {q.shape}, {k.shape}, {v.shape}")
+    L, E, S = q.shape[-2], q.shape[-1], k.shape[-2]
+    batch = tuple(max(x, y, z) for x, y, z in zip(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    dims_ok = all(t.shape[i] in (1, d) for t in (q, k, v) for i, d in enumerate(batch))
+    if not dims_ok or k.shape[-1] != E or v.shape[-2] != S or out.shape != (*batch, L, v.shape[-1]):
+        raise Unsupported(f"attention output {out.shape} for q {q.shape}, v {v.shape}")
+    # dense copies of strided heads (pieces of the merged QKV output): oneDNN's brgemm matmul
+    # takes dense operands only, else its gemm:jit fallback (measured on MiniLM bf16: Q.K^T
+    # 0.31 -> 0.15 ms, P.V 0.11 -> 0.07 ms for three 10 us reorders)
+    q, k, v = (_dense(b, t) for t in (q, k, v))
+    kt = b.view(k, (*k.shape[:-2], E, S), (*k.stride[:-2], k.stride[-1], k.stride[-2]))
+    scale = float(a.scale) if a.scale is not None else 1.0 / math.sqrt(E)
+    post: list[tuple[str, float, float, Val | None]] = [("linear", scale, 0.0, None)]
+    if isinstance(a.attn_mask, torch.Tensor):  # a constant (a model's buffer): made additive here
+        post.append(("binary_add", 0.0, 0.0, b.constant(_additive_constant(a.attn_mask, rank))))
+    elif len(ins) > 3:
+        post.append(("binary_add", 0.0, 0.0, _additive_mask(b, ins[3], rank)))
+    if a.is_causal:  # SDPA's: query i sees keys j <= i (top-left aligned)
+        keep = torch.ones(L, S, dtype=torch.bool).tril()
+        post.append(("binary_add", 0.0, 0.0, b.constant(_additive_constant(keep, rank))))
+    scores_shape = (*batch, L, S)
+    scores = b.temp(scores_shape, _contiguous_strides(scores_shape), "f32")
+    b.matmul(q, kt, scores, post=post)
+    probs = b.temp(scores_shape, _contiguous_strides(scores_shape), q.dtype_name)
+    b.softmax(scores, probs, rank - 1)
+    b.matmul(probs, v, out)
+
+
+def _dense(b: Builder, v: Val) -> Val:
+    from gml.runtime.translate import _contiguous_strides
+
+    if v.stride == _contiguous_strides(v.shape):
+        return v
+    t = b.temp(v.shape, _contiguous_strides(v.shape), v.dtype_name)
+    b.reorder(v, t, src_q=None, dst_q=None)
+    return t

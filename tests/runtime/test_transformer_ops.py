@@ -1,0 +1,276 @@
+"""Transformer ops on the engine (gml.runtime.transformer_rules) vs the Python executor, op by op.
+
+fp32: the same math in another summation order, within 1e-5 of the output's magnitude. bf16:
+both sides round operands and outputs to bf16 (8 significant bits) but may differ in where (the
+engine keeps the scores and the fused residual sum in fp32): within ``2^-6`` of the magnitude, a
+few bf16 roundings (``u = 2^-9``) of the largest output.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import fx, nn
+
+from gml import nn as gnn
+from gml.ir.attention import attention_op
+from gml.kernels import bf16 as kb
+from gml.kernels.fp32 import FusedLinear, PostOp
+from gml.runtime import compile_engine, unavailable_reason
+from runtime.helpers import graph_of, run_both
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+needs_bf16 = pytest.mark.skipif(not kb.bf16_available(), reason=f"no native bf16: {kb.bf16_unavailable_reason()}")
+
+FP32_RTOL = 1e-5
+BF16_RTOL = 2.0**-6
+
+
+def check(gm: fx.GraphModule, *inputs: torch.Tensor, rtol: float = FP32_RTOL, expect: str = "engine"):
+    ref, eng, got = run_both(gm, *inputs)
+    assert eng.report.path == expect, str(eng.report)
+    assert got.dtype == ref.dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.dtype, ref.shape)
+    assert torch.isfinite(got).all()
+    err = float((got.float() - ref.float()).abs().max())
+    assert err <= rtol * max(1.0, float(ref.float().abs().max())), err
+    return eng
+
+
+def attention_graph(n_inputs: int, scale: float | None = None, causal: bool = False) -> fx.GraphModule:
+    """``attention(q, k, v[, mask])`` as the lowered graph holds it (a call of the gml op)."""
+    g = fx.Graph()
+    xs = [g.placeholder(n) for n in ("q", "k", "v", "mask")[:n_inputs]]
+    mask = xs[3] if n_inputs > 3 else None
+    g.output(g.call_function(attention_op(), (xs[0], xs[1], xs[2], mask, scale, causal)))
+    return fx.GraphModule(nn.Module(), g)
+
+
+def _qkv(b, h, lq, s, e, ev, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, generator=gen).to(dtype) for n, d in ((lq, e), (s, e), (s, ev))]
+
+
+# ---------------------------------------------------------------- LayerNorm
+@pytest.mark.parametrize("shape", [(3, 20), (2, 5, 20), (1, 1, 7), (2, 3, 4, 9)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_fp32(shape, affine):
+    torch.manual_seed(0)
+    ln = nn.LayerNorm(shape[-1], eps=1e-6, elementwise_affine=affine).eval()
+    if affine:
+        with torch.no_grad():
+            ln.weight.normal_()
+            ln.bias.normal_()
+    eng = check(graph_of(ln), torch.randn(*shape) * 3 + 1)
+    assert _names(eng) == ["m0"]  # one layer_normalization primitive
+
+
+def test_layer_norm_of_a_transposed_input_copies_it_dense_first():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    t = g.call_method("transpose", (x, 1, 2))
+    root = nn.Module()
+    root.ln = nn.LayerNorm(6)
+    g.output(g.call_module("ln", (t,)))
+    check(fx.GraphModule(root, g), torch.randn(2, 6, 5))
+
+
+@needs_bf16
+def test_layer_norm_bf16_in_and_out():
+    torch.manual_seed(0)
+    ln = nn.LayerNorm(24).eval().to(torch.bfloat16)
+    check(graph_of(ln), torch.randn(2, 7, 24).to(torch.bfloat16), rtol=BF16_RTOL)
+
+
+# ---------------------------------------------------------------- adds
+@pytest.mark.parametrize(
+    "shapes", [((2, 5, 8), (2, 5, 8)), ((2, 5, 8), (8,)), ((1, 8), (3, 8)), ((4, 1, 8), (4, 3, 8)), ((4, 1, 8), (3, 8))]
+)
+def test_float_add_same_shape_and_broadcast(shapes):
+    gm = graph_of(gnn.Add(), n_inputs=2, wiring=[(0, 1)])
+    # both operands broadcasting: oneDNN's binary broadcasts its second source only (torch runs it)
+    check(
+        gm,
+        torch.randn(*shapes[0]),
+        torch.randn(*shapes[1]),
+        expect="mixed" if shapes == ((4, 1, 8), (3, 8)) else "engine",
+    )
+
+
+@needs_bf16
+def test_float_add_of_bf16_and_fp32_promotes_like_torch():
+    gm = graph_of(gnn.Add(), n_inputs=2, wiring=[(0, 1)])
+    check(gm, torch.randn(3, 8).to(torch.bfloat16), torch.randn(3, 8))
+
+
+def test_an_int_add_stays_in_torch_with_its_reason():
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    root = nn.Module()
+    root.add = gnn.Add()
+    g.output(g.call_module("add", (a, b)))
+    gm = fx.GraphModule(root, g)
+    x = torch.arange(6).view(2, 3)
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    ShapeProp(gm).propagate(x, x)
+    eng = compile_engine(gm, (x, x))
+    assert [n.reason for n in eng.report.torch_nodes] == [
+        "add of torch.int64, torch.int64 tensors (the engine adds fp32 / bf16)"
+    ]
+
+
+@pytest.mark.parametrize("post_op", [PostOp(), PostOp("gelu", (), "none"), PostOp("gelu", (), "tanh")], ids=str)
+def test_linear_then_residual_add_is_one_matmul(post_op):
+    """``linear(x) + r``: the add is a binary post-op of the linear's matmul (one step)."""
+    torch.manual_seed(0)
+    lin = FusedLinear.from_linear(nn.Linear(16, 12), post_op)
+    gm = graph_of(lin, gnn.Add(), n_inputs=2, wiring=[(0,), (2, 1)])
+    eng = check(gm, torch.randn(2, 5, 16), torch.randn(2, 5, 12))
+    assert _names(eng) == ["m0+m1"]
+
+
+def test_a_linear_read_again_after_the_add_is_not_fused():
+    torch.manual_seed(0)
+    lin = FusedLinear.from_linear(nn.Linear(8, 8), PostOp())
+    # y = lin(x); z = y + r; out = z + y
+    gm = graph_of(lin, gnn.Add(), gnn.Add(), n_inputs=2, wiring=[(0,), (2, 1), (3, 2)])
+    eng = check(gm, torch.randn(3, 8), torch.randn(3, 8))
+    assert _names(eng) == ["m0", "m1", "m2"]
+
+
+def test_a_residual_add_of_a_transposed_linear_output_is_not_fused():
+    """nn.TransformerEncoderLayer's ``x + out_proj(...).view(...).transpose(0, 1)``: the add reads the
+    linear's bytes in another order, so it cannot be the linear's post-op (a fuzzed-block bug)."""
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.lin = FusedLinear.from_linear(nn.Linear(4, 4), PostOp())
+    root.add = gnn.Add()
+    g = fx.Graph()
+    x, r = g.placeholder("x"), g.placeholder("r")
+    t = g.call_method("transpose", (g.call_module("lin", (x,)), 0, 1))
+    g.output(g.call_module("add", (r, t)))
+    eng = check(fx.GraphModule(root, g), torch.randn(3, 2, 4), torch.randn(2, 3, 4))
+    assert "lin+add" not in _names(eng)
+
+
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU(), nn.Tanh(), nn.SiLU()], ids=str)
+def test_activation_module_on_its_own_and_after_a_linear(act):
+    check(graph_of(act), torch.randn(2, 3, 10) * 3)
+    torch.manual_seed(0)
+    lin = FusedLinear.from_linear(nn.Linear(10, 10), PostOp())
+    # linear -> activation -> + residual: one matmul with two post-ops
+    eng = check(graph_of(lin, act, gnn.Add(), n_inputs=1, wiring=[(0,), (1,), (2, 0)]), torch.randn(2, 3, 10))
+    assert _names(eng) == ["m0+m1+m2"]
+
+
+@needs_bf16
+def test_bf16_linear_gelu_residual_chain():
+    torch.manual_seed(0)
+    lin = kb.Bf16Linear.from_fused(FusedLinear.from_linear(nn.Linear(16, 16), PostOp()))
+    gm = graph_of(lin, nn.GELU(), gnn.Add(), n_inputs=1, wiring=[(0,), (1,), (2, 0)])
+    eng = check(gm, torch.randn(3, 16).to(torch.bfloat16), rtol=BF16_RTOL)
+    assert _names(eng)[-1] == "m0+m1+m2"
+
+
+# ---------------------------------------------------------------- attention
+def _padding_mask(b: int, s: int, keep: list[int]) -> torch.Tensor:
+    return torch.arange(s)[None, None, None, :] < torch.tensor(keep)[:, None, None, None]
+
+
+@pytest.mark.parametrize(
+    "b,h,lq,s,e,ev",
+    [(1, 2, 5, 5, 8, 8), (2, 3, 7, 7, 4, 4), (1, 1, 1, 1, 3, 3), (2, 2, 1, 6, 5, 7), (1, 4, 9, 3, 16, 16)],
+)
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_attention_fp32_without_mask(b, h, lq, s, e, ev, scale):
+    eng = check(attention_graph(3, scale), *_qkv(b, h, lq, s, e, ev))
+    assert _names(eng) == ["attention_default"] * 3  # Q.K^T (scaled), softmax, P.V
+
+
+@pytest.mark.parametrize("b,lq,s", [(2, 6, 6), (3, 1, 5), (1, 4, 4)])
+def test_attention_with_a_padding_bool_mask(b, lq, s):
+    q, k, v = _qkv(b, 2, lq, s, 6, 6)
+    keep = [max(1, s - i) for i in range(b)]  # row i: the last i keys are padding
+    check(attention_graph(4), q, k, v, _padding_mask(b, s, keep))
+
+
+def test_attention_with_an_expanded_bool_mask_and_a_float_mask():
+    q, k, v = _qkv(2, 3, 5, 5, 4, 4)
+    mask = _padding_mask(2, 5, [5, 3]).expand(2, 3, 5, 5)  # stride 0 dims: read as size 1
+    check(attention_graph(4), q, k, v, mask)
+    additive = torch.zeros(2, 1, 5, 5).masked_fill(~_padding_mask(2, 5, [5, 2]), -1e4) + torch.randn(2, 1, 5, 5)
+    check(attention_graph(4, 0.25), q, k, v, additive)
+
+
+def test_attention_of_strided_heads():
+    """q / k / v as the QKV merge leaves them: transposed views of one [B, L, 3 * H * E] tensor."""
+    g = fx.Graph()
+    x = g.placeholder("qkv")
+    parts = g.call_function(torch.split, (x, [8, 8, 8]), {"dim": -1})
+    heads = []
+    for i in range(3):
+        piece = g.call_function(operator.getitem, (parts, i))
+        heads.append(g.call_method("transpose", (g.call_method("view", (piece, 2, 5, 2, 4)), 1, 2)))
+    g.output(g.call_function(attention_op(), (*heads, None, None, False)))
+    gm = fx.GraphModule(nn.Module(), g)
+    eng = check(gm, torch.randn(2, 5, 24))
+    assert _names(eng).count("attention_default") == 6  # three dense copies of the strided heads, then the three steps
+
+
+@needs_bf16
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_bf16(masked):
+    q, k, v = _qkv(2, 3, 7, 7, 8, 8, torch.bfloat16)
+    if masked:
+        check(attention_graph(4), q, k, v, _padding_mask(2, 7, [7, 4]), rtol=BF16_RTOL)
+    else:
+        check(attention_graph(3), q, k, v, rtol=BF16_RTOL)
+
+
+@pytest.mark.parametrize("lq,s", [(4, 4), (1, 3), (5, 3), (3, 6)])
+def test_causal_attention_and_a_constant_mask(lq, s):
+    q, k, v = _qkv(2, 2, lq, s, 8, 8)
+    check(attention_graph(3, causal=True), q, k, v)
+    # a constant (get_attr) mask, as a model's buffer: bool, then float
+    for mask in (torch.rand(lq, s) > 0.3, torch.randn(1, 1, lq, s)):
+        if mask.dtype == torch.bool:
+            mask[:, 0] = True  # no fully masked row (SDPA gives NaN there, see the module docstring)
+        g = fx.Graph()
+        xs = [g.placeholder(n) for n in "qkv"]
+        root = nn.Module()
+        root.register_buffer("mask", mask)
+        g.output(g.call_function(attention_op(), (*xs, g.get_attr("mask"), None, False)))
+        check(fx.GraphModule(root, g), q, k, v)
+
+
+def _names(eng) -> list[str]:
+    """The native steps of the (single) plan of the (single) segment, by the node they came from."""
+    (seg,) = eng.segments()
+    ((plan, _),) = seg._plans.values()
+    return list(plan.step_names())
+
+
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=needs_bf16)])
+def test_torchvision_vit_runs_its_encoder_on_the_engine(precision):
+    """ViT (nn.MultiheadAttention captured by torch.export): LayerNorm, attention, every linear
+    (the MHA out_proj reads a permuted value: copied dense first) in engine segments."""
+    import torchvision
+
+    import gml
+
+    torch.manual_seed(0)
+    m = torchvision.models.VisionTransformer(32, 8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32).eval()
+    with torch.no_grad():
+        m.heads.head.weight.normal_()  # zero-initialised: the output would be 0
+    x = torch.randn(2, 3, 32, 32)
+    res = gml.optimize(m, x, precision=precision)
+    assert res.engine is not None and not res.runtime.shape_fallbacks, str(res.runtime)
+    ran = {n.op for n in res.runtime.nodes if n.runs_in == "engine"}
+    assert {"attention", "LayerNorm"} <= ran
+    assert not {n.op for n in res.runtime.torch_nodes} & {"attention", "LayerNorm", "FusedLinear", "Bf16Linear"}
+    with torch.no_grad():
+        ref, got = m(x), res.executable(x)
+    tol = 1e-5 if precision == "fp32" else 2.0**-4
+    assert float((got - ref).abs().max()) <= tol * float(ref.abs().max())
