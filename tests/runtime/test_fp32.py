@@ -99,11 +99,21 @@ def _fconv(cin: int, cout: int, *, seed: int = 0, **kw) -> FusedConv:
 )
 @pytest.mark.parametrize("cout", [16, 20])  # a whole channel block, and a padded one
 def test_fp32_pools_between_convs(pool, cout):
-    # conv -> pool -> conv: the pool reads and writes the convs' blocked layout; the last conv's
+    # conv -> pool -> conv: the pool reads and writes the convs' NHWC layout; the last conv's
     # output goes back to the caller's plain layout
     x = torch.randn(2, 3, 9, 11)
     gm = graph_of(_fconv(3, cout), pool, _fconv(cout, 8, seed=1))
     check_engine(gm, x)
+
+
+@pytest.mark.parametrize("pool", [nn.MaxPool2d(3, 2, 1), nn.AvgPool2d(2)], ids=repr)
+def test_fp32_pool_first_on_an_nchw_input(pool):
+    # the caller's NCHW input is read by a pool writing an NHWC value: reordered to NHWC first (an
+    # NCHW -> NHWC primitive would find only oneDNN's reference kernel)
+    x = torch.randn(2, 5, 9, 7)
+    eng = check_engine(graph_of(pool, _fconv(5, 6)), x)
+    plan = next(iter(eng.segments()[0]._plans.values()))[0]
+    assert plan.num_steps == 4 and not [i for i in plan.step_impls() if i.startswith("ref")], plan.step_impls()
 
 
 def test_fp32_pool_then_flatten_and_linear():
