@@ -99,11 +99,21 @@ def _fconv(cin: int, cout: int, *, seed: int = 0, **kw) -> FusedConv:
 )
 @pytest.mark.parametrize("cout", [16, 20])  # a whole channel block, and a padded one
 def test_fp32_pools_between_convs(pool, cout):
-    # conv -> pool -> conv: the pool reads and writes the convs' blocked layout; the last conv's
+    # conv -> pool -> conv: the pool reads and writes the convs' NHWC layout; the last conv's
     # output goes back to the caller's plain layout
     x = torch.randn(2, 3, 9, 11)
     gm = graph_of(_fconv(3, cout), pool, _fconv(cout, 8, seed=1))
     check_engine(gm, x)
+
+
+@pytest.mark.parametrize("pool", [nn.MaxPool2d(3, 2, 1), nn.AvgPool2d(2)], ids=repr)
+def test_fp32_pool_first_on_an_nchw_input(pool):
+    # the caller's NCHW input is read by a pool writing an NHWC value: reordered to NHWC first (an
+    # NCHW -> NHWC primitive would find only oneDNN's reference kernel)
+    x = torch.randn(2, 5, 9, 7)
+    eng = check_engine(graph_of(pool, _fconv(5, 6)), x)
+    plan = next(iter(eng.segments()[0]._plans.values()))[0]
+    assert plan.num_steps == 4 and not [i for i in plan.step_impls() if i.startswith("ref")], plan.step_impls()
 
 
 def test_fp32_pool_then_flatten_and_linear():
@@ -124,14 +134,18 @@ def test_fp32_residual_sum_on_a_live_blocked_value():
     check_engine(gm, x)
 
 
-def test_fp32_blocked_layouts_are_used():
-    # between two convs the plan keeps the layout oneDNN picks: on AVX-512 / AVX2 a channel-blocked
-    # one (no step reorders between the convs, none falls back to the reference kernels); the last
-    # conv writes that layout too, and one reorder brings it to the caller's plain output
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fp32_values_between_convs_are_nhwc(channels_last):
+    # between two convs the plan keeps fp32 values dense channels-last (plan.FP32_FREE_LAYOUT: the
+    # layout oneDNN's brgconv runs on; ADR 006, "Layouts"): no step reorders between the convs,
+    # none falls back to the reference kernels; an NCHW input is reordered once before the first
+    # conv, and one reorder brings the last conv's NHWC output to the caller's plain layout
     x = torch.randn(1, 3, 16, 16)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     eng = check_engine(graph_of(_fconv(3, 32), _fconv(32, 32, seed=1), _fconv(32, 8, seed=2)), x)
     plan = next(iter(eng.segments()[0]._plans.values()))[0]
-    assert plan.num_steps == 4, plan.step_names()
+    assert plan.step_names() == ["m0"] * (1 if channels_last else 2) + ["m1", "m2", "m2"], plan.step_names()
     assert not [i for i in plan.step_impls() if i.startswith("ref")], plan.step_impls()
 
 

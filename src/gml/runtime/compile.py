@@ -98,6 +98,18 @@ def free_values(gm: fx.GraphModule, env: dict[fx.Node, Any]) -> set[fx.Node]:
     return out
 
 
+def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its exact shape and strides (``clone()`` makes a non-dense view dense: a
+    channel slice of an NHWC tensor, e.g. a ``split`` output, would then be planned with strides
+    other than those the engine is called with; timm's mixnet_s). The bytes ``t`` spans are copied,
+    so any strides, overlapping ones included, are reproduced."""
+    if t.numel() == 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    span = sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1
+    flat = t.as_strided((span,), (1,), t.storage_offset()).clone()
+    return flat.as_strided(t.shape, t.stride(), 0)
+
+
 def _last_use(graph: fx.Graph) -> dict[fx.Node, float]:
     """Position of each node's last reader (``inf`` when the graph returns it)."""
     pos = {n: i for i, n in enumerate(graph.nodes)}
@@ -149,8 +161,9 @@ class EngineSegment(nn.Module):
         return entry
 
     def _compile(self, inputs: Sequence[torch.Tensor], key: tuple) -> tuple[Any, list[tuple]]:
-        # 1. the executor's own tensors, on copies (a residual add may write an input in place)
-        copies = [_layout_copy(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+        # 1. the executor's own tensors, on copies (a residual add may write an input in place) in
+        # the inputs' exact layout: the plan reads each input with the strides the executor saw
+        copies = [same_layout_copy(t) if isinstance(t, torch.Tensor) else t for t in inputs]
         recorder = Recorder(self.reference)
         try:
             with torch.no_grad():
@@ -230,16 +243,6 @@ class Recorder(fx.Interpreter):
         out = super().run_node(n)
         self.values[n] = out
         return out
-
-
-def _layout_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` with ``t``'s strides: ``clone()`` makes an expanded (stride 0) tensor dense,
-    and the plan must be made for the layout the inputs have (an expanded attention mask)."""
-    c = t.clone()
-    if c.stride() == t.stride():
-        return c
-    out = torch.empty(0, dtype=t.dtype)
-    return out.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
 
 
 def _input_key(t: Any) -> tuple:

@@ -14,10 +14,12 @@ Python executor on the inputs (so they are, by construction, what that executor 
 
 **Free layouts.** A value marked ``free`` (fp32, 4-D, inside a segment, written by a conv / pool and
 read only by convs, pools, residual sums or a flatten: :func:`gml.runtime.compile.free_values`)
-has no strides here: the primitive that writes it picks its layout (``format_tag::any``; fp32 on
-AVX-512 gets ``nChw16c``, 16 channels innermost, the layout oneDNN's direct fp32 kernels run
-fastest in), every later reader takes that layout as it is, and only the steps at the segment's
-edges (a flatten, an output) reorder back to the executor's plain strides. A value in the same
+takes the layout :data:`FP32_FREE_LAYOUT` names, whatever strides the executor gave it: dense NHWC
+(the layout oneDNN's ``brgconv`` runs on, measured fastest on Zen 4), or ``"any"``: no strides
+here, the primitive that writes it picks (``format_tag::any``; fp32 on AVX-512 gets ``nChw16c``).
+Every later reader takes that layout as it is; only the steps at the segment's edges (a flatten,
+an output) reorder back to the executor's plain strides, and a plain NCHW source of a step
+writing an NHWC free value is reordered to NHWC first (no primitive mixes the two). A value in the same
 memory as a free one (the residual ``sum``) is *tied* to it: same layout. Because a blocked layout's
 size (channels padded to the block) is known only once its primitive exists, the arena is planned
 after the native steps are created, from the sizes the plan reports (``Plan.value_bytes``).
@@ -57,6 +59,43 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         raise Unsupported(f"{dtype} tensors")
     return name
+
+
+#: The layout of free fp32 values (see the module docstring): ``"nhwc"`` (dense channels-last, what
+#: oneDNN's ``brgconv`` runs on) or ``"any"`` (the writer's pick: ``nChw16c`` for oneDNN 3.2's direct
+#: ``jit`` kernels). Measured in one interleaved run on Zen 4 (ADR 006, "Layouts"): ResNet18 fp32 bs1
+#: 2-5 % faster in NHWC (its 256- and 512-channel 3x3 convs 3 % / 9 % faster on ``brgconv``, equal
+#: at 64 channels); OpenVINO runs its fp32 convs the same way (``brgconv_avx512_f32``, NHWC).
+FP32_FREE_LAYOUT = "nhwc"
+
+
+def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Dense channels-last strides of an ``N, C, *spatial`` shape (NWC / NHWC / NDHWC)."""
+    stride, inner = [1] * len(shape), shape[1]  # channels innermost
+    for i in range(len(shape) - 1, 1, -1):
+        stride[i] = inner
+        inner *= shape[i]
+    stride[0] = inner
+    return tuple(stride)
+
+
+def is_nhwc(v: Val) -> bool:
+    """Dense channels-last (strides of size-1 dims do not matter)."""
+    want = nhwc_strides(v.shape)
+    return all(d == 1 or s == t for d, s, t in zip(v.shape, v.stride, want))
+
+
+def _fixed_free_layout(v: Val) -> bool:
+    """Whether free value ``v`` gets :data:`FP32_FREE_LAYOUT`'s fixed strides rather than ``any``."""
+    return v.free and FP32_FREE_LAYOUT == "nhwc" and v.dtype_name == "f32" and len(v.shape) == 4
+
+
+def _native_strides(v: Val) -> list[int]:
+    """The strides a value is added to the native plan with; none (``format_tag::any``) for a free
+    value whose writer picks its layout."""
+    if _fixed_free_layout(v):
+        return list(nhwc_strides(v.shape))
+    return [] if v.free else list(v.stride)
 
 
 def _span(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
@@ -227,7 +266,19 @@ class Builder:
         if written is not dst:
             self.reorder(written, dst, src_q=None, dst_q=None)
 
+    def _fixed_src(self, src: Val, dst: Val) -> Val:
+        """A plain source (the caller's NCHW input) of a step writing a free NHWC value: reordered
+        to NHWC first (a primitive mixing NCHW in and NHWC out finds only oneDNN's reference
+        kernel; OpenVINO does the same reorder)."""
+        if not _fixed_free_layout(dst) or src.free or len(src.shape) != 4 or is_nhwc(src):
+            return src
+        t = self.temp(src.shape, nhwc_strides(src.shape), src.dtype_name)
+        t.free = True
+        self.reorder(src, t, src_q=None, dst_q=None)
+        return t
+
     def conv(self, src: Val, dst: Val, *, sum_q: QP = None, **kw: Any) -> None:
+        src = self._fixed_src(src, dst)
         reads = [src, dst] if sum_q is not None else [src]
         written = dst if sum_q is not None else self._free_edge(src, dst)
         self._step("conv", reads, [written], sum_q=sum_q, **kw)
@@ -263,6 +314,7 @@ class Builder:
         pad_r: Any,
         eltwise: Eltwise,
     ) -> None:
+        src = self._fixed_src(src, dst)
         written = self._free_edge(src, dst)
         self._step(
             "pool",
@@ -397,11 +449,9 @@ class Builder:
                     raise Unsupported("a view of a plan constant")
                 ids[v] = plan.add_constant(list(v.shape), list(v.stride), v.dtype_name, v.ref.data_ptr())
                 continue
-            ids[v] = plan.add_value(
-                list(v.shape), [] if v.free else list(v.stride), v.dtype_name, where[g.where], g.index, 0
-            )
+            ids[v] = plan.add_value(list(v.shape), _native_strides(v), v.dtype_name, where[g.where], g.index, 0)
         for v in ids:
-            if v.tie is not None:
+            if v.tie is not None and not _fixed_free_layout(v):  # a fixed layout: the same strides
                 plan.tie(ids[v], ids[v.tie])
         self._emit_steps(plan, ids)
         for v in ids:

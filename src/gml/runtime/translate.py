@@ -32,6 +32,8 @@ from gml.ir.values import PostOp, QParams
 from gml.kernels import bf16, fp32
 from gml.kernels.backend import clamp_bounds
 from gml.runtime.plan import QP, Builder, Eltwise, Unsupported, Val
+from gml.runtime.plan import is_nhwc as _is_nhwc
+from gml.runtime.plan import nhwc_strides as _nhwc_strides
 from gml.runtime.transformer_rules import (
     check_attention,
     check_eltwise,
@@ -197,22 +199,6 @@ def _check_conv(c: Call) -> str | None:
     if c.a.weight.dim() not in (3, 4, 5):
         return f"INT8 conv with a {c.a.weight.dim()}-D weight (the engine plans 1-D, 2-D and 3-D convs)"
     return None
-
-
-def _nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Dense channels-last strides of an ``N, C, *spatial`` shape (NWC / NHWC / NDHWC)."""
-    stride, inner = [1] * len(shape), shape[1]  # channels innermost
-    for i in range(len(shape) - 1, 1, -1):
-        stride[i] = inner
-        inner *= shape[i]
-    stride[0] = inner
-    return tuple(stride)
-
-
-def _is_nhwc(v: Val) -> bool:
-    """Dense channels-last (strides of size-1 dims do not matter)."""
-    want = _nhwc_strides(v.shape)
-    return all(d == 1 or s == t for d, s, t in zip(v.shape, v.stride, want))
 
 
 def _as_nhwc(b: Builder, v: Val) -> Val:
