@@ -504,7 +504,11 @@ def _quantize_transformer(
     # the native engine runs the gml.dynamic_linear GEMMs (and what else it covers), checked against
     # the Python executor on the example first (gml.runtime.select)
     t0 = time.perf_counter()
-    engine, runtime_report = attach_runtime(res.module, inputs, runtime)
+    fp32_outputs = None
+    if res.fp32_module is not None:
+        with torch.no_grad():
+            fp32_outputs = res.fp32_module(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+    engine, runtime_report = attach_runtime(res.module, inputs, runtime, fp32_outputs=fp32_outputs)
     seconds["engine compile"] = time.perf_counter() - t0
     return QuantizeResult(
         res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",

@@ -61,14 +61,48 @@ def agreement_error(ref: Any, got: Any, tolerance: float = INT8_TOLERANCE) -> st
     return None
 
 
+#: With an fp32 reference: the engine may differ from the Python executor by more than the
+#: tolerance if it is as close to fp32 as the executor is (relative L2 error at most this × the
+#: executor's). Needed where float ops sit between INT8 GEMMs that quantize per row at run time
+#: (the transformer scheme): an ulp of difference in a LayerNorm flips an int8 rounding, and the
+#: flips compound through the layers; on real all-MiniLM-L6-v2 the engine and the executor then
+#: differ by 8% of the pooler's range while both keep cosine 0.995 with fp32. A miscompile is
+#: far from fp32, not as close as the executor.
+AS_CLOSE_TO_FP32 = 1.25
+
+
+def _rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def fp32_closeness_error(py: Any, got: Any, fp32: Any) -> str | None:
+    """Why the engine's outputs ``got`` are further from the fp32 model's ``fp32`` than the Python
+    executor's ``py`` are (relative L2, :data:`AS_CLOSE_TO_FP32`), or None."""
+    a, b, f = _flat(py), _flat(got), _flat(fp32)
+    if not len(a) == len(b) == len(f):
+        return "output counts differ"
+    for i, (x, y, r) in enumerate(zip(a, b, f)):
+        if not x.is_floating_point() or x.shape != r.shape or not x.numel():
+            continue
+        ex, ey = _rel_l2(x, r), _rel_l2(y, r)
+        if not ey <= AS_CLOSE_TO_FP32 * ex + 1e-6:
+            return f"output {i} is further from fp32 than the executor's (relative L2 {ey:.3g} vs {ex:.3g})"
+    return None
+
+
 def attach_runtime(
     gm: fx.GraphModule,
     example_inputs: Sequence[torch.Tensor],
     runtime: str = "engine",
     *,
     tolerance: float = INT8_TOLERANCE,
+    fp32_outputs: Any = None,
 ) -> tuple[EngineModule | None, RuntimeReport]:
-    """``(engine module or None, report)`` for ``gm``: None means "run the Python executor"."""
+    """``(engine module or None, report)`` for ``gm``: None means "run the Python executor".
+
+    ``fp32_outputs`` (the fp32 model's outputs on ``example_inputs``) allows an INT8 engine that
+    differs from the executor beyond ``tolerance`` when it is as close to fp32 as the executor
+    (:data:`AS_CLOSE_TO_FP32`); the report's note says so."""
     check_runtime(runtime)
     if runtime == "torch":
         return None, RuntimeReport("torch", note="runtime='torch' requested: the Python executor runs every node")
@@ -83,6 +117,12 @@ def attach_runtime(
         ref = gm(*[t.clone() for t in example_inputs])
         got = engine(*[t.clone() for t in example_inputs])
     problem = agreement_error(ref, got, tolerance)
+    if problem and fp32_outputs is not None and fp32_closeness_error(ref, got, fp32_outputs) is None:
+        engine.report.note = (
+            f"the engine differs from the Python executor beyond INT8 rounding ({problem}) but is as "
+            "close to the fp32 model (run-time INT8 rounding flips after float ops that round differently)"
+        )
+        return engine, engine.report
     if problem:
         return None, RuntimeReport(
             "torch",
