@@ -238,6 +238,10 @@ def run_one(
             if name == "fold_bn"
         )
         row["bn_skips"] = [f"{n}x {k}" for k, n in bn_why.most_common(6) if "LayerNorm" not in k]
+        # a BN a conv/linear feeds (directly or through a reshape) that stayed: #16 says it must fold
+        row["bn_after_layer"] = sum(
+            n for k, n in bn_why.items() if "LayerNorm" not in k and ("nothing to fold" not in k or "reshape)" in k)
+        )
         row["fp32_rel_err"] = opt.rel_err
         row["rolled_back"] = [r.name for r in opt.report.rolled_back]
         fns["gml_fp32"] = opt.module
@@ -389,6 +393,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     failed = [r for r in rows if r.get("error") or r.get("optimize_error") or r.get("quantize_error")]
     flagged = [r for r in done if r.get("cos_ref", 1.0) < 0.99]
     bn = [r for r in rows if r.get("bn_left")]
+    bn_bad = [r for r in rows if r.get("bn_after_layer")]
     slower = [r for r in done if r.get("ms_gml_int8") and r.get("ms_gml_fp32") and r["ms_gml_int8"] > r["ms_gml_fp32"]]
     traced = [
         r
@@ -405,6 +410,10 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"- BN left after the fp32 pipeline in {len(bn)} model(s): "
         + (", ".join(f"{r['model']} ({r['bn_left']})" for r in bn) or "none")
         + ".",
+        "- of these, BN that a conv/linear feeds (directly or through a reshape) left unfolded: "
+        + (", ".join(f"{r['model']} ({r['bn_after_layer']})" for r in bn_bad) or "none")
+        + " (the others follow an activation, an add or the input, and no conv/linear they could fold "
+        "into exactly reads them; their reasons are in the notes).",
         "- cosine vs torch.ao reference < 0.99 (flagged with the layer): "
         + (", ".join(r["model"] for r in flagged) or "none")
         + ".",
