@@ -166,6 +166,12 @@ def _bn_left(gm: Any) -> int:
     return n
 
 
+def _bn_left_node(gm: Any, node: Any) -> bool:
+    from torch import nn
+
+    return isinstance(gm.get_submodule(str(node.target)), nn.modules.batchnorm._BatchNorm)
+
+
 def _weighted(gm: Any) -> int:
     """conv / linear ops in a graph (modules and functional calls)."""
     import torch.nn.functional as F
@@ -232,10 +238,11 @@ def run_one(
         opt = gml.optimize(model, (x,), n_check_inputs=1)  # each pass checked on the example input
         row["bn_left"] = _bn_left(opt.module)
         # why each BN stayed (FoldBatchNorm's reasons, deduplicated): what a fold rule should take next
+        left = {n.name for n in opt.module.graph.nodes if n.op == "call_module" and _bn_left_node(opt.module, n)}
         bn_why = Counter(
             f"{sk.pattern}: " + re.sub(r"(reads|output is also read by) [\w, ]+", r"\1 …", sk.reason)
             for name, sk in opt.report.skips
-            if name == "fold_bn"
+            if name == "fold_bn" and sk.node in left  # a later pass (merge_branches) may have removed it
         )
         row["bn_skips"] = [f"{n}x {k}" for k, n in bn_why.most_common(6) if "LayerNorm" not in k]
         # a BN a conv/linear feeds (directly or through a reshape) that stayed: #16 says it must fold
