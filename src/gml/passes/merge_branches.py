@@ -220,8 +220,8 @@ class MergeBranches(GraphPass):
         if modules[str(add.target)].alpha != 1 or len(add.args) != 2 or add.kwargs:
             return None
         x, z = add.args
-        if not (isinstance(x, fx.Node) and isinstance(z, fx.Node)):
-            return None
+        if not (isinstance(x, fx.Node) and isinstance(z, fx.Node)) or x is z:
+            return None  # y + y is fold_self_add_into_conv's (gml.quant.reference_rewrites)
         for conv_node, other in ((x, z), (z, x)):
             conv = _branch_conv(conv_node, add, modules)
             if conv is None:
