@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -90,6 +91,41 @@ TIMM = [
     "starnet_s1",
     "repvit_m0_9",
     "fastvit_t8",
+    # more families (2026-11-24, #16's >= 40 families): transformers, hybrids, metaformers, more CNNs
+    "levit_conv_128s",
+    "vit_tiny_patch16_224",
+    "deit_tiny_patch16_224",
+    "swin_tiny_patch4_window7_224",
+    "eva02_tiny_patch14_224",
+    "poolformer_s12",
+    "efficientformer_l1",
+    "efficientformerv2_s0",
+    "edgenext_xx_small",
+    "coatnet_nano_rw_224",
+    "maxvit_rmlp_nano_rw_256",
+    "mobilevitv2_050",
+    "gernet_s",
+    "resnext26ts",
+    "regnetz_b16",
+    "nf_regnet_b0",
+    "ghostnetv2_100",
+    "efficientvit_b0",
+    "efficientvit_m0",
+    "pit_ti_224",
+    "xcit_nano_12_p16_224",
+    "visformer_tiny",
+    "pvt_v2_b0",
+    "fasternet_t0",
+    "shvit_s1",
+    "hgnet_tiny",
+    "convmixer_1024_20_ks9_p14",
+    "inception_v4",
+    "convnextv2_atto",
+    "botnet26t_256",
+    "mambaout_femto",
+    "mixer_s16_224",
+    "dla46_c",
+    "mobilenetv1_100",
 ]
 MODELS = TORCHVISION + [f"timm:{n}" for n in TIMM]
 
@@ -130,6 +166,12 @@ def _bn_left(gm: Any) -> int:
     return n
 
 
+def _bn_left_node(gm: Any, node: Any) -> bool:
+    from torch import nn
+
+    return isinstance(gm.get_submodule(str(node.target)), nn.modules.batchnorm._BatchNorm)
+
+
 def _weighted(gm: Any) -> int:
     """conv / linear ops in a graph (modules and functional calls)."""
     import torch.nn.functional as F
@@ -152,7 +194,25 @@ def _weighted(gm: Any) -> int:
 WEIGHTED_OPS = ("qconv", "qconv_add", "qlinear")
 
 
-def run_one(spec: str, rounds: int, inner: int, calib: int, cost_policy: str = "measure") -> dict[str, Any]:
+def _shrink(model: Any, shape: tuple[int, ...], max_side: int | None) -> tuple[int, ...]:
+    """``shape`` with its spatial sides capped at ``max_side`` when the model runs at that size
+    (CNNs with global pooling do; a ViT with a fixed patch grid raises and keeps its own size)."""
+    import torch
+
+    if not max_side or len(shape) != 4 or max(shape[2:]) <= max_side:
+        return shape
+    small = (*shape[:2], min(shape[2], max_side), min(shape[3], max_side))
+    try:
+        with torch.no_grad():
+            model(torch.zeros(small))
+    except Exception:  # the model's own size check: keep its declared size
+        return shape
+    return small
+
+
+def run_one(
+    spec: str, rounds: int, inner: int, calib: int, cost_policy: str = "measure", max_side: int | None = None
+) -> dict[str, Any]:
     import warnings
     from collections import Counter
 
@@ -168,6 +228,7 @@ def run_one(spec: str, rounds: int, inner: int, calib: int, cost_policy: str = "
     t0 = time.perf_counter()
     model = load_model(spec)
     (shape,) = default_input_shapes(model, spec)[:1]
+    shape = _shrink(model, shape, max_side)
     row["input"] = "x".join(map(str, shape))
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -176,6 +237,18 @@ def run_one(spec: str, rounds: int, inner: int, calib: int, cost_policy: str = "
     try:
         opt = gml.optimize(model, (x,), n_check_inputs=1)  # each pass checked on the example input
         row["bn_left"] = _bn_left(opt.module)
+        # why each BN stayed (FoldBatchNorm's reasons, deduplicated): what a fold rule should take next
+        left = {n.name for n in opt.module.graph.nodes if n.op == "call_module" and _bn_left_node(opt.module, n)}
+        bn_why = Counter(
+            f"{sk.pattern}: " + re.sub(r"(reads|output is also read by) [\w, ]+", r"\1 …", sk.reason)
+            for name, sk in opt.report.skips
+            if name == "fold_bn" and sk.node in left  # a later pass (merge_branches) may have removed it
+        )
+        row["bn_skips"] = [f"{n}x {k}" for k, n in bn_why.most_common(6) if "LayerNorm" not in k]
+        # a BN a conv/linear feeds (directly or through a reshape) that stayed: #16 says it must fold
+        row["bn_after_layer"] = sum(
+            n for k, n in bn_why.items() if "LayerNorm" not in k and ("nothing to fold" not in k or "reshape)" in k)
+        )
         row["fp32_rel_err"] = opt.rel_err
         row["rolled_back"] = [r.name for r in opt.report.rolled_back]
         fns["gml_fp32"] = opt.module
@@ -222,14 +295,14 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    row = run_one(args.child, args.rounds, args.inner, args.calib, args.cost_policy)
+    row = run_one(args.child, args.rounds, args.inner, args.calib, args.cost_policy, args.max_side)
     print("ZOO_ROW " + json.dumps(row))
 
 
 def _run_in_process(spec: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", spec, "--threads", str(args.threads)]
     cmd += ["--rounds", str(args.rounds), "--inner", str(args.inner), "--calib", str(args.calib)]
-    cmd += ["--cost-policy", args.cost_policy]
+    cmd += ["--cost-policy", args.cost_policy] + (["--max-side", str(args.max_side)] if args.max_side else [])
     t0 = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -258,14 +331,18 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 
 
 def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    size = ", "
+    if meta.get("max_side"):
+        size = f" capped at {meta['max_side']} px a side where the model runs at that size (column input), "
     lines = [
         "# Model-zoo coverage (torchvision + timm)",
         "",
         "Generated by `benchmarks/zoo_sweep.py` from a real run (do not edit by hand; re-run the script).",
         f"CPU: {meta['cpu']}; {meta['threads']} thread(s) per model, {meta['jobs']} model(s) at a time on a "
         f"shared machine; torch {meta['torch']}, timm {meta['timm']}; {meta['date']}.",
-        "Random init (timm `pretrained=False`), batch 1, the model's default resolution, "
-        f"{meta['calib']} generated calibration batches; latency = median of {meta['rounds']} interleaved rounds. "
+        "Random init (timm `pretrained=False`), batch 1, the model's default resolution"
+        + size
+        + f"{meta['calib']} generated calibration batches; latency = median of {meta['rounds']} interleaved rounds. "
         "No hand fixes (no leaf modules, no concrete_args). "
         f"`gml.quantize(..., cost_policy={meta.get('cost_policy', 'measure')!r})` (docs/cost-policy.md). "
         f"Machine load (1/5/15-min load average on 2 cores) when the run started: {meta.get('load', '?')}.",
@@ -308,6 +385,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             notes.append("lowering rolled back: " + "; ".join(r["lower_rolled_back"])[:200])
         if r.get("rolled_back"):
             notes.append("fp32 passes rolled back: " + ", ".join(r["rolled_back"]))
+        if r.get("bn_left") and r.get("bn_skips"):
+            notes.append("BN left: " + "; ".join(r["bn_skips"][:3])[:400])
         ratio = r["ms_gml_int8"] / r["ms_gml_fp32"] if r.get("ms_gml_int8") and r.get("ms_gml_fp32") else None
         cov = f"{r['int8_weighted']}/{r['weighted']}" if "int8_weighted" in r else "-"
         lines.append(
@@ -321,6 +400,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     failed = [r for r in rows if r.get("error") or r.get("optimize_error") or r.get("quantize_error")]
     flagged = [r for r in done if r.get("cos_ref", 1.0) < 0.99]
     bn = [r for r in rows if r.get("bn_left")]
+    bn_bad = [r for r in rows if r.get("bn_after_layer")]
     slower = [r for r in done if r.get("ms_gml_int8") and r.get("ms_gml_fp32") and r["ms_gml_int8"] > r["ms_gml_fp32"]]
     traced = [
         r
@@ -337,6 +417,10 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"- BN left after the fp32 pipeline in {len(bn)} model(s): "
         + (", ".join(f"{r['model']} ({r['bn_left']})" for r in bn) or "none")
         + ".",
+        "- of these, BN that a conv/linear feeds (directly or through a reshape) left unfolded: "
+        + (", ".join(f"{r['model']} ({r['bn_after_layer']})" for r in bn_bad) or "none")
+        + " (the others follow an activation, an add or the input, and no conv/linear they could fold "
+        "into exactly reads them; their reasons are in the notes).",
         "- cosine vs torch.ao reference < 0.99 (flagged with the layer): "
         + (", ".join(r["model"] for r in flagged) or "none")
         + ".",
@@ -394,6 +478,12 @@ def main() -> None:
     ap.add_argument("--inner", type=int, default=3)
     ap.add_argument("--calib", type=int, default=4)
     ap.add_argument("--cost-policy", default="measure", choices=["measure", "off"], help="gml.quantize's cost_policy")
+    ap.add_argument(
+        "--max-side",
+        type=int,
+        default=None,
+        help="cap the input's height/width (e.g. 160) for models that run at a smaller size; others keep theirs",
+    )
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--note", default="", help="a line to add under the header (e.g. the commit measured)")
@@ -421,6 +511,7 @@ def main() -> None:
         "calib": args.calib,
         "cost_policy": args.cost_policy,
         "load": "{:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg()),
+        "max_side": args.max_side,
     }
     if not args.render_only:
         os.makedirs(os.path.dirname(args.results), exist_ok=True)

@@ -34,7 +34,8 @@ class Net(nn.Module):
 
     def forward(self, x):
         s = torch.relu(self.bn(self.stem(x)))
-        y = torch.relu(self.conv(s) + self.down(s))
+        # the 1x1 reads s / 2, not s: two convs of one input summed would merge into one (MergeBranches)
+        y = torch.relu(self.conv(s) + self.down(s * 0.5))
         return torch.nn.functional.gelu(self.fc(torch.flatten(self.pool(y), 1)))
 
 

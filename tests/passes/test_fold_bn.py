@@ -352,3 +352,119 @@ def test_bn_after_a_concat_of_one_conv_with_itself_is_not_folded():
     gm, result = fold(model, x, shapes=True)
     assert result.matches == 0
     torch.testing.assert_close(gm(x), model(x))
+
+
+class LinearNorm(nn.Module):
+    """timm's LeViT ``LinearNorm``: a Linear on ``(B, N, C)``, BN1d on the tokens flattened into the
+    batch, reshaped back; the BN is per output feature of the Linear (#16)."""
+
+    def __init__(self, cin: int = 6, cout: int = 8) -> None:
+        super().__init__()
+        self.linear = nn.Linear(cin, cout, bias=False)
+        self.bn = nn.BatchNorm1d(cout)
+
+    def forward(self, x):
+        x = self.linear(x)
+        return self.bn(x.flatten(0, 1)).reshape_as(x)
+
+
+class TestFoldThroughReshape:
+    def test_golden_graph_levit_linear_norm(self):
+        model = randomize_bn(nn.Sequential(LinearNorm(), nn.Hardswish(), LinearNorm(8, 4)))
+        x = torch.randn(2, 5, 6)
+        gm, result = fold(model, x, shapes=True)
+        assert result.matches == 2 and result.skips == []
+        assert result.notes == ["folded BatchNorm into conv/linear through a reshape ×2"]
+        # the BN is gone, and so is the flatten → reshape_as round trip: Linear → Hardswish → Linear
+        assert [(n.op, str(n.target)) for n in gm.graph.nodes][1:-1] == [
+            ("call_module", "0.linear"),
+            ("call_module", "1"),
+            ("call_module", "2.linear"),
+        ]
+        FileCheck().check_not("flatten").check_not("reshape").check_not("bn").run(gm.code)
+        assert no_bn_left(gm)
+        assert gm.get_submodule("0.linear").bias is not None  # BN's shift became the bias
+        assert_close_to_eager(model, gm, x)
+        x2 = torch.randn(3, 7, 6)  # another batch and token count: the fold is not tied to the traced shape
+        torch.testing.assert_close(gm(x2), model(x2), atol=1e-5, rtol=1e-4)
+
+    def test_under_pass_manager_levit_shapes(self):
+        model = randomize_bn(LinearNorm(16, 32))
+        x = torch.randn(1, 49, 16)
+        out = PassManager([FoldBatchNorm()], strict=True).run(fx.symbolic_trace(model), [(x,)])
+        rec = out.report.record("fold_bn")
+        assert rec.status == "applied" and rec.matches == 1 and rec.max_abs_err is not None
+        assert no_bn_left(out.graph_module)
+        torch.testing.assert_close(out.graph_module(x), model(x), atol=1e-5, rtol=1e-4)
+
+    def test_conv_then_reshape_keeps_channels(self):
+        """(N, C, H, W) → reshape (N, C, H·W) → BN1d(C): each element keeps its channel."""
+
+        class ConvSeq(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm1d(4)
+
+            def forward(self, x):
+                y = self.conv(x)
+                return self.bn(y.reshape(y.shape[0], y.shape[1], -1)) + 1
+
+        model = randomize_bn(ConvSeq())
+        x = torch.randn(2, 3, 5, 5)
+        gm, result = fold(model, x, shapes=True)
+        assert result.matches == 1 and no_bn_left(gm)
+        assert_close_to_eager(model, gm, x)
+
+    def test_transpose_in_the_chain_is_declined_with_the_reason(self):
+        class Transposed(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.linear, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+
+            def forward(self, x):  # (B, N, C) → (B, C, N): BN normalises over C, but by way of a transpose
+                return self.bn(self.linear(x).transpose(1, 2))
+
+        model = randomize_bn(Transposed())
+        x = torch.randn(2, 6, 6)
+        gm, result = fold(model, x, shapes=True)
+        assert result.matches == 0 and not no_bn_left(gm)
+        assert "not a conv or linear output" in result.skips[0].reason
+        torch.testing.assert_close(gm(x), model(x))
+
+    def test_channels_regrouped_is_declined_with_the_reason(self):
+        """(B, N, 8) → (B·N·2, 4) → BN1d(4): element f is feature f mod 8 before, f mod 4 after."""
+
+        class Regrouped(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.linear, self.bn = nn.Linear(6, 8), nn.BatchNorm1d(4)
+
+            def forward(self, x):
+                y = self.linear(x)
+                return self.bn(y.reshape(-1, 4)).reshape_as(y)
+
+        model = randomize_bn(Regrouped())
+        x = torch.randn(2, 3, 6)
+        gm, result = fold(model, x, shapes=True)
+        assert result.matches == 0
+        (skip,) = result.skips
+        assert "elements change channel" in skip.reason and "(2, 3, 8) has 8 channels" in skip.reason
+        torch.testing.assert_close(gm(x), model(x))
+
+    def test_value_read_elsewhere_is_declined_with_the_reason(self):
+        class TwoReaders(LinearNorm):
+            def forward(self, x):
+                y = self.linear(x)
+                return self.bn(y.flatten(0, 1)).reshape_as(y) + y
+
+        model = randomize_bn(TwoReaders())
+        x = torch.randn(2, 5, 6)
+        gm, result = fold(model, x, shapes=True)
+        assert result.matches == 0
+        assert "also read(s) a value before the BatchNorm" in result.skips[0].reason
+        torch.testing.assert_close(gm(x), model(x))
+
+    def test_no_shape_metadata_is_declined_with_the_reason(self):
+        model = randomize_bn(LinearNorm())
+        _, result = fold(model, torch.randn(2, 5, 6))
+        assert result.matches == 0 and "no shape metadata" in result.skips[0].reason

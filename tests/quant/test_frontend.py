@@ -120,6 +120,8 @@ def test_report_lists_fp32_passes_and_calibration(ref_result):
         "normalize",
         "untie",
         "fold_bn",
+        "merge_branches",
+        "fold_bn",
         "fold_pad",
         "fold_self_add_into_conv",
         "conv_operand_first",

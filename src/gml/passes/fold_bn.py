@@ -22,6 +22,26 @@ torch's ``transpose=True`` (scale on dim 1); with several groups the weight is r
 ``MixedConv2d``) is the concat of per-slice BNs, each of which folds into the conv that produces
 its channels.
 
+**Through a reshape.** ``BN(reshape(conv_or_linear(x)))`` (LeViT's ``LinearNorm``: a Linear on
+``(B, N, C)``, then ``BatchNorm1d`` on ``y.flatten(0, 1)``, then ``reshape_as(y)``). Reshape, view,
+flatten, unflatten, squeeze and unsqueeze keep the *row-major order* of the elements, so the element at
+flat index ``f`` is the same value before and after. In a tensor whose channel axis has ``C`` entries
+and whose trailing axes (after the channel axis) hold ``S`` elements, flat index ``f`` is channel
+``(f // S) mod C``. The producer's channel axis is the last one for a Linear (``S = 1``) and dim 1 for a
+conv; BN's is dim 1. When both give the same ``C`` and ``S``, every element keeps its channel, so the
+BN is a per-channel affine map *of the producer's output* and folds into it as above (exact)::
+
+    (B, N, C) → Linear → flatten(0, 1) → (B·N, C) → BN1d(C) → reshape_as → (B, N, C)
+    ⇒  (B, N, C) → Linear' → flatten(0, 1) → reshape_as          (then the round trip goes, below)
+
+A reshape that reads the reshaped value and restores the producer's exact shape is then the
+producer's output itself (same elements, same order, same shape) and is bypassed; the chain left
+without readers is erased. The producer's other readers may only read its shape (``reshape_as(y)``'s
+argument, ``y.shape``, ``y.size()``), which the fold keeps. Declined, with the reason, when a
+permute/transpose is in the chain (the order changes), the channel count or the trailing size differ
+(``Linear`` to ``(B·N·2, C/2)``), a value in the chain has another reader, or there is no shape
+metadata.
+
 **Forward, into the next layer.** A BN that no conv/linear feeds (after a pool, a concat, the
 model input) folds into the conv or Linear that is its only reader (:func:`fold_bn_into_next`)::
 
@@ -59,6 +79,7 @@ and that this pass does not do. The pass reports both ``Linear → LayerNorm`` a
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 from typing import Any
 
@@ -70,7 +91,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.oplib import node_label, op_kind
-from gml.passes.utils import modules_of, replace_module
+from gml.passes.utils import modules_of, remove_unused_nodes, replace_module
 
 _CONVS: tuple[type[nn.Module], ...] = (
     nn.Conv1d,
@@ -173,6 +194,41 @@ def fold_linear_bn(linear: nn.Linear, bn: nn.modules.batchnorm._BatchNorm) -> nn
     return fused
 
 
+#: methods and functions that keep the row-major order of the elements (only the shape changes)
+_RESHAPE_METHODS = frozenset(
+    {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "squeeze", "unsqueeze", "contiguous"}
+)
+_RESHAPE_FUNCTIONS = frozenset({torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze})
+_SHAPE_METHODS = frozenset({"size", "dim", "numel"})
+
+
+def _is_reshape(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """``node`` is a reshape of its first argument: same elements in the same row-major order."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.op == "call_module":
+        return type(modules.get(str(node.target))) in (nn.Flatten, nn.Unflatten)
+    if any(isinstance(a, torch.dtype) for a in (*node.args, *node.kwargs.values())):
+        return False  # x.view(torch.int32) reinterprets the bytes
+    if node.op == "call_method":
+        return node.target in _RESHAPE_METHODS
+    return node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS
+
+
+def _reads_only_shape(user: fx.Node, value: fx.Node) -> bool:
+    """``user`` reads ``value``'s shape only (``x.reshape_as(value)``, ``value.shape``, ``value.size()``)."""
+    if user.op == "call_method" and user.target in ("reshape_as", "view_as", "expand_as"):
+        return user.args[0] is not value and not user.kwargs
+    if user.op == "call_method" and user.target in _SHAPE_METHODS:
+        return True
+    return user.op == "call_function" and user.target is getattr and user.args[1:] == ("shape",)
+
+
+def _shape(node: fx.Node) -> tuple[int, ...] | None:
+    meta = node.meta.get("tensor_meta")
+    return tuple(meta.shape) if isinstance(meta, TensorMetadata) else None
+
+
 class FoldBatchNorm(GraphPass):
     """Fold eval-mode BatchNorm into the preceding Conv/ConvTranspose/Linear (see module doc)."""
 
@@ -199,6 +255,12 @@ class FoldBatchNorm(GraphPass):
             if reason is not None and reason.endswith(NOTHING_BEFORE) and self._fold_through_cat(gm, node, modules):
                 folded["convs through a channel concat"] += 1
                 continue
+            through: str | None = ""
+            if reason is not None and reason.endswith(NOTHING_BEFORE):
+                through = self._fold_through_reshape(gm, node, modules)
+                if through is None:
+                    folded["conv/linear through a reshape"] += 1
+                    continue
             if reason is not None and reason.endswith(NOTHING_BEFORE):
                 # nothing to fold into backwards: into the conv/linear that reads the BN, if exact
                 consumer = next(iter(node.users)) if len(node.users) == 1 else None
@@ -212,6 +274,8 @@ class FoldBatchNorm(GraphPass):
                     folded[f"next {type(layer).__name__}"] += 1
                     continue
                 reason = f"{reason}; {why_not_next}"
+                if through:  # a conv/linear precedes it through a reshape: say why that fold is not exact
+                    reason, pattern = f"{through}; {why_not_next}", f"{pattern} (through a reshape)"
             if reason is not None:
                 skips.append(Skip(node.name, reason, pattern))
                 continue
@@ -316,6 +380,54 @@ class FoldBatchNorm(GraphPass):
         bn_node.replace_all_uses_with(cat)
         gm.graph.erase_node(bn_node)
         return True
+
+    def _fold_through_reshape(self, gm: fx.GraphModule, bn_node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
+        """Fold ``BN(reshape(...(producer)))`` into ``producer`` when every element keeps its channel
+        (module doc, "Through a reshape"). ``None``: folded; ``""``: no conv/linear up the chain
+        (nothing to say); else the reason the fold is not exact."""
+        chain: list[fx.Node] = []
+        cur = bn_node.args[0] if bn_node.args else None
+        while isinstance(cur, fx.Node) and _is_reshape(cur, modules):
+            chain.append(cur)
+            cur = cur.args[0]
+        if not chain or not isinstance(cur, fx.Node) or cur.op != "call_module":
+            return ""
+        layer = modules[str(cur.target)]
+        if type(layer) not in (*_CONVS, nn.Linear):
+            return ""
+        bn = modules[str(bn_node.target)]
+        why = "cannot fold through the reshape into the preceding conv/linear"
+        if _has_hooks(layer) or _has_hooks(bn):
+            return f"{why}: conv/linear or BatchNorm has forward hooks, which would see different values"
+        readers = [u for n in chain for u in n.users if u not in chain and u is not bn_node]
+        readers += [u for u in cur.users if u is not chain[-1] and not _reads_only_shape(u, cur)]
+        if readers:
+            return f"{why}: {', '.join(u.name for u in readers)} also read(s) a value before the BatchNorm"
+        out, into = _shape(cur), _shape(chain[0])
+        if out is None or into is None:
+            return f"{why}: no shape metadata (run shape propagation first)"
+        axis = len(out) - 1 if isinstance(layer, nn.Linear) else 1
+        if len(into) < 2 or (axis == 1 and len(out) != layer.weight.dim()):
+            return f"{why}: unbatched input (the channel axis is not dim 1)"
+        layout = (out[axis], math.prod(out[axis + 1 :]))
+        if layout != (bn.num_features, math.prod(into[2:])) or into[1] != bn.num_features:
+            return (
+                f"{why}: elements change channel ({type(layer).__name__} output {tuple(out)} has {out[axis]} "
+                f"channels over {layout[1]} trailing elements; the BatchNorm input {tuple(into)} has "
+                f"{into[1]} over {math.prod(into[2:])})"
+            )
+        if layer.weight.dtype != bn.running_mean.dtype:
+            return f"{why}: dtype mismatch ({layer.weight.dtype} weights, {bn.running_mean.dtype} statistics)"
+        fused = fold_linear_bn(layer, bn) if isinstance(layer, nn.Linear) else fold_conv_bn(layer, bn)
+        self._install(gm, cur, fused, modules)
+        bn_node.replace_all_uses_with(chain[0])
+        gm.graph.erase_node(bn_node)
+        # a reshape of the chain back to the producer's shape is the producer's output itself
+        bypassed = [u for u in chain[0].users if u.args[0] is chain[0] and _is_reshape(u, modules) and _shape(u) == out]
+        for user in bypassed:
+            user.replace_all_uses_with(cur)
+        remove_unused_nodes(gm.graph, [*bypassed, *chain])
+        return None
 
     @staticmethod
     def _why_not_forward(bn_node: fx.Node, consumer: fx.Node | None, modules: dict[str, nn.Module]) -> str | None:

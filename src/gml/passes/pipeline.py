@@ -8,7 +8,10 @@ Order matters and is fixed here, not discovered:
 * ``UntieSharedModules`` before anything that rewrites a module, so a rewrite at one call site
   can never change another (BasicBlock's shared ``relu``).
 * ``FoldBatchNorm`` before fusion: conv+BN+ReLU becomes conv+ReLU, which the fused kernels take.
-* ``FoldPadIntoConv`` after it (a BN folds forward only into an unpadded conv, so the pad stays
+* ``MergeBranches`` right after it: once each branch's BN is folded, RepVGG/MobileOne-style parallel
+  conv + identity branches summed by an add are one conv (structural re-parameterization); then
+  ``FoldBatchNorm`` once more, for a BN that read the sum and now reads that conv.
+* ``FoldPadIntoConv`` after them (a BN folds forward only into an unpadded conv, so the pad stays
   visible to it): a symmetric zero pad becomes the conv's padding.
 * ``FuseAttention`` after Normalize (which removes eval dropout between softmax and the second
   matmul) and before the fusions: attention becomes one ``gml.attention`` call they leave alone.
@@ -27,14 +30,23 @@ from gml.passes.fold_constants import FoldConstants
 from gml.passes.fold_pad import FoldPadIntoConv
 from gml.passes.fuse_all import FUSION_PASS_CLASSES, fusion_passes
 from gml.passes.leaf_format import LeafMemoryFormat
+from gml.passes.merge_branches import MergeBranches
 from gml.passes.normalize import Normalize
 from gml.passes.untie import UntieSharedModules
 
 
 def canonical_passes() -> list[GraphPass]:
-    """Fold constants → normalize → untie → fold BN → fold pads: the exact rewrites both the fp32
-    and INT8 pipelines start with."""
-    return [FoldConstants(), Normalize(), UntieSharedModules(), FoldBatchNorm(), FoldPadIntoConv()]
+    """Fold constants → normalize → untie → fold BN → merge branches → fold pads: the exact rewrites
+    both the fp32 and INT8 pipelines start with."""
+    return [
+        FoldConstants(),
+        Normalize(),
+        UntieSharedModules(),
+        FoldBatchNorm(),
+        MergeBranches(),
+        FoldBatchNorm(),  # a BN after a merged sum (RepViT's bn(conv(x) + conv1(x) + x)) now follows a conv
+        FoldPadIntoConv(),
+    ]
 
 
 def fp32_passes() -> list[GraphPass]:
@@ -44,7 +56,8 @@ def fp32_passes() -> list[GraphPass]:
 
 def available_passes() -> dict[str, type[GraphPass]]:
     """Pass name → class, for ``gml optimize --passes``; names are the passes' own ``name``."""
-    classes: list[type[GraphPass]] = [FoldConstants, Normalize, UntieSharedModules, FoldBatchNorm, FoldPadIntoConv]
+    classes: list[type[GraphPass]] = [FoldConstants, Normalize, UntieSharedModules, FoldBatchNorm, MergeBranches]
+    classes += [FoldPadIntoConv]
     classes += [FuseAttention]
     classes += [*FUSION_PASS_CLASSES, LeafMemoryFormat]
     return {cls.name: cls for cls in classes}
