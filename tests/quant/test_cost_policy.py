@@ -15,6 +15,7 @@ import gml
 from gml.errors import InputError
 from gml.ir import library
 from gml.ir.qdq import is_dequantize, is_quantize_any
+from gml.kernels.fp32 import FusedConv
 from gml.quant.cost_policy import (
     Region,
     RegionCost,
@@ -131,9 +132,9 @@ def test_keep_fp32_rewrites_the_reference_graph_golden():
 def test_quantize_keeps_the_slower_region_fp32_and_says_why():
     model = _model()
     q = gml.quantize(model, 2, example_inputs=(X,), cost_policy=_slow({"c2"}), per_layer=False)
-    assert _ops(q.module)["qconv"] == 2  # c1 and c3; c2 is a plain fp32 conv
+    assert _ops(q.module)["qconv"] == 2  # c1 and c3; c2 is fp32 on GML's fused kernel (gml.optimize's)
     nodes = {n.name: n for n in q.module.graph.nodes}
-    assert type(q.module.get_submodule(str(nodes["c2"].target))) is nn.Conv2d
+    assert type(q.module.get_submodule(str(nodes["c2"].target))) is FusedConv
     kept = [e for e in q.coverage.kept_fp32 if e.nodes == ["c2"]]
     assert len(kept) == 1 and "INT8 2.000 ms" in kept[0].reason and "fp32 1.000 ms" in kept[0].reason
     assert [d.region.covered for d in q.cost.kept_fp32] == [["c2"]]
