@@ -24,9 +24,15 @@ float twin's modules (no fake-quantized weights), the quantize → dequantize pa
 and their fp32 neighbours vanish, and each op is marked so the lowering leaves it fp32 with the
 measured numbers as its reason (``coverage.kept_fp32``). Then the lowering runs again.
 
-Last guard (:func:`run_policy`): the whole INT8 executable against the all-fp32 float twin,
-interleaved rounds (:attr:`CostReport.whole`). When INT8 is still more than ``whole_margin`` (1.1x)
-slower after the region decisions, every region is kept fp32, with both numbers as the reason.
+A region kept fp32 is then rewritten by the same fusion passes as ``gml.optimize``
+(:func:`gml.quant.pipeline.fp32_remainder_passes`): it runs GML's fused fp32 kernels, on the engine
+where the engine covers them.
+
+Last guard (:func:`run_policy`): the whole INT8 executable against ``gml.optimize``'s model (GML
+fp32, on the engine where it covers the graph), interleaved rounds (:attr:`CostReport.whole`). When
+INT8 is slower than ``whole_margin`` (1.0) times that, INT8 cannot pay on this model:
+``gml.quantize`` returns ``gml.optimize``'s model instead (:attr:`CostReport.all_fp32`), with both
+numbers as the reason.
 
 The policy takes its costs from a function (``cost(region) -> RegionCost``): :class:`MeasuredCost`
 times the regions; tests inject fixed costs, so the decisions are deterministic there.
@@ -93,11 +99,11 @@ class CostReport:
 
     policy: str
     decisions: list[RegionDecision] = field(default_factory=list)
-    #: (INT8 ms, fp32 ms) of the whole returned executable vs the all-fp32 float twin
+    #: (INT8 ms, fp32 ms) of the whole INT8 executable vs gml.optimize's model (GML fp32)
     whole: tuple[float, float] | None = None
     shapes: str = ""
     notes: list[str] = field(default_factory=list)
-    #: the whole-model guard kept every region fp32 (INT8 could not pay on this model)
+    #: the whole-model guard found INT8 slower than GML fp32: gml.quantize returns gml.optimize's model
     all_fp32: bool = False
 
     @property
@@ -119,8 +125,8 @@ class CostReport:
             lines.append(f"  region {d.region.index} ({d.region.describe()}): {d.reason}")
         if self.whole is not None:
             i8, f32 = self.whole
-            verdict = "INT8 is SLOWER than fp32" if i8 > f32 else f"{f32 / i8:.2f}x faster than fp32"
-            lines.append(f"  whole model: INT8 {i8:.2f} ms vs fp32 {f32:.2f} ms ({verdict})")
+            verdict = "INT8 is SLOWER than GML fp32" if i8 > f32 else f"{f32 / i8:.2f}x faster than GML fp32"
+            lines.append(f"  whole model: INT8 {i8:.2f} ms vs GML fp32 (gml.optimize) {f32:.2f} ms ({verdict})")
         lines += [f"  {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -430,11 +436,11 @@ def plan_regions(
 
 
 def guard_whole_model(
-    executable: Any, twin: fx.GraphModule, inputs: Sequence[Any], *, rounds: int = 5
+    executable: Any, fp32: Any, inputs: Sequence[Any], *, rounds: int = 5
 ) -> tuple[float, float]:
-    """(INT8 ms, fp32 ms): the returned executable against the all-fp32 float twin, interleaved."""
+    """(INT8 ms, fp32 ms): the INT8 executable against the fp32 one (gml.optimize's), interleaved."""
     args = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
-    t8, t32 = time_interleaved([lambda: executable(*args), lambda: twin(*args)], rounds=rounds, min_ms=0.0)
+    t8, t32 = time_interleaved([lambda: executable(*args), lambda: fp32(*args)], rounds=rounds, min_ms=0.0)
     return t8, t32
 
 
@@ -448,16 +454,18 @@ def run_policy(
     runtime: str,
     relower: Callable[[fx.GraphModule], Any],
     attach: Callable[[fx.GraphModule], tuple[Any, Any]],
+    fp32: Callable[[], Any],
     strict: bool = False,
-    whole_margin: float = 1.1,
+    whole_margin: float = 1.0,
 ) -> tuple[Any, Any, Any, CostReport]:
     """The policy inside ``gml.quantize``: ``(pass result, engine, runtime report, CostReport)``.
 
     ``lowered`` is the lowering's PassManager result, ``relower(reference) -> result`` runs the
-    lowering again and ``attach(gm) -> (engine or None, report)`` picks the runtime. Regions are
-    measured with the runtime that will run them (the engine unless it declines this graph). Last
-    guard: when the whole INT8 executable is still more than ``whole_margin`` times slower than the
-    all-fp32 float twin, every region is kept fp32 (and the report says so with both numbers).
+    lowering again, ``attach(gm) -> (engine or None, report)`` picks the runtime and ``fp32()``
+    returns the executable of ``gml.optimize``'s model. Regions are measured with the runtime that
+    will run them (the engine unless it declines this graph). Last guard: when the whole INT8
+    executable is slower than ``whole_margin`` times the fp32 one, the report says so
+    (``all_fp32``, both numbers in ``whole``) and the caller returns the fp32 model instead.
     """
     if policy == "off":
         engine, runtime_report = attach(lowered.graph_module)
@@ -477,29 +485,19 @@ def run_policy(
         return (lowered, *attach(lowered.graph_module), CostReport("measure", notes=[_failed(e)]))
     engine, runtime_report = attach(result.graph_module)
     try:
-        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, twin, inputs)
+        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, fp32(), inputs)
     except Exception as e:
+        if strict:
+            raise
         cost.notes.append(f"whole-model guard not measured ({type(e).__name__}: {e})")
         return result, engine, runtime_report, cost
     i8, f32 = cost.whole
     if i8 <= whole_margin * f32 or not cost.decisions:
         return result, engine, runtime_report, cost
-    why = (
-        f"cost policy: the whole INT8 model ran {i8:.2f} ms vs {f32:.2f} ms in fp32 after the regions were "
-        "decided one by one; kept fp32"
-    )
-    keep = {c: why for d in cost.decisions for c in d.region.covered}
-    int8 = {c for d in cost.decisions for c in d.region.covered}
-    result = relower(keep_fp32(reference, twin, keep, int8))
-    engine, runtime_report = attach(result.graph_module)
-    cost.notes.append(
-        f"whole model INT8 {i8:.2f} ms vs fp32 {f32:.2f} ms (> {whole_margin:g}x): every region kept fp32"
-    )
     cost.all_fp32 = True
-    try:
-        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, twin, inputs)
-    except Exception as e:
-        cost.notes.append(f"whole-model guard not re-measured ({type(e).__name__}: {e})")
+    cost.notes.append(
+        f"whole model INT8 {i8:.2f} ms vs GML fp32 {f32:.2f} ms: INT8 cannot pay here; gml.optimize's model is returned"
+    )
     return result, engine, runtime_report, cost
 
 

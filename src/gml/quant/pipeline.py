@@ -22,6 +22,7 @@ step before it and reports; no pass runs another pass inside itself.
 from __future__ import annotations
 
 from gml.passes.base import FunctionPass, GraphPass, Tolerance
+from gml.passes.bf16 import LowerToBf16
 from gml.passes.fuse_all import fusion_passes
 from gml.passes.leaf_format import LeafMemoryFormat
 from gml.passes.lift_combine_quant import LiftCombineQuant
@@ -47,8 +48,9 @@ def reference_passes() -> list[GraphPass]:
     ]
 
 
-def lowering_passes(backend: str | None = "onednn") -> list[GraphPass]:
-    """The passes after ``convert_to_reference_fx``."""
+def lowering_passes(backend: str | None = "onednn", *, fallback: str = "fp32") -> list[GraphPass]:
+    """The passes after ``convert_to_reference_fx``. ``fallback="bf16"``: what stays out of INT8
+    then runs on bf16 kernels (:class:`~gml.passes.bf16.LowerToBf16`, last; check the CPU first)."""
     return [
         # reads torch.ao's reference Q/DQ form, so it runs first: DQ → op → Q patterns become
         # torch.ops.gml calls on uint8 values; what has no INT8 kernel stays fp32 with a reason
@@ -59,6 +61,7 @@ def lowering_passes(backend: str | None = "onednn") -> list[GraphPass]:
         # dequantize → quantize pairs with equal qparams vanish (all exact)
         LiftCombineQuant(),
         *fp32_remainder_passes(),
+        *([LowerToBf16()] if fallback == "bf16" else []),
     ]
 
 
