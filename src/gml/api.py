@@ -470,7 +470,7 @@ def quantize(
         precisions=precision_table(
             result.graph_module, runtime_report, fp32_reason="reads an fp32 value (outside the INT8 regions)",
             note=refusal or "",
-        ),  # fmt: skip
+        ),
         cost=cost,
         fallback_precision=fallback,
     )

@@ -161,7 +161,8 @@ def test_guard_keeps_all_returns_the_gml_optimize_model_with_a_consistent_report
     opt = gml.optimize(_model(), (X,))
     assert q.precision == "fp32" and q.cost.all_fp32
     # exactly gml.optimize's model: same graph, same kernels, same outputs, same runtime
-    assert [(n.op, str(n.target)) for n in q.module.graph.nodes] == [(n.op, str(n.target)) for n in opt.module.graph.nodes]
+    graph = [(n.op, str(n.target)) for n in q.module.graph.nodes]
+    assert graph == [(n.op, str(n.target)) for n in opt.module.graph.nodes]
     assert _types(q.module) == _types(opt.module)
     assert not any(library.gml_op_name(n) for n in q.module.graph.nodes)
     with torch.no_grad():
