@@ -29,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = ["shufflenet_v2_x1_0", "timm:levit_128s", "timm:mixnet_s", "timm:tf_mixnet_s"]
 
 
-def run_one(spec: str, rounds: int, inner: int, calib: int) -> dict[str, Any]:
+def run_one(spec: str, rounds: int, inner: int, calib: int, bf16: bool = False) -> dict[str, Any]:
     import warnings
 
     import torch
@@ -58,9 +58,18 @@ def run_one(spec: str, rounds: int, inner: int, calib: int) -> dict[str, Any]:
     if hasattr(precisions, "summary"):
         row["precisions"] = precisions.summary()
     fns = {"eager": model, "gml_fp32": opt.executable, "gml_int8": q.executable}
+    if bf16:  # the same INT8 model with what INT8 leaves out on bf16 kernels (#14 mixed mode)
+        t0 = time.perf_counter()
+        q16 = gml.quantize(model, calib, example_inputs=(x,), per_layer=False, fallback_precision="bf16")
+        row["s_quantize_bf16"] = time.perf_counter() - t0
+        row["int8_bf16_precision"] = q16.precision
+        row["precisions_bf16"] = q16.precisions.summary()
+        fns["gml_int8_bf16"] = q16.executable
     with torch.no_grad():
         y = model(x)
-        row["cos_int8_fp32"] = float(F.cosine_similarity(q.executable(x).flatten().double(), y.flatten().double(), 0))
+        for k in [k for k in fns if k.startswith("gml_int8")]:
+            got = fns[k](x).flatten().double()
+            row[f"cos_{k.removeprefix('gml_')}_fp32"] = float(F.cosine_similarity(got, y.flatten().double(), 0))
         times: dict[str, list[float]] = {k: [] for k in fns}
         for f in fns.values():
             f(x)
@@ -73,6 +82,8 @@ def run_one(spec: str, rounds: int, inner: int, calib: int) -> dict[str, Any]:
                 times[k].append((time.perf_counter() - t) * 1e3 / inner)
     row.update({f"ms_{k}": statistics.median(v) for k, v in times.items()})
     row["int8_over_fp32"] = row["ms_gml_int8"] / row["ms_gml_fp32"]
+    if bf16:
+        row["int8_bf16_over_int8"] = row["ms_gml_int8_bf16"] / row["ms_gml_int8"]
     return row
 
 
@@ -80,12 +91,14 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    print("ROW " + json.dumps(run_one(args.child, args.rounds, args.inner, args.calib)), flush=True)
+    row = run_one(args.child, args.rounds, args.inner, args.calib, args.bf16_fallback)
+    print("ROW " + json.dumps(row), flush=True)
 
 
 def _run(label: str, python: str, spec: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [python, os.path.abspath(__file__), "--child", spec, "--threads", str(args.threads)]
     cmd += ["--rounds", str(args.rounds), "--inner", str(args.inner), "--calib", str(args.calib)]
+    cmd += ["--bf16-fallback"] if args.bf16_fallback else []
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("GML_COST_POLICY", None)  # the default policy (measure), what a user gets
     try:
@@ -117,6 +130,16 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{_fmt(r['ms_gml_int8'])} | {_fmt(r['int8_over_fp32'])} | {r['int8_precision']} | {r['runtime']} | "
             f"{_fmt(r['cos_int8_fp32'], '.5f')} |"
         )
+    bf = [r for r in rows if "ms_gml_int8_bf16" in r]
+    if bf:
+        lines += ["", "| model | INT8 (fp32 fallback) ms | INT8 (bf16 fallback) ms | ratio | returned | cos vs fp32 |"]
+        lines.append("|---|---|---|---|---|---|")
+        for r in bf:
+            lines.append(
+                f"| {r['model']} | {_fmt(r['ms_gml_int8'])} | {_fmt(r['ms_gml_int8_bf16'])} | "
+                f"{_fmt(r['int8_bf16_over_int8'])} | {r['int8_bf16_precision']} | "
+                f"{_fmt(r['cos_int8_bf16_fp32'], '.5f')} |"
+            )
     return "\n".join(lines)
 
 
@@ -130,6 +153,11 @@ def main() -> None:
     ap.add_argument("--calib", type=int, default=8)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--results", help="append each row (JSON) to this file")
+    ap.add_argument(
+        "--bf16-fallback",
+        action="store_true",
+        help="also time gml.quantize(..., fallback_precision='bf16') (checkouts that have it)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -16,7 +16,8 @@ The rule (per region ``R``, ``t`` = measured median latency at the example input
 
     t_int8(R) = time of R's lowered nodes, entry quantize and exit dequantize included,
                 run the way the executable runs them (engine segments where the engine covers them)
-    t_fp32(R) = time of the fp32 ops R replaced (the float twin's nodes, run by torch)
+    t_fp32(R) = time of the fp32 ops R replaced (the float twin's nodes), through the same fp32
+                fusion passes and on the same runtime as a kept region runs
     keep R in INT8  iff  t_fp32(R) / t_int8(R) >= min_speedup     (default 1.0: never slower)
 
 A region kept fp32 is rewritten in the *reference* graph (:func:`keep_fp32`): its ops take the
@@ -254,7 +255,7 @@ def time_interleaved(
 class MeasuredCost:
     """``cost(region)`` by timing, on the example input's values, the region as the runtime runs it
     (engine segments where the engine covers its nodes, torch otherwise) and the float twin's ops it
-    replaced (torch: what runs when the region stays fp32)."""
+    replaced as they run when the region stays fp32 (GML's fused fp32 kernels, same runtime)."""
 
     def __init__(
         self,
@@ -270,29 +271,41 @@ class MeasuredCost:
         self.values = lowered_values if lowered_values is not None else record(lowered, inputs)
         self.twin_values = record(twin, inputs)
 
+    def _on_runtime(self, sub: fx.GraphModule) -> Callable[..., Any]:
+        """``sub`` as the runtime runs it: engine segments where the engine covers its nodes."""
+        if self.runtime != "engine":
+            return sub
+        from gml.runtime import native
+        from gml.runtime.compile import partition
+
+        try:
+            native.load()
+            run, _ = partition(sub)
+        except Exception:  # no engine build: the Python executor runs the model too
+            return sub
+        return run
+
     def _int8_fn(self, region: Region) -> Callable[[], Any]:
         sub, outside = subgraph(self.lowered, region.nodes)
         args = [self.values[a] for a in outside]
-        run: Callable[..., Any] = sub
-        if self.runtime == "engine":
-            from gml.runtime import native
-            from gml.runtime.compile import partition
-
-            try:
-                native.load()
-                run, _ = partition(sub)
-            except Exception:  # no engine build: the Python executor runs the model too
-                run = sub
+        run = self._on_runtime(sub)
         return lambda: run(*args)
 
     def _fp32_fn(self, region: Region) -> Callable[[], Any]:
+        """The float twin's ops of ``region`` as they run when the region stays fp32: through the
+        fp32 remainder passes (GML's fused fp32 kernels), on the runtime."""
+        from gml.passes.manager import PassManager
+        from gml.quant.pipeline import fp32_remainder_passes
+
         names = {n.name for n in self.twin.graph.nodes}
         missing = [c for c in region.covered if c not in names]
         if missing:
             raise LookupError(f"no fp32 counterpart for {', '.join(missing[:3])}")
         sub, outside = subgraph(self.twin, region.covered)
         args = [self.twin_values[a] for a in outside]
-        return lambda: sub(*args)
+        fused = PassManager(fp32_remainder_passes(), check_numerics=False).run(copy.deepcopy(sub), [tuple(args)])
+        run = self._on_runtime(fused.graph_module)
+        return lambda: run(*args)
 
     def __call__(self, region: Region) -> RegionCost:
         try:
@@ -436,11 +449,13 @@ def plan_regions(
 
 
 def guard_whole_model(
-    executable: Any, fp32: Any, inputs: Sequence[Any], *, rounds: int = 5
+    executable: Any, fp32: Callable[[], Any], inputs: Sequence[Any], *, rounds: int = 5
 ) -> tuple[float, float]:
-    """(INT8 ms, fp32 ms): the INT8 executable against the fp32 one (gml.optimize's), interleaved."""
+    """(INT8 ms, fp32 ms): the INT8 executable against the fp32 one (``fp32()`` builds it:
+    gml.optimize's), interleaved."""
     args = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
-    t8, t32 = time_interleaved([lambda: executable(*args), lambda: fp32(*args)], rounds=rounds, min_ms=0.0)
+    reference = fp32()
+    t8, t32 = time_interleaved([lambda: executable(*args), lambda: reference(*args)], rounds=rounds, min_ms=0.0)
     return t8, t32
 
 
@@ -485,7 +500,7 @@ def run_policy(
         return (lowered, *attach(lowered.graph_module), CostReport("measure", notes=[_failed(e)]))
     engine, runtime_report = attach(result.graph_module)
     try:
-        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, fp32(), inputs)
+        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, fp32, inputs)
     except Exception as e:
         if strict:
             raise
