@@ -316,3 +316,22 @@ def test_float_from_reference_runs_fp32_weights():
         want = F.linear(model.b(model.a(X), model.a(X)).mean((2, 3)), model.c.weight, model.c.bias)
         assert torch.allclose(y, want, atol=1e-6)
         assert not torch.equal(model.c.get_weight(), model.c.weight)  # the reference did round it
+
+
+def test_unfuse_keeps_a_broadcasting_conv_add_with_the_reason():
+    """gcresnet's global-context add: a conv on a pooled (1x1) map added to a full feature map. The
+    conv alone would not have the container's shape: the container stays (negative case)."""
+
+    class GC(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = nni.ConvAdd2d(nn.Conv2d(3, 3, 1), gml.nn.Add())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(x.mean((2, 3), keepdim=True), x)
+
+    res = PassManager([UnfuseFloatModules()]).run(_trace(GC().eval()), [(X,)])
+    rec = res.report.records[0]
+    assert rec.status == "unchanged" and not res.report.rolled_back
+    why = "the add broadcasts the conv output [1, 3, 1, 1] to [1, 3, 16, 16]: kept as is"
+    assert [s.reason for s in rec.skips] == [why]

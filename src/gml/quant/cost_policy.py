@@ -449,7 +449,7 @@ def plan_regions(
 
 
 def guard_whole_model(
-    executable: Any, fp32: Callable[[], Any], inputs: Sequence[Any], *, rounds: int = 5
+    executable: Any, fp32: Callable[[], Any], inputs: Sequence[Any], *, rounds: int = 9
 ) -> tuple[float, float]:
     """(INT8 ms, fp32 ms): the INT8 executable against the fp32 one (``fp32()`` builds it:
     gml.optimize's), interleaved."""

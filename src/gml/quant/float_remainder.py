@@ -22,6 +22,7 @@ them, so a kept region gets exactly ``gml.optimize``'s rewriting and kernels.
 
 from __future__ import annotations
 
+import torch
 import torch.ao.nn.intrinsic as nni
 import torch.ao.nn.quantized.reference as nnqr
 from torch import fx, nn
@@ -91,6 +92,22 @@ def _chain(mod: nn.Module) -> list[nn.Module] | None:
     return None
 
 
+def _broadcast_problem(node: fx.Node, first: nn.Module) -> str | None:
+    """Why ``node``'s first module may not take its place: for a conv + add container, a conv
+    whose output the add broadcasts (its shape is not the container's), or unknown shapes."""
+    if len(node.args) < 2:
+        return None  # a chain of one input: activations keep the shape
+    src, out = node.args[0], node.meta.get("tensor_meta")
+    meta = src.meta.get("tensor_meta") if isinstance(src, fx.Node) else None
+    if meta is None or out is None or not hasattr(meta, "shape") or not hasattr(out, "shape"):
+        return "conv + add operand shapes unknown (no tensor_meta): kept as is"
+    with torch.no_grad():
+        conv_shape = tuple(first(torch.zeros(tuple(meta.shape), dtype=meta.dtype)).shape)
+    if conv_shape != tuple(out.shape):
+        return f"the add broadcasts the conv output {list(conv_shape)} to {list(out.shape)}: kept as is"
+    return None
+
+
 class UnfuseFloatModules(GraphPass):
     """Every torch.ao fused container (``nni._FusedModule``) in the graph becomes the chain of its
     modules (module doc): ``y = F(x, *rest)`` with ``F = [m0, m1, ...]`` → ``t0 = m0(x); t1 = m1(t0,
@@ -99,7 +116,9 @@ class UnfuseFloatModules(GraphPass):
     registered next to it. Exact: the same modules run in the same order.
 
     Skipped, with the reason: a container whose ``forward`` is neither ``nn.Sequential``'s nor
-    ``ConvAdd2d``'s / ``ConvAddReLU2d``'s (its order of operations is not known here).
+    ``ConvAdd2d``'s / ``ConvAddReLU2d``'s (its order of operations is not known here); a conv + add
+    whose add broadcasts the conv output (the first module's value would not have the container's
+    shape; the fp32 conv+add fusion declines broadcasts anyway).
     """
 
     name = "unfuse_float_modules"
@@ -117,6 +136,10 @@ class UnfuseFloatModules(GraphPass):
             if chain is None or not chain:
                 skips.append(Skip(node.name, "fused module with its own forward: kept as is", type(mod).__name__))
                 continue
+            why = _broadcast_problem(node, chain[0])
+            if why:
+                skips.append(Skip(node.name, why, type(mod).__name__))
+                continue
             target = str(node.target)
             first_args, rest = node.args[:1], node.args[1:]
             users = list(node.users)
@@ -127,6 +150,8 @@ class UnfuseFloatModules(GraphPass):
                 name = add_module(gm, f"{target}_{type(m).__name__.lower()}", m)
                 with gm.graph.inserting_after(prev):
                     prev = gm.graph.call_module(name, (prev, *rest) if i == 0 else (prev,))
+                if "tensor_meta" in node.meta:  # every value of the chain has the container's shape
+                    prev.meta["tensor_meta"] = node.meta["tensor_meta"]
             for u in users:
                 u.replace_input_with(node, prev)
             matches += 1
