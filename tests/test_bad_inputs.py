@@ -771,6 +771,14 @@ API_CASES += [
         "unknown cost_policy 'fast'",
     ),
     ApiCase(
+        "unknown fallback precision",
+        "gml.quantize(m, 2, example_inputs=x, fallback_precision='fp16')",
+        lambda m: api.quantize(m, 2, example_inputs=_x(1, 3, 32, 32), fallback_precision="fp16"),
+        _model,
+        InputError,
+        "unknown precision 'fp16'",
+    ),
+    ApiCase(
         "unknown runtime for a saved model",
         "gml.io.load(path, runtime='onnx')",
         lambda m: _load_with_runtime("onnx"),

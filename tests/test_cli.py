@@ -147,6 +147,22 @@ def test_quantize_prints_coverage_and_accuracy(capsys, monkeypatch):
     assert code == 0
     assert "INT8 lowering coverage" in out and "qconv_add" in out
     assert "output cosine" in out
+    assert "precision per op:" in out
+
+
+def test_quantize_fallback_precision_bf16_without_bf16_cpu_warns(capsys, monkeypatch):
+    """--fallback-precision bf16 reaches gml.quantize; a CPU without bf16 (simulated) is told, and
+    the fallback is fp32."""
+    from gml.kernels import bf16 as kb
+
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no native bf16 instructions (simulated)")
+    with pytest.warns(RuntimeWarning, match="bf16 requested but this CPU has no native bf16"):
+        code, out = _run(
+            capsys, "quantize", f"{ASSETS}:SmallCNN", "--calib", "2", "--no-time", "--fallback-precision", "bf16"
+        )
+    assert code == 0
+    assert "precision per op:" in out and "simulated" in out
 
 
 TOKENS = """

@@ -220,10 +220,17 @@ class QuantizeResult:
     #: (:mod:`gml.quant.transformer`: per-token dynamic INT8 GEMMs); ``scheme_reason`` says why
     scheme: str = "static"
     scheme_reason: str = ""
-    #: transformer scheme: every GEMM, attention, LayerNorm, softmax, opaque block with its precision and why
-    precisions: list[Any] = field(default_factory=list)
+    #: every op with its precision (int8 / bf16 / fp32) and why: the transformer scheme's GEMMs,
+    #: attention, LayerNorm, softmax, opaque blocks; the static scheme's
+    #: :class:`~gml.quant.precision.PrecisionTable` (with the runtime that runs each op)
+    precisions: Any = field(default_factory=list)
     #: the cost policy's measurements and decisions (gml.quant.cost_policy.CostReport)
     cost: Any = None
+    #: ``int8``, or ``fp32`` / ``bf16`` when the whole-model guard found INT8 slower than
+    #: ``gml.optimize``'s model and returned that model instead (``cost.all_fp32``)
+    precision: str = "int8"
+    #: the precision of the ops INT8 leaves out (``fallback_precision``), after the CPU check
+    fallback_precision: str = "fp32"
 
     @property
     def executable(self) -> Any:
@@ -281,6 +288,7 @@ def quantize(
     min_sqnr_db: float | None = _DEFAULT_MIN_SQNR_DB,
     smooth_alpha: float | None = None,
     cost_policy: str | Callable[[Any], Any] | None = None,
+    fallback_precision: str = "fp32",
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -314,7 +322,16 @@ def quantize(
             slower (``coverage.kept_fp32`` gives the numbers; ``result.cost`` the whole report,
             including the whole-model INT8 vs fp32 guard); ``off``: every op with an INT8 kernel
             runs INT8; or a function ``region -> RegionCost`` that replaces the measurement (the
-            same rule on given costs). See :mod:`gml.quant.cost_policy`.
+            same rule on given costs). See :mod:`gml.quant.cost_policy`. Last, the whole INT8
+            executable is timed against ``gml.optimize``'s model (GML fp32 on the engine); when INT8
+            is slower, that model is returned instead (``result.precision == "fp32"``,
+            ``result.cost.all_fp32``, every op in ``coverage.kept_fp32`` and ``precisions`` with both
+            numbers as the reason, ``report`` / ``runtime`` those of the fp32 pipeline).
+        fallback_precision: what the ops INT8 leaves out run in (static scheme): ``fp32``
+            (default: GML's fused fp32 kernels, as in ``gml.optimize``) or ``bf16`` (their bf16
+            twins, :class:`~gml.passes.bf16.LowerToBf16`: bf16 weights and activations, fp32
+            accumulation; LayerNorm/softmax/reductions/outputs fp32). A CPU without native bf16 gets
+            a ``RuntimeWarning`` and fp32. ``result.precisions`` lists every op's precision and why.
     """
     import time
 
@@ -328,6 +345,7 @@ def quantize(
     from gml.runtime.select import attach_runtime, check_runtime
 
     check_runtime(runtime)
+    check_precision(fallback_precision)
     cost_policy = default_policy() if cost_policy is None else cost_policy
     check_policy(cost_policy)
     check_eval_mode(model, what="INT8 quantization")
@@ -349,6 +367,13 @@ def quantize(
 
     token_range = vocab_range(model)  # generated token ids come from the vocabulary (#15)
     chosen, why = choose_scheme(model, scheme, inputs)
+    if chosen == "transformer" and fallback_precision != "fp32":
+        from gml.errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"fallback_precision={fallback_precision!r} applies to the static INT8 scheme; {why}.",
+            hint="use scheme='static', or gml.optimize(model, x, precision='bf16') for a bf16 transformer.",
+        )
     if chosen == "transformer":
         return _quantize_transformer(
             model, calib_data, inputs, eval_data=eval_data, eval_labels=eval_labels, per_layer=per_layer,
@@ -373,13 +398,27 @@ def quantize(
     )
     seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
 
-    # The post-convert half of the INT8 pipeline (gml.quant.pipeline: lower, fuse, clean up).
+    # What INT8 leaves out runs bf16 only where the CPU has native bf16 (else a warning, and fp32)
+    refusal = _bf16_refusal() if fallback_precision == "bf16" else None
+    fallback = "bf16" if fallback_precision == "bf16" and refusal is None else "fp32"
+    # The post-convert half of the INT8 pipeline (gml.quant.pipeline: lower, fuse, clean up, and
+    # gml.optimize's fusion passes on what stays fp32).
     samples = [inputs]
     t0 = time.perf_counter()
-    passes = lowering_passes(backend)
+    passes = lowering_passes(backend, fallback=fallback)
     result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
     seconds["lower + fuse + clean up"] = time.perf_counter() - t0
-    # INT8 regions slower than their fp32 ops stay fp32 (lowered again); picks the runtime too
+    # INT8 regions slower than their fp32 ops stay fp32 (lowered again); picks the runtime too. The
+    # whole-model guard compares with gml.optimize's model (built once, only if the guard runs).
+    optimized: list[OptimizeResult] = []
+
+    def gml_fp32() -> OptimizeResult:
+        if not optimized:
+            optimized.append(
+                optimize(model, inputs, leaf_modules=leaf_modules, precision=fallback, runtime=runtime, strict=strict)
+            )
+        return optimized[0]
+
     t0 = time.perf_counter()
     result, engine, runtime_report, cost = run_policy(
         result,
@@ -388,11 +427,18 @@ def quantize(
         inputs,
         policy=cost_policy,
         runtime=runtime,
-        relower=lambda gm: PassManager(lowering_passes(backend), strict=strict).run(gm, samples),
+        relower=lambda gm: PassManager(lowering_passes(backend, fallback=fallback), strict=strict).run(gm, samples),
         attach=lambda gm: attach_runtime(gm, inputs, runtime),
         strict=strict,
+        fp32=lambda: gml_fp32().executable,
     )
     seconds["cost policy + engine compile"] = time.perf_counter() - t0
+    if cost.all_fp32:  # INT8 could not pay on this model: gml.optimize's model, and why
+        return _gml_fp32_instead(
+            model, gml_fp32(), ref, cost, seconds, why, refusal, fallback,
+            eval_data=eval_data, eval_labels=eval_labels, inputs=inputs, token_range=token_range,
+            min_cosine=min_cosine,
+        )  # fmt: skip
     # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
     coverage = coverage_of(result.graph_module)
     for r in result.report.rolled_back:
@@ -414,6 +460,8 @@ def quantize(
     if min_cosine is not None:
         check_min_cosine(acc, min_cosine)
 
+    from gml.quant.precision import precision_table
+
     return QuantizeResult(
         result.graph_module,
         result.report,
@@ -426,8 +474,64 @@ def quantize(
         runtime_report,
         scheme="static",
         scheme_reason=why,
+        precisions=precision_table(
+            result.graph_module, runtime_report, fp32_reason="reads an fp32 value (outside the INT8 regions)",
+            note=refusal or "",
+        ),
         cost=cost,
+        fallback_precision=fallback,
     )
+
+
+def _gml_fp32_instead(
+    model: nn.Module,
+    opt: OptimizeResult,
+    ref: Any,
+    cost: Any,
+    seconds: dict[str, float],
+    scheme_reason: str,
+    refusal: str | None,
+    fallback: str,
+    *,
+    eval_data: Any,
+    eval_labels: Sequence[Any] | None,
+    inputs: tuple,
+    token_range: tuple[int, int] | None,
+    min_cosine: float | None,
+) -> QuantizeResult:
+    """The :class:`QuantizeResult` of a model INT8 could not speed up: ``gml.optimize``'s model
+    (``opt``: its module, engine, pass report and runtime report), with a coverage and a precision
+    table that list every op as fp32 (or bf16) with the whole-model guard's numbers as the reason."""
+    import time
+
+    from gml.quant.accuracy import accuracy_report
+    from gml.quant.calibrate import generate_batches
+    from gml.quant.lower import CoverageEntry, LoweringCoverage
+    from gml.quant.precision import precision_table
+
+    i8, f32 = cost.whole if cost.whole is not None else (float("nan"), float("nan"))
+    why = (
+        f"whole-model guard: the INT8 model ran {i8:.2f} ms vs {f32:.2f} ms for gml.optimize's {fallback} model "
+        f"on {cost.shapes or 'the example input'}; returning the {fallback} model"
+    )
+    table = precision_table(opt.module, opt.runtime, fp32_reason=why, note=refusal or "")
+    coverage = LoweringCoverage(kept_fp32=[CoverageEntry([r.node], r.op, r.precision, why) for r in table])
+    if eval_data is None:
+        eval_data = generate_batches(inputs, 2, seed=12345, token_range=token_range)
+    t0 = time.perf_counter()
+    # per-layer SQNR pairs INT8 nodes with the float twin's: there are none here
+    acc = accuracy_report(
+        copy.deepcopy(model), opt.module, eval_data, labels=eval_labels, fp32_graph=ref.float_module,
+        per_layer=False,
+    )  # fmt: skip
+    seconds["accuracy report"] = time.perf_counter() - t0
+    if min_cosine is not None:
+        check_min_cosine(acc, min_cosine)
+    return QuantizeResult(
+        opt.module, opt.report, ref.report, coverage, acc, ref.graph_module, seconds, opt.engine, opt.runtime,
+        scheme="static", scheme_reason=scheme_reason, precisions=table, cost=cost, precision=fallback,
+        fallback_precision=fallback,
+    )  # fmt: skip
 
 
 SCHEMES = ("auto", "static", "transformer")

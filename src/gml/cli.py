@@ -323,6 +323,23 @@ def _print_transformer_result(args: argparse.Namespace, res, model, inputs) -> N
     console.print(f"[dim]accuracy below: on 2 held-out {held_out} the calibration did not see[/]")
 
 
+def _print_precisions(res) -> None:
+    """The static scheme's precision of every op (int8 / bf16 / fp32, why, where it runs), and a
+    clear line when the whole-model guard returned gml optimize's model instead of INT8."""
+    from rich.markup import escape
+
+    table = res.precisions
+    if hasattr(table, "table") and (res.precision != "int8" or any(r.precision != "int8" for r in table)):
+        console.print(table.table())
+    if hasattr(table, "summary"):
+        console.print(escape(table.summary()))
+    if res.precision != "int8":
+        console.print(
+            f"[yellow]INT8 cannot pay on this model:[/] the returned model is gml optimize's {res.precision} "
+            "model (see the cost policy's whole-model line below)"
+        )
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from gml.api import quantize
 
@@ -355,6 +372,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             min_sqnr_db=None if args.min_sqnr < 0 else args.min_sqnr,
             smooth_alpha=args.smooth_alpha,
             cost_policy=args.cost_policy,
+            fallback_precision=args.fallback_precision,
         )
     console.print(f"[dim]{why}[/]")
     fe = res.frontend
@@ -369,6 +387,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         console.print(res.coverage.table())
         console.print(res.coverage.summary())
         console.print(f"frontend: {fe.summary()}")
+        _print_precisions(res)
     acc = res.accuracy
     if acc.layers:
         worst = type(acc)(acc.samples, acc.cosine, acc.max_abs_diff, acc.top1_agreement, layers=acc.worst(10))
@@ -484,7 +503,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("measure", "off"),
         default=None,
         help="measure (default, or $GML_COST_POLICY): keep fp32 the INT8 regions timed slower than their fp32 "
-        "ops on this machine; off: every op with an INT8 kernel runs INT8 (docs/cost-policy.md)",
+        "ops on this machine, and return gml optimize's fp32 model when the whole INT8 model is slower than it; "
+        "off: every op with an INT8 kernel runs INT8 (docs/cost-policy.md)",
+    )
+    p.add_argument(
+        "--fallback-precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="what the ops INT8 leaves out run in: fp32 (default: GML's fused fp32 kernels) or bf16 (oneDNN "
+        "bf16 kernels, fp32 accumulation; a CPU without native bf16 gets a warning and fp32); the precision "
+        "of every op is printed with the reason",
     )
     p.add_argument(
         "--min-cosine",

@@ -204,6 +204,8 @@ def build_gml_int8(ctx: BuildContext) -> Built:
     notes = _report_notes(res.report) + ([f"runtime: {runtime.path}"] if runtime is not None else [])
     if getattr(res, "scheme", "static") != "static":  # #15: a transformer gets the transformer scheme
         notes.append(f"scheme: {res.scheme} ({res.frontend.summary()})")
+    if getattr(res, "precision", "int8") != "int8":  # #16: the whole-model guard returned gml.optimize's model
+        notes.append(f"INT8 slower than GML fp32 here: gml.quantize returned gml.optimize's {res.precision} model")
     return _torch_built(getattr(res, "executable", mod), mod if isinstance(mod, fx.GraphModule) else None, notes)
 
 

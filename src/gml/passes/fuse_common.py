@@ -55,6 +55,17 @@ def add_operands(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[fx.Node,
     return tensors[0], tensors[1]
 
 
+def fused_meta(head: fx.Node, tail: fx.Node) -> dict:
+    """The meta of the node a fusion leaves for ``head → ... → tail``: the tail's (its value), plus
+    the head's GML report entries (``gml_*`` keys the tail lacks, e.g. why the INT8 lowering kept the
+    head fp32), so that a report read off the fused graph still lists them."""
+    out = dict(tail.meta)
+    for k, v in head.meta.items():
+        if k.startswith("gml_") and k not in out:
+            out[k] = v
+    return out
+
+
 def meta(node: fx.Node) -> TensorMetadata | None:
     m = node.meta.get("tensor_meta")
     return m if isinstance(m, TensorMetadata) else None

@@ -133,7 +133,7 @@ class FuseConvAdd(GraphPass):
             replace_module(gm, str(conv.target), new_mod)
             with gm.graph.inserting_before(at):
                 new = gm.graph.call_module(str(conv.target), (conv.args[0], other))
-            new.meta = dict(tail.meta)
+            new.meta = fc.fused_meta(conv, tail)
             tail.replace_all_uses_with(new)
             fc.erase_chain(gm.graph, [conv, add, tail])
             modules[str(conv.target)] = new_mod
@@ -225,7 +225,7 @@ class FuseConvActivation(GraphPass):
             replace_module(gm, str(conv.target), new_mod)
             modules[str(conv.target)] = new_mod
             if tail is not conv:
-                conv.meta = dict(tail.meta)
+                conv.meta = fc.fused_meta(conv, tail)
                 tail.replace_all_uses_with(conv)
                 fc.erase_chain(gm.graph, [tail])
             else:

@@ -93,7 +93,7 @@ class FuseLinearActivation(GraphPass):
             backends[new_mod.backend] = backends.get(new_mod.backend, 0) + 1
             replace_module(gm, str(node.target), new_mod)
             if tail is not node:
-                node.meta = dict(tail.meta)
+                node.meta = fc.fused_meta(node, tail)
                 tail.replace_all_uses_with(node)
                 fc.erase_chain(gm.graph, [tail])
                 fused += 1

@@ -16,7 +16,8 @@ The rule (per region ``R``, ``t`` = measured median latency at the example input
 
     t_int8(R) = time of R's lowered nodes, entry quantize and exit dequantize included,
                 run the way the executable runs them (engine segments where the engine covers them)
-    t_fp32(R) = time of the fp32 ops R replaced (the float twin's nodes, run by torch)
+    t_fp32(R) = time of the fp32 ops R replaced (the float twin's nodes), through the same fp32
+                fusion passes and on the same runtime as a kept region runs
     keep R in INT8  iff  t_fp32(R) / t_int8(R) >= min_speedup     (default 1.0: never slower)
 
 A region kept fp32 is rewritten in the *reference* graph (:func:`keep_fp32`): its ops take the
@@ -24,9 +25,15 @@ float twin's modules (no fake-quantized weights), the quantize → dequantize pa
 and their fp32 neighbours vanish, and each op is marked so the lowering leaves it fp32 with the
 measured numbers as its reason (``coverage.kept_fp32``). Then the lowering runs again.
 
-Last guard (:func:`run_policy`): the whole INT8 executable against the all-fp32 float twin,
-interleaved rounds (:attr:`CostReport.whole`). When INT8 is still more than ``whole_margin`` (1.1x)
-slower after the region decisions, every region is kept fp32, with both numbers as the reason.
+A region kept fp32 is then rewritten by the same fusion passes as ``gml.optimize``
+(:func:`gml.quant.pipeline.fp32_remainder_passes`): it runs GML's fused fp32 kernels, on the engine
+where the engine covers them.
+
+Last guard (:func:`run_policy`): the whole INT8 executable against ``gml.optimize``'s model (GML
+fp32, on the engine where it covers the graph), interleaved rounds (:attr:`CostReport.whole`). When
+INT8 is slower than ``whole_margin`` (1.0) times that, INT8 cannot pay on this model:
+``gml.quantize`` returns ``gml.optimize``'s model instead (:attr:`CostReport.all_fp32`), with both
+numbers as the reason.
 
 The policy takes its costs from a function (``cost(region) -> RegionCost``): :class:`MeasuredCost`
 times the regions; tests inject fixed costs, so the decisions are deterministic there.
@@ -93,11 +100,11 @@ class CostReport:
 
     policy: str
     decisions: list[RegionDecision] = field(default_factory=list)
-    #: (INT8 ms, fp32 ms) of the whole returned executable vs the all-fp32 float twin
+    #: (INT8 ms, fp32 ms) of the whole INT8 executable vs gml.optimize's model (GML fp32)
     whole: tuple[float, float] | None = None
     shapes: str = ""
     notes: list[str] = field(default_factory=list)
-    #: the whole-model guard kept every region fp32 (INT8 could not pay on this model)
+    #: the whole-model guard found INT8 slower than GML fp32: gml.quantize returns gml.optimize's model
     all_fp32: bool = False
 
     @property
@@ -119,8 +126,8 @@ class CostReport:
             lines.append(f"  region {d.region.index} ({d.region.describe()}): {d.reason}")
         if self.whole is not None:
             i8, f32 = self.whole
-            verdict = "INT8 is SLOWER than fp32" if i8 > f32 else f"{f32 / i8:.2f}x faster than fp32"
-            lines.append(f"  whole model: INT8 {i8:.2f} ms vs fp32 {f32:.2f} ms ({verdict})")
+            verdict = "INT8 is SLOWER than GML fp32" if i8 > f32 else f"{f32 / i8:.2f}x faster than GML fp32"
+            lines.append(f"  whole model: INT8 {i8:.2f} ms vs GML fp32 (gml.optimize) {f32:.2f} ms ({verdict})")
         lines += [f"  {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -248,7 +255,7 @@ def time_interleaved(
 class MeasuredCost:
     """``cost(region)`` by timing, on the example input's values, the region as the runtime runs it
     (engine segments where the engine covers its nodes, torch otherwise) and the float twin's ops it
-    replaced (torch: what runs when the region stays fp32)."""
+    replaced as they run when the region stays fp32 (GML's fused fp32 kernels, same runtime)."""
 
     def __init__(
         self,
@@ -264,29 +271,41 @@ class MeasuredCost:
         self.values = lowered_values if lowered_values is not None else record(lowered, inputs)
         self.twin_values = record(twin, inputs)
 
+    def _on_runtime(self, sub: fx.GraphModule) -> Callable[..., Any]:
+        """``sub`` as the runtime runs it: engine segments where the engine covers its nodes."""
+        if self.runtime != "engine":
+            return sub
+        from gml.runtime import native
+        from gml.runtime.compile import partition
+
+        try:
+            native.load()
+            run, _ = partition(sub)
+        except Exception:  # no engine build: the Python executor runs the model too
+            return sub
+        return run
+
     def _int8_fn(self, region: Region) -> Callable[[], Any]:
         sub, outside = subgraph(self.lowered, region.nodes)
         args = [self.values[a] for a in outside]
-        run: Callable[..., Any] = sub
-        if self.runtime == "engine":
-            from gml.runtime import native
-            from gml.runtime.compile import partition
-
-            try:
-                native.load()
-                run, _ = partition(sub)
-            except Exception:  # no engine build: the Python executor runs the model too
-                run = sub
+        run = self._on_runtime(sub)
         return lambda: run(*args)
 
     def _fp32_fn(self, region: Region) -> Callable[[], Any]:
+        """The float twin's ops of ``region`` as they run when the region stays fp32: through the
+        fp32 remainder passes (GML's fused fp32 kernels), on the runtime."""
+        from gml.passes.manager import PassManager
+        from gml.quant.pipeline import fp32_remainder_passes
+
         names = {n.name for n in self.twin.graph.nodes}
         missing = [c for c in region.covered if c not in names]
         if missing:
             raise LookupError(f"no fp32 counterpart for {', '.join(missing[:3])}")
         sub, outside = subgraph(self.twin, region.covered)
         args = [self.twin_values[a] for a in outside]
-        return lambda: sub(*args)
+        fused = PassManager(fp32_remainder_passes(), check_numerics=False).run(copy.deepcopy(sub), [tuple(args)])
+        run = self._on_runtime(fused.graph_module)
+        return lambda: run(*args)
 
     def __call__(self, region: Region) -> RegionCost:
         try:
@@ -430,11 +449,13 @@ def plan_regions(
 
 
 def guard_whole_model(
-    executable: Any, twin: fx.GraphModule, inputs: Sequence[Any], *, rounds: int = 5
+    executable: Any, fp32: Callable[[], Any], inputs: Sequence[Any], *, rounds: int = 9
 ) -> tuple[float, float]:
-    """(INT8 ms, fp32 ms): the returned executable against the all-fp32 float twin, interleaved."""
+    """(INT8 ms, fp32 ms): the INT8 executable against the fp32 one (``fp32()`` builds it:
+    gml.optimize's), interleaved."""
     args = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
-    t8, t32 = time_interleaved([lambda: executable(*args), lambda: twin(*args)], rounds=rounds, min_ms=0.0)
+    reference = fp32()
+    t8, t32 = time_interleaved([lambda: executable(*args), lambda: reference(*args)], rounds=rounds, min_ms=0.0)
     return t8, t32
 
 
@@ -448,16 +469,18 @@ def run_policy(
     runtime: str,
     relower: Callable[[fx.GraphModule], Any],
     attach: Callable[[fx.GraphModule], tuple[Any, Any]],
+    fp32: Callable[[], Any],
     strict: bool = False,
-    whole_margin: float = 1.1,
+    whole_margin: float = 1.0,
 ) -> tuple[Any, Any, Any, CostReport]:
     """The policy inside ``gml.quantize``: ``(pass result, engine, runtime report, CostReport)``.
 
     ``lowered`` is the lowering's PassManager result, ``relower(reference) -> result`` runs the
-    lowering again and ``attach(gm) -> (engine or None, report)`` picks the runtime. Regions are
-    measured with the runtime that will run them (the engine unless it declines this graph). Last
-    guard: when the whole INT8 executable is still more than ``whole_margin`` times slower than the
-    all-fp32 float twin, every region is kept fp32 (and the report says so with both numbers).
+    lowering again, ``attach(gm) -> (engine or None, report)`` picks the runtime and ``fp32()``
+    returns the executable of ``gml.optimize``'s model. Regions are measured with the runtime that
+    will run them (the engine unless it declines this graph). Last guard: when the whole INT8
+    executable is slower than ``whole_margin`` times the fp32 one, the report says so
+    (``all_fp32``, both numbers in ``whole``) and the caller returns the fp32 model instead.
     """
     if policy == "off":
         engine, runtime_report = attach(lowered.graph_module)
@@ -477,29 +500,19 @@ def run_policy(
         return (lowered, *attach(lowered.graph_module), CostReport("measure", notes=[_failed(e)]))
     engine, runtime_report = attach(result.graph_module)
     try:
-        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, twin, inputs)
+        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, fp32, inputs)
     except Exception as e:
+        if strict:
+            raise
         cost.notes.append(f"whole-model guard not measured ({type(e).__name__}: {e})")
         return result, engine, runtime_report, cost
     i8, f32 = cost.whole
     if i8 <= whole_margin * f32 or not cost.decisions:
         return result, engine, runtime_report, cost
-    why = (
-        f"cost policy: the whole INT8 model ran {i8:.2f} ms vs {f32:.2f} ms in fp32 after the regions were "
-        "decided one by one; kept fp32"
-    )
-    keep = {c: why for d in cost.decisions for c in d.region.covered}
-    int8 = {c for d in cost.decisions for c in d.region.covered}
-    result = relower(keep_fp32(reference, twin, keep, int8))
-    engine, runtime_report = attach(result.graph_module)
-    cost.notes.append(
-        f"whole model INT8 {i8:.2f} ms vs fp32 {f32:.2f} ms (> {whole_margin:g}x): every region kept fp32"
-    )
     cost.all_fp32 = True
-    try:
-        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, twin, inputs)
-    except Exception as e:
-        cost.notes.append(f"whole-model guard not re-measured ({type(e).__name__}: {e})")
+    cost.notes.append(
+        f"whole model INT8 {i8:.2f} ms vs GML fp32 {f32:.2f} ms: INT8 cannot pay here; gml.optimize's model is returned"
+    )
     return result, engine, runtime_report, cost
 
 

@@ -9,7 +9,9 @@
           ─ prepare / calibrate /     torch.ao (gml.quant.frontend.prepare_reference):
             convert_to_reference      a reference Q/DQ graph
           ─ lowering_passes(backend)  PassManager (checked, reported):
-                                      LowerToGML → FuseQConvAdd → LiftCombineQuant
+                                      LowerToGML → FuseQConvAdd → LiftCombineQuant →
+                                      FloatFromReference → UnfuseFloatModules → the fp32 fusion passes
+                                      (gml.optimize's: what stays fp32 runs GML's fused fp32 kernels)
           ─ the lowered graph: torch.ops.gml calls (docs/ir.md), run by the Python executor,
             saved through torch.export
 
@@ -20,8 +22,12 @@ step before it and reports; no pass runs another pass inside itself.
 from __future__ import annotations
 
 from gml.passes.base import FunctionPass, GraphPass, Tolerance
+from gml.passes.bf16 import LowerToBf16
+from gml.passes.fuse_all import fusion_passes
+from gml.passes.leaf_format import LeafMemoryFormat
 from gml.passes.lift_combine_quant import LiftCombineQuant
 from gml.passes.pipeline import canonical_passes
+from gml.quant.float_remainder import FloatFromReference, UnfuseFloatModules
 from gml.quant.fuse_int8 import FuseQConvAdd
 from gml.quant.lower import LowerToGML
 from gml.quant.reference_rewrites import conv_operand_first, fold_self_add_into_conv
@@ -42,8 +48,9 @@ def reference_passes() -> list[GraphPass]:
     ]
 
 
-def lowering_passes(backend: str | None = "onednn") -> list[GraphPass]:
-    """The passes after ``convert_to_reference_fx``."""
+def lowering_passes(backend: str | None = "onednn", *, fallback: str = "fp32") -> list[GraphPass]:
+    """The passes after ``convert_to_reference_fx``. ``fallback="bf16"``: what stays out of INT8
+    then runs on bf16 kernels (:class:`~gml.passes.bf16.LowerToBf16`, last; check the CPU first)."""
     return [
         # reads torch.ao's reference Q/DQ form, so it runs first: DQ → op → Q patterns become
         # torch.ops.gml calls on uint8 values; what has no INT8 kernel stays fp32 with a reason
@@ -53,4 +60,15 @@ def lowering_passes(backend: str | None = "onednn") -> list[GraphPass]:
         # last: the quantize ops left at fp32 → INT8 boundaries move above views, equal ones merge,
         # dequantize → quantize pairs with equal qparams vanish (all exact)
         LiftCombineQuant(),
+        *fp32_remainder_passes(),
+        *([LowerToBf16()] if fallback == "bf16" else []),
     ]
+
+
+def fp32_remainder_passes() -> list[GraphPass]:
+    """What stays fp32 after the lowering (kept by the cost policy, or no INT8 kernel) gets
+    ``gml.optimize``'s rewriting: torch.ao's containers and reference modules become plain modules
+    (:mod:`gml.quant.float_remainder`), then the same fusion passes (and leaf layout) as
+    :func:`gml.passes.pipeline.fp32_passes` turn them into GML's fused fp32 kernels, which the
+    native engine runs."""
+    return [FloatFromReference(), UnfuseFloatModules(), *fusion_passes(), LeafMemoryFormat()]
