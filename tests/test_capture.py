@@ -108,3 +108,25 @@ def test_renamed_torch_layers_stay_leaves_and_become_the_torch_class():
     assert not any(op == "call_module" and t is Doubled for op, t in kinds)  # traced through as before
     assert type(model[0]) is Renamed  # the caller's model is untouched
     torch.testing.assert_close(gm(x), model(x))
+
+
+class _DeviceCheck(nn.Module):
+    """timm's EfficientViT (efficientvit_mit.py): ``if v.device.type != 'meta':`` around a branch,
+    and a dtype read for a cast; both are facts of the example input, not data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        v = self.lin(x)
+        if v.device.type != "meta" and not is_causal:
+            v = v.relu()
+        return v.to(x.dtype) * 2
+
+
+def test_capture_answers_device_and_dtype_from_the_example():
+    model, x = _DeviceCheck().eval(), torch.randn(2, 4)
+    gm = capture(model, (x,))
+    torch.testing.assert_close(gm(x), model(x))
+    assert "relu" in gm.code

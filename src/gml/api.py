@@ -420,6 +420,8 @@ def quantize(
         return optimized[0]
 
     t0 = time.perf_counter()
+    with torch.no_grad():  # what the engine may be judged by where it and the executor round apart
+        fp32_outputs = ref.float_module(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
     result, engine, runtime_report, cost = run_policy(
         result,
         ref.graph_module,
@@ -428,7 +430,7 @@ def quantize(
         policy=cost_policy,
         runtime=runtime,
         relower=lambda gm: PassManager(lowering_passes(backend, fallback=fallback), strict=strict).run(gm, samples),
-        attach=lambda gm: attach_runtime(gm, inputs, runtime),
+        attach=lambda gm: attach_runtime(gm, inputs, runtime, fp32_outputs=fp32_outputs),
         strict=strict,
         fp32=lambda: gml_fp32().executable,
     )

@@ -100,6 +100,10 @@ except ImportError:  # pragma: no cover - older torch: no concrete evaluation of
     _revert_patches = contextlib.nullcontext  # type: ignore[assignment]
 
 
+#: tensor attributes :class:`_ShapeProxy` answers from the example input instead of recording them
+_STATIC_TENSOR_FACTS = frozenset({"device", "dtype", "is_cuda", "is_cpu", "is_meta", "is_quantized", "layout"})
+
+
 class _ShapeProxy(fx.Proxy):
     """A proxy that turns into the example input's concrete number where Python needs one
     (``int()``, ``math.ceil``, ``range()``, ``len()``), if the value is shape-only."""
@@ -115,6 +119,12 @@ class _ShapeProxy(fx.Proxy):
             if isinstance(value, torch.Tensor):
                 self.tracer.ranks_used = True  # type: ignore[union-attr]
                 return value.ndim if k == "ndim" else value.dim
+        # where a tensor lives and its dtype are facts of the example, not values: timm's EfficientViT
+        # asks `if v.device.type != 'meta':`; the captured graph runs on CPU with the example's dtypes
+        if k in _STATIC_TENSOR_FACTS:
+            value = self.tracer.values.get(self.node)  # type: ignore[union-attr]
+            if isinstance(value, torch.Tensor):
+                return getattr(value, k)
         return super().__getattr__(k)
 
     def __index__(self) -> int:

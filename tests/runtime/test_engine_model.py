@@ -146,3 +146,26 @@ def test_import_gml_does_not_load_the_engine():
     code = "import sys, gml; print('gml._engine' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+class _PosEmbed(nn.Module):
+    """A learned position embedding added to a conv's output (timm's PiT / Visformer): the add reads
+    a parameter straight from the model, a get_attr node inside the engine segment."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pos_embed = nn.Parameter(torch.randn(1, 8, 6, 6))
+        self.fc = nn.Linear(8 * 36, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc((self.conv(x) + self.pos_embed).flatten(1))
+
+
+def test_a_parameter_read_by_an_engine_op_is_a_plan_constant():
+    """Once a raw ``KeyError: pos_embed`` from gml.optimize (timm pit_ti_224, visformer_tiny)."""
+    model, x = _PosEmbed().eval(), torch.randn(2, 3, 6, 6)
+    res = gml.optimize(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(res.module(x), model(x), rtol=1e-4, atol=1e-4)
+    assert res.runtime.runtime == "engine" and res.runtime.engine_nodes >= 1, res.runtime

@@ -216,7 +216,7 @@ class EngineSegment(nn.Module):
                 if not isinstance(t, torch.Tensor):
                     raise Unsupported(f"{node.name} returns {type(t).__name__}")
                 vals[node] = b.value_for(node, t, free=node in free)
-                rule.emit(b, call, [vals[a] for a in call.inputs], vals[node])
+                rule.emit(b, call, [_input_val(b, vals, env, a) for a in call.inputs], vals[node])
         b.place_outputs(outputs, metas)
         plan = b.build(native.load())
         return plan, [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in metas]
@@ -229,6 +229,18 @@ class EngineSegment(nn.Module):
         tensors = [t.data_ptr() for t in inputs if isinstance(t, torch.Tensor)]  # sizes are in the plan's key
         plan.run(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
         return tuple(results)
+
+
+def _input_val(b: Builder, vals: dict[fx.Node, Any], env: dict[fx.Node, Any], a: fx.Node) -> Any:
+    """The plan value a rule reads for ``a``: a value of the segment, or, for a module's tensor
+    argument read straight from the model (``gml.nn.Add(x, self.pos_embed)``: a ``get_attr`` node),
+    a constant the plan owns."""
+    if a in vals:
+        return vals[a]
+    if a.op == "get_attr" and isinstance(env.get(a), torch.Tensor):
+        vals[a] = b.constant(env[a])
+        return vals[a]
+    raise Unsupported(f"input {a.name} of the segment is neither a segment value nor a model constant")
 
 
 class Recorder(fx.Interpreter):
