@@ -31,3 +31,30 @@ def test_conv_on_a_permuted_uint8_input_runs_a_jitted_kernel():
     assert impls and not [i for i in impls if i.startswith("ref")], impls
     with torch.no_grad():
         assert torch.allclose(q.executable(x), q.module(x), atol=1e-5)
+
+
+class ShuffleThenConv(nn.Module):
+    """shufflenet_v2's tail: a channel shuffle (view / transpose / view: torch makes it NCHW) between
+    two fp32 convs, so the second conv's segment reads an NCHW input and writes channels-last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(8, 16, 1), nn.Conv2d(16, 32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.a(x))
+        n, c, h, w = y.shape
+        y = y.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+        return torch.relu(self.b(y))
+
+
+def test_fp32_conv_on_an_nchw_segment_input_writing_nhwc_runs_a_jitted_kernel():
+    """Once 1.5 s per call for shufflenet_v2's conv5 (oneDNN's reference kernel for NCHW in, NHWC out)."""
+    torch.manual_seed(0)
+    model, x = ShuffleThenConv().eval(), torch.randn(1, 8, 7, 7)
+    res = gml.optimize(model, x)
+    assert res.engine is not None
+    impls = [i for seg in res.engine.segments() for plan, _ in seg._plans.values() if plan for i in plan.step_impls()]
+    assert impls and not [i for i in impls if i.startswith("ref")], impls
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-4, atol=1e-5)
