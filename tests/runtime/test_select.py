@@ -30,3 +30,22 @@ def test_an_int8_engine_as_close_to_fp32_as_the_executor_is_accepted_a_wrong_one
     assert why is not None and why.startswith("output 0 is further from fp32 than the executor's")
     # the bound is a ratio of the executor's own error
     assert fp32_closeness_error(py, fp32 + (AS_CLOSE_TO_FP32 + 0.2) * (py - fp32), fp32) is not None
+
+
+def test_an_engine_slower_than_the_executor_is_not_chosen(monkeypatch) -> None:
+    """The runtime choice times both (interleaved) unless GML_COST_POLICY=off: an engine that a
+    slow oneDNN kernel makes slower than torch is not the default (timm mixnet_s fp32: 3x eager)."""
+    from torch import nn
+
+    import gml
+    from gml.quant import cost_policy
+
+    model, x = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval(), torch.randn(1, 3, 16, 16)
+    assert gml.optimize(model, x).runtime.path == "engine"  # the suite's default: no timing
+    monkeypatch.setenv("GML_COST_POLICY", "measure")
+    monkeypatch.setattr(cost_policy, "time_interleaved", lambda fns, **kw: [10.0, 2.0])
+    res = gml.optimize(model, x)
+    assert res.engine is None and res.runtime.path == "torch"
+    assert "the engine ran slower than the Python executor on the example (10.00 ms vs 2.00 ms)" in res.runtime.note
+    monkeypatch.setattr(cost_policy, "time_interleaved", lambda fns, **kw: [2.1, 2.0])  # within ENGINE_SLOWER_LIMIT
+    assert gml.optimize(model, x).runtime.path == "engine"

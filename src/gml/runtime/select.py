@@ -91,6 +91,33 @@ def fp32_closeness_error(py: Any, got: Any, fp32: Any) -> str | None:
     return None
 
 
+#: The engine is kept only if it is not slower than the Python executor by more than this factor on
+#: the example (interleaved timing; a primitive oneDNN serves from a slow kernel for an unusual
+#: layout must not make the default runtime slower than torch: timm mixnet_s fp32 once ran 3x eager).
+ENGINE_SLOWER_LIMIT = 1.2
+
+
+def _slower_than_executor(gm: fx.GraphModule, engine: EngineModule, inputs: Sequence[Any]) -> str | None:
+    """Why the engine is not worth it here (it times slower than the Python executor), or None.
+    Skipped when ``GML_COST_POLICY=off`` (runs that must not depend on timing: the test suite)."""
+    import os
+
+    if os.environ.get("GML_COST_POLICY", "measure") == "off":
+        return None
+    from gml.quant.cost_policy import time_interleaved  # the one interleaved timer (lazy: no import cycle)
+
+    def run(f: Any) -> Any:
+        return lambda: f(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+
+    eng_ms, py_ms = time_interleaved([run(engine), run(gm)], rounds=3)
+    if eng_ms > ENGINE_SLOWER_LIMIT * py_ms:
+        return (
+            f"the engine ran slower than the Python executor on the example ({eng_ms:.2f} ms vs "
+            f"{py_ms:.2f} ms); using torch"
+        )
+    return None
+
+
 def attach_runtime(
     gm: fx.GraphModule,
     example_inputs: Sequence[torch.Tensor],
@@ -123,11 +150,14 @@ def attach_runtime(
             f"the engine differs from the Python executor beyond INT8 rounding ({problem}) but is as "
             "close to the fp32 model (run-time INT8 rounding flips after float ops that round differently)"
         )
+        problem = None
+    if not problem:
+        slower = _slower_than_executor(gm, engine, example_inputs)
+        if slower:
+            return None, RuntimeReport("torch", nodes=engine.report.nodes, note=slower)
         return engine, engine.report
-    if problem:
-        return None, RuntimeReport(
-            "torch",
-            nodes=engine.report.nodes,
-            note=f"the engine disagreed with the Python executor ({problem}); using torch",
-        )
-    return engine, engine.report
+    return None, RuntimeReport(
+        "torch",
+        nodes=engine.report.nodes,
+        note=f"the engine disagreed with the Python executor ({problem}); using torch",
+    )
