@@ -420,8 +420,6 @@ def quantize(
         return optimized[0]
 
     t0 = time.perf_counter()
-    with torch.no_grad():  # what the engine may be judged by where it and the executor round apart
-        fp32_outputs = ref.float_module(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
     result, engine, runtime_report, cost = run_policy(
         result,
         ref.graph_module,
@@ -430,7 +428,7 @@ def quantize(
         policy=cost_policy,
         runtime=runtime,
         relower=lambda gm: PassManager(lowering_passes(backend, fallback=fallback), strict=strict).run(gm, samples),
-        attach=lambda gm: attach_runtime(gm, inputs, runtime, fp32_outputs=fp32_outputs),
+        attach=lambda gm: attach_runtime(gm, inputs, runtime, fp32_model=ref.float_module),
         strict=strict,
         fp32=lambda: gml_fp32().executable,
     )
@@ -610,11 +608,7 @@ def _quantize_transformer(
     # the native engine runs the gml.dynamic_linear GEMMs (and what else it covers), checked against
     # the Python executor on the example first (gml.runtime.select)
     t0 = time.perf_counter()
-    fp32_outputs = None
-    if res.fp32_module is not None:
-        with torch.no_grad():
-            fp32_outputs = res.fp32_module(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
-    engine, runtime_report = attach_runtime(res.module, inputs, runtime, fp32_outputs=fp32_outputs)
+    engine, runtime_report = attach_runtime(res.module, inputs, runtime, fp32_model=res.fp32_module)
     seconds["engine compile"] = time.perf_counter() - t0
     return QuantizeResult(
         res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",

@@ -24,6 +24,7 @@ from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 from gml.errors import InputError, TraceFailure, UnsupportedError
 from gml.ir.alias import MUTATES
 from gml.ir.layers import torch_layer_base
+from gml.ir.values import cloned
 from gml.models import child_names
 from gml.outputs import same_outputs
 
@@ -557,10 +558,6 @@ def check_eval_mode(model: nn.Module, *, what: str = "optimization") -> None:
         )
 
 
-def _cloned(values: Sequence[Any]) -> list[Any]:
-    return [x.clone() if isinstance(x, torch.Tensor) else x for x in values]
-
-
 def check_finite_parameters(model: nn.Module, *, what: str = "optimization") -> None:
     """Raise if a parameter holds NaN or Inf: every output is then NaN (or an Inf), and a rewrite
     checked against NaN outputs is not checked at all (issue #11: a NaN weight was reported as
@@ -596,8 +593,8 @@ def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what
     try:
         probe = copy.deepcopy(model)
         with torch.no_grad():
-            first = probe(*_cloned(example_inputs))
-            second = probe(*_cloned(example_inputs))
+            first = probe(*cloned(example_inputs))
+            second = probe(*cloned(example_inputs))
     except Exception:
         return
     same, _ = same_outputs(first, second)

@@ -173,3 +173,8 @@ def _fmt(t: torch.Tensor, digits: int = 6) -> str:
         v = t.item()
         return f"{v:.{digits}g}" if isinstance(v, float) else str(v)
     return f"[{t.numel()} values]"
+
+
+def cloned(values: Sequence[object]) -> list[object]:
+    """``values`` with every tensor cloned (a run that may write its inputs in place gets copies)."""
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in values]

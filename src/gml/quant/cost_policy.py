@@ -52,6 +52,7 @@ import torch
 from torch import fx
 
 from gml.ir.qdq import is_dequantize, is_quantize_any
+from gml.ir.values import cloned
 from gml.passes.utils import remove_unused_nodes
 from gml.quant.lower import KEEP_FP32_COST as KEEP_FP32  # node.meta key LowerToGML reads
 
@@ -147,7 +148,7 @@ def record(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Node, Any]:
 
     rec = Recorder(gm)
     with torch.no_grad():
-        rec.run(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+        rec.run(*cloned(inputs))
     return rec.values
 
 
@@ -453,7 +454,7 @@ def guard_whole_model(
 ) -> tuple[float, float]:
     """(INT8 ms, fp32 ms): the INT8 executable against the fp32 one (``fp32()`` builds it:
     gml.optimize's), interleaved."""
-    args = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+    args = cloned(inputs)
     reference = fp32()
     t8, t32 = time_interleaved([lambda: executable(*args), lambda: reference(*args)], rounds=rounds, min_ms=0.0)
     return t8, t32

@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from gml.errors import GMLError, InputError
+from gml.ir.values import cloned
 from gml.runtime.compile import EngineModule, RuntimeReport, compile_engine
 
 RUNTIMES = ("engine", "torch")
@@ -107,7 +108,7 @@ def _slower_than_executor(gm: fx.GraphModule, engine: EngineModule, inputs: Sequ
     from gml.quant.cost_policy import time_interleaved  # the one interleaved timer (lazy: no import cycle)
 
     def run(f: Any) -> Any:
-        return lambda: f(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+        return lambda: f(*cloned(inputs))
 
     eng_ms, py_ms = time_interleaved([run(engine), run(gm)], rounds=3)
     if eng_ms > ENGINE_SLOWER_LIMIT * py_ms:
@@ -118,25 +119,30 @@ def _slower_than_executor(gm: fx.GraphModule, engine: EngineModule, inputs: Sequ
     return None
 
 
+def _as_close_to_fp32(py: Any, got: Any, fp32_model: Any, inputs: Sequence[Any]) -> bool:
+    with torch.no_grad():
+        return fp32_closeness_error(py, got, fp32_model(*cloned(inputs))) is None
+
+
 def attach_runtime(
     gm: fx.GraphModule,
     example_inputs: Sequence[torch.Tensor],
     runtime: str = "engine",
     *,
     tolerance: float = INT8_TOLERANCE,
-    fp32_outputs: Any = None,
+    fp32_model: Any = None,
 ) -> tuple[EngineModule | None, RuntimeReport]:
     """``(engine module or None, report)`` for ``gm``: None means "run the Python executor".
 
-    ``fp32_outputs`` (the fp32 model's outputs on ``example_inputs``) allows an INT8 engine that
-    differs from the executor beyond ``tolerance`` when it is as close to fp32 as the executor
-    (:data:`AS_CLOSE_TO_FP32`); the report's note says so."""
+    ``fp32_model`` (the fp32 graph ``gm`` was quantized from) allows an INT8 engine that differs
+    from the executor beyond ``tolerance`` when it is as close to the fp32 model's outputs as the
+    executor (:data:`AS_CLOSE_TO_FP32`); the report's note says so."""
     check_runtime(runtime)
     if runtime == "torch":
         return None, RuntimeReport("torch", note="runtime='torch' requested: the Python executor runs every node")
     try:
         # copies: compiling runs the graph once, and a graph may write its input (``x.add_(1)``)
-        engine = compile_engine(gm, [t.clone() if isinstance(t, torch.Tensor) else t for t in example_inputs])
+        engine = compile_engine(gm, cloned(example_inputs))
     except GMLError as e:
         return None, RuntimeReport("torch", note=f"engine unavailable: {e.message}")
     if engine.report.engine_nodes == 0:
@@ -145,7 +151,7 @@ def attach_runtime(
         ref = gm(*[t.clone() for t in example_inputs])
         got = engine(*[t.clone() for t in example_inputs])
     problem = agreement_error(ref, got, tolerance)
-    if problem and fp32_outputs is not None and fp32_closeness_error(ref, got, fp32_outputs) is None:
+    if problem and fp32_model is not None and _as_close_to_fp32(ref, got, fp32_model, example_inputs):
         engine.report.note = (
             f"the engine differs from the Python executor beyond INT8 rounding ({problem}) but is as "
             "close to the fp32 model (run-time INT8 rounding flips after float ops that round differently)"
