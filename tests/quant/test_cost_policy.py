@@ -210,6 +210,21 @@ def test_timing_stops_early_when_one_side_is_far_slower():
     assert calls["slow"] == 2  # warm-up and one timed call: no rounds spent on a decided comparison
 
 
+def test_a_whole_model_within_the_margin_returns_the_gml_fp32_model(monkeypatch):
+    """INT8 measured 5% faster is inside the guard's margin (WHOLE_MARGIN = 0.9): a speed-up that
+    small does not pay for INT8's accuracy loss and is within a guard's noise, so fp32 comes back;
+    10% faster or more keeps INT8."""
+    import gml.quant.cost_policy as cp
+
+    assert cp.WHOLE_MARGIN == 0.9
+    monkeypatch.setattr(cp, "guard_whole_model", lambda *a, **k: (0.95, 1.0))
+    q = gml.quantize(_model(), 2, example_inputs=(X,), cost_policy=_slow(set()), per_layer=False)
+    assert q.cost.all_fp32 and q.precision == "fp32" and "INT8 cannot pay here" in str(q.cost)
+    monkeypatch.setattr(cp, "guard_whole_model", lambda *a, **k: (0.9, 1.0))
+    q = gml.quantize(_model(), 2, example_inputs=(X,), cost_policy=_slow(set()), per_layer=False)
+    assert not q.cost.all_fp32 and q.precision == "int8"
+
+
 def test_a_whole_model_slower_in_int8_returns_the_gml_fp32_model(monkeypatch):
     """The last guard: regions that each won (injected costs) but a whole model measured slower than
     gml.optimize's (a patched timer) — gml.optimize's model is returned, and the report says why
