@@ -13,7 +13,8 @@ concrete_args — what a new user gets.
 
 Each model runs in its own process (a crash or hang costs one row, ``--timeout`` seconds).
 Results append to a JSON-lines file as they come (``--results``), so a run can be rendered while
-it goes (``--render-only``).
+it goes (``--render-only``); ``--append`` adds a re-run of some models to that file (a model's
+last row wins).
 """
 
 from __future__ import annotations
@@ -486,6 +487,9 @@ def main() -> None:
     )
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--render-only", action="store_true")
+    ap.add_argument(
+        "--append", action="store_true", help="add rows to --results (a re-run of some models; their last row wins)"
+    )
     ap.add_argument("--note", default="", help="a line to add under the header (e.g. the commit measured)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -515,8 +519,9 @@ def main() -> None:
     }
     if not args.render_only:
         os.makedirs(os.path.dirname(args.results), exist_ok=True)
-        with open(args.results, "w") as f:
-            f.write(json.dumps({"meta": meta}) + "\n")
+        if not args.append:
+            with open(args.results, "w") as f:
+                f.write(json.dumps({"meta": meta}) + "\n")
 
         def work(spec: str) -> None:
             row = _run_in_process(spec, args)
@@ -529,7 +534,8 @@ def main() -> None:
     with open(args.results) as f:
         records = [json.loads(line) for line in f if line.strip()]
     meta = next((r["meta"] for r in records if "meta" in r), meta) | ({"note": args.note} if args.note else {})
-    rows = [r for r in records if "model" in r]
+    # a model measured again (a re-run appended to the same file) keeps its last row
+    rows = list({r["model"]: r for r in records if "model" in r}.values())
     order = {m: i for i, m in enumerate(args.models)}
     rows.sort(key=lambda r: order.get(r["model"], len(order)))
     with open(args.out, "w") as f:
