@@ -225,22 +225,11 @@ def _write_graph_drawing(gm, path: str) -> None:
 
 
 def _time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 15) -> dict[str, float]:
-    """Median ms per call of each function, measured in interleaved rounds after one warm-up call."""
-    import statistics
-    import time
+    """Median ms per call of each function in ``rounds`` interleaved rounds (the timer of GML's
+    run-time decisions, :func:`gml.runtime.timing.median_ms_interleaved`)."""
+    from gml.runtime.timing import median_ms_interleaved
 
-    import torch
-
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    with torch.no_grad():
-        for fn in fns.values():
-            fn()
-        for _ in range(rounds):
-            for k, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                samples[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return dict(zip(fns, median_ms_interleaved(list(fns.values()), rounds=rounds), strict=True))
 
 
 def check_out_path(path: str | None) -> None:
@@ -295,7 +284,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if not args.no_time:
         t = _time_interleaved({"eager": lambda: model(*inputs), "optimized": lambda: res.executable(*inputs)})
         console.print(
-            f"latency (median of 15 interleaved calls): eager {t['eager']:.2f} ms, "
+            f"latency (median of 15 interleaved rounds): eager {t['eager']:.2f} ms, "
             f"optimized {t['optimized']:.2f} ms ({t['eager'] / t['optimized']:.2f}x); "
             "use `gml bench` for a full measurement"
         )
@@ -403,7 +392,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if not args.no_time:
         t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.executable(*inputs)})
         console.print(
-            f"latency (median of 15 interleaved calls): fp32 eager {t['fp32']:.2f} ms, "
+            f"latency (median of 15 interleaved rounds): fp32 eager {t['fp32']:.2f} ms, "
             f"INT8 {t['int8']:.2f} ms ({t['fp32'] / t['int8']:.2f}x); use `gml bench` for a full measurement"
         )
         if t["int8"] >= t["fp32"]:

@@ -38,14 +38,14 @@ def test_an_engine_slower_than_the_executor_is_not_chosen(monkeypatch) -> None:
     from torch import nn
 
     import gml
-    from gml.quant import cost_policy
+    from gml.runtime import timing
 
     model, x = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval(), torch.randn(1, 3, 16, 16)
     assert gml.optimize(model, x).runtime.path == "engine"  # the suite's default: no timing
     monkeypatch.setenv("GML_COST_POLICY", "measure")
-    monkeypatch.setattr(cost_policy, "time_interleaved", lambda fns, **kw: [10.0, 2.0])
+    monkeypatch.setattr(timing, "median_ms_interleaved", lambda fns, **kw: [10.0, 2.0])
     res = gml.optimize(model, x)
     assert res.engine is None and res.runtime.path == "torch"
     assert "the engine ran slower than the Python executor on the example (10.00 ms vs 2.00 ms)" in res.runtime.note
-    monkeypatch.setattr(cost_policy, "time_interleaved", lambda fns, **kw: [2.1, 2.0])  # within ENGINE_SLOWER_LIMIT
+    monkeypatch.setattr(timing, "median_ms_interleaved", lambda fns, **kw: [2.1, 2.0])  # within ENGINE_SLOWER_LIMIT
     assert gml.optimize(model, x).runtime.path == "engine"

@@ -42,8 +42,6 @@ times the regions; tests inject fixed costs, so the decisions are deterministic 
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +53,7 @@ from gml.ir.qdq import is_dequantize, is_quantize_any
 from gml.ir.values import cloned
 from gml.passes.utils import remove_unused_nodes
 from gml.quant.lower import KEEP_FP32_COST as KEEP_FP32  # node.meta key LowerToGML reads
+from gml.runtime.timing import median_ms_interleaved
 
 POLICIES = ("measure", "off")
 
@@ -231,34 +230,6 @@ def subgraph(gm: fx.GraphModule, names: Sequence[str]) -> tuple[fx.GraphModule, 
     return fx.GraphModule(gm, g), outside
 
 
-def time_interleaved(
-    fns: Sequence[Callable[[], Any]], rounds: int = 5, min_ms: float = 2.0, decisive: float = 10.0
-) -> list[float]:
-    """Median ms per call of each function, in interleaved rounds (machine noise hits all alike);
-    each sample repeats a call until it takes ``min_ms`` so that short regions are not timer noise.
-    When one call is ``decisive`` times slower than another already (a kernel gone wrong), the
-    first timed calls are the answer: more rounds would not change the ranking, only cost time."""
-    with torch.no_grad():
-        inner, first = [], []
-        for f in fns:  # warm up (oneDNN primitives, allocator) and size the inner loop
-            f()
-            t0 = time.perf_counter()
-            f()
-            once = max(time.perf_counter() - t0, 1e-6) * 1e3
-            first.append(once)
-            inner.append(max(1, min(200, int(min_ms / once) + 1)))
-        if len(first) > 1 and max(first) > decisive * min(first) and max(first) > 10 * min_ms:
-            return first
-        samples: list[list[float]] = [[] for _ in fns]
-        for _ in range(rounds):
-            for i, f in enumerate(fns):
-                t0 = time.perf_counter()
-                for _ in range(inner[i]):
-                    f()
-                samples[i].append((time.perf_counter() - t0) * 1e3 / inner[i])
-    return [statistics.median(s) for s in samples]
-
-
 class MeasuredCost:
     """``cost(region)`` by timing, on the example input's values, the region as the runtime runs it
     (engine segments where the engine covers its nodes, torch otherwise) and the float twin's ops it
@@ -317,7 +288,7 @@ class MeasuredCost:
     def __call__(self, region: Region) -> RegionCost:
         try:
             f8, f32 = self._int8_fn(region), self._fp32_fn(region)
-            t8, t32 = time_interleaved([f8, f32], rounds=self.rounds)
+            t8, t32 = median_ms_interleaved([f8, f32], rounds=self.rounds)
         except Exception as e:  # a region we cannot time stays as the lowering made it
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             return RegionCost(None, None, f"not measured ({first[:160]})")
@@ -462,7 +433,7 @@ def guard_whole_model(
     gml.optimize's), interleaved."""
     args = cloned(inputs)
     reference = fp32()
-    t8, t32 = time_interleaved([lambda: executable(*args), lambda: reference(*args)], rounds=rounds, min_ms=0.0)
+    t8, t32 = median_ms_interleaved([lambda: executable(*args), lambda: reference(*args)], rounds=rounds, min_ms=0.0)
     return t8, t32
 
 
@@ -562,5 +533,4 @@ __all__ = [
     "plan_regions",
     "run_policy",
     "subgraph",
-    "time_interleaved",
 ]

@@ -15,6 +15,7 @@ from torch import fx
 
 from gml.errors import GMLError, InputError
 from gml.ir.values import cloned
+from gml.runtime import timing
 from gml.runtime.compile import EngineModule, RuntimeReport, compile_engine
 
 RUNTIMES = ("engine", "torch")
@@ -105,12 +106,10 @@ def _slower_than_executor(gm: fx.GraphModule, engine: EngineModule, inputs: Sequ
 
     if os.environ.get("GML_COST_POLICY", "measure") == "off":
         return None
-    from gml.quant.cost_policy import time_interleaved  # the one interleaved timer (lazy: no import cycle)
-
     def run(f: Any) -> Any:
         return lambda: f(*cloned(inputs))
 
-    eng_ms, py_ms = time_interleaved([run(engine), run(gm)], rounds=3)
+    eng_ms, py_ms = timing.median_ms_interleaved([run(engine), run(gm)], rounds=3)
     if eng_ms > ENGINE_SLOWER_LIMIT * py_ms:
         return (
             f"the engine ran slower than the Python executor on the example ({eng_ms:.2f} ms vs "
