@@ -336,8 +336,6 @@ def quantize(
     import time
 
     from gml.errors import InputError
-    from gml.quant.accuracy import accuracy_report
-    from gml.quant.calibrate import generate_batches
     from gml.quant.cost_policy import check_policy, default_policy, run_policy
     from gml.quant.frontend import prepare_reference
     from gml.quant.lower import CoverageEntry, coverage_of
@@ -444,21 +442,11 @@ def quantize(
     for r in result.report.rolled_back:
         coverage.kept_fp32.append(CoverageEntry([f"(pass {r.name})"], r.name, "fp32", f"rolled back: {r.error}"))
 
-    if eval_data is None:
-        eval_data = generate_batches(inputs, 2, seed=12345, token_range=token_range)
-    t0 = time.perf_counter()
-    acc = accuracy_report(
-        copy.deepcopy(model),
-        result.graph_module,
-        eval_data,
-        labels=eval_labels,
-        fp32_graph=ref.float_module,
-        per_layer=per_layer,
-    )
-    seconds["accuracy report"] = time.perf_counter() - t0
+    acc = _accuracy(
+        model, result.graph_module, ref.float_module, seconds, eval_data=eval_data, eval_labels=eval_labels,
+        inputs=inputs, token_range=token_range, per_layer=per_layer, min_cosine=min_cosine,
+    )  # fmt: skip
     refuse_autograd(result.graph_module)
-    if min_cosine is not None:
-        check_min_cosine(acc, min_cosine)
 
     from gml.quant.precision import precision_table
 
@@ -502,10 +490,7 @@ def _gml_fp32_instead(
     """The :class:`QuantizeResult` of a model INT8 could not speed up: ``gml.optimize``'s model
     (``opt``: its module, engine, pass report and runtime report), with a coverage and a precision
     table that list every op as fp32 (or bf16) with the whole-model guard's numbers as the reason."""
-    import time
 
-    from gml.quant.accuracy import accuracy_report
-    from gml.quant.calibrate import generate_batches
     from gml.quant.lower import CoverageEntry, LoweringCoverage
     from gml.quant.precision import precision_table
 
@@ -516,22 +501,49 @@ def _gml_fp32_instead(
     )
     table = precision_table(opt.module, opt.runtime, fp32_reason=why, note=refusal or "")
     coverage = LoweringCoverage(kept_fp32=[CoverageEntry([r.node], r.op, r.precision, why) for r in table])
-    if eval_data is None:
-        eval_data = generate_batches(inputs, 2, seed=12345, token_range=token_range)
-    t0 = time.perf_counter()
     # per-layer SQNR pairs INT8 nodes with the float twin's: there are none here
-    acc = accuracy_report(
-        copy.deepcopy(model), opt.module, eval_data, labels=eval_labels, fp32_graph=ref.float_module,
-        per_layer=False,
+    acc = _accuracy(
+        model, opt.module, ref.float_module, seconds, eval_data=eval_data, eval_labels=eval_labels,
+        inputs=inputs, token_range=token_range, per_layer=False, min_cosine=min_cosine,
     )  # fmt: skip
-    seconds["accuracy report"] = time.perf_counter() - t0
-    if min_cosine is not None:
-        check_min_cosine(acc, min_cosine)
     return QuantizeResult(
         opt.module, opt.report, ref.report, coverage, acc, ref.graph_module, seconds, opt.engine, opt.runtime,
         scheme="static", scheme_reason=scheme_reason, precisions=table, cost=cost, precision=fallback,
         fallback_precision=fallback,
     )  # fmt: skip
+
+
+def _accuracy(
+    model: nn.Module,
+    returned: nn.Module,
+    fp32_graph: nn.Module,
+    seconds: dict[str, float],
+    *,
+    eval_data: Any,
+    eval_labels: Sequence[Any] | None,
+    inputs: tuple,
+    token_range: tuple[int, int] | None,
+    per_layer: bool,
+    min_cosine: float | None,
+) -> Any:
+    """The accuracy report of the module ``quantize`` returns against the eager model (on
+    ``eval_data``, or two generated batches shaped like ``inputs``), timed into ``seconds``;
+    ``min_cosine`` is enforced here."""
+    import time
+
+    from gml.quant.accuracy import accuracy_report
+    from gml.quant.calibrate import generate_batches
+
+    if eval_data is None:
+        eval_data = generate_batches(inputs, 2, seed=12345, token_range=token_range)
+    t0 = time.perf_counter()
+    acc = accuracy_report(
+        copy.deepcopy(model), returned, eval_data, labels=eval_labels, fp32_graph=fp32_graph, per_layer=per_layer
+    )
+    seconds["accuracy report"] = time.perf_counter() - t0
+    if min_cosine is not None:
+        check_min_cosine(acc, min_cosine)
+    return acc
 
 
 SCHEMES = ("auto", "static", "transformer")
@@ -575,8 +587,6 @@ def _quantize_transformer(
     opaque blocks); ``reference`` is the fp32 graph the GEMMs were quantized from."""
     import time
 
-    from gml.quant.accuracy import accuracy_report
-    from gml.quant.calibrate import generate_batches
     from gml.quant.lower import CoverageEntry, LoweringCoverage
     from gml.quant.transformer import quantize_transformer
     from gml.runtime.select import attach_runtime
@@ -594,17 +604,11 @@ def _quantize_transformer(
             coverage.lowered.append(CoverageEntry([p.node], p.op, "int8 GEMM (per-token dynamic)", p.why))
         else:
             coverage.kept_fp32.append(CoverageEntry([p.node], p.op, p.precision, p.why))
-    if eval_data is None:
-        eval_data = generate_batches(inputs, 2, seed=12345, token_range=token_range)
-    t0 = time.perf_counter()
-    acc = accuracy_report(
-        copy.deepcopy(model), res.module, eval_data, labels=eval_labels, fp32_graph=res.fp32_module,
-        per_layer=per_layer,
+    acc = _accuracy(
+        model, res.module, res.fp32_module, seconds, eval_data=eval_data, eval_labels=eval_labels,
+        inputs=inputs, token_range=token_range, per_layer=per_layer, min_cosine=min_cosine,
     )  # fmt: skip
-    seconds["accuracy report"] = time.perf_counter() - t0
     refuse_autograd(res.module)
-    if min_cosine is not None:
-        check_min_cosine(acc, min_cosine)
     # the native engine runs the gml.dynamic_linear GEMMs (and what else it covers), checked against
     # the Python executor on the example first (gml.runtime.select)
     t0 = time.perf_counter()
