@@ -191,8 +191,9 @@ def _weighted(gm: Any) -> int:
     return n
 
 
-#: the gml ops of conv / linear kernels (docs/ir.md)
-WEIGHTED_OPS = ("qconv", "qconv_add", "qlinear")
+#: the gml ops of conv / linear kernels (docs/ir.md): static INT8, and the transformer scheme's
+#: per-token dynamic INT8 GEMM
+WEIGHTED_OPS = ("qconv", "qconv_add", "qlinear", "dynamic_linear")
 
 
 def _shrink(model: Any, shape: tuple[int, ...], max_side: int | None) -> tuple[int, ...]:
@@ -266,6 +267,8 @@ def run_one(
         row["coverage"] = q.coverage.summary()
         boundary = {"quantize", "dequantize", "requantize"}  # conversions: not coverage entries
         row["coverage_agrees"] = all(in_graph[k] == reported[k] for k in {*WEIGHTED_OPS, *in_graph} - boundary)
+        row["scheme"] = q.scheme
+        row["precision"] = q.precision  # "fp32": the whole-model guard returned gml.optimize's model
         row["cost"] = str(q.cost)
         row["cost_kept_fp32"] = len(q.cost.kept_fp32) if q.cost is not None else 0
         if q.cost is not None and q.cost.whole is not None:
@@ -331,6 +334,11 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _guard_returned_fp32(r: dict[str, Any]) -> bool:
+    """The whole-model guard returned gml.optimize's model (its note is in the cost report)."""
+    return "gml.optimize's model is returned" in r.get("cost", "") and bool(r.get("guard_int8_ms"))
+
+
 def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     size = ", "
     if meta.get("max_side"):
@@ -380,6 +388,13 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                     f"torch.ao's own reference vs fp32: cos {ref_fp32:.4f} (this random-init model's INT8 error is "
                     "large in both; GML and the reference round differently at the flagged layer)"
                 )
+        if r.get("scheme") == "transformer":
+            notes.append(
+                "transformer scheme (per-token dynamic INT8 GEMMs, gml.dynamic_linear): its cos ao column is "
+                "vs the fp32 graph (torch.ao has no reference for this scheme)"
+            )
+        if _guard_returned_fp32(r):
+            notes.append("the whole-model guard returned gml.optimize's fp32 model (INT8 was not >= 10% faster)")
         if r.get("commit"):
             notes.append(f"measured on commit {r['commit']}")
         if r.get("lower_rolled_back"):
@@ -409,7 +424,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         if "trac" in " ".join(str(r.get(k, "")) for k in ("error", "optimize_error", "quantize_error")).lower()
     ]
     costed = [r for r in done if r.get("cost_kept_fp32")]
-    guard = [r for r in done if r.get("guard_int8_ms") and r["guard_int8_ms"] > r["guard_fp32_ms"]]
+    guard = [r for r in done if _guard_returned_fp32(r)]
     lines += [
         "",
         "## Summary",
@@ -431,8 +446,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "- GML INT8 slower than GML fp32 (same run, interleaved): "
         + (", ".join(f"{r['model']} ({r['ms_gml_int8'] / r['ms_gml_fp32']:.2f}x)" for r in slower) or "none")
         + ".",
-        "- the cost policy's own whole-model guard (INT8 executable vs the all-fp32 float twin, inside "
-        "`gml.quantize`) found INT8 slower in: "
+        "- the whole-model guard inside `gml.quantize` (INT8 executable vs `gml.optimize`'s, interleaved) "
+        "returned the fp32 model (INT8 not >= 10% faster) for: "
         + (", ".join(f"{r['model']} ({r['guard_int8_ms'] / r['guard_fp32_ms']:.2f}x)" for r in guard) or "none")
         + ".",
         f"- INT8 regions kept fp32 by the cost policy in {len(costed)} model(s): "

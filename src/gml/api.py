@@ -601,7 +601,8 @@ def _quantize_transformer(
     coverage = LoweringCoverage()
     for p in res.precisions:
         if p.precision == "int8":
-            coverage.lowered.append(CoverageEntry([p.node], p.op, "int8 GEMM (per-token dynamic)", p.why))
+            # named by the gml op that runs it, like the static scheme's entries (qconv, qlinear, ...)
+            coverage.lowered.append(CoverageEntry([p.node], p.op, "dynamic_linear", p.why))
         else:
             coverage.kept_fp32.append(CoverageEntry([p.node], p.op, p.precision, p.why))
     acc = _accuracy(

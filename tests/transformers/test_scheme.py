@@ -59,7 +59,11 @@ def test_quantize_api_picks_the_transformer_scheme_for_a_transformer() -> None:
     assert len(gemms) == 9 and all(p.precision == "int8" for p in gemms)  # 2 x (QKV, out, 2 MLP) + pooler
     kinds = {p.op for p in res.precisions if p.precision == "fp32"}
     assert {"layernorm", "attention (q·kᵀ, softmax, p·v)"} <= kinds
-    assert res.coverage.counts() == {"int8 GEMM (per-token dynamic)": 9}
+    assert res.coverage.counts() == {"dynamic_linear": 9}
+    from gml.ir import library
+
+    in_graph = [library.gml_op_name(n) for n in res.module.graph.nodes]
+    assert in_graph.count("dynamic_linear") == 9  # the report describes the module returned
     assert res.accuracy.cosine > 0.999 and res.accuracy.layers  # per-layer SQNR, paired by node name
     from gml.runtime import unavailable_reason
 
