@@ -577,6 +577,18 @@ def check_finite_parameters(model: nn.Module, *, what: str = "optimization") -> 
         )
 
 
+def _kv_cache_in(outputs: Any) -> str | None:
+    """The class name of a transformers KV cache among ``outputs`` (GPT-2's ``past_key_values`` is a
+    ``DynamicCache`` when ``use_cache`` is on), or None."""
+    from torch.utils._pytree import tree_flatten
+
+    for leaf in tree_flatten(outputs)[0]:
+        cls = type(leaf)
+        if any(c.__module__.startswith("transformers.cache_utils") for c in cls.__mro__):
+            return f"transformers {cls.__name__}"
+    return None
+
+
 def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what: str = "optimization") -> None:
     """Raise if two eval-mode runs of ``model`` on the same inputs differ.
 
@@ -597,6 +609,14 @@ def check_deterministic(model: nn.Module, example_inputs: Sequence[Any], *, what
             second = probe(*cloned(example_inputs))
     except Exception:
         return
+    cache = _kv_cache_in(first)
+    if cache is not None:
+        raise UnsupportedError(
+            f"The model returns a {cache} (the key/value cache of step-by-step generation); GML optimizes "
+            "one forward pass over the whole input and cannot return or take a cache object.",
+            hint="build or load the model with use_cache=False (model.config.use_cache = False, or pass "
+            "use_cache=False to from_pretrained); gml's hf: and model-folder loaders do this already.",
+        )
     same, _ = same_outputs(first, second)
     if not same:
         raise UnsupportedError(

