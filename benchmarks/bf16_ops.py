@@ -15,11 +15,12 @@ One process, the two runtimes called alternately round by round (1 thread each b
   ``infer`` at one thread, run on the calling thread: measured equal to the process CPU time, and
   OpenVINO leaves no thread spinning after a call); on a shared machine CPU time is steadier
   than wall time, and what is outside the kernels (call
-  CPU time minus the sum of the per-op minima: torch nodes between engine segments, Python,
+  CPU time minus the sum of the per-op medians: torch nodes between engine segments, Python,
   allocation; for OpenVINO its graph executor and nodes without a counter).
 
-Per op: the **minimum** over the rounds (the kernel's own time; a preempted call on a shared machine
-only adds, and both profilers report wall time per op); GMAC/s for convolutions and GEMMs against the **measured bf16
+Per op: the median over the rounds (both profilers report wall time per op; OpenVINO's counters
+are running averages over the request's infers, so a call's own time is the difference of running
+totals, to ±n/2 µs after n infers); GMAC/s for convolutions and GEMMs against the **measured bf16
 ceiling** of this core (the best rate of a few cache-resident bf16 inner products through the
 engine). Convolutions / GEMMs are paired in execution order when both runtimes run the same number
 of them (ResNet18); otherwise (MiniLM: GML's fused QKV GEMM vs OpenVINO's three) both lists are
@@ -228,9 +229,24 @@ def main() -> None:
     ov_ops: dict[tuple[str, str, str], list[float]] = collections.defaultdict(list)
     gml_ops: list[list[tuple[str, str, str, float]]] = []
     cpu: dict[str, list[float]] = {"gml": [], "ov": []}
+    # OpenVINO's counters are running averages over every infer of the request (the first, slow
+    # one included): a call's own time is the difference of the running totals
+    totals: dict[tuple[str, str, str], float] = collections.defaultdict(float)
+    n_infers = 0
+
+    def ov_call_times() -> None:
+        for info in request.get_profiling_info():
+            key = (info.node_name, info.node_type, info.exec_type)
+            total = info.real_time.total_seconds() * 1e6 * n_infers
+            ov_ops[key].append(max(total - totals[key], 0.0))
+            totals[key] = total
+
     for _ in range(2):
         gml_call()
         request.infer(arrays)
+        n_infers += 1
+        ov_call_times()
+    ov_ops.clear()
     for _ in range(args.rounds):
         t0 = time.thread_time()  # the engine runs on the calling thread
         gml_call()
@@ -238,14 +254,14 @@ def main() -> None:
         t0 = time.thread_time()  # OpenVINO's sync infer at one thread runs on the calling thread too
         request.infer(arrays)
         cpu["ov"].append((time.thread_time() - t0) * 1e3)
-        for info in request.get_profiling_info():
-            ov_ops[(info.node_name, info.node_type, info.exec_type)].append(info.real_time.total_seconds() * 1e6)
+        n_infers += 1
+        ov_call_times()
         gml_ops += verbose.calls(gml_call, 1)  # a profiled call of its own: printing costs time
     ceiling, ceiling_impl = bf16_ceiling(args.threads)
 
     n = min(len(c) for c in gml_ops)
-    gml = [(*gml_ops[0][j][:3], min(c[j][3] for c in gml_ops)) for j in range(n)]
-    ovl = [(k[1], k[2], k[0], min(v)) for k, v in ov_ops.items()]
+    gml = [(*gml_ops[0][j][:3], statistics.median(c[j][3] for c in gml_ops)) for j in range(n)]
+    ovl = [(k[1], k[2], k[0], statistics.median(v)) for k, v in ov_ops.items()]
     ovl = [o for o in ovl if o[3] > 0 or o[0] in ("Convolution", "FullyConnected")]
 
     print(f"\n{args.model} bs{args.batch}, bf16, {args.rounds} rounds; bf16 ceiling of this core "
@@ -253,7 +269,7 @@ def main() -> None:
     g_mm = [o for o in gml if o[0] in GEMM_KINDS and gml_category(o[0], o[2]) == "conv / GEMM"]
     o_mm = [o for o in ovl if ov_category(o[0]) == "conv / GEMM"]
     if len(g_mm) == len(o_mm):
-        print("\nconvolutions / GEMMs in execution order (µs, minimum over the rounds; GMAC/s):")
+        print("\nconvolutions / GEMMs in execution order (µs, median over the rounds; GMAC/s):")
         print("| problem (oneDNN) | GML impl | GML µs | GML GMAC/s | OV impl | OV µs | OV GMAC/s | GML/OV |")
         print("|---|---|---:|---:|---|---:|---:|---:|")
         for g, o in zip(g_mm, o_mm):
@@ -278,7 +294,7 @@ def main() -> None:
         cats[ov_category(o[0])][1] += o[3]
     gsum, osum = sum(v[0] for v in cats.values()), sum(v[1] for v in cats.values())
     gcpu, ocpu = statistics.median(cpu["gml"]) * 1e3, statistics.median(cpu["ov"]) * 1e3
-    print("\nper category (µs per call, sums of per-op minima):")
+    print("\nper category (µs per call, sums of per-op medians):")
     print("| category | GML µs | OpenVINO µs | GML − OV |")
     print("|---|---:|---:|---:|")
     for k, (g, o) in sorted(cats.items(), key=lambda kv: -max(kv[1])):
