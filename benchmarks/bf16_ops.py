@@ -13,18 +13,21 @@ One process, the two runtimes called alternately round by round (1 thread each b
   exec type (e.g. ``brgconv_avx512_bf16``) and ``real_time`` from ``get_profiling_info()``.
 * **Per call**: the calling thread's CPU time of the whole call (the engine, and OpenVINO's sync
   ``infer`` at one thread, run on the calling thread: measured equal to the process CPU time, and
-  OpenVINO leaves no thread spinning after a call); on a shared machine CPU time is steadier
-  than wall time, and what is outside the kernels (call
-  CPU time minus the sum of the per-op medians: torch nodes between engine segments, Python,
-  allocation; for OpenVINO its graph executor and nodes without a counter).
+  OpenVINO leaves no thread spinning after a call; on a shared machine CPU time is steadier
+  than wall time), and what is outside the kernels (call CPU time minus the sum of the per-op
+  minima: torch nodes between engine segments, Python, allocation; for OpenVINO its graph
+  executor and nodes without a counter).
 
-Per op: the median over the rounds (both profilers report wall time per op; OpenVINO's counters
-are running averages over the request's infers, so a call's own time is the difference of running
-totals, to ±n/2 µs after n infers); GMAC/s for convolutions and GEMMs against the **measured bf16
-ceiling** of this core (the best rate of a few cache-resident bf16 inner products through the
-engine). Convolutions / GEMMs are paired in execution order when both runtimes run the same number
-of them (ResNet18); otherwise (MiniLM: GML's fused QKV GEMM vs OpenVINO's three) both lists are
-printed and compared per category. Prints the CPU and oneDNN's ISA. Needs the [bench] extra.
+Per op: the **minimum** over the rounds. Both profilers report wall time per op, and on a shared
+machine a call is preempted at about the same point every round (the scheduler's slice), so one
+op's median can carry a whole 4 ms slice; preemption only adds, the minimum is the kernel's own
+time. OpenVINO's counters are running averages over the request's infers (the first, slow one
+included), so a call's own time is the difference of the running totals (to ±n/2 µs after n
+infers). GMAC/s for convolutions and GEMMs against the **measured bf16 ceiling** of this core
+(the best rate of a few cache-resident bf16 inner products through the engine). Convolutions /
+GEMMs are paired in execution order when both runtimes run the same number of them (ResNet18);
+otherwise (MiniLM: GML's fused QKV GEMM vs OpenVINO's three) both lists are printed and compared
+per category. Prints the CPU and oneDNN's ISA. Needs the [bench] extra.
 """
 
 from __future__ import annotations
@@ -260,8 +263,8 @@ def main() -> None:
     ceiling, ceiling_impl = bf16_ceiling(args.threads)
 
     n = min(len(c) for c in gml_ops)
-    gml = [(*gml_ops[0][j][:3], statistics.median(c[j][3] for c in gml_ops)) for j in range(n)]
-    ovl = [(k[1], k[2], k[0], statistics.median(v)) for k, v in ov_ops.items()]
+    gml = [(*gml_ops[0][j][:3], min(c[j][3] for c in gml_ops)) for j in range(n)]
+    ovl = [(k[1], k[2], k[0], min(v)) for k, v in ov_ops.items()]
     ovl = [o for o in ovl if o[3] > 0 or o[0] in ("Convolution", "FullyConnected")]
 
     print(f"\n{args.model} bs{args.batch}, bf16, {args.rounds} rounds; bf16 ceiling of this core "
@@ -269,7 +272,7 @@ def main() -> None:
     g_mm = [o for o in gml if o[0] in GEMM_KINDS and gml_category(o[0], o[2]) == "conv / GEMM"]
     o_mm = [o for o in ovl if ov_category(o[0]) == "conv / GEMM"]
     if len(g_mm) == len(o_mm):
-        print("\nconvolutions / GEMMs in execution order (µs, median over the rounds; GMAC/s):")
+        print("\nconvolutions / GEMMs in execution order (µs, minimum over the rounds; GMAC/s):")
         print("| problem (oneDNN) | GML impl | GML µs | GML GMAC/s | OV impl | OV µs | OV GMAC/s | GML/OV |")
         print("|---|---|---:|---:|---|---:|---:|---:|")
         for g, o in zip(g_mm, o_mm):
@@ -294,7 +297,7 @@ def main() -> None:
         cats[ov_category(o[0])][1] += o[3]
     gsum, osum = sum(v[0] for v in cats.values()), sum(v[1] for v in cats.values())
     gcpu, ocpu = statistics.median(cpu["gml"]) * 1e3, statistics.median(cpu["ov"]) * 1e3
-    print("\nper category (µs per call, sums of per-op medians):")
+    print("\nper category (µs per call, sums of per-op minima):")
     print("| category | GML µs | OpenVINO µs | GML − OV |")
     print("|---|---:|---:|---:|")
     for k, (g, o) in sorted(cats.items(), key=lambda kv: -max(kv[1])):
