@@ -253,7 +253,9 @@ def run_one(
         )
         row["fp32_rel_err"] = opt.rel_err
         row["rolled_back"] = [r.name for r in opt.report.rolled_back]
-        fns["gml_fp32"] = opt.module
+        # what gml.optimize says to call (the engine where it covers the graph), as for INT8 below
+        fns["gml_fp32"] = opt.executable
+        row["fp32_runtime"] = opt.runtime.path if opt.runtime is not None else "torch"
     except Exception as e:  # the row says what failed
         row["optimize_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     try:
@@ -361,10 +363,10 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "INT8 kernels / conv/linear ops in torch.ao's reference graph; **cos ao** = cosine of GML INT8 "
         "vs torch.ao's reference Q/DQ graph on the same input (< 0.99 is flagged with the worst layer); "
         "**cos fp32** = GML INT8 vs the fp32 model (random-init models can have near-degenerate "
-        "outputs, so this one is informative only); **GML INT8 ms** = `result.executable` (the native "
-        "engine where it covers the graph, torch elsewhere); **ok** = the report's coverage matches the gml "
-        "ops of the returned graph. A conv/linear the cost policy measured slower in INT8 is fp32 by "
-        "decision (last section).",
+        "outputs, so this one is informative only); **GML fp32 ms** / **GML INT8 ms** = `result.executable` of "
+        "`gml.optimize` / `gml.quantize` (the native engine where it covers the graph, torch elsewhere); "
+        "**ok** = the report's coverage matches the gml ops of the returned graph. A conv/linear the cost "
+        "policy measured slower in INT8 is fp32 by decision (last section).",
         "",
         "| model | input | BN left | INT8 conv/linear | cos ao | cos fp32 | eager ms | GML fp32 ms | GML INT8 ms | "
         "INT8/fp32 | ok | notes |",
