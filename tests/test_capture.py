@@ -130,3 +130,26 @@ def test_capture_answers_device_and_dtype_from_the_example():
     gm = capture(model, (x,))
     torch.testing.assert_close(gm(x), model(x))
     assert "relu" in gm.code
+
+
+def test_a_dict_subclass_output_keeps_its_type() -> None:
+    """fx writes a returned dict as a plain dict; a ModelOutput (HF MPNet traces with fx) lost its
+    attributes. The capture takes torch.export then, which keeps the output structure."""
+    from collections import OrderedDict
+
+    from gml.capture_export import capture_info
+
+    class Out(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> OrderedDict:
+            return OrderedDict(y=self.fc(x), z=x * 2)
+
+    model, x = Out().eval(), torch.randn(2, 4)
+    gm = capture(model, (x,))
+    out = gm(x)
+    assert type(out) is OrderedDict and list(out) == ["y", "z"]
+    assert "returns a plain dict where Out returns a OrderedDict" in capture_info(gm).reason
+    torch.testing.assert_close(out["y"], model(x)["y"])

@@ -660,7 +660,11 @@ def capture(
             except TraceFailure as export_error:
                 raise TraceFailure(f"{fx_error.message} {export_error.message}", hint=fx_error.hint) from None
         else:
-            why = choose_export(gm) if example_inputs is not None and not leaf_modules and export else None
+            why = (
+                choose_export(gm, model, example_inputs)
+                if example_inputs is not None and not leaf_modules and export
+                else None
+            )
             info = CaptureInfo("torch.fx", "symbolic_trace")
             if why is not None:
                 try:

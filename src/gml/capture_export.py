@@ -26,6 +26,7 @@ read:
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import os
@@ -118,13 +119,28 @@ def opaque_leaves(gm: fx.GraphModule) -> list[str]:
     return found
 
 
-def choose_export(gm: fx.GraphModule) -> str | None:
-    """Why an fx graph should be re-captured with ``torch.export`` (``None``: keep it)."""
+def choose_export(gm: fx.GraphModule, model: nn.Module | None = None, inputs: Sequence[Any] = ()) -> str | None:
+    """Why an fx graph should be re-captured with ``torch.export`` (``None``: keep it): attention
+    left as opaque leaves, or (given the model and its inputs) an output type fx lost."""
     hidden = opaque_leaves(gm)
-    if not hidden:
+    if hidden:
+        shown = ", ".join(hidden[:3]) + (f" and {len(hidden) - 3} more" if len(hidden) > 3 else "")
+        return f"torch.fx keeps {shown} as opaque leaves; torch.export traces into them"
+    return _lost_output_type(gm, model, inputs) if model is not None else None
+
+
+def _lost_output_type(gm: fx.GraphModule, model: nn.Module, inputs: Sequence[Any]) -> str | None:
+    """fx writes any dict a traced forward returns as a plain ``dict``: a ``ModelOutput`` (HF MPNet,
+    whose forward fx traces) would lose its type and attributes (``out.last_hidden_state``).
+    torch.export keeps the model's output structure (pytree specs)."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if not isinstance(out.args[0], dict):
         return None
-    shown = ", ".join(hidden[:3]) + (f" and {len(hidden) - 3} more" if len(hidden) > 3 else "")
-    return f"torch.fx keeps {shown} as opaque leaves; torch.export traces into them"
+    with torch.no_grad():
+        ref = copy.deepcopy(model)(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+    if not isinstance(ref, dict) or type(ref) is dict:
+        return None
+    return f"the torch.fx graph returns a plain dict where {type(model).__name__} returns a {type(ref).__name__}"
 
 
 def _failing_frame(exc: BaseException) -> traceback.FrameSummary | None:
