@@ -125,7 +125,9 @@ def _constant(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
 
 _FLATTENS = (torch.flatten, torch.ops.aten.flatten.using_ints)
 #: shape-only ops (Tensor methods, their torch functions and aten overloads) the engine runs as views
-MOVES = frozenset({"reshape", "view", "_unsafe_view", "squeeze", "unsqueeze", "permute", "transpose", "contiguous"})
+MOVES = frozenset(
+    {"reshape", "view", "_unsafe_view", "squeeze", "unsqueeze", "permute", "transpose", "contiguous", "select", "slice"}
+)
 
 
 def move_name(node: fx.Node) -> str | None:
