@@ -10,7 +10,7 @@ import torch
 from torch import fx, nn
 
 from gml import nn as gnn
-from gml.runtime import compile_engine, unavailable_reason
+from gml.runtime import unavailable_reason
 from gml.runtime.shape_values import ShapeValues, cache_shape_values, schedule_for_engine, static_nodes
 
 needs_engine = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
