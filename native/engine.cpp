@@ -68,6 +68,9 @@ dt parse_dtype(const std::string& s) {
   if (s == "f32") return dt::f32;
   if (s == "bf16") return dt::bf16;  // bf16 conv / inner product / reorder (gml.kernels.bf16)
   if (s == "s32") return dt::s32;
+  // int64 (token ids, read only by the embedding kernel): oneDNN has no s64, so the values are
+  // described with the other 8-byte type; no primitive ever reads them
+  if (s == "s64") return dt::f64;
   if (s == "bf16") return dt::bf16;
   throw std::invalid_argument("gml engine: unsupported dtype '" + s + "'");
 }
@@ -128,6 +131,7 @@ struct Step {
   std::vector<std::pair<int, memory>> const_args;
   memory::desc scratchpad_md;
   std::string name;
+  std::string impl = "gml:row_quantize_s8";  // what step_impls() reports for a Kernel step
 };
 
 // Per-call mutable state (see the file comment).
@@ -483,6 +487,49 @@ class Plan {
   }
 
   // Softmax along ``axis`` (softmax_accurate: max subtracted, fp32 math); src / dst f32 or bf16.
+  // nn.Embedding's lookup, a Kernel step: dst[i, :] = table[ids[i], :] for every id (int64, any
+  // rank and strides) into a dense [..., dim] dst (f32 or bf16, the table's dtype). ``table`` points
+  // at the caller's [num, dim] rows (``ld`` elements apart). It is NOT copied (a vocabulary is tens
+  // of MB and a segment keeps up to 8 plans): the Python side keeps the tensor alive with the plan
+  // (Plan.keep). An id outside [0, num) throws std::out_of_range (an IndexError in Python).
+  void embedding(int ids, int dst, uintptr_t table, int64_t num, int64_t dim, int64_t ld, const std::string& name) {
+    const memory::desc ids_md = md_in(ids), dst_md = md_out(dst);
+    if (ids_md.get_data_type() != dt::f64) throw std::invalid_argument("gml engine: embedding ids must be int64");
+    const dt wdt = dst_md.get_data_type();
+    if (wdt != dt::f32 && wdt != dt::bf16) throw std::invalid_argument("gml engine: embedding of f32 / bf16 rows");
+    const memory::dims idims = ids_md.get_dims(), istr = ids_md.get_strides();
+    memory::dims want = idims;
+    want.push_back(dim);
+    if (dst_md.get_dims() != want || dst_md.get_strides() != plain_strides(want))
+      throw std::invalid_argument("gml engine: embedding writes a dense [..., dim] destination");
+    if (num <= 0 || dim <= 0 || ld < dim) throw std::invalid_argument("gml engine: bad embedding table");
+    const size_t item = wdt == dt::f32 ? 4 : 2;
+    const char* rows = reinterpret_cast<const char*>(table);
+    Kernel gather = [idims, istr, rows, num, dim, ld, item](const std::unordered_map<int, memory>& args) {
+      const int64_t* id = static_cast<const int64_t*>(args.at(DNNL_ARG_SRC).get_data_handle());
+      char* out = static_cast<char*>(args.at(DNNL_ARG_DST).get_data_handle());
+      int64_t n = 1;
+      for (int64_t d : idims) n *= d;
+      const int rank = static_cast<int>(idims.size());
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t off = 0, rest = i;  // element i of the ids in logical order -> its strided offset
+        for (int d = rank - 1; d >= 0; --d) {
+          off += (rest % idims[d]) * istr[d];
+          rest /= idims[d];
+        }
+        const int64_t v = id[off];
+        if (v < 0 || v >= num)
+          throw std::out_of_range("gml engine: embedding id " + std::to_string(v) + " is outside the table's [0, " +
+                                  std::to_string(num) + ") (a token id the model's vocabulary does not have)");
+        std::memcpy(out + i * dim * item, rows + v * ld * item, dim * item);
+      }
+    };
+    if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
+    Step step{dnnl::primitive(), std::move(gather), {{DNNL_ARG_SRC, ids}, {DNNL_ARG_DST, dst}}, {}, memory::desc(), name};
+    step.impl = "gml:embedding_gather";
+    steps_.push_back(std::move(step));
+  }
+
   void softmax(int src, int dst, int axis, const std::string& name) {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -599,7 +646,7 @@ class Plan {
     std::vector<std::string> out;
     for (const auto& s : steps_) {
       if (s.kernel) {
-        out.emplace_back("gml:row_quantize_s8");
+        out.emplace_back(s.impl);
         continue;
       }
       const_dnnl_primitive_desc_t cpd;
@@ -788,7 +835,7 @@ NB_MODULE(_engine, m) {
     return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
   });
   m.def("cpu_isa", &isa_name, "The instruction set oneDNN dispatches to on this CPU.");
-  nb::class_<Plan>(m, "Plan")
+  nb::class_<Plan>(m, "Plan", nb::dynamic_attr())  // dynamic attributes: ``keep`` (see embedding())
       .def(nb::init<>())
       .def("add_value", &Plan::add_value, nb::arg("dims"), nb::arg("strides"), nb::arg("dtype"), nb::arg("where"),
            nb::arg("index"), nb::arg("offset"))
@@ -812,6 +859,8 @@ NB_MODULE(_engine, m) {
       .def("matmul", &Plan::matmul, nb::arg("src"), nb::arg("wei"), nb::arg("dst"), nb::arg("weight"),
            nb::arg("wdims"), nb::arg("wstrides"), nb::arg("wdtype"), nb::arg("bias"), nb::arg("post"), nb::arg("name"))
       .def("add_constant", &Plan::add_constant, nb::arg("dims"), nb::arg("strides"), nb::arg("dtype"), nb::arg("data"))
+      .def("embedding", &Plan::embedding, nb::arg("ids"), nb::arg("dst"), nb::arg("table"), nb::arg("num"),
+           nb::arg("dim"), nb::arg("ld"), nb::arg("name"))
       .def("softmax", &Plan::softmax, nb::arg("src"), nb::arg("dst"), nb::arg("axis"), nb::arg("name"))
       .def("layer_norm", &Plan::layer_norm, nb::arg("src"), nb::arg("dst"), nb::arg("gamma"), nb::arg("beta"),
            nb::arg("eps"), nb::arg("name"))

@@ -134,7 +134,7 @@ def test_a_bert_encoder_is_one_engine_segment_with_padded_batches(scheme: str) -
     cached = [n for n in res.runtime.torch_nodes if n.op == "ShapeValues"]
     assert len(cached) == 1 and "computed once per input shape" in cached[0].reason
     in_torch = {n.op for n in res.runtime.torch_nodes}
-    assert in_torch <= {"ShapeValues", "getitem", "sym_size.int", "GuardsFn", "Embedding", "to.device", "index.Tensor",
+    assert in_torch <= {"ShapeValues", "getitem", "sym_size.int", "ShapeGuards", "to.device", "index.Tensor",
                         "to.dtype_layout", "__and__.Tensor", "expand", "to.dtype", "sub.Tensor", "mul.Tensor",
                         "unsqueeze", "slice.Tensor"}, str(res.runtime)  # fmt: skip
     for batch, seq, pad in ((2, 12, 7), (3, 20, 11), (1, 1, None), (3, 20, 4)):
@@ -146,3 +146,19 @@ def test_a_bert_encoder_is_one_engine_segment_with_padded_batches(scheme: str) -
             tol = 1e-4 if scheme == "fp32" else 0.05
             assert float((g - w).abs().max()) <= tol * max(1.0, float(w.abs().max())), (k, batch, seq)
     assert not res.runtime.shape_fallbacks, res.runtime.shape_fallbacks
+
+
+@needs_engine
+def test_the_export_guards_still_refuse_a_sequence_longer_than_the_position_table_every_time() -> None:
+    import gml
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(**{**SMALL, "max_position_embeddings": 32})).eval()
+    res = gml.optimize(model, _tokens(1, 8))
+    assert any(n.op == "ShapeGuards" for n in res.runtime.torch_nodes), str(res.runtime)
+    for _ in range(2):  # a failed guard is not remembered as passed
+        with pytest.raises(AssertionError, match=r"Guard failed: input_ids.size\(\)\[1\] <= 32"):
+            res.executable(*_tokens(1, 40))
+    with torch.no_grad():
+        got, want = res.executable(*_tokens(1, 32)), model(*_tokens(1, 32))
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, atol=1e-4, rtol=1e-4)

@@ -27,7 +27,7 @@ from torch import fx, nn
 from gml.errors import InputError, UnsupportedError
 from gml.runtime import native
 from gml.runtime.plan import Builder
-from gml.runtime.shape_values import cache_shape_values, schedule_for_engine
+from gml.runtime.shape_values import cache_guards, cache_shape_values, schedule_for_engine
 from gml.runtime.translate import Unsupported, read_call, rule_for
 
 #: Plans a segment keeps (one per input layout seen; the oldest goes first beyond this).
@@ -276,6 +276,7 @@ def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
     # per shape, and torch nodes independent of an engine run move before it (fewer segments)
     gm = fx.GraphModule(gm, _copy_graph(gm.graph))
     shape_values = cache_shape_values(gm)
+    cache_guards(gm)
     if schedule_for_engine(gm.graph, lambda n: _engine_node(gm, n)[0]):
         gm.recompile()
     graph = gm.graph

@@ -49,8 +49,16 @@ class Unsupported(Exception):
 
 
 #: torch.bool is u8 (the same bytes: 0 / 1), read only as an attention mask (gml.runtime.transformer_rules)
-_DTYPES = {torch.uint8: "u8", torch.int8: "s8", torch.float32: "f32", torch.bfloat16: "bf16", torch.bool: "u8"}
-_ITEMSIZE = {"f32": 4, "bf16": 2}
+# int64: token ids, read only by the embedding kernel (Builder.embedding)
+_DTYPES = {
+    torch.uint8: "u8",
+    torch.int8: "s8",
+    torch.float32: "f32",
+    torch.bfloat16: "bf16",
+    torch.bool: "u8",
+    torch.int64: "s64",
+}
+_ITEMSIZE = {"f32": 4, "bf16": 2, "s64": 8}
 ALIGN = 64
 
 
@@ -375,6 +383,12 @@ class Builder:
         reads = [src, *([wei] if wei is not None else []), *operands]
         self._step("matmul", reads, [dst], wei=wei, weight=weight, bias=bias, post=list(post))
 
+    def embedding(self, ids: Val, dst: Val, *, weight: torch.Tensor) -> None:
+        """``dst = weight[ids]`` (nn.Embedding): int64 ids of any rank and strides, a dense
+        ``[..., dim]`` f32 / bf16 destination. The native step reads ``weight``'s rows in place (the
+        plan keeps the tensor alive: ``Plan.keep``)."""
+        self._step("embedding", [ids], [dst], weight=weight)
+
     def softmax(self, src: Val, dst: Val, axis: int) -> None:
         self._step("softmax", [src], [dst], axis=axis)
 
@@ -437,6 +451,7 @@ class Builder:
     def build(self, native: Any) -> Any:
         """The native plan: values, then steps (which fix the free values' layouts), then the arena."""
         plan = native.Plan()
+        plan.keep = []  # tensors the native steps read in place (embedding tables)
         ids: dict[Val, int] = {}
         where = {"arena": 0, "input": 1, "output": 2}
         used = {v for s in self.steps for v in (*s.reads, *s.writes)}
@@ -549,6 +564,12 @@ class Builder:
                 )
             elif s.method == "concat":
                 plan.concat([ids[v] for v in s.reads], ids[s.writes[0]], kw["axis"], s.name)
+            elif s.method == "embedding":
+                w = s.kwargs["weight"].detach()
+                plan.keep.append(w)  # the native step reads its rows in place
+                plan.embedding(
+                    ids[s.reads[0]], ids[s.writes[0]], w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), s.name
+                )
             elif s.method in ("matmul", "softmax", "layer_norm"):
                 _emit_transformer_step(plan, ids, s)
             else:  # pragma: no cover - the Builder only records the methods above

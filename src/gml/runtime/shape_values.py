@@ -143,8 +143,12 @@ def cache_shape_values(gm: fx.GraphModule, name: str = "shape_values") -> ShapeV
     module = ShapeValues(fx.GraphModule(gm, sub), [_op_name(n) for n in static])
     gm.add_submodule(name, module)
     # the size reads only read placeholders: put them (and the call) right after the last input
-    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    anchor = last_input
+    # ... after the export's input guards, which read only the inputs: a failed guard keeps its message
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for n in list(graph.nodes):
+        if n.op == "call_module" and n.target == "_guards_fn":
+            anchor.append(n)
+            anchor = n
     for r in used_roots:
         anchor.append(r)
         anchor = r
@@ -164,6 +168,36 @@ def cache_shape_values(gm: fx.GraphModule, name: str = "shape_values") -> ShapeV
     graph.lint()
     gm.recompile()
     return module
+
+
+class ShapeGuards(nn.Module):
+    """An exported program's input guards (``_guards_fn``: ``torch._assert`` calls on the inputs'
+    sizes, e.g. a sequence no longer than the position table) run once per distinct input layout:
+    they read sizes only, so a layout that passed once passes again (~30 µs per call saved)."""
+
+    def __init__(self, guards: nn.Module) -> None:
+        super().__init__()
+        self.guards = guards
+        self._passed: set[tuple] = set()
+
+    def forward(self, *args: Any) -> None:
+        key = tuple(
+            (tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else (type(a), a) for a in args
+        )
+        if key not in self._passed:
+            self.guards(*args)  # raises on a failed guard: nothing is remembered
+            if len(self._passed) >= 64:
+                self._passed.clear()
+            self._passed.add(key)
+
+
+def cache_guards(gm: fx.GraphModule) -> bool:
+    """Wrap ``gm``'s export guards (``_guards_fn``) in :class:`ShapeGuards`, in place."""
+    guards = getattr(gm, "_guards_fn", None)
+    if not isinstance(guards, nn.Module) or isinstance(guards, ShapeGuards):
+        return False
+    gm._guards_fn = ShapeGuards(guards)
+    return True
 
 
 def _op_name(node: fx.Node) -> str:

@@ -16,6 +16,7 @@ node                        engine steps
 ``gml.nn.Add`` (float)      one binary ``add`` (oneDNN broadcasts the smaller operand); f32 / bf16,
                             mixed operands promote as torch does (the executor's output dtype)
 ``split`` + ``getitem``     views of the split tensor (no step): the QKV merge's ``q, k, v``
+``nn.Embedding``            one gather step (int64 ids, rows read from the module's table in place)
 ==========================  ========================================================================
 
 **Masks.** A float mask is added as it is. A bool mask (``True`` = attend, SDPA's convention) is
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from gml.runtime.plan import Builder, Unsupported, Val
+from gml.runtime.plan import Builder, Unsupported, Val, dtype_name
 
 #: a gml.runtime.translate.Call (not imported: translate imports this module; the functions here
 #: import what they need from it when they run)
@@ -263,6 +264,37 @@ def emit_eltwise(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if _extend_linear(b, x, out, lambda: [(alg, alpha, beta, None)]):
         return
     b.binary(x, x, out, "max", scale0=None, scale1=None, eltwise=[(alg, alpha, beta)])
+
+
+# ---------------------------------------------------------------- embedding lookups
+def check_embedding(c: Call) -> str | None:
+    mod = c.a
+    if type(mod) is not nn.Embedding:
+        return f"{type(mod).__module__}.{type(mod).__name__} (not torch.nn.Embedding)"
+    if mod.max_norm is not None:
+        return "Embedding with max_norm (it renormalizes the table in place on every lookup)"
+    if mod.weight.dim() != 2 or mod.weight.dtype not in _FLOATS:
+        return f"Embedding of a {mod.weight.dtype} table"
+    dtype = meta_dtype(c.inputs[0])
+    if dtype is not None and dtype != torch.int64:
+        return f"Embedding of {dtype} ids (the engine reads int64 ids)"
+    return None
+
+
+def emit_embedding(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """One gather step (native/engine.cpp ``embedding``): the word-embedding lookup of a token-id
+    model in the same plan as the encoder (it was a torch call between engine segments)."""
+    from gml.runtime.translate import _contiguous_strides
+
+    ids, w = ins[0], c.a.weight
+    if ids.dtype_name != "s64":
+        raise Unsupported(f"Embedding of {ids.dtype_name} ids")
+    want = (*ids.shape, w.shape[1])
+    if out.dtype_name != dtype_name(w.dtype) or out.shape != want or out.stride != _contiguous_strides(want):
+        raise Unsupported(f"Embedding output {out.dtype_name} {out.shape} / {out.stride} for ids {ids.shape}")
+    if w.stride(1) != 1:
+        raise Unsupported(f"an Embedding table with strides {w.stride()}")
+    b.embedding(ids, out, weight=w)
 
 
 # ---------------------------------------------------------------- attention

@@ -37,11 +37,13 @@ from gml.runtime.plan import nhwc_strides as _nhwc_strides
 from gml.runtime.transformer_rules import (
     check_attention,
     check_eltwise,
+    check_embedding,
     check_float_add,
     check_layer_norm,
     check_split,
     emit_attention,
     emit_eltwise,
+    emit_embedding,
     emit_float_add,
     emit_layer_norm,
     emit_split_item,
@@ -793,6 +795,7 @@ RULES: dict[str, Rule] = {
     "contiguous": Rule(_check_contiguous, _emit_flatten, reads_free=True),
     # transformers (gml.runtime.transformer_rules)
     "LayerNorm": Rule(check_layer_norm, emit_layer_norm),
+    "Embedding": Rule(check_embedding, emit_embedding),
     "attention": Rule(check_attention, emit_attention, None),
     "Add": Rule(check_float_add, emit_float_add, 2),
     "split": Rule(check_split, _always, tuple_out=True),
