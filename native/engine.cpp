@@ -286,7 +286,7 @@ class Plan {
   // slower), the 3-D form brgemm ("brg:avx512_core_vnni").
   void dynamic_linear(int src, int dst, int q, int amax, uintptr_t weight, const Dims& wdims,
                       const std::vector<float>& w_scales, uintptr_t bias, const std::vector<float>& smooth_inv,
-                      const Eltwise& eltwise, const std::string& name) {
+                      const Eltwise& eltwise, const std::string& name, int sum_src) {
     const memory::desc src_md = md_in(src), q_md = md_in(q), amax_md = md_in(amax), dst_md = md_out(dst);
     if (src_md.get_ndims() != 2 || src_md.get_data_type() != dt::f32)
       throw std::invalid_argument("gml engine: dynamic_linear takes a 2-D fp32 source");
@@ -336,15 +336,23 @@ class Plan {
     memory::desc bias_md({1, 1, n}, dt::f32, memory::format_tag::abc);
     if (bias) po.append_binary(dnnl::algorithm::binary_add, bias_md);  // post-op 1: + bias[n], over M
     append_eltwise(po, eltwise);
+    // the residual add after the linear (transformer_rules._fuse_into_dynamic_linear): + sum_src[m, n]
+    const int sum_index = 1 + (bias ? 1 : 0) + static_cast<int>(eltwise.size());
+    if (sum_src >= 0) {
+      if (md_in(sum_src).get_dims() != memory::dims{1, m, n})
+        throw std::invalid_argument("gml engine: dynamic_linear's residual must be [1, M, N]");
+      po.append_binary(dnnl::algorithm::binary_add, md_in(sum_src));
+    }
     attr.set_post_ops(po);
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     auto pd = dnnl::matmul::primitive_desc(cpu_engine(), q_md, any_w, dst_md, attr);
     resolve(dst, pd.dst_desc());
     consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
     if (bias) consts.emplace_back(DNNL_ARG_ATTR_MULTIPLE_POST_OP(1) | DNNL_ARG_SRC_1, copy_constant(bias, bias_md));
-    push(dnnl::matmul(pd),
-         {{DNNL_ARG_SRC, q}, {DNNL_ARG_DST, dst}, {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, amax}},
-         std::move(consts), pd.scratchpad_desc(), name);
+    std::vector<std::pair<int, int>> args{
+        {DNNL_ARG_SRC, q}, {DNNL_ARG_DST, dst}, {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, amax}};
+    if (sum_src >= 0) args.emplace_back(DNNL_ARG_ATTR_MULTIPLE_POST_OP(sum_index) | DNNL_ARG_SRC_1, sum_src);
+    push(dnnl::matmul(pd), std::move(args), std::move(consts), pd.scratchpad_desc(), name);
   }
 
   // Reorder: layout change, quantize (f32 -> u8, dst_q), dequantize (u8 -> f32, src_q) or
@@ -848,7 +856,7 @@ NB_MODULE(_engine, m) {
            nb::arg("dst_q").none(), nb::arg("eltwise"), nb::arg("name"))
       .def("dynamic_linear", &Plan::dynamic_linear, nb::arg("src"), nb::arg("dst"), nb::arg("q"), nb::arg("amax"),
            nb::arg("weight"), nb::arg("wdims"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("smooth_inv"),
-           nb::arg("eltwise"), nb::arg("name"))
+           nb::arg("eltwise"), nb::arg("name"), nb::arg("sum_src") = -1)
       .def("reorder", &Plan::reorder, nb::arg("src"), nb::arg("dst"), nb::arg("src_q").none(),
            nb::arg("dst_q").none(), nb::arg("name"))
       .def("pool", &Plan::pool, nb::arg("src"), nb::arg("dst"), nb::arg("alg"), nb::arg("kernel"), nb::arg("strides"),

@@ -298,9 +298,10 @@ class Builder:
     def inner_product(self, src: Val, dst: Val, **kw: Any) -> None:
         self._step("inner_product", [src], [dst], **kw)
 
-    def dynamic_linear(self, src: Val, dst: Val, **kw: Any) -> None:
+    def dynamic_linear(self, src: Val, dst: Val, *, residual: Val | None = None, **kw: Any) -> None:
         """``gml::dynamic_linear`` on 2-D fp32 ``[M, K]`` → ``[M, N]``: the engine's row quantization
-        writes two arena temporaries (int8 rows, per-row abs-max) that its matmul reads."""
+        writes two arena temporaries (int8 rows, per-row abs-max) that its matmul reads.
+        ``residual`` (2-D ``[M, N]`` fp32): added to the result as the matmul's last post-op."""
         m, k = src.shape
         n = dst.shape[1]
         q = self.temp((m, k), (k, 1), "s8")
@@ -308,7 +309,10 @@ class Builder:
         # the native matmul is planned 3-D ([1, M, K] x [1, K, N]; native/engine.cpp says why): views
         q3, amax3 = self.view(q, (1, m, k), (m * k, k, 1)), self.view(amax, (1, m, 1), (m, 1, 1))
         dst3 = self.view(dst, (1, m, n), (m * dst.stride[0], dst.stride[0], dst.stride[1]))
-        self._step("dynamic_linear", [src], [dst3, q3, amax3], **kw)
+        reads = [src]
+        if residual is not None:
+            reads.append(self.view(residual, (1, m, n), (m * residual.stride[0], *residual.stride)))
+        self._step("dynamic_linear", reads, [dst3, q3, amax3], rows=(src, dst), **kw)
 
     def reorder(self, src: Val, dst: Val, *, src_q: QP, dst_q: QP) -> None:
         self._step("reorder", [src], [dst], src_q=src_q, dst_q=dst_q)
@@ -534,6 +538,7 @@ class Builder:
                     smooth_inv=[] if kw["smooth_inv"] is None else [float(x) for x in kw["smooth_inv"].flatten()],
                     eltwise=kw["eltwise"],
                     name=s.name,
+                    sum_src=ids[s.reads[1]] if len(s.reads) > 1 else -1,
                 )
                 del keep
             elif s.method == "reorder":

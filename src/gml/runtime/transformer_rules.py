@@ -173,6 +173,8 @@ def emit_float_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         raise Unsupported(f"add of {x.dtype_name} and {y.dtype_name}")
     if _fuse_into_linear(b, x, y, out) or _fuse_into_linear(b, y, x, out):
         return
+    if _fuse_into_dynamic_linear(b, x, y, out) or _fuse_into_dynamic_linear(b, y, x, out):
+        return
     if x.shape != out.shape:  # oneDNN broadcasts the second source only
         x, y = y, x
     if x.shape != out.shape or len(y.shape) > len(out.shape):
@@ -202,6 +204,36 @@ def _fuse_into_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
     if other.free or other.shape != out.shape or _rows_strides(other) is None:
         return False
     return _extend_linear(b, lin, out, lambda: [("binary_add", 0.0, 0.0, _as_rows(b, other))])
+
+
+def _fuse_into_dynamic_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
+    """``dynamic_linear(x) + other`` (a transformer's residual after its INT8 GEMM) as one step: the
+    add is the matmul's last post-op, in fp32 after the rescale / bias / activation, as the Python
+    executor adds (the same fp32 operations in the same order). Only when the step just recorded is
+    that linear node's own, nothing else reads its output, and all three are plain fp32 rows."""
+    from gml.runtime.translate import _as_rows, _rows_strides
+
+    if not b.steps or lin.node is None or b.steps[-1].method != "dynamic_linear":
+        return False
+    step = b.steps[-1]
+    src, dst = step.kwargs["rows"]
+    if len(step.reads) != 1 or step.name != lin.node.name or dst.group is not lin.group or dst.offset != lin.offset:
+        return False
+    if b.last_use.get(lin.node, 0) != b.pos or lin.shape != out.shape or other.shape != out.shape:
+        return False
+    if other.free or out.free or other.dtype_name != "f32" or out.dtype_name != "f32":
+        return False
+    # dense rows only: a strided binary post-op operand sends oneDNN 3.2's matmul to its reference kernel
+    if any(_rows_strides(v) is None or _rows_strides(v)[1] != 1 for v in (other, out)):
+        return False
+    rows_out, rows_other = _as_rows(b, out, output=True), _as_rows(b, other)
+    if rows_out.shape != dst.shape or rows_other.shape != dst.shape:
+        return False
+    b.steps.pop()
+    kw = {k: v for k, v in step.kwargs.items() if k != "rows"}
+    b.dynamic_linear(src, rows_out, residual=rows_other, **kw)
+    b.steps[-1].name = f"{step.name}+{b.node_name}"
+    return True
 
 
 def _extend_linear(b: Builder, lin: Val, out: Val, extra: Callable[[], list[PostOp]]) -> bool:
