@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import fx
