@@ -538,6 +538,85 @@ class Plan {
     steps_.push_back(std::move(step));
   }
 
+  // The small integer / bool ops of a padding mask's arithmetic (transformers' mask builder), as Kernel
+  // steps: strided loops over the dense destination ``dst`` (rank R). Each source is read through
+  // ``strides[i]`` (R entries, in elements, 0 along a broadcast dim), computed by the Python side.
+  //   "ne0":   dst = (src0 != 0)                       int64 -> bool (u8)
+  //   "and":   dst = src0 & src1                       bool
+  //   "index": dst[j.., r..] = src0[i1[j..], .., ik[j..], r..]   (aten.index with k int64 index
+  //            tensors src1..srck on src0's leading dims; ``index_dims`` / ``index_strides``: src0's
+  //            sizes / strides of those dims; an index outside [-size, size) throws)
+  void mask_op(const std::string& op, const std::vector<int>& srcs, int dst, const std::vector<Dims>& strides,
+               const Dims& index_dims, const Dims& index_strides, const std::string& name) {
+    const memory::desc dst_md = md_out(dst);
+    const memory::dims shape = dst_md.get_dims();
+    if (dst_md.get_strides() != plain_strides(shape)) throw std::invalid_argument("gml engine: mask op writes dense");
+    if (strides.size() != srcs.size()) throw std::invalid_argument("gml engine: mask op strides per source");
+    for (const auto& st : strides)
+      if (st.size() != shape.size()) throw std::invalid_argument("gml engine: mask op strides of rank R");
+    int kind;
+    if (op == "ne0" && srcs.size() == 1) kind = 0;
+    else if (op == "and" && srcs.size() == 2) kind = 1;
+    else if (op == "index" && srcs.size() == index_dims.size() + 1 && index_dims.size() == index_strides.size()) kind = 2;
+    else throw std::invalid_argument("gml engine: unknown mask op '" + op + "'");
+    const size_t item0 = memory::data_type_size(md_in(srcs[0]).get_data_type());  // index: any dtype
+    if (kind == 2 ? dst_md.get_data_type() != md_in(srcs[0]).get_data_type() : dst_md.get_data_type() != dt::u8)
+      throw std::invalid_argument("gml engine: mask op " + op + " of these dtypes");
+    const int ns = static_cast<int>(srcs.size());
+    Kernel k = [kind, shape, strides, index_dims, index_strides, ns, item0](const std::unordered_map<int, memory>& args) {
+      const int rank = static_cast<int>(shape.size());
+      std::vector<const char*> in(ns);
+      for (int i = 0; i < ns; ++i) in[i] = static_cast<const char*>(args.at(DNNL_ARG_MULTIPLE_SRC + i).get_data_handle());
+      char* out = static_cast<char*>(args.at(DNNL_ARG_DST).get_data_handle());
+      const int64_t inner = rank ? shape[rank - 1] : 1;
+      int64_t outer = 1;
+      for (int d = 0; d + 1 < rank; ++d) outer *= shape[d];
+      std::vector<int64_t> pos(std::max(rank - 1, 0), 0), base(ns, 0);
+      const size_t out_item = kind == 2 ? item0 : 1;
+      for (int64_t o = 0; o < outer; ++o) {
+        for (int i = 0; i < ns; ++i) {
+          int64_t b = 0;
+          for (int d = 0; d + 1 < rank; ++d) b += pos[d] * strides[i][d];
+          base[i] = b;
+        }
+        const int64_t last = rank ? rank - 1 : 0;
+        char* dst_row = out + o * inner * out_item;
+        for (int64_t j = 0; j < inner; ++j) {
+          if (kind == 0) {
+            const int64_t* x = reinterpret_cast<const int64_t*>(in[0]);
+            dst_row[j] = x[base[0] + j * (rank ? strides[0][last] : 0)] != 0;
+          } else if (kind == 1) {
+            dst_row[j] = static_cast<char>((in[0][base[0] + j * (rank ? strides[0][last] : 0)] != 0) &
+                                           (in[1][base[1] + j * (rank ? strides[1][last] : 0)] != 0));
+          } else {
+            int64_t off = base[0] + j * (rank ? strides[0][last] : 0);
+            for (int i = 1; i < ns; ++i) {
+              const int64_t* ix = reinterpret_cast<const int64_t*>(in[i]);
+              int64_t v = ix[base[i] + j * (rank ? strides[i][last] : 0)];
+              const int64_t size = index_dims[i - 1];
+              if (v < -size || v >= size)
+                throw std::out_of_range("gml engine: index " + std::to_string(v) + " is out of bounds for size " +
+                                        std::to_string(size));
+              if (v < 0) v += size;
+              off += v * index_strides[i - 1];
+            }
+            std::memcpy(dst_row + j * item0, in[0] + off * item0, item0);
+          }
+        }
+        for (int d = rank - 2; d >= 0; --d) {  // the next outer position (odometer)
+          if (++pos[d] < shape[d]) break;
+          pos[d] = 0;
+        }
+      }
+    };
+    if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
+    std::vector<std::pair<int, int>> value_args{{DNNL_ARG_DST, dst}};
+    for (int i = 0; i < ns; ++i) value_args.emplace_back(DNNL_ARG_MULTIPLE_SRC + i, srcs[i]);
+    Step step{dnnl::primitive(), std::move(k), std::move(value_args), {}, memory::desc(), name};
+    step.impl = "gml:mask_" + op;
+    steps_.push_back(std::move(step));
+  }
+
   void softmax(int src, int dst, int axis, const std::string& name) {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -869,6 +948,8 @@ NB_MODULE(_engine, m) {
       .def("add_constant", &Plan::add_constant, nb::arg("dims"), nb::arg("strides"), nb::arg("dtype"), nb::arg("data"))
       .def("embedding", &Plan::embedding, nb::arg("ids"), nb::arg("dst"), nb::arg("table"), nb::arg("num"),
            nb::arg("dim"), nb::arg("ld"), nb::arg("name"))
+      .def("mask_op", &Plan::mask_op, nb::arg("op"), nb::arg("srcs"), nb::arg("dst"), nb::arg("strides"),
+           nb::arg("index_dims"), nb::arg("index_strides"), nb::arg("name"))
       .def("softmax", &Plan::softmax, nb::arg("src"), nb::arg("dst"), nb::arg("axis"), nb::arg("name"))
       .def("layer_norm", &Plan::layer_norm, nb::arg("src"), nb::arg("dst"), nb::arg("gamma"), nb::arg("beta"),
            nb::arg("eps"), nb::arg("name"))

@@ -114,10 +114,10 @@ def _tokens(batch: int, seq: int, pad_from: int | None = None) -> tuple[torch.Te
 @needs_engine
 @pytest.mark.parametrize("scheme", ["fp32", "int8"])
 def test_a_bert_encoder_is_one_engine_segment_with_padded_batches(scheme: str) -> None:
-    """Small random BERT: the encoder, the embeddings' adds and LayerNorm and the pooler are ONE
-    engine plan; what stays in torch per call is the word-embedding lookup and the padding-mask
-    arithmetic; the position / token-type embeddings and the mask's index arithmetic are size-only
-    values. Numerics vs the Python executor at other batch sizes / lengths, padded."""
+    """Small random BERT: the whole model (word-embedding lookup, the embeddings' adds and LayerNorm,
+    the padding mask's arithmetic, the encoder, the pooler) is ONE engine plan; the position /
+    token-type embeddings and the mask's index tensors are size-only values (computed once per
+    shape). Numerics vs the Python executor at other batch sizes / lengths, padded."""
     import gml
 
     torch.manual_seed(0)
@@ -133,10 +133,8 @@ def test_a_bert_encoder_is_one_engine_segment_with_padded_batches(scheme: str) -
     assert res.runtime.segments == 1, str(res.runtime)
     cached = [n for n in res.runtime.torch_nodes if n.op == "ShapeValues"]
     assert len(cached) == 1 and "computed once per input shape" in cached[0].reason
-    in_torch = {n.op for n in res.runtime.torch_nodes}
-    assert in_torch <= {"ShapeValues", "getitem", "sym_size.int", "ShapeGuards", "to.device", "index.Tensor",
-                        "to.dtype_layout", "__and__.Tensor", "expand", "to.dtype", "sub.Tensor", "mul.Tensor",
-                        "unsqueeze", "slice.Tensor"}, str(res.runtime)  # fmt: skip
+    in_torch = {n.op for n in res.runtime.torch_nodes}  # the embeddings and the mask run in the plan
+    assert in_torch == {"ShapeValues", "getitem", "sym_size.int", "ShapeGuards"}, str(res.runtime)
     for batch, seq, pad in ((2, 12, 7), (3, 20, 11), (1, 1, None), (3, 20, 4)):
         ids, mask = _tokens(batch, seq, pad)
         with torch.no_grad():

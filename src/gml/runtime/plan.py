@@ -393,6 +393,22 @@ class Builder:
         plan keeps the tensor alive: ``Plan.keep``)."""
         self._step("embedding", [ids], [dst], weight=weight)
 
+    def mask_op(
+        self,
+        op: str,
+        srcs: list[Val],
+        dst: Val,
+        strides: list[tuple[int, ...]],
+        index_dims: tuple[int, ...] = (),
+        index_strides: tuple[int, ...] = (),
+    ) -> None:
+        """A padding mask's integer / bool arithmetic (native/engine.cpp ``mask_op``): ``ne0``,
+        ``and`` or ``index`` into the dense ``dst``, each source read through ``strides`` (dst's
+        rank, in elements, 0 along a broadcast dim)."""
+        self._step(
+            "mask_op", list(srcs), [dst], op=op, strides=strides, index_dims=index_dims, index_strides=index_strides
+        )
+
     def softmax(self, src: Val, dst: Val, axis: int) -> None:
         self._step("softmax", [src], [dst], axis=axis)
 
@@ -574,6 +590,16 @@ class Builder:
                 plan.keep.append(w)  # the native step reads its rows in place
                 plan.embedding(
                     ids[s.reads[0]], ids[s.writes[0]], w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), s.name
+                )
+            elif s.method == "mask_op":
+                plan.mask_op(
+                    s.kwargs["op"],
+                    [ids[v] for v in s.reads],
+                    ids[s.writes[0]],
+                    [list(st) for st in s.kwargs["strides"]],
+                    list(s.kwargs["index_dims"]),
+                    list(s.kwargs["index_strides"]),
+                    s.name,
                 )
             elif s.method in ("matmul", "softmax", "layer_norm"):
                 _emit_transformer_step(plan, ids, s)

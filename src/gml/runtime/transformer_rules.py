@@ -329,6 +329,143 @@ def emit_embedding(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     b.embedding(ids, out, weight=w)
 
 
+# ---------------------------------------------------------------- a padding mask's arithmetic
+# transformers' mask builder turns ``attention_mask`` ([B, S] int64) into SDPA's bool mask with
+# ``to(bool)``, ``index`` by arange tensors (size-only values: gml.runtime.shape_values), ``&`` and
+# ``expand``; as engine steps the whole model is one plan (#15: short sentences).
+_aten = torch.ops.aten
+_TO_OPS = (_aten.to.device, _aten.to.dtype, _aten.to.dtype_layout)
+_AND_OPS = (_aten.__and__.Tensor, _aten.bitwise_and.Tensor, operator.and_)
+_EXPAND_OPS = (_aten.expand.default,)
+
+
+def read_mask_op(node: fx.Node) -> Call | None:
+    """``to(bool)``, ``index``, ``&`` of two tensors and ``expand`` as a :class:`Call`, else None."""
+    from gml.runtime.translate import Call
+
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    t, args = node.target, node.args
+    if node.op == "call_function" and t in _TO_OPS:
+        named = {a.name: a.default_value if a.has_default_value() else None for a in t._schema.arguments}
+        named.update({a.name: v for a, v in zip(t._schema.arguments, args)}, **node.kwargs)
+        keep = ("dtype", "device", "memory_format", "copy")
+        return Call("to_bool", SimpleNamespace(**{k: named.get(k) for k in keep}), (args[0],))
+    if node.op == "call_function" and t is _aten.index.Tensor and len(args) == 2:
+        idx = list(args[1])
+        if all(isinstance(i, fx.Node) for i in idx):
+            return Call("index", SimpleNamespace(), (args[0], *idx))
+        return Call("index", SimpleNamespace(has_none=True), (args[0],))
+    if node.op == "call_function" and t in _AND_OPS and len(args) == 2 and isinstance(args[1], fx.Node):
+        return Call("and", SimpleNamespace(), (args[0], args[1]))
+    if (node.op == "call_function" and t in _EXPAND_OPS) or (node.op == "call_method" and t == "expand"):
+        return Call("expand_mask", SimpleNamespace(node=node), (args[0],))
+    return None
+
+
+def check_to_bool(c: Call) -> str | None:
+    a = c.a
+    if a.dtype is not torch.bool:
+        return f"a conversion to {a.dtype} (the engine converts masks to bool only)"
+    if a.device is not None and torch.device(a.device).type != "cpu":
+        return f"a conversion to {a.device}"
+    if a.memory_format not in (None, torch.preserve_format):
+        return f"a conversion to {a.memory_format}"
+    if a.copy:
+        return "a conversion with copy=True"
+    src = meta_dtype(c.inputs[0])
+    if src is not None and src not in (torch.int64, torch.bool):
+        return f"a conversion of a {src} tensor to bool (the engine converts int64 masks)"
+    return None
+
+
+def emit_to_bool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x = ins[0]
+    if x.dtype_name == "u8" and b.is_view_of(out, x):  # bool -> bool: torch returns the tensor itself
+        b.alias(out, x)
+        return
+    if x.dtype_name != "s64" or out.dtype_name != "u8" or out.shape != x.shape:
+        raise Unsupported(f"{x.dtype_name} -> bool")
+    b.mask_op("ne0", [x], _dense_out(out), [_broadcast_strides(x, out.shape)])
+
+
+def check_index(c: Call) -> str | None:
+    if getattr(c.a, "has_none", False):
+        return "index with None entries (the engine indexes leading dims by int64 tensors)"
+    idx = [meta_dtype(n) for n in c.inputs[1:]]
+    if any(d is not None and d != torch.int64 for d in idx):
+        return f"index by {', '.join(str(d) for d in idx)} tensors (the engine takes int64 indices)"
+    return None
+
+
+def emit_index(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``out = x[i0, .., ik-1]`` (aten.index with int64 index tensors on x's leading dims)."""
+    x, idx = ins[0], ins[1:]
+    k = len(idx)
+    if any(i.dtype_name != "s64" for i in idx) or k == 0 or k > len(x.shape):
+        raise Unsupported(f"index of a rank-{len(x.shape)} tensor by {k} tensors")
+    bshape = tuple(torch.broadcast_shapes(*(i.shape for i in idx)))
+    rest = tuple(x.shape[k:])
+    if out.shape != bshape + rest or out.dtype_name != x.dtype_name:
+        raise Unsupported(f"index output {out.shape} for {x.shape} by {[i.shape for i in idx]}")
+    pad = (0,) * len(rest)
+    strides = [(0,) * len(bshape) + tuple(x.stride[k:])]
+    strides += [_broadcast_strides(i, bshape) + pad for i in idx]
+    b.mask_op("index", [x, *idx], _dense_out(out), strides, tuple(x.shape[:k]), tuple(x.stride[:k]))
+
+
+def check_mask_and(c: Call) -> str | None:
+    dtypes = [meta_dtype(n) for n in c.inputs]
+    if any(d is not None and d is not torch.bool for d in dtypes):
+        return f"& of {', '.join(str(d) for d in dtypes)} tensors (the engine ands bool masks)"
+    return None
+
+
+def emit_mask_and(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x, y = ins
+    if x.dtype_name != "u8" or y.dtype_name != "u8" or out.dtype_name != "u8":
+        raise Unsupported(f"& of {x.dtype_name} and {y.dtype_name}")
+    shape = tuple(out.shape)
+    if tuple(torch.broadcast_shapes(x.shape, y.shape)) != shape:
+        raise Unsupported(f"& of {x.shape} and {y.shape} into {shape}")
+    b.mask_op("and", [x, y], _dense_out(out), [_broadcast_strides(x, shape), _broadcast_strides(y, shape)])
+
+
+def check_expand_mask(c: Call) -> str | None:
+    from gml.ir.attention import is_attention
+
+    def reads_as_mask(u: fx.Node) -> bool:
+        mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
+        return is_attention(u) and mask is c.a.node and c.a.node not in u.args[:3]
+
+    users = list(c.a.node.users)
+    if not users or not all(reads_as_mask(u) for u in users):
+        return "expand of a value that is not an attention mask (the engine reads expanded masks only)"
+    return None
+
+
+def emit_expand_mask(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    if not b.is_view_of(out, ins[0]):
+        raise Unsupported("an expand that copied")
+    b.alias(out, ins[0])  # stride-0 dims: the attention reads them as size 1 (broadcast_view)
+
+
+def _broadcast_strides(v: Val, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``v``'s strides (elements) read as ``shape`` by broadcasting: 0 along a dim ``v`` has as 1."""
+    lead = len(shape) - len(v.shape)
+    return tuple(
+        0 if i < lead or v.shape[i - lead] == 1 else v.stride[i - lead] for i in range(len(shape))
+    )
+
+
+def _dense_out(v: Val) -> Val:
+    from gml.runtime.translate import _contiguous_strides
+
+    if v.stride != _contiguous_strides(v.shape) and 0 not in v.shape:
+        raise Unsupported(f"a mask op writing layout {v.stride}")
+    return v
+
+
 # ---------------------------------------------------------------- attention
 def check_attention(c: Call) -> str | None:
     a = c.a

@@ -38,15 +38,24 @@ from gml.runtime.transformer_rules import (
     check_attention,
     check_eltwise,
     check_embedding,
+    check_expand_mask,
     check_float_add,
+    check_index,
     check_layer_norm,
+    check_mask_and,
     check_split,
+    check_to_bool,
     emit_attention,
     emit_eltwise,
     emit_embedding,
+    emit_expand_mask,
     emit_float_add,
+    emit_index,
     emit_layer_norm,
+    emit_mask_and,
     emit_split_item,
+    emit_to_bool,
+    read_mask_op,
     read_split,
 )
 
@@ -159,6 +168,9 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     split = read_split(node)  # torch.split's pieces (the QKV merge's q, k, v): views
     if split is not None:
         return split
+    mask = read_mask_op(node)  # a padding mask's arithmetic (transformers' mask builder)
+    if mask is not None:
+        return mask
     if node.op != "call_function":
         return None
     if node.target in _CASTS and isinstance(node.args[0], fx.Node):  # gml.kernels.bf16 dtype conversions
@@ -796,6 +808,10 @@ RULES: dict[str, Rule] = {
     # transformers (gml.runtime.transformer_rules)
     "LayerNorm": Rule(check_layer_norm, emit_layer_norm),
     "Embedding": Rule(check_embedding, emit_embedding),
+    "to_bool": Rule(check_to_bool, emit_to_bool),
+    "index": Rule(check_index, emit_index, None),
+    "and": Rule(check_mask_and, emit_mask_and, 2),
+    "expand_mask": Rule(check_expand_mask, emit_expand_mask),
     "attention": Rule(check_attention, emit_attention, None),
     "Add": Rule(check_float_add, emit_float_add, 2),
     "split": Rule(check_split, _always, tuple_out=True),
