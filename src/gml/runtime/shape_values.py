@@ -117,7 +117,10 @@ class ShapeValues(nn.Module):
             with torch.no_grad():
                 out = tuple(self.compute(*sizes))
             while len(self._cache) >= MAX_SHAPES:
-                self._cache.popitem(last=False)
+                try:
+                    self._cache.popitem(last=False)
+                except KeyError:  # another thread emptied it first (each dict operation is atomic)
+                    break
             self._cache[key] = out
         return out
 
