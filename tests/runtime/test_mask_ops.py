@@ -107,3 +107,19 @@ def test_mask_ops_the_engine_does_not_take_stay_in_torch_with_the_reason():
     assert reasons["expand"] == "expand of a value that is not an attention mask (the engine reads expanded masks only)"
     got = eng(torch.tensor([[1, 0, 2]]))
     assert torch.equal(got[1], torch.tensor([[True, False, True]] * 2))
+
+
+def test_a_bitwise_and_of_uint8_tensors_is_never_computed_as_a_mask_and():
+    gm = _graph(lambda g: g.call_function(aten.__and__.Tensor, (g.placeholder("a"), g.placeholder("b"))))
+    a, b = torch.tensor([[6, 3, 255]], dtype=torch.uint8), torch.tensor([[3, 5, 16]], dtype=torch.uint8)
+    eng = compile_engine(gm, (a, b))  # no dtype metadata: the plan sees the values and declines
+    assert torch.equal(eng(a, b), a & b)
+    assert any("& of u8 and u8" in r for r in eng.report.shape_fallbacks.values()), eng.report.shape_fallbacks
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    ShapeProp(gm).propagate(a, b)  # with metadata: stays in torch, with the reason
+    eng = compile_engine(gm, (a, b))
+    assert [n.reason for n in eng.report.torch_nodes] == [
+        "& of torch.uint8, torch.uint8 tensors (the engine ands bool masks)"
+    ]
+    assert torch.equal(eng(a, b), a & b)

@@ -335,7 +335,7 @@ def emit_embedding(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 # ``expand``; as engine steps the whole model is one plan (#15: short sentences).
 _aten = torch.ops.aten
 _TO_OPS = (_aten.to.device, _aten.to.dtype, _aten.to.dtype_layout)
-_AND_OPS = (_aten.__and__.Tensor, _aten.bitwise_and.Tensor, operator.and_)
+_AND_OPS = (_aten.__and__.Tensor, _aten.bitwise_and.Tensor)  # tensor-only schemas (not operator.and_ on ints)
 _EXPAND_OPS = (_aten.expand.default,)
 
 
@@ -384,7 +384,7 @@ def emit_to_bool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if x.dtype_name == "u8" and b.is_view_of(out, x):  # bool -> bool: torch returns the tensor itself
         b.alias(out, x)
         return
-    if x.dtype_name != "s64" or out.dtype_name != "u8" or out.shape != x.shape:
+    if x.dtype_name != "s64" or not _is_bool(out) or out.shape != x.shape:
         raise Unsupported(f"{x.dtype_name} -> bool")
     b.mask_op("ne0", [x], _dense_out(out), [_broadcast_strides(x, out.shape)])
 
@@ -423,7 +423,7 @@ def check_mask_and(c: Call) -> str | None:
 
 def emit_mask_and(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x, y = ins
-    if x.dtype_name != "u8" or y.dtype_name != "u8" or out.dtype_name != "u8":
+    if not (_is_bool(x) and _is_bool(y) and _is_bool(out)):  # uint8 & uint8 is bitwise: not this kernel
         raise Unsupported(f"& of {x.dtype_name} and {y.dtype_name}")
     shape = tuple(out.shape)
     if tuple(torch.broadcast_shapes(x.shape, y.shape)) != shape:
@@ -448,6 +448,11 @@ def emit_expand_mask(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if not b.is_view_of(out, ins[0]):
         raise Unsupported("an expand that copied")
     b.alias(out, ins[0])  # stride-0 dims: the attention reads them as size 1 (broadcast_view)
+
+
+def _is_bool(v: Val) -> bool:
+    """A torch.bool value (the engine's ``u8`` is uint8 or bool: the executor's tensor tells which)."""
+    return v.dtype_name == "u8" and v.ref is not None and v.ref.dtype == torch.bool
 
 
 def _broadcast_strides(v: Val, shape: tuple[int, ...]) -> tuple[int, ...]:
