@@ -68,6 +68,9 @@ dt parse_dtype(const std::string& s) {
   if (s == "f32") return dt::f32;
   if (s == "bf16") return dt::bf16;  // bf16 conv / inner product / reorder (gml.kernels.bf16)
   if (s == "s32") return dt::s32;
+  // int64 (token ids, read only by the embedding kernel): oneDNN has no s64, so the values are
+  // described with the other 8-byte type; no primitive ever reads them
+  if (s == "s64") return dt::f64;
   if (s == "bf16") return dt::bf16;
   throw std::invalid_argument("gml engine: unsupported dtype '" + s + "'");
 }
@@ -128,6 +131,7 @@ struct Step {
   std::vector<std::pair<int, memory>> const_args;
   memory::desc scratchpad_md;
   std::string name;
+  std::string impl = "gml:row_quantize_s8";  // what step_impls() reports for a Kernel step
 };
 
 // Per-call mutable state (see the file comment).
@@ -282,7 +286,7 @@ class Plan {
   // slower), the 3-D form brgemm ("brg:avx512_core_vnni").
   void dynamic_linear(int src, int dst, int q, int amax, uintptr_t weight, const Dims& wdims,
                       const std::vector<float>& w_scales, uintptr_t bias, const std::vector<float>& smooth_inv,
-                      const Eltwise& eltwise, const std::string& name) {
+                      const Eltwise& eltwise, const std::string& name, int sum_src) {
     const memory::desc src_md = md_in(src), q_md = md_in(q), amax_md = md_in(amax), dst_md = md_out(dst);
     if (src_md.get_ndims() != 2 || src_md.get_data_type() != dt::f32)
       throw std::invalid_argument("gml engine: dynamic_linear takes a 2-D fp32 source");
@@ -332,15 +336,23 @@ class Plan {
     memory::desc bias_md({1, 1, n}, dt::f32, memory::format_tag::abc);
     if (bias) po.append_binary(dnnl::algorithm::binary_add, bias_md);  // post-op 1: + bias[n], over M
     append_eltwise(po, eltwise);
+    // the residual add after the linear (transformer_rules._fuse_into_dynamic_linear): + sum_src[m, n]
+    const int sum_index = 1 + (bias ? 1 : 0) + static_cast<int>(eltwise.size());
+    if (sum_src >= 0) {
+      if (md_in(sum_src).get_dims() != memory::dims{1, m, n})
+        throw std::invalid_argument("gml engine: dynamic_linear's residual must be [1, M, N]");
+      po.append_binary(dnnl::algorithm::binary_add, md_in(sum_src));
+    }
     attr.set_post_ops(po);
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     auto pd = dnnl::matmul::primitive_desc(cpu_engine(), q_md, any_w, dst_md, attr);
     resolve(dst, pd.dst_desc());
     consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
     if (bias) consts.emplace_back(DNNL_ARG_ATTR_MULTIPLE_POST_OP(1) | DNNL_ARG_SRC_1, copy_constant(bias, bias_md));
-    push(dnnl::matmul(pd),
-         {{DNNL_ARG_SRC, q}, {DNNL_ARG_DST, dst}, {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, amax}},
-         std::move(consts), pd.scratchpad_desc(), name);
+    std::vector<std::pair<int, int>> args{
+        {DNNL_ARG_SRC, q}, {DNNL_ARG_DST, dst}, {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, amax}};
+    if (sum_src >= 0) args.emplace_back(DNNL_ARG_ATTR_MULTIPLE_POST_OP(sum_index) | DNNL_ARG_SRC_1, sum_src);
+    push(dnnl::matmul(pd), std::move(args), std::move(consts), pd.scratchpad_desc(), name);
   }
 
   // Reorder: layout change, quantize (f32 -> u8, dst_q), dequantize (u8 -> f32, src_q) or
@@ -483,6 +495,128 @@ class Plan {
   }
 
   // Softmax along ``axis`` (softmax_accurate: max subtracted, fp32 math); src / dst f32 or bf16.
+  // nn.Embedding's lookup, a Kernel step: dst[i, :] = table[ids[i], :] for every id (int64, any
+  // rank and strides) into a dense [..., dim] dst (f32 or bf16, the table's dtype). ``table`` points
+  // at the caller's [num, dim] rows (``ld`` elements apart). It is NOT copied (a vocabulary is tens
+  // of MB and a segment keeps up to 8 plans): the Python side keeps the tensor alive with the plan
+  // (Plan.keep). An id outside [0, num) throws std::out_of_range (an IndexError in Python).
+  void embedding(int ids, int dst, uintptr_t table, int64_t num, int64_t dim, int64_t ld, const std::string& name) {
+    const memory::desc ids_md = md_in(ids), dst_md = md_out(dst);
+    if (ids_md.get_data_type() != dt::f64) throw std::invalid_argument("gml engine: embedding ids must be int64");
+    const dt wdt = dst_md.get_data_type();
+    if (wdt != dt::f32 && wdt != dt::bf16) throw std::invalid_argument("gml engine: embedding of f32 / bf16 rows");
+    const memory::dims idims = ids_md.get_dims(), istr = ids_md.get_strides();
+    memory::dims want = idims;
+    want.push_back(dim);
+    if (dst_md.get_dims() != want || dst_md.get_strides() != plain_strides(want))
+      throw std::invalid_argument("gml engine: embedding writes a dense [..., dim] destination");
+    if (num <= 0 || dim <= 0 || ld < dim) throw std::invalid_argument("gml engine: bad embedding table");
+    const size_t item = wdt == dt::f32 ? 4 : 2;
+    const char* rows = reinterpret_cast<const char*>(table);
+    Kernel gather = [idims, istr, rows, num, dim, ld, item](const std::unordered_map<int, memory>& args) {
+      const int64_t* id = static_cast<const int64_t*>(args.at(DNNL_ARG_SRC).get_data_handle());
+      char* out = static_cast<char*>(args.at(DNNL_ARG_DST).get_data_handle());
+      int64_t n = 1;
+      for (int64_t d : idims) n *= d;
+      const int rank = static_cast<int>(idims.size());
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t off = 0, rest = i;  // element i of the ids in logical order -> its strided offset
+        for (int d = rank - 1; d >= 0; --d) {
+          off += (rest % idims[d]) * istr[d];
+          rest /= idims[d];
+        }
+        const int64_t v = id[off];
+        if (v < 0 || v >= num)
+          throw std::out_of_range("gml engine: embedding id " + std::to_string(v) + " is outside the table's [0, " +
+                                  std::to_string(num) + ") (a token id the model's vocabulary does not have)");
+        std::memcpy(out + i * dim * item, rows + v * ld * item, dim * item);
+      }
+    };
+    if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
+    Step step{dnnl::primitive(), std::move(gather), {{DNNL_ARG_SRC, ids}, {DNNL_ARG_DST, dst}}, {}, memory::desc(), name};
+    step.impl = "gml:embedding_gather";
+    steps_.push_back(std::move(step));
+  }
+
+  // The small integer / bool ops of a padding mask's arithmetic (transformers' mask builder), as Kernel
+  // steps: strided loops over the dense destination ``dst`` (rank R). Each source is read through
+  // ``strides[i]`` (R entries, in elements, 0 along a broadcast dim), computed by the Python side.
+  //   "ne0":   dst = (src0 != 0)                       int64 -> bool (u8)
+  //   "and":   dst = src0 & src1                       bool
+  //   "index": dst[j.., r..] = src0[i1[j..], .., ik[j..], r..]   (aten.index with k int64 index
+  //            tensors src1..srck on src0's leading dims; ``index_dims`` / ``index_strides``: src0's
+  //            sizes / strides of those dims; an index outside [-size, size) throws)
+  void mask_op(const std::string& op, const std::vector<int>& srcs, int dst, const std::vector<Dims>& strides,
+               const Dims& index_dims, const Dims& index_strides, const std::string& name) {
+    const memory::desc dst_md = md_out(dst);
+    const memory::dims shape = dst_md.get_dims();
+    if (dst_md.get_strides() != plain_strides(shape)) throw std::invalid_argument("gml engine: mask op writes dense");
+    if (strides.size() != srcs.size()) throw std::invalid_argument("gml engine: mask op strides per source");
+    for (const auto& st : strides)
+      if (st.size() != shape.size()) throw std::invalid_argument("gml engine: mask op strides of rank R");
+    int kind;
+    if (op == "ne0" && srcs.size() == 1) kind = 0;
+    else if (op == "and" && srcs.size() == 2) kind = 1;
+    else if (op == "index" && srcs.size() == index_dims.size() + 1 && index_dims.size() == index_strides.size()) kind = 2;
+    else throw std::invalid_argument("gml engine: unknown mask op '" + op + "'");
+    const size_t item0 = memory::data_type_size(md_in(srcs[0]).get_data_type());  // index: any dtype
+    if (kind == 2 ? dst_md.get_data_type() != md_in(srcs[0]).get_data_type() : dst_md.get_data_type() != dt::u8)
+      throw std::invalid_argument("gml engine: mask op " + op + " of these dtypes");
+    const int ns = static_cast<int>(srcs.size());
+    Kernel k = [kind, shape, strides, index_dims, index_strides, ns, item0](const std::unordered_map<int, memory>& args) {
+      const int rank = static_cast<int>(shape.size());
+      std::vector<const char*> in(ns);
+      for (int i = 0; i < ns; ++i) in[i] = static_cast<const char*>(args.at(DNNL_ARG_MULTIPLE_SRC + i).get_data_handle());
+      char* out = static_cast<char*>(args.at(DNNL_ARG_DST).get_data_handle());
+      const int64_t inner = rank ? shape[rank - 1] : 1;
+      int64_t outer = 1;
+      for (int d = 0; d + 1 < rank; ++d) outer *= shape[d];
+      std::vector<int64_t> pos(std::max(rank - 1, 0), 0), base(ns, 0);
+      const size_t out_item = kind == 2 ? item0 : 1;
+      for (int64_t o = 0; o < outer; ++o) {
+        for (int i = 0; i < ns; ++i) {
+          int64_t b = 0;
+          for (int d = 0; d + 1 < rank; ++d) b += pos[d] * strides[i][d];
+          base[i] = b;
+        }
+        const int64_t last = rank ? rank - 1 : 0;
+        char* dst_row = out + o * inner * out_item;
+        for (int64_t j = 0; j < inner; ++j) {
+          if (kind == 0) {
+            const int64_t* x = reinterpret_cast<const int64_t*>(in[0]);
+            dst_row[j] = x[base[0] + j * (rank ? strides[0][last] : 0)] != 0;
+          } else if (kind == 1) {
+            dst_row[j] = static_cast<char>((in[0][base[0] + j * (rank ? strides[0][last] : 0)] != 0) &
+                                           (in[1][base[1] + j * (rank ? strides[1][last] : 0)] != 0));
+          } else {
+            int64_t off = base[0] + j * (rank ? strides[0][last] : 0);
+            for (int i = 1; i < ns; ++i) {
+              const int64_t* ix = reinterpret_cast<const int64_t*>(in[i]);
+              int64_t v = ix[base[i] + j * (rank ? strides[i][last] : 0)];
+              const int64_t size = index_dims[i - 1];
+              if (v < -size || v >= size)
+                throw std::out_of_range("gml engine: index " + std::to_string(v) + " is out of bounds for size " +
+                                        std::to_string(size));
+              if (v < 0) v += size;
+              off += v * index_strides[i - 1];
+            }
+            std::memcpy(dst_row + j * item0, in[0] + off * item0, item0);
+          }
+        }
+        for (int d = rank - 2; d >= 0; --d) {  // the next outer position (odometer)
+          if (++pos[d] < shape[d]) break;
+          pos[d] = 0;
+        }
+      }
+    };
+    if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
+    std::vector<std::pair<int, int>> value_args{{DNNL_ARG_DST, dst}};
+    for (int i = 0; i < ns; ++i) value_args.emplace_back(DNNL_ARG_MULTIPLE_SRC + i, srcs[i]);
+    Step step{dnnl::primitive(), std::move(k), std::move(value_args), {}, memory::desc(), name};
+    step.impl = "gml:mask_" + op;
+    steps_.push_back(std::move(step));
+  }
+
   void softmax(int src, int dst, int axis, const std::string& name) {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -599,7 +733,7 @@ class Plan {
     std::vector<std::string> out;
     for (const auto& s : steps_) {
       if (s.kernel) {
-        out.emplace_back("gml:row_quantize_s8");
+        out.emplace_back(s.impl);
         continue;
       }
       const_dnnl_primitive_desc_t cpd;
@@ -788,7 +922,7 @@ NB_MODULE(_engine, m) {
     return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
   });
   m.def("cpu_isa", &isa_name, "The instruction set oneDNN dispatches to on this CPU.");
-  nb::class_<Plan>(m, "Plan")
+  nb::class_<Plan>(m, "Plan", nb::dynamic_attr())  // dynamic attributes: ``keep`` (see embedding())
       .def(nb::init<>())
       .def("add_value", &Plan::add_value, nb::arg("dims"), nb::arg("strides"), nb::arg("dtype"), nb::arg("where"),
            nb::arg("index"), nb::arg("offset"))
@@ -801,7 +935,7 @@ NB_MODULE(_engine, m) {
            nb::arg("dst_q").none(), nb::arg("eltwise"), nb::arg("name"))
       .def("dynamic_linear", &Plan::dynamic_linear, nb::arg("src"), nb::arg("dst"), nb::arg("q"), nb::arg("amax"),
            nb::arg("weight"), nb::arg("wdims"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("smooth_inv"),
-           nb::arg("eltwise"), nb::arg("name"))
+           nb::arg("eltwise"), nb::arg("name"), nb::arg("sum_src") = -1)
       .def("reorder", &Plan::reorder, nb::arg("src"), nb::arg("dst"), nb::arg("src_q").none(),
            nb::arg("dst_q").none(), nb::arg("name"))
       .def("pool", &Plan::pool, nb::arg("src"), nb::arg("dst"), nb::arg("alg"), nb::arg("kernel"), nb::arg("strides"),
@@ -812,6 +946,10 @@ NB_MODULE(_engine, m) {
       .def("matmul", &Plan::matmul, nb::arg("src"), nb::arg("wei"), nb::arg("dst"), nb::arg("weight"),
            nb::arg("wdims"), nb::arg("wstrides"), nb::arg("wdtype"), nb::arg("bias"), nb::arg("post"), nb::arg("name"))
       .def("add_constant", &Plan::add_constant, nb::arg("dims"), nb::arg("strides"), nb::arg("dtype"), nb::arg("data"))
+      .def("embedding", &Plan::embedding, nb::arg("ids"), nb::arg("dst"), nb::arg("table"), nb::arg("num"),
+           nb::arg("dim"), nb::arg("ld"), nb::arg("name"))
+      .def("mask_op", &Plan::mask_op, nb::arg("op"), nb::arg("srcs"), nb::arg("dst"), nb::arg("strides"),
+           nb::arg("index_dims"), nb::arg("index_strides"), nb::arg("name"))
       .def("softmax", &Plan::softmax, nb::arg("src"), nb::arg("dst"), nb::arg("axis"), nb::arg("name"))
       .def("layer_norm", &Plan::layer_norm, nb::arg("src"), nb::arg("dst"), nb::arg("gamma"), nb::arg("beta"),
            nb::arg("eps"), nb::arg("name"))

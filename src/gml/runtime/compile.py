@@ -27,6 +27,7 @@ from torch import fx, nn
 from gml.errors import InputError, UnsupportedError
 from gml.runtime import native
 from gml.runtime.plan import Builder
+from gml.runtime.shape_values import cache_guards, cache_shape_values, schedule_for_engine
 from gml.runtime.translate import Unsupported, read_call, rule_for
 
 #: Plans a segment keeps (one per input layout seen; the oldest goes first beyond this).
@@ -273,6 +274,13 @@ def _key_str(key: tuple) -> str:
 def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
     """A copy of ``gm`` with each maximal run of engine nodes replaced by one EngineSegment call."""
     report = RuntimeReport("engine")
+    # torch glue first (gml.runtime.shape_values): values of the input sizes alone are computed once
+    # per shape, and torch nodes independent of an engine run move before it (fewer segments)
+    gm = fx.GraphModule(gm, _copy_graph(gm.graph))
+    shape_values = cache_shape_values(gm)
+    cache_guards(gm)
+    if schedule_for_engine(gm.graph, lambda n: _engine_node(gm, n)[0]):
+        gm.recompile()
     graph = gm.graph
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
@@ -280,7 +288,11 @@ def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
         if node.op == "get_attr":  # a weight read by the next op: it goes where its readers go
             continue
         ok, reason = _engine_node(gm, node)
-        if node.op in ("call_module", "call_function", "call_method"):
+        if node.op == "call_module" and shape_values is not None and node.target == "shape_values":
+            ops = ", ".join(sorted(set(shape_values.ops)))
+            why = f"{len(shape_values.ops)} ops of the input sizes only ({ops}), computed once per input shape"
+            report.nodes.append(NodeReport(node.name, "ShapeValues", "torch", why))
+        elif node.op in ("call_module", "call_function", "call_method"):
             call = read_call(gm, node)
             op = call.op if call is not None else str(getattr(node.target, "__name__", node.target))
             report.nodes.append(NodeReport(node.name, op, "engine" if ok else "torch", reason or ""))

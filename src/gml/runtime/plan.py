@@ -49,8 +49,16 @@ class Unsupported(Exception):
 
 
 #: torch.bool is u8 (the same bytes: 0 / 1), read only as an attention mask (gml.runtime.transformer_rules)
-_DTYPES = {torch.uint8: "u8", torch.int8: "s8", torch.float32: "f32", torch.bfloat16: "bf16", torch.bool: "u8"}
-_ITEMSIZE = {"f32": 4, "bf16": 2}
+# int64: token ids, read only by the embedding kernel (Builder.embedding)
+_DTYPES = {
+    torch.uint8: "u8",
+    torch.int8: "s8",
+    torch.float32: "f32",
+    torch.bfloat16: "bf16",
+    torch.bool: "u8",
+    torch.int64: "s64",
+}
+_ITEMSIZE = {"f32": 4, "bf16": 2, "s64": 8}
 ALIGN = 64
 
 
@@ -290,9 +298,10 @@ class Builder:
     def inner_product(self, src: Val, dst: Val, **kw: Any) -> None:
         self._step("inner_product", [src], [dst], **kw)
 
-    def dynamic_linear(self, src: Val, dst: Val, **kw: Any) -> None:
+    def dynamic_linear(self, src: Val, dst: Val, *, residual: Val | None = None, **kw: Any) -> None:
         """``gml::dynamic_linear`` on 2-D fp32 ``[M, K]`` → ``[M, N]``: the engine's row quantization
-        writes two arena temporaries (int8 rows, per-row abs-max) that its matmul reads."""
+        writes two arena temporaries (int8 rows, per-row abs-max) that its matmul reads.
+        ``residual`` (2-D ``[M, N]`` fp32): added to the result as the matmul's last post-op."""
         m, k = src.shape
         n = dst.shape[1]
         q = self.temp((m, k), (k, 1), "s8")
@@ -300,7 +309,10 @@ class Builder:
         # the native matmul is planned 3-D ([1, M, K] x [1, K, N]; native/engine.cpp says why): views
         q3, amax3 = self.view(q, (1, m, k), (m * k, k, 1)), self.view(amax, (1, m, 1), (m, 1, 1))
         dst3 = self.view(dst, (1, m, n), (m * dst.stride[0], dst.stride[0], dst.stride[1]))
-        self._step("dynamic_linear", [src], [dst3, q3, amax3], **kw)
+        reads = [src]
+        if residual is not None:
+            reads.append(self.view(residual, (1, m, n), (m * residual.stride[0], *residual.stride)))
+        self._step("dynamic_linear", reads, [dst3, q3, amax3], rows=(src, dst), **kw)
 
     def reorder(self, src: Val, dst: Val, *, src_q: QP, dst_q: QP) -> None:
         self._step("reorder", [src], [dst], src_q=src_q, dst_q=dst_q)
@@ -375,6 +387,28 @@ class Builder:
         reads = [src, *([wei] if wei is not None else []), *operands]
         self._step("matmul", reads, [dst], wei=wei, weight=weight, bias=bias, post=list(post))
 
+    def embedding(self, ids: Val, dst: Val, *, weight: torch.Tensor) -> None:
+        """``dst = weight[ids]`` (nn.Embedding): int64 ids of any rank and strides, a dense
+        ``[..., dim]`` f32 / bf16 destination. The native step reads ``weight``'s rows in place (the
+        plan keeps the tensor alive: ``Plan.keep``)."""
+        self._step("embedding", [ids], [dst], weight=weight)
+
+    def mask_op(
+        self,
+        op: str,
+        srcs: list[Val],
+        dst: Val,
+        strides: list[tuple[int, ...]],
+        index_dims: tuple[int, ...] = (),
+        index_strides: tuple[int, ...] = (),
+    ) -> None:
+        """A padding mask's integer / bool arithmetic (native/engine.cpp ``mask_op``): ``ne0``,
+        ``and`` or ``index`` into the dense ``dst``, each source read through ``strides`` (dst's
+        rank, in elements, 0 along a broadcast dim)."""
+        self._step(
+            "mask_op", list(srcs), [dst], op=op, strides=strides, index_dims=index_dims, index_strides=index_strides
+        )
+
     def softmax(self, src: Val, dst: Val, axis: int) -> None:
         self._step("softmax", [src], [dst], axis=axis)
 
@@ -437,6 +471,7 @@ class Builder:
     def build(self, native: Any) -> Any:
         """The native plan: values, then steps (which fix the free values' layouts), then the arena."""
         plan = native.Plan()
+        plan.keep = []  # tensors the native steps read in place (embedding tables)
         ids: dict[Val, int] = {}
         where = {"arena": 0, "input": 1, "output": 2}
         used = {v for s in self.steps for v in (*s.reads, *s.writes)}
@@ -519,6 +554,7 @@ class Builder:
                     smooth_inv=[] if kw["smooth_inv"] is None else [float(x) for x in kw["smooth_inv"].flatten()],
                     eltwise=kw["eltwise"],
                     name=s.name,
+                    sum_src=ids[s.reads[1]] if len(s.reads) > 1 else -1,
                 )
                 del keep
             elif s.method == "reorder":
@@ -549,6 +585,22 @@ class Builder:
                 )
             elif s.method == "concat":
                 plan.concat([ids[v] for v in s.reads], ids[s.writes[0]], kw["axis"], s.name)
+            elif s.method == "embedding":
+                w = s.kwargs["weight"].detach()
+                plan.keep.append(w)  # the native step reads its rows in place
+                plan.embedding(
+                    ids[s.reads[0]], ids[s.writes[0]], w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), s.name
+                )
+            elif s.method == "mask_op":
+                plan.mask_op(
+                    s.kwargs["op"],
+                    [ids[v] for v in s.reads],
+                    ids[s.writes[0]],
+                    [list(st) for st in s.kwargs["strides"]],
+                    list(s.kwargs["index_dims"]),
+                    list(s.kwargs["index_strides"]),
+                    s.name,
+                )
             elif s.method in ("matmul", "softmax", "layer_norm"):
                 _emit_transformer_step(plan, ids, s)
             else:  # pragma: no cover - the Builder only records the methods above

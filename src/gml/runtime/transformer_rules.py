@@ -16,6 +16,7 @@ node                        engine steps
 ``gml.nn.Add`` (float)      one binary ``add`` (oneDNN broadcasts the smaller operand); f32 / bf16,
                             mixed operands promote as torch does (the executor's output dtype)
 ``split`` + ``getitem``     views of the split tensor (no step): the QKV merge's ``q, k, v``
+``nn.Embedding``            one gather step (int64 ids, rows read from the module's table in place)
 ==========================  ========================================================================
 
 **Masks.** A float mask is added as it is. A bool mask (``True`` = attend, SDPA's convention) is
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from gml.runtime.plan import Builder, Unsupported, Val
+from gml.runtime.plan import Builder, Unsupported, Val, dtype_name
 
 #: a gml.runtime.translate.Call (not imported: translate imports this module; the functions here
 #: import what they need from it when they run)
@@ -172,6 +173,8 @@ def emit_float_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         raise Unsupported(f"add of {x.dtype_name} and {y.dtype_name}")
     if _fuse_into_linear(b, x, y, out) or _fuse_into_linear(b, y, x, out):
         return
+    if _fuse_into_dynamic_linear(b, x, y, out) or _fuse_into_dynamic_linear(b, y, x, out):
+        return
     if x.shape != out.shape:  # oneDNN broadcasts the second source only
         x, y = y, x
     if x.shape != out.shape or len(y.shape) > len(out.shape):
@@ -201,6 +204,36 @@ def _fuse_into_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
     if other.free or other.shape != out.shape or _rows_strides(other) is None:
         return False
     return _extend_linear(b, lin, out, lambda: [("binary_add", 0.0, 0.0, _as_rows(b, other))])
+
+
+def _fuse_into_dynamic_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
+    """``dynamic_linear(x) + other`` (a transformer's residual after its INT8 GEMM) as one step: the
+    add is the matmul's last post-op, in fp32 after the rescale / bias / activation, as the Python
+    executor adds (the same fp32 operations in the same order). Only when the step just recorded is
+    that linear node's own, nothing else reads its output, and all three are plain fp32 rows."""
+    from gml.runtime.translate import _as_rows, _rows_strides
+
+    if not b.steps or lin.node is None or b.steps[-1].method != "dynamic_linear":
+        return False
+    step = b.steps[-1]
+    src, dst = step.kwargs["rows"]
+    if len(step.reads) != 1 or step.name != lin.node.name or dst.group is not lin.group or dst.offset != lin.offset:
+        return False
+    if b.last_use.get(lin.node, 0) != b.pos or lin.shape != out.shape or other.shape != out.shape:
+        return False
+    if other.free or out.free or other.dtype_name != "f32" or out.dtype_name != "f32":
+        return False
+    # dense rows only: a strided binary post-op operand sends oneDNN 3.2's matmul to its reference kernel
+    if any(_rows_strides(v) is None or _rows_strides(v)[1] != 1 for v in (other, out)):
+        return False
+    rows_out, rows_other = _as_rows(b, out, output=True), _as_rows(b, other)
+    if rows_out.shape != dst.shape or rows_other.shape != dst.shape:
+        return False
+    b.steps.pop()
+    kw = {k: v for k, v in step.kwargs.items() if k != "rows"}
+    b.dynamic_linear(src, rows_out, residual=rows_other, **kw)
+    b.steps[-1].name = f"{step.name}+{b.node_name}"
+    return True
 
 
 def _extend_linear(b: Builder, lin: Val, out: Val, extra: Callable[[], list[PostOp]]) -> bool:
@@ -263,6 +296,179 @@ def emit_eltwise(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if _extend_linear(b, x, out, lambda: [(alg, alpha, beta, None)]):
         return
     b.binary(x, x, out, "max", scale0=None, scale1=None, eltwise=[(alg, alpha, beta)])
+
+
+# ---------------------------------------------------------------- embedding lookups
+def check_embedding(c: Call) -> str | None:
+    mod = c.a
+    if type(mod) is not nn.Embedding:
+        return f"{type(mod).__module__}.{type(mod).__name__} (not torch.nn.Embedding)"
+    if mod.max_norm is not None:
+        return "Embedding with max_norm (it renormalizes the table in place on every lookup)"
+    if mod.weight.dim() != 2 or mod.weight.dtype not in _FLOATS:
+        return f"Embedding of a {mod.weight.dtype} table"
+    dtype = meta_dtype(c.inputs[0])
+    if dtype is not None and dtype != torch.int64:
+        return f"Embedding of {dtype} ids (the engine reads int64 ids)"
+    return None
+
+
+def emit_embedding(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """One gather step (native/engine.cpp ``embedding``): the word-embedding lookup of a token-id
+    model in the same plan as the encoder (it was a torch call between engine segments)."""
+    from gml.runtime.translate import _contiguous_strides
+
+    ids, w = ins[0], c.a.weight
+    if ids.dtype_name != "s64":
+        raise Unsupported(f"Embedding of {ids.dtype_name} ids")
+    want = (*ids.shape, w.shape[1])
+    if out.dtype_name != dtype_name(w.dtype) or out.shape != want or out.stride != _contiguous_strides(want):
+        raise Unsupported(f"Embedding output {out.dtype_name} {out.shape} / {out.stride} for ids {ids.shape}")
+    if w.stride(1) != 1:
+        raise Unsupported(f"an Embedding table with strides {w.stride()}")
+    b.embedding(ids, out, weight=w)
+
+
+# ---------------------------------------------------------------- a padding mask's arithmetic
+# transformers' mask builder turns ``attention_mask`` ([B, S] int64) into SDPA's bool mask with
+# ``to(bool)``, ``index`` by arange tensors (size-only values: gml.runtime.shape_values), ``&`` and
+# ``expand``; as engine steps the whole model is one plan (#15: short sentences).
+_aten = torch.ops.aten
+_TO_OPS = (_aten.to.device, _aten.to.dtype, _aten.to.dtype_layout)
+_AND_OPS = (_aten.__and__.Tensor, _aten.bitwise_and.Tensor)  # tensor-only schemas (not operator.and_ on ints)
+_EXPAND_OPS = (_aten.expand.default,)
+
+
+def read_mask_op(node: fx.Node) -> Call | None:
+    """``to(bool)``, ``index``, ``&`` of two tensors and ``expand`` as a :class:`Call`, else None."""
+    from gml.runtime.translate import Call
+
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    t, args = node.target, node.args
+    if node.op == "call_function" and t in _TO_OPS:
+        named = {a.name: a.default_value if a.has_default_value() else None for a in t._schema.arguments}
+        named.update({a.name: v for a, v in zip(t._schema.arguments, args)}, **node.kwargs)
+        keep = ("dtype", "device", "memory_format", "copy")
+        return Call("to_bool", SimpleNamespace(**{k: named.get(k) for k in keep}), (args[0],))
+    if node.op == "call_function" and t is _aten.index.Tensor and len(args) == 2:
+        idx = list(args[1])
+        if all(isinstance(i, fx.Node) for i in idx):
+            return Call("index", SimpleNamespace(), (args[0], *idx))
+        return Call("index", SimpleNamespace(has_none=True), (args[0],))
+    if node.op == "call_function" and t in _AND_OPS and len(args) == 2 and isinstance(args[1], fx.Node):
+        return Call("and", SimpleNamespace(), (args[0], args[1]))
+    if (node.op == "call_function" and t in _EXPAND_OPS) or (node.op == "call_method" and t == "expand"):
+        return Call("expand_mask", SimpleNamespace(node=node), (args[0],))
+    return None
+
+
+def check_to_bool(c: Call) -> str | None:
+    a = c.a
+    if a.dtype is not torch.bool:
+        return f"a conversion to {a.dtype} (the engine converts masks to bool only)"
+    if a.device is not None and torch.device(a.device).type != "cpu":
+        return f"a conversion to {a.device}"
+    if a.memory_format not in (None, torch.preserve_format):
+        return f"a conversion to {a.memory_format}"
+    if a.copy:
+        return "a conversion with copy=True"
+    src = meta_dtype(c.inputs[0])
+    if src is not None and src not in (torch.int64, torch.bool):
+        return f"a conversion of a {src} tensor to bool (the engine converts int64 masks)"
+    return None
+
+
+def emit_to_bool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x = ins[0]
+    if x.dtype_name == "u8" and b.is_view_of(out, x):  # bool -> bool: torch returns the tensor itself
+        b.alias(out, x)
+        return
+    if x.dtype_name != "s64" or not _is_bool(out) or out.shape != x.shape:
+        raise Unsupported(f"{x.dtype_name} -> bool")
+    b.mask_op("ne0", [x], _dense_out(out), [_broadcast_strides(x, out.shape)])
+
+
+def check_index(c: Call) -> str | None:
+    if getattr(c.a, "has_none", False):
+        return "index with None entries (the engine indexes leading dims by int64 tensors)"
+    idx = [meta_dtype(n) for n in c.inputs[1:]]
+    if any(d is not None and d != torch.int64 for d in idx):
+        return f"index by {', '.join(str(d) for d in idx)} tensors (the engine takes int64 indices)"
+    return None
+
+
+def emit_index(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``out = x[i0, .., ik-1]`` (aten.index with int64 index tensors on x's leading dims)."""
+    x, idx = ins[0], ins[1:]
+    k = len(idx)
+    if any(i.dtype_name != "s64" for i in idx) or k == 0 or k > len(x.shape):
+        raise Unsupported(f"index of a rank-{len(x.shape)} tensor by {k} tensors")
+    bshape = tuple(torch.broadcast_shapes(*(i.shape for i in idx)))
+    rest = tuple(x.shape[k:])
+    if out.shape != bshape + rest or out.dtype_name != x.dtype_name:
+        raise Unsupported(f"index output {out.shape} for {x.shape} by {[i.shape for i in idx]}")
+    pad = (0,) * len(rest)
+    strides = [(0,) * len(bshape) + tuple(x.stride[k:])]
+    strides += [_broadcast_strides(i, bshape) + pad for i in idx]
+    b.mask_op("index", [x, *idx], _dense_out(out), strides, tuple(x.shape[:k]), tuple(x.stride[:k]))
+
+
+def check_mask_and(c: Call) -> str | None:
+    dtypes = [meta_dtype(n) for n in c.inputs]
+    if any(d is not None and d is not torch.bool for d in dtypes):
+        return f"& of {', '.join(str(d) for d in dtypes)} tensors (the engine ands bool masks)"
+    return None
+
+
+def emit_mask_and(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x, y = ins
+    if not (_is_bool(x) and _is_bool(y) and _is_bool(out)):  # uint8 & uint8 is bitwise: not this kernel
+        raise Unsupported(f"& of {x.dtype_name} and {y.dtype_name}")
+    shape = tuple(out.shape)
+    if tuple(torch.broadcast_shapes(x.shape, y.shape)) != shape:
+        raise Unsupported(f"& of {x.shape} and {y.shape} into {shape}")
+    b.mask_op("and", [x, y], _dense_out(out), [_broadcast_strides(x, shape), _broadcast_strides(y, shape)])
+
+
+def check_expand_mask(c: Call) -> str | None:
+    from gml.ir.attention import is_attention
+
+    def reads_as_mask(u: fx.Node) -> bool:
+        mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
+        return is_attention(u) and mask is c.a.node and c.a.node not in u.args[:3]
+
+    users = list(c.a.node.users)
+    if not users or not all(reads_as_mask(u) for u in users):
+        return "expand of a value that is not an attention mask (the engine reads expanded masks only)"
+    return None
+
+
+def emit_expand_mask(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    if not b.is_view_of(out, ins[0]):
+        raise Unsupported("an expand that copied")
+    b.alias(out, ins[0])  # stride-0 dims: the attention reads them as size 1 (broadcast_view)
+
+
+def _is_bool(v: Val) -> bool:
+    """A torch.bool value (the engine's ``u8`` is uint8 or bool: the executor's tensor tells which)."""
+    return v.dtype_name == "u8" and v.ref is not None and v.ref.dtype == torch.bool
+
+
+def _broadcast_strides(v: Val, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``v``'s strides (elements) read as ``shape`` by broadcasting: 0 along a dim ``v`` has as 1."""
+    lead = len(shape) - len(v.shape)
+    return tuple(
+        0 if i < lead or v.shape[i - lead] == 1 else v.stride[i - lead] for i in range(len(shape))
+    )
+
+
+def _dense_out(v: Val) -> Val:
+    from gml.runtime.translate import _contiguous_strides
+
+    if v.stride != _contiguous_strides(v.shape) and 0 not in v.shape:
+        raise Unsupported(f"a mask op writing layout {v.stride}")
+    return v
 
 
 # ---------------------------------------------------------------- attention

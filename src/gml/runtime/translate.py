@@ -37,14 +37,25 @@ from gml.runtime.plan import nhwc_strides as _nhwc_strides
 from gml.runtime.transformer_rules import (
     check_attention,
     check_eltwise,
+    check_embedding,
+    check_expand_mask,
     check_float_add,
+    check_index,
     check_layer_norm,
+    check_mask_and,
     check_split,
+    check_to_bool,
     emit_attention,
     emit_eltwise,
+    emit_embedding,
+    emit_expand_mask,
     emit_float_add,
+    emit_index,
     emit_layer_norm,
+    emit_mask_and,
     emit_split_item,
+    emit_to_bool,
+    read_mask_op,
     read_split,
 )
 
@@ -125,7 +136,9 @@ def _constant(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
 
 _FLATTENS = (torch.flatten, torch.ops.aten.flatten.using_ints)
 #: shape-only ops (Tensor methods, their torch functions and aten overloads) the engine runs as views
-MOVES = frozenset({"reshape", "view", "_unsafe_view", "squeeze", "unsqueeze", "permute", "transpose", "contiguous"})
+MOVES = frozenset(
+    {"reshape", "view", "_unsafe_view", "squeeze", "unsqueeze", "permute", "transpose", "contiguous", "select", "slice"}
+)
 
 
 def move_name(node: fx.Node) -> str | None:
@@ -155,6 +168,9 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     split = read_split(node)  # torch.split's pieces (the QKV merge's q, k, v): views
     if split is not None:
         return split
+    mask = read_mask_op(node)  # a padding mask's arithmetic (transformers' mask builder)
+    if mask is not None:
+        return mask
     if node.op != "call_function":
         return None
     if node.target in _CASTS and isinstance(node.args[0], fx.Node):  # gml.kernels.bf16 dtype conversions
@@ -791,6 +807,11 @@ RULES: dict[str, Rule] = {
     "contiguous": Rule(_check_contiguous, _emit_flatten, reads_free=True),
     # transformers (gml.runtime.transformer_rules)
     "LayerNorm": Rule(check_layer_norm, emit_layer_norm),
+    "Embedding": Rule(check_embedding, emit_embedding),
+    "to_bool": Rule(check_to_bool, emit_to_bool),
+    "index": Rule(check_index, emit_index, None),
+    "and": Rule(check_mask_and, emit_mask_and, 2),
+    "expand_mask": Rule(check_expand_mask, emit_expand_mask),
     "attention": Rule(check_attention, emit_attention, None),
     "Add": Rule(check_float_add, emit_float_add, 2),
     "split": Rule(check_split, _always, tuple_out=True),

@@ -1,0 +1,162 @@
+"""gml.runtime.shape_values: size-only values computed once per input shape, and the schedule that
+keeps engine nodes in one segment (#15: MiniLM on short sentences)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import fx, nn
+
+from gml import nn as gnn
+from gml.runtime import unavailable_reason
+from gml.runtime.shape_values import ShapeValues, cache_shape_values, schedule_for_engine, static_nodes
+
+needs_engine = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+class _PosEmb(nn.Module):
+    """``ln(x + pos_emb(arange(L)))``: position ids from the input's size only (as BERT's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos = nn.Embedding(32, 8)
+        self.add = gnn.Add()
+        self.ln = nn.LayerNorm(8)
+
+
+def _pos_graph(in_place: bool = False) -> fx.GraphModule:
+    root = _PosEmb().eval()
+    g = fx.Graph()
+    x = g.placeholder("x")
+    n = g.call_function(torch.ops.aten.sym_size.int, (x, 1))
+    ids = g.call_function(torch.arange, (n,))
+    ids = g.call_method("unsqueeze", (ids, 0))
+    if in_place:  # an in-place op on a would-be cached value: nothing may be cached
+        ids = g.call_method("add_", (ids, 0))
+    e = g.call_module("pos", (ids,))
+    y = g.call_module("add", (x, e))
+    g.output(g.call_module("ln", (y,)))
+    return fx.GraphModule(root, g)
+
+
+def test_size_only_nodes_are_cached_per_shape() -> None:
+    gm = _pos_graph()
+    xs = [torch.randn(2, L, 8) for L in (5, 9, 5)]
+    want = [gm(x) for x in xs]
+    mod = cache_shape_values(gm)
+    assert isinstance(mod, ShapeValues) and sorted(mod.ops) == ["Embedding", "arange", "unsqueeze"]
+    targets = [n.target for n in gm.graph.nodes if n.op != "placeholder"]
+    assert torch.arange not in targets and "pos" not in targets  # golden: moved into the module
+    calls = []
+    inner = mod.compute.forward
+    mod.compute.forward = lambda *a: calls.append(a) or inner(*a)
+    for x, w in zip(xs, want):
+        torch.testing.assert_close(gm(x), w, rtol=0, atol=0)
+    assert calls == [(5,), (9,)]  # the third call (L = 5 again) is served from the cache
+
+
+def test_nothing_is_cached_when_an_in_place_op_reads_a_size_only_value() -> None:
+    gm = _pos_graph(in_place=True)
+    roots, static = static_nodes(gm)
+    assert [r.name for r in roots] == ["sym_size_int"] and static == []
+    assert cache_shape_values(gm) is None
+
+
+def test_values_of_the_input_data_are_not_cached() -> None:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    n = g.call_function(torch.ops.aten.sym_size.int, (x, 0))
+    a = g.call_function(torch.arange, (n,))
+    y = g.call_function(operator.add, (x, a))  # reads x's data
+    g.output(g.call_function(torch.mul, (y, 2)))
+    gm = fx.GraphModule(nn.Module(), g)
+    _, static = static_nodes(gm)
+    assert [s.name for s in static] == ["arange"]
+    assert cache_shape_values(gm) is None  # one node: not worth a module
+
+
+def test_schedule_moves_independent_torch_nodes_ahead_of_an_engine_run() -> None:
+    g = fx.Graph()
+    x, m = g.placeholder("x"), g.placeholder("m")
+    e1 = g.call_function(torch.relu, (x,))  # "engine"
+    t1 = g.call_function(torch.neg, (m,))  # torch, independent of e1: moves before e1
+    e2 = g.call_function(torch.add, (e1, t1))  # "engine"
+    t2 = g.call_function(torch.abs, (e2,))  # torch, depends on the run: stays, ends the run
+    e3 = g.call_function(torch.relu, (t2,))
+    g.output(e3)
+    engine = {e1, e2, e3}
+    moved = schedule_for_engine(g, lambda n: n in engine)
+    assert moved == 1
+    order = [n.name for n in g.nodes if n.op == "call_function"]
+    assert order == [t1.name, e1.name, e2.name, t2.name, e3.name]
+
+
+# ---------------------------------------------------------------- whole models on the engine
+transformers = pytest.importorskip("transformers")
+
+SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+         "vocab_size": 1000}  # fmt: skip
+
+
+def _tokens(batch: int, seq: int, pad_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(batch * 100 + seq)
+    ids = torch.randint(1, 1000, (batch, seq), generator=gen)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if pad_from is not None:
+        mask[-1, pad_from:] = 0
+        ids[-1, pad_from:] = 0
+    return ids, mask
+
+
+@needs_engine
+@pytest.mark.parametrize("scheme", ["fp32", "int8"])
+def test_a_bert_encoder_is_one_engine_segment_with_padded_batches(scheme: str) -> None:
+    """Small random BERT: the whole model (word-embedding lookup, the embeddings' adds and LayerNorm,
+    the padding mask's arithmetic, the encoder, the pooler) is ONE engine plan; the position /
+    token-type embeddings and the mask's index tensors are size-only values (computed once per
+    shape). Numerics vs the Python executor at other batch sizes / lengths, padded."""
+    import gml
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    example = _tokens(2, 12, 7)
+    if scheme == "fp32":
+        res = gml.optimize(model, example)
+        ref_mod = res.module
+    else:
+        res = gml.quantize(model, [_tokens(2, 12, 5), _tokens(2, 12)], example_inputs=example, scheme="transformer")
+        ref_mod = res.module
+    eng = res.executable
+    assert res.runtime.segments == 1, str(res.runtime)
+    cached = [n for n in res.runtime.torch_nodes if n.op == "ShapeValues"]
+    assert len(cached) == 1 and "computed once per input shape" in cached[0].reason
+    in_torch = {n.op for n in res.runtime.torch_nodes}  # the embeddings and the mask run in the plan
+    assert in_torch == {"ShapeValues", "getitem", "sym_size.int", "ShapeGuards"}, str(res.runtime)
+    for batch, seq, pad in ((2, 12, 7), (3, 20, 11), (1, 1, None), (3, 20, 4)):
+        ids, mask = _tokens(batch, seq, pad)
+        with torch.no_grad():
+            got, want = eng(ids, mask), ref_mod(ids, mask)
+        for k in ("last_hidden_state", "pooler_output"):
+            g, w = getattr(got, k), getattr(want, k)
+            tol = 1e-4 if scheme == "fp32" else 0.05
+            assert float((g - w).abs().max()) <= tol * max(1.0, float(w.abs().max())), (k, batch, seq)
+    assert not res.runtime.shape_fallbacks, res.runtime.shape_fallbacks
+
+
+@needs_engine
+def test_the_export_guards_still_refuse_a_sequence_longer_than_the_position_table_every_time() -> None:
+    import gml
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(**{**SMALL, "max_position_embeddings": 32})).eval()
+    res = gml.optimize(model, _tokens(1, 8))
+    assert any(n.op == "ShapeGuards" for n in res.runtime.torch_nodes), str(res.runtime)
+    for _ in range(2):  # a failed guard is not remembered as passed
+        with pytest.raises(AssertionError, match=r"Guard failed: input_ids.size\(\)\[1\] <= 32"):
+            res.executable(*_tokens(1, 40))
+    with torch.no_grad():
+        got, want = res.executable(*_tokens(1, 32)), model(*_tokens(1, 32))
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, atol=1e-4, rtol=1e-4)
