@@ -258,14 +258,23 @@ class Recorder(fx.Interpreter):
 
 
 def _input_key(t: Any) -> tuple:
-    """A segment input's part of a plan's key: a tensor's layout, or a size's value (``sym_size``)."""
+    """A segment input's part of a plan's key: a tensor's layout, or a size's value (``sym_size``).
+    A sequence is keyed by its items' keys, never by the tensors themselves: a key holding this
+    call's tensors would miss on every call and compile (and fall back) again each time."""
     if isinstance(t, torch.Tensor):
         return (tuple(t.shape), tuple(t.stride()), t.dtype)
+    if isinstance(t, list | tuple):
+        return ((), (), tuple(_input_key(x) for x in t))
     return ((), (), t)
 
 
 def _key_str(key: tuple) -> str:
-    return ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, _, d in key)
+    def one(shape: tuple, what: Any) -> str:
+        if isinstance(what, tuple):  # a sequence input: its items
+            return "(" + ", ".join(one(s, d) for s, _, d in what) + ")"
+        return f"{tuple(shape)} {str(what).replace('torch.', '')}"
+
+    return ", ".join(one(s, d) for s, _, d in key)
 
 
 def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:

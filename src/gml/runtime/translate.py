@@ -40,6 +40,7 @@ from gml.runtime.transformer_rules import (
     check_float_add,
     check_layer_norm,
     check_split,
+    check_split_item,
     emit_attention,
     emit_eltwise,
     emit_float_add,
@@ -794,7 +795,7 @@ RULES: dict[str, Rule] = {
     "attention": Rule(check_attention, emit_attention, None),
     "Add": Rule(check_float_add, emit_float_add, 2),
     "split": Rule(check_split, _always, tuple_out=True),
-    "split_item": Rule(_always, emit_split_item),
+    "split_item": Rule(check_split_item, emit_split_item),
     **{name: Rule(check_eltwise, emit_eltwise) for name in ("GELU", "ReLU", "Tanh", "Sigmoid", "SiLU")},
 }
 

@@ -1,0 +1,91 @@
+"""Graph shapes where the native engine once ran slower than the Python executor (issue #16).
+
+Each test builds a small model with the shape that caused it and asserts what the plan now does
+(structure, never timing), plus the numbers against the Python executor.
+
+* timm mixnet_s, fp32 (79 ms on the engine vs 20 ms on the executor): a ``torch.split`` whose
+  source is a torch op (an fp32 ``torch.cat``, a ``Mul``) stays in torch, but its ``getitem`` pieces
+  went into the next engine segment, whose input was then the split's *tuple*. The plan cache was
+  keyed by the tuple's tensors, new on every call: every call compiled the segment again, failed
+  ("segment input is a tuple") and ran its Python executor — ~9 ms per mixed 1x1 conv.
+* The same model's squeeze-excite convs ran oneDNN's reference kernel (``ref:any``): their
+  ``(1, C, 1, 1)`` source came NCHW-strided, their output NHWC-strided; oneDNN reads a size-1
+  dim's stride as given and finds no jitted conv for the mix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gml
+from gml.runtime import unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+class MixBlock(nn.Module):
+    """mixnet's inverted residual: mixed 1x1 expansion, mixed-kernel depthwise, squeeze-excite,
+    mixed 1x1 projection; each mixed conv splits the channels, convolves each piece, concatenates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pw = nn.ModuleList([nn.Conv2d(4, 8, 1), nn.Conv2d(4, 8, 1)])
+        self.dw = nn.ModuleList([nn.Conv2d(8, 8, k, padding=k // 2, groups=8) for k in (3, 5)])
+        self.se_reduce, self.se_expand = nn.Conv2d(16, 4, 1), nn.Conv2d(4, 16, 1)
+        self.pwl = nn.ModuleList([nn.Conv2d(8, 6, 1), nn.Conv2d(8, 6, 1)])
+
+    @staticmethod
+    def mixed(convs: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+        pieces = torch.split(x, [x.shape[1] // len(convs)] * len(convs), dim=1)
+        return torch.cat([c(p) for c, p in zip(convs, pieces)], dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.silu(self.mixed(self.pw, x))
+        y = F.silu(self.mixed(self.dw, y))
+        s = self.se_expand(F.silu(self.se_reduce(y.mean((2, 3), keepdim=True))))
+        y = y * torch.sigmoid(s)  # a torch op: the next split's source
+        return self.mixed(self.pwl, y)
+
+
+def _plans(engine):
+    return [plan for seg in engine.segments() for plan, _ in seg._plans.values()]
+
+
+def test_mixnet_block_fp32_plans_once_and_runs_no_reference_kernel():
+    torch.manual_seed(0)
+    model, x = MixBlock().eval(), torch.randn(1, 8, 14, 14)
+    res = gml.optimize(model, (x,))
+    engine = res.engine
+    assert engine is not None, str(res.runtime)
+    # the pieces of a split that stays in torch stay in torch too (a segment never takes a tuple)
+    pieces = [n for n in engine.report.torch_nodes if n.op == "split_item"]
+    assert pieces and all("its split stays in torch" in n.reason for n in pieces), str(engine.report)
+    assert not engine.report.shape_fallbacks, engine.report.shape_fallbacks
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(res.executable(x), res.module(x), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(res.executable(x), model(x), rtol=1e-4, atol=1e-5)
+    plans = _plans(engine)
+    # one plan per segment, compiled once (no recompilation per call), every one a native plan
+    assert all(seg.num_plans == 1 for seg in engine.segments())
+    assert plans and all(p is not None for p in plans)
+    impls = [i for p in plans for i in p.step_impls()]
+    assert not [i for i in impls if i.startswith("ref")], impls  # the SE convs: no reference kernel
+    # a conv on a split piece: one copy of the strided piece (jitted convs take dense sources only),
+    # then the conv writing the segment's NHWC output directly (no reorder of an NHWC temp into it)
+    for p in plans:
+        names = p.step_names()
+        assert all(names.count(n) <= 2 for n in names), names
+
+
+def test_a_segment_given_a_tuple_input_plans_once():
+    """Defence in depth: a sequence input is keyed by its items' layouts, so a segment that cannot
+    plan it falls back once (reported), not on every call."""
+    from gml.runtime.compile import _input_key
+
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    assert _input_key((a, b)) == _input_key((a.clone(), b.clone()))
+    assert _input_key((a, b)) != _input_key((a, b.t()))
