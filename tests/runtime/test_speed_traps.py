@@ -121,7 +121,10 @@ class TinyPVT(nn.Module):
 def test_transformer_scheme_runs_the_convs_between_its_gemms_on_fused_fp32_kernels():
     """timm pvt_v2_b0: INT8 1.10x slower than gml.optimize's fp32 model. The transformer scheme
     quantized the linears and left the convs as plain nn.Conv2d in torch (gml.optimize fuses them and
-    the engine runs them); now they get the same conv fusions, and only the GEMMs differ."""
+    the engine runs them); now they get the same conv fusions, and only the GEMMs differ. And the
+    MLP's segment (depthwise conv, flatten into tokens, fc2) could not be planned ("flatten to a
+    non-contiguous" view of the conv's free NHWC output) and ran the Python executor, INT8 GEMM
+    included, in both models."""
     torch.manual_seed(0)
     model, x = TinyPVT().eval(), torch.randn(1, 3, 32, 32)
     q = gml.quantize(model, 2, example_inputs=(x,), per_layer=False)
@@ -132,7 +135,42 @@ def test_transformer_scheme_runs_the_convs_between_its_gemms_on_fused_fp32_kerne
     assert convs_in_torch == {n.name for n in opt.runtime.torch_nodes if "conv" in n.op.lower()} == set(), str(
         q.runtime
     )
+    # the depthwise conv's NHWC output flattened into tokens is a view in the plan: no segment falls
+    # back to its Python executor (the INT8 one would run gml.dynamic_linear's Python kernel there)
+    assert not q.runtime.shape_fallbacks and not opt.runtime.shape_fallbacks, str(q.runtime)
     with torch.no_grad():
+        torch.testing.assert_close(opt.executable(x), model(x), rtol=1e-4, atol=1e-5)
         got, want = q.executable(x), model(x)
         torch.testing.assert_close(q.executable(x), q.module(x), rtol=0.05, atol=0.05 * float(want.abs().max()))
     assert float(F.cosine_similarity(got.flatten(), want.flatten(), 0)) > 0.99
+
+
+class PaddedMixedConv(nn.Module):
+    """tf_mixnet_s's mixed conv with TF "same" padding: each piece of the split is padded (an
+    asymmetric ``F.pad``, a torch node) before its stride-2 conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pw = nn.Conv2d(4, 16, 1)
+        self.dw = nn.ModuleList([nn.Conv2d(8, 8, k, stride=2, groups=8) for k in (3, 5)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pieces = torch.split(F.relu(self.pw(x)), [8, 8], dim=1)
+        a = self.dw[0](F.pad(pieces[0], (0, 2, 0, 2)))
+        b = self.dw[1](F.pad(pieces[1], (0, 4, 0, 4)))
+        return torch.cat([a, b], 1)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_a_torch_node_between_split_pieces_does_not_split_the_pieces_from_their_split(int8):
+    """The pad of the first piece ended the split's engine run: the second piece's segment took the
+    split's tuple and both segments ran their Python executor. Pieces now follow their split."""
+    torch.manual_seed(0)
+    model, x = PaddedMixedConv().eval(), torch.randn(1, 4, 12, 12)
+    res = gml.quantize(model, 2, example_inputs=(x,), per_layer=False) if int8 else gml.optimize(model, (x,))
+    assert res.engine is not None, str(res.runtime)
+    assert not res.runtime.shape_fallbacks, str(res.runtime)
+    assert all(p is not None for p in _plans(res.engine))
+    with torch.no_grad():
+        want = res.module(x)
+        torch.testing.assert_close(res.executable(x), want, rtol=1e-4, atol=0.05 * float(want.abs().max()))

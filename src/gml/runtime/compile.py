@@ -280,6 +280,8 @@ def _key_str(key: tuple) -> str:
 def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
     """A copy of ``gm`` with each maximal run of engine nodes replaced by one EngineSegment call."""
     report = RuntimeReport("engine")
+    gm = fx.GraphModule(gm, _copy_graph(gm.graph))  # a copy to reorder; the caller's graph is untouched
+    _gather_split_pieces(gm.graph)
     graph = gm.graph
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
@@ -312,6 +314,22 @@ def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
     new.recompile()
     report.segments = len(runs)
     return new, report
+
+
+def _gather_split_pieces(graph: fx.Graph) -> None:
+    """Move every ``getitem`` of a ``split`` right after the split (in index order). A piece is a
+    view that depends on nothing else, so the graph computes the same; but a torch node traced
+    between two pieces (timm tf_mixnet_s: the "same" padding ``F.pad`` of one mixed-kernel conv)
+    ended the split's engine run before its other pieces, the next segment then took the split's
+    tuple as its input, and both segments fell back to their Python executor."""
+    from gml.runtime.transformer_rules import is_split
+
+    for node in list(graph.nodes):
+        if not is_split(node):
+            continue
+        pieces = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+        for piece in sorted(pieces, key=lambda u: u.args[1] if isinstance(u.args[1], int) else -1, reverse=True):
+            node.append(piece)
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -210,6 +210,17 @@ class Builder:
         v.ref = t
         return v
 
+    def settle(self, v: Val) -> bool:
+        """Make free value ``v`` plain when its fixed layout (:data:`FP32_FREE_LAYOUT` NHWC) is the
+        executor's own strides for it: then a view of it (a flatten the executor returned as a
+        view) can alias it, as it would a plain value. Returns whether ``v`` is plain now."""
+        if not v.free:
+            return True
+        if _fixed_free_layout(v) and v.tie is None and v.stride == nhwc_strides(v.shape):
+            v.free = False
+            return True
+        return False
+
     def is_view_of(self, out: Val, src: Val) -> bool:
         """Whether the Python executor returned ``out`` as a view of ``src``'s memory."""
         if out.ref is None or src.ref is None:
