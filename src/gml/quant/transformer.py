@@ -26,7 +26,8 @@ Math of one output: ``y[t, o] = sum_i x[t, i] W[o, i] + b[o]
 to that token's own largest value, never to the whole batch's.
 
 :func:`quantize_transformer` runs capture → Normalize → untie → fold BN → FuseAttention →
-HorizontalMerge → :class:`QuantizeLinearsDynamic` under the PassManager and reports every GEMM with
+HorizontalMerge → the conv fusions of ``gml.optimize`` (:func:`fp32_conv_passes`) →
+:class:`QuantizeLinearsDynamic` under the PassManager and reports every GEMM with
 the precision it got and why.
 """
 

@@ -269,7 +269,14 @@ def _rows_strides(v: Val) -> tuple[int, int] | None:
 
 def _as_rows(b: Builder, v: Val, *, output: bool = False) -> Val:
     """``v`` ([..., features], rank >= 2) as the 2-D ``[rows, features]`` matrix an inner product
-    takes: a view of the same bytes, or (an input whose dims do not collapse) a contiguous copy."""
+    takes: a view of the same bytes, or (an input whose dims do not collapse, or whose features are
+    not contiguous) a contiguous copy."""
+    if not output and v.shape[-1] > 1 and v.stride[-1] != 1:
+        # features strided (a transposed token matrix: timm XCiT's attention output): oneDNN's inner
+        # product has only its reference kernel for such a source (xcit_nano fp32: 28x the executor)
+        t = b.temp(v.shape, _contiguous_strides(v.shape), v.dtype_name)
+        b.reorder(v, t, src_q=None, dst_q=None)
+        v = t
     if len(v.shape) == 2:
         if v.shape[0] == 1 and v.stride[0] != v.shape[1] * v.stride[1]:
             # one row picked out of a bigger tensor (BERT's pooler: hidden[:, 0]): its row stride
