@@ -327,8 +327,12 @@ def _gather_split_pieces(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if not is_split(node):
             continue
-        pieces = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
-        for piece in sorted(pieces, key=lambda u: u.args[1] if isinstance(u.args[1], int) else -1, reverse=True):
+        pieces = [
+            u
+            for u in node.users
+            if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)
+        ]
+        for piece in sorted(pieces, key=lambda u: u.args[1], reverse=True):
             node.append(piece)
 
 
