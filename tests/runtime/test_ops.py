@@ -242,12 +242,25 @@ def test_relu_and_hardtanh(shape, out_qp):
 def test_unsupported_node_stays_in_torch_between_segments():
     x = rand_u8(1, 8, 6, 6)
     c0 = calibrated_qconv(x, cout=8, k=3, padding=(1, 1), in_qp=IN)
-    mean = qm.QMean((2, 3), True, c0.output_qparams, c0.output_qparams)  # no engine kernel: stays in torch
-    c1 = calibrated_qconv(x, cout=8, k=1, in_qp=c0.output_qparams)
+    mean = qm.QMean((1,), True, c0.output_qparams, c0.output_qparams)  # a channel mean: stays in torch
+    c1 = calibrated_qconv(x[:, :1], cout=8, k=1, in_qp=c0.output_qparams)
     eng = check_engine(graph_of(c0, mean, c1), x, expect_engine=False)
     assert eng.report.path == "mixed" and eng.report.segments == 2
     assert [n.op for n in eng.report.torch_nodes] == ["qmean"]
-    assert "no engine kernel for qmean" in str(eng.report)
+    assert "the engine takes the spatial mean" in str(eng.report)
+
+
+@pytest.mark.parametrize("keepdim", [True, False])
+@pytest.mark.parametrize("out_qp", [None, QParams(0.004, 3)], ids=["same_qp", "requant"])
+def test_spatial_qmean_is_a_global_average_pool(keepdim, out_qp):
+    # squeeze-excite's mean (mixnet, efficientnet): in the engine, so the block's segment is one
+    x = rand_u8(2, 8, 6, 5)
+    c0 = calibrated_qconv(x, cout=8, k=3, padding=(1, 1), in_qp=IN)
+    mean = qm.QMean((2, 3), keepdim, c0.output_qparams, out_qp or c0.output_qparams)
+    eng = check_engine(graph_of(c0, mean), x)
+    plan = next(iter(eng.segments()[0]._plans.values()))[0]
+    assert plan.step_names() == ["qconv_default", "qmean_default"], plan.step_names()  # one pooling step
+    assert not [i for i in plan.step_impls() if i.startswith("ref")], plan.step_impls()
 
 
 def test_spec_geometry_is_the_modules():

@@ -26,7 +26,8 @@ Math of one output: ``y[t, o] = sum_i x[t, i] W[o, i] + b[o]
 to that token's own largest value, never to the whole batch's.
 
 :func:`quantize_transformer` runs capture → Normalize → untie → fold BN → FuseAttention →
-HorizontalMerge → :class:`QuantizeLinearsDynamic` under the PassManager and reports every GEMM with
+HorizontalMerge → the conv fusions of ``gml.optimize`` (:func:`fp32_conv_passes`) →
+:class:`QuantizeLinearsDynamic` under the PassManager and reports every GEMM with
 the precision it got and why.
 """
 
@@ -412,6 +413,20 @@ def _attr(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
     return value
 
 
+def fp32_conv_passes() -> list[GraphPass]:
+    """What stays fp32 around the INT8 GEMMs gets ``gml.optimize``'s conv fusions (run on the fp32
+    graph, before the GEMMs are quantized, so each is checked fp32 against fp32): a conv (with the
+    activation or residual add after it) becomes GML's fused fp32 kernel, which the native engine
+    runs. Without them a hybrid model's convs (timm pvt_v2: patch embeddings, the attention's
+    spatial reduction, the MLP's depthwise conv) ran as plain ``nn.Conv2d`` in torch, between engine
+    segments, and INT8 was 1.10x slower than ``gml.optimize``'s fp32 model (issue #16). Linears are
+    left alone: an fp32 GEMM here is one the SQNR fallback kept, and the precision table names it."""
+    from gml.passes.fuse_conv import FuseConvActivation, FuseConvAdd
+    from gml.passes.leaf_format import LeafMemoryFormat
+
+    return [FuseConvAdd(), FuseConvActivation(), LeafMemoryFormat()]
+
+
 def precisions(gm: fx.GraphModule) -> list[GemmPrecision]:
     """Every GEMM, attention, LayerNorm, softmax and opaque block of ``gm`` with its precision and why."""
     from gml.ir.attention import is_attention
@@ -571,7 +586,8 @@ def quantize_transformer(
         batches, min_sqnr_db=min_sqnr_db, smooth_alpha=smooth_alpha
     )  # checks options
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
-    fp32 = PassManager([*canonical_passes(), FuseAttention(), HorizontalMerge()], strict=strict).run(gm, [inputs])
+    fp32_passes = [*canonical_passes(), FuseAttention(), HorizontalMerge(), *fp32_conv_passes()]
+    fp32 = PassManager(fp32_passes, strict=strict).run(gm, [inputs])
     fp32_gm = copy.deepcopy(fp32.graph_module)
     q = PassManager([quantize_pass, FuseDynamicLinearActivation()], strict=strict).run(fp32.graph_module, [inputs])
     for r in q.report.rolled_back:  # never hand back an fp32 model labelled INT8 without saying so

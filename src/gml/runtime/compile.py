@@ -259,16 +259,23 @@ class Recorder(fx.Interpreter):
 
 
 def _input_key(t: Any) -> tuple:
-    """A segment input's part of a plan's key: a tensor's layout, or a size's value (``sym_size``)."""
+    """A segment input's part of a plan's key: a tensor's layout, or a size's value (``sym_size``).
+    A sequence is keyed by its items' keys, never by the tensors themselves: a key holding this
+    call's tensors would miss on every call and compile (and fall back) again each time."""
     if isinstance(t, torch.Tensor):
         return (tuple(t.shape), tuple(t.stride()), t.dtype)
-    if isinstance(t, list | tuple):  # a run-time shape list (GPT-2's view(*input_shape, -1))
-        return ((), (), tuple(_input_key(v)[2] for v in t))
+    if isinstance(t, list | tuple):  # a split's pieces; a run-time shape list (GPT-2's view(*shape, -1))
+        return ((), (), tuple(_input_key(x) for x in t))
     return ((), (), t)
 
 
 def _key_str(key: tuple) -> str:
-    return ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, _, d in key)
+    def one(shape: tuple, what: Any) -> str:
+        if isinstance(what, tuple):  # a sequence input: its items
+            return "(" + ", ".join(one(s, d) for s, _, d in what) + ")"
+        return f"{tuple(shape)} {str(what).replace('torch.', '')}"
+
+    return ", ".join(one(s, d) for s, _, d in key)
 
 
 def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
@@ -276,11 +283,12 @@ def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
     report = RuntimeReport("engine")
     # torch glue first (gml.runtime.shape_values): values of the input sizes alone are computed once
     # per shape, and torch nodes independent of an engine run move before it (fewer segments)
-    gm = fx.GraphModule(gm, _copy_graph(gm.graph))
+    gm = fx.GraphModule(gm, _copy_graph(gm.graph))  # a copy to reorder; the caller's graph is untouched
     shape_values = cache_shape_values(gm)
     cache_guards(gm)
     if schedule_for_engine(gm.graph, lambda n: _engine_node(gm, n)[0]):
         gm.recompile()
+    _gather_split_pieces(gm.graph)  # last: the order the segments are cut from
     graph = gm.graph
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
@@ -317,6 +325,26 @@ def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
     new.recompile()
     report.segments = len(runs)
     return new, report
+
+
+def _gather_split_pieces(graph: fx.Graph) -> None:
+    """Move every ``getitem`` of a ``split`` right after the split (in index order). A piece is a
+    view that depends on nothing else, so the graph computes the same; but a torch node traced
+    between two pieces (timm tf_mixnet_s: the "same" padding ``F.pad`` of one mixed-kernel conv)
+    ended the split's engine run before its other pieces, the next segment then took the split's
+    tuple as its input, and both segments fell back to their Python executor."""
+    from gml.runtime.transformer_rules import is_split
+
+    for node in list(graph.nodes):
+        if not is_split(node):
+            continue
+        pieces = [
+            u
+            for u in node.users
+            if u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)
+        ]
+        for piece in sorted(pieces, key=lambda u: u.args[1], reverse=True):
+            node.append(piece)
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

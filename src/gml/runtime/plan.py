@@ -93,6 +93,19 @@ def is_nhwc(v: Val) -> bool:
     return all(d == 1 or s == t for d, s, t in zip(v.shape, v.stride, want))
 
 
+def _dense_in(v: Val, want: tuple[int, ...]) -> bool:
+    """Whether ``v`` addresses its elements as strides ``want`` do (the strides of size-1 dims aside)."""
+    return all(d == 1 or s == t for d, s, t in zip(v.shape, v.stride, want))
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
 def _fixed_free_layout(v: Val) -> bool:
     """Whether free value ``v`` gets :data:`FP32_FREE_LAYOUT`'s fixed strides rather than ``any``."""
     return v.free and FP32_FREE_LAYOUT == "nhwc" and v.dtype_name == "f32" and len(v.shape) == 4
@@ -205,6 +218,17 @@ class Builder:
         v.ref = t
         return v
 
+    def settle(self, v: Val) -> bool:
+        """Make free value ``v`` plain when its fixed layout (:data:`FP32_FREE_LAYOUT` NHWC) is the
+        executor's own strides for it: then a view of it (a flatten the executor returned as a
+        view) can alias it, as it would a plain value. Returns whether ``v`` is plain now."""
+        if not v.free:
+            return True
+        if _fixed_free_layout(v) and v.tie is None and v.stride == nhwc_strides(v.shape):
+            v.free = False
+            return True
+        return False
+
     def is_view_of(self, out: Val, src: Val) -> bool:
         """Whether the Python executor returned ``out`` as a view of ``src``'s memory."""
         if out.ref is None or src.ref is None:
@@ -266,6 +290,8 @@ class Builder:
         destination may find only oneDNN's reference kernel). Returns what the step writes."""
         if not src.free or dst.free:
             return dst
+        if _fixed_free_layout(src) and len(dst.shape) == 4 and is_nhwc(dst):
+            return dst  # a fixed NHWC free value is plain NHWC: nothing to convert (mixnet_s's split convs)
         t = self.temp(dst.shape, dst.stride, dst.dtype_name)
         t.free = True
         return t
@@ -288,11 +314,39 @@ class Builder:
         self.reorder(src, t, src_q=None, dst_q=None)
         return t
 
+    def _one_order(self, src: Val, dst: Val) -> tuple[Val, Val]:
+        """``src`` and ``dst`` described in one dimension order where their strides leave the order
+        open. oneDNN takes the stride of a size-1 dim as given: ``(1, C, 1, 1)`` with strides
+        ``(C, 1, 1, 1)`` reads as NCHW, with ``(C, 1, C, C)`` as NHWC — the same bytes — and a conv
+        created with one of each finds only its reference kernel (``ref:any``; timm mixnet_s's
+        squeeze-excite convs, fp32 and INT8, whose source torch made NCHW-strided and whose output
+        NHWC-strided). Such a value becomes a view in the other's order (no copy): NHWC when the
+        destination is (or may be) channels-last, else NCHW. 4-D plain values only; a free value
+        fixed to NHWC counts as NHWC, one whose writer picks its layout is left alone."""
+        if len(src.shape) != 4 or len(dst.shape) != 4 or (src.free and not _fixed_free_layout(src)):
+            return src, dst
+        if dst.free and not _fixed_free_layout(dst):
+            return src, dst
+        for order in (nhwc_strides, _contiguous):
+            s_want, d_want = order(src.shape), order(dst.shape)
+            s_ok = _fixed_free_layout(src) if src.free else _dense_in(src, s_want)
+            d_ok = _fixed_free_layout(dst) if dst.free else _dense_in(dst, d_want)
+            if order is _contiguous and (src.free or dst.free):
+                break
+            if s_ok and d_ok:
+                if not src.free and src.stride != s_want:
+                    src = self.view(src, src.shape, s_want)
+                if not dst.free and dst.stride != d_want:
+                    dst = self.view(dst, dst.shape, d_want)
+                break
+        return src, dst
+
     def conv(self, src: Val, dst: Val, *, sum_q: QP = None, **kw: Any) -> None:
         src = self._fixed_src(src, dst)
-        reads = [src, dst] if sum_q is not None else [src]
         written = dst if sum_q is not None else self._free_edge(src, dst)
-        self._step("conv", reads, [written], sum_q=sum_q, **kw)
+        src, target = self._one_order(src, written)
+        reads = [src, target] if sum_q is not None else [src]
+        self._step("conv", reads, [target], sum_q=sum_q, **kw)
         self._finish_edge(written, dst)
 
     def inner_product(self, src: Val, dst: Val, **kw: Any) -> None:
@@ -331,10 +385,11 @@ class Builder:
     ) -> None:
         src = self._fixed_src(src, dst)
         written = self._free_edge(src, dst)
+        src, target = self._one_order(src, written)
         self._step(
             "pool",
             [src],
-            [written],
+            [target],
             alg=alg,
             kernel=kernel,
             stride=stride,

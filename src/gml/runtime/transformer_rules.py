@@ -101,7 +101,18 @@ def check_split(c: Call) -> str | None:
 
 
 def check_split_item(c: Call) -> str | None:
-    return None
+    """A piece of a split runs in the engine only where its split does: the piece of a split that
+    stays in torch (its source is a torch op's value) is a torch view, and a segment given the
+    split's tuple of pieces as its input could not plan it (timm mixnet_s: every mixed 1x1 conv's
+    segment recompiled on each call, then ran its Python executor)."""
+    split = c.inputs[0]
+    if split.op == "placeholder":  # a segment's own graph: the partition vetted the split
+        return None
+    whole = read_split(split)
+    if whole is None:
+        return "a piece of a value that is not a split"
+    reason = check_split(whole)
+    return None if reason is None else f"its split stays in torch ({reason})"
 
 
 def emit_split_item(b: Builder, c: Call, ins: list[Val], out: Val) -> None:

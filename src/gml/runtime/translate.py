@@ -44,6 +44,7 @@ from gml.runtime.transformer_rules import (
     check_layer_norm,
     check_mask_and,
     check_split,
+    check_split_item,
     check_to_bool,
     emit_attention,
     emit_eltwise,
@@ -284,7 +285,14 @@ def _rows_strides(v: Val) -> tuple[int, int] | None:
 
 def _as_rows(b: Builder, v: Val, *, output: bool = False) -> Val:
     """``v`` ([..., features], rank >= 2) as the 2-D ``[rows, features]`` matrix an inner product
-    takes: a view of the same bytes, or (an input whose dims do not collapse) a contiguous copy."""
+    takes: a view of the same bytes, or (an input whose dims do not collapse, or whose features are
+    not contiguous) a contiguous copy."""
+    if not output and v.shape[-1] > 1 and v.stride[-1] != 1:
+        # features strided (a transposed token matrix: timm XCiT's attention output): oneDNN's inner
+        # product has only its reference kernel for such a source (xcit_nano fp32: 28x the executor)
+        t = b.temp(v.shape, _contiguous_strides(v.shape), v.dtype_name)
+        b.reorder(v, t, src_q=None, dst_q=None)
+        v = t
     if len(v.shape) == 2:
         if v.shape[0] == 1 and v.stride[0] != v.shape[1] * v.stride[1]:
             # one row picked out of a bigger tensor (BERT's pooler: hidden[:, 0]): its row stride
@@ -481,10 +489,33 @@ def _emit_adaptive(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     _emit_adaptive_pool(b, ins[0], out, requant_eltwise(_x(c.a), _out(c.a)))
 
 
+def _check_qmean(c: Call) -> str | None:
+    dims = sorted(int(d) for d in c.a.dim)
+    meta = c.inputs[0].meta.get("val", c.inputs[0].meta.get("tensor_meta")) if c.inputs else None
+    rank = len(meta.shape) if getattr(meta, "shape", None) is not None else None
+    if dims == [2, 3] or (dims == [-2, -1] and rank == 4):
+        return None
+    return f"qmean over dims {list(c.a.dim)} (the engine takes the spatial mean of an NCHW tensor)"
+
+
+def _emit_qmean(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """The spatial mean (squeeze-excite's) as the global average pool it is (the Python kernel runs
+    the same pool): one pooling primitive with the requantization as its post-op. In torch it split
+    every mixnet / efficientnet INT8 block's engine segment in two (issue #16, tf_mixnet_s)."""
+    x = ins[0]
+    if len(x.shape) != 4:
+        raise Unsupported(f"qmean of a rank-{len(x.shape)} tensor")
+    if len(out.shape) == 2:  # keepdim=False: the pool writes [N, C, 1, 1] into out's bytes
+        out = b.view(out, (*out.shape, 1, 1), (*out.stride, 1, 1))
+    _emit_adaptive_pool(b, x, out, requant_eltwise(_x(c.a), _out(c.a)))
+
+
 def _emit_flatten(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x = ins[0]
-    if not x.free and b.is_view_of(out, x):
-        b.alias(out, x)  # a view: no step at all
+    # a view: no step at all (a conv's NHWC output flattened to [N, C, H*W], then transposed into
+    # tokens: timm pvt_v2's MLP, which fell back to the Python executor for the whole segment)
+    if b.is_view_of(out, x) and b.settle(x):
+        b.alias(out, x)
         return
     if out.stride != _contiguous_strides(out.shape):
         raise Unsupported(f"flatten to a non-contiguous {out.shape} (strides {out.stride})")
@@ -784,6 +815,7 @@ RULES: dict[str, Rule] = {
     "qmax_pool": Rule(_check_maxpool, _emit_maxpool),
     "qavg_pool2d": Rule(_check_avgpool, _emit_avgpool),
     "qadaptive_avg_pool": Rule(_always, _emit_adaptive),
+    "qmean": Rule(_check_qmean, _emit_qmean),
     "qcat": Rule(_always, _emit_cat, None),
     "quantize": Rule(_always, _emit_quantize),
     "dequantize": Rule(_always, _emit_dequantize),
@@ -815,7 +847,7 @@ RULES: dict[str, Rule] = {
     "attention": Rule(check_attention, emit_attention, None),
     "Add": Rule(check_float_add, emit_float_add, 2),
     "split": Rule(check_split, _always, tuple_out=True),
-    "split_item": Rule(_always, emit_split_item),
+    "split_item": Rule(check_split_item, emit_split_item),
     **{name: Rule(check_eltwise, emit_eltwise) for name in ("GELU", "ReLU", "Tanh", "Sigmoid", "SiLU")},
 }
 
