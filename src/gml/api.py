@@ -380,6 +380,7 @@ def quantize(
             model, calib_data, inputs, eval_data=eval_data, eval_labels=eval_labels, per_layer=per_layer,
             strict=strict, min_cosine=min_cosine, leaf_modules=leaf_modules, min_sqnr_db=min_sqnr_db,
             smooth_alpha=smooth_alpha, token_range=token_range, reason=why, runtime=runtime,
+            cost_policy=cost_policy,
         )  # fmt: skip
     seconds: dict[str, float] = {}
 
@@ -489,6 +490,7 @@ def _gml_fp32_instead(
     inputs: tuple,
     token_range: tuple[int, int] | None,
     min_cosine: float | None,
+    scheme: str = "static",
 ) -> QuantizeResult:
     """The :class:`QuantizeResult` of a model INT8 could not speed up: ``gml.optimize``'s model
     (``opt``: its module, engine, pass report and runtime report), with a coverage and a precision
@@ -511,7 +513,7 @@ def _gml_fp32_instead(
     )  # fmt: skip
     return QuantizeResult(
         opt.module, opt.report, ref.report, coverage, acc, ref.graph_module, seconds, opt.engine, opt.runtime,
-        scheme="static", scheme_reason=scheme_reason, precisions=table, cost=cost, precision=fallback,
+        scheme=scheme, scheme_reason=scheme_reason, precisions=table, cost=cost, precision=fallback,
         fallback_precision=fallback,
     )  # fmt: skip
 
@@ -584,10 +586,14 @@ def _quantize_transformer(
     token_range: tuple[int, int] | None,
     reason: str,
     runtime: str = "engine",
+    cost_policy: Any = "measure",
 ) -> QuantizeResult:
     """:func:`quantize` with the transformer scheme, returned in the same result type: ``coverage``
     lists every GEMM (INT8 or fp32 and why) and what stays fp32 (attention, LayerNorm, softmax,
-    opaque blocks); ``reference`` is the fp32 graph the GEMMs were quantized from."""
+    opaque blocks); ``reference`` is the fp32 graph the GEMMs were quantized from. Unless the cost
+    policy is off, the whole-model guard of the static scheme applies: an INT8 executable not
+    ``WHOLE_MARGIN`` faster than ``gml.optimize``'s (a hybrid CNN whose convs stay fp32 between
+    a few INT8 GEMMs: timm CoAtNet, EfficientFormer, MobileViT) returns that fp32 model instead."""
     import time
 
     from gml.quant.lower import CoverageEntry, LoweringCoverage
@@ -618,7 +624,31 @@ def _quantize_transformer(
     t0 = time.perf_counter()
     engine, runtime_report = attach_runtime(res.module, inputs, runtime, fp32_model=res.fp32_module)
     seconds["engine compile"] = time.perf_counter() - t0
+    cost = None
+    if cost_policy != "off":
+        from types import SimpleNamespace
+
+        from gml.quant.cost_policy import WHOLE_MARGIN, CostReport, guard_whole_model
+
+        t0 = time.perf_counter()
+        opt = optimize(model, inputs, leaf_modules=leaf_modules, runtime=runtime, strict=strict)
+        shapes = " ".join("x".join(map(str, x.shape)) for x in inputs if isinstance(x, torch.Tensor))
+        cost = CostReport("measure", shapes=shapes)
+        cost.whole = guard_whole_model(engine if engine is not None else res.module, lambda: opt.executable, inputs)
+        seconds["whole-model guard"] = time.perf_counter() - t0
+        i8, f32 = cost.whole
+        if i8 > WHOLE_MARGIN * f32:
+            cost.all_fp32 = True
+            cost.notes.append(
+                f"whole model INT8 {i8:.2f} ms vs GML fp32 {f32:.2f} ms: INT8 cannot pay here; "
+                "gml.optimize's model is returned"
+            )
+            ref = SimpleNamespace(report=res, graph_module=res.fp32_module, float_module=res.fp32_module)
+            return _gml_fp32_instead(
+                model, opt, ref, cost, seconds, reason, None, "fp32", eval_data=eval_data, eval_labels=eval_labels,
+                inputs=inputs, token_range=token_range, min_cosine=min_cosine, scheme="transformer",
+            )  # fmt: skip
     return QuantizeResult(
         res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",
-        reason, res.precisions,
+        reason, res.precisions, cost=cost,
     )  # fmt: skip

@@ -372,3 +372,26 @@ def test_auto_finds_hand_written_attention_in_a_plain_module_and_captures_defaul
     # a CNN still gets the static scheme, with inputs given
     cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()).eval()
     assert gml.api.choose_scheme(cnn, inputs=(torch.randn(1, 3, 8, 8),))[0] == "static"
+
+
+def test_transformer_scheme_whole_model_guard_returns_gml_fp32_when_int8_cannot_pay(monkeypatch) -> None:
+    """The transformer scheme had no whole-model guard: timm hybrids (CoAtNet, EfficientFormer,
+    MobileViT: convs fp32 between a few INT8 GEMMs) came back INT8 and 1.2-1.4x slower than GML fp32.
+    Now the static scheme's guard applies (patched timer: deterministic)."""
+    import gml.quant.cost_policy as cp
+    from gml.ir import library
+
+    torch.manual_seed(0)
+    model, x = _Encoder().eval(), torch.randn(1, 10, 8)
+    monkeypatch.setattr(cp, "guard_whole_model", lambda *a, **k: (3.0, 1.0))
+    q = gml.quantize(model, 2, example_inputs=(x,), cost_policy="measure", per_layer=False)
+    assert q.scheme == "transformer" and q.precision == "fp32" and q.cost.all_fp32
+    assert "gml.optimize's model is returned" in str(q.cost)
+    assert not any(library.gml_op_name(n) == "dynamic_linear" for n in q.module.graph.nodes)
+    assert q.coverage.kept_fp32 and all("whole-model guard" in e.reason for e in q.coverage.kept_fp32)
+    with torch.no_grad():
+        torch.testing.assert_close(q.executable(x), model(x), atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(cp, "guard_whole_model", lambda *a, **k: (1.0, 2.0))
+    q = gml.quantize(model, 2, example_inputs=(x,), cost_policy="measure", per_layer=False)
+    assert q.precision == "int8" and not q.cost.all_fp32 and q.cost.whole == (1.0, 2.0)
+    assert sum(library.gml_op_name(n) == "dynamic_linear" for n in q.module.graph.nodes) >= 4
