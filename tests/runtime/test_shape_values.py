@@ -12,6 +12,7 @@ from torch import fx, nn
 from gml import nn as gnn
 from gml.runtime import unavailable_reason
 from gml.runtime.shape_values import ShapeValues, cache_shape_values, schedule_for_engine, static_nodes
+from gml.testing.tokens import padded_tokens
 
 needs_engine = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
@@ -101,14 +102,7 @@ SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "i
          "vocab_size": 1000}  # fmt: skip
 
 
-def _tokens(batch: int, seq: int, pad_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(batch * 100 + seq)
-    ids = torch.randint(1, 1000, (batch, seq), generator=gen)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    if pad_from is not None:
-        mask[-1, pad_from:] = 0
-        ids[-1, pad_from:] = 0
-    return ids, mask
+_tokens = padded_tokens
 
 
 @needs_engine

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gml.testing.tokens import padded_tokens
+
 transformers = pytest.importorskip("transformers")
 
 from gml.api import optimize  # noqa: E402
@@ -40,14 +42,7 @@ def _distilbert():
     return transformers.DistilBertModel(cfg).eval()
 
 
-def _tokens(batch: int, seq: int, pad_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(batch * 100 + seq)
-    ids = torch.randint(1, 1000, (batch, seq), generator=gen)
-    mask = torch.ones(batch, seq, dtype=torch.long)
-    if pad_from is not None:
-        mask[-1, pad_from:] = 0
-        ids[-1, pad_from:] = 0
-    return ids, mask
+_tokens = padded_tokens
 
 
 @pytest.mark.parametrize("build", [_bert, _distilbert], ids=["bert", "distilbert"])
