@@ -84,7 +84,9 @@ def test_a_model_that_writes_its_input_is_compared_on_fresh_copies():
     x = torch.randn(2, 4)
     before = x.clone()
     res = gml.optimize(Bump().eval(), (x,))
-    assert res.max_abs_err == 0.0
+    # the error of result.executable: the engine's GEMM rounds differently from eager's (ulps), a
+    # second write of the input would show as ~1
+    assert res.max_abs_err < 1e-5
     assert torch.equal(x, before)  # the caller's tensor is not written by the checks either
 
 
