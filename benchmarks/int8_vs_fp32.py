@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from typing import Any
+
+from zoo_sweep import latency_ms  # the same interleaved timer as the sweep (this directory)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = ["shufflenet_v2_x1_0", "timm:levit_128s", "timm:mixnet_s", "timm:tf_mixnet_s"]
@@ -70,17 +71,7 @@ def run_one(spec: str, rounds: int, inner: int, calib: int, bf16: bool = False) 
         for k in [k for k in fns if k.startswith("gml_int8")]:
             got = fns[k](x).flatten().double()
             row[f"cos_{k.removeprefix('gml_')}_fp32"] = float(F.cosine_similarity(got, y.flatten().double(), 0))
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for f in fns.values():
-            f(x)
-            f(x)
-        for _ in range(rounds):
-            for k, f in fns.items():
-                t = time.perf_counter()
-                for _ in range(inner):
-                    f(x)
-                times[k].append((time.perf_counter() - t) * 1e3 / inner)
-    row.update({f"ms_{k}": statistics.median(v) for k, v in times.items()})
+    row.update({f"ms_{k}": v for k, v in latency_ms(fns, x, rounds, inner).items()})
     row["int8_over_fp32"] = row["ms_gml_int8"] / row["ms_gml_fp32"]
     if bf16:
         row["int8_bf16_over_int8"] = row["ms_gml_int8_bf16"] / row["ms_gml_int8"]

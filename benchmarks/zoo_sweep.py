@@ -137,7 +137,7 @@ def _cos(a: Any, b: Any) -> float:
     return float(F.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
 
 
-def _latency_ms(fns: dict[str, Any], x: Any, rounds: int, inner: int) -> dict[str, float]:
+def latency_ms(fns: dict[str, Any], x: Any, rounds: int, inner: int) -> dict[str, float]:
     """Median ms per call of each function, measured in interleaved rounds (noise hits all alike)."""
     import torch
 
@@ -299,7 +299,7 @@ def run_one(
         fns["gml_int8"] = q.executable  # what gml.quantize says to call: the engine where it covers the graph
     except Exception as e:
         row["quantize_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-    row.update({f"ms_{k}": v for k, v in _latency_ms(fns, x, rounds, inner).items()})
+    row.update({f"ms_{k}": v for k, v in latency_ms(fns, x, rounds, inner).items()})
     row["seconds"] = time.perf_counter() - t0
     return row
 
