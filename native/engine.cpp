@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace nb = nanobind;
@@ -617,6 +618,72 @@ class Plan {
     steps_.push_back(std::move(step));
   }
 
+  // gml.attention in one Kernel step (native/attention.h): O = softmax(scale * Q Kᵀ + masks) V, bf16
+  // q / k / v / out of one rank (batch dims of size 1 broadcast), unit last-dim strides; ``masks``:
+  // additive fp32 values of that rank. The Python side calls it only when fused_attention_available().
+  void attention(int q, int k, int v, int dst, const std::vector<int>& masks, float scale, const std::string& name) {
+    if (!gml_attention::cpu_supported()) throw std::invalid_argument("gml engine: fused attention needs AVX512-BF16");
+    if (!resolved(dst)) resolve(dst, memory::desc(md_out(dst).get_dims(), dt::bf16, plain_strides(md_out(dst).get_dims())));
+    const memory::desc od = md_in(dst);
+    const memory::dims odims = od.get_dims();
+    const int rank = static_cast<int>(odims.size());
+    if (rank < 2) throw std::invalid_argument("gml engine: attention output of rank < 2");
+    const int nb = rank - 2;
+    gml_attention::Problem pb;
+    pb.batch.assign(odims.begin(), odims.begin() + nb);
+    // an operand's batch strides (0 where it broadcasts), row and column strides
+    auto operand = [&](int id, dt want, const char* what) {
+      const memory::desc md = md_in(id);
+      if (md.get_data_type() != want || md.get_ndims() != rank)
+        throw std::invalid_argument(std::string("gml engine: attention ") + what + " of another dtype or rank");
+      const memory::dims d = md.get_dims(), st = md.get_strides();
+      gml_attention::Operand op;
+      for (int i = 0; i < nb; ++i) {
+        if (d[i] != 1 && d[i] != odims[i]) throw std::invalid_argument(std::string("gml engine: attention ") + what + " batch dims");
+        op.batch_strides.push_back(d[i] == 1 ? 0 : st[i]);
+      }
+      op.row = d[rank - 2] == 1 ? 0 : st[rank - 2];
+      op.col = d[rank - 1] == 1 ? 0 : st[rank - 1];
+      return std::make_pair(op, d);
+    };
+    auto [qo, qd] = operand(q, dt::bf16, "q");
+    auto [ko, kd] = operand(k, dt::bf16, "k");
+    auto [vo, vd] = operand(v, dt::bf16, "v");
+    auto [oo, odd] = operand(dst, dt::bf16, "output");
+    pb.L = qd[rank - 2], pb.E = qd[rank - 1], pb.S = kd[rank - 2], pb.Ev = vd[rank - 1];
+    if (kd[rank - 1] != pb.E || vd[rank - 2] != pb.S || odims[rank - 2] != pb.L || odims[rank - 1] != pb.Ev)
+      throw std::invalid_argument("gml engine: attention shapes do not match");
+    if (!gml_attention::shape_supported(pb.E, pb.Ev)) throw std::invalid_argument("gml engine: attention head size");
+    if (pb.L > 1 && qo.row == 0) throw std::invalid_argument("gml engine: attention q rows");
+    for (const auto* o : {&qo, &ko, &vo, &oo})
+      if (o->col != 1) throw std::invalid_argument("gml engine: attention operands need unit last-dim strides");
+    pb.scale = scale;
+    pb.q = qo, pb.k = ko, pb.v = vo, pb.out = oo;
+    for (int m : masks) {
+      auto [mo, md] = operand(m, dt::f32, "mask");
+      if ((md[rank - 2] != 1 && md[rank - 2] != pb.L) || (md[rank - 1] != 1 && md[rank - 1] != pb.S))
+        throw std::invalid_argument("gml engine: attention mask shape");
+      pb.masks.push_back(mo);
+    }
+    const int nsrc = 3 + static_cast<int>(masks.size());
+    Kernel kern = [pb, nsrc](const std::unordered_map<int, memory>& args) {
+      gml_attention::Problem p = pb;
+      p.q.data = args.at(DNNL_ARG_MULTIPLE_SRC).get_data_handle();
+      p.k.data = args.at(DNNL_ARG_MULTIPLE_SRC + 1).get_data_handle();
+      p.v.data = args.at(DNNL_ARG_MULTIPLE_SRC + 2).get_data_handle();
+      for (int i = 3; i < nsrc; ++i) p.masks[i - 3].data = args.at(DNNL_ARG_MULTIPLE_SRC + i).get_data_handle();
+      p.out.data = args.at(DNNL_ARG_DST).get_data_handle();
+      gml_attention::run(p);
+    };
+    if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
+    std::vector<std::pair<int, int>> value_args{{DNNL_ARG_DST, dst}, {DNNL_ARG_MULTIPLE_SRC, q},
+                                                {DNNL_ARG_MULTIPLE_SRC + 1, k}, {DNNL_ARG_MULTIPLE_SRC + 2, v}};
+    for (size_t i = 0; i < masks.size(); ++i) value_args.emplace_back(DNNL_ARG_MULTIPLE_SRC + 3 + static_cast<int>(i), masks[i]);
+    Step step{dnnl::primitive(), std::move(kern), std::move(value_args), {}, memory::desc(), name};
+    step.impl = "gml:attention_avx512_bf16";
+    steps_.push_back(std::move(step));
+  }
+
   void softmax(int src, int dst, int axis, const std::string& name) {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -922,6 +989,8 @@ NB_MODULE(_engine, m) {
     return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
   });
   m.def("cpu_isa", &isa_name, "The instruction set oneDNN dispatches to on this CPU.");
+  m.def("fused_attention_available", &gml_attention::cpu_supported,
+        "Whether this CPU runs the fused bf16 attention kernel (AVX512-BF16; native/attention.h).");
   nb::class_<Plan>(m, "Plan", nb::dynamic_attr())  // dynamic attributes: ``keep`` (see embedding())
       .def(nb::init<>())
       .def("add_value", &Plan::add_value, nb::arg("dims"), nb::arg("strides"), nb::arg("dtype"), nb::arg("where"),
@@ -950,6 +1019,8 @@ NB_MODULE(_engine, m) {
            nb::arg("dim"), nb::arg("ld"), nb::arg("name"))
       .def("mask_op", &Plan::mask_op, nb::arg("op"), nb::arg("srcs"), nb::arg("dst"), nb::arg("strides"),
            nb::arg("index_dims"), nb::arg("index_strides"), nb::arg("name"))
+      .def("attention", &Plan::attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("dst"), nb::arg("masks"),
+           nb::arg("scale"), nb::arg("name"))
       .def("softmax", &Plan::softmax, nb::arg("src"), nb::arg("dst"), nb::arg("axis"), nb::arg("name"))
       .def("layer_norm", &Plan::layer_norm, nb::arg("src"), nb::arg("dst"), nb::arg("gamma"), nb::arg("beta"),
            nb::arg("eps"), nb::arg("name"))

@@ -467,6 +467,11 @@ class Builder:
     def softmax(self, src: Val, dst: Val, axis: int) -> None:
         self._step("softmax", [src], [dst], axis=axis)
 
+    def attention(self, q: Val, k: Val, v: Val, dst: Val, *, masks: list[Val], scale: float) -> None:
+        """``dst = softmax(scale * q @ kᵀ + sum(masks)) @ v`` in one fused bf16 step
+        (native/attention.h): q / k / v / dst of one rank, unit last-dim strides; masks additive f32."""
+        self._step("attention", [q, k, v, *masks], [dst], scale=scale)
+
     def layer_norm(
         self, src: Val, dst: Val, *, gamma: torch.Tensor | None, beta: torch.Tensor | None, eps: float
     ) -> None:
@@ -654,6 +659,14 @@ class Builder:
                     [list(st) for st in s.kwargs["strides"]],
                     list(s.kwargs["index_dims"]),
                     list(s.kwargs["index_strides"]),
+                    s.name,
+                )
+            elif s.method == "attention":
+                plan.attention(
+                    *(ids[v] for v in s.reads[:3]),
+                    ids[s.writes[0]],
+                    [ids[v] for v in s.reads[3:]],
+                    float(s.kwargs["scale"]),
                     s.name,
                 )
             elif s.method in ("matmul", "softmax", "layer_norm"):

@@ -558,26 +558,75 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     dims_ok = all(t.shape[i] in (1, d) for t in (q, k, v) for i, d in enumerate(batch))
     if not dims_ok or k.shape[-1] != E or v.shape[-2] != S or out.shape != (*batch, L, v.shape[-1]):
         raise Unsupported(f"attention output {out.shape} for q {q.shape}, v {v.shape}")
+    scale = float(a.scale) if a.scale is not None else 1.0 / math.sqrt(E)
+    masks: list[Val] = []
+    if isinstance(a.attn_mask, torch.Tensor):  # a constant (a model's buffer): made additive here
+        masks.append(b.constant(_additive_constant(a.attn_mask, rank)))
+    elif len(ins) > 3:
+        masks.append(_additive_mask(b, ins[3], rank))
+    if a.is_causal:  # SDPA's: query i sees keys j <= i (top-left aligned)
+        keep = torch.ones(L, S, dtype=torch.bool).tril()
+        masks.append(b.constant(_additive_constant(keep, rank)))
+    if fused_attention_ok(q, k, v, out):
+        b.attention(q, k, v, out, masks=[_f32(b, m) for m in masks], scale=scale)
+        return
     # dense copies of strided heads (pieces of the merged QKV output): oneDNN's brgemm matmul
     # takes dense operands only, else its gemm:jit fallback (measured on MiniLM bf16: Q.K^T
     # 0.31 -> 0.15 ms, P.V 0.11 -> 0.07 ms for three 10 us reorders)
     q, k, v = (_dense(b, t) for t in (q, k, v))
     kt = b.view(k, (*k.shape[:-2], E, S), (*k.stride[:-2], k.stride[-1], k.stride[-2]))
-    scale = float(a.scale) if a.scale is not None else 1.0 / math.sqrt(E)
     post: list[tuple[str, float, float, Val | None]] = [("linear", scale, 0.0, None)]
-    if isinstance(a.attn_mask, torch.Tensor):  # a constant (a model's buffer): made additive here
-        post.append(("binary_add", 0.0, 0.0, b.constant(_additive_constant(a.attn_mask, rank))))
-    elif len(ins) > 3:
-        post.append(("binary_add", 0.0, 0.0, _additive_mask(b, ins[3], rank)))
-    if a.is_causal:  # SDPA's: query i sees keys j <= i (top-left aligned)
-        keep = torch.ones(L, S, dtype=torch.bool).tril()
-        post.append(("binary_add", 0.0, 0.0, b.constant(_additive_constant(keep, rank))))
+    post += [("binary_add", 0.0, 0.0, m) for m in masks]
     scores_shape = (*batch, L, S)
     scores = b.temp(scores_shape, _contiguous_strides(scores_shape), "f32")
     b.matmul(q, kt, scores, post=post)
     probs = b.temp(scores_shape, _contiguous_strides(scores_shape), q.dtype_name)
     b.softmax(scores, probs, rank - 1)
     b.matmul(probs, v, out)
+
+
+#: ``GML_ATTENTION``: ``auto`` (default), ``fused`` or ``primitives`` — which bf16 attention path the
+#: engine plans (docs/adr/009-fused-bf16-attention.md).
+ATTENTION_ENV = "GML_ATTENTION"
+
+
+def fused_attention_ok(q: Val, k: Val, v: Val, out: Val) -> bool:
+    """Whether ``gml.attention`` runs as the engine's one fused bf16 step (native/attention.h)
+    instead of matmul → softmax → matmul: bf16 operands with unit last-dim strides, an even head
+    size and a value head size that is a multiple of 16, a CPU with AVX512-BF16. On ``auto`` an
+    AMX CPU keeps the primitives (oneDNN's AMX matmuls; the fused kernel is not measured there yet).
+    """
+    import os
+
+    from gml.runtime import native
+
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower()
+    if choice not in ("auto", "fused", "primitives"):
+        from gml.errors import InputError
+
+        raise InputError(f"{ATTENTION_ENV}={choice!r} is not an attention path.", hint="use auto, fused or primitives.")
+    if choice == "primitives":
+        return False
+    engine = native.load()
+    if not engine.fused_attention_available():
+        return False
+    if choice == "auto" and engine.cpu_isa().startswith("avx512_core_amx"):
+        return False
+    tensors = (q, k, v, out)
+    if any(t.dtype_name != "bf16" for t in tensors) or any(t.shape[-1] > 1 and t.stride[-1] != 1 for t in tensors):
+        return False
+    return q.shape[-1] % 2 == 0 and v.shape[-1] % 16 == 0 and out.shape[-1] == v.shape[-1]
+
+
+def _f32(b: Builder, m: Val) -> Val:
+    """An additive mask as fp32 (the fused step adds fp32 masks; a bf16 model's float mask is bf16)."""
+    from gml.runtime.translate import _contiguous_strides
+
+    if m.dtype_name == "f32":
+        return m
+    t = b.temp(m.shape, _contiguous_strides(m.shape), "f32")
+    b.reorder(m, t, src_q=None, dst_q=None)
+    return t
 
 
 def _dense(b: Builder, v: Val) -> Val:

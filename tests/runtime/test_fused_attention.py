@@ -1,0 +1,223 @@
+"""The fused bf16 attention step (native/attention.h, docs/adr/009-fused-bf16-attention.md) against
+fp32 math on the same bf16 inputs, against the three-primitive path, and its selection rules.
+
+Tolerance. The kernel accumulates Q·Kᵀ and P·V in fp32 (exact products of bf16 values), computes
+the softmax in fp32 with an exp accurate to 3e-6 relative, and rounds twice: the unnormalized
+probabilities e_j to bf16 (relative error <= 2^-9 each) and the output to bf16 (<= 2^-9). With
+O = Σ e_j v_j / Σ e_j the first rounding moves O by at most 2^-9 · Σ p_j |v_j| <= 2^-9 · max|v|, the
+second by 2^-9 · |O| <= 2^-9 · max|v|: |O - O_ref| <= 2^-8 · max|v| (+ the exp's 3e-6). Tests use
+that bound (BOUND) with a 1.25 margin for the fp32 sums' rounding.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from gml.errors import InputError
+from gml.ir.attention import attention_op
+from gml.runtime import compile_engine, native, unavailable_reason
+from gml.runtime.transformer_rules import ATTENTION_ENV
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+needs_kernel = pytest.mark.skipif(
+    unavailable_reason() is not None or not native.load().fused_attention_available(),
+    reason="this CPU has no AVX512-BF16 (the fused attention kernel's ISA)",
+)
+
+BOUND = 1.25 * 2.0**-8
+FUSED = "gml:attention_avx512_bf16"
+
+
+def attention_graph(
+    n_inputs: int, scale: float | None = None, causal: bool = False, mask_buffer: torch.Tensor | None = None
+) -> fx.GraphModule:
+    g = fx.Graph()
+    root = nn.Module()
+    xs = [g.placeholder(n) for n in ("q", "k", "v", "mask")[:n_inputs]]
+    mask = xs[3] if n_inputs > 3 else None
+    if mask_buffer is not None:
+        root.register_buffer("mask", mask_buffer)
+        mask = g.get_attr("mask")
+    g.output(g.call_function(attention_op(), (xs[0], xs[1], xs[2], mask, scale, causal)))
+    return fx.GraphModule(root, g)
+
+
+def qkv(b, h, lq, s, e, ev, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, generator=gen).to(torch.bfloat16) for n, d in ((lq, e), (s, e), (s, ev))]
+
+
+def reference(q, k, v, mask=None, scale=None, causal=False) -> torch.Tensor:
+    """fp32 SDPA on the bf16 inputs' exact values."""
+    m = mask
+    if causal:
+        m = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m, scale=scale)
+
+
+def impls(eng) -> list[str]:
+    (seg,) = eng.segments()
+    ((plan, _),) = seg._plans.values()
+    return list(plan.step_impls())
+
+
+def run(gm, *inputs, path: str, monkeypatch) -> tuple[torch.Tensor, list[str]]:
+    monkeypatch.setenv(ATTENTION_ENV, path)
+    with torch.no_grad():
+        eng = compile_engine(gm, inputs)
+        out = eng(*inputs)
+    assert eng.report.path == "engine", str(eng.report)
+    return out, impls(eng)
+
+
+def assert_within_bound(got: torch.Tensor, ref: torch.Tensor, v: torch.Tensor) -> None:
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    err = float((got.float() - ref).abs().max())
+    assert err <= BOUND * float(v.float().abs().max()), err
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "b,h,lq,s,e,ev",
+    [
+        (1, 12, 128, 128, 32, 32),  # MiniLM's layer
+        (2, 3, 7, 7, 8, 16),
+        (1, 2, 1, 37, 64, 64),  # one query (decoding), keys not a multiple of 16
+        (2, 2, 19, 11, 6, 16),  # head size 6: three pairs
+        (1, 1, 5, 200, 32, 48),  # more than 64 keys plus a tail; value head 48
+        (1, 2, 33, 65, 32, 80),  # 33 rows: a 1-row block at the end; value head > 64
+    ],
+)
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_fused_matches_fp32_math(b, h, lq, s, e, ev, scale, monkeypatch):
+    q, k, v = qkv(b, h, lq, s, e, ev)
+    got, used = run(attention_graph(3, scale), q, k, v, path="fused", monkeypatch=monkeypatch)
+    assert used == [FUSED]  # one step: no head copies, no scores in memory
+    assert_within_bound(got, reference(q, k, v, scale=scale), v)
+
+
+@needs_kernel
+def test_fused_and_primitive_paths_agree(monkeypatch):
+    q, k, v = qkv(2, 4, 24, 24, 32, 32, seed=1)
+    gm = attention_graph(3)
+    fused, used_f = run(gm, q, k, v, path="fused", monkeypatch=monkeypatch)
+    prim, used_p = run(gm, q, k, v, path="primitives", monkeypatch=monkeypatch)
+    assert FUSED in used_f and FUSED not in used_p
+    assert float((fused.float() - prim.float()).abs().max()) <= 2 * BOUND * float(v.float().abs().max())
+
+
+@needs_kernel
+def test_masks_padding_float_causal_and_constant(monkeypatch):
+    b, s = 2, 21
+    q, k, v = qkv(b, 3, s, s, 16, 16, seed=2)
+    pad = torch.arange(s)[None, None, None, :] < torch.tensor([s, 9])[:, None, None, None]
+    got, used = run(attention_graph(4), q, k, v, pad, path="fused", monkeypatch=monkeypatch)
+    assert used[-1] == FUSED
+    assert_within_bound(got, reference(q, k, v, pad), v)
+    # an expanded bool mask (stride-0 dims read as size 1) and an additive float one
+    got, _ = run(attention_graph(4), q, k, v, pad.expand(b, 3, s, s), path="fused", monkeypatch=monkeypatch)
+    assert_within_bound(got, reference(q, k, v, pad), v)
+    additive = (torch.randn(b, 1, s, s) * 2).to(torch.bfloat16)
+    got, _ = run(attention_graph(4, 0.2), q, k, v, additive, path="fused", monkeypatch=monkeypatch)
+    assert_within_bound(got, reference(q, k, v, additive.float(), scale=0.2), v)
+    # SDPA's is_causal, and a model's constant bool mask (a buffer: a plan constant)
+    got, _ = run(attention_graph(3, causal=True), q, k, v, path="fused", monkeypatch=monkeypatch)
+    assert_within_bound(got, reference(q, k, v, causal=True), v)
+    const = torch.rand(s, s, generator=torch.Generator().manual_seed(3)) > 0.3
+    const[:, 0] = True  # no fully masked row
+    got, _ = run(attention_graph(3, mask_buffer=const), q, k, v, path="fused", monkeypatch=monkeypatch)
+    assert_within_bound(got, reference(q, k, v, const), v)
+
+
+@needs_kernel
+def test_masked_keys_weigh_exactly_zero(monkeypatch):
+    """A padded key changes nothing, whatever its values: its probability is exactly 0."""
+    q, k, v = qkv(1, 2, 6, 10, 16, 16, seed=4)
+    pad = torch.arange(10)[None, None, None, :] < 7
+    gm = attention_graph(4)
+    first, _ = run(gm, q, k, v, pad, path="fused", monkeypatch=monkeypatch)
+    k2, v2 = k.clone(), v.clone()
+    k2[..., 7:, :], v2[..., 7:, :] = 1e4, -1e4
+    second, _ = run(gm, q, k2, v2, pad, path="fused", monkeypatch=monkeypatch)
+    assert torch.equal(first, second)
+
+
+@needs_kernel
+def test_a_fully_masked_row_averages_the_values(monkeypatch):
+    """The engine's documented choice (transformer_rules): every key masked -> uniform weights."""
+    q, k, v = qkv(1, 1, 3, 5, 16, 16, seed=5)
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    mask[0, 0, 1] = False
+    got, _ = run(attention_graph(4), q, k, v, mask, path="fused", monkeypatch=monkeypatch)
+    want = v.float().mean(dim=-2)[0, 0]
+    assert float((got[0, 0, 1].float() - want).abs().max()) <= BOUND * float(v.float().abs().max())
+
+
+@needs_kernel
+def test_strided_heads_are_read_in_place(monkeypatch):
+    """q / k / v as the QKV merge leaves them (transposed views of one [B, L, 3·H·E] tensor): the
+    fused step reads them with their strides — no dense copies (the primitive path makes three)."""
+    g = fx.Graph()
+    x = g.placeholder("qkv")
+    parts = g.call_function(torch.split, (x, [32, 32, 32]), {"dim": -1})
+    heads = []
+    for i in range(3):
+        piece = g.call_function(operator.getitem, (parts, i))
+        heads.append(g.call_method("transpose", (g.call_method("view", (piece, 2, 9, 2, 16)), 1, 2)))
+    g.output(g.call_function(attention_op(), (*heads, None, None, False)))
+    gm = fx.GraphModule(nn.Module(), g)
+    x = torch.randn(2, 9, 96).to(torch.bfloat16)
+    got, used = run(gm, x, path="fused", monkeypatch=monkeypatch)
+    assert used == [FUSED]
+    q, k, v = (t.view(2, 9, 2, 16).transpose(1, 2) for t in x.split(32, dim=-1))
+    assert_within_bound(got, reference(q, k, v), v)
+
+
+@needs_kernel
+def test_two_threads_and_two_callers_give_the_one_thread_result(monkeypatch):
+    q, k, v = qkv(2, 6, 40, 40, 32, 32, seed=6)
+    gm = attention_graph(3)
+    monkeypatch.setenv(ATTENTION_ENV, "fused")
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            eng = compile_engine(gm, (q, k, v))
+            torch.set_num_threads(1)
+            one = eng(q, k, v)
+            torch.set_num_threads(2)
+            two = eng(q, k, v)
+            outs: list[torch.Tensor] = []
+            callers = [threading.Thread(target=lambda: outs.append(eng(q, k, v))) for _ in range(2)]
+            for t in callers:
+                t.start()
+            for t in callers:
+                t.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and all(torch.equal(one, o) for o in outs)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "dtype,e,ev,why",
+    [(torch.float32, 16, 16, "fp32"), (torch.bfloat16, 5, 16, "odd head size"), (torch.bfloat16, 8, 8, "value head 8")],
+)
+def test_other_cases_keep_the_primitive_path(dtype, e, ev, why, monkeypatch):
+    q, k, v = (t.to(dtype) for t in qkv(1, 2, 4, 4, e, ev))
+    _, used = run(attention_graph(3), q, k, v, path="fused", monkeypatch=monkeypatch)
+    assert FUSED not in used, why
+
+
+def test_primitives_forced_and_a_bad_setting(monkeypatch):
+    q, k, v = qkv(1, 2, 4, 4, 16, 16)
+    _, used = run(attention_graph(3), q, k, v, path="primitives", monkeypatch=monkeypatch)
+    assert FUSED not in used
+    monkeypatch.setenv(ATTENTION_ENV, "fastest")
+    with pytest.raises(InputError, match="GML_ATTENTION='fastest'"):
+        compile_engine(attention_graph(3), (q, k, v))
