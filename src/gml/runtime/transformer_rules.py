@@ -12,7 +12,10 @@ node                        engine steps
 ``gml.attention``           ``S = Q @ Kᵀ`` (matmul, fp32 accumulation and fp32 output; ``Kᵀ`` is K's
                             strides swapped, no copy) with the scale (eltwise ``linear``) and the
                             mask (binary ``add``, broadcast over heads / queries) as post-ops →
-                            ``P = softmax(S)`` (fp32 math, written in Q's dtype) → ``O = P @ V``
+                            ``P = softmax(S)`` (fp32 math, written in Q's dtype) → ``O = P @ V``;
+                            bf16 on an AVX512-BF16 CPU: the same math as one fused step
+                            (``Builder.attention``, native/attention.h, ADR 009;
+                            :func:`fused_attention_ok` says when)
 ``gml.nn.Add`` (float)      one binary ``add`` (oneDNN broadcasts the smaller operand); f32 / bf16,
                             mixed operands promote as torch does (the executor's output dtype)
 ``split`` + ``getitem``     views of the split tensor (no step): the QKV merge's ``q, k, v``
