@@ -66,23 +66,24 @@ inline bool cpu_supported() {
 // The shapes the kernel takes (the caller falls back to the primitive path otherwise).
 inline bool shape_supported(int64_t E, int64_t Ev) { return E > 0 && E % 2 == 0 && Ev > 0 && Ev % 16 == 0; }
 
-// exp(x) for x <= 0 (scores minus their row max), accurate to 2.8e-6 relative: the probabilities
-// are rounded to bf16 (2^-9 relative) next, so a degree-4 polynomial is enough. Range reduction
-// x = n ln2 + r, |r| <= ln2 / 2, then p(r) ~ e^r scaled by 2^n (vscalefps). x is clamped at -110
-// first (a masked score is -FLT_MAX, whose product with log2(e) would overflow): below -103.3,
-// p 2^n rounds to 0 in fp32; between -87.3 and -103.3 it is an fp32 denormal, which the bf16
-// conversion (vcvtneps2bf16 reads denormals as 0) makes 0 too — a masked key weighs exactly 0.
-GML_AVX512BF16 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
-  // relative minimax fit (Lawson) with p(0) = 1: max relative error 2.8e-6 on |r| <= ln2 / 2
-  __m512 p = _mm512_set1_ps(0.041513849f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.16787474f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.50003016f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.99996686f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+// exp(x - m) for x <= m (a score minus its row max), given m·log2(e), accurate to 2.9e-6 relative:
+// the probabilities are rounded to bf16 (2^-9 relative) next, so a degree-4 polynomial is enough.
+// t = x log2(e) - m log2(e) (one FMA) = n + f, n = round(t), |f| <= 1/2; 2^f by a polynomial, 2^n
+// by vscalefps. t is clamped at -160 first (a masked score is -FLT_MAX, whose product with log2(e)
+// would overflow): below t = -149, p 2^n rounds to 0 in fp32; between -126 and -149 it is an fp32
+// denormal, which the bf16 conversion (vcvtneps2bf16 reads denormals as 0) makes 0 too — a masked
+// key weighs exactly 0.
+GML_AVX512BF16 inline __m512 exp_minus_max(__m512 x, __m512 m_log2e) {
+  __m512 t = _mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), m_log2e);
+  t = _mm512_max_ps(t, _mm512_set1_ps(-160.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  // relative minimax fit (Lawson) of 2^f with p(0) = 1: max relative error 2.9e-6 on |f| <= 1/2
+  __m512 p = _mm512_set1_ps(0.009582853f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055906426f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69312418f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -97,11 +98,23 @@ inline uint32_t load_pair(const uint16_t* p) {
   return w;
 }
 
+// What a scores tile does to its fp32 accumulators before storing them. With ``prepared``, the
+// common case (no mask, or one mask whose rows are contiguous), x = scale * s + mask is computed
+// here, while the scores are in registers, and each row's running max is kept (lanes of ``vmax``);
+// otherwise the raw scores are stored and softmax_row() applies scale and masks.
+struct Epilogue {
+  bool prepared = false;
+  float scale = 1.0f;
+  const float* mask[4] = {};  // per row: the mask row (unit stride), or nullptr
+  __m512 vmax[4];
+  int64_t S = 0;  // keys; padded keys are left out of the max
+};
+
 // Scores of NR query rows x NJ key vectors (16 keys each) starting at key j0:
 //   sc[r][j0 + 16 jv + lane] = sum_p dot2(Q[r, 2p..2p+1], Kp[p][j0 + 16 jv + lane]).
 template <int NR, int NJ>
 GML_AVX512BF16 inline void scores_tile(const uint16_t* q, int64_t q_row, const uint32_t* kp, int64_t sp, int64_t pairs,
-                                       int64_t j0, float* sc, int64_t sc_row) {
+                                       int64_t j0, float* sc, int64_t sc_row, Epilogue& ep) {
   __m512 acc[NR][NJ];
 #pragma GCC unroll 4
   for (int r = 0; r < NR; ++r)
@@ -115,13 +128,29 @@ GML_AVX512BF16 inline void scores_tile(const uint16_t* q, int64_t q_row, const u
     for (int r = 0; r < NR; ++r) {
       const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(load_pair(q + r * q_row + 2 * p))));
 #pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
     }
   }
+  if (!ep.prepared) {
 #pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r)
+    for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) _mm512_storeu_ps(sc + r * sc_row + j0 + 16 * j, acc[r][j]);
+      for (int j = 0; j < NJ; ++j) _mm512_storeu_ps(sc + r * sc_row + j0 + 16 * j, acc[r][j]);
+    return;
+  }
+  const __m512 vs = _mm512_set1_ps(ep.scale);
+#pragma GCC unroll 4
+  for (int j = 0; j < NJ; ++j) {
+    const int64_t k0 = j0 + 16 * j;
+    const __mmask16 valid = ep.S - k0 >= 16 ? 0xFFFF : (ep.S > k0 ? static_cast<__mmask16>((1u << (ep.S - k0)) - 1) : 0);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      __m512 x = _mm512_mul_ps(acc[r][j], vs);
+      if (ep.mask[r]) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(valid, ep.mask[r] + k0));
+      _mm512_storeu_ps(sc + r * sc_row + k0, x);
+      ep.vmax[r] = _mm512_mask_max_ps(ep.vmax[r], valid, ep.vmax[r], x);
+    }
+  }
 }
 
 // O rows (NR) x ND output vectors starting at column d0: sum over key pairs of P's pair x Vp.
@@ -153,13 +182,13 @@ GML_AVX512BF16 inline void pv_tile(const uint16_t* pr, int64_t p_row, const uint
 
 template <int NR>
 GML_AVX512BF16 void scores_rows(const uint16_t* q, int64_t q_row, const uint32_t* kp, int64_t sp, int64_t pairs,
-                                float* sc) {
+                                float* sc, Epilogue& ep) {
   int64_t j0 = 0;
-  for (; j0 + 64 <= sp; j0 += 64) scores_tile<NR, 4>(q, q_row, kp, sp, pairs, j0, sc, sp);
+  for (; j0 + 64 <= sp; j0 += 64) scores_tile<NR, 4>(q, q_row, kp, sp, pairs, j0, sc, sp, ep);
   switch ((sp - j0) / 16) {
-    case 3: scores_tile<NR, 3>(q, q_row, kp, sp, pairs, j0, sc, sp); break;
-    case 2: scores_tile<NR, 2>(q, q_row, kp, sp, pairs, j0, sc, sp); break;
-    case 1: scores_tile<NR, 1>(q, q_row, kp, sp, pairs, j0, sc, sp); break;
+    case 3: scores_tile<NR, 3>(q, q_row, kp, sp, pairs, j0, sc, sp, ep); break;
+    case 2: scores_tile<NR, 2>(q, q_row, kp, sp, pairs, j0, sc, sp, ep); break;
+    case 1: scores_tile<NR, 1>(q, q_row, kp, sp, pairs, j0, sc, sp, ep); break;
     default: break;
   }
 }
@@ -177,47 +206,54 @@ GML_AVX512BF16 void pv_rows(const uint16_t* p, int64_t p_row, const uint32_t* vp
   }
 }
 
-// Softmax of one score row, unnormalized: x = scale * s + masks over the first S keys;
+// Softmax of one score row, unnormalized: x = scale * s + masks over the first S keys (already
+// in ``sc`` with its max ``prepared_max`` when the scores tile's epilogue computed them);
 // p[j] = exp(x - max) rounded to bf16 (keys S..Sp-1 get 0); returns 1 / sum_j exp(x - max) (the fp32
 // values), by which P·V's row is multiplied: O = (e V) / sum equals (e / sum) V with the division
-// moved after the matrix product (one multiply per output instead of one per key). A row whose every
-// score is -inf (two -FLT_MAX masks summed) is taken as all equal (uniform), like a row whose every
-// key carries one -FLT_MAX mask.
-GML_AVX512BF16 inline float softmax_row(float* sc, int64_t S, int64_t sp, float scale, const float* const* mrow,
-                                        const int64_t* mcol, int nmask, uint16_t* p) {
-  const __m512 vs = _mm512_set1_ps(scale);
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < S; j += 16) {
-    const __mmask16 m = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
-    __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sc + j), vs);
-    for (int i = 0; i < nmask; ++i) {
-      if (mcol[i] == 1) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, mrow[i] + j));
-      else if (mcol[i] == 0) x = _mm512_add_ps(x, _mm512_set1_ps(mrow[i][0]));
-      else {
-        alignas(64) float t[16] = {};
-        for (int64_t l = 0; l < std::min<int64_t>(16, S - j); ++l) t[l] = mrow[i][(j + l) * mcol[i]];
-        x = _mm512_add_ps(x, _mm512_load_ps(t));
+// moved after the matrix product (one multiply per output instead of one per key). A row whose max
+// is at or below -1e30 has every key masked (-FLT_MAX, or -inf for two masks summed): at that
+// magnitude a score no longer changes the sum (an fp32 ulp of 1e30 is 7e22), so the row's values
+// are equal and its weights uniform, as the primitive path gives for a fully masked row.
+GML_AVX512BF16 inline float softmax_row(float* sc, int64_t S, int64_t sp, const float* prepared_max, float scale,
+                                        const float* const* mrow, const int64_t* mcol, int nmask, uint16_t* p) {
+  float mx;
+  if (prepared_max) {
+    mx = *prepared_max;
+  } else {
+    const __m512 vs = _mm512_set1_ps(scale);
+    __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < S; j += 16) {
+      const __mmask16 m = S - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (S - j)) - 1);
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sc + j), vs);
+      for (int i = 0; i < nmask; ++i) {
+        if (mcol[i] == 1) x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(m, mrow[i] + j));
+        else if (mcol[i] == 0) x = _mm512_add_ps(x, _mm512_set1_ps(mrow[i][0]));
+        else {
+          alignas(64) float t[16] = {};
+          for (int64_t l = 0; l < std::min<int64_t>(16, S - j); ++l) t[l] = mrow[i][(j + l) * mcol[i]];
+          x = _mm512_add_ps(x, _mm512_load_ps(t));
+        }
       }
+      _mm512_storeu_ps(sc + j, x);
+      vmax = _mm512_mask_max_ps(vmax, m, vmax, x);
     }
-    _mm512_storeu_ps(sc + j, x);
-    vmax = _mm512_mask_max_ps(vmax, m, vmax, x);
+    mx = _mm512_reduce_max_ps(vmax);
   }
-  float mx = _mm512_reduce_max_ps(vmax);
-  if (mx == -std::numeric_limits<float>::infinity()) {  // every key masked twice: uniform weights
-    for (int64_t j = 0; j < S; ++j) sc[j] = 0.0f;
+  if (mx <= -1e30f) {  // every key masked: the scores are below the mask's resolution, all equal
+    for (int64_t j = 0; j < S; ++j) sc[j] = 0.0f;  // (and mx * log2(e) would overflow): uniform
     mx = 0.0f;
   }
-  const __m512 vm = _mm512_set1_ps(mx);
+  const __m512 vm = _mm512_set1_ps(mx * 1.44269504088896341f);
   __m512 vsum = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 16 <= S; j += 16) {
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sc + j), vm));
+    const __m512 e = exp_minus_max(_mm512_loadu_ps(sc + j), vm);
     vsum = _mm512_add_ps(vsum, e);
     store_bf16(p + j, e);
   }
   for (; j < sp; j += 16) {  // the last keys and the zero padding
     const __mmask16 m = S > j ? static_cast<__mmask16>((1u << (S - j)) - 1) : 0;
-    const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sc + j), vm)));
+    const __m512 e = _mm512_maskz_mov_ps(m, exp_minus_max(_mm512_loadu_ps(sc + j), vm));
     vsum = _mm512_add_ps(vsum, e);
     store_bf16(p + j, e);
   }
@@ -274,16 +310,26 @@ GML_AVX512BF16 inline void attend_one(const Problem& pb, const uint16_t* q, cons
   for (int64_t r0 = 0; r0 < L; r0 += kRows) {
     const int nr = static_cast<int>(std::min<int64_t>(kRows, L - r0));
     const uint16_t* qr = q + r0 * pb.q.row;
+    Epilogue ep;
+    ep.prepared = nmask == 0 || (nmask == 1 && mcol[0] == 1);
+    ep.scale = pb.scale;
+    ep.S = S;
+    for (int r = 0; r < kRows; ++r) {
+      ep.vmax[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      ep.mask[r] = nmask == 1 && r < nr ? mask_base[0] + (r0 + r) * pb.masks[0].row : nullptr;
+    }
     switch (nr) {
-      case 4: scores_rows<4>(qr, pb.q.row, w.kp.data(), sp, pairs, w.sc.data()); break;
-      case 3: scores_rows<3>(qr, pb.q.row, w.kp.data(), sp, pairs, w.sc.data()); break;
-      case 2: scores_rows<2>(qr, pb.q.row, w.kp.data(), sp, pairs, w.sc.data()); break;
-      default: scores_rows<1>(qr, pb.q.row, w.kp.data(), sp, pairs, w.sc.data()); break;
+      case 4: scores_rows<4>(qr, pb.q.row, w.kp.data(), sp, pairs, w.sc.data(), ep); break;
+      case 3: scores_rows<3>(qr, pb.q.row, w.kp.data(), sp, pairs, w.sc.data(), ep); break;
+      case 2: scores_rows<2>(qr, pb.q.row, w.kp.data(), sp, pairs, w.sc.data(), ep); break;
+      default: scores_rows<1>(qr, pb.q.row, w.kp.data(), sp, pairs, w.sc.data(), ep); break;
     }
     float inv[kRows];
     for (int r = 0; r < nr; ++r) {
       for (int i = 0; i < nmask; ++i) mrow[i] = mask_base[i] + (r0 + r) * pb.masks[i].row;
-      inv[r] = softmax_row(w.sc.data() + r * sp, S, sp, pb.scale, mrow.data(), mcol.data(), nmask, w.p.data() + r * sp);
+      const float mx = ep.prepared ? _mm512_reduce_max_ps(ep.vmax[r]) : 0.0f;
+      inv[r] = softmax_row(w.sc.data() + r * sp, S, sp, ep.prepared ? &mx : nullptr, pb.scale, mrow.data(), mcol.data(),
+                           nmask, w.p.data() + r * sp);
     }
     uint16_t* orow = o + r0 * pb.out.row;
     switch (nr) {
