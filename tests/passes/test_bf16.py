@@ -189,3 +189,26 @@ def test_bf16_model_saves_and_loads_bit_exact(tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(x), res.module(x))
         torch.testing.assert_close(on_engine(x), res.module(x), rtol=2e-2, atol=2e-2)
+
+
+class _OptionalMask(nn.Module):
+    """``forward(x, mask=None)`` like timm's ViT blocks: the capture keeps ``mask`` as a placeholder
+    with its default, no tensor behind it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.fc(x)
+        return h if mask is None else h + mask
+
+
+@needs_bf16
+def test_an_optional_input_left_at_its_default_does_not_stop_bf16():
+    torch.manual_seed(0)
+    model, x = _OptionalMask().eval(), torch.randn(2, 16)
+    res = gml.optimize(model, x, precision="bf16")
+    assert res.precision.effective == "bf16", res.precision.warnings
+    with torch.no_grad():
+        assert _rel_err(res.executable(x), model(x)) < 2.0**-6

@@ -210,3 +210,45 @@ def test_fx_models_still_take_the_fx_path() -> None:
     gm = capture(model, (torch.randn(2, 4),))
     assert capture_info(gm).path == "torch.fx"
     assert not gm.training
+
+
+class _Conv1DLike(nn.Module):
+    """HF GPT-2's ``Conv1D``: ``addmm(b, x.view(-1, in), W)`` with ``W`` stored ``[in, out]``."""
+
+    def __init__(self, n_in: int, n_out: int, alpha: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.1)
+        self.bias = nn.Parameter(torch.randn(n_out))
+        self.alpha = alpha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight, alpha=self.alpha)
+        return y.view(*x.shape[:-1], -1)
+
+
+def _exported(model: nn.Module, *inputs: torch.Tensor) -> fx.GraphModule:
+    exported = torch.export.export(model, inputs).module()
+    gm = fx.GraphModule(exported, exported.graph, type(model).__name__)
+    gm._in_spec, gm._out_spec = exported._in_spec, exported._out_spec
+    return gm
+
+
+def test_raise_aten_turns_gpt2_conv1d_addmm_into_a_linear_bit_exactly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Conv1DLike(16, 24), nn.GELU(), _Conv1DLike(24, 8)).eval()
+    x = torch.randn(2, 5, 16)
+    res = RaiseATen()(_exported(model, x))
+    out = res.graph_module
+    assert "aten.addmm" not in out.code and _kinds(out).count("Linear") == 2
+    lin = next(m for m in out.modules() if type(m) is nn.Linear)
+    # the weight is the model's [in, out] storage seen transposed, not a copy
+    assert lin.weight.shape == (24, 16) and lin.weight.data_ptr() == model[0].weight.data_ptr()
+    with torch.no_grad():
+        assert torch.equal(out(x), model(x))
+
+
+def test_raise_aten_keeps_a_scaled_addmm_and_says_why() -> None:
+    model = _Conv1DLike(8, 8, alpha=0.5).eval()
+    res = RaiseATen()(_exported(model, torch.randn(3, 8)))
+    assert "aten.addmm" in res.graph_module.code
+    assert [s.reason for s in res.skips] == ["addmm with alpha or beta other than 1"]

@@ -207,6 +207,8 @@ def _label(node: fx.Node, mod: nn.Module | None) -> str:
 def _example(node: fx.Node) -> Any:
     meta = node.meta.get("tensor_meta")
     if meta is None or not hasattr(meta, "shape"):
+        if node.args:  # an optional argument the capture left at its default (timm ViT: attn_mask=None)
+            return node.args[0]
         raise GMLError(
             f"LowerToBf16 needs the shape of input {node.name} (tensor_meta).",
             hint="run it through gml's PassManager with sample inputs, or ShapeProp the graph first.",

@@ -10,6 +10,7 @@ of the module that made the call, taken from export's ``nn_module_stack``, e.g.
 ``encoder.layer.0.attention.self.query``)::
 
     aten.linear(x, W, b)                                  →  nn.Linear(x)        (sharing W, b)
+    aten.addmm(b, x, W) (HF GPT-2's Conv1D: W is [in, out]) →  nn.Linear(x)        (weight Wᵀ, a view)
     aten.conv{1,2,3}d(x, W, b, stride, pad, dil, groups)  →  nn.Conv{1,2,3}d(x)
     aten.layer_norm(x, shape, W, b, eps)                  →  nn.LayerNorm(x)
     aten.embedding(W, ids, padding_idx)                   →  nn.Embedding(ids)
@@ -136,6 +137,20 @@ def _build(gm: fx.GraphModule, node: fx.Node) -> tuple[nn.Module, fx.Node] | str
         if b is not None:
             lin.bias = _param(b)
         return lin, x
+    if target is aten.addmm.default:
+        # nn.Linear's forward on a 2-D input is addmm(b, x, weight.t()): with weight = Wᵀ (a view of
+        # W, not a copy) it makes this very call, bit for bit
+        b_node, x, w_node = node.args[:3]
+        if _arg(node, 3, "beta", 1) != 1 or _arg(node, 4, "alpha", 1) != 1:
+            return "addmm with alpha or beta other than 1"
+        w, b = _const(gm, w_node), _const(gm, b_node)
+        if w is None or b is None:
+            return "weight or bias is computed, not a constant"
+        if w.dim() != 2 or b.dim() != 1 or b.shape[0] != w.shape[1]:
+            return f"addmm of a {tuple(b.shape)} bias and a {tuple(w.shape)} weight is not a linear layer"
+        lin = nn.Linear(w.shape[0], w.shape[1])
+        lin.weight, lin.bias = _param(w.t()), _param(b)
+        return lin, x
     if target is aten.layer_norm.default:
         x, shape = node.args[0], node.args[1]
         w_node, b_node = _arg(node, 2, "weight", None), _arg(node, 3, "bias", None)
@@ -208,7 +223,14 @@ def _build(gm: fx.GraphModule, node: fx.Node) -> tuple[nn.Module, fx.Node] | str
     return "not a weight-carrying op"
 
 
-_MODULE_OPS = (aten.linear.default, aten.layer_norm.default, aten.embedding.default, aten.batch_norm.default, *_CONVS)
+_MODULE_OPS = (
+    aten.linear.default,
+    aten.addmm.default,
+    aten.layer_norm.default,
+    aten.embedding.default,
+    aten.batch_norm.default,
+    *_CONVS,
+)
 
 
 def _install(gm: fx.GraphModule, node: fx.Node, module: nn.Module, taken: set[str]) -> str:
