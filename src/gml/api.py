@@ -39,6 +39,8 @@ class OptimizeResult:
     engine: Any = None
     #: which runtime runs each node and why (``str(result.runtime)``), when an engine was tried
     runtime: Any = None
+    #: the example inputs the model was optimized for (what :meth:`save` exports with)
+    example_inputs: tuple = ()
 
     @property
     def executable(self) -> Any:
@@ -51,9 +53,16 @@ class OptimizeResult:
         return self.max_abs_err / self.max_abs_ref if self.max_abs_ref else self.max_abs_err
 
     def save(self, path: str) -> None:
+        """Save as a ``torch.export`` program (no pickle; ``gml.load`` reads it back). The batch dim
+        stays dynamic; a model captured with ``torch.export`` (a transformer) keeps every dim its
+        graph allows dynamic, the sequence length too — exporting it from its placeholders' shapes
+        would trace a dynamic length at 1 and specialize the saved model to length 1."""
+        from gml.capture_export import capture_info
         from gml.io import save
 
-        save(self.module, path)
+        info = capture_info(self.module)
+        exported = info is not None and info.path == "torch.export"
+        save(self.module, path, self.example_inputs or None, dynamic_dims="all" if exported else "batch")
 
 
 def _no_autograd(module: nn.Module, args: tuple) -> None:
@@ -130,7 +139,7 @@ def optimize(
         (float(t.abs().max()) for outs in ref for t in outs if t.numel() and t.is_floating_point()), default=0.0
     )
     refuse_autograd(result.graph_module)
-    out = OptimizeResult(result.graph_module, result.report, err, scale)
+    out = OptimizeResult(result.graph_module, result.report, err, scale, example_inputs=inputs)
     bf16 = False
     if precision == "bf16":
         from gml.passes.bf16 import bf16_outcome

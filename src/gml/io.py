@@ -126,8 +126,12 @@ def _export(gm: nn.Module, args: tuple, dynamic_batch: bool, all_dims: bool = Fa
         # every dim Dim.AUTO (a transformer: batch and sequence length): export keeps dynamic what the
         # graph allows and specializes the rest without failing
         auto = tuple({i: torch.export.Dim.AUTO for i in range(a.dim())} for a in args)
+        # export specializes a dim whose example size is 1: a batch of 1 is traced as the example
+        # twice (the example's own values, so a mask or ids stay valid), else the saved model would
+        # run on batch 1 only
+        wide = tuple(torch.cat([a, a]) if a.dim() > 0 and a.shape[0] == 1 else a for a in args)
         try:
-            return torch.export.export(gm, args, dynamic_shapes=auto, strict=False), True
+            return torch.export.export(gm, wide, dynamic_shapes=auto, strict=False), True
         except Exception:  # fall back to the batch-only / static export below
             pass
     if dynamic_batch and all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):

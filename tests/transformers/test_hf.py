@@ -189,3 +189,23 @@ def test_gpt2_without_cache_optimizes_and_quantizes_causal_attention() -> None:
 def test_model_folder_and_hf_names_load_without_the_kv_cache(tmp_path) -> None:
     _gpt2(use_cache=True).save_pretrained(tmp_path)
     assert load_hf(str(tmp_path)).config.use_cache is False
+
+
+def test_an_optimized_transformer_saved_from_a_batch_of_one_loads_for_other_batches_and_lengths(tmp_path) -> None:
+    """``OptimizeResult.save`` exports with the example inputs and every dim the graph allows
+    dynamic: saved from the placeholders' shapes, the exported program was specialized to the
+    sequence length 1 (a dynamic dim is traced at 1), and a batch of 1 to batch 1."""
+    from gml.archive import looks_pickled
+    from gml.io import load
+
+    model, x = _gpt2(use_cache=False), (torch.randint(0, 1000, (1, 12)),)
+    res = optimize(model, x)
+    path = tmp_path / "gpt2.pt2"
+    res.save(str(path))
+    assert not looks_pickled(path)
+    loaded = load(path)
+    for shape in ((1, 12), (3, 17), (2, 5)):
+        ids = torch.randint(0, 1000, shape)
+        with torch.no_grad():
+            want, got = model(ids).last_hidden_state, loaded(ids)["last_hidden_state"]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
