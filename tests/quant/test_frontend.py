@@ -118,6 +118,7 @@ def test_report_lists_fp32_passes_and_calibration(ref_result):
     assert [r.name for r in rep.fp32_passes.records] == [
         "fold_constants",
         "normalize",
+        "recognize_gelu",
         "untie",
         "fold_bn",
         "merge_branches",

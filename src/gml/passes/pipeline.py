@@ -5,6 +5,9 @@ Order matters and is fixed here, not discovered:
 * ``FoldConstants`` first: what depends only on parameters (timm's standardized conv weights) becomes
   a stored tensor, so Normalize can give the conv that reads it a module form.
 * ``Normalize`` next, so every later pass sees one node kind per op (ADR 001).
+* ``RecognizeTanhGelu`` right after it (it matches Normalize's modules): the tanh GELU spelled as
+  eight ops (HF ``gelu_new``: GPT-2, ALBERT) becomes one ``nn.GELU``, which the fusions take as a
+  post-op of the linear before it.
 * ``UntieSharedModules`` before anything that rewrites a module, so a rewrite at one call site
   can never change another (BasicBlock's shared ``relu``).
 * ``FoldBatchNorm`` before fusion: conv+BN+ReLU becomes conv+ReLU, which the fused kernels take.
@@ -29,6 +32,7 @@ from gml.passes.fold_bn import FoldBatchNorm
 from gml.passes.fold_constants import FoldConstants
 from gml.passes.fold_pad import FoldPadIntoConv
 from gml.passes.fuse_all import FUSION_PASS_CLASSES, fusion_passes
+from gml.passes.gelu import RecognizeTanhGelu
 from gml.passes.leaf_format import LeafMemoryFormat
 from gml.passes.merge_branches import MergeBranches
 from gml.passes.normalize import Normalize
@@ -36,11 +40,12 @@ from gml.passes.untie import UntieSharedModules
 
 
 def canonical_passes() -> list[GraphPass]:
-    """Fold constants → normalize → untie → fold BN → merge branches → fold pads: the exact rewrites
+    """Fold constants → normalize → tanh GELU → untie → fold BN → merge branches → fold pads: the exact rewrites
     both the fp32 and INT8 pipelines start with."""
     return [
         FoldConstants(),
         Normalize(),
+        RecognizeTanhGelu(),
         UntieSharedModules(),
         FoldBatchNorm(),
         MergeBranches(),
@@ -56,7 +61,8 @@ def fp32_passes() -> list[GraphPass]:
 
 def available_passes() -> dict[str, type[GraphPass]]:
     """Pass name → class, for ``gml optimize --passes``; names are the passes' own ``name``."""
-    classes: list[type[GraphPass]] = [FoldConstants, Normalize, UntieSharedModules, FoldBatchNorm, MergeBranches]
+    classes: list[type[GraphPass]] = [FoldConstants, Normalize, RecognizeTanhGelu, UntieSharedModules, FoldBatchNorm]
+    classes += [MergeBranches]
     classes += [FoldPadIntoConv]
     classes += [FuseAttention]
     classes += [*FUSION_PASS_CLASSES, LeafMemoryFormat]

@@ -4,7 +4,8 @@
 
     model ─ capture
           ─ reference_passes()        fp32 PassManager (checked, reported):
-                                      Normalize → Untie → FoldBatchNorm → FoldPadIntoConv → fold_self_add_into_conv →
+                                      Normalize → RecognizeTanhGelu → Untie → FoldBatchNorm → FoldPadIntoConv →
+                                      fold_self_add_into_conv →
                                       conv_operand_first
           ─ prepare / calibrate /     torch.ao (gml.quant.frontend.prepare_reference):
             convert_to_reference      a reference Q/DQ graph
