@@ -64,7 +64,7 @@ inline bool cpu_supported() {
 }
 
 // The shapes the kernel takes (the caller falls back to the primitive path otherwise).
-inline bool shape_supported(int64_t E, int64_t Ev) { return E > 0 && E % 2 == 0 && Ev > 0 && Ev % 16 == 0; }
+inline bool shape_supported(int64_t E, int64_t Ev) { return E > 0 && E % 2 == 0 && Ev > 0; }
 
 // exp(x - m) for x <= m (a score minus its row max), given m·log2(e), accurate to 2.9e-6 relative:
 // the probabilities are rounded to bf16 (2^-9 relative) next, so a degree-4 polynomial is enough.
@@ -154,9 +154,11 @@ GML_AVX512BF16 inline void scores_tile(const uint16_t* q, int64_t q_row, const u
 }
 
 // O rows (NR) x ND output vectors starting at column d0: sum over key pairs of P's pair x Vp.
+// ``evp``: Vp's row stride (the value head size rounded up to 16, zero padded); ``ev``: the head size
+// (the last vector's lanes past it are not stored).
 template <int NR, int ND>
-GML_AVX512BF16 inline void pv_tile(const uint16_t* pr, int64_t p_row, const uint32_t* vp, int64_t ev, int64_t kpairs,
-                                   int64_t d0, const float* row_scale, uint16_t* o, int64_t o_row) {
+GML_AVX512BF16 inline void pv_tile(const uint16_t* pr, int64_t p_row, const uint32_t* vp, int64_t evp, int64_t ev,
+                                   int64_t kpairs, int64_t d0, const float* row_scale, uint16_t* o, int64_t o_row) {
   __m512 acc[NR][ND];
 #pragma GCC unroll 4
   for (int r = 0; r < NR; ++r)
@@ -165,7 +167,7 @@ GML_AVX512BF16 inline void pv_tile(const uint16_t* pr, int64_t p_row, const uint
   for (int64_t q = 0; q < kpairs; ++q) {
     __m512bh b[ND];
 #pragma GCC unroll 4
-    for (int d = 0; d < ND; ++d) b[d] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vp + q * ev + d0 + 16 * d));
+    for (int d = 0; d < ND; ++d) b[d] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vp + q * evp + d0 + 16 * d));
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(load_pair(pr + r * p_row + 2 * q))));
@@ -176,8 +178,11 @@ GML_AVX512BF16 inline void pv_tile(const uint16_t* pr, int64_t p_row, const uint
 #pragma GCC unroll 4
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
-    for (int d = 0; d < ND; ++d)
-      store_bf16(o + r * o_row + d0 + 16 * d, _mm512_mul_ps(acc[r][d], _mm512_set1_ps(row_scale[r])));
+    for (int d = 0; d < ND; ++d) {
+      const int64_t left = ev - (d0 + 16 * d);
+      const __mmask16 m = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      store_bf16(o + r * o_row + d0 + 16 * d, _mm512_mul_ps(acc[r][d], _mm512_set1_ps(row_scale[r])), m);
+    }
 }
 
 template <int NR>
@@ -194,14 +199,14 @@ GML_AVX512BF16 void scores_rows(const uint16_t* q, int64_t q_row, const uint32_t
 }
 
 template <int NR>
-GML_AVX512BF16 void pv_rows(const uint16_t* p, int64_t p_row, const uint32_t* vp, int64_t ev, int64_t kpairs,
-                            const float* row_scale, uint16_t* o, int64_t o_row) {
+GML_AVX512BF16 void pv_rows(const uint16_t* p, int64_t p_row, const uint32_t* vp, int64_t evp, int64_t ev,
+                            int64_t kpairs, const float* row_scale, uint16_t* o, int64_t o_row) {
   int64_t d0 = 0;
-  for (; d0 + 64 <= ev; d0 += 64) pv_tile<NR, 4>(p, p_row, vp, ev, kpairs, d0, row_scale, o, o_row);
-  switch ((ev - d0) / 16) {
-    case 3: pv_tile<NR, 3>(p, p_row, vp, ev, kpairs, d0, row_scale, o, o_row); break;
-    case 2: pv_tile<NR, 2>(p, p_row, vp, ev, kpairs, d0, row_scale, o, o_row); break;
-    case 1: pv_tile<NR, 1>(p, p_row, vp, ev, kpairs, d0, row_scale, o, o_row); break;
+  for (; d0 + 64 <= evp; d0 += 64) pv_tile<NR, 4>(p, p_row, vp, evp, ev, kpairs, d0, row_scale, o, o_row);
+  switch ((evp - d0) / 16) {
+    case 3: pv_tile<NR, 3>(p, p_row, vp, evp, ev, kpairs, d0, row_scale, o, o_row); break;
+    case 2: pv_tile<NR, 2>(p, p_row, vp, evp, ev, kpairs, d0, row_scale, o, o_row); break;
+    case 1: pv_tile<NR, 1>(p, p_row, vp, evp, ev, kpairs, d0, row_scale, o, o_row); break;
     default: break;
   }
 }
@@ -272,9 +277,9 @@ GML_AVX512BF16 inline void attend_one(const Problem& pb, const uint16_t* q, cons
                                       uint16_t* o, const std::vector<const float*>& mask_base, Scratch& w) {
   constexpr int kRows = 4;
   const int64_t L = pb.L, S = pb.S, E = pb.E, Ev = pb.Ev;
-  const int64_t sp = (S + 15) / 16 * 16, pairs = E / 2, kpairs = sp / 2;
+  const int64_t sp = (S + 15) / 16 * 16, pairs = E / 2, kpairs = sp / 2, evp = (Ev + 15) / 16 * 16;
   w.kp.resize(static_cast<size_t>(pairs * sp));
-  w.vp.resize(static_cast<size_t>(kpairs * Ev));
+  w.vp.resize(static_cast<size_t>(kpairs * evp));
   w.sc.resize(static_cast<size_t>(kRows * sp));
   w.p.resize(static_cast<size_t>(kRows * sp));
   // pack K (pairs along E) and V (pairs along keys), zero padding to sp keys
@@ -292,10 +297,11 @@ GML_AVX512BF16 inline void attend_one(const Problem& pb, const uint16_t* q, cons
     const int64_t j = 2 * qq;
     const uint16_t* v0 = j < S ? v + j * pb.v.row : nullptr;
     const uint16_t* v1 = j + 1 < S ? v + (j + 1) * pb.v.row : nullptr;
-    uint32_t* dst = w.vp.data() + qq * Ev;
-    for (int64_t d = 0; d < Ev; d += 16) {
-      const __m256i a = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)) : _mm256_setzero_si256();
-      const __m256i b = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)) : _mm256_setzero_si256();
+    uint32_t* dst = w.vp.data() + qq * evp;
+    for (int64_t d = 0; d < evp; d += 16) {  // the head size's tail is read masked, zero padded
+      const __mmask16 m = Ev - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (Ev - d)) - 1);
+      const __m256i a = v0 ? _mm256_maskz_loadu_epi16(m, v0 + d) : _mm256_setzero_si256();
+      const __m256i b = v1 ? _mm256_maskz_loadu_epi16(m, v1 + d) : _mm256_setzero_si256();
       // interleave 16 + 16 bf16 into 16 pairs (a[i], b[i])
       const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
       const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
@@ -333,10 +339,10 @@ GML_AVX512BF16 inline void attend_one(const Problem& pb, const uint16_t* q, cons
     }
     uint16_t* orow = o + r0 * pb.out.row;
     switch (nr) {
-      case 4: pv_rows<4>(w.p.data(), sp, w.vp.data(), Ev, kpairs, inv, orow, pb.out.row); break;
-      case 3: pv_rows<3>(w.p.data(), sp, w.vp.data(), Ev, kpairs, inv, orow, pb.out.row); break;
-      case 2: pv_rows<2>(w.p.data(), sp, w.vp.data(), Ev, kpairs, inv, orow, pb.out.row); break;
-      default: pv_rows<1>(w.p.data(), sp, w.vp.data(), Ev, kpairs, inv, orow, pb.out.row); break;
+      case 4: pv_rows<4>(w.p.data(), sp, w.vp.data(), evp, Ev, kpairs, inv, orow, pb.out.row); break;
+      case 3: pv_rows<3>(w.p.data(), sp, w.vp.data(), evp, Ev, kpairs, inv, orow, pb.out.row); break;
+      case 2: pv_rows<2>(w.p.data(), sp, w.vp.data(), evp, Ev, kpairs, inv, orow, pb.out.row); break;
+      default: pv_rows<1>(w.p.data(), sp, w.vp.data(), evp, Ev, kpairs, inv, orow, pb.out.row); break;
     }
   }
 }
