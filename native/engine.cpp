@@ -28,6 +28,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -762,6 +763,21 @@ class Plan {
 
   // One inference: inputs / outputs are data pointers of tensors laid out as planned.
   void run(const std::vector<uintptr_t>& inputs, const std::vector<uintptr_t>& outputs, int nthreads) {
+    run_impl(inputs, outputs, nthreads, nullptr);
+  }
+
+  // run(), returning each step's wall time in µs (a profile: what each primitive / kernel step
+  // costs in the plan, oneDNN's and GML's own alike; EngineModule.profile()).
+  std::vector<double> run_timed(const std::vector<uintptr_t>& inputs, const std::vector<uintptr_t>& outputs,
+                                int nthreads) {
+    std::vector<double> times(steps_.size(), 0.0);
+    run_impl(inputs, outputs, nthreads, &times);
+    return times;
+  }
+
+ private:
+  void run_impl(const std::vector<uintptr_t>& inputs, const std::vector<uintptr_t>& outputs, int nthreads,
+                std::vector<double>* times) {
     if (!finalized_) throw std::runtime_error("gml engine: plan not finalized");
     // an input no step reads (a segment whose only node is dead code) is never added as a value
     if (static_cast<int>(inputs.size()) < n_inputs_ || static_cast<int>(outputs.size()) != n_outputs_)
@@ -776,8 +792,13 @@ class Plan {
     }
     try {
       for (size_t i = 0; i < steps_.size(); ++i) {
+        const auto t0 = times ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
         if (steps_[i].kernel) steps_[i].kernel(ctx->args[i]);  // CPU primitives run synchronously: in order
         else steps_[i].prim.execute(ctx->stream, ctx->args[i]);
+        if (times) {
+          ctx->stream.wait();
+          (*times)[i] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+        }
       }
       ctx->stream.wait();
     } catch (...) {
@@ -787,6 +808,7 @@ class Plan {
     release(std::move(ctx));
   }
 
+ public:
   size_t num_steps() const { return steps_.size(); }
   int64_t arena_bytes() const { return arena_bytes_; }
   size_t scratch_bytes() const { return scratch_bytes_; }
@@ -1030,6 +1052,8 @@ NB_MODULE(_engine, m) {
       .def("set_offset", &Plan::set_offset, nb::arg("value"), nb::arg("offset"))
       .def("finalize", &Plan::finalize, nb::arg("arena_bytes"))
       .def("run", &Plan::run, nb::arg("inputs"), nb::arg("outputs"), nb::arg("nthreads"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("run_timed", &Plan::run_timed, nb::arg("inputs"), nb::arg("outputs"), nb::arg("nthreads"),
            nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("num_steps", &Plan::num_steps)
       .def_prop_ro("arena_bytes", &Plan::arena_bytes)

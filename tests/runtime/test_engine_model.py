@@ -51,6 +51,21 @@ def test_resnet18_runs_wholly_in_the_engine(resnet18_int8):
     assert plan.num_steps == 24  # quantize, 20 convs, maxpool, avgpool (+ flatten view), fc
 
 
+def test_profile_names_every_step_with_its_kernel_and_time(resnet18_int8):
+    """EngineModule.profile: each native step of the call, in order, with the implementation that
+    ran and a median time."""
+
+    _, res, x = resnet18_int8
+    rows = res.engine.profile(x, rounds=3)
+    seg = res.engine.segments()[0]
+    plan = next(iter(seg._plans.values()))[0]
+    assert [r.step for r in rows] == list(plan.step_names())
+    assert [r.impl for r in rows] == list(plan.step_impls())
+    assert all(r.us > 0 and r.segment == 0 for r in rows)  # times: no bound asserted (speed lives in benchmarks)
+    with pytest.raises(InputError, match="rounds=0"):
+        res.engine.profile(x, rounds=0)
+
+
 @pytest.mark.slow
 def test_new_shapes_compile_new_plans(resnet18_int8):
     _, res, _ = resnet18_int8

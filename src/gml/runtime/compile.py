@@ -15,9 +15,11 @@ report says why.
 from __future__ import annotations
 
 import operator
+import statistics
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,22 @@ from gml.runtime.translate import Unsupported, read_call, rule_for
 
 #: Plans a segment keeps (one per input layout seen; the oldest goes first beyond this).
 MAX_PLANS = 8
+
+#: set by EngineModule.profile(): segments then run their plans with per-step timing and append
+#: ``(segment, plan, [µs per step])`` here
+_PROFILE: ContextVar[list | None] = ContextVar("gml_engine_profile", default=None)
+
+
+@dataclass
+class StepTime:
+    """One native step of a profile (:meth:`EngineModule.profile`): which segment, the node it came
+    from, the implementation that ran (oneDNN's, e.g. ``brg:avx512_core_bf16``, or GML's own, e.g.
+    ``gml:attention_avx512_bf16``) and its median wall time."""
+
+    segment: int
+    step: str
+    impl: str
+    us: float
 
 
 @dataclass
@@ -228,7 +246,12 @@ class EngineSegment(nn.Module):
             return tuple(self.reference(*inputs))
         results = [torch.empty_strided(s, st, dtype=dt) for s, st, dt in outs]
         tensors = [t.data_ptr() for t in inputs if isinstance(t, torch.Tensor)]  # sizes are in the plan's key
-        plan.run(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
+        record = _PROFILE.get()
+        if record is None:
+            plan.run(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
+        else:
+            times = plan.run_timed(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
+            record.append((self, plan, times))
         return tuple(results)
 
 
@@ -439,6 +462,32 @@ class EngineModule(nn.Module):
     def segments(self) -> list[EngineSegment]:
         return [m for m in self.graph_module.modules() if isinstance(m, EngineSegment)]
 
+    def profile(self, *inputs: Any, rounds: int = 5) -> list[StepTime]:
+        """Every native step these inputs run, with its implementation and median wall time over
+        ``rounds`` calls (after one warm-up call), in execution order. Steps are timed one by one
+        (the stream is waited on after each), so the sum is a little above a plain call's time."""
+        if rounds < 1:
+            raise InputError(f"rounds={rounds}: profile at least one call.")
+        with torch.no_grad():
+            self(*inputs)  # plans compiled, caches warm
+            runs: list[list] = []
+            for _ in range(rounds):
+                record: list = []
+                token = _PROFILE.set(record)
+                try:
+                    self(*inputs)
+                finally:
+                    _PROFILE.reset(token)
+                runs.append(record)
+        index = {id(seg): i for i, seg in enumerate(self.segments())}
+        rows: list[StepTime] = []
+        for k, (seg, plan, _) in enumerate(runs[0]):
+            names, impls = plan.step_names(), plan.step_impls()
+            for j, (name, impl) in enumerate(zip(names, impls)):
+                us = statistics.median(run[k][2][j] for run in runs)
+                rows.append(StepTime(index.get(id(seg), -1), name, impl, us))
+        return rows
+
 
 def compile_engine(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> EngineModule:
     """Partition ``gm`` for the engine and compile the plan for ``example_inputs``' shapes.
@@ -455,4 +504,12 @@ def compile_engine(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -
     return module
 
 
-__all__ = ["EngineModule", "EngineSegment", "RuntimeReport", "UnsupportedError", "compile_engine", "partition"]
+__all__ = [
+    "EngineModule",
+    "EngineSegment",
+    "RuntimeReport",
+    "StepTime",
+    "UnsupportedError",
+    "compile_engine",
+    "partition",
+]
