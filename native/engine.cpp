@@ -620,11 +620,12 @@ class Plan {
   }
 
   // gml.attention in one Kernel step (native/attention.h): O = softmax(scale * Q Kᵀ + masks) V, bf16
-  // q / k / v / out of one rank (batch dims of size 1 broadcast), unit last-dim strides; ``masks``:
+  // or fp32 q / k / v / out of one rank (batch dims of size 1 broadcast), unit last-dim strides; ``masks``:
   // additive fp32 values of that rank. The Python side calls it only when fused_attention_available().
   void attention(int q, int k, int v, int dst, const std::vector<int>& masks, float scale, const std::string& name) {
     if (!gml_attention::cpu_supported()) throw std::invalid_argument("gml engine: fused attention needs AVX512-BF16");
-    if (!resolved(dst)) resolve(dst, memory::desc(md_out(dst).get_dims(), dt::bf16, plain_strides(md_out(dst).get_dims())));
+    if (!resolved(dst))
+      resolve(dst, memory::desc(md_out(dst).get_dims(), md_in(q).get_data_type(), plain_strides(md_out(dst).get_dims())));
     const memory::desc od = md_in(dst);
     const memory::dims odims = od.get_dims();
     const int rank = static_cast<int>(odims.size());
@@ -647,10 +648,13 @@ class Plan {
       op.col = d[rank - 1] == 1 ? 0 : st[rank - 1];
       return std::make_pair(op, d);
     };
-    auto [qo, qd] = operand(q, dt::bf16, "q");
-    auto [ko, kd] = operand(k, dt::bf16, "k");
-    auto [vo, vd] = operand(v, dt::bf16, "v");
-    auto [oo, odd] = operand(dst, dt::bf16, "output");
+    const dt type = md_in(q).get_data_type();  // bf16, or fp32 (the same kernel with FMA for vdpbf16ps)
+    if (type != dt::bf16 && type != dt::f32) throw std::invalid_argument("gml engine: attention of bf16 or f32 values");
+    pb.f32 = type == dt::f32;
+    auto [qo, qd] = operand(q, type, "q");
+    auto [ko, kd] = operand(k, type, "k");
+    auto [vo, vd] = operand(v, type, "v");
+    auto [oo, odd] = operand(dst, type, "output");
     pb.L = qd[rank - 2], pb.E = qd[rank - 1], pb.S = kd[rank - 2], pb.Ev = vd[rank - 1];
     if (kd[rank - 1] != pb.E || vd[rank - 2] != pb.S || odims[rank - 2] != pb.L || odims[rank - 1] != pb.Ev)
       throw std::invalid_argument("gml engine: attention shapes do not match");
@@ -658,6 +662,8 @@ class Plan {
     if (pb.L > 1 && qo.row == 0) throw std::invalid_argument("gml engine: attention q rows");
     for (const auto* o : {&qo, &ko, &vo, &oo})
       if (o->col != 1) throw std::invalid_argument("gml engine: attention operands need unit last-dim strides");
+    if (16 * 4 * std::max<int64_t>(ko.row, 1) >= (int64_t{1} << 31))  // K is packed by gathers with int32 offsets
+      throw std::invalid_argument("gml engine: attention K rows too far apart for the fused kernel");
     pb.scale = scale;
     pb.q = qo, pb.k = ko, pb.v = vo, pb.out = oo;
     for (int m : masks) {
@@ -681,7 +687,7 @@ class Plan {
                                                 {DNNL_ARG_MULTIPLE_SRC + 1, k}, {DNNL_ARG_MULTIPLE_SRC + 2, v}};
     for (size_t i = 0; i < masks.size(); ++i) value_args.emplace_back(DNNL_ARG_MULTIPLE_SRC + 3 + static_cast<int>(i), masks[i]);
     Step step{dnnl::primitive(), std::move(kern), std::move(value_args), {}, memory::desc(), name};
-    step.impl = "gml:attention_avx512_bf16";
+    step.impl = pb.f32 ? "gml:attention_avx512_f32" : "gml:attention_avx512_bf16";
     steps_.push_back(std::move(step));
   }
 

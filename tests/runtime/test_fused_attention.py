@@ -214,14 +214,25 @@ def test_two_threads_and_two_callers_give_the_one_thread_result(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize(
-    "dtype,e,ev,why",
-    [(torch.float32, 16, 16, "fp32"), (torch.bfloat16, 5, 16, "odd head size")],
-)
-def test_other_cases_keep_the_primitive_path(dtype, e, ev, why, monkeypatch):
-    q, k, v = (t.to(dtype) for t in qkv(1, 2, 4, 4, e, ev))
+@pytest.mark.parametrize("b,h,lq,s,e,ev", [(1, 12, 128, 128, 32, 32), (2, 3, 7, 21, 8, 36)])
+def test_fp32_forced_matches_sdpa_to_fp32_accuracy(b, h, lq, s, e, ev, monkeypatch):
+    """fp32 through the same kernel (FMA for vdpbf16ps, exp to 1.9e-7): SDPA's result to ~1e-6."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen) for n, d in ((lq, e), (s, e), (s, ev)))
+    pad = torch.arange(s)[None, None, None, :] < torch.tensor([s, s - 5][:b])[:, None, None, None]
+    got, used = run(attention_graph(4), q, k, v, pad, path="fused", monkeypatch=monkeypatch)
+    assert used[-1] == "gml:attention_avx512_f32"
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=pad)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * float(v.abs().max()))
+    _, auto = run(attention_graph(3), q, k, v, path="auto", monkeypatch=monkeypatch)
+    assert not any(i.startswith("gml:attention") for i in auto)  # auto: fp32 keeps the primitives
+
+
+@needs_kernel
+def test_an_odd_head_size_keeps_the_primitive_path(monkeypatch):
+    q, k, v = qkv(1, 2, 4, 4, 5, 16)
     _, used = run(attention_graph(3), q, k, v, path="fused", monkeypatch=monkeypatch)
-    assert FUSED not in used, why
+    assert FUSED not in used
 
 
 def test_primitives_forced_and_a_bad_setting(monkeypatch):

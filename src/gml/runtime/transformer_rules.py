@@ -13,7 +13,7 @@ node                        engine steps
                             strides swapped, no copy) with the scale (eltwise ``linear``) and the
                             mask (binary ``add``, broadcast over heads / queries) as post-ops →
                             ``P = softmax(S)`` (fp32 math, written in Q's dtype) → ``O = P @ V``;
-                            bf16 on an AVX512-BF16 CPU: the same math as one fused step
+                            on an AVX512-BF16 CPU: the same math as one fused step
                             (``Builder.attention``, native/attention.h, ADR 009;
                             :func:`fused_attention_ok` says when)
 ``gml.nn.Add`` (float)      one binary ``add`` (oneDNN broadcasts the smaller operand); f32 / bf16,
@@ -594,10 +594,11 @@ ATTENTION_ENV = "GML_ATTENTION"
 
 
 def fused_attention_ok(q: Val, k: Val, v: Val, out: Val) -> bool:
-    """Whether ``gml.attention`` runs as the engine's one fused bf16 step (native/attention.h)
-    instead of matmul → softmax → matmul: bf16 operands with unit last-dim strides, an even head
-    size, a CPU with AVX512-BF16. On ``auto`` an
-    AMX CPU keeps the primitives (oneDNN's AMX matmuls; the fused kernel is not measured there yet).
+    """Whether ``gml.attention`` runs as the engine's one fused step (native/attention.h) instead of
+    matmul → softmax → matmul: operands of one dtype with unit last-dim strides, an even head size, a
+    CPU with AVX512-BF16. ``auto``: bf16 only, and not on an AMX CPU (oneDNN's AMX matmuls; the fused
+    kernel is not measured there yet). fp32 runs fused only when forced (``fused``): on Zen 4 it is
+    level with the primitives (MiniLM fp32 and INT8, ADR 009), both bound by fp32 FMA throughput.
     """
     import os
 
@@ -613,10 +614,13 @@ def fused_attention_ok(q: Val, k: Val, v: Val, out: Val) -> bool:
     engine = native.load()
     if not engine.fused_attention_available():
         return False
-    if choice == "auto" and engine.cpu_isa().startswith("avx512_core_amx"):
-        return False
     tensors = (q, k, v, out)
-    if any(t.dtype_name != "bf16" for t in tensors) or any(t.shape[-1] > 1 and t.stride[-1] != 1 for t in tensors):
+    dtype = q.dtype_name
+    if dtype not in ("bf16", "f32") or any(t.dtype_name != dtype for t in tensors):
+        return False
+    if choice == "auto" and (dtype != "bf16" or engine.cpu_isa().startswith("avx512_core_amx")):
+        return False
+    if any(t.shape[-1] > 1 and t.stride[-1] != 1 for t in tensors):
         return False
     return q.shape[-1] % 2 == 0 and out.shape[-1] == v.shape[-1]
 
