@@ -339,11 +339,13 @@ def quantize(
             is slower, that model is returned instead (``result.precision == "fp32"``,
             ``result.cost.all_fp32``, every op in ``coverage.kept_fp32`` and ``precisions`` with both
             numbers as the reason, ``report`` / ``runtime`` those of the fp32 pipeline).
-        fallback_precision: what the ops INT8 leaves out run in (static scheme): ``fp32``
-            (default: GML's fused fp32 kernels, as in ``gml.optimize``) or ``bf16`` (their bf16
-            twins, :class:`~gml.passes.bf16.LowerToBf16`: bf16 weights and activations, fp32
-            accumulation; LayerNorm/softmax/reductions/outputs fp32). A CPU without native bf16 gets
-            a ``RuntimeWarning`` and fp32. ``result.precisions`` lists every op's precision and why.
+        fallback_precision: what the ops INT8 leaves out run in: ``fp32`` (default: GML's fused
+            fp32 kernels, as in ``gml.optimize``) or ``bf16``. Static scheme: their bf16 twins
+            (:class:`~gml.passes.bf16.LowerToBf16`: bf16 weights and activations, fp32 accumulation;
+            LayerNorm/softmax/reductions/outputs fp32). Transformer scheme: attention on bf16 q/k/v
+            (:class:`~gml.quant.transformer.AttentionInBf16`; the engine's fused bf16 attention), the
+            residual stream and LayerNorm fp32. A CPU without native bf16 gets a ``RuntimeWarning``
+            and fp32. ``result.precisions`` lists every op's precision and why.
     """
     import time
 
@@ -377,19 +379,14 @@ def quantize(
 
     token_range = vocab_range(model)  # generated token ids come from the vocabulary (#15)
     chosen, why = choose_scheme(model, scheme, inputs)
-    if chosen == "transformer" and fallback_precision != "fp32":
-        from gml.errors import UnsupportedError
-
-        raise UnsupportedError(
-            f"fallback_precision={fallback_precision!r} applies to the static INT8 scheme; {why}.",
-            hint="use scheme='static', or gml.optimize(model, x, precision='bf16') for a bf16 transformer.",
-        )
     if chosen == "transformer":
+        # mixed mode: attention on bf16 q / k / v where the CPU has native bf16 (else a warning, fp32)
+        refusal = _bf16_refusal() if fallback_precision == "bf16" else None
         return _quantize_transformer(
             model, calib_data, inputs, eval_data=eval_data, eval_labels=eval_labels, per_layer=per_layer,
             strict=strict, min_cosine=min_cosine, leaf_modules=leaf_modules, min_sqnr_db=min_sqnr_db,
             smooth_alpha=smooth_alpha, token_range=token_range, reason=why, runtime=runtime,
-            cost_policy=cost_policy,
+            cost_policy=cost_policy, fallback="bf16" if fallback_precision == "bf16" and refusal is None else "fp32",
         )  # fmt: skip
     seconds: dict[str, float] = {}
 
@@ -596,6 +593,7 @@ def _quantize_transformer(
     reason: str,
     runtime: str = "engine",
     cost_policy: Any = "measure",
+    fallback: str = "fp32",
 ) -> QuantizeResult:
     """:func:`quantize` with the transformer scheme, returned in the same result type: ``coverage``
     lists every GEMM (INT8 or fp32 and why) and what stays fp32 (attention, LayerNorm, softmax,
@@ -614,6 +612,7 @@ def _quantize_transformer(
     res = quantize_transformer(
         model, inputs, calib_data=calib_data if calib_data is not None else 8, min_sqnr_db=min_sqnr_db,
         smooth_alpha=smooth_alpha, leaf_modules=leaf_modules, strict=strict, token_range=token_range,
+        attention_bf16=fallback == "bf16",
     )  # fmt: skip
     seconds["capture + fp32 passes + measure + quantize"] = time.perf_counter() - t0
     coverage = LoweringCoverage()
@@ -659,5 +658,5 @@ def _quantize_transformer(
             )  # fmt: skip
     return QuantizeResult(
         res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",
-        reason, res.precisions, cost=cost,
+        reason, res.precisions, cost=cost, fallback_precision=fallback,
     )  # fmt: skip

@@ -500,8 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fp32", "bf16"),
         default="fp32",
         help="what the ops INT8 leaves out run in: fp32 (default: GML's fused fp32 kernels) or bf16 (oneDNN "
-        "bf16 kernels, fp32 accumulation; a CPU without native bf16 gets a warning and fp32); the precision "
-        "of every op is printed with the reason",
+        "bf16 kernels, fp32 accumulation; transformer scheme: attention on bf16 q/k/v; a CPU without native "
+        "bf16 gets a warning and fp32); the precision of every op is printed with the reason",
     )
     p.add_argument(
         "--min-cosine",

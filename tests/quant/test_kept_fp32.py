@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import gml
-from gml.errors import InputError, UnsupportedError
+from gml.errors import InputError
 from gml.ir import library
 from gml.kernels import bf16 as kb
 from gml.kernels.fp32 import FusedConv, FusedConvAdd
@@ -228,10 +228,45 @@ def test_bad_fallback_precision_is_an_input_error():
         gml.quantize(_model(), 2, example_inputs=(X,), fallback_precision="fp16")
 
 
-def test_fallback_precision_is_refused_for_the_transformer_scheme():
-    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
-    with pytest.raises(UnsupportedError, match="applies to the static INT8 scheme"):
-        gml.quantize(layer, 2, example_inputs=(torch.randn(1, 4, 16),), fallback_precision="bf16")
+def _encoder_layer() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0).eval()
+
+
+@pytest.mark.skipif(not kb.bf16_available(), reason="no native bf16 on this CPU")
+def test_transformer_scheme_mixed_mode_runs_attention_in_bf16():
+    """fallback_precision='bf16' with the transformer scheme: the GEMMs stay INT8, attention takes
+    bf16 q/k/v (AttentionInBf16: casts around it; the engine's fused bf16 step), the rest fp32."""
+    from gml.quant.transformer import ATTENTION_BF16
+
+    layer, x = _encoder_layer(), torch.randn(2, 24, 64)
+    q = gml.quantize(layer, 2, example_inputs=(x,), fallback_precision="bf16", cost_policy="off", per_layer=False)
+    assert q.scheme == "transformer" and q.fallback_precision == "bf16"
+    rows = {p.op: p for p in q.precisions}
+    att = rows["attention (q·kᵀ, softmax, p·v)"]
+    assert att.precision == "bf16" and "fallback_precision=bf16" in att.why
+    assert sum(p.precision == "int8" for p in q.precisions) >= 3  # QKV, out-proj, MLP
+    (node,) = [n for n in q.module.graph.nodes if n.meta.get(ATTENTION_BF16)]
+    assert all(a.target is kb.to_bf16 for a in node.args[:3]) and [u.target for u in node.users] == [kb.to_fp32]
+    rec = q.report.record("attention_bf16")
+    assert rec.status == "applied" and rec.matches == 1
+    fp32 = gml.quantize(layer, 2, example_inputs=(x,), cost_policy="off", per_layer=False)
+    assert q.accuracy.cosine > 0.999 and abs(q.accuracy.cosine - fp32.accuracy.cosine) < 1e-3
+    if q.engine is not None:
+        from gml.runtime import native
+
+        impls = {s.impl for s in q.engine.profile(x, rounds=1)}
+        if native.load().fused_attention_available() and not native.load().cpu_isa().startswith("avx512_core_amx"):
+            assert "gml:attention_avx512_bf16" in impls, impls  # transformer_rules.fused_attention_ok's auto rule
+
+
+def test_transformer_scheme_mixed_mode_on_a_cpu_without_bf16_warns_and_keeps_fp32(monkeypatch):
+    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no avx512_bf16 / amx_bf16 (simulated)")
+    with pytest.warns(RuntimeWarning, match="bf16 requested but this CPU has no avx512_bf16"):
+        q = gml.quantize(_encoder_layer(), 2, example_inputs=(torch.randn(1, 8, 64),), fallback_precision="bf16",
+                         cost_policy="off", per_layer=False)  # fmt: skip
+    assert q.fallback_precision == "fp32"
+    assert all(p.precision != "bf16" for p in q.precisions)
 
 
 # ---------------------------------------------------------------- the two passes, golden graphs

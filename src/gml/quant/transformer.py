@@ -366,6 +366,69 @@ class FuseDynamicLinearActivation(GraphPass):
         return PassResult(gm, done > 0, done, skips, [f"{done} activation(s) fused into INT8 GEMMs"] if done else [])
 
 
+#: node.meta key: the attention runs on bf16 q / k / v (AttentionInBf16)
+ATTENTION_BF16 = "gml_attention_bf16"
+
+
+class AttentionInBf16(GraphPass):
+    """The transformer scheme's mixed mode (``fallback_precision="bf16"``): attention on bf16 q / k / v.
+
+    Before → after (``to_bf16`` / ``to_fp32``: :mod:`gml.kernels.bf16`'s casts)::
+
+        %o = gml.attention(%q, %k, %v, %mask, ...)          (fp32: the GEMMs' fp32 outputs)
+        →  %o16 = gml.attention(to_bf16(%q), to_bf16(%k), to_bf16(%v), %mask', ...); %o = to_fp32(%o16)
+
+    ``%mask'``: a float mask in bf16 too (attention takes a mask of its q's dtype; a bool one stays).
+    The math inside is unchanged: fp32 accumulators, fp32 softmax statistics; the operands and the
+    probabilities are rounded to bf16 (2^-9 relative), the output once more. On the engine this is
+    the fused bf16 attention step (native/attention.h, ADR 009) — on MiniLM it replaces the fp32
+    primitives that took a quarter of the INT8 model's time. The GEMMs stay INT8, the residual stream,
+    LayerNorm and outputs fp32. Like the INT8 GEMM pass it changes numerics on purpose (tolerance
+    ``None``: shapes and finiteness are checked); the scheme's accuracy report measures the result
+    against fp32 (a bf16 tolerance per output fails on small outputs such as BERT's pooler, whose
+    error the INT8 GEMMs before it dominate anyway).
+
+    Skipped, with the reason: attention whose q / k / v are not fp32.
+    """
+
+    name = "attention_bf16"
+    tolerance = None
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        from gml.ir.attention import is_attention
+        from gml.kernels import bf16 as kb
+
+        skips: list[Skip] = []
+        done = 0
+        for node in list(gm.graph.nodes):
+            if not is_attention(node):
+                continue
+            metas = [a.meta.get("tensor_meta") for a in node.args[:3] if isinstance(a, fx.Node)]
+            if len(metas) != 3 or any(m is None or m.dtype != torch.float32 for m in metas):
+                skips.append(Skip(node.name, "q / k / v are not fp32 (or their dtype is unknown)", "attention"))
+                continue
+            mask = node.args[3] if len(node.args) > 3 else None
+            mask_meta = mask.meta.get("tensor_meta") if isinstance(mask, fx.Node) else None
+            with gm.graph.inserting_before(node):
+                casts = [gm.graph.call_function(kb.to_bf16, (a,)) for a in node.args[:3]]
+                if mask_meta is not None and mask_meta.dtype.is_floating_point:
+                    mask = gm.graph.call_function(kb.to_bf16, (mask,))
+            node.args = (*casts, mask, *node.args[4:])
+            readers = list(node.users)
+            with gm.graph.inserting_after(node):
+                out = gm.graph.call_function(kb.to_fp32, (node,))
+            for r in readers:
+                r.replace_input_with(node, out)
+            out.meta = dict(node.meta)
+            node.meta[ATTENTION_BF16] = True
+            done += 1
+        if done:
+            gm.graph.lint()
+            gm.recompile()
+        notes = [f"{done} attention(s) on bf16 q / k / v (fp32 accumulators and softmax inside)"] if done else []
+        return PassResult(gm, done > 0, done, skips, notes)
+
+
 @dataclass
 class TransformerQuantResult:
     """The INT8 transformer, the per-pass report, and every GEMM/LayerNorm/softmax/attention with its precision.
@@ -452,6 +515,10 @@ def precisions(gm: fx.GraphModule) -> list[GemmPrecision]:
             rows.append(GemmPrecision(node.name, _op(mod), "int8", "weights per channel, activations per token"))  # type: ignore[arg-type]
         elif isinstance(mod, nn.Linear):
             rows.append(GemmPrecision(node.name, _op(mod), "fp32", "not quantized (see the pass report)"))
+        elif is_attention(node) and node.meta.get(ATTENTION_BF16):
+            rows.append(GemmPrecision(node.name, "attention (q·kᵀ, softmax, p·v)", "bf16",
+                                      "fallback_precision=bf16: bf16 q/k/v and probabilities, "
+                                      "fp32 accumulators and softmax statistics"))  # fmt: skip
         elif is_attention(node):
             rows.append(GemmPrecision(node.name, "attention (q·kᵀ, softmax, p·v)", "fp32",
                                       "fused SDPA; softmax needs fp32 range"))  # fmt: skip
@@ -552,8 +619,12 @@ def quantize_transformer(
     leaf_modules: Sequence[str | type] = (),
     strict: bool = False,
     token_range: tuple[int, int] | None = None,
+    attention_bf16: bool = False,
 ) -> TransformerQuantResult:
     """Quantize a transformer with the scheme of this module; ``model`` is not modified.
+
+    ``attention_bf16``: attention on bf16 q / k / v (:class:`AttentionInBf16`; the mixed mode of
+    ``gml.quantize(..., fallback_precision="bf16")``; the caller checks the CPU has native bf16).
 
     ``calib_data``: batches the per-GEMM SQNR is measured on (the fallback and SmoothQuant need
     them); an int N generates N batches like ``example_inputs`` (token ids drawn from
@@ -589,7 +660,10 @@ def quantize_transformer(
     fp32_passes = [*canonical_passes(), FuseAttention(), HorizontalMerge(), *fp32_conv_passes()]
     fp32 = PassManager(fp32_passes, strict=strict).run(gm, [inputs])
     fp32_gm = copy.deepcopy(fp32.graph_module)
-    q = PassManager([quantize_pass, FuseDynamicLinearActivation()], strict=strict).run(fp32.graph_module, [inputs])
+    int8_passes: list[GraphPass] = [quantize_pass, FuseDynamicLinearActivation()]
+    if attention_bf16:
+        int8_passes.append(AttentionInBf16())
+    q = PassManager(int8_passes, strict=strict).run(fp32.graph_module, [inputs])
     for r in q.report.rolled_back:  # never hand back an fp32 model labelled INT8 without saying so
         from gml.errors import GMLError
 
