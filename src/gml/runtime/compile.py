@@ -439,6 +439,19 @@ class EngineModule(nn.Module):
     def segments(self) -> list[EngineSegment]:
         return [m for m in self.graph_module.modules() if isinstance(m, EngineSegment)]
 
+    def step_impls(self) -> list[tuple[str, str]]:
+        """``(node name, implementation)`` of every step of the compiled plans (each segment's plans
+        in the order they were built): oneDNN's implementation name (``brg:avx512_core_bf16``) or the
+        engine's own kernel (``gml:winograd_f2x3+brg:avx512_core_bf16`` for a Winograd conv: its
+        batched matmul's implementation after the ``+``)."""
+        return [
+            (name, impl)
+            for seg in self.segments()
+            for plan, _ in seg._plans.values()
+            if plan is not None
+            for name, impl in zip(plan.step_names(), plan.step_impls())
+        ]
+
 
 def compile_engine(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> EngineModule:
     """Partition ``gm`` for the engine and compile the plan for ``example_inputs``' shapes.

@@ -589,6 +589,7 @@ class Builder:
                         pad_r=list(kw["pad_r"]),
                         groups=int(kw["groups"]),
                         sum=kw["sum_q"],
+                        nthreads=torch.get_num_threads(),  # the team the Winograd choice is timed with
                         **common,
                     )
                 else:

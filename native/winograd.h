@@ -1,0 +1,408 @@
+// Winograd F(2x2, 3x3) convolution for the GML engine (docs/adr/009-winograd-conv.md, issue #14).
+//
+// For a 2-D 3x3 conv with stride 1, dilation 1, groups 1 and padding 1 on NHWC dense f32 or bf16
+// activations, each 2x2 block of outputs (a "tile") is computed from the 4x4 input patch around it
+// with 16 multiplications per (input channel, output channel) pair instead of 36 (Lavin & Gray 2015):
+//
+//   V = B^T d B   (per tile and input channel; d: the 4x4 patch, zero outside the image)
+//   U = G g G^T   (per output / input channel pair; g: the 3x3 kernel; once, at plan build)
+//   M[xi] = V[xi] x U[xi]   for each of the 16 positions xi of the 4x4 transform domain: 16 GEMMs
+//                           [tiles, Cin] x [Cin, Cout], one oneDNN batched matmul (fp32 accumulate)
+//   Y = A^T M A   (per tile and output channel: the 2x2 outputs), + bias, + sum_scale * old dst,
+//                 eltwise, rounded to the dst type (round to nearest even for bf16)
+//
+// with B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1], G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1],
+// A^T = [1 1 1 0; 0 1 -1 -1]. The transforms run in fp32; V and U are stored in the conv's type
+// (bf16: each rounded once, 2^-9 relative), M in fp32.
+//
+// The work is done in chunks of whole images (a divisor of the batch), sized so that one chunk's V
+// and M (16 x tiles x channels each) stay within a few MB: at batch 8 the chunk's temporaries stay
+// cache-resident instead of streaming 10s of MB through memory. A Conv is immutable once built and
+// may run from several threads at once: all per-call state (V, M, the matmul's own scratchpad) is
+// in the ``scratch`` buffer the caller passes (the engine's per-Context scratchpad).
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace gml_winograd {
+
+using dnnl::memory;
+using dt = dnnl::memory::data_type;
+
+// ---------------------------------------------------------------- element access (f32 / bf16)
+inline __attribute__((always_inline)) float to_f32(float x) { return x; }
+inline __attribute__((always_inline)) float to_f32(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// fp32 -> bf16, round to nearest even (as oneDNN's conversions); a NaN stays a (quiet) NaN.
+inline __attribute__((always_inline)) void store(float* p, float x) { *p = x; }
+inline __attribute__((always_inline)) void store(uint16_t* p, float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  *p = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) : rounded);
+}
+
+// The post-ops the output transform applies exactly, in oneDNN's order after the bias:
+// y = acc + bias; y += sum_scale * old_dst (if sum); then y = lin_a * y + lin_b; y = y >= 0 ? y :
+// slope * y; y = min(max(y, lo), hi). An eltwise chain fits when it is a subsequence of
+// (linear, relu, clip) (identity parameters for the stages it does not use).
+struct Epilogue {
+  bool sum = false;
+  float sum_scale = 1.0f;
+  float lin_a = 1.0f, lin_b = 0.0f, slope = 1.0f;
+  float lo = -std::numeric_limits<float>::infinity(), hi = std::numeric_limits<float>::infinity();
+};
+
+// Whether ``eltwise`` ((algorithm, alpha, beta) each, as the engine receives them) fits Epilogue.
+inline bool parse_eltwise(const std::vector<std::tuple<std::string, float, float>>& eltwise, Epilogue& e) {
+  int stage = 0;  // 1 linear, 2 relu, 3 clip: each at most once, in this order
+  for (const auto& [alg, alpha, beta] : eltwise) {
+    int s;
+    if (alg == "linear") s = 1, e.lin_a = alpha, e.lin_b = beta;
+    else if (alg == "relu") s = 2, e.slope = alpha;
+    else if (alg == "clip") s = 3, e.lo = alpha, e.hi = beta;
+    else return false;
+    if (s <= stage) return false;
+    stage = s;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------- per-tile kernels
+// 16 channels at a time in GCC vector types (one zmm register in the AVX-512 clone, two ymm in the
+// AVX2 one, four xmm in the baseline: see the entry points below); the last C % 16 channels scalar.
+// (-Wpsabi: these helpers are always inlined, no vector crosses a call boundary)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+inline __attribute__((always_inline)) f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline __attribute__((always_inline)) f32x16 load16(const uint16_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+  return (f32x16)u;  // a GCC vector cast: the same bits
+}
+inline __attribute__((always_inline)) void store16(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
+inline __attribute__((always_inline)) void store16(uint16_t* p, f32x16 x) {  // as store(uint16_t*, float)
+  const u32x16 u = (u32x16)x;
+  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
+  const u32x16 r = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
+  const u16x16 h = __builtin_convertvector(r, u16x16);
+  std::memcpy(p, &h, sizeof h);
+}
+inline __attribute__((always_inline)) f32x16 select16(i32x16 mask, f32x16 a, f32x16 b) {
+  const u32x16 m = (u32x16)mask;
+  return (f32x16)((m & (u32x16)a) | (~m & (u32x16)b));
+}
+
+// One tile's input transform, for all C channels: p[16] point at the 4x4 patch's pixels
+// (row-major; a pixel outside the image points at a row of zeros); V[xi] of channel c goes to
+// v[xi * vs + c]. ``F``: f32x16 or float, ``T``: the element type.
+template <typename F, typename T>
+inline __attribute__((always_inline)) void input_at(const T* const* q, T* v, int64_t vs, int64_t c) {
+  F d[16], t[16];
+  for (int k = 0; k < 16; ++k) {
+    if constexpr (std::is_same_v<F, float>) d[k] = to_f32(q[k][c]);
+    else d[k] = load16(q[k] + c);
+  }
+  for (int j = 0; j < 4; ++j) {  // t = B^T d
+    t[0 + j] = d[0 + j] - d[8 + j];
+    t[4 + j] = d[4 + j] + d[8 + j];
+    t[8 + j] = d[8 + j] - d[4 + j];
+    t[12 + j] = d[4 + j] - d[12 + j];
+  }
+  for (int r = 0; r < 4; ++r) {  // V = t B
+    const F out[4] = {t[r * 4 + 0] - t[r * 4 + 2], t[r * 4 + 1] + t[r * 4 + 2], t[r * 4 + 2] - t[r * 4 + 1],
+                      t[r * 4 + 1] - t[r * 4 + 3]};
+    for (int j = 0; j < 4; ++j) {
+      if constexpr (std::is_same_v<F, float>) store(v + (r * 4 + j) * vs + c, out[j]);
+      else store16(v + (r * 4 + j) * vs + c, out[j]);
+    }
+  }
+}
+
+template <typename T>
+inline __attribute__((always_inline)) void input_tile(const T* const* p, T* v, int64_t vs, int64_t C) {
+  int64_t c = 0;
+  for (; c + 16 <= C; c += 16) input_at<f32x16>(p, v, vs, c);
+  for (; c < C; ++c) input_at<float>(p, v, vs, c);
+}
+
+// The post-ops of Epilogue after the sum, on a float or an f32x16.
+template <typename F>
+inline __attribute__((always_inline)) F epilogue(F y, const Epilogue& e) {
+  y = e.lin_a * y + e.lin_b;
+  if constexpr (std::is_same_v<F, float>) {
+    y = y >= 0.0f ? y : e.slope * y;
+    return std::min(std::max(y, e.lo), e.hi);
+  } else {
+    y = select16(y >= 0.0f, y, e.slope * y);
+    y = select16(y < e.lo, F{} + e.lo, y);
+    return select16(y > e.hi, F{} + e.hi, y);
+  }
+}
+
+// One tile's output transform for all K output channels: m[xi * ms + c] -> the 2x2 outputs
+// o[0..3] (row-major; o[1] / o[2] / o[3] exist when kRight / kBottom / both).
+template <typename F, typename T, bool kRight, bool kBottom, bool kSum>
+inline __attribute__((always_inline)) void output_at(const float* m, int64_t ms, T* const* o, const float* bias,
+                                                     const Epilogue& e, int64_t c) {
+  F a[16], s[8];
+  for (int k = 0; k < 16; ++k) {
+    if constexpr (std::is_same_v<F, float>) a[k] = m[k * ms + c];
+    else a[k] = load16(m + k * ms + c);
+  }
+  for (int j = 0; j < 4; ++j) {  // s = A^T m
+    s[j] = a[j] + a[4 + j] + a[8 + j];
+    s[4 + j] = a[4 + j] - a[8 + j] - a[12 + j];
+  }
+  F b;
+  if constexpr (std::is_same_v<F, float>) b = bias[c];
+  else b = load16(bias + c);
+  F y[4] = {s[0] + s[1] + s[2] + b, s[1] - s[2] - s[3] + b, s[4] + s[5] + s[6] + b, s[5] - s[6] - s[7] + b};
+  const bool exists[4] = {true, kRight, kBottom, kRight && kBottom};
+  for (int i = 0; i < 4; ++i) {
+    if (!exists[i]) continue;
+    if constexpr (std::is_same_v<F, float>) {
+      if (kSum) y[i] += e.sum_scale * to_f32(o[i][c]);
+      store(o[i] + c, epilogue(y[i], e));
+    } else {
+      if (kSum) y[i] += e.sum_scale * load16(o[i] + c);
+      store16(o[i] + c, epilogue(y[i], e));
+    }
+  }
+}
+
+template <typename T, bool kRight, bool kBottom, bool kSum>
+inline __attribute__((always_inline)) void output_tile(const float* m, int64_t ms, T* const* o, const float* bias,
+                                                       const Epilogue& e, int64_t K) {
+  int64_t c = 0;
+  for (; c + 16 <= K; c += 16) output_at<f32x16, T, kRight, kBottom, kSum>(m, ms, o, bias, e, c);
+  for (; c < K; ++c) output_at<float, T, kRight, kBottom, kSum>(m, ms, o, bias, e, c);
+}
+
+#pragma GCC diagnostic pop
+
+// The per-tile entry points, compiled for AVX-512, AVX2 and baseline x86-64 (picked at load time,
+// as engine.cpp's quantize_row_s8).
+#define GML_WINO_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+GML_WINO_CLONES inline void input_tile_f32(const float* const* p, float* v, int64_t vs, int64_t C) {
+  input_tile<float>(p, v, vs, C);
+}
+GML_WINO_CLONES inline void input_tile_bf16(const uint16_t* const* p, uint16_t* v, int64_t vs, int64_t C) {
+  input_tile<uint16_t>(p, v, vs, C);
+}
+
+template <typename T, bool kSum>
+inline __attribute__((always_inline)) void output_tile_any(const float* m, int64_t ms, T* const* o, bool right,
+                                                           bool bottom, const float* bias, const Epilogue& e,
+                                                           int64_t K) {
+  if (right && bottom) output_tile<T, true, true, kSum>(m, ms, o, bias, e, K);
+  else if (right) output_tile<T, true, false, kSum>(m, ms, o, bias, e, K);
+  else if (bottom) output_tile<T, false, true, kSum>(m, ms, o, bias, e, K);
+  else output_tile<T, false, false, kSum>(m, ms, o, bias, e, K);
+}
+
+GML_WINO_CLONES inline void output_tile_f32(const float* m, int64_t ms, float* const* o, bool right, bool bottom,
+                                            const float* bias, const Epilogue& e, int64_t K) {
+  if (e.sum) output_tile_any<float, true>(m, ms, o, right, bottom, bias, e, K);
+  else output_tile_any<float, false>(m, ms, o, right, bottom, bias, e, K);
+}
+GML_WINO_CLONES inline void output_tile_bf16(const float* m, int64_t ms, uint16_t* const* o, bool right, bool bottom,
+                                             const float* bias, const Epilogue& e, int64_t K) {
+  if (e.sum) output_tile_any<uint16_t, true>(m, ms, o, right, bottom, bias, e, K);
+  else output_tile_any<uint16_t, false>(m, ms, o, right, bottom, bias, e, K);
+}
+
+#undef GML_WINO_CLONES
+
+// ---------------------------------------------------------------- the convolution
+// Bytes of one chunk's V + M at most (a chunk is at least one image): cache-resident on the CPUs
+// this was measured on (Zen 4: 1 MB L2 per core, 32 MB L3).
+constexpr int64_t kChunkBytes = int64_t{4} << 20;
+constexpr size_t kAlign = 64;
+
+inline size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+class Conv {
+ public:
+  // src / dst: [N, C, H, W] / [N, K, H, W] dense NHWC of type ``type`` (f32 or bf16); ``weight``: the
+  // caller's contiguous [K, C, 3, 3] f32 or bf16 tensor, ``bias``: K fp32 values or null (both
+  // copied here, never kept).
+  Conv(const dnnl::engine& eng, int64_t n, int64_t c, int64_t h, int64_t w, int64_t k, dt type, const void* weight,
+       dt wtype, const float* bias, const Epilogue& epi)
+      : eng_(eng), n_(n), c_(c), h_(h), w_(w), k_(k), type_(type), epi_(epi) {
+    if (type != dt::f32 && type != dt::bf16) throw std::invalid_argument("gml engine: winograd of f32 / bf16 only");
+    es_ = type == dt::f32 ? 4 : 2;
+    th_ = (h + 1) / 2;
+    tw_ = (w + 1) / 2;
+    const int64_t per_image = 16 * th_ * tw_ * (c * es_ + k * 4);
+    img_ = 1;  // images per chunk: the largest divisor of N whose V + M fit kChunkBytes
+    for (int64_t g = 1; g <= n; ++g)
+      if (n % g == 0 && g * per_image <= kChunkBytes) img_ = g;
+    tiles_ = img_ * th_ * tw_;
+
+    // The batched matmul V[16, tiles, C] x U[16, C, K] -> M[16, tiles, K], U prepacked (format any).
+    const memory::desc v_md({16, tiles_, c}, type, memory::dims{tiles_ * c, c, 1});
+    const memory::desc u_any({16, c, k}, type, memory::format_tag::any);
+    const memory::desc m_md({16, tiles_, k}, dt::f32, memory::dims{tiles_ * k, k, 1});
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    pd_ = dnnl::matmul::primitive_desc(eng_, v_md, u_any, m_md, attr);
+    mm_ = dnnl::matmul(pd_);
+
+    // U = G g G^T in fp32, from the caller's weights, then reordered (bf16: rounded) into U's layout.
+    std::vector<float> u(static_cast<size_t>(16 * c * k));
+    for (int64_t o = 0; o < k; ++o)
+      for (int64_t i = 0; i < c; ++i) {
+        float g[9], t[12];
+        for (int j = 0; j < 9; ++j) {
+          const int64_t at = (o * c + i) * 9 + j;
+          g[j] = wtype == dt::f32 ? static_cast<const float*>(weight)[at]
+                                  : to_f32(static_cast<const uint16_t*>(weight)[at]);
+        }
+        for (int j = 0; j < 3; ++j) {  // t = G g (4 x 3)
+          t[0 + j] = g[j];
+          t[3 + j] = 0.5f * (g[j] + g[3 + j] + g[6 + j]);
+          t[6 + j] = 0.5f * (g[j] - g[3 + j] + g[6 + j]);
+          t[9 + j] = g[6 + j];
+        }
+        for (int r = 0; r < 4; ++r) {  // U = t G^T (4 x 4)
+          const float* tr = t + 3 * r;
+          const float row[4] = {tr[0], 0.5f * (tr[0] + tr[1] + tr[2]), 0.5f * (tr[0] - tr[1] + tr[2]), tr[2]};
+          for (int j = 0; j < 4; ++j) u[static_cast<size_t>(((r * 4 + j) * c + i) * k + o)] = row[j];
+        }
+      }
+    memory user(memory::desc({16, c, k}, dt::f32, memory::dims{c * k, k, 1}), eng_, u.data());
+    u_ = memory(pd_.weights_desc(), eng_);
+    dnnl::stream s(eng_);
+    dnnl::reorder(user, u_).execute(s, user, u_);
+    s.wait();
+
+    bias_.assign(static_cast<size_t>(k), 0.0f);
+    if (bias) std::copy(bias, bias + k, bias_.begin());
+    zeros_.assign(static_cast<size_t>(c) * es_, 0);
+    v_bytes_ = align_up(static_cast<size_t>(16 * tiles_ * c * es_));
+    m_bytes_ = align_up(static_cast<size_t>(16 * tiles_ * k * 4));
+    scratch_bytes_ = v_bytes_ + m_bytes_ + pd_.scratchpad_desc().get_size();
+  }
+
+  size_t scratch_bytes() const { return scratch_bytes_; }
+  std::string impl() const {
+    const char* s = nullptr;
+    dnnl::error::wrap_c_api(dnnl_primitive_desc_query(pd_.get(), dnnl_query_impl_info_str, 0, &s), "no impl");
+    return std::string("gml:winograd_f2x3+") + (s ? s : "?");
+  }
+
+  // One call: src / dst as described at construction; ``scratch``: scratch_bytes() (64-byte aligned).
+  void run(const void* src, void* dst, void* scratch) const {
+    char* v = static_cast<char*>(scratch);
+    char* m = v + v_bytes_;
+    char* mm_scratch = m + m_bytes_;
+    dnnl::stream stream(eng_);  // CPU primitives run synchronously on the calling thread
+    memory v_mem(pd_.src_desc(), eng_, v), m_mem(pd_.dst_desc(), eng_, m);
+    memory s_mem(pd_.scratchpad_desc(), eng_, mm_scratch);
+    const int64_t img_in = h_ * w_ * c_, img_out = h_ * w_ * k_;
+    for (int64_t n0 = 0; n0 < n_; n0 += img_) {
+      const char* sc = static_cast<const char*>(src) + n0 * img_in * es_;
+      char* dc = static_cast<char*>(dst) + n0 * img_out * es_;
+      input_transform(sc, v);
+      mm_.execute(stream, {{DNNL_ARG_SRC, v_mem}, {DNNL_ARG_WEIGHTS, u_}, {DNNL_ARG_DST, m_mem},
+                           {DNNL_ARG_SCRATCHPAD, s_mem}});
+      output_transform(reinterpret_cast<const float*>(m), dc);
+    }
+  }
+
+ private:
+  void input_transform(const char* src, char* v) const {
+    if (type_ == dt::f32) input_transform_t(reinterpret_cast<const float*>(src), reinterpret_cast<float*>(v));
+    else input_transform_t(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<uint16_t*>(v));
+  }
+
+  template <typename T>
+  void input_transform_t(const T* src, T* v) const {
+    const int64_t per_image = th_ * tw_;
+    const T* zero = reinterpret_cast<const T*>(zeros_.data());
+#pragma omp parallel for schedule(static) if (tiles_ * c_ >= (1 << 14))
+    for (int64_t t = 0; t < tiles_; ++t) {
+      const int64_t img = t / per_image, ty = (t % per_image) / tw_, tx = t % tw_;
+      const T* p[16];
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) {
+          const int64_t y = 2 * ty - 1 + i, x = 2 * tx - 1 + j;
+          const bool in = y >= 0 && y < h_ && x >= 0 && x < w_;
+          p[i * 4 + j] = in ? src + ((img * h_ + y) * w_ + x) * c_ : zero;
+        }
+      if constexpr (std::is_same_v<T, float>) input_tile_f32(p, v + t * c_, tiles_ * c_, c_);
+      else input_tile_bf16(p, v + t * c_, tiles_ * c_, c_);
+    }
+  }
+
+  void output_transform(const float* m, char* dst) const {
+    if (type_ == dt::f32) output_transform_t(m, reinterpret_cast<float*>(dst));
+    else output_transform_t(m, reinterpret_cast<uint16_t*>(dst));
+  }
+
+  template <typename T>
+  void output_transform_t(const float* m, T* dst) const {
+    const int64_t per_image = th_ * tw_;
+#pragma omp parallel for schedule(static) if (tiles_ * k_ >= (1 << 14))
+    for (int64_t t = 0; t < tiles_; ++t) {
+      const int64_t img = t / per_image, ty = (t % per_image) / tw_, tx = t % tw_;
+      const int64_t y = 2 * ty, x = 2 * tx;
+      const bool right = x + 1 < w_, bottom = y + 1 < h_;
+      T* o[4];
+      for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 2; ++j) {
+          const bool in = y + i < h_ && x + j < w_;  // a pixel past an odd edge is never written
+          o[i * 2 + j] = in ? dst + ((img * h_ + y + i) * w_ + x + j) * k_ : nullptr;
+        }
+      if constexpr (std::is_same_v<T, float>)
+        output_tile_f32(m + t * k_, tiles_ * k_, o, right, bottom, bias_.data(), epi_, k_);
+      else
+        output_tile_bf16(m + t * k_, tiles_ * k_, o, right, bottom, bias_.data(), epi_, k_);
+    }
+  }
+
+  dnnl::engine eng_;
+  int64_t n_, c_, h_, w_, k_;
+  dt type_;
+  Epilogue epi_;
+  int64_t es_, th_, tw_, img_, tiles_;
+  dnnl::matmul::primitive_desc pd_;
+  dnnl::matmul mm_;
+  memory u_;
+  std::vector<float> bias_;
+  std::vector<unsigned char> zeros_;
+  size_t v_bytes_ = 0, m_bytes_ = 0, scratch_bytes_ = 0;
+};
+
+}  // namespace gml_winograd
