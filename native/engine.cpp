@@ -187,16 +187,6 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void quantize_row_s
 
 std::string isa_name();
 
-// GML_WINOGRAD: "0" never, "1" always for an eligible conv, "auto" (default): when measured faster.
-int winograd_mode() {
-  const char* e = std::getenv("GML_WINOGRAD");
-  const std::string v = e ? e : "auto";
-  if (v == "0") return 0;
-  if (v == "1") return 1;
-  if (v == "auto" || v.empty()) return 2;
-  throw std::invalid_argument("gml engine: GML_WINOGRAD must be 0, 1 or auto, not '" + v + "'");
-}
-
 class Plan {
  public:
   Plan() = default;
@@ -221,7 +211,7 @@ class Plan {
   void conv(int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype,
             const std::vector<float>& w_scales, uintptr_t bias, const Dims& strides, const Dims& dilation,
             const Dims& pad_l, const Dims& pad_r, int64_t groups, QP src_q, QP dst_q, QP sum,
-            const Eltwise& eltwise, const std::string& name, int nthreads) {
+            const Eltwise& eltwise, const std::string& name, int nthreads, int winograd) {
     const memory::desc src_md = md_in(src);
     const memory::desc dst_md = md_out(dst);
     const bool quant = wdtype == "s8";
@@ -256,24 +246,25 @@ class Plan {
     consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
     if (bias) consts.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
     dnnl::convolution_forward prim(pd);
-    if (!quant && winograd(src, dst, weight, wdims, wdtype, bias, strides, dilation, pad_l, pad_r, groups, sum,
-                           eltwise, name, nthreads, prim, consts, pd.scratchpad_desc()))
+    if (!quant && winograd > 0 &&
+        try_winograd(src, dst, weight, wdims, wdtype, bias, strides, dilation, pad_l, pad_r, groups, sum, eltwise,
+                     name, nthreads, winograd == 1, prim, consts, pd.scratchpad_desc()))
       return;
     push(prim, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts), pd.scratchpad_desc(), name);
   }
 
   // An fp32 / bf16 conv as Winograd F(2x2, 3x3) (native/winograd.h, docs/adr/009-winograd-conv.md):
   // for a 2-D 3x3 conv, stride 1, dilation 1, groups 1, padding 1, NHWC dense src and dst of the
-  // weights' type, post-ops within winograd.h's Epilogue. GML_WINOGRAD=auto (winograd_mode) times it
-  // against ``direct`` (the oneDNN primitive conv() made, on dummy buffers, ``nthreads`` threads) and
-  // takes it when it is at least 10% faster; the choice is cached per problem in the process. Pushes
-  // a Kernel step and returns true, or returns false (the caller pushes ``direct``).
-  bool winograd(int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype, uintptr_t bias,
-                const Dims& strides, const Dims& dilation, const Dims& pad_l, const Dims& pad_r, int64_t groups, QP sum,
-                const Eltwise& eltwise, const std::string& name, int nthreads, const dnnl::primitive& direct,
-                const std::vector<std::pair<int, memory>>& consts, const memory::desc& direct_scratch) {
-    const int mode = winograd_mode();
-    if (mode == 0) return false;
+  // weights' type, post-ops within winograd.h's Epilogue. GML_WINOGRAD=auto (gml.runtime.plan's
+  // winograd_mode) times it against ``direct`` (the oneDNN primitive conv() made, on dummy buffers,
+  // ``nthreads`` threads) and takes it when it is at least 10% faster; the choice is cached per
+  // problem in the process (``force``: GML_WINOGRAD=1, no timing). Pushes a Kernel step and returns true, or returns false
+  // (the caller pushes ``direct``).
+  bool try_winograd(int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype, uintptr_t bias,
+                    const Dims& strides, const Dims& dilation, const Dims& pad_l, const Dims& pad_r, int64_t groups,
+                    QP sum, const Eltwise& eltwise, const std::string& name, int nthreads, bool force,
+                    const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
+                    const memory::desc& direct_scratch) {
     const memory::desc s = md_in(src), d = md_in(dst);
     const dt type = s.get_data_type();
     gml_winograd::Epilogue epi;
@@ -295,7 +286,7 @@ class Plan {
     for (const auto& [alg, alpha, beta] : eltwise) key += ":" + alg + std::to_string(alpha) + "," + std::to_string(beta);
     static std::mutex cache_mu;
     static std::unordered_map<std::string, bool> cache;  // problem -> Winograd measured faster
-    if (mode == 2) {
+    if (!force) {
       std::lock_guard<std::mutex> lock(cache_mu);
       auto it = cache.find(key);
       if (it != cache.end() && !it->second) return false;
@@ -308,7 +299,7 @@ class Plan {
     } catch (const dnnl::error&) {
       return false;  // no matmul for this problem: the direct conv
     }
-    if (mode == 2) {
+    if (!force) {
       bool known = false, faster = false;
       {
         std::lock_guard<std::mutex> lock(cache_mu);
@@ -1067,7 +1058,7 @@ NB_MODULE(_engine, m) {
       .def("conv", &Plan::conv, nb::arg("src"), nb::arg("dst"), nb::arg("weight"), nb::arg("wdims"),
            nb::arg("wdtype"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("strides"), nb::arg("dilation"),
            nb::arg("pad_l"), nb::arg("pad_r"), nb::arg("groups"), nb::arg("src_q").none(), nb::arg("dst_q").none(),
-           nb::arg("sum").none(), nb::arg("eltwise"), nb::arg("name"), nb::arg("nthreads") = 0)
+           nb::arg("sum").none(), nb::arg("eltwise"), nb::arg("name"), nb::arg("nthreads") = 0, nb::arg("winograd") = 0)
       .def("inner_product", &Plan::inner_product, nb::arg("src"), nb::arg("dst"), nb::arg("weight"),
            nb::arg("wdims"), nb::arg("wdtype"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("src_q").none(),
            nb::arg("dst_q").none(), nb::arg("eltwise"), nb::arg("name"))

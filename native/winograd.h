@@ -15,9 +15,9 @@
 // A^T = [1 1 1 0; 0 1 -1 -1]. The transforms run in fp32; V and U are stored in the conv's type
 // (bf16: each rounded once, 2^-9 relative), M in fp32.
 //
-// The work is done in chunks of whole images (a divisor of the batch), sized so that one chunk's V
-// and M (16 x tiles x channels each) stay within a few MB: at batch 8 the chunk's temporaries stay
-// cache-resident instead of streaming 10s of MB through memory. A Conv is immutable once built and
+// The work is done in chunks of tiles (kChunkBytes): one chunk's V and M stay cache-resident instead
+// of streaming 10s of MB through memory at batch 8; each chunk is one input transform, one matmul
+// call and one output transform. A Conv is immutable once built and
 // may run from several threads at once: all per-call state (V, M, the matmul's own scratchpad) is
 // in the ``scratch`` buffer the caller passes (the engine's per-Context scratchpad).
 #pragma once
@@ -245,9 +245,11 @@ GML_WINO_CLONES inline void output_tile_bf16(const float* m, int64_t ms, uint16_
 #undef GML_WINO_CLONES
 
 // ---------------------------------------------------------------- the convolution
-// Bytes of one chunk's V + M at most (a chunk is at least one image): cache-resident on the CPUs
-// this was measured on (Zen 4: 1 MB L2 per core, 32 MB L3).
-constexpr int64_t kChunkBytes = int64_t{4} << 20;
+// One chunk's V + M take about this many bytes (a chunk is at least kMinChunkTiles tiles, so that
+// each pass over U, up to 16 x 512 x 512 bf16 = 8 MB, serves enough GEMM rows): cache-resident on
+// the CPUs this was measured on (Zen 4: 1 MB L2 per core, 32 MB L3).
+constexpr int64_t kChunkBytes = int64_t{1} << 20;
+constexpr int64_t kMinChunkTiles = 32;
 constexpr size_t kAlign = 64;
 
 inline size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -264,12 +266,13 @@ class Conv {
     es_ = type == dt::f32 ? 4 : 2;
     th_ = (h + 1) / 2;
     tw_ = (w + 1) / 2;
-    const int64_t per_image = 16 * th_ * tw_ * (c * es_ + k * 4);
-    img_ = 1;  // images per chunk: the largest divisor of N whose V + M fit kChunkBytes
-    for (int64_t g = 1; g <= n; ++g)
-      if (n % g == 0 && g * per_image <= kChunkBytes) img_ = g;
-    tiles_ = img_ * th_ * tw_;
-
+    // Chunks of whole tiles over the batch (tile t: image t / (th * tw), row, column): as many
+    // chunks as kChunkBytes asks for, all of one size (the last one padded with zero tiles).
+    total_ = n * th_ * tw_;
+    const int64_t per_tile = 16 * (c * es_ + k * 4);
+    const int64_t want = std::max(kMinChunkTiles, kChunkBytes / per_tile);
+    const int64_t chunks = (total_ + want - 1) / want;
+    tiles_ = (total_ + chunks - 1) / chunks;
     // The batched matmul V[16, tiles, C] x U[16, C, K] -> M[16, tiles, K], U prepacked (format any).
     const memory::desc v_md({16, tiles_, c}, type, memory::dims{tiles_ * c, c, 1});
     const memory::desc u_any({16, c, k}, type, memory::format_tag::any);
@@ -330,30 +333,32 @@ class Conv {
     dnnl::stream stream(eng_);  // CPU primitives run synchronously on the calling thread
     memory v_mem(pd_.src_desc(), eng_, v), m_mem(pd_.dst_desc(), eng_, m);
     memory s_mem(pd_.scratchpad_desc(), eng_, mm_scratch);
-    const int64_t img_in = h_ * w_ * c_, img_out = h_ * w_ * k_;
-    for (int64_t n0 = 0; n0 < n_; n0 += img_) {
-      const char* sc = static_cast<const char*>(src) + n0 * img_in * es_;
-      char* dc = static_cast<char*>(dst) + n0 * img_out * es_;
-      input_transform(sc, v);
+    for (int64_t t0 = 0; t0 < total_; t0 += tiles_) {
+      const int64_t count = std::min(tiles_, total_ - t0);
+      input_transform(static_cast<const char*>(src), v, t0, count);
       mm_.execute(stream, {{DNNL_ARG_SRC, v_mem}, {DNNL_ARG_WEIGHTS, u_}, {DNNL_ARG_DST, m_mem},
                            {DNNL_ARG_SCRATCHPAD, s_mem}});
-      output_transform(reinterpret_cast<const float*>(m), dc);
+      output_transform(reinterpret_cast<const float*>(m), static_cast<char*>(dst), t0, count);
     }
   }
 
  private:
-  void input_transform(const char* src, char* v) const {
-    if (type_ == dt::f32) input_transform_t(reinterpret_cast<const float*>(src), reinterpret_cast<float*>(v));
-    else input_transform_t(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<uint16_t*>(v));
+  // V of tiles [t0, t0 + count) (rows past ``count`` zero: the padded last chunk).
+  void input_transform(const char* src, char* v, int64_t t0, int64_t count) const {
+    if (type_ == dt::f32)
+      input_transform_t(reinterpret_cast<const float*>(src), reinterpret_cast<float*>(v), t0, count);
+    else input_transform_t(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<uint16_t*>(v), t0, count);
   }
 
   template <typename T>
-  void input_transform_t(const T* src, T* v) const {
+  void input_transform_t(const T* src, T* v, int64_t t0, int64_t count) const {
     const int64_t per_image = th_ * tw_;
     const T* zero = reinterpret_cast<const T*>(zeros_.data());
-#pragma omp parallel for schedule(static) if (tiles_ * c_ >= (1 << 14))
-    for (int64_t t = 0; t < tiles_; ++t) {
-      const int64_t img = t / per_image, ty = (t % per_image) / tw_, tx = t % tw_;
+    for (int xi = 0; xi < 16 && count < tiles_; ++xi)
+      std::memset(v + (xi * tiles_ + count) * c_, 0, static_cast<size_t>((tiles_ - count) * c_) * sizeof(T));
+#pragma omp parallel for schedule(static) if (count * c_ >= (1 << 14))
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t img = (t0 + t) / per_image, ty = ((t0 + t) % per_image) / tw_, tx = (t0 + t) % tw_;
       const T* p[16];
       for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 4; ++j) {
@@ -366,17 +371,18 @@ class Conv {
     }
   }
 
-  void output_transform(const float* m, char* dst) const {
-    if (type_ == dt::f32) output_transform_t(m, reinterpret_cast<float*>(dst));
-    else output_transform_t(m, reinterpret_cast<uint16_t*>(dst));
+  // The outputs of tiles [t0, t0 + count) from M.
+  void output_transform(const float* m, char* dst, int64_t t0, int64_t count) const {
+    if (type_ == dt::f32) output_transform_t(m, reinterpret_cast<float*>(dst), t0, count);
+    else output_transform_t(m, reinterpret_cast<uint16_t*>(dst), t0, count);
   }
 
   template <typename T>
-  void output_transform_t(const float* m, T* dst) const {
+  void output_transform_t(const float* m, T* dst, int64_t t0, int64_t count) const {
     const int64_t per_image = th_ * tw_;
-#pragma omp parallel for schedule(static) if (tiles_ * k_ >= (1 << 14))
-    for (int64_t t = 0; t < tiles_; ++t) {
-      const int64_t img = t / per_image, ty = (t % per_image) / tw_, tx = t % tw_;
+#pragma omp parallel for schedule(static) if (count * k_ >= (1 << 14))
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t img = (t0 + t) / per_image, ty = ((t0 + t) % per_image) / tw_, tx = (t0 + t) % tw_;
       const int64_t y = 2 * ty, x = 2 * tx;
       const bool right = x + 1 < w_, bottom = y + 1 < h_;
       T* o[4];
@@ -396,7 +402,7 @@ class Conv {
   int64_t n_, c_, h_, w_, k_;
   dt type_;
   Epilogue epi_;
-  int64_t es_, th_, tw_, img_, tiles_;
+  int64_t es_, th_, tw_, total_, tiles_;  // tiles: of the batch, of one chunk
   dnnl::matmul::primitive_desc pd_;
   dnnl::matmul mm_;
   memory u_;
