@@ -36,6 +36,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace gml_winograd {
@@ -87,9 +89,9 @@ inline bool parse_eltwise(const std::vector<std::tuple<std::string, float, float
 }
 
 // ---------------------------------------------------------------- per-tile kernels
-// 16 channels at a time in GCC vector types (one zmm register in the AVX-512 clone, two ymm in the
-// AVX2 one, four xmm in the baseline: see the entry points below); the last C % 16 channels scalar.
-// (-Wpsabi: these helpers are always inlined, no vector crosses a call boundary)
+// 16 channels at a time in GCC vector types (one zmm register in the AVX-512 clones, two ymm in the
+// AVX2 one, four xmm in the baseline); the last C % 16 channels scalar (winograd_kernels.h).
+// (-Wpsabi: the helpers are always inlined, no vector crosses a call boundary)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -97,152 +99,44 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
-inline __attribute__((always_inline)) f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline __attribute__((always_inline)) f32x16 load16(const uint16_t* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x16 u = __builtin_convertvector(h, u32x16) << 16;
-  return (f32x16)u;  // a GCC vector cast: the same bits
-}
-inline __attribute__((always_inline)) void store16(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
-inline __attribute__((always_inline)) void store16(uint16_t* p, f32x16 x) {  // as store(uint16_t*, float)
-  const u32x16 u = (u32x16)x;
-  const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);  // all ones where NaN
-  const u32x16 r = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
-  const u16x16 h = __builtin_convertvector(r, u16x16);
-  std::memcpy(p, &h, sizeof h);
-}
-inline __attribute__((always_inline)) f32x16 select16(i32x16 mask, f32x16 a, f32x16 b) {
-  const u32x16 m = (u32x16)mask;
-  return (f32x16)((m & (u32x16)a) | (~m & (u32x16)b));
-}
+namespace portable {  // AVX-512, AVX2 and baseline bodies, picked when the library loads
+#define GML_WINO_ENTRY __attribute__((target_clones("avx512f", "avx2", "default")))
+#include "winograd_kernels.h"
+#undef GML_WINO_ENTRY
+}  // namespace portable
 
-// One tile's input transform, for all C channels: p[16] point at the 4x4 patch's pixels
-// (row-major; a pixel outside the image points at a row of zeros); V[xi] of channel c goes to
-// v[xi * vs + c]. ``F``: f32x16 or float, ``T``: the element type.
-template <typename F, typename T>
-inline __attribute__((always_inline)) void input_at(const T* const* q, T* v, int64_t vs, int64_t c) {
-  F d[16], t[16];
-  for (int k = 0; k < 16; ++k) {
-    if constexpr (std::is_same_v<F, float>) d[k] = to_f32(q[k][c]);
-    else d[k] = load16(q[k] + c);
-  }
-  for (int j = 0; j < 4; ++j) {  // t = B^T d
-    t[0 + j] = d[0 + j] - d[8 + j];
-    t[4 + j] = d[4 + j] + d[8 + j];
-    t[8 + j] = d[8 + j] - d[4 + j];
-    t[12 + j] = d[4 + j] - d[12 + j];
-  }
-  for (int r = 0; r < 4; ++r) {  // V = t B
-    const F out[4] = {t[r * 4 + 0] - t[r * 4 + 2], t[r * 4 + 1] + t[r * 4 + 2], t[r * 4 + 2] - t[r * 4 + 1],
-                      t[r * 4 + 1] - t[r * 4 + 3]};
-    for (int j = 0; j < 4; ++j) {
-      if constexpr (std::is_same_v<F, float>) store(v + (r * 4 + j) * vs + c, out[j]);
-      else store16(v + (r * 4 + j) * vs + c, out[j]);
-    }
-  }
-}
-
-template <typename T>
-inline __attribute__((always_inline)) void input_tile(const T* const* p, T* v, int64_t vs, int64_t C) {
-  int64_t c = 0;
-  for (; c + 16 <= C; c += 16) input_at<f32x16>(p, v, vs, c);
-  for (; c < C; ++c) input_at<float>(p, v, vs, c);
-}
-
-// The post-ops of Epilogue after the sum, on a float or an f32x16.
-template <typename F>
-inline __attribute__((always_inline)) F epilogue(F y, const Epilogue& e) {
-  y = e.lin_a * y + e.lin_b;
-  if constexpr (std::is_same_v<F, float>) {
-    y = y >= 0.0f ? y : e.slope * y;
-    return std::min(std::max(y, e.lo), e.hi);
-  } else {
-    y = select16(y >= 0.0f, y, e.slope * y);
-    y = select16(y < e.lo, F{} + e.lo, y);
-    return select16(y > e.hi, F{} + e.hi, y);
-  }
-}
-
-// One tile's output transform for all K output channels: m[xi * ms + c] -> the 2x2 outputs
-// o[0..3] (row-major; o[1] / o[2] / o[3] exist when kRight / kBottom / both).
-template <typename F, typename T, bool kRight, bool kBottom, bool kSum>
-inline __attribute__((always_inline)) void output_at(const float* m, int64_t ms, T* const* o, const float* bias,
-                                                     const Epilogue& e, int64_t c) {
-  F a[16], s[8];
-  for (int k = 0; k < 16; ++k) {
-    if constexpr (std::is_same_v<F, float>) a[k] = m[k * ms + c];
-    else a[k] = load16(m + k * ms + c);
-  }
-  for (int j = 0; j < 4; ++j) {  // s = A^T m
-    s[j] = a[j] + a[4 + j] + a[8 + j];
-    s[4 + j] = a[4 + j] - a[8 + j] - a[12 + j];
-  }
-  F b;
-  if constexpr (std::is_same_v<F, float>) b = bias[c];
-  else b = load16(bias + c);
-  F y[4] = {s[0] + s[1] + s[2] + b, s[1] - s[2] - s[3] + b, s[4] + s[5] + s[6] + b, s[5] - s[6] - s[7] + b};
-  const bool exists[4] = {true, kRight, kBottom, kRight && kBottom};
-  for (int i = 0; i < 4; ++i) {
-    if (!exists[i]) continue;
-    if constexpr (std::is_same_v<F, float>) {
-      if (kSum) y[i] += e.sum_scale * to_f32(o[i][c]);
-      store(o[i] + c, epilogue(y[i], e));
-    } else {
-      if (kSum) y[i] += e.sum_scale * load16(o[i] + c);
-      store16(o[i] + c, epilogue(y[i], e));
-    }
-  }
-}
-
-template <typename T, bool kRight, bool kBottom, bool kSum>
-inline __attribute__((always_inline)) void output_tile(const float* m, int64_t ms, T* const* o, const float* bias,
-                                                       const Epilogue& e, int64_t K) {
-  int64_t c = 0;
-  for (; c + 16 <= K; c += 16) output_at<f32x16, T, kRight, kBottom, kSum>(m, ms, o, bias, e, c);
-  for (; c < K; ++c) output_at<float, T, kRight, kBottom, kSum>(m, ms, o, bias, e, c);
-}
-
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define GML_WINO_HAVE_NATIVE_BF16 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace native_bf16 {  // used when the CPU has AVX512_BF16 (Conv::native_)
+#define GML_WINO_ENTRY
+#define GML_WINO_NATIVE_BF16 1
+#include "winograd_kernels.h"
+#undef GML_WINO_NATIVE_BF16
+#undef GML_WINO_ENTRY
+}  // namespace native_bf16
+#pragma GCC pop_options
+#else
+namespace native_bf16 = portable;  // never called (native_bf16_cpu() is false)
+#endif
 #pragma GCC diagnostic pop
 
-// The per-tile entry points, compiled for AVX-512, AVX2 and baseline x86-64 (picked at load time,
-// as engine.cpp's quantize_row_s8).
-#define GML_WINO_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-
-GML_WINO_CLONES inline void input_tile_f32(const float* const* p, float* v, int64_t vs, int64_t C) {
-  input_tile<float>(p, v, vs, C);
+// Whether native_bf16's kernels run: the CPU has AVX512_BF16 and oneDNN dispatches to it (so
+// ONEDNN_MAX_CPU_ISA=AVX512_CORE selects the portable kernels too: tests/runtime/test_winograd.py).
+inline bool native_bf16_cpu() {
+#ifdef GML_WINO_HAVE_NATIVE_BF16
+  using I = dnnl::cpu_isa;
+  const I isa = dnnl::get_effective_cpu_isa();
+  const bool onednn_bf16 = isa == I::avx512_core_bf16 || isa == I::avx512_core_fp16 ||
+                           isa == I::avx512_core_amx || isa == I::avx512_core_amx_fp16;
+  __builtin_cpu_init();
+  return onednn_bf16 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
 }
-GML_WINO_CLONES inline void input_tile_bf16(const uint16_t* const* p, uint16_t* v, int64_t vs, int64_t C) {
-  input_tile<uint16_t>(p, v, vs, C);
-}
-
-template <typename T, bool kSum>
-inline __attribute__((always_inline)) void output_tile_any(const float* m, int64_t ms, T* const* o, bool right,
-                                                           bool bottom, const float* bias, const Epilogue& e,
-                                                           int64_t K) {
-  if (right && bottom) output_tile<T, true, true, kSum>(m, ms, o, bias, e, K);
-  else if (right) output_tile<T, true, false, kSum>(m, ms, o, bias, e, K);
-  else if (bottom) output_tile<T, false, true, kSum>(m, ms, o, bias, e, K);
-  else output_tile<T, false, false, kSum>(m, ms, o, bias, e, K);
-}
-
-GML_WINO_CLONES inline void output_tile_f32(const float* m, int64_t ms, float* const* o, bool right, bool bottom,
-                                            const float* bias, const Epilogue& e, int64_t K) {
-  if (e.sum) output_tile_any<float, true>(m, ms, o, right, bottom, bias, e, K);
-  else output_tile_any<float, false>(m, ms, o, right, bottom, bias, e, K);
-}
-GML_WINO_CLONES inline void output_tile_bf16(const float* m, int64_t ms, uint16_t* const* o, bool right, bool bottom,
-                                             const float* bias, const Epilogue& e, int64_t K) {
-  if (e.sum) output_tile_any<uint16_t, true>(m, ms, o, right, bottom, bias, e, K);
-  else output_tile_any<uint16_t, false>(m, ms, o, right, bottom, bias, e, K);
-}
-
-#undef GML_WINO_CLONES
 
 // ---------------------------------------------------------------- the convolution
 // One chunk's V + M take about this many bytes (a chunk is at least kMinChunkTiles tiles, so that
@@ -264,6 +158,7 @@ class Conv {
       : eng_(eng), n_(n), c_(c), h_(h), w_(w), k_(k), type_(type), epi_(epi) {
     if (type != dt::f32 && type != dt::bf16) throw std::invalid_argument("gml engine: winograd of f32 / bf16 only");
     es_ = type == dt::f32 ? 4 : 2;
+    native_ = type == dt::bf16 && native_bf16_cpu();
     th_ = (h + 1) / 2;
     tw_ = (w + 1) / 2;
     // Chunks of whole tiles over the batch (tile t: image t / (th * tw), row, column): as many
@@ -366,8 +261,9 @@ class Conv {
           const bool in = y >= 0 && y < h_ && x >= 0 && x < w_;
           p[i * 4 + j] = in ? src + ((img * h_ + y) * w_ + x) * c_ : zero;
         }
-      if constexpr (std::is_same_v<T, float>) input_tile_f32(p, v + t * c_, tiles_ * c_, c_);
-      else input_tile_bf16(p, v + t * c_, tiles_ * c_, c_);
+      if constexpr (std::is_same_v<T, float>) portable::input_tile_f32(p, v + t * c_, tiles_ * c_, c_);
+      else if (native_) native_bf16::input_tile_bf16(p, v + t * c_, tiles_ * c_, c_);
+      else portable::input_tile_bf16(p, v + t * c_, tiles_ * c_, c_);
     }
   }
 
@@ -392,9 +288,11 @@ class Conv {
           o[i * 2 + j] = in ? dst + ((img * h_ + y + i) * w_ + x + j) * k_ : nullptr;
         }
       if constexpr (std::is_same_v<T, float>)
-        output_tile_f32(m + t * k_, tiles_ * k_, o, right, bottom, bias_.data(), epi_, k_);
+        portable::output_tile_f32(m + t * k_, tiles_ * k_, o, right, bottom, bias_.data(), epi_, k_);
+      else if (native_)
+        native_bf16::output_tile_bf16(m + t * k_, tiles_ * k_, o, right, bottom, bias_.data(), epi_, k_);
       else
-        output_tile_bf16(m + t * k_, tiles_ * k_, o, right, bottom, bias_.data(), epi_, k_);
+        portable::output_tile_bf16(m + t * k_, tiles_ * k_, o, right, bottom, bias_.data(), epi_, k_);
     }
   }
 
@@ -402,6 +300,7 @@ class Conv {
   int64_t n_, c_, h_, w_, k_;
   dt type_;
   Epilogue epi_;
+  bool native_ = false;  // bf16 with native_bf16's kernels
   int64_t es_, th_, tw_, total_, tiles_;  // tiles: of the batch, of one chunk
   dnnl::matmul::primitive_desc pd_;
   dnnl::matmul mm_;

@@ -19,6 +19,9 @@ by about its own magnitude, far beyond this bound.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -286,3 +289,31 @@ def test_two_threads_running_one_winograd_plan(monkeypatch, dtype):
     for k in range(2):
         for i, got in enumerate(results[k]):
             assert torch.equal(got, alone[i % len(calls)])
+
+
+PORTABLE_CHECK = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from runtime import test_winograd as T
+class Env:
+    def setenv(self, key, value):
+        os.environ[key] = value
+for shape in T.SHAPES:
+    for post, bias in (("relu", True), ("none", False), ("sum_relu", True)):
+        T.test_winograd_kernel_matches_its_emulation(Env(), "bf16", post, bias, shape)
+print("checked", len(T.SHAPES) * 3)
+"""
+
+
+@needs_bf16
+def test_portable_bf16_kernels_match_their_emulation_too():
+    """With oneDNN held to AVX512_CORE (no AVX512_BF16), the bf16 transforms take the portable
+    kernels (GCC vector code, rounding by integer arithmetic) instead of the AVX512_BF16 ones: the
+    emulation checks again, in a process started with ONEDNN_MAX_CPU_ISA=AVX512_CORE."""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", PORTABLE_CHECK, tests], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"checked {len(SHAPES) * 3}" in proc.stdout
