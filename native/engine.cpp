@@ -258,8 +258,8 @@ class Plan {
   // weights' type, post-ops within winograd.h's Epilogue. GML_WINOGRAD=auto (gml.runtime.plan's
   // winograd_mode) times it against ``direct`` (the oneDNN primitive conv() made, on dummy buffers,
   // ``nthreads`` threads) and takes it when it is at least 10% faster; the choice is cached per
-  // problem in the process (``force``: GML_WINOGRAD=1, no timing). Pushes a Kernel step and returns true, or returns false
-  // (the caller pushes ``direct``).
+  // problem in the process (``force``: GML_WINOGRAD=1, no timing). Pushes a Kernel step and
+  // returns true, or returns false (the caller pushes ``direct``).
   bool try_winograd(int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype, uintptr_t bias,
                     const Dims& strides, const Dims& dilation, const Dims& pad_l, const Dims& pad_r, int64_t groups,
                     QP sum, const Eltwise& eltwise, const std::string& name, int nthreads, bool force,
@@ -283,7 +283,8 @@ class Plan {
                       std::to_string(w) + ">" + std::to_string(k) + (type == dt::f32 ? ":f32" : ":bf16") +
                       (bias ? ":bias" : "") + (sum ? ":sum" + std::to_string(sum->first) : "") + ":" + isa_name() +
                       ":t" + std::to_string(nthreads > 0 ? nthreads : omp_get_max_threads());
-    for (const auto& [alg, alpha, beta] : eltwise) key += ":" + alg + std::to_string(alpha) + "," + std::to_string(beta);
+    for (const auto& [alg, alpha, beta] : eltwise)
+      key += ":" + alg + std::to_string(alpha) + "," + std::to_string(beta);
     static std::mutex cache_mu;
     static std::unordered_map<std::string, bool> cache;  // problem -> Winograd measured faster
     if (!force) {
