@@ -171,6 +171,7 @@ def test_forced_winograd_and_direct_within_their_bounds(monkeypatch, dtype, post
     other = xs[1].double() if len(xs) > 1 else None
     eng, wino = _run(monkeypatch, "1", mod, xs)
     assert len(_winograd_steps(eng)) == 1, eng.step_impls()
+    assert eng.report.winograd_convs == 1 and "1 3x3 conv(s) run as Winograd" in str(eng.report)
     assert wino.dtype == DTYPES[dtype] and wino.shape == exact.shape
     err = (wino.double() - exact).abs()
     bound = winograd_bound(dtype, exact, *args, other)
@@ -178,6 +179,7 @@ def test_forced_winograd_and_direct_within_their_bounds(monkeypatch, dtype, post
 
     eng, direct = _run(monkeypatch, "0", mod, xs)
     assert not _winograd_steps(eng), eng.step_impls()
+    assert eng.report.winograd_convs == 0 and "Winograd" not in str(eng.report)
     err = (direct.double() - exact).abs()
     assert bool((err <= direct_bound(dtype, exact, *args, other)).all())
 

@@ -51,6 +51,8 @@ class RuntimeReport:
     segments: int = 0
     note: str = ""
     shape_fallbacks: dict[str, str] = field(default_factory=dict)
+    #: convs the example input's plans run as Winograd F(2x2, 3x3) (docs/adr/009-winograd-conv.md)
+    winograd_convs: int = 0
 
     @property
     def engine_nodes(self) -> int:
@@ -74,6 +76,9 @@ class RuntimeReport:
         ]
         if self.note:
             lines.append(f"  {self.note}")
+        if self.winograd_convs:
+            n = self.winograd_convs
+            lines.append(f"  {n} 3x3 conv(s) run as Winograd F(2x2, 3x3) (GML_WINOGRAD=0: direct convs only)")
         lines += [f"  torch: {n.name} ({n.op}): {n.reason}" for n in self.torch_nodes]
         lines += [f"  torch for shape {k}: {v}" for k, v in self.shape_fallbacks.items()]
         return "\n".join(lines)
@@ -463,6 +468,7 @@ def compile_engine(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -
     module = EngineModule(part, report, list(example_inputs))
     with torch.no_grad():
         module(*example_inputs)  # compiles the plans for these shapes
+    report.winograd_convs = sum(impl.startswith("gml:winograd_f2x3") for _, impl in module.step_impls())
     if report.engine_nodes == 0:
         report.note = "no node of this graph has an engine kernel"
     return module
