@@ -13,13 +13,13 @@
 //
 // with B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1], G = [1 0 0; .5 .5 .5; .5 -.5 .5; 0 0 1],
 // A^T = [1 1 1 0; 0 1 -1 -1]. The transforms run in fp32; V and U are stored in the conv's type
-// (bf16: each rounded once, 2^-9 relative), M in fp32.
+// (bf16: each rounded once, to within 2^-8 relative: bf16 keeps 8 significant bits), M in fp32.
 //
 // The work is done in chunks of tiles (kChunkBytes): one chunk's V and M stay cache-resident instead
 // of streaming 10s of MB through memory at batch 8; each chunk is one input transform, one matmul
-// call and one output transform. A Conv is immutable once built and
-// may run from several threads at once: all per-call state (V, M, the matmul's own scratchpad) is
-// in the ``scratch`` buffer the caller passes (the engine's per-Context scratchpad).
+// call and one output transform. A Conv is immutable once built and may run from several threads at
+// once: all per-call state (V, M, the matmul's own scratchpad) is in the ``scratch`` buffer the
+// caller passes (the engine's per-Context scratchpad).
 #pragma once
 
 #include <omp.h>
