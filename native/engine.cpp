@@ -46,6 +46,7 @@
 
 #include "attention.h"
 #include "oneapi/dnnl/dnnl.hpp"
+#include "winograd.h"
 
 namespace nb = nanobind;
 using dnnl::memory;
@@ -185,6 +186,8 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void quantize_row_s
   *amax_out = amax;
 }
 
+std::string isa_name();
+
 class Plan {
  public:
   Plan() = default;
@@ -209,7 +212,7 @@ class Plan {
   void conv(int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype,
             const std::vector<float>& w_scales, uintptr_t bias, const Dims& strides, const Dims& dilation,
             const Dims& pad_l, const Dims& pad_r, int64_t groups, QP src_q, QP dst_q, QP sum,
-            const Eltwise& eltwise, const std::string& name) {
+            const Eltwise& eltwise, const std::string& name, int nthreads, int winograd) {
     const memory::desc src_md = md_in(src);
     const memory::desc dst_md = md_out(dst);
     const bool quant = wdtype == "s8";
@@ -243,8 +246,120 @@ class Plan {
     resolve(dst, pd.dst_desc());
     consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
     if (bias) consts.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
-    push(dnnl::convolution_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts),
-         pd.scratchpad_desc(), name);
+    dnnl::convolution_forward prim(pd);
+    if (!quant && winograd > 0 &&
+        try_winograd(src, dst, weight, wdims, wdtype, bias, strides, dilation, pad_l, pad_r, groups, sum, eltwise,
+                     name, nthreads, winograd == 1, prim, consts, pd.scratchpad_desc()))
+      return;
+    push(prim, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts), pd.scratchpad_desc(), name);
+  }
+
+  // An fp32 / bf16 conv as Winograd F(2x2, 3x3) (native/winograd.h, docs/adr/010-winograd-conv.md):
+  // for a 2-D 3x3 conv, stride 1, dilation 1, groups 1, padding 1, NHWC dense src and dst of the
+  // weights' type, post-ops within winograd.h's Epilogue. GML_WINOGRAD=auto (gml.runtime.plan's
+  // winograd_mode) times it against ``direct`` (the oneDNN primitive conv() made, on dummy buffers,
+  // ``nthreads`` threads) and takes it when it is at least 10% faster; the choice is cached per
+  // problem in the process (``force``: GML_WINOGRAD=1, no timing). Pushes a Kernel step and
+  // returns true, or returns false (the caller pushes ``direct``).
+  bool try_winograd(int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype, uintptr_t bias,
+                    const Dims& strides, const Dims& dilation, const Dims& pad_l, const Dims& pad_r, int64_t groups,
+                    QP sum, const Eltwise& eltwise, const std::string& name, int nthreads, bool force,
+                    const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
+                    const memory::desc& direct_scratch) {
+    const memory::desc s = md_in(src), d = md_in(dst);
+    const dt type = s.get_data_type();
+    gml_winograd::Epilogue epi;
+    if ((type != dt::f32 && type != dt::bf16) || d.get_data_type() != type || parse_dtype(wdtype) != type) return false;
+    if (wdims.size() != 4 || wdims[2] != 3 || wdims[3] != 3 || groups != 1) return false;
+    if (strides != Dims{1, 1} || dilation != Dims{0, 0} || pad_l != Dims{1, 1} || pad_r != Dims{1, 1}) return false;
+    if ((sum && sum->second != 0) || !gml_winograd::parse_eltwise(eltwise, epi)) return false;
+    const memory::dims sd = s.get_dims(), dd = d.get_dims();
+    if (sd.size() != 4) return false;
+    const int64_t n = sd[0], c = sd[1], h = sd[2], w = sd[3], k = wdims[0];
+    if (dd != memory::dims{n, k, h, w} || wdims[1] != c || !nhwc_dense(s) || !nhwc_dense(d))
+      return false;
+    if (sum) epi.sum = true, epi.sum_scale = sum->first;
+
+    std::string key = std::to_string(n) + "x" + std::to_string(c) + "x" + std::to_string(h) + "x" +
+                      std::to_string(w) + ">" + std::to_string(k) + (type == dt::f32 ? ":f32" : ":bf16") +
+                      (bias ? ":bias" : "") + (sum ? ":sum" + std::to_string(sum->first) : "") + ":" + isa_name() +
+                      ":t" + std::to_string(nthreads > 0 ? nthreads : omp_get_max_threads());
+    for (const auto& [alg, alpha, beta] : eltwise)
+      key += ":" + alg + std::to_string(alpha) + "," + std::to_string(beta);
+    static std::mutex cache_mu;
+    static std::unordered_map<std::string, bool> cache;  // problem -> Winograd measured faster
+    if (!force) {
+      std::lock_guard<std::mutex> lock(cache_mu);
+      auto it = cache.find(key);
+      if (it != cache.end() && !it->second) return false;
+    }
+    std::shared_ptr<const gml_winograd::Conv> conv;
+    try {
+      conv = std::make_shared<const gml_winograd::Conv>(cpu_engine(), n, c, h, w, k, type,
+                                                         reinterpret_cast<const void*>(weight), type,
+                                                         reinterpret_cast<const float*>(bias), epi);
+    } catch (const dnnl::error&) {
+      return false;  // no matmul for this problem: the direct conv
+    }
+    if (!force) {
+      bool known = false, faster = false;
+      {
+        std::lock_guard<std::mutex> lock(cache_mu);
+        auto it = cache.find(key);
+        if ((known = it != cache.end())) faster = it->second;
+      }
+      if (!known) {
+        faster = winograd_faster(*conv, s, d, direct, consts, direct_scratch, nthreads);
+        std::lock_guard<std::mutex> lock(cache_mu);
+        cache.emplace(key, faster);
+      }
+      if (!faster) return false;
+    }
+    Kernel kernel = [conv](const std::unordered_map<int, memory>& args) {
+      conv->run(args.at(DNNL_ARG_SRC).get_data_handle(), args.at(DNNL_ARG_DST).get_data_handle(),
+                args.at(DNNL_ARG_SCRATCHPAD).get_data_handle());
+    };
+    if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
+    // the scratchpad holds V, M and the matmul's own scratchpad (per Context: concurrent runs never share it)
+    Step step{dnnl::primitive(), std::move(kernel), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, {},
+              memory::desc({static_cast<int64_t>(conv->scratch_bytes())}, dt::u8, memory::format_tag::a), name};
+    step.impl = conv->impl();
+    steps_.push_back(std::move(step));
+    return true;
+  }
+
+  // Times ``direct`` and ``conv`` alternately on zero-filled dummy buffers (one warm-up call each,
+  // then the best of 3): whether Winograd takes at most 0.9x the direct conv's time.
+  static bool winograd_faster(const gml_winograd::Conv& conv, const memory::desc& s, const memory::desc& d,
+                              const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
+                              const memory::desc& direct_scratch, int nthreads) {
+    if (nthreads > 0) omp_set_num_threads(nthreads);
+    auto src = aligned_buffer(s.get_size()), dst = aligned_buffer(d.get_size());
+    const size_t scratch_bytes = std::max(conv.scratch_bytes(), direct_scratch.get_size());
+    auto scratch = aligned_buffer(scratch_bytes);
+    std::memset(src.get(), 0, s.get_size());
+    std::memset(dst.get(), 0, d.get_size());
+    std::memset(scratch.get(), 0, scratch_bytes);
+    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(s, cpu_engine(), src.get())},
+                                         {DNNL_ARG_DST, memory(d, cpu_engine(), dst.get())}};
+    for (const auto& [arg, m] : consts) args.emplace(arg, m);
+    if (direct_scratch.get_size() > 0)
+      args.emplace(DNNL_ARG_SCRATCHPAD, memory(direct_scratch, cpu_engine(), scratch.get()));
+    dnnl::stream stream(cpu_engine());
+    using clock = std::chrono::steady_clock;
+    double best_direct = 1e30, best_wino = 1e30;
+    for (int rep = 0; rep < 4; ++rep) {
+      auto t0 = clock::now();
+      direct.execute(stream, args);
+      stream.wait();
+      auto t1 = clock::now();
+      conv.run(src.get(), dst.get(), scratch.get());
+      auto t2 = clock::now();
+      if (rep == 0) continue;  // warm-up
+      best_direct = std::min(best_direct, std::chrono::duration<double>(t1 - t0).count());
+      best_wino = std::min(best_wino, std::chrono::duration<double>(t2 - t1).count());
+    }
+    return best_wino <= 0.9 * best_direct;
   }
 
   // Inner product (Linear) on a 2-D src: INT8 or fp32, like conv().
@@ -882,6 +997,20 @@ class Plan {
     return s;
   }
 
+  // A 4-D plain layout with dense NHWC strides (the strides of size-1 dims aside).
+  static bool nhwc_dense(const memory::desc& md) {
+    if (md.get_format_kind() != memory::format_kind::blocked || md.get_ndims() != 4) return false;
+    const dnnl_memory_desc_t cmd = md.get();
+    int nblks = 0;
+    dnnl::error::wrap_c_api(dnnl_memory_desc_query(cmd, dnnl_query_inner_nblks_s32, &nblks), "layout");
+    if (nblks != 0) return false;
+    const memory::dims dims = md.get_dims(), st = md.get_strides();
+    const memory::dims want{dims[1] * dims[2] * dims[3], 1, dims[3] * dims[1], dims[1]};
+    for (int i = 0; i < 4; ++i)
+      if (dims[i] != 1 && st[i] != want[i]) return false;
+    return true;
+  }
+
   static void append_eltwise(dnnl::post_ops& po, const Eltwise& eltwise) {
     for (const auto& [alg, alpha, beta] : eltwise) po.append_eltwise(parse_eltwise(alg), alpha, beta);
   }
@@ -1026,7 +1155,7 @@ NB_MODULE(_engine, m) {
       .def("conv", &Plan::conv, nb::arg("src"), nb::arg("dst"), nb::arg("weight"), nb::arg("wdims"),
            nb::arg("wdtype"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("strides"), nb::arg("dilation"),
            nb::arg("pad_l"), nb::arg("pad_r"), nb::arg("groups"), nb::arg("src_q").none(), nb::arg("dst_q").none(),
-           nb::arg("sum").none(), nb::arg("eltwise"), nb::arg("name"))
+           nb::arg("sum").none(), nb::arg("eltwise"), nb::arg("name"), nb::arg("nthreads") = 0, nb::arg("winograd") = 0)
       .def("inner_product", &Plan::inner_product, nb::arg("src"), nb::arg("dst"), nb::arg("weight"),
            nb::arg("wdims"), nb::arg("wdtype"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("src_q").none(),
            nb::arg("dst_q").none(), nb::arg("eltwise"), nb::arg("name"))

@@ -69,6 +69,8 @@ class RuntimeReport:
     segments: int = 0
     note: str = ""
     shape_fallbacks: dict[str, str] = field(default_factory=dict)
+    #: convs the example input's plans run as Winograd F(2x2, 3x3) (docs/adr/010-winograd-conv.md)
+    winograd_convs: int = 0
 
     @property
     def engine_nodes(self) -> int:
@@ -92,6 +94,9 @@ class RuntimeReport:
         ]
         if self.note:
             lines.append(f"  {self.note}")
+        if self.winograd_convs:
+            n = self.winograd_convs
+            lines.append(f"  {n} 3x3 conv(s) run as Winograd F(2x2, 3x3) (GML_WINOGRAD=0: direct convs only)")
         lines += [f"  torch: {n.name} ({n.op}): {n.reason}" for n in self.torch_nodes]
         lines += [f"  torch for shape {k}: {v}" for k, v in self.shape_fallbacks.items()]
         return "\n".join(lines)
@@ -488,6 +493,19 @@ class EngineModule(nn.Module):
                 rows.append(StepTime(index.get(id(seg), -1), name, impl, us))
         return rows
 
+    def step_impls(self) -> list[tuple[str, str]]:
+        """``(node name, implementation)`` of every step of the compiled plans (each segment's plans
+        in the order they were built): oneDNN's implementation name (``brg:avx512_core_bf16``) or the
+        engine's own kernel (``gml:winograd_f2x3+brg:avx512_core_bf16`` for a Winograd conv: its
+        batched matmul's implementation after the ``+``)."""
+        return [
+            (name, impl)
+            for seg in self.segments()
+            for plan, _ in seg._plans.values()
+            if plan is not None
+            for name, impl in zip(plan.step_names(), plan.step_impls())
+        ]
+
 
 def compile_engine(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> EngineModule:
     """Partition ``gm`` for the engine and compile the plan for ``example_inputs``' shapes.
@@ -499,6 +517,7 @@ def compile_engine(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -
     module = EngineModule(part, report, list(example_inputs))
     with torch.no_grad():
         module(*example_inputs)  # compiles the plans for these shapes
+    report.winograd_convs = sum(impl.startswith("gml:winograd_f2x3") for _, impl in module.step_impls())
     if report.engine_nodes == 0:
         report.note = "no node of this graph has an engine kernel"
     return module

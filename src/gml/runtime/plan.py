@@ -29,12 +29,15 @@ docs/adr/006-native-engine.md, "Layouts").
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
+
+from gml.errors import InputError
 
 #: A uint8 value's (scale, zero point), or None for fp32.
 QP = tuple[float, int] | None
@@ -75,6 +78,22 @@ def dtype_name(dtype: torch.dtype) -> str:
 #: 2-5 % faster in NHWC (its 256- and 512-channel 3x3 convs 3 % / 9 % faster on ``brgconv``, equal
 #: at 64 channels); OpenVINO runs its fp32 convs the same way (``brgconv_avx512_f32``, NHWC).
 FP32_FREE_LAYOUT = "nhwc"
+
+#: ``GML_WINOGRAD`` values and what the engine gets for them (native/engine.cpp ``try_winograd``):
+#: Winograd F(2x2, 3x3) for eligible fp32 / bf16 3x3 stride-1 convs never, always, or when timed
+#: faster than the direct conv at plan build (the default; docs/adr/010-winograd-conv.md).
+WINOGRAD_MODES = {"0": 0, "1": 1, "auto": 2}
+
+
+def winograd_mode() -> int:
+    """The ``GML_WINOGRAD`` setting as the engine's ``conv(winograd=...)`` takes it."""
+    value = os.environ.get("GML_WINOGRAD", "auto").strip().lower() or "auto"
+    if value not in WINOGRAD_MODES:
+        raise InputError(
+            f"GML_WINOGRAD={value!r} is not a Winograd setting.",
+            hint="use 0 (direct convolutions only), 1 (Winograd for every eligible 3x3 conv) or auto (the default).",
+        )
+    return WINOGRAD_MODES[value]
 
 
 def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -567,6 +586,7 @@ class Builder:
         return plan
 
     def _emit_steps(self, plan: Any, ids: dict[Val, int]) -> None:
+        winograd = winograd_mode()
         for s in self.steps:
             kw = dict(s.kwargs)
             if s.method in ("conv", "inner_product"):
@@ -594,6 +614,8 @@ class Builder:
                         pad_r=list(kw["pad_r"]),
                         groups=int(kw["groups"]),
                         sum=kw["sum_q"],
+                        nthreads=torch.get_num_threads(),  # the team the Winograd choice is timed with
+                        winograd=winograd,
                         **common,
                     )
                 else:

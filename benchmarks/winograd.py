@@ -1,0 +1,134 @@
+"""Winograd F(2x2, 3x3) in the engine (ADR 010): direct-only vs the measured choice, in one process.
+
+    python benchmarks/winograd.py [--threads 1] [--rounds 15] [--batch 1 8] [--skip-convs] [--skip-resnet18]
+
+* Per conv: ResNet18's four stride-1 3x3 shapes (64@56², 128@28², 256@14², 512@7², ReLU fused),
+  bf16 and fp32, as one-conv engine plans built with ``GML_WINOGRAD=0`` (oneDNN's direct conv) and
+  ``GML_WINOGRAD=1`` (Winograd), timed alternately; minimum over the rounds.
+* ResNet18 (random init, 224²) through ``gml.optimize`` for bf16 and fp32, engine built with
+  ``GML_WINOGRAD=0`` and ``auto`` (the default: per conv, Winograd when timed >= 10% faster at plan
+  build), timed interleaved; medians. Also the ``gml.optimize`` time of each (plan build included)
+  and how many convs took Winograd.
+
+Prints the CPU and oneDNN's ISA; other processes share the cores: read ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+
+@contextlib.contextmanager
+def winograd(mode: str) -> Iterator[None]:
+    """``GML_WINOGRAD=mode`` while plans are built (the engine reads it at plan build)."""
+    os.environ["GML_WINOGRAD"] = mode
+    try:
+        yield
+    finally:
+        os.environ.pop("GML_WINOGRAD", None)
+
+
+def _winograd_convs(engine) -> int:
+    return sum(impl.startswith("gml:winograd_f2x3") for _, impl in engine.step_impls())
+
+
+def per_conv(batches: list[int], rounds: int) -> None:
+    from gml.kernels import bf16 as kb
+    from gml.kernels.fp32 import FusedConv, PostOp
+    from gml.runtime import compile_engine
+    from runtime.helpers import graph_of
+
+    print("\n| dtype | batch | conv | direct µs | Winograd µs | Winograd / direct |")
+    print("|---|---:|---|---:|---:|---:|")
+    for dtype in ("bf16", "f32"):
+        if dtype == "bf16" and not kb.bf16_available():
+            print(f"| bf16 | - | skipped: {kb.bf16_unavailable_reason()} | | | |")
+            continue
+        for n in batches:
+            for c, hw in ((64, 56), (128, 28), (256, 14), (512, 7)):
+                torch.manual_seed(0)
+                mod = FusedConv.from_conv(nn.Conv2d(c, c, 3, padding=1).eval(), PostOp("relu"))
+                mod = kb.Bf16Conv.from_fused(mod) if dtype == "bf16" else mod
+                x = torch.randn(n, c, hw, hw).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+                x = x.contiguous(memory_format=torch.channels_last)
+                with torch.no_grad():
+                    eng = {}
+                    for m in ("0", "1"):
+                        with winograd(m):
+                            eng[m] = compile_engine(graph_of(mod), [x])
+                    times: dict[str, list[float]] = {m: [] for m in eng}
+                    for _ in range(rounds):
+                        for m, e in eng.items():
+                            t0 = time.perf_counter()
+                            e(x)
+                            times[m].append(time.perf_counter() - t0)
+                a, b = min(times["0"]) * 1e6, min(times["1"]) * 1e6
+                print(f"| {dtype} | {n} | {c}→{c} @ {hw}² | {a:.0f} | {b:.0f} | {b / a:.2f} |", flush=True)
+
+
+def resnet18(batches: list[int], rounds: int) -> None:
+    import torchvision
+
+    import gml
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    print("\n| precision | batch | direct only ms | auto ms | auto / direct | optimize s (direct / auto) | Winograd |")
+    print("|---|---:|---:|---:|---:|---|---:|")
+    for n in batches:
+        x = torch.randn(n, 3, 224, 224)
+        for precision in ("bf16", "fp32"):
+            engines, build = {}, {}
+            for mode in ("0", "auto"):
+                t0 = time.perf_counter()
+                with winograd(mode):
+                    engines[mode] = gml.optimize(model, x, precision=precision).engine
+                build[mode] = time.perf_counter() - t0
+            times: dict[str, list[float]] = {m: [] for m in engines}
+            with torch.no_grad():
+                for e in engines.values():
+                    e(x)
+                for _ in range(rounds if n == 1 else max(3, rounds // 2)):
+                    for m, e in engines.items():
+                        t0 = time.perf_counter()
+                        e(x)
+                        times[m].append(time.perf_counter() - t0)
+            a, b = (statistics.median(times[m]) * 1e3 for m in ("0", "auto"))
+            print(
+                f"| {precision} | {n} | {a:.2f} | {b:.2f} | {b / a:.3f} | {build['0']:.2f} / {build['auto']:.2f} "
+                f"| {_winograd_convs(engines['auto'])} |",
+                flush=True,
+            )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--skip-convs", action="store_true")
+    ap.add_argument("--skip-resnet18", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from gml.kernels.bf16 import cpu_description
+
+    print(f"{cpu_description()}; {args.threads} thread(s); load average {os.getloadavg()[0]:.2f}")
+    if not args.skip_convs:
+        per_conv(args.batch, args.rounds)
+    if not args.skip_resnet18:
+        resnet18(args.batch, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
