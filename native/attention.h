@@ -68,7 +68,7 @@ inline bool cpu_supported() {
 inline bool shape_supported(int64_t E, int64_t Ev) { return E > 0 && E % 2 == 0 && Ev > 0; }
 
 // exp(x - m) for x <= m (a score minus its row max), given m·log2(e). bf16: accurate to 2.9e-6
-// relative, the probabilities are rounded to bf16 (2^-9 relative) next, so a degree-4 polynomial is
+// relative, the probabilities are rounded to bf16 (2^-8 relative) next, so a degree-4 polynomial is
 // enough; fp32: degree 5, 1.9e-7.
 // t = x log2(e) - m log2(e) (one FMA) = n + f, n = round(t), |f| <= 1/2; 2^f by a polynomial, 2^n
 // by vscalefps. t is clamped at -160 first (a masked score is -FLT_MAX, whose product with log2(e)

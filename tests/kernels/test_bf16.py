@@ -1,7 +1,7 @@
 """The bf16 fused kernels (gml.kernels.bf16) against fp32 eager references.
 
 Bound (docs/adr/007-bf16.md): a bf16 kernel rounds x and W to bf16 (8 significant bits, unit
-roundoff u = 2^-9 each), accumulates their exact products in fp32 and rounds the output once, so
+roundoff u = 2^-8 each), accumulates their exact products in fp32 and rounds the output once, so
 ``|y_bf16 - y_fp32| <= L * (3u + K * 2^-24) * (|W| @ |x| + |b|)`` element by element, where K is
 the dot length and L the post-op's largest slope (hardswish: 1.5; relu, clamps, sigmoid, tanh,
 SiLU ≈ 1.1, GELU ≈ 1.13 all ≤ 1.5). :func:`gml.kernels.bf16.bf16_dot_bound` is that bound.

@@ -3,7 +3,7 @@
 fp32: the same math in another summation order, within 1e-5 of the output's magnitude. bf16:
 both sides round operands and outputs to bf16 (8 significant bits) but may differ in where (the
 engine keeps the scores and the fused residual sum in fp32): within ``2^-6`` of the magnitude, a
-few bf16 roundings (``u = 2^-9``) of the largest output.
+few bf16 roundings (``u = 2^-8``) of the largest output.
 """
 
 from __future__ import annotations

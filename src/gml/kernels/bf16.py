@@ -13,7 +13,7 @@ module                 kernel                                            math
 =====================  ================================================  =================================
 
 **Numerics.** ``x`` and ``W`` are bf16 (8 significant bits: one rounding costs at most
-``u = 2^-9`` relative, :data:`BF16_UNIT_ROUNDOFF`); products are exact in fp32 and oneDNN
+``u = 2^-8`` relative, :data:`BF16_UNIT_ROUNDOFF`); products are exact in fp32 and oneDNN
 accumulates them in fp32 (AVX512-BF16 ``vdpbf16ps`` / AMX ``tdpbf16ps``); the bias is added in fp32
 and the post-op runs on the fp32 accumulator; the result is rounded to bf16 once. So one layer's
 output differs from the fp32 layer on the *rounded* inputs by at most ``u * |y|`` plus the fp32
@@ -48,8 +48,9 @@ from torch import nn
 from gml.ir.values import NO_POST_OP, PostOp
 from gml.kernels import fp32 as k32
 
-#: bf16's unit roundoff: 8 significant bits (7 stored + the implicit one), round-to-nearest-even.
-BF16_UNIT_ROUNDOFF = 2.0**-9
+#: bf16's unit roundoff 2^(1-p)/2 = 2^-8 for p = 8 significant bits (7 stored + the implicit one),
+#: round-to-nearest-even (2^-9 until 2026-11-24: half the true value).
+BF16_UNIT_ROUNDOFF = 2.0**-8
 
 #: oneDNN ISAs (``gml._engine.cpu_isa()`` names) with native bf16 dot products.
 NATIVE_BF16_ISAS = frozenset(

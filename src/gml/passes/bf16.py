@@ -27,7 +27,7 @@ which and why):
 * **outputs** — the model's outputs are converted back to fp32.
 
 **Numerics.** bf16 keeps 8 significant bits: each rounding moves a value by at most
-``u = 2^-9`` relative (:data:`~gml.kernels.bf16.BF16_UNIT_ROUNDOFF`). A kernel rounds its two
+``u = 2^-8`` relative (:data:`~gml.kernels.bf16.BF16_UNIT_ROUNDOFF`). A kernel rounds its two
 operands and its output (``3u`` relative to ``|W||x|``, see
 :func:`~gml.kernels.bf16.bf16_dot_bound`); errors of successive layers add up roughly as a random
 walk, and a network amplifies them by its conditioning, so the pass's end-to-end check is a bound on
@@ -58,8 +58,8 @@ from gml.kernels import fp32 as k32
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.utils import modules_of, replace_module
 
-#: bf16 vs fp32 outputs: ``max|a - b| <= atol + rtol * max|fp32|`` per output. ``rtol = 2^-4`` is 32
-#: bf16 roundings (u = 2^-9) of the largest output: a few roundings per layer of a deep network
+#: bf16 vs fp32 outputs: ``max|a - b| <= atol + rtol * max|fp32|`` per output. ``rtol = 2^-4`` is 16
+#: bf16 roundings (u = 2^-8) of the largest output: a few roundings per layer of a deep network
 #: (ResNet18 measured 2^-7..2^-6, MiniLM 2^-8; docs/adr/007-bf16.md), with room for the random
 #: inputs the manager also checks.
 BF16_TOLERANCE = Tolerance(atol=1e-3, rtol=2.0**-4)

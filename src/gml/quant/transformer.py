@@ -380,7 +380,7 @@ class AttentionInBf16(GraphPass):
 
     ``%mask'``: a float mask in bf16 too (attention takes a mask of its q's dtype; a bool one stays).
     The math inside is unchanged: fp32 accumulators, fp32 softmax statistics; the operands and the
-    probabilities are rounded to bf16 (2^-9 relative), the output once more. On the engine this is
+    probabilities are rounded to bf16 (2^-8 relative), the output once more. On the engine this is
     the fused bf16 attention step (native/attention.h, ADR 009) — on MiniLM it replaces the fp32
     primitives that took a quarter of the INT8 model's time. The GEMMs stay INT8, the residual stream,
     LayerNorm and outputs fp32. Like the INT8 GEMM pass it changes numerics on purpose (tolerance
