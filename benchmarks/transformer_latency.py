@@ -10,7 +10,8 @@ eager fp32, GML fp32 and GML bf16 (each on the native engine where it covers the
 attention, GEMMs as oneDNN primitives), GML INT8 (gml.dynamic_linear GEMMs on the engine too),
 OpenVINO bf16 (its default on CPUs with AVX-512 BF16 / AMX), ONNX Runtime dynamic INT8;
 ``gml-int8-py`` (not in the default set) is GML INT8 on the Python executor instead of the native
-engine. Prints median / p10 / p90 wall ms, the median CPU time of the process
+engine, ``gml-int8-mixed`` (not in the default set) GML INT8 with ``fallback_precision="bf16"``
+(attention on bf16 q/k/v). Prints median / p10 / p90 wall ms, the median CPU time of the process
 per call (``time.process_time``: on an oversubscribed machine a call that spans several scheduler
 slices waits for the CPU in each, so wall time penalises the longer calls more than in proportion;
 CPU time does not count the waiting) and the ratios GML / peer. As ``gml bench``, each sample
@@ -34,7 +35,21 @@ import torch
 VARIANTS = ("eager", "gml-fp32", "gml-bf16", "gml-int8", "ov-bf16", "ort-int8-dyn")
 #: local to this script: GML INT8 on the Python executor (``runtime="torch"``), to measure what the
 #: native engine's ``gml.dynamic_linear`` (ADR 008) saves against the same graph in torch
-LOCAL_VARIANTS = ("gml-int8-py",)
+LOCAL_VARIANTS = ("gml-int8-py", "gml-int8-mixed")
+
+
+def _build_gml_int8_mixed(ctx):  # -> gml.bench.variants.Built
+    """GML INT8 with ``fallback_precision="bf16"``: the transformer scheme's mixed mode (attention on
+    bf16 q/k/v, the engine's fused bf16 attention; GEMMs INT8)."""
+    import copy
+
+    import gml
+    from gml.bench.variants import Built
+
+    model = copy.deepcopy(ctx.model)
+    res = gml.quantize(model, ctx.calib, example_inputs=ctx.example, per_layer=False, fallback_precision="bf16")
+    notes = [f"runtime: {res.runtime.path}", f"fallback {res.fallback_precision}"]
+    return Built(run=lambda args: res.executable(*args), graph_module=res.module, notes=notes)
 
 
 def _build_gml_int8_py(ctx):  # -> gml.bench.variants.Built
@@ -122,7 +137,8 @@ def main() -> None:
             for name in args.variants.split(","):
                 t0 = time.perf_counter()
                 try:
-                    b = _build_gml_int8_py(ctx) if name == "gml-int8-py" else REGISTRY[name].build(ctx)
+                    local = {"gml-int8-py": _build_gml_int8_py, "gml-int8-mixed": _build_gml_int8_mixed}
+                    b = local[name](ctx) if name in local else REGISTRY[name].build(ctx)
                 except VariantSkipped as exc:
                     print(f"  {name}: skipped ({exc})")
                     continue
@@ -148,7 +164,7 @@ def main() -> None:
         for k, v in samples.items():
             q = statistics.quantiles(v, n=10)
             print(f"  {k:14s} median {med[k]:8.2f} ms  p10 {q[0]:8.2f}  p90 {q[-1]:8.2f}  | CPU time {cmed[k]:8.2f} ms")
-        for gml in ("gml-int8", "gml-bf16", "gml-fp32"):
+        for gml in ("gml-int8", "gml-int8-mixed", "gml-bf16", "gml-fp32"):
             if gml not in med:
                 continue
             for peer in ("ov-bf16", "ort-int8-dyn", "eager", "gml-int8-py"):
