@@ -3,7 +3,8 @@ on random valid models.
 
 Bound: outputs within ``BF16_TOLERANCE.rtol = 2^-4`` of the output magnitude of eager fp32 (bf16's
 unit roundoff u = 2^-8, three roundings per conv/linear, a fuzzed graph has up to ~10 of them:
-30 roundings adding as a random walk, ~sqrt(30) u ≈ 2^-5.5, well inside 16u = 2^-4; docs/adr/007-bf16.md), plus the fp32 property's allowances with bf16's ulp (2^-8) for
+30 roundings adding as a random walk, ~sqrt(30) u ≈ 2^-5.5, well inside 16u = 2^-4;
+docs/adr/007-bf16.md), plus the fp32 property's allowances with bf16's ulp (2^-8) for
 outputs that are a small remainder of large intermediates. No pass may be rolled back (the bf16
 pass rolling back means a graph bf16 cannot represent within its own bound: a finding), the
 caller's model is untouched, only GMLError escapes. 60 seeded graphs in CI.

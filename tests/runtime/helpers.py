@@ -116,3 +116,22 @@ def calibrated_qconv(x: torch.Tensor, **kw) -> qm.QConv2d:
     with torch.no_grad():
         y = probe(x)
     return qconv(x.shape[1], probe.weight.shape[0], tuple(probe.weight.shape[2:]), out_qp=fit_qparams(y), **kw)
+
+
+def attention_graph(
+    n_inputs: int, scale: float | None = None, causal: bool = False, mask_buffer: torch.Tensor | None = None
+) -> fx.GraphModule:
+    """``attention(q, k, v[, mask])`` as the lowered graph holds it (a call of the gml op); with
+    ``mask_buffer`` the mask is a constant of the module (a ``get_attr``: a plan constant)."""
+    from gml.ir.attention import attention_op
+
+    g = fx.Graph()
+    root = nn.Module()
+    xs = [g.placeholder(n) for n in ("q", "k", "v", "mask")[:n_inputs]]
+    mask = xs[3] if n_inputs > 3 else None
+    if mask_buffer is not None:
+        root.register_buffer("mask", mask_buffer)
+        mask = g.get_attr("mask")
+    g.output(g.call_function(attention_op(), (xs[0], xs[1], xs[2], mask, scale, causal)))
+    return fx.GraphModule(root, g)
+

@@ -23,6 +23,7 @@ from gml.errors import InputError
 from gml.ir.attention import attention_op
 from gml.runtime import compile_engine, native, unavailable_reason
 from gml.runtime.transformer_rules import ATTENTION_ENV
+from runtime.helpers import attention_graph
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 needs_kernel = pytest.mark.skipif(
@@ -32,20 +33,6 @@ needs_kernel = pytest.mark.skipif(
 
 BOUND = 1.25 * 2.0**-7
 FUSED = "gml:attention_avx512_bf16"
-
-
-def attention_graph(
-    n_inputs: int, scale: float | None = None, causal: bool = False, mask_buffer: torch.Tensor | None = None
-) -> fx.GraphModule:
-    g = fx.Graph()
-    root = nn.Module()
-    xs = [g.placeholder(n) for n in ("q", "k", "v", "mask")[:n_inputs]]
-    mask = xs[3] if n_inputs > 3 else None
-    if mask_buffer is not None:
-        root.register_buffer("mask", mask_buffer)
-        mask = g.get_attr("mask")
-    g.output(g.call_function(attention_op(), (xs[0], xs[1], xs[2], mask, scale, causal)))
-    return fx.GraphModule(root, g)
 
 
 def qkv(b, h, lq, s, e, ev, seed=0):

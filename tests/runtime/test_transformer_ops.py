@@ -19,7 +19,7 @@ from gml.ir.attention import attention_op
 from gml.kernels import bf16 as kb
 from gml.kernels.fp32 import FusedLinear, PostOp
 from gml.runtime import compile_engine, unavailable_reason
-from runtime.helpers import graph_of, run_both
+from runtime.helpers import attention_graph, graph_of, run_both
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 needs_bf16 = pytest.mark.skipif(not kb.bf16_available(), reason=f"no native bf16: {kb.bf16_unavailable_reason()}")
@@ -36,15 +36,6 @@ def check(gm: fx.GraphModule, *inputs: torch.Tensor, rtol: float = FP32_RTOL, ex
     err = float((got.float() - ref.float()).abs().max())
     assert err <= rtol * max(1.0, float(ref.float().abs().max())), err
     return eng
-
-
-def attention_graph(n_inputs: int, scale: float | None = None, causal: bool = False) -> fx.GraphModule:
-    """``attention(q, k, v[, mask])`` as the lowered graph holds it (a call of the gml op)."""
-    g = fx.Graph()
-    xs = [g.placeholder(n) for n in ("q", "k", "v", "mask")[:n_inputs]]
-    mask = xs[3] if n_inputs > 3 else None
-    g.output(g.call_function(attention_op(), (xs[0], xs[1], xs[2], mask, scale, causal)))
-    return fx.GraphModule(nn.Module(), g)
 
 
 def _qkv(b, h, lq, s, e, ev, dtype=torch.float32, seed=0):
