@@ -135,3 +135,23 @@ def attention_graph(
     g.output(g.call_function(attention_op(), (xs[0], xs[1], xs[2], mask, scale, causal)))
     return fx.GraphModule(root, g)
 
+
+def strided_heads_graph(batch: int, length: int, heads: int, head_size: int) -> fx.GraphModule:
+    """Attention over q / k / v as the QKV merge leaves them: ``qkv`` [B, L, 3·H·E] split in three,
+    each piece viewed [B, L, H, E] and transposed to [B, H, L, E] (strided heads, no copies)."""
+    import operator
+
+    from gml.ir.attention import attention_op
+
+    g = fx.Graph()
+    x = g.placeholder("qkv")
+    width = heads * head_size
+    parts = g.call_function(torch.split, (x, [width] * 3), {"dim": -1})
+    views = []
+    for i in range(3):
+        piece = g.call_function(operator.getitem, (parts, i))
+        views.append(
+            g.call_method("transpose", (g.call_method("view", (piece, batch, length, heads, head_size)), 1, 2))
+        )
+    g.output(g.call_function(attention_op(), (*views, None, None, False)))
+    return fx.GraphModule(nn.Module(), g)

@@ -11,19 +11,16 @@ that bound (BOUND) with a 1.25 margin for the fp32 sums' rounding.
 
 from __future__ import annotations
 
-import operator
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
 
 from gml.errors import InputError
-from gml.ir.attention import attention_op
 from gml.runtime import compile_engine, native, unavailable_reason
 from gml.runtime.transformer_rules import ATTENTION_ENV
-from runtime.helpers import attention_graph
+from runtime.helpers import attention_graph, strided_heads_graph
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 needs_kernel = pytest.mark.skipif(
@@ -160,15 +157,7 @@ def test_a_fully_masked_row_averages_the_values(monkeypatch):
 def test_strided_heads_are_read_in_place(monkeypatch):
     """q / k / v as the QKV merge leaves them (transposed views of one [B, L, 3·H·E] tensor): the
     fused step reads them with their strides — no dense copies (the primitive path makes three)."""
-    g = fx.Graph()
-    x = g.placeholder("qkv")
-    parts = g.call_function(torch.split, (x, [32, 32, 32]), {"dim": -1})
-    heads = []
-    for i in range(3):
-        piece = g.call_function(operator.getitem, (parts, i))
-        heads.append(g.call_method("transpose", (g.call_method("view", (piece, 2, 9, 2, 16)), 1, 2)))
-    g.output(g.call_function(attention_op(), (*heads, None, None, False)))
-    gm = fx.GraphModule(nn.Module(), g)
+    gm = strided_heads_graph(2, 9, 2, 16)
     x = torch.randn(2, 9, 96).to(torch.bfloat16)
     got, used = run(gm, x, path="fused", monkeypatch=monkeypatch)
     assert used == [FUSED]

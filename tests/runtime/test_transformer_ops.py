@@ -8,8 +8,6 @@ few bf16 roundings (``u = 2^-8``) of the largest output.
 
 from __future__ import annotations
 
-import operator
-
 import pytest
 import torch
 from torch import fx, nn
@@ -19,7 +17,7 @@ from gml.ir.attention import attention_op
 from gml.kernels import bf16 as kb
 from gml.kernels.fp32 import FusedLinear, PostOp
 from gml.runtime import compile_engine, unavailable_reason
-from runtime.helpers import attention_graph, graph_of, run_both
+from runtime.helpers import attention_graph, graph_of, run_both, strided_heads_graph
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 needs_bf16 = pytest.mark.skipif(not kb.bf16_available(), reason=f"no native bf16: {kb.bf16_unavailable_reason()}")
@@ -197,16 +195,7 @@ def test_attention_with_an_expanded_bool_mask_and_a_float_mask():
 
 def test_attention_of_strided_heads():
     """q / k / v as the QKV merge leaves them: transposed views of one [B, L, 3 * H * E] tensor."""
-    g = fx.Graph()
-    x = g.placeholder("qkv")
-    parts = g.call_function(torch.split, (x, [8, 8, 8]), {"dim": -1})
-    heads = []
-    for i in range(3):
-        piece = g.call_function(operator.getitem, (parts, i))
-        heads.append(g.call_method("transpose", (g.call_method("view", (piece, 2, 5, 2, 4)), 1, 2)))
-    g.output(g.call_function(attention_op(), (*heads, None, None, False)))
-    gm = fx.GraphModule(nn.Module(), g)
-    eng = check(gm, torch.randn(2, 5, 24))
+    eng = check(strided_heads_graph(2, 5, 2, 4), torch.randn(2, 5, 24))
     assert _names(eng).count("attention_default") == 6  # three dense copies of the strided heads, then the three steps
 
 
