@@ -379,14 +379,16 @@ def quantize(
 
     token_range = vocab_range(model)  # generated token ids come from the vocabulary (#15)
     chosen, why = choose_scheme(model, scheme, inputs)
+    # What INT8 leaves out (static scheme: the fp32 kernels; transformer scheme: attention) runs bf16
+    # only where the CPU has native bf16 (else a warning, and fp32)
+    refusal = _bf16_refusal() if fallback_precision == "bf16" else None
+    fallback = "bf16" if fallback_precision == "bf16" and refusal is None else "fp32"
     if chosen == "transformer":
-        # mixed mode: attention on bf16 q / k / v where the CPU has native bf16 (else a warning, fp32)
-        refusal = _bf16_refusal() if fallback_precision == "bf16" else None
         return _quantize_transformer(
             model, calib_data, inputs, eval_data=eval_data, eval_labels=eval_labels, per_layer=per_layer,
             strict=strict, min_cosine=min_cosine, leaf_modules=leaf_modules, min_sqnr_db=min_sqnr_db,
             smooth_alpha=smooth_alpha, token_range=token_range, reason=why, runtime=runtime,
-            cost_policy=cost_policy, fallback="bf16" if fallback_precision == "bf16" and refusal is None else "fp32",
+            cost_policy=cost_policy, fallback=fallback,
         )  # fmt: skip
     seconds: dict[str, float] = {}
 
@@ -406,9 +408,6 @@ def quantize(
     )
     seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
 
-    # What INT8 leaves out runs bf16 only where the CPU has native bf16 (else a warning, and fp32)
-    refusal = _bf16_refusal() if fallback_precision == "bf16" else None
-    fallback = "bf16" if fallback_precision == "bf16" and refusal is None else "fp32"
     # The post-convert half of the INT8 pipeline (gml.quant.pipeline: lower, fuse, clean up, and
     # gml.optimize's fusion passes on what stays fp32).
     samples = [inputs]

@@ -118,6 +118,7 @@ def _dense_in(v: Val, want: tuple[int, ...]) -> bool:
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major dense strides of ``shape`` (in elements); translate and transformer_rules use it too."""
     strides, acc = [], 1
     for d in reversed(shape):
         strides.append(acc)

@@ -32,6 +32,7 @@ from gml.ir.values import PostOp, QParams
 from gml.kernels import bf16, fp32
 from gml.kernels.backend import clamp_bounds
 from gml.runtime.plan import QP, Builder, Eltwise, Unsupported, Val
+from gml.runtime.plan import _contiguous as _contiguous_strides
 from gml.runtime.plan import is_nhwc as _is_nhwc
 from gml.runtime.plan import nhwc_strides as _nhwc_strides
 from gml.runtime.transformer_rules import (
@@ -572,14 +573,6 @@ def _emit_move(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         b.reorder(x, b.view(out, x.shape, _contiguous_strides(x.shape)), src_q=None, dst_q=None)
     else:
         raise Unsupported(f"{c.op} copying into layout {out.stride}")
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= d
-    return tuple(reversed(strides))
 
 
 def _emit_cat(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
