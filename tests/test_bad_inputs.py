@@ -15,6 +15,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -729,6 +730,80 @@ API_CASES += [
         "was refused: it is a pickled model, and unpickling runs code from the file",
     ),
 ]
+
+def _load_edited_program(edit: Callable[[dict], None], *, int8: bool = False) -> object:
+    """Save a SmallCNN (fp32, or INT8), edit its ``model.json`` with ``edit`` and re-seal the file as an
+    attacker would (a consistent manifest), then load it (#24: every field is checked first)."""
+    import json
+    import zipfile
+
+    from gml import archive
+    from gml import io as gio
+
+    path = _saved_path("edited.pt2")
+    if int8:
+        api.quantize(_model(), [_x(1, 3, 32, 32)] * 2, per_layer=False).save(path)
+    else:
+        api.optimize(_model(), _x(1, 3, 32, 32)).save(path)
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    prefix = next(iter(members)).split("/", 1)[0] + "/"
+    program = json.loads(members[prefix + "models/model.json"])
+    edit(program)
+    members[prefix + "models/model.json"] = json.dumps(program).encode()
+    header = {k: v for k, v in json.loads(members.pop(prefix + archive.MANIFEST)).items() if k != "members"}
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    archive.seal(Path(path), header)
+    return gio.load(path)
+
+
+_RUN = "__import__('os').system('touch /tmp/gml-pwned')"
+
+
+def _inject_kwarg_name(program: dict) -> None:
+    node = program["graph_module"]["graph"]["nodes"][0]
+    node["target"] = "torch._C._set_grad_enabled"
+    node["inputs"] = [{"name": f"*[True for _ in [{_RUN}]]) or dict(b", "arg": {"as_bool": True}, "kind": 2}]
+
+
+def _inject_guard(program: dict) -> None:
+    program["guards_code"] = [f"L['x'].size()[0] == {_RUN}"]
+
+
+def _zero_stride(program: dict) -> None:
+    qconv = next(n for n in program["graph_module"]["graph"]["nodes"] if n["target"].endswith("gml.qconv.default"))
+    next(a for a in qconv["inputs"] if a["name"] == "stride")["arg"]["as_ints"] = [0, 0]
+
+
+API_CASES += [
+    ApiCase(
+        "saved model whose call names code (#24)",
+        "gml.load(path), model.json re-sealed with a node calling _set_grad_enabled(**{'*[... os.system ...]': True})",
+        lambda m: _load_edited_program(_inject_kwarg_name),
+        _model,
+        ModelLoadError,
+        "is not an op GML runs",
+    ),
+    ApiCase(
+        "saved model with code in a shape guard (#24)",
+        "gml.load(path), model.json re-sealed with guards_code [\"L['x'].size()[0] == __import__('os')...\"]",
+        lambda m: _load_edited_program(_inject_guard),
+        _model,
+        ModelLoadError,
+        "is not a shape guard",
+    ),
+    ApiCase(
+        "saved INT8 model with a conv stride of 0 (#24)",
+        "gml.load(path), a gml.qconv's stride set to [0, 0] in model.json, re-sealed",
+        lambda m: _load_edited_program(_zero_stride, int8=True),
+        _model,
+        ModelLoadError,
+        "stride must hold integers in [1, ",
+    ),
+]
+
 
 def _load_with_runtime(runtime: str) -> object:
     from gml import io as gio

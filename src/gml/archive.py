@@ -47,6 +47,7 @@ ZIP_ERRORS = (
     UnicodeDecodeError,
     NotImplementedError,
     KeyError,
+    RecursionError,
 )
 
 
@@ -119,6 +120,8 @@ def open_sealed(path: Path) -> Sealed | None:
             prefix = _prefix(names)
             if prefix + MANIFEST not in names:
                 return None
+            if z.getinfo(prefix + MANIFEST).file_size > MAX_JSON_BYTES:
+                raise _damaged(path, "its manifest is larger than any gml.io.save writes")
             manifest = json.loads(z.read(prefix + MANIFEST))
             listed = manifest.get("members") if isinstance(manifest, dict) else None
             if not isinstance(listed, dict):
@@ -181,34 +184,71 @@ def _refused(path: Path, what: str) -> ModelLoadError:
     )
 
 
-def _payload_config(z: zipfile.ZipFile, path: Path, name: str, tensor_prefix: str) -> None:
-    """A weights/constants config: every entry is raw tensor bytes, none asks for pickle."""
+#: Bound on a JSON member's declared size: a model.json of a large GML model is a few MB.
+MAX_JSON_BYTES = 256 << 20
+_PAYLOADS = (
+    (pt2.WEIGHTS_CONFIG_FILENAME_FORMAT, pt2.WEIGHTS_DIR),
+    (pt2.CONSTANTS_CONFIG_FILENAME_FORMAT, pt2.CONSTANTS_DIR),
+)
+
+
+def _read_json(z: zipfile.ZipFile, sealed: Sealed, rel: str) -> Any:
+    info = z.getinfo(sealed.prefix + rel)
+    if info.file_size > MAX_JSON_BYTES:
+        raise _refused(sealed.path, f"{rel} declares {info.file_size} bytes")
     try:
-        config = json.loads(z.read(name)).get("config", {})
-    except (ValueError, AttributeError) as e:
-        raise _refused(path, f"{name} is not a payload config") from e
-    for fqn, entry in config.items():
-        if not isinstance(entry, dict) or entry.get("use_pickle") is not False:
-            raise _refused(path, f"entry {fqn!r} of {name.rsplit('/', 1)[-1]} asks for a pickled payload")
-        if not str(entry.get("path_name", "")).startswith(tensor_prefix):
-            raise _refused(path, f"entry {fqn!r} of {name.rsplit('/', 1)[-1]} is not a plain tensor")
+        return json.loads(z.read(info))
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON or UTF-8
+        raise _refused(sealed.path, f"{rel} is not JSON ({type(e).__name__})") from None
 
 
 def check_export_members(sealed: Sealed) -> None:
-    """Refuse a ``torch.export`` archive holding anything ``torch.export.load`` would unpickle."""
+    """Refuse a ``torch.export`` archive holding a member GML's save never writes, or anything
+    ``torch.export.load`` would unpickle."""
     patterns = _export_patterns()
     for rel in sorted(sealed.members):
         if not any(p.fullmatch(rel) for p in patterns):
             raise _refused(sealed.path, f"unexpected member {rel!r}")
     with zipfile.ZipFile(sealed.path) as z:
-        p = sealed.prefix
-        if z.getinfo(p + pt2.SAMPLE_INPUTS_FILENAME_FORMAT.format(_MODEL)).file_size:
+        if z.getinfo(sealed.prefix + pt2.SAMPLE_INPUTS_FILENAME_FORMAT.format(_MODEL)).file_size:
             raise _refused(sealed.path, "it carries pickled sample inputs")
-        for config, tensor_prefix in (
-            (pt2.WEIGHTS_CONFIG_FILENAME_FORMAT, pt2.WEIGHT_FILENAME_PREFIX),
-            (pt2.CONSTANTS_CONFIG_FILENAME_FORMAT, pt2.TENSOR_CONSTANT_FILENAME_PREFIX),
-        ):
-            _payload_config(z, sealed.path, p + config.format(_MODEL), tensor_prefix)
+
+
+def read_export_program(sealed: Sealed) -> Any:
+    """The exported program of a sealed ``torch.export`` archive, checked field by field
+    (:mod:`gml.program_check`) before torch builds anything from it; a refused field raises
+    :class:`ModelLoadError` naming it."""
+    from gml import program_check
+
+    check_export_members(sealed)
+    with zipfile.ZipFile(sealed.path) as z:
+        program = _read_json(z, sealed, pt2.MODELS_FILENAME_FORMAT.format(_MODEL))
+        configs = []
+        for config, directory in _PAYLOADS:
+            sizes = {
+                i.filename[len(sealed.prefix + directory) :]: i.file_size
+                for i in z.infolist()
+                if i.filename.startswith(sealed.prefix + directory) and not i.filename.endswith(".json")
+            }
+            name = config.format(_MODEL)
+            configs.append(_read_json(z, sealed, name))
+            program_check.check_payloads(configs[-1], sizes, name)
+    program_check.check_program(program)
+    program_check.check_state_matches_graph(program, configs)
+    return _deserialize(sealed.path, program_check.sanitized(program))
+
+
+def _deserialize(path: Path, program: dict[str, Any]) -> Any:
+    """torch.export's own deserializer, given the checked program instead of re-reading the JSON."""
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass
+    from torch.export.pt2_archive._package import PT2ArchiveReader, _load_constants, _load_state_dict
+
+    with PT2ArchiveReader(str(path)) as reader:
+        state_dict = _load_state_dict(reader, _MODEL)
+        constants = _load_constants(reader, _MODEL)
+    artifact = _dict_to_dataclass(schema.ExportedProgram, program)
+    return ExportedProgramDeserializer().deserialize(artifact, state_dict, constants, None)
 
 
 def looks_pickled(path: Path) -> bool:
@@ -220,4 +260,13 @@ def looks_pickled(path: Path) -> bool:
         return False
 
 
-__all__ = ["MANIFEST", "ZIP_ERRORS", "Sealed", "check_export_members", "looks_pickled", "open_sealed", "seal"]
+__all__ = [
+    "MANIFEST",
+    "ZIP_ERRORS",
+    "Sealed",
+    "check_export_members",
+    "looks_pickled",
+    "open_sealed",
+    "read_export_program",
+    "seal",
+]

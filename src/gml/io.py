@@ -421,7 +421,15 @@ def load(
 
     check_runtime(runtime)
     gm = _load_module(Path(path), trust_pickle, lift, lifters)
-    return attach_loaded_runtime(gm, runtime)
+    try:
+        return attach_loaded_runtime(gm, runtime)
+    except GMLError:
+        raise
+    except Exception as e:  # the graph fails on the input shapes it declares itself
+        raise ModelLoadError(
+            f"{path} does not run on the input shapes it declares: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+            hint="the file is inconsistent (altered, or written by another tool): save the model again with gml",
+        ) from e
 
 
 def attach_loaded_runtime(gm: nn.Module, runtime: str = "engine") -> nn.Module:
@@ -469,8 +477,7 @@ def _load_module(path: Path, trust_pickle: bool, lift: bool, lifters: Sequence[L
     sealed = archive.open_sealed(path)
     fmt = sealed.header.get("format") if sealed is not None else None
     if fmt == FORMAT_EXPORT:
-        archive.check_export_members(sealed)
-        return _load_export(path, sealed.header, lift, lifters)
+        return _load_export(path, sealed, lift, lifters)
     if fmt not in (FORMAT_PICKLE, None):
         raise ModelLoadError(
             f"{path} has gml format {fmt!r}, which this gml does not read",
@@ -489,20 +496,37 @@ def _load_module(path: Path, trust_pickle: bool, lift: bool, lifters: Sequence[L
     return gm
 
 
-def _load_export(path: Path, info: dict[str, Any], lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
+def _load_export(path: Path, sealed: archive.Sealed, lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
+    from gml.ir.checks import graph_problems
+
     k32.register_export_support()
     register_int8_ops()  # an INT8 program calls torch.ops.gml.*: define them and their kernels
     try:
-        ep = torch.export.load(path)
+        # every field checked before torch builds anything from it (gml.program_check)
+        ep = archive.read_export_program(sealed)
+        gm = ep.module()
+    except GMLError:
+        raise
     except Exception as e:
         raise ModelLoadError(
-            f"could not read the exported program {path}: {type(e).__name__}: {str(e).splitlines()[0]}",
-            hint=f"it was written with torch {info.get('torch')}; load it with the same torch version",
+            f"could not read the exported program {path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
+            hint=f"it was written with torch {sealed.header.get('torch')}; load it with the same torch version",
         ) from e
-    gm = ep.module()
+    problems = graph_problems(gm)
+    if problems:
+        raise ModelLoadError(
+            f"{path} was refused: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+            hint="gml.io.save never writes such an argument: the file was not written by gml, or was altered",
+        )
     _plain_output_containers(gm)
     if lift:
-        lift_kernels(gm, lifters)
+        try:
+            lift_kernels(gm, lifters)
+        except (ValueError, TypeError, RuntimeError) as e:  # a fused call whose arguments its kernel refuses
+            raise ModelLoadError(
+                f"{path} was refused: a fused kernel call does not build: {type(e).__name__}: {str(e)[:200]}",
+                hint="gml.io.save never writes such a call: the file was not written by gml, or was altered",
+            ) from e
     return gm
 
 
@@ -540,7 +564,16 @@ def _load_trusted(path: Path, lift: bool, lifters: Sequence[Lifter]) -> fx.Graph
     except archive.ZIP_ERRORS as e:
         raise ModelLoadError(f"{path} is damaged: the zip archive does not parse ({e})") from e
     if legacy_info is not None and legacy_info.get("format") == _LEGACY_FORMATS[0]:
-        return _load_export(path, legacy_info, lift, lifters)
+        k32.register_export_support()
+        register_int8_ops()
+        try:
+            gm = torch.export.load(path).module()  # trusted by the caller: not checked field by field
+        except Exception as e:
+            raise ModelLoadError(f"could not read the exported program {path}: {type(e).__name__}: {e}") from e
+        _plain_output_containers(gm)
+        if lift:
+            lift_kernels(gm, lifters)
+        return gm
     try:
         blob = torch.load(path, weights_only=False)
     except Exception as e:
