@@ -6,9 +6,10 @@ serialized, so the fused modules emit their op with the dense weight while being
 (``torch.compiler.is_compiling()``). The batch dimension is exported as dynamic when the graph
 allows it.
 
-:func:`load` reads it back with ``torch.export.load`` (no pickle of arbitrary objects), takes the
-program's ``GraphModule`` and *lifts* every fused-kernel call whose weights are constants back into
-its GML module (``_convolution_pointwise`` → :class:`~gml.kernels.fp32.FusedConv`, ...), which
+:func:`load` reads it back through torch.export's deserializer after :mod:`gml.program_check` has
+checked every field of the program (no pickle, and no name, expression or target that would make
+torch.fx or sympy run code: ADR 004's 2026-11-27 amendment), takes the program's ``GraphModule``
+and *lifts* every fused-kernel call whose weights are constants back into its GML module (``_convolution_pointwise`` → :class:`~gml.kernels.fp32.FusedConv`, ...), which
 prepacks the weights again for this machine on first call. Loading needs ``gml`` and ``torch``,
 never the original model's Python code.
 
