@@ -274,7 +274,13 @@ class _Audit:
             self.events.append(f"{event}{args!r:.200}")
         elif event == "open" and len(args) > 1 and isinstance(args[1], str) and set(args[1]) & set("wax+"):
             self.events.append(f"open for writing {args[0]!r:.200}")
-        elif event == "compile" and args and isinstance(args[0], str | bytes) and not _is_module_file(args[1:2]):
+        elif (
+            event == "compile"
+            and args
+            and isinstance(args[0], str | bytes)
+            and not _is_module_file(args[1:2])
+            and not _parse_only(sys._getframe(1))
+        ):
             self.active = False  # _foreign_code's own ast.parse raises a compile event
             try:
                 reason = _foreign_code(args[0] if isinstance(args[0], str) else args[0].decode(errors="replace"))
@@ -282,6 +288,12 @@ class _Audit:
                 self.active = True
             if reason:
                 self.events.append(f"compile of {reason}: {str(args[0])[:200]!r}")
+
+
+def _parse_only(frame: Any) -> bool:
+    """``ast.parse`` (the checker reading a guard or expression): compiles to a tree, runs nothing."""
+    code = frame.f_code if frame is not None else None
+    return code is not None and code.co_name == "parse" and code.co_filename.endswith(f"{os.sep}ast.py")
 
 
 def _is_module_file(filename: tuple) -> bool:
