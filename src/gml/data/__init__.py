@@ -3,7 +3,14 @@ small bundled data sets with the models GML-Lab trains on them (for accuracy che
 
 from __future__ import annotations
 
-from gml.data.digits import DigitsCNN, DigitsData, TrainedDigits, load_digits, train_digits_model
+from gml.data.digits import (
+    DigitsCNN,
+    DigitsData,
+    TrainedDigits,
+    load_digits,
+    save_digits_images,
+    train_digits_model,
+)
 from gml.data.images import ImageOptions, ImagePreprocess
 from gml.data.loader import DataOptions, open_data
 from gml.data.source import Batch, DataSource
@@ -19,5 +26,6 @@ __all__ = [
     "TrainedDigits",
     "load_digits",
     "open_data",
+    "save_digits_images",
     "train_digits_model",
 ]
