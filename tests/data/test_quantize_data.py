@@ -91,3 +91,20 @@ def test_api_takes_data_sources(digits):
     assert q.accuracy.int8_top5 is not None
     with pytest.raises(InputError, match="needs labelled evaluation data"):
         gml.quantize(trained.model, calib, example_inputs=(x,), max_accuracy_drop=1.0)
+
+
+def test_bench_calibrates_and_scores_on_real_data(digits):
+    from gml.bench.runner import run_bench
+
+    trained, root, mean, std = digits
+    result = run_bench(
+        trained.model, input_shape=(1, 1, 8, 8), batch_sizes=[16], variants="eager,gml-int8", rounds=2, warmup=1,
+        peak=None, footprint=False, progress=False, calib_data=str(root / "train"), calib_samples=32,
+        eval_data=str(root / "test"), data_options=DataOptions(image=ImageOptions(mean=mean, std=std)),
+    )  # fmt: skip
+    assert result.settings["calib_data"].startswith("64 images") and result.settings["eval_data"].startswith("450")
+    eager, int8 = result.batches[0].variants
+    n = 450 // 16 * 16  # full batches only: the variants are built for one shape
+    want = float((trained.model(trained.data.x_test[:n]).argmax(1) == trained.data.y_test[:n]).float().mean())
+    assert eager.top1_accuracy == pytest.approx(want)
+    assert int8.ok and int8.top1_accuracy is not None and abs(int8.top1_accuracy - want) < 0.03
