@@ -33,28 +33,44 @@ class ItemsResult:
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
 
-def infer_items(model: Callable[..., Any], source: Any, indices: Sequence[int], batch_size: int) -> ItemsResult:
-    """Read ``indices`` from ``source`` (skipping unreadable ones), run ``model`` on batches of
-    ``batch_size``; the shared inner loop of the in-process and the Ray runs."""
-    from torch.utils.data import default_collate
+Samples = tuple[list[tuple[int, tuple[torch.Tensor, ...]]], list[tuple[int, str]]]
 
-    out = ItemsResult()
-    good: list[tuple[int, tuple[torch.Tensor, ...]]] = []
+
+def read_items(source: Any, indices: Sequence[int]) -> Samples:
+    """``(readable (index, inputs), unreadable (index, why))``: an :class:`InputError` skips the item."""
+    good, bad = [], []
     for i in indices:
         try:
             good.append((i, source.read(i)[0]))
         except InputError as exc:
-            out.skipped.append((i, exc.message))
+            bad.append((i, exc.message))
+    return good, bad
+
+
+def infer_samples(model: Callable[..., Any], samples: Samples, batch_size: int) -> ItemsResult:
+    """Run ``model`` on the readable samples in batches of ``batch_size``. A short last batch is
+    padded with copies of its last sample (outputs dropped): every call has one shape, so the
+    engine builds one plan, not one more per tail size."""
+    from torch.utils.data import default_collate
+
+    good, bad = samples
+    out = ItemsResult(skipped=list(bad))
     with torch.inference_mode():
         for start in range(0, len(good), batch_size):
             chunk = good[start : start + batch_size]
-            inputs = default_collate([s for _, s in chunk])
+            rows = [s for _, s in chunk]
+            inputs = default_collate(rows + [rows[-1]] * (batch_size - len(rows)))
             leaves, _ = tree_flatten(model(*inputs))
             arrays = [t.detach().float().numpy() if t.is_floating_point() else t.numpy() for t in leaves]
             for row, (i, _) in enumerate(chunk):
                 out.indices.append(i)
-                out.outputs.append([a[row] for a in arrays])
+                out.outputs.append([a[row].copy() for a in arrays])
     return out
+
+
+def infer_items(model: Callable[..., Any], source: Any, indices: Sequence[int], batch_size: int) -> ItemsResult:
+    """Read ``indices`` from ``source`` (skipping unreadable ones) and run ``model`` on them."""
+    return infer_samples(model, read_items(source, indices), batch_size)
 
 
 @dataclass
@@ -171,8 +187,17 @@ def run_batch(
 
 
 def _local(model: Any, source: Any, store: ShardStore, todo: list[int], batch_size: int) -> Iterator[ItemsResult]:
-    for k in todo:
-        yield infer_items(model, source, list(store.shard_items(k)), batch_size)
+    """Shard by shard; a thread reads (decodes, preprocesses) the next shard while the model runs
+    on this one (torch and torchvision's decoders release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gml-read") as pool:
+        ahead = pool.submit(read_items, source, list(store.shard_items(todo[0]))) if todo else None
+        for n in range(len(todo)):
+            samples = ahead.result()  # type: ignore[union-attr]
+            if n + 1 < len(todo):
+                ahead = pool.submit(read_items, source, list(store.shard_items(todo[n + 1])))
+            yield infer_samples(model, samples, batch_size)
 
 
 def _collect(results: Iterable[ItemsResult], store: ShardStore, todo: list[int], progress: bool, console: Any) -> None:
