@@ -43,7 +43,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="images: take the resize/crop/mean/std of this torchvision name or timm:NAME (a .pt2 does not "
         "record its preprocessing; default: resize to the model's input size, pixels in [0, 1])",
     )
-    p.add_argument("--threads", type=_positive, metavar="N", help="torch threads in process (default: all cores)")
+    p.add_argument("--threads", type=_positive, metavar="N", help="torch threads in process (default: torch's)")
     p.add_argument(
         "--ray",
         nargs="?",
@@ -85,7 +85,9 @@ def run_command(args: argparse.Namespace, console: Console) -> int:
     console.print(
         f"wrote {report.written} of {report.items} inputs to {escape(report.output)} ({report.fmt}; "
         f"{report.shards} shard(s){resumed}) in {report.seconds:.1f} s, {report.items_per_s:.1f} inputs/s "
-        f"({escape(report.runner)})"
+        f"({escape(report.runner)}"
+        + (f"; first results after {report.first_result_s:.1f} s" if report.first_result_s is not None else "")
+        + ")"
     )
     if report.skipped:
         console.print(

@@ -86,6 +86,8 @@ class RunReport:
     runner: str
     source: str
     notes: list[str] = field(default_factory=list)
+    #: seconds from the start of the run to the first results (Ray: actors starting, loading the model)
+    first_result_s: float | None = None
 
     @property
     def items_per_s(self) -> float:
@@ -178,12 +180,13 @@ def run_batch(
         from gml.batch.on_ray import run_on_ray
 
         results, runner = run_on_ray(saved, source, store, todo, batch_size, ray_address, ray_cpus)
-    _collect(results, store, todo, progress, console)
+    first = _collect(results, store, todo, progress, console)
     seconds = time.perf_counter() - t0
     written, skipped = store.merge()
     return RunReport(
-        output, fmt, len(ids), written, skipped, store.n_shards, done_before, seconds, runner, source.describe(), notes
-    )
+        output, fmt, len(ids), written, skipped, store.n_shards, done_before, seconds, runner, source.describe(), notes,
+        first_result_s=None if first is None else first - t0,
+    )  # fmt: skip
 
 
 def _local(model: Any, source: Any, store: ShardStore, todo: list[int], batch_size: int) -> Iterator[ItemsResult]:
@@ -200,9 +203,13 @@ def _local(model: Any, source: Any, store: ShardStore, todo: list[int], batch_si
             yield infer_samples(model, samples, batch_size)
 
 
-def _collect(results: Iterable[ItemsResult], store: ShardStore, todo: list[int], progress: bool, console: Any) -> None:
+def _collect(
+    results: Iterable[ItemsResult], store: ShardStore, todo: list[int], progress: bool, console: Any
+) -> float | None:
     """Gather results by shard and write each shard, its items in input order, as soon as all its
-    items are in (Ray returns them in any order)."""
+    items are in (Ray returns them in any order); the ``perf_counter`` time of the first results."""
+    import time
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     done: dict[int, list[tuple[int, list[np.ndarray]]]] = {k: [] for k in todo}
@@ -211,9 +218,11 @@ def _collect(results: Iterable[ItemsResult], store: ShardStore, todo: list[int],
     total = len(store.ids)
     columns = [TextColumn("gml run"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     bar = Progress(*columns, console=console, transient=True, disable=not progress)
+    first = None
     with bar:
         task = bar.add_task("run", total=total, completed=total - sum(remaining.values()))
         for res in results:
+            first = first if first is not None else time.perf_counter()
             touched = set()
             for i, outs in zip(res.indices, res.outputs):
                 done[i // store.shard_size].append((i, outs))
@@ -235,3 +244,4 @@ def _collect(results: Iterable[ItemsResult], store: ShardStore, todo: list[int],
                     del remaining[k]
     if remaining:
         raise GMLError(f"{len(remaining)} shard(s) got no results; rerun to finish them.")
+    return first

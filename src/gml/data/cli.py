@@ -31,7 +31,11 @@ def _positive(text: str) -> int:
 
 def add_preprocess_arguments(p: argparse.ArgumentParser) -> None:
     """``--resize/--crop/--mean/--std`` (images) and ``--tokenizer/--seq-len`` (text)."""
-    g = p.add_argument_group("turning data files into inputs (images: defaults from the model's metadata)")
+    g = p.add_argument_group(
+        "turning data files into model inputs",
+        "images: resize, center crop, [0, 1] pixels, normalize; each number from the flag, else the model's "
+        "metadata (torchvision weights / timm), else resize to the model's input size without normalizing",
+    )
     g.add_argument("--resize", type=_positive, metavar="N", help="images: resize the shorter side to N pixels")
     g.add_argument("--crop", type=_positive, metavar="N", help="images: center-crop N x N after resizing")
     g.add_argument("--mean", type=_floats, metavar="M[,M,M]", help="images: per-channel mean of [0, 1] pixels")
@@ -39,9 +43,16 @@ def add_preprocess_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tokenizer",
         metavar="FOLDER",
-        help="text: a local Hugging Face folder whose tokenizer splits the lines (default: the model's folder)",
+        help="text: a local Hugging Face folder whose tokenizer splits the lines (default: MODEL, when it is "
+        "a local folder)",
     )
-    g.add_argument("--seq-len", type=_positive, metavar="N", help="text: tokens per line (default: the model's)")
+    g.add_argument(
+        "--seq-len",
+        type=_positive,
+        metavar="N",
+        help="text: tokens per line, padded or truncated (default: the example input's length; gml run: 128 when "
+        "the saved model takes any length)",
+    )
 
 
 def add_data_arguments(p: argparse.ArgumentParser, *, accuracy_gate: bool = True) -> None:

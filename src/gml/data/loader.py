@@ -96,10 +96,10 @@ def open_data(
                 f"({', '.join(str(x.dtype).removeprefix('torch.') for x in example_inputs)}), not one image tensor.",
                 hint="give tensors (.pt / .npy / .safetensors) or text lines for this model.",
             )
+        if len(shape) == 4 and shape[1] not in (1, 3):
+            raise InputError(f"images decode to 1 or 3 channels; this model takes {shape[1]}.")
         timm_spec = spec.removeprefix("timm:") if spec and spec.startswith("timm:") else None
         pre = resolve_preprocess(shape, model=model, spec=None if timm_spec else spec, options=options.image)
-        if shape[1] not in (1, 3):
-            raise InputError(f"images decode to 1 or 3 channels; this model takes {shape[1]}.")
         source = ImageFolderSource(path, pre, shape[1], require_labels=require_labels)
     elif kind == "text":
         from gml.data.text import TextLinesSource, load_tokenizer
@@ -112,9 +112,9 @@ def open_data(
                 f"{str(example_inputs[0].dtype).removeprefix('torch.')}, not token ids.",
                 hint="give images or tensors for this model.",
             )
-        source = TextLinesSource(path, load_tokenizer(folder, path), seq_len, len(example_inputs))
         if require_labels:
             raise InputError(f"{path}: text lines carry no labels.", hint="give labelled tensors (a 'labels' key).")
+        source = TextLinesSource(path, load_tokenizer(folder, path), seq_len, len(example_inputs))
     else:
         from gml.data.tensors import TensorFileSource
 
