@@ -85,8 +85,12 @@ def run_on_ray(
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         else:
             ray.init(num_cpus=cpus or os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    import logging
+
+    # gml run draws its own progress bar and summary: Ray Data's bars and per-dataset INFO lines off
+    logging.getLogger("ray.data").setLevel(logging.ERROR)
     ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False  # gml run draws its own
+    ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
     actors = max(1, int(ray.cluster_resources().get("CPU", 1)))
     indices = [i for k in todo for i in store.shard_items(k)]
@@ -100,7 +104,7 @@ def run_on_ray(
         fn_constructor_kwargs={"saved": os.path.abspath(saved), "source": source, "batch_size": batch_size},
         batch_size=batch_size,
         batch_format="numpy",
-        concurrency=actors,
+        compute=ray.data.ActorPoolStrategy(size=actors),
         num_cpus=1,
     )
 

@@ -94,8 +94,9 @@ class RunReport:
         return (self.written + len(self.skipped)) / self.seconds if self.seconds else float("nan")
 
 
-def load_saved(path: str) -> tuple[Any, tuple[torch.Tensor, ...], list[bool]]:
-    """``(model on the engine, example inputs, per-input "has a dynamic non-batch dim")``."""
+def load_saved(path: str, engine: bool = True) -> tuple[Any, tuple[torch.Tensor, ...], list[bool]]:
+    """``(model on the engine, example inputs, per-input "has a dynamic non-batch dim")``;
+    ``engine=False``: the graph on the Python executor (the Ray driver only needs its input shapes)."""
     from gml.io import attach_loaded_runtime, is_saved_model, load, placeholder_inputs
 
     if not is_saved_model(path):
@@ -111,7 +112,7 @@ def load_saved(path: str) -> tuple[Any, tuple[torch.Tensor, ...], list[bool]]:
             val = node.meta.get("val")
             shape = getattr(val, "shape", ())
             dynamic.append(any(not isinstance(d, int) for d in list(shape)[1:]))
-    return attach_loaded_runtime(gm, "engine"), example, dynamic
+    return (attach_loaded_runtime(gm, "engine") if engine else gm), example, dynamic
 
 
 def run_batch(
@@ -154,7 +155,7 @@ def run_batch(
             f"--output {output} exists (a finished run).", hint="delete it to run again, or choose another --output."
         )
     options = options or DataOptions()
-    model, example, dynamic = load_saved(saved)
+    model, example, dynamic = load_saved(saved, engine=ray_address is None)  # Ray: each actor loads its own
     if options.seq_len is None and any(dynamic) and not example[0].is_floating_point():
         from gml.models_hf import DEFAULT_SEQ
 
