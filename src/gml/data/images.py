@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -195,7 +196,9 @@ def decode(path: str, channels: int) -> torch.Tensor:
         with Image.open(path) as im:
             return pil_to_tensor(im.convert("L" if channels == 1 else "RGB"))
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        # torchvision's decoders prefix their C++ source location ("decode_png, /__w/.../decode_png.cpp:66, ")
+        first = re.sub(r"^\w+, \S+\.cpp:\d+, ", "", first)[:200]
         raise InputError(
             f"cannot read image {path}: {first}",
             hint="the file is damaged or not an image of the kind its extension says; re-export it or remove it.",
