@@ -294,7 +294,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_transformer_result(args: argparse.Namespace, res, model, inputs) -> None:
+def _print_transformer_result(args: argparse.Namespace, res, model, inputs, eval_desc: str | None = None) -> None:
     """#15: what the transformer INT8 scheme did: passes, every GEMM/attention/LayerNorm/softmax with
     its precision and why."""
     _print_capture(res.module, model, inputs)
@@ -308,6 +308,9 @@ def _print_transformer_result(args: argparse.Namespace, res, model, inputs) -> N
     from gml.models_hf import token_range
     from gml.quant.calibrate import describe_generated
 
+    if eval_desc is not None:  # --eval-data
+        console.print(f"[dim]accuracy below: on {escape(eval_desc)}[/]")
+        return
     held_out = escape(describe_generated(inputs, token_range(model)))
     console.print(f"[dim]accuracy below: on 2 held-out {held_out} the calibration did not see[/]")
 
@@ -385,7 +388,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     console.print(f"[dim]{why}[/]")
     fe = res.frontend
     if res.scheme == "transformer":
-        _print_transformer_result(args, res, model, inputs)
+        _print_transformer_result(args, res, model, inputs, eval_src.describe() if eval_src is not None else None)
     else:
         if fe.fp32_passes is not None:
             console.print(fe.fp32_passes.table(title="fp32 passes before quantization"))

@@ -492,6 +492,10 @@ def _load_module(path: Path, trust_pickle: bool, lift: bool, lifters: Sequence[L
 def _load_export(path: Path, info: dict[str, Any], lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
     k32.register_export_support()
     register_int8_ops()  # an INT8 program calls torch.ops.gml.*: define them and their kernels
+    from gml.ir.attention import attention_op
+
+    attention_op()  # a transformer's program calls torch.ops.gml.attention (defined on first use)
+    _register_model_outputs(path)
     try:
         ep = torch.export.load(path)
     except Exception as e:
@@ -504,6 +508,23 @@ def _load_export(path: Path, info: dict[str, Any], lift: bool, lifters: Sequence
     if lift:
         lift_kernels(gm, lifters)
     return gm
+
+
+def _register_model_outputs(path: Path) -> None:
+    """A transformers model returns a ``ModelOutput``, which torch.export records by its pytree type
+    name; transformers registers those types when ``transformers.modeling_outputs`` is imported. That
+    fixed module is imported (never a name read from the file) when the program names one of them."""
+    needle = b"transformers.modeling_outputs."
+    with zipfile.ZipFile(path) as z:
+        found = any(n.endswith(".json") and needle in z.read(n) for n in z.namelist())
+    if found:
+        try:
+            import transformers.modeling_outputs  # noqa: F401
+        except ImportError:
+            raise ModelLoadError(
+                f"{path} returns a transformers ModelOutput, and the `transformers` package is not installed.",
+                hint="pip install 'gml-lab[transformers]'.",
+            ) from None
 
 
 def _plain(value: Any) -> Any:
