@@ -145,7 +145,28 @@ def files(tmp_path_factory):
     (d / "checkpoint_dir").mkdir()
     _write_pickle(d / "payload_protocol0.pkl", {"state_dict": _Payload()}, 0)
     torch.save({"state_dict": _Payload()}, d / "payload_protocol4.pt", pickle_protocol=4)
+    _data_files(d)
     return d
+
+
+def _data_files(d) -> None:
+    """Real-data inputs (#27) gone wrong: a damaged image, an empty class folder, a CSV, tensors of
+    another shape."""
+    import warnings
+
+    import numpy as np
+    from torchvision.io import write_png
+
+    img = torch.randint(0, 256, (3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    with warnings.catch_warnings():  # torchvision 0.29 points at TorchCodec for encoding
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for folder in ("images_bad/cat", "images_bad/dog", "images_empty_class/cat"):
+            (d / folder).mkdir(parents=True)
+            write_png(img, str(d / folder / "0.png"))
+    (d / "images_bad" / "dog" / "1.png").write_bytes(b"\x89PNG\r\n not really")
+    (d / "images_empty_class" / "dog").mkdir()
+    (d / "data.csv").write_text("a,b\n1,2\n")
+    np.save(d / "wrong_shape.npy", np.zeros((4, 4, 32, 32), np.float32))
 
 
 @pytest.fixture
@@ -341,6 +362,48 @@ CLI_CASES = [
         "The INT8 model is below the required accuracy: output cosine",
     ),
     Case("`--min-cosine` that is not a cosine", ("quantize", SMALL, "--min-cosine", "5"), 1, "is not a cosine"),
+    Case(
+        "unreadable image in `--calib-data`",
+        ("quantize", SMALL, "--calib-data", "{tmp}/images_bad", "--no-time"),
+        5,
+        "cannot read image <tmp>/images_bad/dog/1.png",
+    ),
+    Case(
+        "class folder with no images in `--eval-data`",
+        ("quantize", SMALL, "--eval-data", "{tmp}/images_empty_class", "--no-time"),
+        5,
+        "class folder <tmp>/images_empty_class/dog holds no images",
+    ),
+    Case(
+        "`--calib-data` of a kind GML does not read",
+        ("quantize", SMALL, "--calib-data", "{tmp}/data.csv", "--no-time"),
+        5,
+        "<tmp>/data.csv is a '.csv' file",
+    ),
+    Case(
+        "`--calib-data` tensors of another shape",
+        ("quantize", SMALL, "--calib-data", "{tmp}/wrong_shape.npy", "--no-time"),
+        5,
+        "<tmp>/wrong_shape.npy: input 0 has shape (4, 4, 32, 32); the model takes samples of shape (3, 32, 32)",
+    ),
+    Case(
+        "`--max-accuracy-drop` without labelled `--eval-data`",
+        ("quantize", SMALL, "--max-accuracy-drop", "1", "--no-time"),
+        1,
+        "--max-accuracy-drop needs --eval-data with labels",
+    ),
+    Case(
+        "`gml run --output` that is neither .parquet nor .npy",
+        ("run", "{tmp}/good.pt", "--input", "{tmp}/images_bad", "--output", "{tmp}/out.csv"),
+        1,
+        "must end in .parquet or .npy",
+    ),
+    Case(
+        "`gml run` on a file that is not a saved model",
+        ("run", "{tmp}/good.pt", "--input", "{tmp}/images_bad", "--output", "{tmp}/out.npy"),
+        1,
+        "is not a model saved by gml",
+    ),
     Case(
         "op with no INT8 kernel (GELU): stays fp32, reported",
         ("quantize", "{tmp}/user_models.py:GeluNet", "--no-time", "--no-per-layer"),

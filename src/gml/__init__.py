@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gml import data  # gml.data.open_data: the user's images / text / tensors as model inputs
 from gml.api import OptimizeResult, QuantizeResult, optimize, quantize, verify
 from gml.capture import capture
 from gml.errors import GMLError
@@ -25,6 +26,7 @@ __all__ = [
     "QuantizeResult",
     "VerifyResult",
     "capture",
+    "data",
     "load",
     "optimize",
     "quantize",

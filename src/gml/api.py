@@ -301,6 +301,7 @@ def quantize(
     smooth_alpha: float | None = None,
     cost_policy: str | Callable[[Any], Any] | None = None,
     fallback_precision: str = "fp32",
+    max_accuracy_drop: float | None = None,
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -314,13 +315,19 @@ def quantize(
     and ``per_channel`` concern the static scheme only.
 
     Args:
-        calib_data: iterable of batches (tensors, tuples, or ``(x, label)`` pairs), or an int N for
-            N generated batches shaped like ``example_inputs`` (default 8 generated batches).
+        calib_data: iterable of batches (tensors, tuples, or ``(x, label)`` pairs), a
+            :class:`gml.data.DataSource` (``gml.data.open_data(path, ...)``: image folder, text lines,
+            tensor files; every sample, batches of 8; ``source.calibration(64)`` for a seeded subset),
+            or an int N for N generated batches shaped like ``example_inputs`` (default 8 generated batches).
         example_inputs: one input tuple; defaults to the first calibration batch.
         backend: ``onednn`` (oneDNN INT8 kernels, VNNI) or ``fbgemm`` (``quantized::*`` ops).
         observer: ``minmax`` | ``moving_average`` | ``histogram`` | ``percentile``.
         eval_data / eval_labels: held-out batches for the accuracy report (default: 2 generated
-            batches that the calibration did not see).
+            batches that the calibration did not see); ``eval_data`` may be a
+            :class:`gml.data.DataSource`, whose labels (an ImageFolder's class folders) then give
+            fp32 and INT8 top-1 / top-5 accuracy.
+        max_accuracy_drop: raise :class:`~gml.errors.AccuracyDropError` when INT8's top-1 accuracy
+            on the labelled ``eval_data`` is more than this many percentage points below fp32's.
         runtime: ``engine`` (default: the native oneDNN engine, ``result.engine``, where it covers
             the graph; ``result.runtime`` says which path runs each node) or ``torch`` (the Python
             executor only).
@@ -358,6 +365,7 @@ def quantize(
 
     check_runtime(runtime)
     check_precision(fallback_precision)
+    calib_data, eval_data, eval_labels = _from_sources(calib_data, eval_data, eval_labels, max_accuracy_drop)
     cost_policy = default_policy() if cost_policy is None else cost_policy
     check_policy(cost_policy)
     check_eval_mode(model, what="INT8 quantization")
@@ -388,7 +396,7 @@ def quantize(
             model, calib_data, inputs, eval_data=eval_data, eval_labels=eval_labels, per_layer=per_layer,
             strict=strict, min_cosine=min_cosine, leaf_modules=leaf_modules, min_sqnr_db=min_sqnr_db,
             smooth_alpha=smooth_alpha, token_range=token_range, reason=why, runtime=runtime,
-            cost_policy=cost_policy, fallback=fallback,
+            cost_policy=cost_policy, fallback=fallback, max_accuracy_drop=max_accuracy_drop,
         )  # fmt: skip
     seconds: dict[str, float] = {}
 
@@ -444,7 +452,7 @@ def quantize(
         return _gml_fp32_instead(
             model, gml_fp32(), ref, cost, seconds, why, refusal, fallback,
             eval_data=eval_data, eval_labels=eval_labels, inputs=inputs, token_range=token_range,
-            min_cosine=min_cosine,
+            min_cosine=min_cosine, max_accuracy_drop=max_accuracy_drop,
         )  # fmt: skip
     # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
     coverage = coverage_of(result.graph_module)
@@ -454,6 +462,7 @@ def quantize(
     acc = _accuracy(
         model, result.graph_module, ref.float_module, seconds, eval_data=eval_data, eval_labels=eval_labels,
         inputs=inputs, token_range=token_range, per_layer=per_layer, min_cosine=min_cosine,
+        max_accuracy_drop=max_accuracy_drop,
     )  # fmt: skip
     refuse_autograd(result.graph_module)
 
@@ -496,6 +505,7 @@ def _gml_fp32_instead(
     token_range: tuple[int, int] | None,
     min_cosine: float | None,
     scheme: str = "static",
+    max_accuracy_drop: float | None = None,
 ) -> QuantizeResult:
     """The :class:`QuantizeResult` of a model INT8 could not speed up: ``gml.optimize``'s model
     (``opt``: its module, engine, pass report and runtime report), with a coverage and a precision
@@ -515,6 +525,7 @@ def _gml_fp32_instead(
     acc = _accuracy(
         model, opt.module, ref.float_module, seconds, eval_data=eval_data, eval_labels=eval_labels,
         inputs=inputs, token_range=token_range, per_layer=False, min_cosine=min_cosine,
+        max_accuracy_drop=max_accuracy_drop,
     )  # fmt: skip
     return QuantizeResult(
         opt.module, opt.report, ref.report, coverage, acc, ref.graph_module, seconds, opt.engine, opt.runtime,
@@ -535,6 +546,7 @@ def _accuracy(
     token_range: tuple[int, int] | None,
     per_layer: bool,
     min_cosine: float | None,
+    max_accuracy_drop: float | None = None,
 ) -> Any:
     """The accuracy report of the module ``quantize`` returns against the eager model (on
     ``eval_data``, or two generated batches shaped like ``inputs``), timed into ``seconds``;
@@ -553,7 +565,52 @@ def _accuracy(
     seconds["accuracy report"] = time.perf_counter() - t0
     if min_cosine is not None:
         check_min_cosine(acc, min_cosine)
+    if max_accuracy_drop is not None:
+        check_accuracy_drop(acc, max_accuracy_drop)
     return acc
+
+
+def _from_sources(calib_data: Any, eval_data: Any, eval_labels: Any, max_accuracy_drop: float | None) -> tuple:
+    """``calib_data`` / ``eval_data`` given as :class:`gml.data.DataSource`\\ s as batches (and the
+    eval source's labels); ``max_accuracy_drop`` checked to have labels to work on."""
+    from gml.data.source import DataSource
+    from gml.errors import InputError
+
+    if isinstance(calib_data, DataSource):
+        calib_data = calib_data.calibration()
+    if isinstance(eval_data, DataSource):
+        eval_data, labels = eval_data.evaluation()
+        eval_labels = eval_labels if eval_labels is not None else labels
+    if max_accuracy_drop is not None:
+        if not max_accuracy_drop >= 0:
+            raise InputError(f"max_accuracy_drop={max_accuracy_drop} is not a number of points >= 0.")
+        if eval_data is None:
+            raise InputError(
+                "max_accuracy_drop needs labelled evaluation data: generated inputs have no right answer.",
+                hint="pass eval_data (e.g. gml.data.open_data('val/', ...) on an ImageFolder) or --eval-data PATH.",
+            )
+    return calib_data, eval_data, eval_labels
+
+
+def check_accuracy_drop(acc: Any, max_drop: float) -> None:
+    """Raise :class:`~gml.errors.AccuracyDropError` when INT8's top-1 accuracy is more than
+    ``max_drop`` points below fp32's (:class:`InputError` when the report has no labels)."""
+    from gml.errors import AccuracyDropError, InputError
+
+    drop = acc.accuracy_drop
+    if drop is None:
+        raise InputError(
+            "the accuracy drop needs labels, and the evaluation data has none (or the model is not a classifier "
+            "with one output of shape (N, classes)).",
+            hint="evaluate on an ImageFolder (class sub-folders) or tensors saved with 'labels'.",
+        )
+    if drop > max_drop + 1e-9:  # percentages of counts: 100 * (0.9 - 0.85) is 5.000000000000004
+        raise AccuracyDropError(
+            f"INT8 loses {drop:.2f} points of top-1 accuracy (fp32 {100 * acc.fp32_top1:.2f}%, INT8 "
+            f"{100 * acc.int8_top1:.2f}% on {acc.samples} labelled samples), more than the {max_drop:g} allowed.",
+            hint="calibrate on more (or more representative) real data (--calib-samples), try --observer histogram "
+            "or percentile, or keep the worst layers fp32; nothing was saved.",
+        )
 
 
 SCHEMES = ("auto", "static", "transformer")
@@ -593,6 +650,7 @@ def _quantize_transformer(
     runtime: str = "engine",
     cost_policy: Any = "measure",
     fallback: str = "fp32",
+    max_accuracy_drop: float | None = None,
 ) -> QuantizeResult:
     """:func:`quantize` with the transformer scheme, returned in the same result type: ``coverage``
     lists every GEMM (INT8 or fp32 and why) and what stays fp32 (attention, LayerNorm, softmax,
@@ -624,6 +682,7 @@ def _quantize_transformer(
     acc = _accuracy(
         model, res.module, res.fp32_module, seconds, eval_data=eval_data, eval_labels=eval_labels,
         inputs=inputs, token_range=token_range, per_layer=per_layer, min_cosine=min_cosine,
+        max_accuracy_drop=max_accuracy_drop,
     )  # fmt: skip
     refuse_autograd(res.module)
     # the native engine runs the gml.dynamic_linear GEMMs (and what else it covers), checked against
@@ -654,6 +713,7 @@ def _quantize_transformer(
             return _gml_fp32_instead(
                 model, opt, ref, cost, seconds, reason, None, "fp32", eval_data=eval_data, eval_labels=eval_labels,
                 inputs=inputs, token_range=token_range, min_cosine=min_cosine, scheme="transformer",
+                max_accuracy_drop=max_accuracy_drop,
             )  # fmt: skip
     return QuantizeResult(
         res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",

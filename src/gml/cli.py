@@ -1,4 +1,4 @@
-"""The ``gml`` command line: inspect, optimize, quantize, bench, demo.
+"""The ``gml`` command line: inspect, optimize, quantize, bench, run, demo.
 
 Every command takes a MODEL: a torchvision name (``resnet18``; random weights, nothing is
 downloaded) or ``path/to/file.py:ClassName``. Errors a user can cause print one paragraph that says
@@ -294,7 +294,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_transformer_result(args: argparse.Namespace, res, model, inputs) -> None:
+def _print_transformer_result(args: argparse.Namespace, res, model, inputs, eval_desc: str | None = None) -> None:
     """#15: what the transformer INT8 scheme did: passes, every GEMM/attention/LayerNorm/softmax with
     its precision and why."""
     _print_capture(res.module, model, inputs)
@@ -308,6 +308,9 @@ def _print_transformer_result(args: argparse.Namespace, res, model, inputs) -> N
     from gml.models_hf import token_range
     from gml.quant.calibrate import describe_generated
 
+    if eval_desc is not None:  # --eval-data
+        console.print(f"[dim]accuracy below: on {escape(eval_desc)}[/]")
+        return
     held_out = escape(describe_generated(inputs, token_range(model)))
     console.print(f"[dim]accuracy below: on 2 held-out {held_out} the calibration did not see[/]")
 
@@ -329,6 +332,12 @@ def _print_precisions(res) -> None:
         )
 
 
+def escape_markup(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from gml.api import quantize
 
@@ -341,6 +350,17 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from gml.api import choose_scheme
 
     scheme, why = choose_scheme(model, args.scheme, inputs)
+    from gml.data.cli import open_calib_eval
+
+    calib_src, eval_src = open_calib_eval(args, model, inputs)
+    calib: object = args.calib
+    eval_data = eval_labels = None
+    if calib_src is not None:
+        calib = calib_src.calibration(args.calib_samples)
+        console.print(f"calibration data: {escape_markup(calib_src.describe())}; {sum(len(b[0]) for b in calib)} used")
+    if eval_src is not None:
+        eval_data, eval_labels = eval_src.evaluation()
+        console.print(f"evaluation data: {escape_markup(eval_src.describe())}")
     import warnings
 
     from gml.quant.calibrate import CalibrationWarning
@@ -349,8 +369,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", CalibrationWarning)
         res = quantize(
             model,
-            args.calib,
+            calib,
             example_inputs=inputs,
+            eval_data=eval_data,
+            eval_labels=eval_labels,
             backend=args.backend,
             observer=args.observer,
             per_channel=not args.per_tensor,
@@ -366,7 +388,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     console.print(f"[dim]{why}[/]")
     fe = res.frontend
     if res.scheme == "transformer":
-        _print_transformer_result(args, res, model, inputs)
+        _print_transformer_result(args, res, model, inputs, eval_src.describe() if eval_src is not None else None)
     else:
         if fe.fp32_passes is not None:
             console.print(fe.fp32_passes.table(title="fp32 passes before quantization"))
@@ -411,6 +433,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         from gml.api import check_min_cosine
 
         check_min_cosine(acc, args.min_cosine)  # before saving: a result below the bar is not written
+    if args.max_accuracy_drop is not None:
+        from gml.api import check_accuracy_drop
+
+        check_accuracy_drop(acc, args.max_accuracy_drop)  # before saving, as --min-cosine
     if args.out:
         res.save(args.out)
         console.print(
@@ -476,7 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
         "why), the accuracy report (per-layer SQNR, output cosine, top-1 agreement) and fp32-vs-INT8 latency.",
     )
     _add_model_args(p)
-    p.add_argument("--calib", type=int, default=8, metavar="N", help="generated calibration batches (default 8)")
+    p.add_argument(
+        "--calib", type=int, default=8, metavar="N", help="generated calibration batches (default 8; see --calib-data)"
+    )
     p.add_argument("--backend", choices=("onednn", "fbgemm"), default="onednn", help="INT8 kernels (default onednn)")
     p.add_argument(
         "--observer",
@@ -535,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", metavar="FILE", help="save the INT8 module as a torch.export program of gml ops (see docs/adr/005)"
     )
+    from gml.data.cli import add_data_arguments
+
+    add_data_arguments(p)
     p.set_defaults(func=cmd_quantize)
 
     from gml.bench.cli import add_bench_arguments, bench_command
@@ -548,6 +579,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_arguments(p)
     p.set_defaults(func=lambda a: bench_command(a, console))
+
+    from gml.batch.cli import DESCRIPTION, add_run_arguments, run_command
+
+    p = sub.add_parser(
+        "run",
+        help="batch inference of a saved model over a folder / file of inputs (resumable; --ray: on Ray Data)",
+        description=DESCRIPTION,
+    )
+    add_run_arguments(p)
+    p.set_defaults(func=lambda a: run_command(a, console))
 
     p = sub.add_parser(
         "demo",

@@ -54,3 +54,10 @@ class AccuracyError(GMLError):
     """The INT8 model is less accurate than asked (``gml quantize --min-cosine``, ``min_cosine=``)."""
 
     exit_code = 8
+
+
+class AccuracyDropError(AccuracyError):
+    """INT8 loses more top-1 accuracy against labels than allowed (``--max-accuracy-drop``,
+    ``max_accuracy_drop=``)."""
+
+    exit_code = 9

@@ -502,6 +502,10 @@ def _load_export(path: Path, sealed: archive.Sealed, lift: bool, lifters: Sequen
 
     k32.register_export_support()
     register_int8_ops()  # an INT8 program calls torch.ops.gml.*: define them and their kernels
+    from gml.ir.attention import attention_op
+
+    attention_op()  # a transformer's program calls torch.ops.gml.attention (defined on first use)
+    _register_model_outputs(path)
     try:
         # every field checked before torch builds anything from it (gml.program_check)
         ep = archive.read_export_program(sealed)
@@ -529,6 +533,23 @@ def _load_export(path: Path, sealed: archive.Sealed, lift: bool, lifters: Sequen
                 hint="gml.io.save never writes such a call: the file was not written by gml, or was altered",
             ) from e
     return gm
+
+
+def _register_model_outputs(path: Path) -> None:
+    """A transformers model returns a ``ModelOutput``, which torch.export records by its pytree type
+    name; transformers registers those types when ``transformers.modeling_outputs`` is imported. That
+    fixed module is imported (never a name read from the file) when the program names one of them."""
+    needle = b"transformers.modeling_outputs."
+    with zipfile.ZipFile(path) as z:
+        found = any(n.endswith(".json") and needle in z.read(n) for n in z.namelist())
+    if found:
+        try:
+            import transformers.modeling_outputs  # noqa: F401
+        except ImportError:
+            raise ModelLoadError(
+                f"{path} returns a transformers ModelOutput, and the `transformers` package is not installed.",
+                hint="pip install 'gml-lab[transformers]'.",
+            ) from None
 
 
 def _plain(value: Any) -> Any:

@@ -80,7 +80,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per variant (default: 3)")
     p.add_argument("--threads", type=_positive, default=None, help="threads for every runtime (default: all cores)")
     p.add_argument(
-        "--calib-batches", type=_positive, default=8, help="generated calibration batches for INT8 (default: 8)"
+        "--calib-batches",
+        type=_positive,
+        default=8,
+        help="generated calibration batches for INT8 (default: 8; --calib-data calibrates on real data)",
     )
     p.add_argument(
         "--settle-ms",
@@ -95,6 +98,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-floor", action="store_true", help="do not measure the machine's peak (no roofline)")
     p.add_argument("--reset-peak", action="store_true", help="forget the best compute peak measured in earlier runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from gml.data.cli import add_data_arguments
+
+    add_data_arguments(p, accuracy_gate=False)
 
 
 def bench_command(args: argparse.Namespace, console: Console | None = None) -> int:
@@ -102,6 +108,7 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
     from gml.bench.report import render_png, render_table, write_json, write_markdown
     from gml.bench.roofline import cached_peak
     from gml.bench.runner import _default_threads, run_bench
+    from gml.data.cli import data_options
 
     console = console or Console(highlight=False)
     shapes = None
@@ -112,6 +119,13 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
     from gml.io import is_saved_model
 
     if is_saved_model(args.model):  # a file gml.io.save wrote: its engine vs its Python executor
+        if args.calib_data or args.eval_data:
+            from gml.errors import GMLError
+
+            raise GMLError(
+                "--calib-data / --eval-data apply to a model to quantize, not to a saved .pt2.",
+                hint=f"gml run {args.model} --input PATH --output FILE runs a saved model over data.",
+            )
         from gml.bench.saved import bench_saved
 
         return bench_saved(
@@ -144,11 +158,16 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
         submodule=args.submodule,
         leaf_modules=args.leaf,
         precision=args.precision,
+        calib_data=args.calib_data,
+        calib_samples=args.calib_samples,
+        eval_data=args.eval_data,
+        data_options=data_options(args),
         peak=peak,  # type: ignore[arg-type]
         console=console,
         progress=not args.no_progress,
     )
     console.print(render_table(result))
+    _print_data(result, console)
     for path, write, what in ((args.json, write_json, "JSON"), (args.md, write_markdown, "Markdown")):
         if path:
             write(result, path)
@@ -158,6 +177,22 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
         console.print(f"chart written to {args.png}")
     ok = sum(1 for b in result.batches for v in b.variants if v.ok)
     return 0 if ok else 1
+
+
+def _print_data(result, console: Console) -> None:
+    """What real data the INT8 variants calibrated on and the errors were measured on, and each
+    variant's top-1 accuracy against its labels."""
+    from rich.markup import escape
+
+    s = result.settings
+    if s.get("calib_data", "generated") != "generated":
+        console.print(f"INT8 variants calibrated on {escape(s['calib_data'])}")
+    if s.get("eval_data", "generated") != "generated":
+        console.print(f"output errors measured on {escape(s['eval_data'])}")
+    for b in result.batches:
+        rows = [f"{v.name} {100 * v.top1_accuracy:.2f}%" for v in b.variants if v.top1_accuracy is not None]
+        if rows:
+            console.print(f"top-1 accuracy against the labels (batch size {b.batch_size}): {', '.join(rows)}")
 
 
 def main(argv: list[str] | None = None) -> int:

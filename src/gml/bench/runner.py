@@ -73,6 +73,8 @@ class VariantResult:
     max_abs_diff: float | None = None
     cosine: float | None = None
     top1_agreement: float | None = None
+    #: top-1 accuracy against the labels of real evaluation data (``eval_data`` with labels)
+    top1_accuracy: float | None = None
     rss: RssProbe | None = None
     footprint: Footprint | None = None
     floor_ms: float | None = None
@@ -98,6 +100,7 @@ class VariantResult:
             "max_abs_diff_vs_eager": _finite(self.max_abs_diff),
             "cosine_vs_eager": _finite(self.cosine),
             "top1_agreement_vs_eager": self.top1_agreement,
+            "top1_accuracy_labelled": self.top1_accuracy,
             "rss": self.rss.to_dict() if self.rss else None,
             "activation_footprint": self.footprint.to_dict() if self.footprint else None,
             "floor_ms": self.floor_ms,
@@ -363,6 +366,10 @@ def run_bench(
     progress: bool = True,
     leaf_modules: Sequence[str | type] = (),
     precision: str = "fp32",
+    calib_data: Any = None,
+    calib_samples: int | None = 128,
+    eval_data: Any = None,
+    data_options: Any = None,
 ) -> BenchResult:
     """Benchmark ``model`` (a spec ``gml.models.load_model`` accepts, or an ``nn.Module``).
 
@@ -384,6 +391,13 @@ def run_bench(
         leaf_modules: submodules GML's variants keep opaque while tracing, as in :func:`gml.capture`.
         precision: ``fp32`` or ``bf16``: the default variant list (``bf16``: GML bf16 against
             OpenVINO bf16, with both fp32 rows; :data:`gml.bench.variants.BF16_VARIANTS`).
+        calib_data: real calibration data for every INT8 variant instead of generated batches: a
+            path :func:`gml.data.open_data` reads (``data_options``: preprocessing) or a
+            :class:`gml.data.DataSource`; a seeded subset of ``calib_samples``, in full batches of
+            each batch size.
+        eval_data: real held-out data for the output-error columns instead of generated batches
+            (full batches of each batch size); with labels, each variant's top-1 accuracy too
+            (``VariantResult.top1_accuracy``).
     """
     console = console or Console(stderr=True)
     names = resolve_variants(
@@ -397,6 +411,7 @@ def run_bench(
         shapes = [tuple(input_shape)]  # type: ignore[arg-type]
     else:
         shapes = [tuple(s) for s in input_shape]  # type: ignore[union-attr]
+    data = _open_bench_data(model, eager_model, shapes, like, calib_data, eval_data, data_options)
     runner = _Runner(console, progress, _timer_class(), target_sample_ms, settle_ms)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -423,6 +438,8 @@ def run_bench(
                         footprint,
                         like,
                         leaf_modules=leaf_modules,
+                        data=data,
+                        calib_samples=calib_samples,
                     )
                 )
     finally:
@@ -435,6 +452,8 @@ def run_bench(
         "batch_sizes": list(batch_sizes),
         "calib_batches": calib_batches,
         "check_batches": check_batches,
+        "calib_data": data[0].describe() if data[0] is not None else "generated",
+        "eval_data": data[1].describe() if data[1] is not None else "generated",
         "seed": seed,
         "target_sample_ms": target_sample_ms,
         "settle_ms": settle_ms,
@@ -462,10 +481,20 @@ def _run_batch(
     want_footprint: bool,
     like: Sequence[torch.Tensor] | None = None,
     leaf_modules: Sequence[str | type] = (),
+    data: tuple[Any, Any] = (None, None),
+    calib_samples: int | None = 128,
 ) -> BatchResult:
     example = _inputs(shapes, bs, seed, like)
     calib = [_inputs(shapes, bs, seed + 1 + i, like) for i in range(calib_batches)]
     check = [_inputs(shapes, bs, seed + 10_000 + i, like) for i in range(check_batches)]
+    labels: list[torch.Tensor] | None = None
+    if data[0] is not None:
+        calib = _full(data[0].calibration(calib_samples, batch_size=bs, seed=seed), bs, data[0].path)
+    if data[1] is not None:
+        batches = [b for b in data[1].batches(bs) if len(b.ids) == bs]
+        _full([b.inputs for b in batches], bs, data[1].path)
+        check = [b.inputs for b in batches]
+        labels = [b.labels for b in batches] if data[1].labelled else None
     in_shapes = [tuple(t.shape) for t in example]
     runner.say(f"[bold]batch size {bs}[/]: inputs {', '.join(str(s) for s in in_shapes)}, {threads} threads")
     try:
@@ -492,6 +521,8 @@ def _run_batch(
             if name == "eager":
                 ref_outputs = outputs
             _accuracy(res, ref_outputs, outputs)
+            if labels is not None and len(labels) == len(outputs):
+                res.top1_accuracy = _labelled_top1(outputs, labels)
             if want_footprint:
                 _footprint(res, built, eager_model if name == "eager" else None, example)
             if peak is not None and flops is not None:
@@ -580,6 +611,47 @@ def _accuracy(res: VariantResult, ref_outputs: list[Any], outputs: list[Any]) ->
     agree = [top1_agreement(r, n) for r, n in zip(ref_outputs, outputs)]
     if agree and all(a is not None for a in agree):
         res.top1_agreement = sum(agree) / len(agree)  # type: ignore[arg-type]
+
+
+def _labelled_top1(outputs: list[Any], labels: list[torch.Tensor]) -> float | None:
+    correct = total = 0
+    for out, y in zip(outputs, labels):
+        logits = flat_output(out).reshape(len(y), -1) if flat_output(out).numel() % len(y) == 0 else None
+        if logits is None or logits.shape[1] < 2:
+            return None
+        correct += int((logits.argmax(1) == y).sum())
+        total += len(y)
+    return correct / total if total else None
+
+
+def _full(batches: list[Any], bs: int, path: str) -> list[Any]:
+    """The batches of exactly ``bs`` samples (the variants are built for static shapes)."""
+    from gml.errors import InputError
+
+    full = [b for b in batches if len(b[0]) == bs]
+    if not full:
+        raise InputError(
+            f"{path} gives fewer samples than one batch of {bs}.",
+            hint="use a smaller --batch-sizes, more data, or a larger --calib-samples.",
+        )
+    return full
+
+
+def _open_bench_data(
+    spec: Any, model: nn.Module, shapes: Any, like: Any, calib: Any, evaluation: Any, options: Any
+) -> tuple[Any, Any]:
+    """``(calib source, eval source)``: paths opened with :func:`gml.data.open_data`."""
+    from gml.data.loader import open_data
+
+    example = _inputs(shapes, 1, 0, like)
+    name = spec if isinstance(spec, str) else None
+
+    def one(value: Any) -> Any:
+        if value is None or not isinstance(value, str):
+            return value
+        return open_data(value, example, model=model, spec=name, options=options)
+
+    return one(calib), one(evaluation)
 
 
 def _footprint(res: VariantResult, built: Built, eager: nn.Module | None, example: tuple[torch.Tensor, ...]) -> None:

@@ -37,6 +37,9 @@ class DigitsData:
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+    #: the train set's pixel mean and std the inputs were standardized with (raw pixels are 0..16)
+    mean: float = 0.0
+    std: float = 1.0
 
     def batches(self, split: str = "train", batch_size: int = 64) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(x, y)`` batches of one split, in order."""
@@ -63,7 +66,33 @@ def load_digits(*, test_fraction: float = 0.25, seed: int = 0) -> DigitsData:
     tr, te = torch.tensor(idx_train), torch.tensor(idx_test)
     mean, std = x[tr].mean(), x[tr].std()
     x = (x - mean) / std
-    return DigitsData(x[tr], y[tr], x[te], y[te])
+    return DigitsData(x[tr], y[tr], x[te], y[te], float(mean), float(std))
+
+
+#: a raw digit pixel (0..16) is written as this many PNG levels per unit (16 -> 240): exact in uint8
+PNG_SCALE = 15
+
+
+def save_digits_images(data: DigitsData, root: str, split: str = "test", limit: int | None = None) -> tuple:
+    """Write a split as 8x8 grayscale PNGs in torchvision's ImageFolder layout (``root/<digit>/<n>.png``,
+    the real-data path of ``gml quantize --calib-data / --eval-data``) and return ``(mean, std)``: the
+    normalization (of [0, 1] pixels) that gives back the model's standardized inputs exactly."""
+    from torchvision.io import write_png
+
+    x, y = (data.x_train, data.y_train) if split == "train" else (data.x_test, data.y_test)
+    n = len(x) if limit is None else min(limit, len(x))
+    raw = torch.round(x[:n] * data.std + data.mean).clamp(0, 16)
+    pixels = (raw * PNG_SCALE).to(torch.uint8)
+    import warnings
+
+    with warnings.catch_warnings():  # torchvision 0.29 points at TorchCodec for encoding
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for i in range(n):
+            folder = os.path.join(root, str(int(y[i])))
+            os.makedirs(folder, exist_ok=True)
+            write_png(pixels[i], os.path.join(folder, f"{i:04d}.png"))
+    scale = PNG_SCALE / 255  # a [0, 1] pixel v is raw * scale
+    return (data.mean * scale,), (data.std * scale,)
 
 
 class DigitsCNN(nn.Module):
@@ -170,4 +199,4 @@ def _train(model: nn.Module, data: DigitsData, *, epochs: int, batch_size: int, 
             sched.step()
 
 
-__all__ = ["DigitsCNN", "DigitsData", "TrainedDigits", "load_digits", "train_digits_model"]
+__all__ = ["DigitsCNN", "DigitsData", "TrainedDigits", "load_digits", "save_digits_images", "train_digits_model"]

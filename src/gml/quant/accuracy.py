@@ -69,6 +69,8 @@ class AccuracyReport:
     top1_agreement: float | None = None  # fraction of samples with the same argmax
     fp32_top1: float | None = None  # accuracy (fraction) against labels, when given
     int8_top1: float | None = None
+    fp32_top5: float | None = None  # top-5 accuracy (label among the 5 largest outputs), 5+ classes
+    int8_top5: float | None = None
     layers: list[LayerError] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)  # INT8 nodes with no fp32 counterpart
     fp32_max_abs: float | None = None  # largest |output| of each model: says which side is zero
@@ -125,6 +127,8 @@ class AccuracyReport:
             parts.append(f"top-1 agreement {100 * self.top1_agreement:.2f}%")
         if self.fp32_top1 is not None and self.int8_top1 is not None:
             parts.append(f"top-1 accuracy fp32 {100 * self.fp32_top1:.2f}% / int8 {100 * self.int8_top1:.2f}%")
+        if self.fp32_top5 is not None and self.int8_top5 is not None:
+            parts.append(f"top-5 accuracy fp32 {100 * self.fp32_top5:.2f}% / int8 {100 * self.int8_top5:.2f}%")
         return ", ".join(parts)
 
     def _why_no_cosine(self) -> str:
@@ -278,6 +282,7 @@ def accuracy_report(
     bad_r = bad_q = 0
     samples = agree = 0
     correct_fp32 = correct_int8 = 0
+    top5_fp32 = top5_int8 = 0
     classified = 0
     labels_list = list(labels) if labels is not None else None
     arity = _arity(int8_model)
@@ -352,9 +357,13 @@ def accuracy_report(
                     labelled += n
                     correct_fp32 += int((pr == y).sum())
                     correct_int8 += int((pq == y).sum())
+                    if first_r.shape[1] >= 5:
+                        top5_fp32 += int((first_r.topk(5, dim=1).indices == y[:, None]).any(1).sum())
+                        top5_int8 += int((first_q.topk(5, dim=1).indices == y[:, None]).any(1).sum())
             batches += 1
     if batches == 0:
         raise InputError("no inputs to compare on.", hint="pass at least one held-out batch.")
+    classes_5 = labelled and ref_out[0].shape[1] >= 5
     cosine = dot / math.sqrt(na * nb) if na > 0 and nb > 0 and not math.isnan(dot) else float("nan")
     layers = []
     if layer_graphs:
@@ -371,6 +380,8 @@ def accuracy_report(
         top1_agreement=agree / classified if classified else None,
         fp32_top1=correct_fp32 / labelled if labelled else None,
         int8_top1=correct_int8 / labelled if labelled else None,
+        fp32_top5=top5_fp32 / labelled if labelled and classes_5 else None,
+        int8_top5=top5_int8 / labelled if labelled and classes_5 else None,
         layers=layers,
         unmatched=unmatched,
         fp32_max_abs=max_r,
