@@ -9,9 +9,10 @@ allows it.
 :func:`load` reads it back through torch.export's deserializer after :mod:`gml.program_check` has
 checked every field of the program (no pickle, and no name, expression or target that would make
 torch.fx or sympy run code: ADR 004's 2026-11-27 amendment), takes the program's ``GraphModule``
-and *lifts* every fused-kernel call whose weights are constants back into its GML module (``_convolution_pointwise`` → :class:`~gml.kernels.fp32.FusedConv`, ...), which
-prepacks the weights again for this machine on first call. Loading needs ``gml`` and ``torch``,
-never the original model's Python code.
+and *lifts* every fused-kernel call whose weights are constants back into its GML module
+(``_convolution_pointwise`` → :class:`~gml.kernels.fp32.FusedConv`, ...), which prepacks the
+weights again for this machine on first call. Loading needs ``gml`` and ``torch``, never the
+original model's Python code.
 
 INT8 models (ADR 005) are graphs of ``torch.ops.gml.*`` calls with dense int8 weights as constants:
 they export as they are (the ops have schemas and fake kernels) and need no lifting after loading,
@@ -502,12 +503,9 @@ def _load_export(path: Path, sealed: archive.Sealed, lift: bool, lifters: Sequen
 
     k32.register_export_support()
     register_int8_ops()  # an INT8 program calls torch.ops.gml.*: define them and their kernels
-    from gml.ir.attention import attention_op
-
-    attention_op()  # a transformer's program calls torch.ops.gml.attention (defined on first use)
-    _register_model_outputs(path)
     try:
-        # every field checked before torch builds anything from it (gml.program_check)
+        # every field checked (the gml ops it names are defined, a transformers ModelOutput's module
+        # imported by its fixed name: gml.program_check) before torch builds anything from it (gml.program_check)
         ep = archive.read_export_program(sealed)
         gm = ep.module()
     except GMLError:
@@ -533,23 +531,6 @@ def _load_export(path: Path, sealed: archive.Sealed, lift: bool, lifters: Sequen
                 hint="gml.io.save never writes such a call: the file was not written by gml, or was altered",
             ) from e
     return gm
-
-
-def _register_model_outputs(path: Path) -> None:
-    """A transformers model returns a ``ModelOutput``, which torch.export records by its pytree type
-    name; transformers registers those types when ``transformers.modeling_outputs`` is imported. That
-    fixed module is imported (never a name read from the file) when the program names one of them."""
-    needle = b"transformers.modeling_outputs."
-    with zipfile.ZipFile(path) as z:
-        found = any(n.endswith(".json") and needle in z.read(n) for n in z.namelist())
-    if found:
-        try:
-            import transformers.modeling_outputs  # noqa: F401
-        except ImportError:
-            raise ModelLoadError(
-                f"{path} returns a transformers ModelOutput, and the `transformers` package is not installed.",
-                hint="pip install 'gml-lab[transformers]'.",
-            ) from None
 
 
 def _plain(value: Any) -> Any:
