@@ -42,6 +42,7 @@ from torch import fx, nn
 
 from gml import archive
 from gml.errors import GMLError, ModelLoadError
+from gml.ir.library import schema_args
 from gml.kernels import fp32 as k32
 from gml.kernels.int8_ops import register as register_int8_ops
 from gml.passes.utils import replace_module
@@ -245,9 +246,13 @@ def _twin(cls: type, weight: torch.Tensor) -> Any:
 def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
     """Lifter for the oneDNN fp32 ops :mod:`gml.kernels.fp32` emits."""
     mk = torch.ops.mkldnn
+    lifted = (mk._convolution_pointwise.default, mk._convolution_pointwise.binary, mk._linear_pointwise.default)
+    if node.target not in lifted:
+        return None
+    args = tuple(schema_args(node).values())  # positional or keyword, as the file passed them
     try:
         if node.target == mk._convolution_pointwise.default:
-            x, w, b, pad, stride, dil, groups, attr, scalars, algo = node.args
+            x, w, b, pad, stride, dil, groups, attr, scalars, algo = args
             weight, bias = _const(gm, w), _const(gm, b)
             if weight is None:
                 return None
@@ -263,7 +268,7 @@ def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
             )
             return Lift(mod, (x,), str(w.target))
         if node.target == mk._convolution_pointwise.binary:
-            x, other, w, b, pad, stride, dil, groups, binary, alpha, unary, _, _ = node.args
+            x, other, w, b, pad, stride, dil, groups, binary, alpha, unary, _, _ = args
             weight, bias = _const(gm, w), _const(gm, b)
             if weight is None or binary != "add" or alpha not in (None, 1) or unary not in (None, "relu"):
                 return None
@@ -279,7 +284,7 @@ def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
             )
             return Lift(mod, (x, other), str(w.target))
         if node.target == mk._linear_pointwise.default:
-            x, w, b, attr, scalars, algo = node.args
+            x, w, b, attr, scalars, algo = args
             weight, bias = _const(gm, w), _const(gm, b)
             if weight is None:
                 return None
@@ -322,7 +327,7 @@ def lift_kernels(gm: fx.GraphModule, lifters: Sequence[Lifter] = DEFAULT_LIFTERS
         lift = next((r for r in (f(gm, node) for f in lifters) if r is not None), None)
         if lift is None:
             continue
-        consts = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+        consts = [a for a in node.all_input_nodes if a.op == "get_attr"]
         name = _owner_path(lift.weight_target) or f"lifted_{lifted}"
         placeholder = f"_gml_lift_{lifted}"
         gm.add_submodule(placeholder, lift.module)

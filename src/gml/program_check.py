@@ -619,7 +619,8 @@ def _check_call(node: dict[str, Any], path: str) -> None:
         if any(a.get("kind") == schema.ArgumentKind.KEYWORD for a in node["inputs"]):
             raise _refuse(path, "passes keyword arguments to an arithmetic op")
         return
-    # the arguments in schema order, keyword-only ones (and only those) passed by keyword, none missing
+    # the arguments in schema order, keyword-only ones by keyword, none missing (readers bind by schema:
+    # gml.ir.library.schema_args)
     arguments = {a.name: (i, a) for i, a in enumerate(op._schema.arguments)}
     last = -1
     for given in node["inputs"]:
@@ -628,9 +629,8 @@ def _check_call(node: dict[str, Any], path: str) -> None:
             raise _refuse(path, f"passes {given['name']!r}, which {op} does not take")
         if i <= last:
             raise _refuse(path, f"passes {given['name']!r} out of its schema's order")
-        kind = given.get("kind")
-        if kind is not None and (kind == schema.ArgumentKind.KEYWORD) != arg.kwarg_only:
-            raise _refuse(path, f"passes {given['name']!r} as {'positional' if arg.kwarg_only else 'keyword'}")
+        if arg.kwarg_only and given.get("kind") == schema.ArgumentKind.POSITIONAL:
+            raise _refuse(path, f"passes the keyword-only {given['name']!r} positionally")
         last = i
     missing = [a.name for a in op._schema.arguments if not a.has_default_value() and a.name not in names]
     if missing:

@@ -183,19 +183,6 @@ GEOMETRY_RULES: dict[str, Rule] = {
 _GEOMETRY_OPS = ("conv", "pool")
 
 
-def _bound(node: fx.Node) -> dict[str, Any]:
-    """The arguments of an op-overload call by schema name (defaults filled in)."""
-    args = {}
-    for i, a in enumerate(node.target._schema.arguments):  # type: ignore[union-attr]
-        if i < len(node.args):
-            args[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            args[a.name] = node.kwargs[a.name]
-        elif a.has_default_value():
-            args[a.name] = a.default_value
-    return args
-
-
 def graph_problems(gm: fx.GraphModule) -> list[str]:
     """Every refused call of ``gm`` (empty when all pass), in graph order: gml ops by :data:`RULES`,
     the geometry of oneDNN's fused ops and aten's convs and pools by :data:`GEOMETRY_RULES`."""
@@ -206,9 +193,9 @@ def graph_problems(gm: fx.GraphModule) -> list[str]:
             continue
         name = target._schema.name.split("::")[-1]
         if target.namespace == library.NAMESPACE and name in library.SCHEMAS:
-            reason = check_call(name, {k: _value(gm, v) for k, v in _bound(node).items()})
+            reason = check_call(name, {k: _value(gm, v) for k, v in library.schema_args(node).items()})
         elif target.namespace == "mkldnn" or (target.namespace == "aten" and any(k in name for k in _GEOMETRY_OPS)):
-            args = _bound(node)
+            args = library.schema_args(node)
             reason = next(
                 (f"{name}: {k} {r}" for k, rule in GEOMETRY_RULES.items() if k in args and (r := rule(args[k]))), None
             )

@@ -230,12 +230,10 @@ def _arg_names(name: str) -> tuple[str, ...]:
     return tuple(a.name for a in op(name)._schema.arguments)
 
 
-def op_args(node: fx.Node) -> dict[str, Any]:
-    """The arguments of a ``gml`` op call by schema name (defaults filled in)."""
-    name = gml_op_name(node)
-    if name is None:
-        raise ValueError(f"{node.name} is not a gml op call")
-    schema = op(name)._schema
+def schema_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of a call of any op overload by schema name, however the call passed them
+    (positionally or by keyword), defaults filled in."""
+    schema = node.target._schema  # type: ignore[union-attr]
     bound: dict[str, Any] = {}
     for i, arg in enumerate(schema.arguments):
         if i < len(node.args):
@@ -245,6 +243,13 @@ def op_args(node: fx.Node) -> dict[str, Any]:
         elif arg.has_default_value():
             bound[arg.name] = arg.default_value
     return bound
+
+
+def op_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of a ``gml`` op call by schema name (defaults filled in)."""
+    if gml_op_name(node) is None:
+        raise ValueError(f"{node.name} is not a gml op call")
+    return schema_args(node)
 
 
 def output_qparams_args(node: fx.Node) -> tuple[float, int] | None:
