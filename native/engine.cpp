@@ -272,7 +272,8 @@ class Plan {
     gml_winograd::Epilogue epi;
     if ((type != dt::f32 && type != dt::bf16) || d.get_data_type() != type || parse_dtype(wdtype) != type) return false;
     if (wdims.size() != 4 || wdims[2] != 3 || wdims[3] != 3 || groups != 1) return false;
-    if (s.get_dims().size() == 4 && std::any_of(s.get_dims().begin(), s.get_dims().end(), [](int64_t d) { return d <= 0; }))
+    const memory::dims src_dims = s.get_dims();
+    if (std::any_of(src_dims.begin(), src_dims.end(), [](int64_t d) { return d <= 0; }))
       return false;  // an empty batch: the direct conv (a no-op in oneDNN); Winograd has no tiles to plan
     if (strides != Dims{1, 1} || dilation != Dims{0, 0} || pad_l != Dims{1, 1} || pad_r != Dims{1, 1}) return false;
     if ((sum && sum->second != 0) || !gml_winograd::parse_eltwise(eltwise, epi)) return false;
