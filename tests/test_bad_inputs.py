@@ -503,6 +503,16 @@ class _CountsInOutput(nn.Module):
         return {"features": self.conv(x), "version": 2}
 
 
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(10, 4)
+
+    def forward(self, x, y):
+        return self.conv(x).mean((2, 3)) + self.fc(y)
+
+
 def _train_bn_only() -> nn.Module:
     m = _model()
     m.bn2.train()
@@ -673,6 +683,38 @@ API_CASES += [
         _model,
         InputError,
         "This GML-optimized module is for inference",
+    ),
+    ApiCase(
+        "input that requires grad, given to the INT8 engine",
+        "gml.quantize(model, calib).executable(x.requires_grad_())",
+        lambda m: api.quantize(m, _calib(lambda x, i: None), per_layer=False).executable(_x(1, 3, 32, 32).requires_grad_()),
+        _model,
+        InputError,
+        "This GML-optimized module is for inference",
+    ),
+    ApiCase(
+        "NaN in the input of an INT8 model",
+        "gml.quantize(model, calib).executable(x_with_nan)",
+        lambda m: api.quantize(m, _calib(lambda x, i: None), per_layer=False).executable(_NAN),
+        _model,
+        InputError,
+        "This INT8 model cannot represent NaN or Inf, and input 0 holds 1 NaN",
+    ),
+    ApiCase(
+        "`leaf_modules` naming no submodule",
+        "gml.optimize(model, x, leaf_modules=['nope'])",
+        lambda m: api.optimize(m, _x(1, 3, 32, 32), leaf_modules=["nope"]),
+        _model,
+        InputError,
+        "leaf_modules 'nope' is not a submodule of the model",
+    ),
+    ApiCase(
+        "two-input model given one example input",
+        "gml.optimize(two_input_model, x)",
+        lambda m: api.optimize(m, _x(1, 3, 8, 8)),
+        lambda: _TwoInputs().eval(),
+        InputError,
+        "the model takes 2 input(s), 1 given",
     ),
     ApiCase(
         "all-zero calibration batches",

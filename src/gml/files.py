@@ -101,6 +101,15 @@ def write_atomically(path: str | os.PathLike[str], write: Callable[[Path], None]
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process's umask, read without changing it where Linux says it (os.umask sets it, for a
+    moment, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
