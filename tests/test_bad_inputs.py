@@ -503,6 +503,10 @@ class _CountsInOutput(nn.Module):
         return {"features": self.conv(x), "version": 2}
 
 
+def _int8(m: nn.Module) -> object:
+    return api.quantize(m, _calib(lambda x, i: None), per_layer=False)
+
+
 class _TwoInputs(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -687,7 +691,7 @@ API_CASES += [
     ApiCase(
         "input that requires grad, given to the INT8 engine",
         "gml.quantize(model, calib).executable(x.requires_grad_())",
-        lambda m: api.quantize(m, _calib(lambda x, i: None), per_layer=False).executable(_x(1, 3, 32, 32).requires_grad_()),
+        lambda m: _int8(m).executable(_x(1, 3, 32, 32).requires_grad_()),
         _model,
         InputError,
         "This GML-optimized module is for inference",
@@ -695,7 +699,7 @@ API_CASES += [
     ApiCase(
         "NaN in the input of an INT8 model",
         "gml.quantize(model, calib).executable(x_with_nan)",
-        lambda m: api.quantize(m, _calib(lambda x, i: None), per_layer=False).executable(_NAN),
+        lambda m: _int8(m).executable(_NAN),
         _model,
         InputError,
         "This INT8 model cannot represent NaN or Inf, and input 0 holds 1 NaN",
