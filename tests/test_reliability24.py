@@ -290,11 +290,17 @@ def test_static_quantize_takes_the_export_graph_when_fx_fails(monkeypatch):
 
 
 def test_timm_convit_quantizes():
+    """fx cannot trace ConViT (optimize took torch.export); quantize failed. Its attention is found in
+    the export graph, so it takes the transformer scheme (a small config: the test stays fast)."""
     timm = pytest.importorskip("timm")
-    model = timm.create_model("convit_tiny", pretrained=False, img_size=32, num_classes=4).eval()
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "convit_tiny", pretrained=False, img_size=32, patch_size=8, num_classes=4, depth=2, local_up_to_layer=1,
+        embed_dim=32, num_heads=2,
+    ).eval()  # fmt: skip
     x = torch.randn(1, 3, 32, 32)
     q = gml.quantize(model, 2, example_inputs=(x,), per_layer=False, runtime="torch", cost_policy="off")
-    assert q.accuracy.cosine > 0.9
+    assert q.scheme == "transformer" and q.precision == "int8" and q.accuracy.cosine > 0.99
 
 
 class _Wrapped(nn.Module):

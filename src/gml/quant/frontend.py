@@ -164,13 +164,13 @@ def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx
 
     check_eval_mode(model, what="INT8 quantization")
     _check_float32(model)
-    gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else _capture_for_ao(model, example_inputs)
+    gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else capture_for_ao(model, example_inputs)
     result = PassManager(fp32_passes()).run(gm, [tuple(example_inputs)])
     _refuse_kept_inplace_ops(result.graph_module, result.report)
     return result.graph_module, result.report
 
 
-def _capture_for_ao(model: nn.Module, example_inputs: Sequence[Any]) -> fx.GraphModule:
+def capture_for_ao(model: nn.Module, example_inputs: Sequence[Any]) -> fx.GraphModule:
     """The graph torch.ao's static INT8 starts from: torch.fx's, as ``gml.optimize`` prefers it,
     except that fx's preference for torch.export when it keeps torch.nn attention layers opaque does
     not apply (those models take the transformer scheme). When fx cannot trace the model at all,

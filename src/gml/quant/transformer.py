@@ -570,13 +570,13 @@ def transformer_reason(model: nn.Module, inputs: Sequence[Any] | None = None) ->
         return None
     import copy
 
-    from gml.capture import capture
     from gml.errors import GMLError
     from gml.passes.attention import FuseAttention
     from gml.passes.normalize import Normalize
+    from gml.quant.frontend import capture_for_ao
 
-    try:
-        gm = capture(copy.deepcopy(model), inputs, export=False)
+    try:  # the graph the static scheme would quantize (torch.export's when fx fails: timm ConViT)
+        gm = capture_for_ao(copy.deepcopy(model), inputs)
         gm = Normalize().call(gm).graph_module
         gm = FuseAttention().call(gm).graph_module
     except GMLError:  # the static path reports why the model does not capture
