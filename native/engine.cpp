@@ -510,8 +510,8 @@ class Plan {
         pad_r.size() != nsp)
       throw std::invalid_argument("gml engine: pooling geometry of another rank than the source's spatial dims");
     for (size_t i = 0; i < nsp; ++i)
-      if (kernel[i] < 1 || strides[i] < 1 || dilation[i] < 0 || pad_l[i] < 0 || pad_r[i] < 0)
-        throw std::invalid_argument("gml engine: pooling needs kernel and stride >= 1, dilation and padding >= 0");
+      if (kernel[i] < 1 || strides[i] < 1 || dilation[i] < 0 || pad_l[i] < 0)  // pad_r < 0: as in conv()
+        throw std::invalid_argument("gml engine: pooling needs kernel and stride >= 1, dilation and left padding >= 0");
     memory::dims k(kernel.begin(), kernel.end()), st(strides.begin(), strides.end());
     memory::dims dl(dilation.begin(), dilation.end()), pl(pad_l.begin(), pad_l.end()), pr(pad_r.begin(), pad_r.end());
     auto pd = dnnl::pooling_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_inference, a,
@@ -1029,7 +1029,7 @@ class Plan {
 
   // A conv's geometry, checked before oneDNN sees it (a crafted graph's stride of 0 made a division by
   // zero, issue #24): one entry per spatial dim; strides >= 1; dilation (oneDNN's: 0 = dense) and
-  // padding >= 0; groups >= 1 dividing both channel counts; source / weight / destination agreeing
+  // left padding >= 0; groups >= 1 dividing both channel counts; source / weight / destination agreeing
   // on channels and batch; the output size the geometry gives.
   static void check_conv_geometry(const memory::desc& src, const memory::desc& dst, const Dims& wdims,
                                   const Dims& strides, const Dims& dilation, const Dims& pad_l, const Dims& pad_r,
@@ -1050,7 +1050,9 @@ class Plan {
     if (dst_known && (dd[0] != sd[0] || dd[1] != wdims[0])) bad("destination batch / channels do not match");
     for (size_t i = 0; i < nsp; ++i) {
       if (strides[i] < 1) bad("stride must be >= 1");
-      if (dilation[i] < 0 || pad_l[i] < 0 || pad_r[i] < 0) bad("dilation and padding must be >= 0");
+      // pad_r may be negative: the plan sets it so the geometry gives the executor's output size
+      // (oneDNN takes that: a stride-2 conv whose last window would start past the input)
+      if (dilation[i] < 0 || pad_l[i] < 0) bad("dilation and left padding must be >= 0");
       const int64_t span = (wdims[2 + i] - 1) * (dilation[i] + 1) + 1;
       const int64_t out = (sd[2 + i] + pad_l[i] + pad_r[i] - span) / strides[i] + 1;
       if (dst_known && sd[0] > 0 && dd[2 + i] != out) bad("destination size does not match the geometry");

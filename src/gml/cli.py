@@ -78,7 +78,7 @@ def load_from_args(args: argparse.Namespace, batch: int | None = None):
         weights=args.weights,
         unsafe_load=args.unsafe_load,
         submodule=args.submodule,
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=getattr(args, "trust_remote_code", False),
     )
     if args.input_shape:
         shapes = parse_shapes(args.input_shape)
