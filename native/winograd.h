@@ -160,6 +160,8 @@ class Conv {
        dt wtype, const float* bias, const Epilogue& epi)
       : eng_(eng), n_(n), c_(c), h_(h), w_(w), k_(k), type_(type), epi_(epi) {
     if (type != dt::f32 && type != dt::bf16) throw std::invalid_argument("gml engine: winograd of f32 / bf16 only");
+    // an empty batch (n = 0) would make zero chunks and divide by zero below (SIGFPE, issue #24)
+    if (n <= 0 || c <= 0 || h <= 0 || w <= 0 || k <= 0) throw std::invalid_argument("gml engine: winograd of an empty tensor");
     es_ = type == dt::f32 ? 4 : 2;
     native_ = type == dt::bf16 && native_bf16_cpu();
     th_ = (h + 1) / 2;

@@ -146,6 +146,13 @@ def files(tmp_path_factory):
     _write_pickle(d / "payload_protocol0.pkl", {"state_dict": _Payload()}, 0)
     torch.save({"state_dict": _Payload()}, d / "payload_protocol4.pt", pickle_protocol=4)
     _data_files(d)
+    # a Hugging Face folder whose config asks transformers to import its own code (issue #24)
+    remote = d / "remote_code_model"
+    remote.mkdir()
+    (remote / "config.json").write_text(
+        '{"model_type": "bert", "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel"}}'
+    )
+    (remote / "evil.py").write_text(f"import os\nos.system('touch {PWNED}')\n")
     return d
 
 
@@ -332,6 +339,67 @@ CLI_CASES = [
         "does not exist",
     ),
     Case(
+        "`--out` naming a device (checked before the run)",
+        ("optimize", SMALL, "--out", "/dev/null"),
+        1,
+        "--out '/dev/null' is not a regular file",
+    ),
+    Case(
+        "`--out` on a full device (`/dev/full`, checked before the run)",
+        ("quantize", SMALL, "--out", "/dev/full"),
+        1,
+        "--out '/dev/full' is not a regular file",
+    ),
+    Case(
+        "`--out` where no file can be created (`/proc`)",
+        ("optimize", SMALL, "--out", "/proc/model.pt2"),
+        1,
+        "--out '/proc/model.pt2': no file can be created in '/proc'",
+    ),
+    Case("`--out ''` (an empty name)", ("quantize", SMALL, "--out", ""), 1, "--out '' names no file"),
+    Case(
+        "`bench --json` into a directory that does not exist (checked before the run)",
+        ("bench", SMALL, "--json", "{tmp}/no/such/dir/r.json"),
+        1,
+        "--json '<tmp>/no/such/dir/r.json': the directory '<tmp>/no/such/dir' does not exist",
+    ),
+    Case(
+        "`inspect --svg` where no file can be created",
+        ("inspect", SMALL, "--svg", "/proc/graph.svg"),
+        1,
+        "--svg '/proc/graph.svg': no file can be created in '/proc'",
+    ),
+    Case(
+        "`--leaf` naming no submodule",
+        ("optimize", SMALL, "--leaf", "nope", "--no-time"),
+        5,
+        "--leaf 'nope' is not a submodule of the model",
+    ),
+    Case(
+        "`--leaf` misspelt (quantize)",
+        ("quantize", SMALL, "--leaf", "conv", "--no-time"),
+        5,
+        "did you mean conv2, conv1",
+    ),
+    Case(
+        "`--smooth-alpha` outside (0, 1)",
+        ("quantize", SMALL, "--smooth-alpha", "-1", "--no-time"),
+        5,
+        "smooth_alpha=-1 is outside (0, 1)",
+    ),
+    Case(
+        "`--smooth-alpha` for a model of the static scheme",
+        ("quantize", SMALL, "--smooth-alpha", "0.5", "--no-time"),
+        5,
+        "smooth_alpha=0.5 applies to the transformer scheme only",
+    ),
+    Case(
+        "Hugging Face folder whose config.json has `auto_map` (its own Python code)",
+        ("inspect", "{tmp}/remote_code_model"),
+        3,
+        "asks to run its own Python code (auto_map AutoConfig -> evil.EvilConfig",
+    ),
+    Case(
         "`--out` naming a directory (checked before the run)",
         ("quantize", SMALL, "--out", "{tmp}"),
         1,
@@ -497,6 +565,20 @@ class _CountsInOutput(nn.Module):
 
     def forward(self, x):
         return {"features": self.conv(x), "version": 2}
+
+
+def _int8(m: nn.Module) -> object:
+    return api.quantize(m, _calib(lambda x, i: None), per_layer=False)
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(10, 4)
+
+    def forward(self, x, y):
+        return self.conv(x).mean((2, 3)) + self.fc(y)
 
 
 def _train_bn_only() -> nn.Module:
@@ -669,6 +751,38 @@ API_CASES += [
         _model,
         InputError,
         "This GML-optimized module is for inference",
+    ),
+    ApiCase(
+        "input that requires grad, given to the INT8 engine",
+        "gml.quantize(model, calib).executable(x.requires_grad_())",
+        lambda m: _int8(m).executable(_x(1, 3, 32, 32).requires_grad_()),
+        _model,
+        InputError,
+        "This GML-optimized module is for inference",
+    ),
+    ApiCase(
+        "NaN in the input of an INT8 model",
+        "gml.quantize(model, calib).executable(x_with_nan)",
+        lambda m: _int8(m).executable(_NAN),
+        _model,
+        InputError,
+        "This INT8 model cannot represent NaN or Inf, and input 0 holds 1 NaN",
+    ),
+    ApiCase(
+        "`leaf_modules` naming no submodule",
+        "gml.optimize(model, x, leaf_modules=['nope'])",
+        lambda m: api.optimize(m, _x(1, 3, 32, 32), leaf_modules=["nope"]),
+        _model,
+        InputError,
+        "leaf_modules 'nope' is not a submodule of the model",
+    ),
+    ApiCase(
+        "two-input model given one example input",
+        "gml.optimize(two_input_model, x)",
+        lambda m: api.optimize(m, _x(1, 3, 8, 8)),
+        lambda: _TwoInputs().eval(),
+        InputError,
+        "the model takes 2 input(s), 1 given",
     ),
     ApiCase(
         "all-zero calibration batches",

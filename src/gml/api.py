@@ -15,6 +15,7 @@ import torch
 from torch import fx, nn
 
 from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
+from gml.inference import refuse_autograd, refuse_nonfinite
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, PipelineReport, compare_outputs, run_outputs
 from gml.quant.transformer import DEFAULT_MIN_SQNR_DB as _DEFAULT_MIN_SQNR_DB
@@ -65,23 +66,24 @@ class OptimizeResult:
         save(self.module, path, self.example_inputs or None, dynamic_dims="all" if exported else "batch")
 
 
-def _no_autograd(module: nn.Module, args: tuple) -> None:
-    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        from gml.errors import InputError
+def _inputs_of_batch(model: nn.Module, batch: Any) -> tuple:
+    """The model's inputs in calibration batch ``batch``: the tensor, or as many leading items of a
+    tuple as ``forward`` takes positionally (``(x, y)`` for ``forward(x, y)``; ``x`` of an
+    ``(x, label)`` pair for ``forward(x)``). It took ``batch[0]`` alone: a two-input model was
+    then captured with one input and failed with a bare "StopIteration" (issue #24)."""
+    import inspect
 
-        raise InputError(
-            "This GML-optimized module is for inference: its fused kernels do not propagate gradients, so "
-            "an input that requires grad would give an output whose backward() leaves the input's .grad None.",
-            hint="call it under torch.inference_mode() / torch.no_grad(), or pass x.detach(); train the "
-            "original nn.Module instead.",
-        )
-
-
-def refuse_autograd(module: nn.Module) -> None:
-    """Make ``module`` raise :class:`~gml.errors.InputError` when called with an input that requires
-    grad while autograd is on (issue #11: the output required grad, ``backward()`` silently left
-    ``x.grad`` None). Under ``no_grad``/``inference_mode`` nothing is checked."""
-    module.register_forward_pre_hook(_no_autograd)
+    if isinstance(batch, torch.Tensor) or not isinstance(batch, list | tuple):
+        return (batch,)
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return tuple(batch)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return tuple(batch)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = sum(p.kind in positional and p.default is inspect.Parameter.empty for p in params)
+    return tuple(batch[: max(required, 1)])
 
 
 def _as_tuple(example_inputs: Any) -> tuple:
@@ -160,7 +162,6 @@ def optimize(
         note = f"the engine covers part of this bf16 graph ({covered}); mixed runs measured slower: using torch"
         out.engine, out.runtime = None, RuntimeReport("torch", nodes=out.runtime.nodes, note=note)
     if out.engine is not None:
-        refuse_autograd(out.engine)
         # the error reported is the one of what the user calls (result.executable), not the executor's
         out.max_abs_err, _ = compare_outputs(ref, run_outputs(out.engine, samples[:1]), None)
     return out
@@ -361,11 +362,13 @@ def quantize(
     from gml.quant.frontend import prepare_reference
     from gml.quant.lower import CoverageEntry, coverage_of
     from gml.quant.pipeline import lowering_passes
+    from gml.quant.transformer import check_smooth_alpha
     from gml.runtime.select import attach_runtime, check_runtime
 
     check_runtime(runtime)
     check_precision(fallback_precision)
     calib_data, eval_data, eval_labels = _from_sources(calib_data, eval_data, eval_labels, max_accuracy_drop)
+    check_smooth_alpha(smooth_alpha)
     cost_policy = default_policy() if cost_policy is None else cost_policy
     check_policy(cost_policy)
     check_eval_mode(model, what="INT8 quantization")
@@ -379,14 +382,19 @@ def quantize(
         calib_data = list(calib_data)
         if not calib_data:
             raise InputError("calib_data is empty.", hint="give at least one calibration batch.")
-        first = calib_data[0]
-        example_inputs = first if isinstance(first, torch.Tensor) else first[0]
+        example_inputs = _inputs_of_batch(model, calib_data[0])
     inputs = _as_tuple(example_inputs)
     check_deterministic(model, inputs, what="INT8 quantization")
     from gml.models_hf import token_range as vocab_range
 
     token_range = vocab_range(model)  # generated token ids come from the vocabulary (#15)
     chosen, why = choose_scheme(model, scheme, inputs)
+    if chosen == "static" and smooth_alpha is not None:
+        raise InputError(
+            f"smooth_alpha={smooth_alpha:g} applies to the transformer scheme only; this model is quantized with the "
+            f"static scheme ({why}).",
+            hint="drop smooth_alpha (--smooth-alpha), or force scheme='transformer' (--scheme transformer).",
+        )
     # What INT8 leaves out (static scheme: the fp32 kernels; transformer scheme: attention) runs bf16
     # only where the CPU has native bf16 (else a warning, and fp32)
     refusal = _bf16_refusal() if fallback_precision == "bf16" else None
@@ -465,6 +473,9 @@ def quantize(
         max_accuracy_drop=max_accuracy_drop,
     )  # fmt: skip
     refuse_autograd(result.graph_module)
+    for int8_model in (result.graph_module, engine):  # INT8 has no NaN / Inf (gml.inference)
+        if int8_model is not None:
+            refuse_nonfinite(int8_model)
 
     from gml.quant.precision import precision_table
 
@@ -685,6 +696,7 @@ def _quantize_transformer(
         max_accuracy_drop=max_accuracy_drop,
     )  # fmt: skip
     refuse_autograd(res.module)
+    refuse_nonfinite(res.module)
     # the native engine runs the gml.dynamic_linear GEMMs (and what else it covers), checked against
     # the Python executor on the example first (gml.runtime.select)
     t0 = time.perf_counter()
@@ -715,6 +727,8 @@ def _quantize_transformer(
                 inputs=inputs, token_range=token_range, min_cosine=min_cosine, scheme="transformer",
                 max_accuracy_drop=max_accuracy_drop,
             )  # fmt: skip
+    if engine is not None:
+        refuse_nonfinite(engine)
     return QuantizeResult(
         res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",
         reason, res.precisions, cost=cost, fallback_precision=fallback,

@@ -37,7 +37,8 @@ from gml.errors import ModelLoadError
 MANIFEST = "gml-manifest.json"
 _CHUNK = 1 << 20
 #: What zipfile raises on a damaged archive (NotImplementedError: a flipped "version needed" field;
-#: ValueError includes json.JSONDecodeError and zipfile's bad-offset variants).
+#: RuntimeError: a flipped "encrypted" flag bit, "password required for extraction"; ValueError
+#: includes json.JSONDecodeError and zipfile's bad-offset variants).
 ZIP_ERRORS = (
     zipfile.BadZipFile,
     zipfile.LargeZipFile,
@@ -48,6 +49,7 @@ ZIP_ERRORS = (
     NotImplementedError,
     KeyError,
     RecursionError,
+    RuntimeError,
 )
 
 

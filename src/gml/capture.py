@@ -290,6 +290,25 @@ def _leaf_spec(leaf_modules: Sequence[str | type]) -> tuple[tuple[type, ...], li
     return types, names
 
 
+def check_leaf_names(model: nn.Module, leaf_modules: Sequence[str | type], option: str = "leaf_modules") -> None:
+    """Every name in ``leaf_modules`` must be a submodule of ``model``: a misspelt one would be
+    silently ignored (issue #24). Raises :class:`InputError` naming the closest submodules."""
+    import difflib
+
+    names = [n for n in leaf_modules if isinstance(n, str)]
+    if not names:
+        return
+    known = [n for n, _ in model.named_modules() if n]
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            raise InputError(
+                f"{option} {name!r} is not a submodule of the model.",
+                hint=(f"did you mean {', '.join(close)}? " if close else "")
+                + "give a dotted submodule path as model.named_modules() lists it (e.g. layer1.0).",
+            )
+
+
 def _omitted_default_args(model: nn.Module, n_given: int) -> dict[str, Any]:
     """``forward`` parameters after the ``n_given`` example inputs whose default is ``None`` or a plain
     constant (bool, int, float, str): traced as that default. fx would make each a placeholder, so
@@ -320,6 +339,7 @@ def trace(
     with the example's sizes (:class:`_ShapeTracer`); the graph is then specialised to those input
     shapes, says so in ``gm.meta[SPECIALIZED]``, and refuses other shapes (:class:`gml.nn.InputGuard`).
     """
+    check_leaf_names(model, leaf_modules)
     types, names = _leaf_spec(leaf_modules)
     tracer = (
         _ShapeTracer(example_inputs, types, names)
@@ -520,6 +540,9 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         node = prop.current
         cause = exc.__cause__ or exc
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        if isinstance(cause, StopIteration) and node is not None and node.op == "placeholder":
+            n_in = sum(n.op == "placeholder" for n in gm.graph.nodes)  # fewer inputs than placeholders
+            first = f"the model takes {n_in} input(s), {len(example_inputs)} given (none for '{node.name}')"
         at = f" at node '{node.name}' ({node.op} {node.target})" if node is not None else ""
         hint = "pass --input-shape (e.g. 1x3x224x224) / example_inputs matching what forward() expects."
         weights = {p.dtype for p in gm.parameters() if p.is_floating_point()}

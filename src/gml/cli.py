@@ -40,6 +40,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="allow pickled objects in --weights (runs code from the file: only for files you trust)",
     )
     p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a local Hugging Face model folder whose config.json has auto_map run its own Python code "
+        "(only for folders you trust; refused by default)",
+    )
+    p.add_argument(
         "--leaf",
         action="append",
         default=[],
@@ -55,6 +61,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def load_from_args(args: argparse.Namespace, batch: int | None = None):
     """(model, example_inputs) from the common model arguments."""
+    from gml.capture import check_leaf_names
     from gml.errors import ModelLoadError
     from gml.io import is_saved_model
     from gml.models import example_inputs, load_with_defaults, parse_shapes
@@ -67,10 +74,15 @@ def load_from_args(args: argparse.Namespace, batch: int | None = None):
             f"{args.model}` times it on the native engine; in Python, gml.load(path) runs it",
         )
     model, shapes, like = load_with_defaults(
-        args.model, weights=args.weights, unsafe_load=args.unsafe_load, submodule=args.submodule
+        args.model,
+        weights=args.weights,
+        unsafe_load=args.unsafe_load,
+        submodule=args.submodule,
+        trust_remote_code=getattr(args, "trust_remote_code", False),
     )
     if args.input_shape:
         shapes = parse_shapes(args.input_shape)
+    check_leaf_names(model, getattr(args, "leaf", ()), option="--leaf")
     return model, example_inputs(shapes, batch=batch, like=like)
 
 
@@ -143,6 +155,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from gml.passes.oplib import node_label
     from gml.passes.utils import modules_of
 
+    check_out_path(args.svg, "--svg")
     saved = _load_saved(args.model)
     if saved is not None:  # a model written by gml.io.save: show the graph it holds (gml ops for INT8)
         gm, inputs = saved
@@ -208,10 +221,11 @@ def _write_graph_drawing(gm, path: str) -> None:
 
     from torch.fx.passes.graph_drawer import FxGraphDrawer
 
+    from gml.files import write_atomically
+
     dot = FxGraphDrawer(gm, type(gm).__name__).get_dot_graph()
     if path.endswith(".dot"):
-        with open(path, "w") as f:
-            f.write(dot.to_string())
+        write_atomically(path, lambda tmp: tmp.write_text(dot.to_string()), what="graph drawing")
     elif shutil.which("dot") is None:
         raise GMLError(
             "Drawing an SVG needs Graphviz's `dot` program, which is not installed.",
@@ -219,8 +233,8 @@ def _write_graph_drawing(gm, path: str) -> None:
             "or write the graph source with --svg FILE.dot and render it elsewhere.",
         )
     else:
-        with open(path, "wb") as f:
-            f.write(dot.create_svg())
+        svg = dot.create_svg()
+        write_atomically(path, lambda tmp: tmp.write_bytes(svg), what="graph drawing")
     console.print(f"graph drawn to {path}")
 
 
@@ -232,24 +246,12 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 15) ->
     return dict(zip(fns, median_ms_interleaved(list(fns.values()), rounds=rounds), strict=True))
 
 
-def check_out_path(path: str | None) -> None:
-    """Fail before the run, not after it, when ``--out`` cannot be written."""
-    import os
+def check_out_path(path: str | None, option: str = "--out") -> None:
+    """Fail before the run, not after it, when an output path option cannot be written
+    (:func:`gml.files.check_writable`, the one check every output option goes through)."""
+    from gml.files import check_writable
 
-    if not path:
-        return
-    if os.path.isdir(path):
-        raise GMLError(
-            f"--out '{path}' is a directory; it names the file to write.",
-            hint=f"give a file name, e.g. --out {os.path.join(path, 'model.pt2')}.",
-        )
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise GMLError(
-            f"--out '{path}': the directory '{parent}' does not exist.", hint=f"create it: mkdir -p {parent}"
-        )
-    if not os.access(parent, os.W_OK):
-        raise GMLError(f"--out '{path}': the directory '{parent}' is not writable.", hint="choose another place.")
+    check_writable(path, option)
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
@@ -298,11 +300,14 @@ def _print_transformer_result(args: argparse.Namespace, res, model, inputs, eval
     """#15: what the transformer INT8 scheme did: passes, every GEMM/attention/LayerNorm/softmax with
     its precision and why."""
     _print_capture(res.module, model, inputs)
-    console.print(res.report.table(title=f"gml quantize {_model_label(args)} (transformer scheme)"))
-    if res.report.skips or res.report.rolled_back:
-        console.print(res.report.skip_table(title="Declined candidates"))
-    console.print(res.frontend.table())
-    console.print(res.frontend.summary())
+    if res.precision != "int8":  # the whole-model guard returned gml.optimize's model: describe that one
+        _print_returned_fp32(args, res)
+    else:
+        console.print(res.report.table(title=f"gml quantize {_model_label(args)} (transformer scheme)"))
+        if res.report.skips or res.report.rolled_back:
+            console.print(res.report.skip_table(title="Declined candidates"))
+        console.print(res.frontend.table())
+        console.print(res.frontend.summary())
     from rich.markup import escape
 
     from gml.models_hf import token_range
@@ -313,6 +318,16 @@ def _print_transformer_result(args: argparse.Namespace, res, model, inputs, eval
         return
     held_out = escape(describe_generated(inputs, token_range(model)))
     console.print(f"[dim]accuracy below: on 2 held-out {held_out} the calibration did not see[/]")
+
+
+def _print_returned_fp32(args: argparse.Namespace, res) -> None:
+    """The report of the model the whole-model guard returned (gml.optimize's): its passes and the
+    precision of every op, never the INT8 candidate's (issue #24: "48/48 GEMMs INT8" was printed for
+    an fp32 model)."""
+    console.print(res.report.table(title=f"gml optimize passes of the returned {res.precision} model"))
+    if res.report.skips or res.report.rolled_back:
+        console.print(res.report.skip_table(title="Declined candidates"))
+    _print_precisions(res)
 
 
 def _print_precisions(res) -> None:
@@ -389,6 +404,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     fe = res.frontend
     if res.scheme == "transformer":
         _print_transformer_result(args, res, model, inputs, eval_src.describe() if eval_src is not None else None)
+    elif res.precision != "int8":
+        _print_returned_fp32(args, res)
     else:
         if fe.fp32_passes is not None:
             console.print(fe.fp32_passes.table(title="fp32 passes before quantization"))
@@ -413,11 +430,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         console.print(str(res.cost), markup=False)
     if not args.no_time:
         t = _time_interleaved({"fp32": lambda: model(*inputs), "int8": lambda: res.executable(*inputs)})
+        returned = "INT8" if res.precision == "int8" else f"GML {res.precision} (the returned model)"
         console.print(
             f"latency (median of 15 interleaved rounds): fp32 eager {t['fp32']:.2f} ms, "
-            f"INT8 {t['int8']:.2f} ms ({t['fp32'] / t['int8']:.2f}x); use `gml bench` for a full measurement"
+            f"{returned} {t['int8']:.2f} ms ({t['fp32'] / t['int8']:.2f}x); use `gml bench` for a full measurement"
         )
-        if t["int8"] >= t["fp32"]:
+        if res.precision == "int8" and t["int8"] >= t["fp32"]:
             kept = sorted({e.op for e in res.coverage.kept_fp32})
             why = (
                 f"{len(res.coverage.kept_fp32)} op(s) stay fp32 ({', '.join(kept[:4])}) behind quantize/dequantize "

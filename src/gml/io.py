@@ -30,6 +30,7 @@ cannot take. Unpickling runs code from the file, so :func:`load` refuses it unle
 
 from __future__ import annotations
 
+import io
 import json
 import zipfile
 from collections.abc import Callable, Sequence
@@ -43,6 +44,10 @@ from torch import fx, nn
 from gml import archive
 from gml.errors import GMLError, ModelLoadError
 from gml.ir.library import schema_args
+from gml.files import check_writable, write_atomically
+from gml.inference import refuse_autograd, refuse_nonfinite
+from gml.ir.library import SCHEMAS as INT8_SCHEMAS
+from gml.ir.library import gml_op_name
 from gml.kernels import fp32 as k32
 from gml.kernels.int8_ops import register as register_int8_ops
 from gml.passes.utils import replace_module
@@ -167,13 +172,13 @@ def save(
     if dynamic_dims not in ("batch", "all"):
         raise GMLError(f"unknown dynamic_dims {dynamic_dims!r}", hint="use 'batch' or 'all'")
     path = Path(path)
+    check_writable(path)  # before the export: a place that cannot take the file fails now, not after it
     if format == "pickle":
-        torch.save({"gml_format": FORMAT_PICKLE, "module": gm}, path)
         header: dict[str, Any] = {"format": FORMAT_PICKLE, "torch": torch.__version__}
         specs = _input_specs(gm, example_inputs)
         if specs is not None:  # JSON, so load can compile the engine's plan for the graph's inputs
             header["inputs"] = specs
-        archive.seal(path, header)
+        _write_sealed(path, lambda f: torch.save({"gml_format": FORMAT_PICKLE, "module": gm}, f), header)
         return path
     if format != "export":
         raise GMLError(f"unknown save format {format!r}", hint="use format='export' or format='pickle'")
@@ -198,9 +203,28 @@ def save(
         gm.train(was_training)
     # torch pickles the example inputs into the archive; a loader could not tell them from a payload
     ep._example_inputs = None
-    torch.export.save(ep, path)
-    archive.seal(path, {"format": FORMAT_EXPORT, "torch": torch.__version__, "dynamic_batch": dynamic})
+    _write_sealed(
+        path,
+        lambda f: torch.export.save(ep, f),
+        {"format": FORMAT_EXPORT, "torch": torch.__version__, "dynamic_batch": dynamic},
+    )
     return path
+
+
+def _write_sealed(path: Path, serialize: Callable[[Any], None], header: dict[str, Any]) -> None:
+    """``serialize(file object)``, sealed with ``header``, written to ``path`` atomically. torch's zip
+    writer is given an in-memory buffer: on a full disk it aborts the process (SIGABRT, issue #24)
+    instead of raising, so the bytes reach the disk through Python's file I/O, which raises, and
+    :func:`gml.files.write_atomically` leaves no partial file."""
+    buffer = io.BytesIO()
+    serialize(buffer)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(buffer.getbuffer())
+        archive.seal(tmp, header)
+
+    write_atomically(path, write, what="saved model")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -457,6 +481,11 @@ def attach_loaded_runtime(gm: nn.Module, runtime: str = "engine") -> nn.Module:
     else:
         engine, report = attach_runtime(gm, inputs, runtime)
     module: nn.Module = engine if engine is not None else gm
+    refuse_autograd(gm)  # the engine applies the same rule itself (gml.inference)
+    if any(gml_op_name(n) in INT8_SCHEMAS for n in gm.graph.nodes):  # an INT8 graph: no NaN / Inf inputs
+        refuse_nonfinite(gm)
+        if engine is not None:
+            refuse_nonfinite(engine)
     module.runtime = report
     return module
 

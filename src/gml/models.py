@@ -14,7 +14,9 @@ A model spec is one of
 * an ``nn.Module`` (Python API).
 
 Checkpoints load with ``torch.load(..., weights_only=True)``, which refuses pickled code; opting
-out (``unsafe_load=True`` / ``--unsafe-load``) is explicit.
+out (``unsafe_load=True`` / ``--unsafe-load``) is explicit. A Hugging Face folder whose config asks
+for its own Python code (``auto_map``) is refused the same way unless ``trust_remote_code=True``
+(``--trust-remote-code``).
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ def load_model(
     unsafe_load: bool = False,
     eval_mode: bool = True,
     submodule: str | None = None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
     """Build the model ``spec`` names; optionally load a checkpoint; put it in eval mode.
 
@@ -178,7 +181,7 @@ def load_model(
     elif spec.endswith(".py"):
         raise ModelLoadError(f"'{spec}' names a file but no class.", hint=f"use {spec}:ClassName.")
     elif is_hf_spec(spec):  # #15: hf:ArchitectureClass or a local HF model folder (gml.models_hf)
-        model = load_hf(spec)
+        model = load_hf(spec, trust_remote_code=trust_remote_code)
     else:
         model = _load_torchvision(spec)
     if weights is not None:
@@ -425,7 +428,12 @@ def declared_inputs(spec: str | nn.Module | None, model: nn.Module | None = None
 
 
 def load_with_defaults(
-    spec: str | nn.Module, *, weights: str | None = None, unsafe_load: bool = False, submodule: str | None = None
+    spec: str | nn.Module,
+    *,
+    weights: str | None = None,
+    unsafe_load: bool = False,
+    submodule: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[nn.Module, list[tuple[int, ...]], tuple[torch.Tensor, ...] | None]:
     """:func:`load_model`, plus the model's default input shapes and input templates
     (:func:`declared_inputs`) for :func:`example_inputs`.
@@ -433,7 +441,9 @@ def load_with_defaults(
     A model name's defaults describe the whole model, so for a ``submodule`` only what that part
     declares itself counts.
     """
-    model = load_model(spec, weights=weights, unsafe_load=unsafe_load, submodule=submodule)
+    model = load_model(
+        spec, weights=weights, unsafe_load=unsafe_load, submodule=submodule, trust_remote_code=trust_remote_code
+    )
     own = spec if isinstance(spec, str) and not submodule else None
     return model, default_input_shapes(model, own), declared_inputs(own, model)
 

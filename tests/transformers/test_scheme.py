@@ -327,7 +327,7 @@ def test_cli_min_sqnr_and_smooth_alpha_reach_the_scheme(tmp_path, capsys, monkey
     out = capsys.readouterr().out
     assert "9/9 GEMMs INT8" in out and "accuracy fallback" not in out
     assert main([*args, "--smooth-alpha", "2"]) == InputError.exit_code
-    assert "smooth_alpha=2.0 is outside (0, 1)" in capsys.readouterr().out
+    assert "smooth_alpha=2 is outside (0, 1)" in capsys.readouterr().out
     saved = tmp_path / "int8.pt2"  # --out: the INT8 transformer saved pickle-free (ADR 008)
     assert main([*args, "--smooth-alpha", "0.5", "--out", str(saved)]) == 0
     assert "saved to" in capsys.readouterr().out

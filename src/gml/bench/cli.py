@@ -50,6 +50,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="allow pickled objects in --weights (runs code from the file: only for files you trust)",
     )
     p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a local Hugging Face model folder whose config.json has auto_map run its own Python code "
+        "(only for folders you trust; refused by default)",
+    )
+    p.add_argument(
         "--submodule",
         metavar="PATH",
         help="benchmark this part of the model only (e.g. backbone), when the whole does not trace",
@@ -109,8 +115,11 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
     from gml.bench.roofline import cached_peak
     from gml.bench.runner import _default_threads, run_bench
     from gml.data.cli import data_options
+    from gml.files import check_writable, write_atomically
 
     console = console or Console(highlight=False)
+    for option, path in (("--json", args.json), ("--md", args.md), ("--png", args.png)):
+        check_writable(path, option)  # before the run, not after it
     shapes = None
     if args.input_shape:
         from gml.models import parse_shapes
@@ -155,6 +164,7 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
         settle_ms=args.settle_ms,
         weights=args.weights,
         unsafe_load=args.unsafe_load,
+        trust_remote_code=args.trust_remote_code,
         submodule=args.submodule,
         leaf_modules=args.leaf,
         precision=args.precision,
@@ -168,13 +178,14 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
     )
     console.print(render_table(result))
     _print_data(result, console)
-    for path, write, what in ((args.json, write_json, "JSON"), (args.md, write_markdown, "Markdown")):
+    for path, write, what in (
+        (args.json, write_json, "JSON"),
+        (args.md, write_markdown, "Markdown"),
+        (args.png, render_png, "chart"),
+    ):
         if path:
-            write(result, path)
+            write_atomically(path, lambda tmp, write=write: write(result, tmp), what=what)
             console.print(f"{what} written to {path}")
-    if args.png:
-        render_png(result, args.png)
-        console.print(f"chart written to {args.png}")
     ok = sum(1 for b in result.batches for v in b.variants if v.ok)
     return 0 if ok else 1
 

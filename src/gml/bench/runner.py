@@ -256,7 +256,11 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def _load(
-    model: str | nn.Module, weights: str | None = None, unsafe_load: bool = False, submodule: str | None = None
+    model: str | nn.Module,
+    weights: str | None = None,
+    unsafe_load: bool = False,
+    submodule: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[nn.Module, str, list[tuple[int, ...]], tuple[torch.Tensor, ...] | None]:
     """The eager model, its display name, default input shapes and input templates."""
     from gml.models import load_with_defaults
@@ -264,7 +268,9 @@ def _load(
     name = model if isinstance(model, str) else type(model).__name__
     if submodule:
         name = f"{name}.{submodule}"
-    m, shapes, like = load_with_defaults(model, weights=weights, unsafe_load=unsafe_load, submodule=submodule)
+    m, shapes, like = load_with_defaults(
+        model, weights=weights, unsafe_load=unsafe_load, submodule=submodule, trust_remote_code=trust_remote_code
+    )
     return m, name, [tuple(s) for s in shapes], like
 
 
@@ -370,6 +376,7 @@ def run_bench(
     calib_samples: int | None = 128,
     eval_data: Any = None,
     data_options: Any = None,
+    trust_remote_code: bool = False,
 ) -> BenchResult:
     """Benchmark ``model`` (a spec ``gml.models.load_model`` accepts, or an ``nn.Module``).
 
@@ -387,6 +394,7 @@ def run_bench(
             ``"measure"``, a :class:`Peak`, or ``None`` for no floor.
         footprint: compute the activation footprint of variants that are FX graphs.
         weights, unsafe_load: a state_dict checkpoint to load into the model (see ``gml.models``).
+        trust_remote_code: let a local Hugging Face folder run its own Python code (``auto_map``).
         submodule: benchmark only this part of the model (a dotted path, e.g. ``backbone``).
         leaf_modules: submodules GML's variants keep opaque while tracing, as in :func:`gml.capture`.
         precision: ``fp32`` or ``bf16``: the default variant list (``bf16``: GML bf16 against
@@ -404,7 +412,7 @@ def run_bench(
         variants if variants is None or isinstance(variants, str) else list(variants), precision=precision
     )
     threads = threads or _default_threads()
-    eager_model, model_name, declared, like = _load(model, weights, unsafe_load, submodule)
+    eager_model, model_name, declared, like = _load(model, weights, unsafe_load, submodule, trust_remote_code)
     if input_shape is None:
         shapes = declared or [(1, 3, 224, 224)]
     elif input_shape and isinstance(input_shape[0], int):

@@ -66,6 +66,19 @@ class ConvSpec:
     def __post_init__(self) -> None:
         if not len(self.stride) == len(self.padding) == len(self.dilation):
             raise ValueError(f"stride/padding/dilation of different ranks: {self}")
+        # checked here, before any kernel sees it: a stride of 0 divides by zero in oneDNN's
+        # prepack (SIGFPE; a crafted saved model, issue #24)
+        if not (
+            all(isinstance(s, int) and s >= 1 for s in self.stride)
+            and all(isinstance(d, int) and d >= 1 for d in self.dilation)
+            and all(isinstance(p, int) and p >= 0 for p in self.padding)
+            and isinstance(self.groups, int)
+            and self.groups >= 1
+        ):
+            raise ValueError(
+                f"invalid convolution geometry {self}: stride, dilation and groups must be integers >= 1, "
+                "padding integers >= 0"
+            )
 
     @property
     def ndim(self) -> int:

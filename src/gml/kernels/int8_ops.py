@@ -112,6 +112,27 @@ def _spec(one_d: bool, stride: tuple, padding: tuple, dilation: tuple, groups: i
     return ConvSpec(stride, padding, dilation, groups)
 
 
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, spec: ConvSpec) -> None:
+    """The source, weight and geometry of a ``gml.qconv`` agree (ranks, channels, groups, a kernel no
+    larger than the padded input) before a backend prepacks anything: oneDNN divides by what it is
+    given (a stride of 0: SIGFPE, issue #24). :class:`ConvSpec` checks the geometry's own ranges."""
+    nsp = weight.dim() - 2
+    if x.dim() != weight.dim() or nsp < 1:
+        raise ValueError(f"gml.qconv: a {x.dim()}-D input for a {weight.dim()}-D weight")
+    if weight.shape[0] % spec.groups or x.shape[1] != weight.shape[1] * spec.groups:
+        raise ValueError(
+            f"gml.qconv: input channels {x.shape[1]}, weight {tuple(weight.shape)} and groups {spec.groups} "
+            "do not agree"
+        )
+    tail = spec.ndim - nsp  # a 1-D conv's spec is 2-D (height 1)
+    for i in range(nsp):
+        span = (weight.shape[2 + i] - 1) * spec.dilation[tail + i] + 1
+        if x.shape[2 + i] + 2 * spec.padding[tail + i] < span:
+            raise ValueError(
+                f"gml.qconv: input size {tuple(x.shape[2:])} (padding {spec.padding}) is smaller than the kernel"
+            )
+
+
 def _conv_handle(be: Int8Backend, x: torch.Tensor, x_qp: QParams, weight, weight_scale, bias, spec: ConvSpec) -> Any:
     three_d = weight.dim() == 5
 
@@ -131,6 +152,7 @@ def qconv(
     be = _backend(backend)
     x_qp = _qp(x_scale, x_zero_point)
     spec = _conv_spec(weight, stride, padding, dilation, groups)
+    _check_conv(x, weight, spec)
     handle = _conv_handle(be, x, x_qp, weight, weight_scale, bias, spec)
     out_qp = _out(out_scale, out_zero_point, out_dtype)
     if weight.dim() == 5:
@@ -153,6 +175,7 @@ def qconv_add(
     be = _backend(backend)
     x_qp = _qp(x_scale, x_zero_point)
     spec = _conv_spec(weight, stride, padding, dilation, groups)
+    _check_conv(x, weight, spec)
     handle = _conv_handle(be, x, x_qp, weight, weight_scale, bias, spec)
     if be.conv_add_writes_other and other.is_contiguous(memory_format=torch.channels_last):
         # oneDNN's sum post-op accumulates into `other`; the op is functional, so give it a copy

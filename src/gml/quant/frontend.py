@@ -160,15 +160,33 @@ def fp32_passes() -> list:
 
 def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PipelineReport]:
     """Capture (if needed) and run :func:`fp32_passes` under the PassManager's checks."""
-    from gml.capture import capture, check_eval_mode
+    from gml.capture import check_eval_mode
 
     check_eval_mode(model, what="INT8 quantization")
     _check_float32(model)
-    # the torch.fx path only: torch.ao's static INT8 does not take export graphs yet (#15)
-    gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else capture(model, example_inputs, export=False)
+    gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else capture_for_ao(model, example_inputs)
     result = PassManager(fp32_passes()).run(gm, [tuple(example_inputs)])
     _refuse_kept_inplace_ops(result.graph_module, result.report)
     return result.graph_module, result.report
+
+
+def capture_for_ao(model: nn.Module, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """The graph torch.ao's static INT8 starts from: torch.fx's, as ``gml.optimize`` prefers it,
+    except that fx's preference for torch.export when it keeps torch.nn attention layers opaque does
+    not apply (those models take the transformer scheme). When fx cannot trace the model at all,
+    the torch.export graph (ATen raised to modules and torch calls, as ``gml.optimize`` uses it) is
+    taken, as ``gml.optimize`` does: a model optimize captured no longer fails in quantize (issue
+    #24: timm ConViT, a forward that iterates over a tensor)."""
+    from gml.capture import capture
+    from gml.errors import TraceFailure
+
+    try:
+        return capture(model, example_inputs, export=False)
+    except TraceFailure as fx_error:
+        try:
+            return capture(model, example_inputs)
+        except TraceFailure:
+            raise fx_error from None
 
 
 def _check_float32(model: nn.Module) -> None:

@@ -206,6 +206,15 @@ def _op(lin: nn.Linear) -> str:
     return f"linear {lin.in_features}->{lin.out_features}"
 
 
+
+def check_smooth_alpha(smooth_alpha: float | None) -> None:
+    """SmoothQuant's migration strength must lie in (0, 1) (:class:`~gml.errors.InputError` otherwise)."""
+    from gml.errors import InputError
+
+    if smooth_alpha is not None and not 0.0 < smooth_alpha < 1.0:
+        raise InputError(f"smooth_alpha={smooth_alpha:g} is outside (0, 1).", hint="SmoothQuant uses 0.5 (0.3-0.8).")
+
+
 class QuantizeLinearsDynamic(GraphPass):
     """Lower each ``nn.Linear`` to ``gml.dynamic_linear`` (INT8 GEMM, per-token activation scales).
 
@@ -234,10 +243,7 @@ class QuantizeLinearsDynamic(GraphPass):
         min_sqnr_db: float | None = DEFAULT_MIN_SQNR_DB,
         smooth_alpha: float | None = None,
     ) -> None:
-        from gml.errors import InputError
-
-        if smooth_alpha is not None and not 0.0 < smooth_alpha < 1.0:
-            raise InputError(f"smooth_alpha={smooth_alpha} is outside (0, 1).", hint="SmoothQuant uses 0.5 (0.3-0.8).")
+        check_smooth_alpha(smooth_alpha)
         self.calib_data = [tuple(b) for b in calib_data]
         self.min_sqnr_db = min_sqnr_db
         self.smooth_alpha = smooth_alpha
@@ -556,22 +562,56 @@ def transformer_reason(model: nn.Module, inputs: Sequence[Any] | None = None) ->
     for c in type(model).__mro__:
         if c.__module__.startswith("transformers."):
             return f"it is a transformers {type(model).__name__}"
+    for name, m in model.named_modules():  # a user's module around a transformers model (issue #24)
+        if name and any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+                        for c in type(m).__mro__):  # fmt: skip
+            return f"it holds a transformers {type(m).__name__} ('{name}')"
     if inputs is None:
         return None
     import copy
 
-    from gml.capture import capture
     from gml.errors import GMLError
     from gml.passes.attention import FuseAttention
     from gml.passes.normalize import Normalize
+    from gml.quant.frontend import capture_for_ao
 
-    try:
-        gm = capture(copy.deepcopy(model), inputs, export=False)
+    try:  # the graph the static scheme would quantize (torch.export's when fx fails: timm ConViT)
+        gm = capture_for_ao(copy.deepcopy(model), inputs)
         gm = Normalize().call(gm).graph_module
         gm = FuseAttention().call(gm).graph_module
     except GMLError:  # the static path reports why the model does not capture
         return None
-    return _graph_attention(gm)
+    return _graph_attention(gm) or _softmax_between_matmuls(gm)
+
+
+def _softmax_between_matmuls(gm: fx.GraphModule, hops: int = 6) -> str | None:
+    """Attention FuseAttention declined (a mask added on a view of the scores, issue #24): a softmax
+    whose input comes from a matmul and whose output reaches a matmul, through at most ``hops``
+    single-tensor nodes (views, scaling, a mask add, dropout) each way. It is still attention, which
+    the static scheme's per-tensor activation ranges handle badly (WHY_SCHEME)."""
+    from gml.ir.ops import op_kind
+
+    modules = dict(gm.named_modules())
+
+    def kind(n: fx.Node) -> str | None:
+        return op_kind(n, modules) if n.op in ("call_module", "call_function", "call_method") else None
+
+    def reaches(start: fx.Node, step: Any) -> bool:
+        frontier = [start]
+        for _ in range(hops):
+            frontier = [m for n in frontier for m in step(n) if isinstance(m, fx.Node)]
+            if any(kind(m) == "matmul" for m in frontier):
+                return True
+        return False
+
+    n = sum(
+        1
+        for node in gm.graph.nodes
+        if kind(node) == "softmax"
+        and reaches(node, lambda x: x.all_input_nodes)
+        and reaches(node, lambda x: list(x.users))
+    )
+    return f"its graph holds {n} hand-written attention block(s) (softmax between two matmuls)" if n else None
 
 
 def _graph_attention(gm: fx.GraphModule) -> str | None:

@@ -27,6 +27,8 @@ import torch
 from torch import fx, nn
 
 from gml.errors import InputError, UnsupportedError
+from gml.inference import refuse_grad_inputs
+from gml.kernels.fp32 import all_finite
 from gml.runtime import native
 from gml.runtime.plan import Builder
 from gml.runtime.shape_values import cache_guards, cache_shape_values, schedule_for_engine
@@ -246,18 +248,41 @@ class EngineSegment(nn.Module):
         return plan, [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in metas]
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not _finite_inputs(inputs):
+            # oneDNN's ReLU / clip post-ops and max pooling take a max that drops NaN (vmaxps), so
+            # a NaN or Inf input would come out as finite numbers (issue #24): the segment's Python
+            # executor propagates them as eager does (its fused kernels check the same way)
+            return tuple(self.reference(*inputs))
         plan, outs = self.plan_for(inputs)
         if plan is None:
             return tuple(self.reference(*inputs))
         results = [torch.empty_strided(s, st, dtype=dt) for s, st, dt in outs]
         tensors = [t.data_ptr() for t in inputs if isinstance(t, torch.Tensor)]  # sizes are in the plan's key
         record = _PROFILE.get()
-        if record is None:
-            plan.run(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
-        else:
-            times = plan.run_timed(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
-            record.append((self, plan, times))
+        try:
+            if record is None:
+                plan.run(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
+            else:
+                times = plan.run_timed(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
+                record.append((self, plan, times))
+        except RuntimeError as e:
+            # oneDNN created the primitives but one will not execute (fuzz seed 20261127: "could not
+            # execute a primitive" on a Conv3d graph): this shape falls back to the Python executor
+            # for good, with the reason in the report, instead of an internal error (issue #24)
+            # (an out-of-range token id is an IndexError: the user's input, raised as it is)
+            key = tuple(_input_key(t) for t in inputs)
+            with self._lock:
+                self._plans[key] = (None, [])
+            self._report.shape_fallbacks[_key_str(key)] = f"the engine failed to run it: {e}"
+            return tuple(self.reference(*inputs))
         return tuple(results)
+
+
+def _finite_inputs(inputs: Sequence[Any]) -> bool:
+    """Whether no floating-point tensor in ``inputs`` holds a NaN or an Inf (one sum each:
+    :func:`gml.kernels.fp32.all_finite`, cheap next to the segment it guards)."""
+    floats = [t for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return not floats or all_finite(*floats)
 
 
 def _input_val(b: Builder, vals: dict[fx.Node, Any], env: dict[fx.Node, Any], a: fx.Node) -> Any:
@@ -447,6 +472,7 @@ class EngineModule(nn.Module):
         self._expect = [(t.dtype, t.dim(), t.shape[1] if t.dim() >= 4 else None) for t in example]
 
     def forward(self, *inputs: Any) -> Any:
+        refuse_grad_inputs(inputs)  # the engine's outputs carry no autograd graph (gml.inference)
         self._check(inputs)
         return self.graph_module(*inputs)
 

@@ -149,6 +149,14 @@ def _span(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int
     return max(last, *(d * s for d, s in zip(shape, stride))) * itemsize
 
 
+def _extent(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
+    """Bytes from a strided value's first element to its last, inclusive: what ``torch.empty_strided``
+    allocates for it (less than :func:`_span` for a slice)."""
+    if any(d == 0 for d in shape):
+        return 0
+    return (sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * itemsize
+
+
 @dataclass(eq=False)
 class Group:
     """Bytes shared by aliasing values: in the arena, or an input / output tensor of the call."""
@@ -209,6 +217,9 @@ class Builder:
         self.node_name = ""
         #: values a rule computes once per plan and reuses (an attention mask made additive)
         self.memo: dict[str, Any] = {}
+        #: bytes of the caller's input / output tensors (first to last element), for the native plan's
+        #: bounds check (Plan.external_bytes)
+        self.extents: dict[tuple[int, int], int] = {}
 
     # ------------------------------------------------------------ values
     def _new(self, shape: Any, stride: Any, dtype: str, node: fx.Node | None = None) -> Val:
@@ -502,15 +513,29 @@ class Builder:
         for i, v in enumerate(inputs):
             assert v.group is not None
             v.group.where, v.group.index = "input", i
+            self.extents[(1, i)] = _extent(v.shape, v.stride, _ITEMSIZE.get(v.dtype_name, 1))
 
     def place_outputs(self, outputs: list[Val], metas: list[torch.Tensor]) -> list[Val]:
         """Put each output's group in the caller's output tensor, or copy into it when the group is
-        the caller's input, another output's, or larger than the output (a view of a bigger value)."""
+        the caller's input, another output's, or larger than the output (a view of a bigger value).
+
+        "Larger" counts the bytes the caller allocates (``torch.empty_strided`` of the output's
+        shape and strides: first to last element), not oneDNN's span of the value (``max(dim *
+        stride)``): a select of a LayerNorm's first token, ``(B, C)`` with strides ``(T*C, 1)``, spans
+        the whole ``B*T*C`` LayerNorm in oneDNN's count but is allocated ``(B-1)*T*C + C`` elements;
+        placing the LayerNorm in it wrote past the caller's tensor (HF Dinov2's pooler output, issue
+        #24: heap corruption)."""
         placed: list[Val] = []
         for k, (v, t) in enumerate(zip(outputs, metas)):
             g = v.group
             assert g is not None
-            if g.where == "arena" and v.offset == 0 and v.nbytes >= g.nbytes and not v.free:
+            allocated = _extent(tuple(t.shape), tuple(t.stride()), t.element_size())
+            self.extents[(2, k)] = allocated
+            fits = all(
+                not m.free and m.offset + _extent(m.shape, m.stride, _ITEMSIZE.get(m.dtype_name, 1)) <= allocated
+                for m in g.members
+            )
+            if g.where == "arena" and v.offset == 0 and v.nbytes >= g.nbytes and fits and not v.free:
                 g.where, g.index = "output", k
                 placed.append(v)
                 continue
@@ -581,6 +606,8 @@ class Builder:
             assert g is not None
             if g.where != "const":
                 plan.set_offset(i, (g.arena_offset if g.where == "arena" else 0) + v.offset)
+        for (where_id, index), nbytes in self.extents.items():
+            plan.external_bytes(where_id, index, nbytes)
         plan.finalize(arena)
         for v in self.vals:
             v.ref = None  # the executor's tensors were for layouts only

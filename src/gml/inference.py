@@ -1,0 +1,77 @@
+"""The one rule for calling a model GML returns with inputs that require grad (issue #11, #24).
+
+Every executor GML returns (the fused fp32 / INT8 ``GraphModule`` on the Python executor, the native
+engine's :class:`~gml.runtime.compile.EngineModule`, a model :func:`gml.load` read back) is for
+inference: its kernels do not propagate gradients. Called with an input that requires grad while
+autograd is on, each raises :class:`~gml.errors.InputError` instead of returning an output whose
+``backward()`` silently leaves the input's ``.grad`` None (or, from the engine, a detached output
+that looks like any other). Under ``torch.no_grad()`` / ``torch.inference_mode()`` nothing is
+checked.
+
+INT8 models add one rule: a NaN or Inf input is refused (:func:`refuse_nonfinite_inputs`), since INT8
+has no code for either and would answer with finite numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from gml.errors import InputError
+
+
+def refuse_grad_inputs(args: Any) -> None:
+    """Raise :class:`InputError` if autograd is on and a tensor in ``args`` requires grad."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        raise InputError(
+            "This GML-optimized module is for inference: its fused kernels do not propagate gradients, so "
+            "an input that requires grad would give an output whose backward() leaves the input's .grad None.",
+            hint="call it under torch.inference_mode() / torch.no_grad(), or pass x.detach(); train the "
+            "original nn.Module instead.",
+        )
+
+
+def _hook(module: nn.Module, args: tuple) -> None:
+    refuse_grad_inputs(args)
+
+
+def refuse_autograd(module: nn.Module) -> None:
+    """Make ``module`` apply :func:`refuse_grad_inputs` to its inputs on every call (once per module)."""
+    if not getattr(module, "_gml_refuses_autograd", False):
+        module.register_forward_pre_hook(_hook)
+        module._gml_refuses_autograd = True
+
+
+def refuse_nonfinite_inputs(args: Any) -> None:
+    """Raise :class:`InputError` if a floating-point tensor in ``args`` holds a NaN or an Inf: an
+    INT8 model cannot represent them (quantization clamps an Inf to the range's end and a NaN to
+    some code), so its answer would be finite numbers that look valid (issue #24). One sum per
+    input when every value is finite (:func:`gml.kernels.fp32.all_finite`)."""
+    from gml.kernels.fp32 import all_finite
+
+    floats = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    if not floats or all_finite(*(a for _, a in floats)):
+        return
+    for i, a in floats:
+        bad = int((~torch.isfinite(a)).sum())
+        if bad:
+            nan = int(torch.isnan(a).sum())
+            raise InputError(
+                f"This INT8 model cannot represent NaN or Inf, and input {i} holds {nan} NaN and {bad - nan} Inf "
+                "value(s): INT8 would turn them into finite numbers that look valid.",
+                hint="clean the input first (torch.nan_to_num, or drop the sample), or run the fp32 model "
+                "(gml.optimize), which propagates NaN and Inf as eager does.",
+            )
+
+
+def _int8_hook(module: nn.Module, args: tuple) -> None:
+    refuse_nonfinite_inputs(args)
+
+
+def refuse_nonfinite(module: nn.Module) -> None:
+    """Make INT8 ``module`` apply :func:`refuse_nonfinite_inputs` on every call (once per module)."""
+    if not getattr(module, "_gml_refuses_nonfinite", False):
+        module.register_forward_pre_hook(_int8_hook)
+        module._gml_refuses_nonfinite = True
