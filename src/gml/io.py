@@ -43,11 +43,10 @@ from torch import fx, nn
 
 from gml import archive
 from gml.errors import GMLError, ModelLoadError
-from gml.ir.library import schema_args
 from gml.files import check_writable, write_atomically
 from gml.inference import refuse_autograd, refuse_nonfinite
 from gml.ir.library import SCHEMAS as INT8_SCHEMAS
-from gml.ir.library import gml_op_name
+from gml.ir.library import gml_op_name, schema_args
 from gml.kernels import fp32 as k32
 from gml.kernels.int8_ops import register as register_int8_ops
 from gml.passes.utils import replace_module
