@@ -15,6 +15,7 @@ import torch
 from torch import fx, nn
 
 from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
+from gml.memory import returns_memory
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, PipelineReport, compare_outputs, run_outputs
 from gml.quant.transformer import DEFAULT_MIN_SQNR_DB as _DEFAULT_MIN_SQNR_DB
@@ -88,6 +89,7 @@ def _as_tuple(example_inputs: Any) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, list | tuple) else (example_inputs,)
 
 
+@returns_memory
 def optimize(
     model: nn.Module,
     example_inputs: Any,
@@ -208,13 +210,15 @@ class QuantizeResult:
     ``frontend``: the fp32 passes, fusions, which ops are INT8 and which stay fp32, calibration;
     ``coverage``: which nodes became which GML INT8 module, which stayed fp32 and why;
     ``accuracy``: output cosine / max diff / top-1 agreement and per-layer SQNR vs fp32;
-    ``reference``: torch.ao's reference Q/DQ graph the lowering started from;
+    ``reference``: torch.ao's reference Q/DQ graph the lowering started from (``keep_intermediates=True``;
+    else None: it holds a full fp32 copy of the weights, issue #28);
     ``seconds``: wall time of each stage.
 
     With the transformer scheme (``scheme == "transformer"``): ``frontend`` is the
     :class:`~gml.quant.transformer.TransformerQuantResult` (its ``table()`` / ``summary()``), ``coverage``
-    lists every GEMM as INT8 or fp32 (with why) and what stays fp32, ``reference`` is the fp32 graph
-    the GEMMs were quantized from; ``engine`` runs its ``gml.dynamic_linear`` GEMMs natively (ADR 008).
+    lists every GEMM as INT8 or fp32 (with why) and what stays fp32, ``reference`` (and
+    ``frontend.fp32_module``) the fp32 graph the GEMMs were quantized from (``keep_intermediates=True``;
+    else None); ``engine`` runs its ``gml.dynamic_linear`` GEMMs natively (ADR 008).
     """
 
     module: fx.GraphModule
@@ -222,7 +226,7 @@ class QuantizeResult:
     frontend: Any
     coverage: Any
     accuracy: Any
-    reference: fx.GraphModule
+    reference: fx.GraphModule | None
     seconds: dict[str, float]
     #: the native engine running ``module``'s graph (gml.runtime), or None where torch runs it
     engine: Any = None
@@ -280,6 +284,7 @@ def check_min_cosine(acc: Any, min_cosine: float) -> None:
     )
 
 
+@returns_memory
 def quantize(
     model: nn.Module,
     calib_data: Any = None,
@@ -301,6 +306,7 @@ def quantize(
     smooth_alpha: float | None = None,
     cost_policy: str | Callable[[Any], Any] | None = None,
     fallback_precision: str = "fp32",
+    keep_intermediates: bool = False,
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -346,6 +352,11 @@ def quantize(
             (:class:`~gml.quant.transformer.AttentionInBf16`; the engine's fused bf16 attention), the
             residual stream and LayerNorm fp32. A CPU without native bf16 gets a ``RuntimeWarning``
             and fp32. ``result.precisions`` lists every op's precision and why.
+        keep_intermediates: keep the fp32 graph INT8 was made from as ``result.reference`` (a full
+            fp32 copy of the weights; for debugging, e.g. ``accuracy_report(result.reference, ...)``).
+            By default the result holds only what runs it: the lowered module, the engine and the
+            reports; the caller's model, the torch.ao graphs, the calibration batches and the pass
+            snapshots are released when the call returns (docs/memory.md).
     """
     import time
 
@@ -388,7 +399,7 @@ def quantize(
             model, calib_data, inputs, eval_data=eval_data, eval_labels=eval_labels, per_layer=per_layer,
             strict=strict, min_cosine=min_cosine, leaf_modules=leaf_modules, min_sqnr_db=min_sqnr_db,
             smooth_alpha=smooth_alpha, token_range=token_range, reason=why, runtime=runtime,
-            cost_policy=cost_policy, fallback=fallback,
+            cost_policy=cost_policy, fallback=fallback, keep_intermediates=keep_intermediates,
         )  # fmt: skip
     seconds: dict[str, float] = {}
 
@@ -444,7 +455,7 @@ def quantize(
         return _gml_fp32_instead(
             model, gml_fp32(), ref, cost, seconds, why, refusal, fallback,
             eval_data=eval_data, eval_labels=eval_labels, inputs=inputs, token_range=token_range,
-            min_cosine=min_cosine,
+            min_cosine=min_cosine, keep_intermediates=keep_intermediates,
         )  # fmt: skip
     # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
     coverage = coverage_of(result.graph_module)
@@ -465,7 +476,7 @@ def quantize(
         ref.report,
         coverage,
         acc,
-        ref.graph_module,
+        ref.graph_module if keep_intermediates else None,
         seconds,
         engine,
         runtime_report,
@@ -496,6 +507,7 @@ def _gml_fp32_instead(
     token_range: tuple[int, int] | None,
     min_cosine: float | None,
     scheme: str = "static",
+    keep_intermediates: bool = False,
 ) -> QuantizeResult:
     """The :class:`QuantizeResult` of a model INT8 could not speed up: ``gml.optimize``'s model
     (``opt``: its module, engine, pass report and runtime report), with a coverage and a precision
@@ -516,8 +528,9 @@ def _gml_fp32_instead(
         model, opt.module, ref.float_module, seconds, eval_data=eval_data, eval_labels=eval_labels,
         inputs=inputs, token_range=token_range, per_layer=False, min_cosine=min_cosine,
     )  # fmt: skip
+    reference = ref.graph_module if keep_intermediates else None
     return QuantizeResult(
-        opt.module, opt.report, ref.report, coverage, acc, ref.graph_module, seconds, opt.engine, opt.runtime,
+        opt.module, opt.report, ref.report, coverage, acc, reference, seconds, opt.engine, opt.runtime,
         scheme=scheme, scheme_reason=scheme_reason, precisions=table, cost=cost, precision=fallback,
         fallback_precision=fallback,
     )  # fmt: skip
@@ -593,6 +606,7 @@ def _quantize_transformer(
     runtime: str = "engine",
     cost_policy: Any = "measure",
     fallback: str = "fp32",
+    keep_intermediates: bool = False,
 ) -> QuantizeResult:
     """:func:`quantize` with the transformer scheme, returned in the same result type: ``coverage``
     lists every GEMM (INT8 or fp32 and why) and what stays fp32 (attention, LayerNorm, softmax,
@@ -651,11 +665,17 @@ def _quantize_transformer(
                 "gml.optimize's model is returned"
             )
             ref = SimpleNamespace(report=res, graph_module=res.fp32_module, float_module=res.fp32_module)
+            if not keep_intermediates:
+                res.fp32_module = None
             return _gml_fp32_instead(
                 model, opt, ref, cost, seconds, reason, None, "fp32", eval_data=eval_data, eval_labels=eval_labels,
                 inputs=inputs, token_range=token_range, min_cosine=min_cosine, scheme="transformer",
+                keep_intermediates=keep_intermediates,
             )  # fmt: skip
+    reference = res.fp32_module
+    if not keep_intermediates:
+        res.fp32_module = reference = None
     return QuantizeResult(
-        res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",
+        res.module, res.report, res, coverage, acc, reference, seconds, engine, runtime_report, "transformer",
         reason, res.precisions, cost=cost, fallback_precision=fallback,
     )  # fmt: skip

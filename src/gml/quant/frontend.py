@@ -77,11 +77,28 @@ silence_qtensor_notice()
 
 @contextlib.contextmanager
 def quiet_torch_ao() -> Iterator[None]:
-    """Hide torch.ao.quantization's deprecation notice (and nothing else) while we call it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_DEPRECATION.pattern, category=DeprecationWarning)
-        warnings.filterwarnings("ignore", message=_DEPRECATION.pattern, category=FutureWarning)
-        yield
+    """Hide torch.ao.quantization's deprecation notice (and nothing else) while we call it, and
+    make it forget the modules it saw when the call returns.
+
+    torch.ao's ``fx.utils.assert_and_get_unique_device`` is memoized with an unbounded
+    ``functools.cache`` keyed by the module, so every graph ``prepare_fx`` / ``convert_to_reference_fx``
+    looked at (the prepared graph, with a full fp32 copy of the weights and its observers) stayed
+    alive for the life of the process: 45 MB per ``gml.quantize`` of ResNet18 (issue #28)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DEPRECATION.pattern, category=DeprecationWarning)
+            warnings.filterwarnings("ignore", message=_DEPRECATION.pattern, category=FutureWarning)
+            yield
+    finally:
+        _forget_torch_ao_modules()
+
+
+def _forget_torch_ao_modules() -> None:
+    from torch.ao.quantization.fx import utils
+
+    cached = getattr(utils, "assert_and_get_unique_device", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
 
 
 # ---------------------------------------------------------------- report
@@ -318,7 +335,7 @@ def float_twin(prepared: fx.GraphModule) -> fx.GraphModule:
     twin.delete_all_unused_submodules()
     twin.graph.lint()
     twin.recompile()
-    return twin
+    return drop_torch_ao_meta(twin)
 
 
 def convert_reference(prepared: fx.GraphModule, *, backend: str = "onednn") -> fx.GraphModule:
@@ -326,7 +343,21 @@ def convert_reference(prepared: fx.GraphModule, *, backend: str = "onednn") -> f
     from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
     with quiet_torch_ao():
-        return convert_to_reference_fx(prepared, backend_config=get_backend_config(backend))
+        return drop_torch_ao_meta(convert_to_reference_fx(prepared, backend_config=get_backend_config(backend)))
+
+
+def drop_torch_ao_meta(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` without the metadata torch.ao's ``prepare_fx`` leaves on it (``gm`` itself, changed).
+
+    ``node.meta["target_dtype_info"]`` holds observer constructors whose closures hold the module
+    they were made for, and ``gm.meta["_observed_graph_module_attrs"]`` the qconfigs: node metadata
+    is copied along with every rewritten node, so the INT8 graph lowered from the reference graph
+    kept the prepared model's fp32 modules alive (a full fp32 copy of the weights, issue #28).
+    Nothing after ``convert`` reads either."""
+    for node in gm.graph.nodes:
+        node.meta.pop("target_dtype_info", None)
+    gm.meta.pop("_observed_graph_module_attrs", None)
+    return gm
 
 
 # ---------------------------------------------------------------- graph helpers

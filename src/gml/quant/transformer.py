@@ -434,7 +434,8 @@ class TransformerQuantResult:
     """The INT8 transformer, the per-pass report, and every GEMM/LayerNorm/softmax/attention with its precision.
 
     ``fp32_module``: the graph right before the GEMMs were quantized (same node names: the per-layer
-    accuracy report pairs nodes by name); ``calibration``: what the SQNR was measured on.
+    accuracy report pairs nodes by name; ``gml.quantize`` drops it before returning unless
+    ``keep_intermediates=True``); ``calibration``: what the SQNR was measured on.
     """
 
     module: fx.GraphModule

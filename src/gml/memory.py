@@ -1,0 +1,74 @@
+"""What an optimized model keeps in memory, and handing the rest back (issue #28, docs/memory.md).
+
+* :func:`module_tensors`: every tensor a module's submodules hold, each once (what a rollback
+  snapshot shares, what :func:`gml.kernels.packs.drop_packed` looks up).
+* :func:`trim_malloc`: collect garbage and ask glibc to return freed heap pages to the system
+  (``malloc_trim(0)``). A build frees several times what it keeps (snapshots, reference graphs,
+  calibration, the Python executor's packed weights while the engine is checked); glibc keeps most
+  of it resident, because its mmap threshold rises as large blocks are freed and later large
+  blocks then come from the heap, whose free pages it does not return on its own. Measured on
+  ResNet18 ``gml.optimize``: 500 MB kept without it, 185 MB with it. No-op on other C libraries.
+* :func:`returns_memory`: the decorator ``gml.optimize`` / ``gml.quantize`` / ``gml.load`` wear: they
+  trim when they return (or raise).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import gc
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Every tensor ``module``'s submodules hold: parameters, buffers and plain tensor attributes
+    (a lowered graph's ``get_attr`` constants), each object once."""
+    seen: dict[int, torch.Tensor] = {}
+    for mod in module.modules():
+        for t in (*mod._parameters.values(), *mod._buffers.values(), *vars(mod).values()):
+            if isinstance(t, torch.Tensor):
+                seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None (another C library, or no libc found)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def trim_malloc() -> bool:
+    """Collect garbage (fx graphs are reference cycles) and hand freed heap pages back to the
+    system; False where the C library has no ``malloc_trim``."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def returns_memory(fn: F) -> F:
+    """``fn``, trimming the heap (:func:`trim_malloc`) when it returns or raises."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            trim_malloc()
+
+    return wrapper  # type: ignore[return-value]
