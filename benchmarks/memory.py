@@ -5,9 +5,13 @@ Runtime building the same model.
     python benchmarks/memory.py [--models resnet18,resnet50,bert] [--profile] [--no-peers] [--md FILE]
 
 Every measurement runs in a fresh subprocess (``--child``): the model and its example input are
-built, imports done, garbage collected and freed heap handed back (``malloc_trim``), then the RSS
-is read and the kernel's high-water mark reset; the call runs (and the result is called once);
-garbage is collected and the RSS read again with the result alive.
+built and imports done; unless ``--no-warmup``, the same call then runs once on a small model of the
+same family (so the shared libraries it maps, JIT code and one-time caches, which a second model in
+the process does not pay again, are in the baseline; that warm-up's own cost is reported as
+"warm-up model kept"); garbage is collected and freed heap handed back (``malloc_trim``), the RSS
+read and the kernel's high-water mark reset; the call runs (and the result is called once);
+garbage is collected and the RSS read again with the result alive. ``gml.load`` is measured
+without a warm-up (a fresh process loading one file; its target allows 50 MB for that).
 
 * ``kept``: RSS after minus RSS before (what the result costs while it lives);
 * ``peak``: the high-water mark during the call minus the RSS before;
@@ -45,6 +49,27 @@ def _model(spec: str) -> tuple[Any, tuple]:
 
     model, shapes, templates = load_with_defaults(spec)
     return model.eval(), example_inputs(shapes, like=templates)
+
+
+def _tiny(spec: str) -> tuple[Any, tuple]:
+    """A small model of the same family (the warm-up: one-time library costs into the baseline)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if spec.startswith("hf:"):
+        import transformers
+
+        config = transformers.BertConfig(
+            vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+        )
+        ids = torch.randint(1, 128, (1, 16))
+        return transformers.BertModel(config).eval(), (ids, torch.ones_like(ids))
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )  # fmt: skip
+    return model.eval(), (torch.randn(1, 3, 32, 32),)
 
 
 _STAGES = [
@@ -118,13 +143,31 @@ def _breakdown(res: Any, model: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def child(spec: str, action: str, file: str | None, profile: bool, threads: int) -> dict[str, Any]:
+def _act(action: str, model: Any, x: tuple, file: str | None, peer: Any, n_calib: int) -> tuple[Any, Any]:
+    """``(result, callable)`` of one action."""
+    import gml
+
+    if action == "optimize":
+        res = gml.optimize(model, x)
+        return res, res.executable
+    if action in ("quantize", "save"):
+        res = gml.quantize(model, n_calib, example_inputs=x)
+        if action == "save":
+            res.save(file)
+        return res, res.executable
+    if action == "load":
+        res = gml.load(file)
+        return res, res
+    return peer(model, x)
+
+
+def child(spec: str, action: str, file: str | None, profile: bool, threads: int, warmup: bool) -> dict[str, Any]:
     import gc
 
     import torch
 
     torch.set_num_threads(threads)
-    import gml
+    import gml  # noqa: F401  (its import belongs to the baseline)
     from gml.bench.memory import (
         StageTrace,
         current_rss_mb,
@@ -144,28 +187,28 @@ def child(spec: str, action: str, file: str | None, profile: bool, threads: int)
         _wrap_stages(trace)
     peer = None
     if action.startswith("peer:"):
-        peer = _peer_context(action[5:], model, x, calib_batches, threads)
+        peer = _peer_context(action[5:], calib_batches, threads)
     if action == "load":
         out["file_mb"] = os.path.getsize(file) / _MB
     with torch.no_grad():
         model(*x)  # the eager model's first-call state (allocator, oneDNN) belongs to the baseline
+    if warmup and action != "load":
+        # the same call on a small model first: shared libraries mapped, JIT code, Python imports
+        # and one-time caches are then in the baseline and "kept" is this model's own
+        trim_malloc()
+        start = current_rss_mb()
+        with torch.no_grad():
+            tiny, tx = _tiny(spec)
+            _, trun = _act(action, tiny, tx, None, peer, 2)
+            trun(*tx)
+        trim_malloc()
+        out["warmup_kept_mb"] = current_rss_mb() - start
+        trace.records.clear()
     trim_malloc()
     before = current_rss_mb()
     reset_peak_rss()
     with torch.no_grad():
-        if action == "optimize":
-            res = gml.optimize(model, x)
-            run = res.executable
-        elif action in ("quantize", "save"):
-            res = gml.quantize(model, calib_batches, example_inputs=x)
-            run = res.executable
-            if action == "save":
-                res.save(file)
-        elif action == "load":
-            res = run = gml.load(file)
-        else:
-            assert peer is not None
-            res, run = peer()
+        res, run = _act(action, model, x, file, peer, calib_batches)
         run(*x)
     peak = peak_rss_mb()
     gc.collect()
@@ -180,8 +223,8 @@ def child(spec: str, action: str, file: str | None, profile: bool, threads: int)
     return out
 
 
-def _peer_context(name: str, model: Any, x: tuple, n_calib: int, threads: int) -> Any:
-    """``build() -> (keepalive, callable)`` for a peer variant of gml bench (gml.bench.variants)."""
+def _peer_context(name: str, n_calib: int, threads: int) -> Any:
+    """``build(model, x) -> (keepalive, callable)`` for a peer variant of gml bench (gml.bench.variants)."""
     import importlib
 
     from gml.bench.variants import VARIANTS, BuildContext, VariantSkipped
@@ -194,10 +237,10 @@ def _peer_context(name: str, model: Any, x: tuple, n_calib: int, threads: int) -
         raise VariantSkipped(f"{spec.group} not installed") from e
     if name == "ov-int8":
         import nncf  # noqa: F401
-    calib = [tuple(b) for b in generate_batches(x, n_calib, seed=0)]
     workdir = Path(tempfile.mkdtemp(prefix="gml-mem-"))
 
-    def build() -> tuple[Any, Any]:
+    def build(model: Any, x: tuple) -> tuple[Any, Any]:
+        calib = [tuple(b) for b in generate_batches(x, n_calib, seed=0)]
         ctx = BuildContext(model, x, calib, threads, workdir)
         built = spec.build(ctx)
         ctx.cache.clear()  # steps shared with other variants (an export) are not this one's
@@ -208,7 +251,7 @@ def _peer_context(name: str, model: Any, x: tuple, n_calib: int, threads: int) -
 
 def _child_main(args: argparse.Namespace) -> None:
     try:
-        res = child(args.child, args.action, args.file, args.profile, args.threads)
+        res = child(args.child, args.action, args.file, args.profile, args.threads, not args.no_warmup)
     except Exception as e:  # a skipped peer: one line the table shows
         res = {"model": args.child, "action": args.action, "skipped": f"{type(e).__name__}: {e}"}
     print("@@RESULT " + json.dumps(res))
@@ -221,6 +264,8 @@ def _run_child(model: str, action: str, args: argparse.Namespace, file: str | No
         cmd += ["--file", file]
     if args.profile and not action.startswith("peer:"):
         cmd.append("--profile")
+    if args.no_warmup:
+        cmd.append("--no-warmup")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
@@ -244,16 +289,17 @@ def _targets(r: dict[str, Any]) -> str:
 
 
 def _md(results: list[dict[str, Any]], header: str) -> str:
-    lines = [header, "", "| model | what | fp32 weights MB | kept MB | peak MB | tensors held MB | target |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    cols = ["model", "what", "fp32 weights MB", "kept MB", "peak MB", "tensors held MB", "warm-up model kept MB"]
+    lines = [header, "", "| " + " | ".join([*cols, "target"]) + " |", "|---" * (len(cols) + 1) + "|"]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | {r['action']} | | | | | skipped: {r['skipped'][:80]} |")
+            lines.append(f"| {r['model']} | {r['action']} | | | | | | skipped: {r['skipped'][:80]} |")
             continue
         peak = f"{r['peak_mb']:.0f}" if r.get("peak_mb") is not None else "-"
+        warm = f"{r['warmup_kept_mb']:.0f}" if r.get("warmup_kept_mb") is not None else "-"
         lines.append(
             f"| {r['model']} | {r['action']} | {r['weights_mb']:.1f} | {r['kept_mb']:.0f} | {peak} | "
-            f"{r['tensors_mb']:.1f} | {_targets(r)} |"
+            f"{r['tensors_mb']:.1f} | {warm} | {_targets(r)} |"
         )
     for r in results:
         if r.get("stages"):
@@ -280,6 +326,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="per-stage RSS and what each result field holds")
     ap.add_argument("--no-peers", action="store_true", help="skip OpenVINO / ONNX Runtime")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-warmup", action="store_true", help="measure the first model of the process (no warm-up)")
     ap.add_argument("--md", help="write the markdown table here too")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--child", help=argparse.SUPPRESS)

@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 
 from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
-from gml.memory import returns_memory
+from gml.memory import returns_memory, shared_copy
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, PipelineReport, compare_outputs, run_outputs
 from gml.quant.transformer import DEFAULT_MIN_SQNR_DB as _DEFAULT_MIN_SQNR_DB
@@ -406,9 +406,9 @@ def quantize(
     t0 = time.perf_counter()
     # The frontend traces, runs and calibrates the model: on a copy, so buffers that forward()
     # updates (a running max) stay as the caller left them.
-    traced = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules) if leaf_modules else copy.deepcopy(model)
+    # (a temporary, not a local: prepare_reference frees it once its fp32 passes are done, #28)
     ref = prepare_reference(
-        traced,
+        capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules) if leaf_modules else copy.deepcopy(model),
         inputs,
         calib_data,
         observer=observer,
@@ -424,7 +424,8 @@ def quantize(
     samples = [inputs]
     t0 = time.perf_counter()
     passes = lowering_passes(backend, fallback=fallback)
-    result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
+    # the lowering rewrites a copy of the reference graph sharing its weights (it replaces tensors)
+    result = PassManager(passes, strict=strict).run(shared_copy(ref.graph_module), samples)
     seconds["lower + fuse + clean up"] = time.perf_counter() - t0
     # INT8 regions slower than their fp32 ops stay fp32 (lowered again); picks the runtime too. The
     # whole-model guard compares with gml.optimize's model (built once, only if the guard runs).

@@ -2,6 +2,9 @@
 
 * :func:`module_tensors`: every tensor a module's submodules hold, each once (what a rollback
   snapshot shares, what :func:`gml.kernels.packs.drop_packed` looks up).
+* :func:`shared_copy`: a deep copy of a module's graph and submodules that shares its tensors, for
+  a copy whose rewrites replace tensors and never write them (``passes/INVARIANTS.md`` 11): rollback
+  snapshots, torch.ao's float twin, the graph the INT8 lowering rewrites.
 * :func:`trim_malloc`: collect garbage and ask glibc to return freed heap pages to the system
   (``malloc_trim(0)``). A build frees several times what it keeps (snapshots, reference graphs,
   calibration, the Python executor's packed weights while the engine is checked); glibc keeps most
@@ -14,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import functools
@@ -25,6 +29,7 @@ import torch
 from torch import nn
 
 F = TypeVar("F", bound=Callable[..., Any])
+M = TypeVar("M", bound=nn.Module)
 
 
 def module_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -36,6 +41,14 @@ def module_tensors(module: nn.Module) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor):
                 seen.setdefault(id(t), t)
     return list(seen.values())
+
+
+def shared_copy(module: M) -> M:
+    """``copy.deepcopy(module)`` except its tensors (parameters, buffers, tensor attributes), which
+    the copy shares: a new graph and new submodules over the same weights. Neither side may then
+    write a tensor in place; replacing one (a new ``Parameter``) is what rewrites do."""
+    memo: dict[int, Any] = {id(t): t for t in module_tensors(module)}
+    return copy.deepcopy(module, memo)
 
 
 @functools.cache

@@ -34,7 +34,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._pytree import tree_flatten
 
 from gml.errors import GMLError, PassFailure
-from gml.memory import module_tensors
+from gml.memory import module_tensors, shared_copy
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 
 
@@ -233,10 +233,8 @@ class Snapshot:
     a full copy (a pass that declares ``writes_tensors``)."""
 
     def __init__(self, gm: fx.GraphModule, *, share: bool = True) -> None:
-        tensors = module_tensors(gm) if share else []
-        memo: dict[int, Any] = {id(t): t for t in tensors}
-        self.module: fx.GraphModule = copy.deepcopy(gm, memo)
-        self._stamps = [(t, t._version, _data_ptr(t)) for t in tensors]
+        self.module: fx.GraphModule = shared_copy(gm) if share else copy.deepcopy(gm)
+        self._stamps = [(t, t._version, _data_ptr(t)) for t in (module_tensors(gm) if share else [])]
 
     def written(self) -> int:
         """How many shared tensors were written in place (or given new data) since the snapshot."""

@@ -45,6 +45,7 @@ from gml.capture import MUTATES
 from gml.errors import InputError, UnsupportedError
 from gml.ir.layers import behaves_as
 from gml.ir.qdq import is_dequantize, is_quantize_any
+from gml.memory import shared_copy
 from gml.passes.manager import PassManager, PipelineReport
 from gml.quant.backend_config import (
     NORMALIZED_MODULES,
@@ -233,7 +234,8 @@ def prepare(
     backend: str = "onednn",
     percentile: float = 99.99,
 ) -> fx.GraphModule:
-    """Fuse with the GML BackendConfig and insert observers (``gm`` is not modified).
+    """Fuse with the GML BackendConfig and insert observers (``gm`` is not modified: torch.ao works
+    on a copy of its graph and submodules that shares its weights, :func:`gml.memory.shared_copy`).
 
     Every ``call_module`` of ``gm`` stays a leaf: torch.ao re-traces the module and would
     otherwise inline modules outside ``torch.nn`` (the normalized ``gml.nn.Add``, user leaves).
@@ -241,7 +243,7 @@ def prepare(
     from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
     from torch.ao.quantization.quantize_fx import prepare_fx
 
-    gm = copy.deepcopy(gm)
+    gm = shared_copy(gm)
     _check_outputs_are_tensors(gm)
     leaves = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_module"})
     custom = (
@@ -325,8 +327,10 @@ def _is_observer(mod: nn.Module | None) -> bool:
 
 def float_twin(prepared: fx.GraphModule) -> fx.GraphModule:
     """The prepared model without observers: fp32, same fused modules and node names as the
-    reference graph that :func:`convert_reference` makes from it."""
-    twin = copy.deepcopy(prepared)
+    reference graph that :func:`convert_reference` makes from it. It shares the weights with
+    ``prepared`` (:func:`gml.memory.shared_copy`): torch.ao's reference modules take the float
+    weights as they are, nothing writes them, and a copy cost a full fp32 copy of the model."""
+    twin = shared_copy(prepared)
     modules = dict(twin.named_modules(remove_duplicate=False))
     for node in list(twin.graph.nodes):
         if node.op == "call_module" and _is_observer(modules.get(str(node.target))):
@@ -504,9 +508,11 @@ def prepare_reference(
         example_inputs = (example_inputs,)
     silence_qtensor_notice()
     gm, fp32_report = run_fp32_passes(model, example_inputs)
+    del model  # the caller's copy: its weights the fp32 passes replaced (BN folded) die here (#28)
     prepared = prepare(
         gm, example_inputs, observer=observer, per_channel=per_channel, backend=backend, percentile=percentile
     )
+    del gm
     data, source = _calibration_source(calib_data, example_inputs, seed, token_range)
     stats = calibrate(prepared, data, progress, max_batches=max_batches, source=source)
     twin = float_twin(prepared)
