@@ -537,6 +537,7 @@ def _gml_fp32_instead(
     )  # fmt: skip
 
 
+@returns_memory
 def _accuracy(
     model: nn.Module,
     returned: nn.Module,
