@@ -192,7 +192,7 @@ def child(spec: str, action: str, file: str | None, profile: bool, threads: int,
         out["file_mb"] = os.path.getsize(file) / _MB
     with torch.no_grad():
         model(*x)  # the eager model's first-call state (allocator, oneDNN) belongs to the baseline
-    if warmup and action != "load":
+    if warmup and action not in ("load", "save"):  # save: the setup of a load, not measured
         # the same call on a small model first: shared libraries mapped, JIT code, Python imports
         # and one-time caches are then in the baseline and "kept" is this model's own
         trim_malloc()
