@@ -259,7 +259,9 @@ def run_one(
     except Exception as e:  # the row says what failed
         row["optimize_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     try:
-        q = gml.quantize(model, calib, example_inputs=(x,), per_layer=False, cost_policy=cost_policy)
+        q = gml.quantize(
+            model, calib, example_inputs=(x,), per_layer=False, cost_policy=cost_policy, keep_intermediates=True
+        )
         # what the returned graph computes (its torch.ops.gml calls) vs what its report says
         in_graph = Counter(library.gml_op_name(n) for n in q.module.graph.nodes if library.gml_op_name(n))
         reported = Counter(e.result for e in q.coverage.lowered)

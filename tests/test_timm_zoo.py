@@ -61,7 +61,7 @@ def test_timm_model_folds_every_bn_and_quantizes_as_reported():
     opt = gml.optimize(model, (X,), n_check_inputs=1)
     assert _bn_left(opt.module) == 0
     assert opt.rel_err < 1e-4
-    q = gml.quantize(model, 2, example_inputs=(X,), per_layer=False, cost_policy="off")
+    q = gml.quantize(model, 2, example_inputs=(X,), per_layer=False, cost_policy="off", keep_intermediates=True)
     assert not q.report.rolled_back
     in_graph = Counter(library.gml_op_name(n) or getattr(n.target, "__name__", "") for n in q.module.graph.nodes)
     reported = Counter(e.result for e in q.coverage.lowered)

@@ -16,6 +16,7 @@ from torch import fx, nn
 
 from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
 from gml.inference import refuse_autograd, refuse_nonfinite
+from gml.memory import returns_memory, shared_copy
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, PipelineReport, compare_outputs, run_outputs
 from gml.quant.transformer import DEFAULT_MIN_SQNR_DB as _DEFAULT_MIN_SQNR_DB
@@ -90,6 +91,7 @@ def _as_tuple(example_inputs: Any) -> tuple:
     return tuple(example_inputs) if isinstance(example_inputs, list | tuple) else (example_inputs,)
 
 
+@returns_memory
 def optimize(
     model: nn.Module,
     example_inputs: Any,
@@ -209,13 +211,15 @@ class QuantizeResult:
     ``frontend``: the fp32 passes, fusions, which ops are INT8 and which stay fp32, calibration;
     ``coverage``: which nodes became which GML INT8 module, which stayed fp32 and why;
     ``accuracy``: output cosine / max diff / top-1 agreement and per-layer SQNR vs fp32;
-    ``reference``: torch.ao's reference Q/DQ graph the lowering started from;
+    ``reference``: torch.ao's reference Q/DQ graph the lowering started from (``keep_intermediates=True``;
+    else None: it holds a full fp32 copy of the weights, issue #28);
     ``seconds``: wall time of each stage.
 
     With the transformer scheme (``scheme == "transformer"``): ``frontend`` is the
     :class:`~gml.quant.transformer.TransformerQuantResult` (its ``table()`` / ``summary()``), ``coverage``
-    lists every GEMM as INT8 or fp32 (with why) and what stays fp32, ``reference`` is the fp32 graph
-    the GEMMs were quantized from; ``engine`` runs its ``gml.dynamic_linear`` GEMMs natively (ADR 008).
+    lists every GEMM as INT8 or fp32 (with why) and what stays fp32, ``reference`` (and
+    ``frontend.fp32_module``) the fp32 graph the GEMMs were quantized from (``keep_intermediates=True``;
+    else None); ``engine`` runs its ``gml.dynamic_linear`` GEMMs natively (ADR 008).
     """
 
     module: fx.GraphModule
@@ -223,7 +227,7 @@ class QuantizeResult:
     frontend: Any
     coverage: Any
     accuracy: Any
-    reference: fx.GraphModule
+    reference: fx.GraphModule | None
     seconds: dict[str, float]
     #: the native engine running ``module``'s graph (gml.runtime), or None where torch runs it
     engine: Any = None
@@ -281,6 +285,7 @@ def check_min_cosine(acc: Any, min_cosine: float) -> None:
     )
 
 
+@returns_memory
 def quantize(
     model: nn.Module,
     calib_data: Any = None,
@@ -303,6 +308,7 @@ def quantize(
     cost_policy: str | Callable[[Any], Any] | None = None,
     fallback_precision: str = "fp32",
     max_accuracy_drop: float | None = None,
+    keep_intermediates: bool = False,
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -354,6 +360,11 @@ def quantize(
             (:class:`~gml.quant.transformer.AttentionInBf16`; the engine's fused bf16 attention), the
             residual stream and LayerNorm fp32. A CPU without native bf16 gets a ``RuntimeWarning``
             and fp32. ``result.precisions`` lists every op's precision and why.
+        keep_intermediates: keep the fp32 graph INT8 was made from as ``result.reference`` (a full
+            fp32 copy of the weights; for debugging, e.g. ``accuracy_report(result.reference, ...)``).
+            By default the result holds only what runs it: the lowered module, the engine and the
+            reports; the caller's model, the torch.ao graphs, the calibration batches and the pass
+            snapshots are released when the call returns (docs/memory.md).
     """
     import time
 
@@ -405,15 +416,16 @@ def quantize(
             strict=strict, min_cosine=min_cosine, leaf_modules=leaf_modules, min_sqnr_db=min_sqnr_db,
             smooth_alpha=smooth_alpha, token_range=token_range, reason=why, runtime=runtime,
             cost_policy=cost_policy, fallback=fallback, max_accuracy_drop=max_accuracy_drop,
+            keep_intermediates=keep_intermediates,
         )  # fmt: skip
     seconds: dict[str, float] = {}
 
     t0 = time.perf_counter()
     # The frontend traces, runs and calibrates the model: on a copy, so buffers that forward()
     # updates (a running max) stay as the caller left them.
-    traced = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules) if leaf_modules else copy.deepcopy(model)
+    # (a temporary, not a local: prepare_reference frees it once its fp32 passes are done, #28)
     ref = prepare_reference(
-        traced,
+        capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules) if leaf_modules else copy.deepcopy(model),
         inputs,
         calib_data,
         observer=observer,
@@ -429,7 +441,8 @@ def quantize(
     samples = [inputs]
     t0 = time.perf_counter()
     passes = lowering_passes(backend, fallback=fallback)
-    result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
+    # the lowering rewrites a copy of the reference graph sharing its weights (it replaces tensors)
+    result = PassManager(passes, strict=strict).run(shared_copy(ref.graph_module), samples)
     seconds["lower + fuse + clean up"] = time.perf_counter() - t0
     # INT8 regions slower than their fp32 ops stay fp32 (lowered again); picks the runtime too. The
     # whole-model guard compares with gml.optimize's model (built once, only if the guard runs).
@@ -461,6 +474,7 @@ def quantize(
             model, gml_fp32(), ref, cost, seconds, why, refusal, fallback,
             eval_data=eval_data, eval_labels=eval_labels, inputs=inputs, token_range=token_range,
             min_cosine=min_cosine, max_accuracy_drop=max_accuracy_drop,
+            keep_intermediates=keep_intermediates,
         )  # fmt: skip
     # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
     coverage = coverage_of(result.graph_module)
@@ -485,7 +499,7 @@ def quantize(
         ref.report,
         coverage,
         acc,
-        ref.graph_module,
+        ref.graph_module if keep_intermediates else None,
         seconds,
         engine,
         runtime_report,
@@ -517,6 +531,7 @@ def _gml_fp32_instead(
     min_cosine: float | None,
     scheme: str = "static",
     max_accuracy_drop: float | None = None,
+    keep_intermediates: bool = False,
 ) -> QuantizeResult:
     """The :class:`QuantizeResult` of a model INT8 could not speed up: ``gml.optimize``'s model
     (``opt``: its module, engine, pass report and runtime report), with a coverage and a precision
@@ -538,13 +553,15 @@ def _gml_fp32_instead(
         inputs=inputs, token_range=token_range, per_layer=False, min_cosine=min_cosine,
         max_accuracy_drop=max_accuracy_drop,
     )  # fmt: skip
+    reference = ref.graph_module if keep_intermediates else None
     return QuantizeResult(
-        opt.module, opt.report, ref.report, coverage, acc, ref.graph_module, seconds, opt.engine, opt.runtime,
+        opt.module, opt.report, ref.report, coverage, acc, reference, seconds, opt.engine, opt.runtime,
         scheme=scheme, scheme_reason=scheme_reason, precisions=table, cost=cost, precision=fallback,
         fallback_precision=fallback,
     )  # fmt: skip
 
 
+@returns_memory
 def _accuracy(
     model: nn.Module,
     returned: nn.Module,
@@ -662,6 +679,7 @@ def _quantize_transformer(
     cost_policy: Any = "measure",
     fallback: str = "fp32",
     max_accuracy_drop: float | None = None,
+    keep_intermediates: bool = False,
 ) -> QuantizeResult:
     """:func:`quantize` with the transformer scheme, returned in the same result type: ``coverage``
     lists every GEMM (INT8 or fp32 and why) and what stays fp32 (attention, LayerNorm, softmax,
@@ -722,14 +740,20 @@ def _quantize_transformer(
                 "gml.optimize's model is returned"
             )
             ref = SimpleNamespace(report=res, graph_module=res.fp32_module, float_module=res.fp32_module)
+            if not keep_intermediates:
+                res.fp32_module = None
             return _gml_fp32_instead(
                 model, opt, ref, cost, seconds, reason, None, "fp32", eval_data=eval_data, eval_labels=eval_labels,
                 inputs=inputs, token_range=token_range, min_cosine=min_cosine, scheme="transformer",
                 max_accuracy_drop=max_accuracy_drop,
+                keep_intermediates=keep_intermediates,
             )  # fmt: skip
     if engine is not None:
         refuse_nonfinite(engine)
+    reference = res.fp32_module
+    if not keep_intermediates:
+        res.fp32_module = reference = None
     return QuantizeResult(
-        res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",
+        res.module, res.report, res, coverage, acc, reference, seconds, engine, runtime_report, "transformer",
         reason, res.precisions, cost=cost, fallback_precision=fallback,
     )  # fmt: skip

@@ -49,6 +49,7 @@ from gml.ir.library import SCHEMAS as INT8_SCHEMAS
 from gml.ir.library import gml_op_name, schema_args
 from gml.kernels import fp32 as k32
 from gml.kernels.int8_ops import register as register_int8_ops
+from gml.memory import returns_memory
 from gml.passes.utils import replace_module
 
 # v2: sealed (every member's SHA-256 in the manifest, gml.archive) and no pickled sample inputs.
@@ -422,6 +423,7 @@ def _set_inplace_residuals(gm: fx.GraphModule) -> None:
             mod.inplace = True
 
 
+@returns_memory
 def load(
     path: str | Path,
     *,

@@ -131,7 +131,7 @@ def test_keep_fp32_rewrites_the_reference_graph_golden():
 
 def test_quantize_keeps_the_slower_region_fp32_and_says_why():
     model = _model()
-    q = gml.quantize(model, 2, example_inputs=(X,), cost_policy=_slow({"c2"}), per_layer=False)
+    q = gml.quantize(model, 2, example_inputs=(X,), cost_policy=_slow({"c2"}), per_layer=False, keep_intermediates=True)
     assert _ops(q.module)["qconv"] == 2  # c1 and c3; c2 is fp32 on GML's fused kernel (gml.optimize's)
     nodes = {n.name: n for n in q.module.graph.nodes}
     assert type(q.module.get_submodule(str(nodes["c2"].target))) is FusedConv

@@ -95,7 +95,7 @@ def test_a_kept_region_runs_gml_fused_fp32_kernels_on_the_engine(monkeypatch):
     """c1 (conv+relu) and the residual conv+add+relu kept fp32 by the cost policy: they run
     FusedConv[relu] / FusedConvAdd[relu] (gml.optimize's kernels), not torch.ao's containers."""
     _guard(monkeypatch, 1.0, 2.0)
-    q = _quantize(cost_policy=_slow({"c1", "c2"}))
+    q = _quantize(cost_policy=_slow({"c1", "c2"}), keep_intermediates=True)
     types = _types(q.module)
     assert types["c1"] is FusedConv and _mod(q.module, "c1").post_op.attr == "relu"
     fused_add = [n for n, t in types.items() if t is FusedConvAdd]

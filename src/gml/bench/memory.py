@@ -16,6 +16,20 @@ Allocators keep freed pages, so a later variant can reuse memory an earlier one 
 look cheaper; the numbers rank variants roughly, they are not exact per-variant allocations.
 Without ``clear_refs`` (not Linux) only the retained delta is reported.
 
+**Stages.** :class:`StageTrace` records the same figures for nested stages of one call (capture,
+passes, calibration, engine compile, ...): entering or leaving a stage folds the high-water mark
+into every open stage before resetting it, so an outer stage's peak includes its inner ones'.
+``benchmarks/memory.py`` wraps gml's stage functions with it (docs/memory.md).
+
+**Tensor bytes.** :func:`reachable_storages` walks the Python objects reachable from a value (a
+result, a module) and sums the *unique* tensor storages it finds: two tensors sharing a storage
+count once, a second copy of a weight counts twice. Opaque tensors (oneDNN-blocked ``mkldnn``
+tensors, packed-weight script objects) are counted apart; the native engine's plan-owned memory is
+invisible here (RSS sees it).
+
+**Returning memory.** :func:`gml.memory.trim_malloc` (re-exported here) hands freed heap pages
+back to the system; ``benchmarks/memory.py`` calls it before reading a baseline.
+
 **Activation footprint.** From ``node.meta['tensor_meta']`` (filled by
 :class:`torch.fx.passes.shape_prop.ShapeProp`): the bytes of every intermediate tensor the graph
 produces (the traffic a fusion removes) and the peak of the bytes alive at once when each
@@ -28,14 +42,19 @@ from __future__ import annotations
 import gc
 import os
 import re
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import sys
+import types
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
+from gml.memory import trim_malloc  # noqa: F401  (re-exported for the benchmarks)
 from gml.passes.oplib import op_kind
 from gml.passes.utils import modules_of
 
@@ -107,6 +126,143 @@ class RssMeter:
             if peak is not None:
                 self.probe.peak_rss_mb = peak
                 self.probe.build_peak_delta_mb = peak - self.probe.rss_before_mb
+
+
+@dataclass
+class StageRecord:
+    """One stage of a :class:`StageTrace` (MB; ``peak_delta_mb`` is above the RSS at its start)."""
+
+    name: str
+    depth: int
+    rss_before_mb: float
+    rss_after_mb: float = 0.0
+    peak_mb: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def retained_mb(self) -> float:
+        return self.rss_after_mb - self.rss_before_mb
+
+    @property
+    def peak_delta_mb(self) -> float:
+        return self.peak_mb - self.rss_before_mb
+
+
+@dataclass
+class StageTrace:
+    """RSS per nested stage: ``with trace.stage("calibrate"): ...`` (see the module docstring)."""
+
+    records: list[StageRecord] = field(default_factory=list)
+    _open: list[StageRecord] = field(default_factory=list)
+
+    def _fold_peak(self) -> None:
+        peak = peak_rss_mb()
+        if peak is None:
+            peak = current_rss_mb()
+        for r in self._open:
+            r.peak_mb = max(r.peak_mb, peak)
+        reset_peak_rss()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[StageRecord]:
+        import time
+
+        self._fold_peak()
+        rec = StageRecord(name, len(self._open), current_rss_mb())
+        rec.peak_mb = rec.rss_before_mb
+        self.records.append(rec)
+        self._open.append(rec)
+        t0 = time.perf_counter()
+        try:
+            yield rec
+        finally:
+            rec.seconds = time.perf_counter() - t0
+            self._fold_peak()
+            self._open.remove(rec)
+            rec.rss_after_mb = current_rss_mb()
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "stage": "  " * r.depth + r.name,
+                "retained_mb": round(r.retained_mb, 1),
+                "peak_delta_mb": round(r.peak_delta_mb, 1),
+                "rss_after_mb": round(r.rss_after_mb, 1),
+                "seconds": round(r.seconds, 2),
+            }
+            for r in self.records
+        ]
+
+
+@dataclass
+class StorageCount:
+    """Unique tensor storages reachable from some roots (see :func:`reachable_storages`)."""
+
+    #: storage data pointer -> bytes
+    storages: dict[int, int] = field(default_factory=dict)
+    #: id -> bytes of opaque tensors (mkldnn-blocked) whose storage cannot be read
+    opaque: dict[int, int] = field(default_factory=dict)
+    #: packed-weight script objects (torch.ao / oneDNN prepacked params), counted but not sized
+    packed_objects: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values()) + sum(self.opaque.values())
+
+    @property
+    def mb(self) -> float:
+        return self.bytes / _MB
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return s.data_ptr(), s.nbytes()
+
+
+def reachable_storages(*roots: Any, stop: Sequence[Any] = ()) -> StorageCount:
+    """Every unique tensor storage reachable from ``roots`` through Python references
+    (``gc.get_referents``), not entering ``stop`` objects, classes, Python modules or their globals."""
+    skip = {id(m.__dict__) for m in list(sys.modules.values()) if m is not None and hasattr(m, "__dict__")}
+    skip |= {id(o) for o in stop}
+    seen: set[int] = set()
+    out = StorageCount()
+    stack = list(roots)
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or id(o) in skip:
+            continue
+        seen.add(id(o))
+        if isinstance(o, type | types.ModuleType | str | bytes | int | float | bool | types.CodeType):
+            continue
+        if isinstance(o, torch.Tensor):
+            if o.is_meta or isinstance(o, FakeTensor):  # shapes in node.meta, no bytes
+                continue
+            key = _storage_key(o)
+            if key is None:
+                out.opaque[id(o)] = o.numel() * o.element_size()
+            elif key[0]:
+                out.storages[key[0]] = max(out.storages.get(key[0], 0), key[1])
+            # a Parameter's or tensor's Python attributes (its grad, a subclass's fields)
+            stack.extend(r for r in gc.get_referents(o) if not isinstance(r, torch.Tensor) or r is not o)
+            continue
+        if isinstance(o, torch.ScriptObject):
+            out.packed_objects += 1
+            continue
+        stack.extend(gc.get_referents(o))
+    return out
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters and buffers, each storage counted once."""
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        key = _storage_key(t)
+        if key is not None:
+            seen[key[0]] = key[1]
+    return sum(seen.values())
 
 
 def _meta_bytes(meta: Any) -> int:

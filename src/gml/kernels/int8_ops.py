@@ -71,6 +71,15 @@ def clear_packs() -> None:
     _PACKS.clear()
 
 
+def drop_packs(weights: Sequence[torch.Tensor]) -> int:
+    """Drop the packings of ``weights`` (:func:`gml.kernels.packs.drop_packed`); how many."""
+    dropped = 0
+    for w in weights:
+        per = _PACKS.pop(w, None)
+        dropped += len(per) if per else 0
+    return dropped
+
+
 # ---------------------------------------------------------------- implementations
 @functools.cache
 def _backend_available(name: str) -> bool:

@@ -62,13 +62,16 @@ class PassResult:
 class GraphPass(ABC):
     """Base class of a graph pass: one job, named, with a numeric tolerance.
 
-    Subclasses implement :meth:`call`. They may mutate ``gm`` in place (the
-    :class:`~gml.passes.manager.PassManager` snapshots it first) and must leave it lint-clean and
-    recompiled; see ``passes/INVARIANTS.md``.
+    Subclasses implement :meth:`call`. They may mutate ``gm``'s graph and submodules in place (the
+    :class:`~gml.passes.manager.PassManager` snapshots it first) but replace, never write, the
+    tensors they change, and must leave it lint-clean and recompiled; see ``passes/INVARIANTS.md``.
     """
 
     name: ClassVar[str] = ""
     tolerance: Tolerance | None = Tolerance()
+    #: True for a pass that writes tensors of the module in place (INVARIANTS.md 11): the manager
+    #: then snapshots a full copy of the weights instead of sharing them
+    writes_tensors: ClassVar[bool] = False
 
     def __call__(self, gm: fx.GraphModule) -> PassResult:
         self.requires(gm)

@@ -2,7 +2,11 @@
 
 For each pass the manager
 
-1. snapshots the module (``copy.deepcopy``),
+1. snapshots the module: a deep copy of its graph and submodules that *shares* every tensor
+   (parameters, buffers, tensor attributes) with the module — passes never write a tensor in place
+   (``INVARIANTS.md`` 11), so a snapshot costs the graph, not a second copy of the weights; the
+   tensors' version counters and data pointers are checked after the pass, and a pass declaring
+   ``writes_tensors = True`` gets a full copy,
 2. runs the pass and times it,
 3. checks ``graph.lint()``, recompiles, and runs the sample inputs,
 4. compares the outputs with the outputs *before* the pass, within the pass's
@@ -30,6 +34,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._pytree import tree_flatten
 
 from gml.errors import GMLError, PassFailure
+from gml.memory import module_tensors, shared_copy
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 
 
@@ -211,6 +216,31 @@ def _shape_change(before: dict[str, tuple], after: dict[str, tuple]) -> str | No
     return None
 
 
+def _data_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # an opaque (mkldnn) tensor: its version counter is what is checked
+        return 0
+
+
+class Snapshot:
+    """A copy of a module to roll back to, sharing its tensors (copy-on-write per pass).
+
+    ``copy.deepcopy`` with every tensor of the module pre-seeded in the memo: the graph, the nodes
+    and the submodules are copied, the weights are not. A pass replaces a tensor it changes (a new
+    ``Parameter``, a copied module), which leaves the snapshot's untouched; :meth:`written` lists
+    the tensors a pass wrote in place instead, which a rollback could not undo. ``share=False``:
+    a full copy (a pass that declares ``writes_tensors``)."""
+
+    def __init__(self, gm: fx.GraphModule, *, share: bool = True) -> None:
+        self.module: fx.GraphModule = shared_copy(gm) if share else copy.deepcopy(gm)
+        self._stamps = [(t, t._version, _data_ptr(t)) for t in (module_tensors(gm) if share else [])]
+
+    def written(self) -> int:
+        """How many shared tensors were written in place (or given new data) since the snapshot."""
+        return sum(t._version != v or _data_ptr(t) != p for t, v, p in self._stamps)
+
+
 class PassManager:
     """Runs passes in the given order with per-pass lint and numeric checks and rollback.
 
@@ -256,7 +286,8 @@ class PassManager:
         report: PipelineReport,
     ) -> tuple[fx.GraphModule, list[list[torch.Tensor]]]:
         name = p.pass_name
-        snapshot = copy.deepcopy(gm)
+        snap = Snapshot(gm, share=not getattr(p, "writes_tensors", False))
+        snapshot = snap.module
         nodes_before = len(gm.graph.nodes)
         t0 = time.perf_counter()
         result: PassResult | None = None
@@ -288,6 +319,14 @@ class PassManager:
                 result.notes.append(note)
             else:
                 error = _shape_change(shapes_before, _node_shapes(gm))
+        if error is not None and snap.written():
+            # the snapshot shares the tensors this pass wrote: rolling back would keep the writes
+            raise PassFailure(
+                f"pass {name!r} failed ({error}) after writing {snap.written()} weight tensor(s) in place, "
+                "so it cannot be rolled back",
+                hint="a pass replaces the tensors it changes (passes/INVARIANTS.md 11); one that must write "
+                "in place sets writes_tensors = True to get a full snapshot",
+            )
         if error is not None:
             if self.strict:
                 raise PassFailure(

@@ -45,6 +45,7 @@ from gml.capture import MUTATES
 from gml.errors import InputError, UnsupportedError
 from gml.ir.layers import behaves_as
 from gml.ir.qdq import is_dequantize, is_quantize_any
+from gml.memory import shared_copy
 from gml.passes.manager import PassManager, PipelineReport
 from gml.quant.backend_config import (
     NORMALIZED_MODULES,
@@ -77,11 +78,28 @@ silence_qtensor_notice()
 
 @contextlib.contextmanager
 def quiet_torch_ao() -> Iterator[None]:
-    """Hide torch.ao.quantization's deprecation notice (and nothing else) while we call it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_DEPRECATION.pattern, category=DeprecationWarning)
-        warnings.filterwarnings("ignore", message=_DEPRECATION.pattern, category=FutureWarning)
-        yield
+    """Hide torch.ao.quantization's deprecation notice (and nothing else) while we call it, and
+    make it forget the modules it saw when the call returns.
+
+    torch.ao's ``fx.utils.assert_and_get_unique_device`` is memoized with an unbounded
+    ``functools.cache`` keyed by the module, so every graph ``prepare_fx`` / ``convert_to_reference_fx``
+    looked at (the prepared graph, with a full fp32 copy of the weights and its observers) stayed
+    alive for the life of the process: 45 MB per ``gml.quantize`` of ResNet18 (issue #28)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DEPRECATION.pattern, category=DeprecationWarning)
+            warnings.filterwarnings("ignore", message=_DEPRECATION.pattern, category=FutureWarning)
+            yield
+    finally:
+        _forget_torch_ao_modules()
+
+
+def _forget_torch_ao_modules() -> None:
+    from torch.ao.quantization.fx import utils
+
+    cached = getattr(utils, "assert_and_get_unique_device", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
 
 
 # ---------------------------------------------------------------- report
@@ -234,7 +252,8 @@ def prepare(
     backend: str = "onednn",
     percentile: float = 99.99,
 ) -> fx.GraphModule:
-    """Fuse with the GML BackendConfig and insert observers (``gm`` is not modified).
+    """Fuse with the GML BackendConfig and insert observers (``gm`` is not modified: torch.ao works
+    on a copy of its graph and submodules that shares its weights, :func:`gml.memory.shared_copy`).
 
     Every ``call_module`` of ``gm`` stays a leaf: torch.ao re-traces the module and would
     otherwise inline modules outside ``torch.nn`` (the normalized ``gml.nn.Add``, user leaves).
@@ -242,7 +261,7 @@ def prepare(
     from torch.ao.quantization.fx.custom_config import PrepareCustomConfig
     from torch.ao.quantization.quantize_fx import prepare_fx
 
-    gm = copy.deepcopy(gm)
+    gm = shared_copy(gm)
     _check_outputs_are_tensors(gm)
     leaves = sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_module"})
     custom = (
@@ -326,8 +345,10 @@ def _is_observer(mod: nn.Module | None) -> bool:
 
 def float_twin(prepared: fx.GraphModule) -> fx.GraphModule:
     """The prepared model without observers: fp32, same fused modules and node names as the
-    reference graph that :func:`convert_reference` makes from it."""
-    twin = copy.deepcopy(prepared)
+    reference graph that :func:`convert_reference` makes from it. It shares the weights with
+    ``prepared`` (:func:`gml.memory.shared_copy`): torch.ao's reference modules take the float
+    weights as they are, nothing writes them, and a copy cost a full fp32 copy of the model."""
+    twin = shared_copy(prepared)
     modules = dict(twin.named_modules(remove_duplicate=False))
     for node in list(twin.graph.nodes):
         if node.op == "call_module" and _is_observer(modules.get(str(node.target))):
@@ -336,7 +357,7 @@ def float_twin(prepared: fx.GraphModule) -> fx.GraphModule:
     twin.delete_all_unused_submodules()
     twin.graph.lint()
     twin.recompile()
-    return twin
+    return drop_torch_ao_meta(twin)
 
 
 def convert_reference(prepared: fx.GraphModule, *, backend: str = "onednn") -> fx.GraphModule:
@@ -344,7 +365,21 @@ def convert_reference(prepared: fx.GraphModule, *, backend: str = "onednn") -> f
     from torch.ao.quantization.quantize_fx import convert_to_reference_fx
 
     with quiet_torch_ao():
-        return convert_to_reference_fx(prepared, backend_config=get_backend_config(backend))
+        return drop_torch_ao_meta(convert_to_reference_fx(prepared, backend_config=get_backend_config(backend)))
+
+
+def drop_torch_ao_meta(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` without the metadata torch.ao's ``prepare_fx`` leaves on it (``gm`` itself, changed).
+
+    ``node.meta["target_dtype_info"]`` holds observer constructors whose closures hold the module
+    they were made for, and ``gm.meta["_observed_graph_module_attrs"]`` the qconfigs: node metadata
+    is copied along with every rewritten node, so the INT8 graph lowered from the reference graph
+    kept the prepared model's fp32 modules alive (a full fp32 copy of the weights, issue #28).
+    Nothing after ``convert`` reads either."""
+    for node in gm.graph.nodes:
+        node.meta.pop("target_dtype_info", None)
+    gm.meta.pop("_observed_graph_module_attrs", None)
+    return gm
 
 
 # ---------------------------------------------------------------- graph helpers
@@ -491,9 +526,11 @@ def prepare_reference(
         example_inputs = (example_inputs,)
     silence_qtensor_notice()
     gm, fp32_report = run_fp32_passes(model, example_inputs)
+    del model  # the caller's copy: its weights the fp32 passes replaced (BN folded) die here (#28)
     prepared = prepare(
         gm, example_inputs, observer=observer, per_channel=per_channel, backend=backend, percentile=percentile
     )
+    del gm
     data, source = _calibration_source(calib_data, example_inputs, seed, token_range)
     stats = calibrate(prepared, data, progress, max_batches=max_batches, source=source)
     twin = float_twin(prepared)

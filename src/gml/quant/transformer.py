@@ -44,6 +44,7 @@ from torch import fx, nn
 
 from gml.ir.library import gml_op_name, op, op_args
 from gml.kernels import dynamic_int8
+from gml.memory import shared_copy
 from gml.passes.base import GraphPass, PassResult, Skip
 from gml.passes.utils import modules_of
 
@@ -440,7 +441,8 @@ class TransformerQuantResult:
     """The INT8 transformer, the per-pass report, and every GEMM/LayerNorm/softmax/attention with its precision.
 
     ``fp32_module``: the graph right before the GEMMs were quantized (same node names: the per-layer
-    accuracy report pairs nodes by name); ``calibration``: what the SQNR was measured on.
+    accuracy report pairs nodes by name; ``gml.quantize`` drops it before returning unless
+    ``keep_intermediates=True``); ``calibration``: what the SQNR was measured on.
     """
 
     module: fx.GraphModule
@@ -699,7 +701,7 @@ def quantize_transformer(
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
     fp32_passes = [*canonical_passes(), FuseAttention(), HorizontalMerge(), *fp32_conv_passes()]
     fp32 = PassManager(fp32_passes, strict=strict).run(gm, [inputs])
-    fp32_gm = copy.deepcopy(fp32.graph_module)
+    fp32_gm = shared_copy(fp32.graph_module)  # the INT8 passes replace the weights they quantize
     int8_passes: list[GraphPass] = [quantize_pass, FuseDynamicLinearActivation()]
     if attention_bf16:
         int8_passes.append(AttentionInBf16())

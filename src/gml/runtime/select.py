@@ -15,6 +15,7 @@ from torch import fx
 
 from gml.errors import GMLError, InputError
 from gml.ir.values import cloned
+from gml.kernels.packs import drop_packed
 from gml.runtime import timing
 from gml.runtime.compile import EngineModule, RuntimeReport, compile_engine
 
@@ -160,6 +161,10 @@ def attach_runtime(
         slower = _slower_than_executor(gm, engine, example_inputs)
         if slower:
             return None, RuntimeReport("torch", nodes=engine.report.nodes, note=slower)
+        # The engine holds its own reordered weights: the packed copies the Python executor made
+        # while it was checked and timed are a second copy nothing calls (repacked if it runs again)
+        for segment in engine.segments():
+            drop_packed(segment.reference)
         return engine, engine.report
     return None, RuntimeReport(
         "torch",

@@ -1,0 +1,194 @@
+"""What a result keeps (issue #28): structure, not RSS. The result of gml.optimize / gml.quantize /
+gml.load holds no reference to the caller's model, torch.ao's prepared graph, the calibration
+batches or the pass manager's snapshots once the call returns, and no second dense copy (nor the
+Python executor's packed copy) of a weight the engine holds reordered; a rollback snapshot shares
+the module's tensors instead of copying them."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import fx, nn
+
+import gml
+from assets.models import SmallCNN
+from gml.bench.memory import reachable_storages
+from gml.errors import PassFailure
+from gml.memory import module_tensors
+from gml.passes import manager
+from gml.passes.base import GraphPass, PassResult
+from gml.passes.manager import PassManager, Snapshot
+
+
+def _storages(tensors: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if isinstance(t, torch.Tensor)}
+
+
+@pytest.fixture
+def snapshots(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref]:
+    """Weak references to the module of every rollback snapshot the pass manager takes."""
+    taken: list[weakref.ref] = []
+    init = Snapshot.__init__
+
+    def record(self: Snapshot, gm: fx.GraphModule, **kw: Any) -> None:
+        init(self, gm, **kw)
+        taken.append(weakref.ref(self.module))
+
+    monkeypatch.setattr(manager.Snapshot, "__init__", record)
+    return taken
+
+
+def _gone(refs: list[weakref.ref]) -> bool:
+    gc.collect()
+    return all(r() is None for r in refs)
+
+
+# --- snapshots ---------------------------------------------------------------------------------
+
+
+def test_snapshot_shares_every_tensor_and_copies_the_graph() -> None:
+    gm = fx.symbolic_trace(SmallCNN().eval())
+    snap = Snapshot(gm)
+    ids = {id(t) for t in module_tensors(gm)}
+    assert ids and {id(t) for t in module_tensors(snap.module)} == ids  # the very same tensors
+    assert snap.module.graph is not gm.graph and snap.module.conv1 is not gm.conv1
+    assert snap.written() == 0
+    with torch.no_grad():
+        gm.conv1.weight.mul_(2)  # what a pass must not do (INVARIANTS.md 11)
+    gm.fc.weight.data = torch.zeros_like(gm.fc.weight)
+    assert snap.written() == 2
+    full = Snapshot(gm, share=False)
+    assert not {id(t) for t in module_tensors(full.module)} & ids
+
+
+class _ScaleInPlace(GraphPass):
+    """Writes the first conv's weight in place, then fails."""
+
+    name = "scale_in_place"
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        with torch.no_grad():
+            gm.conv1.weight.mul_(3)
+        raise RuntimeError("boom")
+
+
+class _DeclaredScaleInPlace(_ScaleInPlace):
+    name = "declared_scale_in_place"
+    writes_tensors = True
+
+
+def test_a_pass_that_wrote_a_shared_weight_cannot_pretend_to_roll_back() -> None:
+    model = SmallCNN().eval()
+    x = torch.randn(1, 3, 8, 8)
+    with pytest.raises(PassFailure, match="in place"):
+        PassManager([_ScaleInPlace()]).run(fx.symbolic_trace(model), [(x,)])
+
+
+def test_a_pass_declaring_writes_tensors_gets_a_full_snapshot_and_rolls_back() -> None:
+    model = SmallCNN().eval()
+    x = torch.randn(1, 3, 8, 8)
+    gm = fx.symbolic_trace(model)
+    before = gm.conv1.weight.clone()
+    out = PassManager([_DeclaredScaleInPlace()]).run(gm, [(x,)])
+    assert out.report.records[0].status == "rolled back"
+    torch.testing.assert_close(out.graph_module.conv1.weight, before, rtol=0, atol=0)
+
+
+# --- what results hold -------------------------------------------------------------------------
+
+
+def test_optimize_result_holds_one_copy_of_each_weight(snapshots: list[weakref.ref]) -> None:
+    model = SmallCNN().eval()
+    x = torch.randn(1, 3, 16, 16)
+    user = weakref.ref(model)
+    res = gml.optimize(model, x)
+    del model
+    assert _gone([user]), "the result keeps the caller's model alive"
+    assert snapshots and _gone(snapshots), "a pass snapshot outlived the call"
+    with torch.no_grad():
+        res.executable(x)
+    held = reachable_storages(res)
+    # every tensor the result reaches is a tensor of its module (shared by the engine's segments)
+    # or the example input; no packed (opaque mkldnn) copy is left where the engine runs the graph
+    assert set(held.storages) <= _storages(module_tensors(res.module)) | _storages(res.example_inputs)
+    if res.engine is not None:
+        assert not held.opaque, f"{len(held.opaque)} packed weight copies next to the engine's"
+
+
+def test_quantize_result_releases_model_prepared_graph_calibration_and_snapshots(
+    monkeypatch: pytest.MonkeyPatch, snapshots: list[weakref.ref]
+) -> None:
+    from gml.quant import frontend
+
+    prepared: list[weakref.ref] = []
+    prepare = frontend.prepare
+
+    def record(*args: Any, **kw: Any) -> fx.GraphModule:
+        gm = prepare(*args, **kw)
+        prepared.append(weakref.ref(gm))
+        return gm
+
+    monkeypatch.setattr(frontend, "prepare", record)
+    torch.manual_seed(0)
+    model = SmallCNN().eval()
+    x = torch.randn(2, 3, 16, 16)
+    calib = [(torch.randn(2, 3, 16, 16),) for _ in range(3)]
+    kept = [weakref.ref(model)] + [weakref.ref(b[0]) for b in calib]
+    res = gml.quantize(model, calib, example_inputs=x)
+    del model, calib
+    assert res.scheme == "static" and res.reference is None
+    assert prepared and _gone(prepared), "the result keeps torch.ao's prepared graph alive"
+    assert _gone(kept), "the result keeps the caller's model or calibration batches alive"
+    assert snapshots and _gone(snapshots)
+    with torch.no_grad():
+        res.executable(x)
+    held = reachable_storages(res)
+    assert set(held.storages) <= _storages(module_tensors(res.module)) | _storages([x])
+    if res.engine is not None:
+        assert not held.opaque and not held.packed_objects
+
+
+def test_quantize_keep_intermediates_keeps_the_reference_graph() -> None:
+    torch.manual_seed(0)
+    res = gml.quantize(SmallCNN().eval(), 2, example_inputs=torch.randn(1, 3, 16, 16), keep_intermediates=True)
+    assert isinstance(res.reference, fx.GraphModule)
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.enc(x))
+
+
+def test_transformer_scheme_result_drops_its_fp32_graph() -> None:
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    user = weakref.ref(model)
+    res = gml.quantize(model, 2, example_inputs=torch.randn(2, 8, 32))
+    del model
+    assert res.scheme == "transformer"
+    assert res.reference is None and res.frontend.fp32_module is None
+    assert _gone([user])
+
+
+def test_loaded_int8_model_holds_one_copy_of_each_weight(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 16, 16)
+    path = str(tmp_path / "m.pt2")
+    gml.quantize(SmallCNN().eval(), 2, example_inputs=x).save(path)
+    loaded = gml.load(path)
+    with torch.no_grad():
+        loaded(x)
+    held = reachable_storages(loaded)
+    assert set(held.storages) <= _storages(module_tensors(loaded))
+    if loaded.runtime.path != "torch":
+        assert not held.opaque and not held.packed_objects
