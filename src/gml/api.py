@@ -252,6 +252,13 @@ class QuantizeResult:
     precision: str = "int8"
     #: the precision of the ops INT8 leaves out (``fallback_precision``), after the CPU check
     fallback_precision: str = "fp32"
+    #: why ``precision`` is not ``int8`` (the whole-model guard's numbers, or the accuracy report's
+    #: BROKEN reason); "" for an INT8 result
+    precision_reason: str = ""
+    #: the accuracy report of the INT8 model that was *not* returned (flagged BROKEN), else None
+    rejected_int8_accuracy: Any = None
+    #: the CPU the model was quantized and planned for, and its INT8 arithmetic (``target.describe()``)
+    target: Any = None
 
     @property
     def executable(self) -> Any:
@@ -311,6 +318,7 @@ def quantize(
     cost_policy: str | Callable[[Any], Any] | None = None,
     fallback_precision: str = "fp32",
     target: Target | None = None,
+    keep_broken: bool = False,
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -360,6 +368,11 @@ def quantize(
             process's, detected once here — ``ONEDNN_MAX_CPU_ISA`` honoured). It decides the INT8
             arithmetic (``target.int8``: 8-bit weights with VNNI/AMX, 7-bit weights without, so no
             kernel's int16 pairs saturate; docs/adr/011-int8-on-every-isa.md).
+        keep_broken: return the INT8 model even when the accuracy report flags it BROKEN (cosine
+            below :data:`~gml.quant.accuracy.BROKEN_COSINE`, NaN/Inf, or far from exact integer
+            arithmetic with the same qparams). By default a BROKEN result is not returned:
+            ``gml.optimize``'s model comes back (``result.precision == "fp32"``, the reason in
+            ``result.precision_reason``, the refused INT8 report in ``result.rejected_int8_accuracy``).
     """
     import time
 
@@ -463,7 +476,7 @@ def quantize(
         return _gml_fp32_instead(
             model, gml_fp32(), ref, cost, seconds, why, refusal, fallback,
             eval_data=eval_data, eval_labels=eval_labels, inputs=inputs, token_range=token_range,
-            min_cosine=min_cosine,
+            min_cosine=min_cosine, target=target,
         )  # fmt: skip
     # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
     coverage = coverage_of(result.graph_module)
@@ -473,7 +486,17 @@ def quantize(
     acc = _accuracy(
         model, result.graph_module, ref.float_module, seconds, eval_data=eval_data, eval_labels=eval_labels,
         inputs=inputs, token_range=token_range, per_layer=per_layer, min_cosine=min_cosine,
+        exact_model=ref.graph_module,
     )  # fmt: skip
+    if acc.broken and not keep_broken:  # never return a model the report calls BROKEN (keep_broken: inspect it)
+        broken = f"the INT8 model is BROKEN ({acc.broken}); returning gml.optimize's {fallback} model"
+        out = _gml_fp32_instead(
+            model, gml_fp32(), ref, cost, seconds, why, refusal, fallback,
+            eval_data=eval_data, eval_labels=eval_labels, inputs=inputs, token_range=token_range,
+            min_cosine=min_cosine, reason=broken, target=target,
+        )  # fmt: skip
+        out.rejected_int8_accuracy = acc
+        return out
     refuse_autograd(result.graph_module)
 
     from gml.quant.precision import precision_table
@@ -496,6 +519,7 @@ def quantize(
         ),
         cost=cost,
         fallback_precision=fallback,
+        target=target,
     )
 
 
@@ -515,19 +539,25 @@ def _gml_fp32_instead(
     token_range: tuple[int, int] | None,
     min_cosine: float | None,
     scheme: str = "static",
+    reason: str | None = None,
+    target: Target | None = None,
 ) -> QuantizeResult:
-    """The :class:`QuantizeResult` of a model INT8 could not speed up: ``gml.optimize``'s model
-    (``opt``: its module, engine, pass report and runtime report), with a coverage and a precision
-    table that list every op as fp32 (or bf16) with the whole-model guard's numbers as the reason."""
+    """The :class:`QuantizeResult` of a model INT8 could not speed up (or, with ``reason``, whose
+    INT8 result was BROKEN): ``gml.optimize``'s model (``opt``: its module, engine, pass report and
+    runtime report), with a coverage and a precision table that list every op as fp32 (or bf16)
+    with the whole-model guard's numbers (or ``reason``) as the reason."""
 
     from gml.quant.lower import CoverageEntry, LoweringCoverage
     from gml.quant.precision import precision_table
 
-    i8, f32 = cost.whole if cost.whole is not None else (float("nan"), float("nan"))
-    why = (
-        f"whole-model guard: the INT8 model ran {i8:.2f} ms vs {f32:.2f} ms for gml.optimize's {fallback} model "
-        f"on {cost.shapes or 'the example input'}; returning the {fallback} model"
-    )
+    if reason is not None:
+        why = reason
+    else:
+        i8, f32 = cost.whole if cost.whole is not None else (float("nan"), float("nan"))
+        why = (
+            f"whole-model guard: the INT8 model ran {i8:.2f} ms vs {f32:.2f} ms for gml.optimize's {fallback} "
+            f"model on {cost.shapes or 'the example input'}; returning the {fallback} model"
+        )
     table = precision_table(opt.module, opt.runtime, fp32_reason=why, note=refusal or "")
     coverage = LoweringCoverage(kept_fp32=[CoverageEntry([r.node], r.op, r.precision, why) for r in table])
     # per-layer SQNR pairs INT8 nodes with the float twin's: there are none here
@@ -538,7 +568,7 @@ def _gml_fp32_instead(
     return QuantizeResult(
         opt.module, opt.report, ref.report, coverage, acc, ref.graph_module, seconds, opt.engine, opt.runtime,
         scheme=scheme, scheme_reason=scheme_reason, precisions=table, cost=cost, precision=fallback,
-        fallback_precision=fallback,
+        fallback_precision=fallback, precision_reason=why, target=target,
     )  # fmt: skip
 
 
@@ -554,6 +584,7 @@ def _accuracy(
     token_range: tuple[int, int] | None,
     per_layer: bool,
     min_cosine: float | None,
+    exact_model: nn.Module | None = None,
 ) -> Any:
     """The accuracy report of the module ``quantize`` returns against the eager model (on
     ``eval_data``, or two generated batches shaped like ``inputs``), timed into ``seconds``;
@@ -567,8 +598,9 @@ def _accuracy(
         eval_data = generate_batches(inputs, 2, seed=12345, token_range=token_range)
     t0 = time.perf_counter()
     acc = accuracy_report(
-        copy.deepcopy(model), returned, eval_data, labels=eval_labels, fp32_graph=fp32_graph, per_layer=per_layer
-    )
+        copy.deepcopy(model), returned, eval_data, labels=eval_labels, fp32_graph=fp32_graph, per_layer=per_layer,
+        exact_model=exact_model,
+    )  # fmt: skip
     seconds["accuracy report"] = time.perf_counter() - t0
     if min_cosine is not None:
         check_min_cosine(acc, min_cosine)
@@ -673,9 +705,9 @@ def _quantize_transformer(
             ref = SimpleNamespace(report=res, graph_module=res.fp32_module, float_module=res.fp32_module)
             return _gml_fp32_instead(
                 model, opt, ref, cost, seconds, reason, None, "fp32", eval_data=eval_data, eval_labels=eval_labels,
-                inputs=inputs, token_range=token_range, min_cosine=min_cosine, scheme="transformer",
+                inputs=inputs, token_range=token_range, min_cosine=min_cosine, scheme="transformer", target=target,
             )  # fmt: skip
     return QuantizeResult(
         res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",
-        reason, res.precisions, cost=cost, fallback_precision=fallback,
+        reason, res.precisions, cost=cost, fallback_precision=fallback, target=target,
     )  # fmt: skip
