@@ -657,13 +657,15 @@ def _quantize_transformer(
     from gml.quant.lower import CoverageEntry, LoweringCoverage
     from gml.quant.transformer import quantize_transformer
     from gml.runtime.select import attach_runtime
+    from gml.runtime.target import resolve
 
+    target = resolve(target)
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     res = quantize_transformer(
         model, inputs, calib_data=calib_data if calib_data is not None else 8, min_sqnr_db=min_sqnr_db,
         smooth_alpha=smooth_alpha, leaf_modules=leaf_modules, strict=strict, token_range=token_range,
-        attention_bf16=fallback == "bf16",
+        attention_bf16=fallback == "bf16", weight_qmax=min(127, target.int8.weight_qmax),
     )  # fmt: skip
     seconds["capture + fp32 passes + measure + quantize"] = time.perf_counter() - t0
     coverage = LoweringCoverage()

@@ -2,7 +2,10 @@
 
 A uint8 result is right when it equals the exact result rounded to the output grid, up to the
 rounding of values that land within float error of a .5 boundary: so we require
-``|dequantize(y) - exact| <= 0.5 * scale`` (plus a hair) everywhere. The oneDNN-specific facts the
+``|dequantize(y) - exact| <= 0.5 * scale`` (plus a hair) everywhere. Weights use this process's
+target's range (``Target.int8``: 8 bits with VNNI/AMX, ``[-64, 64]`` without, ADR 011): the range in
+which the kernels are exact on this CPU, ``ONEDNN_MAX_CPU_ISA`` included (``make test`` runs this
+file under AVX2 and AVX512_CORE too). The oneDNN-specific facts the
 backend relies on (scale convention, the sum post-op overwriting its accumulator, per-shape weight
 packing) are pinned here so a PyTorch upgrade that changes them fails loudly.
 """
@@ -20,15 +23,20 @@ from gml.kernels.fbgemm_int8 import FbgemmBackend
 from gml.kernels.fp32 import PostOp
 from gml.kernels.onednn_int8 import OneDNNBackend
 from gml.kernels.registry import get_backend
+from gml.runtime.target import detect_target
 
 BACKENDS = [name for name, cls in (("onednn", OneDNNBackend), ("fbgemm", FbgemmBackend)) if cls.is_available()]
 HALF_STEP = 0.5 + 1e-3
 
 
+#: the largest |weight| the kernels are exact with on this process's target (127 or 64)
+W_QMAX = min(127, detect_target().int8.weight_qmax)
+
+
 def _weights(out_ch: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_ch, *shape, generator=g) * 0.1
-    scale = w.abs().flatten(1).amax(1) / 127
+    scale = w.abs().flatten(1).amax(1) / W_QMAX
     q = torch.round(w / scale.reshape(-1, *([1] * len(shape)))).to(torch.int8)
     return q, scale
 
