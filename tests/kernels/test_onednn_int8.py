@@ -226,13 +226,16 @@ def test_get_backend():
         QParams(0.1, 300)
 
 
-def test_onednn_qadd_op_is_still_wrong_on_this_build():
-    """Why QAdd uses quantized::add: onednn::qadd.tensor gives 0 for 1.2 + 0.2 here. If this test
-    fails, PyTorch fixed the op and the backend can switch to it."""
-    a = torch.full((1, 4, 2, 2), 140, dtype=torch.uint8)
-    b = torch.full((1, 4, 2, 2), 130, dtype=torch.uint8)
-    y = torch.ops.onednn.qadd.tensor(a, 0.1, 128, b, 0.1, 128, 0.1, 128, torch.uint8)
-    assert int(y.flatten()[0]) != 142  # (12 + 2) * 0.1 = 1.4 → 1.4 / 0.1 + 128 = 142
+def test_qadd_is_exact_whatever_onednn_qadd_does_on_this_isa(be: Int8Backend):
+    """Why QAdd uses quantized::add, not onednn::qadd.tensor: the latter gives 0 for 1.2 + 0.2 on
+    the AVX-512 CPUs measured (Zen 4, Sapphire Rapids) and 1.4 on Zen 3's AVX2 — an ISA-dependent
+    torch defect, so nothing here asserts what it returns; the backend's add must be exact on every
+    tier (make test runs this under ONEDNN_MAX_CPU_ISA=AVX2 / AVX512_CORE too)."""
+    qp = QParams(0.1, 128)
+    a = torch.full((1, 4, 2, 2), 140, dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    b = torch.full((1, 4, 2, 2), 130, dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    y = be.add(a, qp, b, qp, qp)
+    assert y.dtype == torch.uint8 and y.flatten().tolist() == [142] * 16  # (12 + 2) * 0.1 = 1.4 → 142
 
 
 def test_onednn_packings_are_bounded():
