@@ -384,7 +384,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     rejected = res.rejected_int8_accuracy
     if rejected is not None:
         console.print(f"[bold red]INT8 BROKEN, not returned:[/] {rejected.summary()}")
-    console.print(f"accuracy ({res.precision} model returned): {acc.summary()}")
+    returned = "" if res.precision == "int8" else f" (of the {res.precision} model returned)"
+    console.print(f"accuracy: {acc.summary()}{returned}")
     if acc.broken:
         console.print(f"[bold red]BROKEN:[/] {acc.broken}; do not deploy this INT8 model.")
     console.print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in res.seconds.items()))
