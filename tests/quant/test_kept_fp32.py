@@ -213,7 +213,9 @@ def test_mixed_bf16_fallback_runs_kept_ops_in_bf16_within_the_bf16_bound(monkeyp
 
 def test_no_bf16_cpu_warns_and_falls_back_to_fp32(monkeypatch):
     _guard(monkeypatch, 1.0, 2.0)
-    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no avx512_bf16 / amx_bf16 (simulated)")
+    monkeypatch.setattr(
+        kb, "bf16_unavailable_reason", lambda target=None: "this CPU has no avx512_bf16 / amx_bf16 (simulated)"
+    )
     with pytest.warns(RuntimeWarning, match="bf16 requested but this CPU has no avx512_bf16"):
         q = gml.quantize(_model(), 2, example_inputs=(X,), per_layer=False, cost_policy=_slow({"c1"}),
                          fallback_precision="bf16")  # fmt: skip
@@ -253,15 +255,19 @@ def test_transformer_scheme_mixed_mode_runs_attention_in_bf16():
     fp32 = gml.quantize(layer, 2, example_inputs=(x,), cost_policy="off", per_layer=False)
     assert q.accuracy.cosine > 0.999 and abs(q.accuracy.cosine - fp32.accuracy.cosine) < 1e-3
     if q.engine is not None:
-        from gml.runtime import native
+        from gml.runtime.target import detect_target
+        from gml.runtime.transformer_rules import fused_attention_cpu
 
         impls = {s.impl for s in q.engine.profile(x, rounds=1)}
-        if native.load().fused_attention_available() and not native.load().cpu_isa().startswith("avx512_core_amx"):
+        target = detect_target()
+        if fused_attention_cpu(target) and not target.amx:
             assert "gml:attention_avx512_bf16" in impls, impls  # transformer_rules.fused_attention_ok's auto rule
 
 
 def test_transformer_scheme_mixed_mode_on_a_cpu_without_bf16_warns_and_keeps_fp32(monkeypatch):
-    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no avx512_bf16 / amx_bf16 (simulated)")
+    monkeypatch.setattr(
+        kb, "bf16_unavailable_reason", lambda target=None: "this CPU has no avx512_bf16 / amx_bf16 (simulated)"
+    )
     with pytest.warns(RuntimeWarning, match="bf16 requested but this CPU has no avx512_bf16"):
         q = gml.quantize(_encoder_layer(), 2, example_inputs=(torch.randn(1, 8, 64),), fallback_precision="bf16",
                          cost_policy="off", per_layer=False)  # fmt: skip
