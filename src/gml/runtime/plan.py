@@ -96,6 +96,18 @@ def winograd_mode() -> int:
     return WINOGRAD_MODES[value]
 
 
+#: oneDNN ISAs whose int8 dot product is VNNI (``vpdpbusd``: int32 accumulation, nothing saturates).
+_VNNI_ISAS = ("vnni", "bf16", "amx", "fp16")
+
+
+def exact_int8_gemm(isa: str) -> bool:
+    """Whether ``gml::dynamic_linear`` runs its GEMM on GML's own exact AVX2 kernel on a CPU whose
+    oneDNN ISA is ``isa`` (native/int8_gemm_avx2.h): where there is no VNNI (``avx2``,
+    ``avx512_core``) oneDNN's int8 matmul multiplies with ``vpmaddubsw``, whose int16 pair sums
+    saturate, in its slow ``gemm:jit`` (issue #23); with VNNI its brgemm is exact and faster."""
+    return isa.startswith(("avx2", "avx512")) and not any(tag in isa for tag in _VNNI_ISAS)
+
+
 def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Dense channels-last strides of an ``N, C, *spatial`` shape (NWC / NHWC / NDHWC)."""
     stride, inner = [1] * len(shape), shape[1]  # channels innermost
@@ -587,7 +599,10 @@ class Builder:
         return plan
 
     def _emit_steps(self, plan: Any, ids: dict[Val, int]) -> None:
+        from gml.runtime import native
+
         winograd = winograd_mode()
+        exact_gemm = exact_int8_gemm(native.load().cpu_isa())
         for s in self.steps:
             kw = dict(s.kwargs)
             if s.method in ("conv", "inner_product"):
@@ -638,6 +653,7 @@ class Builder:
                     eltwise=kw["eltwise"],
                     name=s.name,
                     sum_src=ids[s.reads[1]] if len(s.reads) > 1 else -1,
+                    exact_gemm=exact_gemm,
                 )
                 del keep
             elif s.method == "reorder":
