@@ -337,9 +337,11 @@ class Builder:
         writing NHWC (a free value, or a fixed NHWC one such as a segment output the executor keeps
         channels-last): reordered to NHWC first. A primitive mixing NCHW in and NHWC out finds only
         oneDNN's reference kernel (shufflenet_v2's conv5 after the channel shuffle: 1.5 s instead of
-        ~0.2 ms); OpenVINO does the same reorder."""
-        writes_nhwc = _fixed_free_layout(dst) or (not dst.free and len(dst.shape) == 4 and is_nhwc(dst))
-        if not writes_nhwc or src.free or len(src.shape) != 4 or is_nhwc(src):
+        ~0.2 ms); OpenVINO does the same reorder. Any rank with spatial dims: a Conv1d's NCW source
+        with an NWC destination (Whisper's first conv, 39 s per call on ``ref:any`` under AVX2)."""
+        rank = len(src.shape)
+        writes_nhwc = _fixed_free_layout(dst) or (not dst.free and len(dst.shape) == rank and is_nhwc(dst))
+        if not writes_nhwc or src.free or rank < 3 or len(dst.shape) != rank or is_nhwc(src):
             return src
         t = self.temp(src.shape, nhwc_strides(src.shape), src.dtype_name)
         t.free = True
