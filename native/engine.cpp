@@ -213,7 +213,7 @@ class Plan {
   void conv(int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype,
             const std::vector<float>& w_scales, uintptr_t bias, const Dims& strides, const Dims& dilation,
             const Dims& pad_l, const Dims& pad_r, int64_t groups, QP src_q, QP dst_q, QP sum,
-            const Eltwise& eltwise, const std::string& name, int nthreads, int winograd) {
+            const Eltwise& eltwise, const std::string& name, int nthreads, int winograd, bool native_bf16) {
     const memory::desc src_md = md_in(src);
     const memory::desc dst_md = md_out(dst);
     const bool quant = wdtype == "s8";
@@ -250,7 +250,7 @@ class Plan {
     dnnl::convolution_forward prim(pd);
     if (!quant && winograd > 0 &&
         try_winograd(src, dst, weight, wdims, wdtype, bias, strides, dilation, pad_l, pad_r, groups, sum, eltwise,
-                     name, nthreads, winograd == 1, prim, consts, pd.scratchpad_desc()))
+                     name, nthreads, winograd == 1, native_bf16, prim, consts, pd.scratchpad_desc()))
       return;
     push(prim, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts), pd.scratchpad_desc(), name);
   }
@@ -265,7 +265,7 @@ class Plan {
   bool try_winograd(int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype, uintptr_t bias,
                     const Dims& strides, const Dims& dilation, const Dims& pad_l, const Dims& pad_r, int64_t groups,
                     QP sum, const Eltwise& eltwise, const std::string& name, int nthreads, bool force,
-                    const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
+                    bool native_bf16, const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
                     const memory::desc& direct_scratch) {
     const memory::desc s = md_in(src), d = md_in(dst);
     const dt type = s.get_data_type();
@@ -284,6 +284,7 @@ class Plan {
     std::string key = std::to_string(n) + "x" + std::to_string(c) + "x" + std::to_string(h) + "x" +
                       std::to_string(w) + ">" + std::to_string(k) + (type == dt::f32 ? ":f32" : ":bf16") +
                       (bias ? ":bias" : "") + (sum ? ":sum" + std::to_string(sum->first) : "") + ":" + isa_name() +
+                      (native_bf16 ? ":nbf16" : "") +
                       ":t" + std::to_string(nthreads > 0 ? nthreads : omp_get_max_threads());
     for (const auto& [alg, alpha, beta] : eltwise)
       key += ":" + alg + std::to_string(alpha) + "," + std::to_string(beta);
@@ -298,7 +299,7 @@ class Plan {
     try {
       conv = std::make_shared<const gml_winograd::Conv>(cpu_engine(), n, c, h, w, k, type,
                                                          reinterpret_cast<const void*>(weight), type,
-                                                         reinterpret_cast<const float*>(bias), epi);
+                                                         reinterpret_cast<const float*>(bias), epi, native_bf16);
     } catch (const dnnl::error&) {
       return false;  // no matmul for this problem: the direct conv
     }
@@ -1247,7 +1248,8 @@ NB_MODULE(_engine, m) {
       .def("conv", &Plan::conv, nb::arg("src"), nb::arg("dst"), nb::arg("weight"), nb::arg("wdims"),
            nb::arg("wdtype"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("strides"), nb::arg("dilation"),
            nb::arg("pad_l"), nb::arg("pad_r"), nb::arg("groups"), nb::arg("src_q").none(), nb::arg("dst_q").none(),
-           nb::arg("sum").none(), nb::arg("eltwise"), nb::arg("name"), nb::arg("nthreads") = 0, nb::arg("winograd") = 0)
+           nb::arg("sum").none(), nb::arg("eltwise"), nb::arg("name"), nb::arg("nthreads") = 0, nb::arg("winograd") = 0,
+           nb::arg("native_bf16") = false)
       .def("inner_product", &Plan::inner_product, nb::arg("src"), nb::arg("dst"), nb::arg("weight"),
            nb::arg("wdims"), nb::arg("wdtype"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("src_q").none(),
            nb::arg("dst_q").none(), nb::arg("eltwise"), nb::arg("name"))

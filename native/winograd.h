@@ -122,16 +122,13 @@ namespace native_bf16 = portable;  // never called (native_bf16_cpu() is false)
 #endif
 #pragma GCC diagnostic pop
 
-// Whether native_bf16's kernels run: the CPU has AVX512_BF16 and oneDNN dispatches to it (so
+// Whether this CPU *can* run native_bf16's kernels (the instructions exist). Whether they *should*
+// run is the caller's decision (Conv's ``native_bf16``: gml.ir.target.Target.native_bf16, so
 // ONEDNN_MAX_CPU_ISA=AVX512_CORE selects the portable kernels too: tests/runtime/test_winograd.py).
 inline bool native_bf16_cpu() {
 #ifdef GML_WINO_HAVE_NATIVE_BF16
-  using I = dnnl::cpu_isa;
-  const I isa = dnnl::get_effective_cpu_isa();
-  const bool onednn_bf16 = isa == I::avx512_core_bf16 || isa == I::avx512_core_fp16 ||
-                           isa == I::avx512_core_amx || isa == I::avx512_core_amx_fp16;
   __builtin_cpu_init();
-  return onednn_bf16 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");
 #else
   return false;
@@ -155,13 +152,14 @@ class Conv {
  public:
   // src / dst: [N, C, H, W] / [N, K, H, W] dense NHWC of type ``type`` (f32 or bf16); ``weight``: the
   // caller's contiguous [K, C, 3, 3] f32 or bf16 tensor, ``bias``: K fp32 values or null (both
-  // copied here, never kept).
+  // copied here, never kept); ``use_native_bf16``: the target has native bf16 (the Python Target says;
+  // honoured only where the CPU has the instructions).
   Conv(const dnnl::engine& eng, int64_t n, int64_t c, int64_t h, int64_t w, int64_t k, dt type, const void* weight,
-       dt wtype, const float* bias, const Epilogue& epi)
+       dt wtype, const float* bias, const Epilogue& epi, bool use_native_bf16)
       : eng_(eng), n_(n), c_(c), h_(h), w_(w), k_(k), type_(type), epi_(epi) {
     if (type != dt::f32 && type != dt::bf16) throw std::invalid_argument("gml engine: winograd of f32 / bf16 only");
     es_ = type == dt::f32 ? 4 : 2;
-    native_ = type == dt::bf16 && native_bf16_cpu();
+    native_ = type == dt::bf16 && use_native_bf16 && native_bf16_cpu();
     th_ = (h + 1) / 2;
     tw_ = (w + 1) / 2;
     // Chunks of whole tiles over the batch (tile t: image t / (th * tw), row, column): as many

@@ -132,7 +132,9 @@ def test_optimize_bf16_on_a_cpu_without_bf16_warns_and_runs_fp32(capsys, monkeyp
     from gml.kernels import bf16 as kb
 
     monkeypatch.setenv("COLUMNS", "200")
-    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no native bf16 instructions (simulated)")
+    monkeypatch.setattr(
+        kb, "bf16_unavailable_reason", lambda target=None: "this CPU has no native bf16 instructions (simulated)"
+    )
     with pytest.warns(RuntimeWarning):
         code, out = _run(capsys, "optimize", f"{ASSETS}:SmallCNN", "--no-time", "--precision", "bf16")
     assert code == 0
@@ -156,7 +158,9 @@ def test_quantize_fallback_precision_bf16_without_bf16_cpu_warns(capsys, monkeyp
     from gml.kernels import bf16 as kb
 
     monkeypatch.setenv("COLUMNS", "200")
-    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no native bf16 instructions (simulated)")
+    monkeypatch.setattr(
+        kb, "bf16_unavailable_reason", lambda target=None: "this CPU has no native bf16 instructions (simulated)"
+    )
     with pytest.warns(RuntimeWarning, match="bf16 requested but this CPU has no native bf16"):
         code, out = _run(
             capsys, "quantize", f"{ASSETS}:SmallCNN", "--calib", "2", "--no-time", "--fallback-precision", "bf16"

@@ -208,8 +208,13 @@ def test_a_broken_int8_result_is_flagged_with_its_worst_layer(monkeypatch):
     good = gml.quantize(model, 8, example_inputs=(x,))
     assert good.accuracy.broken is None and good.accuracy.cosine > 0.99  # the fix
     monkeypatch.setattr(od.OneDNNPackedConv, "needs_explicit_padding", old_rule)
-    bad = gml.quantize(model, 8, example_inputs=(x,))
-    assert bad.accuracy.cosine < 0.9
+    # by default a BROKEN INT8 result is not returned: gml.optimize's fp32 model, with the reason
+    fallback = gml.quantize(model, 8, example_inputs=(x,))
+    assert fallback.precision == "fp32" and fallback.accuracy.broken is None
+    assert fallback.precision_reason.startswith("the INT8 model is BROKEN (output cosine")
+    assert fallback.rejected_int8_accuracy.cosine < 0.9
+    bad = gml.quantize(model, 8, example_inputs=(x,), keep_broken=True)
+    assert bad.precision == "int8" and bad.accuracy.cosine < 0.9
     assert bad.accuracy.broken.startswith("output cosine")
     assert "worst layer _0 (gml.qconv.default)" in bad.accuracy.broken
     assert bad.accuracy.summary().startswith("BROKEN (")

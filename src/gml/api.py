@@ -15,6 +15,7 @@ import torch
 from torch import fx, nn
 
 from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
+from gml.ir.target import Target
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, PipelineReport, compare_outputs, run_outputs
 from gml.quant.transformer import DEFAULT_MIN_SQNR_DB as _DEFAULT_MIN_SQNR_DB
@@ -98,6 +99,7 @@ def optimize(
     n_check_inputs: int = 3,
     precision: str = "fp32",
     runtime: str = "engine",
+    target: Target | None = None,
 ) -> OptimizeResult:
     """Run the fp32 pipeline (normalize → untie → fold BN → fuse) on a copy of ``model``.
 
@@ -114,12 +116,17 @@ def optimize(
     op's precision and why). On a CPU without native bf16 it warns and returns the fp32 model
     (``result.precision.warnings``); never a slow emulation. A bf16 graph the engine covers only in
     part stays on the executor (measured faster than engine segments between torch nodes).
+
+    ``target``: the CPU to plan for (:class:`~gml.ir.target.Target`; default: this process's,
+    detected once here — ``ONEDNN_MAX_CPU_ISA`` honoured).
     """
     from gml.passes.pipeline import fp32_passes
     from gml.runtime.select import FP32_TOLERANCE, INT8_TOLERANCE, attach_runtime, check_runtime
+    from gml.runtime.target import resolve
 
     check_precision(precision)
     check_runtime(runtime)
+    target = resolve(target)
     inputs = _as_tuple(example_inputs)
     check_eval_mode(model)
     check_finite_parameters(model)
@@ -128,11 +135,11 @@ def optimize(
     samples = [inputs, *random_inputs(inputs, max(0, n_check_inputs - 1), seed=1)]
     ref = run_outputs(copy.deepcopy(model), samples[:1])  # a copy: forward may update buffers
     pipeline = list(passes) if passes is not None else fp32_passes()
-    refusal = _bf16_refusal() if precision == "bf16" else None
+    refusal = _bf16_refusal(target) if precision == "bf16" else None
     if precision == "bf16" and refusal is None:
         from gml.passes.bf16 import LowerToBf16
 
-        pipeline.append(LowerToBf16())
+        pipeline.append(LowerToBf16(target=target))
     result = PassManager(pipeline, strict=strict).run(gm, samples)
     err, _ = compare_outputs(ref, run_outputs(result.graph_module, samples[:1]), None)
     scale = max(
@@ -148,7 +155,9 @@ def optimize(
         bf16 = out.precision.effective == "bf16"
     # bf16 on both sides still rounds differently (fusion order, bf16 stores): the INT8 bound applies
     tolerance = INT8_TOLERANCE if bf16 else FP32_TOLERANCE
-    out.engine, out.runtime = attach_runtime(result.graph_module, inputs, runtime, tolerance=tolerance)
+    out.engine, out.runtime = attach_runtime(
+        result.graph_module, inputs, runtime, tolerance=tolerance, target=target
+    )
     if bf16 and out.engine is not None and out.runtime.path != "engine" and _bf16_compute_in_torch(out.runtime):
         # Measured (benchmarks/bf16.py, MiniLM seq128, Zen 4): a bf16 graph whose kernels the engine
         # covers only in part ran slower as segments between torch nodes (122 ms) than on the
@@ -158,7 +167,7 @@ def optimize(
 
         covered = f"{out.runtime.engine_nodes} of {len(out.runtime.nodes)} nodes"
         note = f"the engine covers part of this bf16 graph ({covered}); mixed runs measured slower: using torch"
-        out.engine, out.runtime = None, RuntimeReport("torch", nodes=out.runtime.nodes, note=note)
+        out.engine, out.runtime = None, RuntimeReport("torch", nodes=out.runtime.nodes, note=note, target=target)
     if out.engine is not None:
         refuse_autograd(out.engine)
         # the error reported is the one of what the user calls (result.executable), not the executor's
@@ -185,14 +194,14 @@ def check_precision(precision: str) -> None:
         raise InputError(f"unknown precision {precision!r}.", hint=f"use one of: {', '.join(PRECISIONS)}.")
 
 
-def _bf16_refusal() -> str | None:
-    """Why bf16 is refused here (a warning is issued), or None. The CPU probe is
+def _bf16_refusal(target: Target) -> str | None:
+    """Why bf16 is refused on ``target`` (a warning is issued), or None. The CPU probe is
     :func:`gml.kernels.bf16.bf16_unavailable_reason` (monkeypatch it to simulate a CPU)."""
     import warnings
 
     from gml.kernels import bf16 as kb
 
-    why = kb.bf16_unavailable_reason()
+    why = kb.bf16_unavailable_reason(target)
     if why is None:
         return None
     msg = f"bf16 requested but {why}; returning the fp32 model instead"
@@ -243,6 +252,13 @@ class QuantizeResult:
     precision: str = "int8"
     #: the precision of the ops INT8 leaves out (``fallback_precision``), after the CPU check
     fallback_precision: str = "fp32"
+    #: why ``precision`` is not ``int8`` (the whole-model guard's numbers, or the accuracy report's
+    #: BROKEN reason); "" for an INT8 result
+    precision_reason: str = ""
+    #: the accuracy report of the INT8 model that was *not* returned (flagged BROKEN), else None
+    rejected_int8_accuracy: Any = None
+    #: the CPU the model was quantized and planned for, and its INT8 arithmetic (``target.describe()``)
+    target: Any = None
 
     @property
     def executable(self) -> Any:
@@ -301,6 +317,8 @@ def quantize(
     smooth_alpha: float | None = None,
     cost_policy: str | Callable[[Any], Any] | None = None,
     fallback_precision: str = "fp32",
+    target: Target | None = None,
+    keep_broken: bool = False,
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -346,6 +364,15 @@ def quantize(
             (:class:`~gml.quant.transformer.AttentionInBf16`; the engine's fused bf16 attention), the
             residual stream and LayerNorm fp32. A CPU without native bf16 gets a ``RuntimeWarning``
             and fp32. ``result.precisions`` lists every op's precision and why.
+        target: the CPU to quantize and plan for (:class:`~gml.ir.target.Target`; default: this
+            process's, detected once here — ``ONEDNN_MAX_CPU_ISA`` honoured). It decides the INT8
+            arithmetic (``target.int8``: 8-bit weights with VNNI/AMX, 7-bit weights without, so no
+            kernel's int16 pairs saturate; docs/adr/011-int8-on-every-isa.md).
+        keep_broken: return the INT8 model even when the accuracy report flags it BROKEN (cosine
+            below :data:`~gml.quant.accuracy.BROKEN_COSINE`, NaN/Inf, or far from exact integer
+            arithmetic with the same qparams). By default a BROKEN result is not returned:
+            ``gml.optimize``'s model comes back (``result.precision == "fp32"``, the reason in
+            ``result.precision_reason``, the refused INT8 report in ``result.rejected_int8_accuracy``).
     """
     import time
 
@@ -355,9 +382,11 @@ def quantize(
     from gml.quant.lower import CoverageEntry, coverage_of
     from gml.quant.pipeline import lowering_passes
     from gml.runtime.select import attach_runtime, check_runtime
+    from gml.runtime.target import resolve
 
     check_runtime(runtime)
     check_precision(fallback_precision)
+    target = resolve(target)
     cost_policy = default_policy() if cost_policy is None else cost_policy
     check_policy(cost_policy)
     check_eval_mode(model, what="INT8 quantization")
@@ -381,14 +410,14 @@ def quantize(
     chosen, why = choose_scheme(model, scheme, inputs)
     # What INT8 leaves out (static scheme: the fp32 kernels; transformer scheme: attention) runs bf16
     # only where the CPU has native bf16 (else a warning, and fp32)
-    refusal = _bf16_refusal() if fallback_precision == "bf16" else None
+    refusal = _bf16_refusal(target) if fallback_precision == "bf16" else None
     fallback = "bf16" if fallback_precision == "bf16" and refusal is None else "fp32"
     if chosen == "transformer":
         return _quantize_transformer(
             model, calib_data, inputs, eval_data=eval_data, eval_labels=eval_labels, per_layer=per_layer,
             strict=strict, min_cosine=min_cosine, leaf_modules=leaf_modules, min_sqnr_db=min_sqnr_db,
             smooth_alpha=smooth_alpha, token_range=token_range, reason=why, runtime=runtime,
-            cost_policy=cost_policy, fallback=fallback,
+            cost_policy=cost_policy, fallback=fallback, target=target,
         )  # fmt: skip
     seconds: dict[str, float] = {}
 
@@ -405,6 +434,7 @@ def quantize(
         backend=backend,
         progress=progress,
         token_range=token_range,
+        arithmetic=target.int8,
     )
     seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
 
@@ -421,9 +451,11 @@ def quantize(
 
     def gml_fp32() -> OptimizeResult:
         if not optimized:
-            optimized.append(
-                optimize(model, inputs, leaf_modules=leaf_modules, precision=fallback, runtime=runtime, strict=strict)
-            )
+            opt = optimize(
+                model, inputs, leaf_modules=leaf_modules, precision=fallback, runtime=runtime, strict=strict,
+                target=target,
+            )  # fmt: skip
+            optimized.append(opt)
         return optimized[0]
 
     t0 = time.perf_counter()
@@ -435,7 +467,7 @@ def quantize(
         policy=cost_policy,
         runtime=runtime,
         relower=lambda gm: PassManager(lowering_passes(backend, fallback=fallback), strict=strict).run(gm, samples),
-        attach=lambda gm: attach_runtime(gm, inputs, runtime, fp32_model=ref.float_module),
+        attach=lambda gm: attach_runtime(gm, inputs, runtime, fp32_model=ref.float_module, target=target),
         strict=strict,
         fp32=lambda: gml_fp32().executable,
     )
@@ -444,7 +476,7 @@ def quantize(
         return _gml_fp32_instead(
             model, gml_fp32(), ref, cost, seconds, why, refusal, fallback,
             eval_data=eval_data, eval_labels=eval_labels, inputs=inputs, token_range=token_range,
-            min_cosine=min_cosine,
+            min_cosine=min_cosine, target=target,
         )  # fmt: skip
     # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
     coverage = coverage_of(result.graph_module)
@@ -454,7 +486,17 @@ def quantize(
     acc = _accuracy(
         model, result.graph_module, ref.float_module, seconds, eval_data=eval_data, eval_labels=eval_labels,
         inputs=inputs, token_range=token_range, per_layer=per_layer, min_cosine=min_cosine,
+        exact_model=ref.graph_module,
     )  # fmt: skip
+    if acc.broken and not keep_broken:  # never return a model the report calls BROKEN (keep_broken: inspect it)
+        broken = f"the INT8 model is BROKEN ({acc.broken}); returning gml.optimize's {fallback} model"
+        out = _gml_fp32_instead(
+            model, gml_fp32(), ref, cost, seconds, why, refusal, fallback,
+            eval_data=eval_data, eval_labels=eval_labels, inputs=inputs, token_range=token_range,
+            min_cosine=min_cosine, reason=broken, target=target,
+        )  # fmt: skip
+        out.rejected_int8_accuracy = acc
+        return out
     refuse_autograd(result.graph_module)
 
     from gml.quant.precision import precision_table
@@ -477,6 +519,7 @@ def quantize(
         ),
         cost=cost,
         fallback_precision=fallback,
+        target=target,
     )
 
 
@@ -496,19 +539,25 @@ def _gml_fp32_instead(
     token_range: tuple[int, int] | None,
     min_cosine: float | None,
     scheme: str = "static",
+    reason: str | None = None,
+    target: Target | None = None,
 ) -> QuantizeResult:
-    """The :class:`QuantizeResult` of a model INT8 could not speed up: ``gml.optimize``'s model
-    (``opt``: its module, engine, pass report and runtime report), with a coverage and a precision
-    table that list every op as fp32 (or bf16) with the whole-model guard's numbers as the reason."""
+    """The :class:`QuantizeResult` of a model INT8 could not speed up (or, with ``reason``, whose
+    INT8 result was BROKEN): ``gml.optimize``'s model (``opt``: its module, engine, pass report and
+    runtime report), with a coverage and a precision table that list every op as fp32 (or bf16)
+    with the whole-model guard's numbers (or ``reason``) as the reason."""
 
     from gml.quant.lower import CoverageEntry, LoweringCoverage
     from gml.quant.precision import precision_table
 
-    i8, f32 = cost.whole if cost.whole is not None else (float("nan"), float("nan"))
-    why = (
-        f"whole-model guard: the INT8 model ran {i8:.2f} ms vs {f32:.2f} ms for gml.optimize's {fallback} model "
-        f"on {cost.shapes or 'the example input'}; returning the {fallback} model"
-    )
+    if reason is not None:
+        why = reason
+    else:
+        i8, f32 = cost.whole if cost.whole is not None else (float("nan"), float("nan"))
+        why = (
+            f"whole-model guard: the INT8 model ran {i8:.2f} ms vs {f32:.2f} ms for gml.optimize's {fallback} "
+            f"model on {cost.shapes or 'the example input'}; returning the {fallback} model"
+        )
     table = precision_table(opt.module, opt.runtime, fp32_reason=why, note=refusal or "")
     coverage = LoweringCoverage(kept_fp32=[CoverageEntry([r.node], r.op, r.precision, why) for r in table])
     # per-layer SQNR pairs INT8 nodes with the float twin's: there are none here
@@ -519,7 +568,7 @@ def _gml_fp32_instead(
     return QuantizeResult(
         opt.module, opt.report, ref.report, coverage, acc, ref.graph_module, seconds, opt.engine, opt.runtime,
         scheme=scheme, scheme_reason=scheme_reason, precisions=table, cost=cost, precision=fallback,
-        fallback_precision=fallback,
+        fallback_precision=fallback, precision_reason=why, target=target,
     )  # fmt: skip
 
 
@@ -535,6 +584,7 @@ def _accuracy(
     token_range: tuple[int, int] | None,
     per_layer: bool,
     min_cosine: float | None,
+    exact_model: nn.Module | None = None,
 ) -> Any:
     """The accuracy report of the module ``quantize`` returns against the eager model (on
     ``eval_data``, or two generated batches shaped like ``inputs``), timed into ``seconds``;
@@ -548,8 +598,9 @@ def _accuracy(
         eval_data = generate_batches(inputs, 2, seed=12345, token_range=token_range)
     t0 = time.perf_counter()
     acc = accuracy_report(
-        copy.deepcopy(model), returned, eval_data, labels=eval_labels, fp32_graph=fp32_graph, per_layer=per_layer
-    )
+        copy.deepcopy(model), returned, eval_data, labels=eval_labels, fp32_graph=fp32_graph, per_layer=per_layer,
+        exact_model=exact_model,
+    )  # fmt: skip
     seconds["accuracy report"] = time.perf_counter() - t0
     if min_cosine is not None:
         check_min_cosine(acc, min_cosine)
@@ -593,6 +644,7 @@ def _quantize_transformer(
     runtime: str = "engine",
     cost_policy: Any = "measure",
     fallback: str = "fp32",
+    target: Target | None = None,
 ) -> QuantizeResult:
     """:func:`quantize` with the transformer scheme, returned in the same result type: ``coverage``
     lists every GEMM (INT8 or fp32 and why) and what stays fp32 (attention, LayerNorm, softmax,
@@ -629,7 +681,7 @@ def _quantize_transformer(
     # the native engine runs the gml.dynamic_linear GEMMs (and what else it covers), checked against
     # the Python executor on the example first (gml.runtime.select)
     t0 = time.perf_counter()
-    engine, runtime_report = attach_runtime(res.module, inputs, runtime, fp32_model=res.fp32_module)
+    engine, runtime_report = attach_runtime(res.module, inputs, runtime, fp32_model=res.fp32_module, target=target)
     seconds["engine compile"] = time.perf_counter() - t0
     cost = None
     if cost_policy != "off":
@@ -638,7 +690,7 @@ def _quantize_transformer(
         from gml.quant.cost_policy import WHOLE_MARGIN, CostReport, guard_whole_model
 
         t0 = time.perf_counter()
-        opt = optimize(model, inputs, leaf_modules=leaf_modules, runtime=runtime, strict=strict)
+        opt = optimize(model, inputs, leaf_modules=leaf_modules, runtime=runtime, strict=strict, target=target)
         shapes = " ".join("x".join(map(str, x.shape)) for x in inputs if isinstance(x, torch.Tensor))
         cost = CostReport("measure", shapes=shapes)
         cost.whole = guard_whole_model(engine if engine is not None else res.module, lambda: opt.executable, inputs)
@@ -653,9 +705,9 @@ def _quantize_transformer(
             ref = SimpleNamespace(report=res, graph_module=res.fp32_module, float_module=res.fp32_module)
             return _gml_fp32_instead(
                 model, opt, ref, cost, seconds, reason, None, "fp32", eval_data=eval_data, eval_labels=eval_labels,
-                inputs=inputs, token_range=token_range, min_cosine=min_cosine, scheme="transformer",
+                inputs=inputs, token_range=token_range, min_cosine=min_cosine, scheme="transformer", target=target,
             )  # fmt: skip
     return QuantizeResult(
         res.module, res.report, res, coverage, acc, res.fp32_module, seconds, engine, runtime_report, "transformer",
-        reason, res.precisions, cost=cost, fallback_precision=fallback,
+        reason, res.precisions, cost=cost, fallback_precision=fallback, target=target,
     )  # fmt: skip

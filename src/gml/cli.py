@@ -323,10 +323,7 @@ def _print_precisions(res) -> None:
     if hasattr(table, "summary"):
         console.print(escape(table.summary()))
     if res.precision != "int8":
-        console.print(
-            f"[yellow]INT8 cannot pay on this model:[/] the returned model is gml optimize's {res.precision} "
-            "model (see the cost policy's whole-model line below)"
-        )
+        console.print(f"[yellow]not INT8:[/] {escape(res.precision_reason)}")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -362,6 +359,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             smooth_alpha=args.smooth_alpha,
             cost_policy=args.cost_policy,
             fallback_precision=args.fallback_precision,
+            keep_broken=args.keep_broken,
         )
     console.print(f"[dim]{why}[/]")
     fe = res.frontend
@@ -381,7 +379,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if acc.layers:
         worst = type(acc)(acc.samples, acc.cosine, acc.max_abs_diff, acc.top1_agreement, layers=acc.worst(10))
         console.print(worst.table(title="INT8 accuracy: the 10 layers with the lowest SQNR"))
-    console.print(f"accuracy: {acc.summary()}")
+    if res.target is not None:  # the CPU planned for and which INT8 arithmetic, and why
+        console.print(f"target: {res.target.describe()}")
+    rejected = res.rejected_int8_accuracy
+    if rejected is not None:
+        console.print(f"[bold red]INT8 BROKEN, not returned:[/] {rejected.summary()}")
+    console.print(f"accuracy ({res.precision} model returned): {acc.summary()}")
     if acc.broken:
         console.print(f"[bold red]BROKEN:[/] {acc.broken}; do not deploy this INT8 model.")
     console.print("stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in res.seconds.items()))
@@ -508,7 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="X",
         help="fail (exit 8, nothing saved) when the INT8 outputs' cosine with fp32 is below X (e.g. 0.99); "
-        "a cosine below 0.9 is reported BROKEN either way",
+        "a cosine below 0.9, or far from exact integer arithmetic with the same qparams, is BROKEN either way "
+        "(and gml optimize's fp32 model is returned instead, unless --keep-broken)",
+    )
+    p.add_argument(
+        "--keep-broken",
+        action="store_true",
+        help="return (and save) the INT8 model even when its accuracy report says BROKEN, to inspect it",
     )
     p.add_argument(
         "--scheme",

@@ -40,6 +40,7 @@ from torch import fx, nn
 
 from gml import archive
 from gml.errors import GMLError, ModelLoadError
+from gml.ir.target import Target
 from gml.kernels import fp32 as k32
 from gml.kernels.int8_ops import register as register_int8_ops
 from gml.passes.utils import replace_module
@@ -399,8 +400,10 @@ def load(
     trust_pickle: bool = False,
     lift: bool = True,
     lifters: Sequence[Lifter] = DEFAULT_LIFTERS,
+    target: Target | None = None,
 ) -> nn.Module:
-    """Load a module written by :func:`save` and rebuild it for this machine.
+    """Load a module written by :func:`save` and rebuild it for this machine (``target``: the
+    :class:`~gml.ir.target.Target` to plan for; default: this process's, detected once here).
 
     Before anything is deserialized the archive is checked (:mod:`gml.archive`): every member
     against its recorded SHA-256 (a damaged file is refused), and a ``torch.export`` file member by
@@ -421,26 +424,38 @@ def load(
 
     check_runtime(runtime)
     gm = _load_module(Path(path), trust_pickle, lift, lifters)
-    return attach_loaded_runtime(gm, runtime)
+    return attach_loaded_runtime(gm, runtime, target)
 
 
-def attach_loaded_runtime(gm: nn.Module, runtime: str = "engine") -> nn.Module:
+def attach_loaded_runtime(gm: nn.Module, runtime: str = "engine", target: Target | None = None) -> nn.Module:
     """``gm`` run by the native engine where it covers the graph and agrees (see :func:`load`), else
     ``gm``; the module returned carries the :class:`~gml.runtime.RuntimeReport` as ``.runtime``."""
     from gml.runtime.compile import RuntimeReport
     from gml.runtime.select import attach_runtime
+    from gml.runtime.target import resolve
 
+    target = resolve(target)
     if not isinstance(gm, fx.GraphModule):
-        report = RuntimeReport("torch", note=f"a pickled {type(gm).__name__}, not a graph: torch runs it")
+        report = RuntimeReport(
+            "torch", note=f"a pickled {type(gm).__name__}, not a graph: torch runs it", target=target
+        )
         gm.runtime = report
         return gm
+    from gml.quant.retarget import retarget_weights
+
+    # INT8 weights saved on a VNNI/AMX machine are requantized where this target's kernels could
+    # saturate (gml.quant.retarget): the Python executor and the engine then both compute exactly
+    changes = retarget_weights(gm, target)
+    if changes:
+        gm.recompile()
     try:
         inputs = placeholder_inputs(gm, seed=0)
     except GMLError as e:  # a pickled graph saved without example inputs: nothing to compile a plan for
         note = f"no input shapes to compile the engine for ({e.message}; save with example_inputs=(x,))"
-        engine, report = None, RuntimeReport("torch", note=note)
+        engine, report = None, RuntimeReport("torch", note=note, target=target)
     else:
-        engine, report = attach_runtime(gm, inputs, runtime)
+        engine, report = attach_runtime(gm, inputs, runtime, target=target)
+    report.changes = changes
     module: nn.Module = engine if engine is not None else gm
     module.runtime = report
     return module

@@ -30,7 +30,9 @@ def _ctx(tmp_path: Path) -> v.BuildContext:
 
 
 def test_gml_bf16_is_skipped_not_mislabelled_without_bf16(tmp_path, monkeypatch):
-    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "no bf16 (simulated)")
+    monkeypatch.setattr(
+        kb, "bf16_unavailable_reason", lambda target=None: "no bf16 (simulated)"
+    )
     with pytest.raises(v.VariantSkipped, match="no bf16 \\(simulated\\)"):
         v.build_gml_bf16(_ctx(tmp_path))
 

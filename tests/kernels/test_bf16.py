@@ -142,9 +142,11 @@ def test_to_fp32_and_to_bf16_touch_only_their_dtype():
     assert kb.to_fp32("x") == "x"
 
 
-def test_capability_probe_names_the_isa():
-    why = kb.bf16_unavailable_reason()
-    isa = kb._cpu_isa()
-    if isa is not None:
-        assert (why is None) == (isa in kb.NATIVE_BF16_ISAS)
-    assert kb.cpu_description()
+def test_capability_probe_follows_the_target():
+    from gml.ir.target import Target
+
+    if kb.bf16_unavailable_reason(Target("avx512_core_amx")) is None:  # oneDNN has bf16 at all
+        assert "avx2" in kb.bf16_unavailable_reason(Target("avx2"))
+        assert "avx512_core_vnni" in kb.bf16_unavailable_reason(Target("avx512_core_vnni"))
+        assert kb.bf16_unavailable_reason(Target("avx512_core_bf16")) is None
+    assert "avx2" in kb.cpu_description(Target("avx2"))

@@ -128,7 +128,9 @@ def test_pass_rolls_back_when_bf16_is_too_coarse():
 
 
 def test_no_bf16_cpu_gives_warning_and_the_fp32_model(monkeypatch):
-    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no native bf16 instructions (simulated)")
+    monkeypatch.setattr(
+        kb, "bf16_unavailable_reason", lambda target=None: "this CPU has no native bf16 instructions (simulated)"
+    )
     model, x = ResBlock().eval(), torch.randn(1, 3, 8, 8)
     with pytest.warns(RuntimeWarning, match="bf16 requested but this CPU has no native bf16"):
         res = gml.optimize(model, x, precision="bf16")

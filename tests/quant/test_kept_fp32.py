@@ -213,7 +213,9 @@ def test_mixed_bf16_fallback_runs_kept_ops_in_bf16_within_the_bf16_bound(monkeyp
 
 def test_no_bf16_cpu_warns_and_falls_back_to_fp32(monkeypatch):
     _guard(monkeypatch, 1.0, 2.0)
-    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no avx512_bf16 / amx_bf16 (simulated)")
+    monkeypatch.setattr(
+        kb, "bf16_unavailable_reason", lambda target=None: "this CPU has no avx512_bf16 / amx_bf16 (simulated)"
+    )
     with pytest.warns(RuntimeWarning, match="bf16 requested but this CPU has no avx512_bf16"):
         q = gml.quantize(_model(), 2, example_inputs=(X,), per_layer=False, cost_policy=_slow({"c1"}),
                          fallback_precision="bf16")  # fmt: skip
@@ -261,7 +263,9 @@ def test_transformer_scheme_mixed_mode_runs_attention_in_bf16():
 
 
 def test_transformer_scheme_mixed_mode_on_a_cpu_without_bf16_warns_and_keeps_fp32(monkeypatch):
-    monkeypatch.setattr(kb, "bf16_unavailable_reason", lambda: "this CPU has no avx512_bf16 / amx_bf16 (simulated)")
+    monkeypatch.setattr(
+        kb, "bf16_unavailable_reason", lambda target=None: "this CPU has no avx512_bf16 / amx_bf16 (simulated)"
+    )
     with pytest.warns(RuntimeWarning, match="bf16 requested but this CPU has no avx512_bf16"):
         q = gml.quantize(_encoder_layer(), 2, example_inputs=(torch.randn(1, 8, 64),), fallback_precision="bf16",
                          cost_policy="off", per_layer=False)  # fmt: skip

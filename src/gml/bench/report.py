@@ -91,7 +91,8 @@ def _floor_line(result: BenchResult, b: BatchResult) -> str:
 def _header(result: BenchResult) -> str:
     m, s = result.machine, result.settings
     return (
-        f"{result.model} on {m['cpu']}, {s['threads']} threads, torch {m['versions'].get('torch')}; "
+        f"{result.model} on {m['cpu']}" + (f" ({m['target']})" if m.get("target") else "")
+        + f", {s['threads']} threads, torch {m['versions'].get('torch')}; "
         f"{s['rounds']} interleaved rounds after {s['warmup']} warm-up calls; {result.created}"
     )
 
@@ -164,6 +165,7 @@ def render_markdown(result: BenchResult) -> str:
     out = [
         f"Model **{result.model}**; {m['cpu']} ({m['logical_cpus']} logical CPUs), "
         f"{result.settings['threads']} threads; {result.created}.",
+        *(["", f"Target: {m['target']}."] if m.get("target") else []),
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
         "",

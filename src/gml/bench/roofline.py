@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from gml.errors import GMLError
+from gml.ir.target import Target
 
 
 @dataclass
@@ -60,12 +61,6 @@ class Peak:
         return flops / rate * 1e3 if rate else None
 
 
-#: oneDNN ISAs with native bf16 dot products (elsewhere oneDNN emulates bf16: no peak to measure)
-BF16_ISAS = frozenset(
-    {"avx512_core_bf16", "avx512_core_fp16", "avx512_core_amx", "avx512_core_amx_fp16", "avx2_vnni_2"}
-)
-
-
 @dataclass
 class EnginePeak:
     """Peaks of one large inner product per precision through the native engine (ops or FLOP/s)."""
@@ -90,7 +85,7 @@ def measure_engine_peak(threads: int, *, reps: int = 10, scale: float = 1.0) -> 
         "int8": (torch.uint8, torch.int8, ("u8", "s8")),
         "fp32": (torch.float32, torch.float32, ("f32", "f32")),
     }
-    if isa in BF16_ISAS:
+    if Target(isa).native_bf16:  # elsewhere oneDNN emulates bf16: no peak to measure
         cases["bf16"] = (torch.bfloat16, torch.bfloat16, ("bf16", "bf16"))
     rates: dict[str, float] = {}
     impls: dict[str, str] = {}

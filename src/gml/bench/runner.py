@@ -242,8 +242,11 @@ def machine_info(threads: int) -> dict[str, Any]:
     for pkg in ("torchvision", *PEER_PACKAGES):
         with contextlib.suppress(PackageNotFoundError):
             versions[pkg] = version(pkg)
+    from gml.runtime.target import detect_target
+
     return {
         "cpu": cpu_name(),
+        "target": detect_target(threads).describe(),
         "logical_cpus": os.cpu_count(),
         "threads": threads,
         "platform": platform.platform(),
@@ -477,8 +480,13 @@ def _run_batch(
     live: dict[str, tuple[Built, Any]] = {}
     ref_outputs: list[Any] = []
     per_call: dict[str, float] = {}
+    from gml.runtime.target import detect_target
+
     with tempfile.TemporaryDirectory(prefix="gml-bench-") as workdir:
-        ctx = BuildContext(eager_model, example, calib, threads, Path(workdir), leaf_modules=tuple(leaf_modules))
+        ctx = BuildContext(
+            eager_model, example, calib, threads, Path(workdir), leaf_modules=tuple(leaf_modules),
+            target=detect_target(threads),
+        )  # fmt: skip
         for name in names:
             res, built, native, outputs, per_call_ms = runner.build(name, ctx, check, warmup)
             results.append(res)

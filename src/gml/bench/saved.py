@@ -49,13 +49,14 @@ def bench_saved(
 ) -> int:
     """Time ``path`` on the engine and on the Python executor; returns the exit code (0)."""
     from gml.io import attach_loaded_runtime, load, placeholder_inputs
-    from gml.runtime import native
+    from gml.runtime.target import detect_target
 
     console = console or Console(highlight=False)
-    gm = load(path, runtime="torch")
-    engine = attach_loaded_runtime(gm, "engine")
+    target = detect_target(threads or None)
+    gm = load(path, runtime="torch", target=target)
+    engine = attach_loaded_runtime(gm, "engine", target)
     report = engine.runtime
-    isa = native.load().cpu_isa() if native.unavailable_reason() is None else "unavailable"
+    isa = target.isa
     console.print(f"[bold]{path}[/]: a model saved by gml; {str(report).splitlines()[0]}")
     for line in str(report).splitlines()[1:]:
         console.print(f"[dim]{line}[/]")

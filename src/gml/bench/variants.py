@@ -67,6 +67,8 @@ class BuildContext:
     cache: dict[str, Any] = field(default_factory=dict)
     #: submodules GML's own variants keep opaque while tracing (``gml bench --leaf``)
     leaf_modules: tuple[str | type, ...] = ()
+    #: the CPU GML's variants plan for (gml.ir.target.Target; detected once by the runner)
+    target: Any = None
 
 
 @dataclass
@@ -165,7 +167,9 @@ def _report_notes(report: Any) -> list[str]:
 
 def build_gml_fp32(ctx: BuildContext) -> Built:
     _gml_fn("optimize")  # before the deep copy: a missing stage costs nothing
-    res = _gml_call("optimize", copy.deepcopy(ctx.model), ctx.example, leaf_modules=ctx.leaf_modules)
+    res = _gml_call(
+        "optimize", copy.deepcopy(ctx.model), ctx.example, leaf_modules=ctx.leaf_modules, target=ctx.target
+    )
     mod = res.module
     runtime = getattr(res, "runtime", None)  # the native engine where it covers the graph (gml.runtime)
     notes = _report_notes(res.report) + ([f"runtime: {runtime.path}"] if runtime is not None else [])
@@ -178,12 +182,13 @@ def build_gml_bf16(ctx: BuildContext) -> Built:
     _gml_fn("optimize")
     from gml.kernels.bf16 import bf16_unavailable_reason
 
-    why = bf16_unavailable_reason()
+    why = bf16_unavailable_reason(ctx.target)
     if why is not None:
         raise VariantSkipped(f"no native bf16 here: {why}")
     res = _gml_call(
-        "optimize", copy.deepcopy(ctx.model), ctx.example, leaf_modules=ctx.leaf_modules, precision="bf16"
-    )
+        "optimize", copy.deepcopy(ctx.model), ctx.example, leaf_modules=ctx.leaf_modules, precision="bf16",
+        target=ctx.target,
+    )  # fmt: skip
     if res.precision is None or res.precision.effective != "bf16":
         reason = "; ".join(res.precision.warnings) if res.precision is not None else "no precision report"
         raise VariantSkipped(f"bf16 not applied: {reason}")
@@ -197,11 +202,14 @@ def build_gml_bf16(ctx: BuildContext) -> Built:
 def build_gml_int8(ctx: BuildContext) -> Built:
     _gml_fn("quantize")
     res = _gml_call(
-        "quantize", copy.deepcopy(ctx.model), ctx.calib, example_inputs=ctx.example, leaf_modules=ctx.leaf_modules
-    )
+        "quantize", copy.deepcopy(ctx.model), ctx.calib, example_inputs=ctx.example, leaf_modules=ctx.leaf_modules,
+        target=ctx.target,
+    )  # fmt: skip
     mod = res.module
     runtime = getattr(res, "runtime", None)  # the native engine where it covers the graph (gml.runtime)
     notes = _report_notes(res.report) + ([f"runtime: {runtime.path}"] if runtime is not None else [])
+    if ctx.target is not None and getattr(res, "precision", "int8") == "int8":
+        notes.append(f"INT8 arithmetic: {ctx.target.describe()}")
     if getattr(res, "scheme", "static") != "static":  # #15: a transformer gets the transformer scheme
         notes.append(f"scheme: {res.scheme} ({res.frontend.summary()})")
     if getattr(res, "precision", "int8") != "int8":  # #16: the whole-model guard returned gml.optimize's model

@@ -29,10 +29,11 @@ rounding) and added in fp32.
 **Activations** enter as bf16 (an fp32 input is converted once, at the first kernel) and leave as
 bf16 in channels-last, so consecutive kernels never convert.
 
-**Availability.** :func:`bf16_unavailable_reason` is the one capability query: oneDNN must dispatch
-to an ISA with native bf16 dot products (AVX512-BF16, AMX-BF16, AVX-NE-CONVERT + AVX-VNNI-INT8's
-``avx2_vnni_2``). On other CPUs oneDNN would emulate bf16 by converting to fp32 around every
-instruction, slower than fp32: GML then refuses bf16 and keeps the fp32 model, with a warning.
+**Availability.** :func:`bf16_unavailable_reason` is the one capability query, on the
+:class:`~gml.ir.target.Target` (``Target.native_bf16``): oneDNN must dispatch to an ISA with native
+bf16 dot products (AVX512-BF16, AMX-BF16, AVX-NE-CONVERT + AVX-VNNI-INT8's ``avx2_vnni_2``). On
+other CPUs oneDNN would emulate bf16 by converting to fp32 around every instruction, slower than
+fp32: GML then refuses bf16 and keeps the fp32 model, with a warning.
 """
 
 from __future__ import annotations
@@ -45,18 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gml.ir.target import Target
 from gml.ir.values import NO_POST_OP, PostOp
 from gml.kernels import fp32 as k32
 
 #: bf16's unit roundoff 2^(1-p)/2 = 2^-8 for p = 8 significant bits (7 stored + the implicit one),
 #: round-to-nearest-even (2^-9 until 2026-11-24: half the true value).
 BF16_UNIT_ROUNDOFF = 2.0**-8
-
-#: oneDNN ISAs (``gml._engine.cpu_isa()`` names) with native bf16 dot products.
-NATIVE_BF16_ISAS = frozenset(
-    {"avx512_core_bf16", "avx512_core_fp16", "avx512_core_amx", "avx512_core_amx_fp16", "avx2_vnni_2"}
-)
-
 
 def bf16_dot_bound(abs_dot: torch.Tensor | float, k: int = 1) -> torch.Tensor | float:
     """Error bound of one bf16 kernel vs the same fp32 op: ``(2u + u + k*2^-24) * sum|w||x|``.
@@ -68,28 +64,10 @@ def bf16_dot_bound(abs_dot: torch.Tensor | float, k: int = 1) -> torch.Tensor | 
     return (3 * BF16_UNIT_ROUNDOFF + k * 2.0**-24) * abs_dot
 
 
-def _cpu_isa() -> str | None:
-    """oneDNN's dispatch ISA from the native engine (respects ``ONEDNN_MAX_CPU_ISA``), else None."""
-    try:
-        from gml import _engine  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return str(_engine.cpu_isa())
-
-
-def _torch_native_bf16() -> bool | None:
-    """torch's own CPU feature probe (cpuinfo), where this torch build has it."""
-    cpu = getattr(torch._C, "_cpu", None)
-    probe = getattr(cpu, "_is_avx512_bf16_supported", None)
-    if probe is None:
-        return None
-    amx = getattr(cpu, "_is_amx_tile_supported", lambda: False)
-    return bool(probe()) or bool(amx())
-
-
 @functools.cache
-def bf16_unavailable_reason() -> str | None:
-    """Why bf16 kernels cannot run *natively* here, or ``None`` when they can (probed once).
+def bf16_unavailable_reason(target: Target | None = None) -> str | None:
+    """Why bf16 kernels cannot run *natively* on ``target`` (default: this process's, detected
+    once), or ``None`` when they can. ``Target.native_bf16`` is the one ISA fact used.
 
     The one function tests monkeypatch to simulate a CPU without bf16 (``functools.cache``d: patch
     the module attribute, or call ``bf16_unavailable_reason.cache_clear()``).
@@ -99,28 +77,26 @@ def bf16_unavailable_reason() -> str | None:
         return why
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "oneDNN in this torch build has no bf16 support on this CPU"
-    isa = _cpu_isa()
-    if isa is not None:
-        if isa not in NATIVE_BF16_ISAS:
-            return (
-                f"this CPU has no native bf16 instructions (oneDNN dispatches to {isa}; bf16 needs "
-                "AVX512-BF16, AMX-BF16 or AVX-NE-CONVERT): bf16 would be emulated, slower than fp32"
-            )
-        return None
-    native = _torch_native_bf16()
-    if native is False:
-        return "this CPU has no AVX512-BF16 or AMX-BF16 (torch's CPU probe): bf16 would be emulated"
+    from gml.runtime.target import resolve
+
+    target = resolve(target)
+    if not target.native_bf16:
+        return (
+            f"this CPU has no native bf16 instructions (oneDNN dispatches to {target.isa}; bf16 needs "
+            "AVX512-BF16, AMX-BF16 or AVX-NE-CONVERT): bf16 would be emulated, slower than fp32"
+        )
     return None
 
 
-def bf16_available() -> bool:
-    return bf16_unavailable_reason() is None
+def bf16_available(target: Target | None = None) -> bool:
+    return bf16_unavailable_reason(target) is None
 
 
-def cpu_description() -> str:
+def cpu_description(target: Target | None = None) -> str:
     """One line naming what bf16 runs on here, for reports."""
-    isa = _cpu_isa()
-    return f"oneDNN ISA {isa}" if isa else f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    from gml.runtime.target import resolve
+
+    return f"oneDNN ISA {resolve(target).isa}"
 
 
 def to_bf16(x: Any) -> Any:
@@ -261,7 +237,6 @@ def weight_bytes(modules: Sequence[nn.Module]) -> int:
 __all__ = [
     "BF16_TWINS",
     "BF16_UNIT_ROUNDOFF",
-    "NATIVE_BF16_ISAS",
     "Bf16Conv",
     "Bf16ConvAdd",
     "Bf16Linear",

@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_flatten
 from gml.errors import GMLError
 from gml.ir.attention import is_attention
 from gml.ir.ops import SPECS, op_kind
+from gml.ir.target import Target
 from gml.kernels import bf16 as kb
 from gml.kernels import fp32 as k32
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
@@ -225,18 +226,20 @@ class LowerToBf16(GraphPass):
         check_cpu: refuse (raise :class:`~gml.errors.UnsupportedError`) on a CPU without native
             bf16 (:func:`~gml.kernels.bf16.bf16_unavailable_reason`); ``False`` lowers anyway
             (tests of the graph rewrite on any machine).
+        target: the CPU checked (:class:`~gml.ir.target.Target`; default: this process's).
     """
 
     name = "lower_bf16"
     tolerance = BF16_TOLERANCE
 
-    def __init__(self, *, check_cpu: bool = True) -> None:
+    def __init__(self, *, check_cpu: bool = True, target: Target | None = None) -> None:
         self.check_cpu = check_cpu
+        self.target = target
 
     def requires(self, gm: fx.GraphModule) -> None:
         from gml.errors import UnsupportedError
 
-        why = kb.bf16_unavailable_reason() if self.check_cpu else None
+        why = kb.bf16_unavailable_reason(self.target) if self.check_cpu else None
         if why is not None:
             raise UnsupportedError(f"bf16 is not available: {why}.", hint="use precision='fp32'.")
 

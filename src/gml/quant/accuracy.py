@@ -58,6 +58,17 @@ class LayerError:
 #: noise. ``gml quantize --min-cosine`` / ``quantize(min_cosine=...)`` set a stricter bar that fails.
 BROKEN_COSINE = 0.9
 
+#: An INT8 result is also BROKEN when it is far from *exact integer arithmetic with the same qparams*
+#: (the reference Q/DQ graph, ``exact_model`` of :func:`accuracy_report`): its cosine distance to
+#: fp32 more than ``EXACT_FACTOR`` times the exact arithmetic's plus ``EXACT_SLACK`` (a kernel that
+#: saturates, a wrong lowering: measured 1000x on the issue's layers, ADR 011; the kernels GML runs
+#: stay within 1-3x), or ``EXACT_TOP1_DROP`` more of the samples changing their top-1 class (and
+#: at least ``EXACT_TOP1_MIN`` samples). Rounding differences between executors never come close.
+EXACT_FACTOR = 10.0
+EXACT_SLACK = 1e-3
+EXACT_TOP1_DROP = 0.05
+EXACT_TOP1_MIN = 3
+
 
 @dataclass
 class AccuracyReport:
@@ -75,12 +86,37 @@ class AccuracyReport:
     int8_max_abs: float | None = None
     fp32_nonfinite: int = 0  # NaN/Inf output elements of each model
     int8_nonfinite: int = 0
+    #: the same measures of exact integer arithmetic with the same qparams (``exact_model``), if given
+    exact_cosine: float | None = None
+    exact_top1_agreement: float | None = None
+    classified: int = 0  # samples counted in the top-1 agreements
+
+    @property
+    def far_from_exact(self) -> str | None:
+        """Why the result is far from exact integer arithmetic with the same qparams (module
+        constants), or ``None`` when it is close (or no exact model was compared)."""
+        if self.exact_cosine is not None and math.isfinite(self.exact_cosine) and math.isfinite(self.cosine):
+            err, exact = 1.0 - self.cosine, max(0.0, 1.0 - self.exact_cosine)
+            if err > EXACT_FACTOR * exact + EXACT_SLACK:
+                return (
+                    f"output cosine {self.cosine:.6f} is far from exact integer arithmetic with the same qparams "
+                    f"({self.exact_cosine:.6f}): the kernels do not compute what the qparams say (saturation?)"
+                )
+        if self.exact_top1_agreement is not None and self.top1_agreement is not None and self.classified:
+            flips = round((self.exact_top1_agreement - self.top1_agreement) * self.classified)
+            if flips >= max(EXACT_TOP1_MIN, EXACT_TOP1_DROP * self.classified):
+                return (
+                    f"top-1 agreement {100 * self.top1_agreement:.2f}% vs {100 * self.exact_top1_agreement:.2f}% "
+                    "for exact integer arithmetic with the same qparams"
+                )
+        return None
 
     @property
     def broken(self) -> str | None:
         """Why this INT8 result must not be used (cosine below :data:`BROKEN_COSINE`, NaN/Inf that
-        one model has and the other not), naming the worst layer; ``None`` when it is not broken."""
-        why = self.below(BROKEN_COSINE)
+        one model has and the other not, far from exact integer arithmetic: :attr:`far_from_exact`),
+        naming the worst layer; ``None`` when it is not broken."""
+        why = self.below(BROKEN_COSINE) or self.far_from_exact
         if why is None:
             return None
         worst = self.worst(1)
@@ -123,6 +159,11 @@ class AccuracyReport:
             parts.insert(0, f"BROKEN ({broken})")
         if self.top1_agreement is not None:
             parts.append(f"top-1 agreement {100 * self.top1_agreement:.2f}%")
+        if self.exact_cosine is not None:
+            exact = f"exact integer arithmetic: cosine {self.exact_cosine:.6f}"
+            if self.exact_top1_agreement is not None:
+                exact += f", top-1 agreement {100 * self.exact_top1_agreement:.2f}%"
+            parts.append(exact)
         if self.fp32_top1 is not None and self.int8_top1 is not None:
             parts.append(f"top-1 accuracy fp32 {100 * self.fp32_top1:.2f}% / int8 {100 * self.int8_top1:.2f}%")
         return ", ".join(parts)
@@ -249,6 +290,7 @@ def accuracy_report(
     labels: Sequence[torch.Tensor] | None = None,
     fp32_graph: fx.GraphModule | None = None,
     per_layer: bool = True,
+    exact_model: nn.Module | None = None,
 ) -> AccuracyReport:
     """Compare ``int8_model`` with ``fp32_model`` on held-out ``inputs``.
 
@@ -260,6 +302,10 @@ def accuracy_report(
         fp32_graph: the fp32 graph whose node names match ``int8_model`` (the frontend's float
             twin); defaults to ``fp32_model`` if that is a GraphModule. Needed for per-layer SQNR.
         per_layer: compute per-layer SQNR (runs both graphs node by node: slower).
+        exact_model: exact integer arithmetic with ``int8_model``'s qparams (the reference Q/DQ
+            graph it was lowered from: dequantized values, exact products); its cosine and top-1
+            agreement with fp32 are reported, and a result far from them is BROKEN
+            (:attr:`AccuracyReport.far_from_exact`).
     """
     fp32_graph = (
         fp32_graph if fp32_graph is not None else fp32_model if isinstance(fp32_model, fx.GraphModule) else None
@@ -274,6 +320,8 @@ def accuracy_report(
     compared = dict.fromkeys(keys, 0)  # batches in which both values existed with one shape
 
     dot = na = nb = 0.0
+    e_dot = e_n = e_nr = 0.0  # the exact model's dot with fp32, its squared norm, fp32's
+    e_agree = 0
     max_diff = max_r = max_q = 0.0
     bad_r = bad_q = 0
     samples = agree = 0
@@ -318,6 +366,7 @@ def accuracy_report(
                     worst[k] = max(worst[k], float(d.abs().max()) if d.numel() else 0.0)
             else:
                 q_out = _flat_outputs(int8_model(*args))
+            e_out = _flat_outputs(exact_model(*args)) if exact_model is not None else None
             if len(ref_out) != len(q_out):
                 raise InputError(
                     f"batch {i}: the INT8 model returns {len(q_out)} outputs, the fp32 model {len(ref_out)}.",
@@ -341,12 +390,21 @@ def accuracy_report(
                     max_diff = max(max_diff, float((r64 - q64).abs().max()))
                     max_r = max(max_r, float(r64.abs().max()))
                     max_q = max(max_q, float(q64.abs().max()))
+            if e_out is not None and len(e_out) == len(ref_out):
+                for r, e in zip(ref_out, e_out):
+                    r64, e64 = r.double().flatten(), e.double().flatten()
+                    fin = torch.isfinite(r64) & torch.isfinite(e64)
+                    e_dot += float(r64[fin] @ e64[fin])
+                    e_n += float(e64[fin] @ e64[fin])
+                    e_nr += float(r64[fin] @ r64[fin])
             first_r, first_q = ref_out[0], q_out[0]
             n = int(first_r.shape[0]) if first_r.dim() else 1
             samples += n
             if first_r.dim() == 2 and first_r.shape[1] > 1:
                 pr, pq = first_r.argmax(1), first_q.argmax(1)
                 agree += int((pr == pq).sum())
+                if e_out is not None:
+                    e_agree += int((pr == e_out[0].argmax(1)).sum())
                 classified += n
                 if y is not None:
                     labelled += n
@@ -356,6 +414,9 @@ def accuracy_report(
     if batches == 0:
         raise InputError("no inputs to compare on.", hint="pass at least one held-out batch.")
     cosine = dot / math.sqrt(na * nb) if na > 0 and nb > 0 and not math.isnan(dot) else float("nan")
+    exact_cosine = None
+    if exact_model is not None:
+        exact_cosine = e_dot / math.sqrt(e_nr * e_n) if e_nr > 0 and e_n > 0 else float("nan")
     layers = []
     if layer_graphs:
         modules = dict(int8_model.named_modules(remove_duplicate=False))
@@ -377,6 +438,9 @@ def accuracy_report(
         int8_max_abs=max_q,
         fp32_nonfinite=bad_r,
         int8_nonfinite=bad_q,
+        exact_cosine=exact_cosine,
+        exact_top1_agreement=e_agree / classified if classified and exact_model is not None else None,
+        classified=classified,
     )
 
 
@@ -390,4 +454,12 @@ def top1_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size
     return correct / len(x)
 
 
-__all__ = ["BROKEN_COSINE", "AccuracyReport", "LayerError", "accuracy_report", "sqnr_db", "top1_accuracy"]
+__all__ = [
+    "BROKEN_COSINE",
+    "EXACT_FACTOR",
+    "AccuracyReport",
+    "LayerError",
+    "accuracy_report",
+    "sqnr_db",
+    "top1_accuracy",
+]

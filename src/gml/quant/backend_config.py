@@ -52,9 +52,11 @@ same. Only ``Add(conv, y)`` is listed: the frontend first swaps ``Add(y, conv)``
 ``+`` commutes bit for bit), because torch.ao picks a fuser by the matched module *types* and
 could not tell the two orders apart when both operands are convs.
 
-Observers: activations per-tensor affine quint8 (the full 0..255 range for oneDNN/VNNI; 0..127,
-torch's "reduce_range", for fbgemm, whose non-VNNI path can saturate 16-bit accumulators),
-weights per-channel symmetric qint8 (or per-tensor symmetric). Activation observer choices:
+Observers: activations per-tensor affine quint8 (the full 0..255 range for oneDNN; 0..127,
+torch's "reduce_range", for fbgemm), weights per-channel symmetric qint8 (or per-tensor symmetric)
+over the range the target's INT8 arithmetic allows (:attr:`gml.ir.target.Target.int8`: 8 bits
+with VNNI/AMX, 7 bits ``[-64, 64]`` without, where u8×s8 int16 pairs would saturate; ADR 011).
+Activation observer choices:
 
 * ``minmax``: running min/max, the default; on ResNet18 (random init, N(0,1) inputs) it is as
   good as the histogram search and 3x cheaper.
@@ -97,6 +99,11 @@ from torch.ao.quantization.utils import MatchAllNode
 
 from gml import nn as gnn
 from gml.errors import InputError
+from gml.ir.target import Int8Arithmetic, Target
+
+#: The INT8 arithmetic of a VNNI / AMX target (8-bit weights, full u8 activations): the default
+#: where no Target is given (gml.quantize always passes its own).
+VNNI_INT8 = Target("avx512_core_vnni").int8
 
 BACKENDS = ("onednn", "fbgemm")
 OBSERVERS = ("minmax", "moving_average", "histogram", "percentile")
@@ -156,13 +163,21 @@ def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
         raise InputError(f"unknown {what} {value!r}.", hint=f"choose one of: {', '.join(choices)}.")
 
 
-def activation_observer(observer: str = "minmax", *, backend: str = "onednn", percentile: float = 99.99):
-    """Observer constructor for activations: per-tensor affine quint8."""
+def activation_observer(
+    observer: str = "minmax",
+    *,
+    backend: str = "onednn",
+    percentile: float = 99.99,
+    arithmetic: Int8Arithmetic = VNNI_INT8,
+):
+    """Observer constructor for activations: per-tensor affine quint8 over ``arithmetic``'s
+    activation range (``fbgemm``: at most 0..127, torch's reduce_range)."""
     _check_choice(observer, OBSERVERS, "observer")
     _check_choice(backend, BACKENDS, "backend")
     kw: dict[str, Any] = {"dtype": torch.quint8, "qscheme": torch.per_tensor_affine}
-    if backend == "fbgemm":  # 7-bit activations (torch's reduce_range, spelled the non-deprecated way)
-        kw.update(quant_min=0, quant_max=127)
+    qmax = min(arithmetic.act_qmax, 127) if backend == "fbgemm" else arithmetic.act_qmax
+    if (arithmetic.act_qmin, qmax) != (0, 255):  # 7-bit activations (reduce_range, the non-deprecated way)
+        kw.update(quant_min=arithmetic.act_qmin, quant_max=qmax)
     if observer == "minmax":
         return MinMaxObserver.with_args(**kw)
     if observer == "moving_average":
@@ -172,23 +187,33 @@ def activation_observer(observer: str = "minmax", *, backend: str = "onednn", pe
     return PercentileObserver.with_args(percentile=percentile, **kw)
 
 
-def weight_observer(per_channel: bool = True):
-    """Observer constructor for weights: symmetric qint8, per output channel or per tensor."""
+def weight_observer(per_channel: bool = True, arithmetic: Int8Arithmetic = VNNI_INT8):
+    """Observer constructor for weights: symmetric qint8 over ``arithmetic``'s weight range (8 bits
+    with VNNI/AMX; 7 bits, ``[-64, 64]`` at twice the scale, where int16 pairs would saturate), per
+    output channel or per tensor."""
+    kw: dict[str, Any] = {"dtype": torch.qint8}
+    if (arithmetic.weight_qmin, arithmetic.weight_qmax) != (-128, 127):
+        kw.update(quant_min=arithmetic.weight_qmin, quant_max=arithmetic.weight_qmax)
     if per_channel:
-        return PerChannelMinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_channel_symmetric)
-    return MinMaxObserver.with_args(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+        return PerChannelMinMaxObserver.with_args(qscheme=torch.per_channel_symmetric, **kw)
+    return MinMaxObserver.with_args(qscheme=torch.per_tensor_symmetric, **kw)
 
 
 FIXED_QPARAMS_OPS: tuple[type[nn.Module], ...] = (nn.Sigmoid, nn.Hardsigmoid)
 
 
 def qconfig_mapping(
-    observer: str = "minmax", *, per_channel: bool = True, backend: str = "onednn", percentile: float = 99.99
+    observer: str = "minmax",
+    *,
+    per_channel: bool = True,
+    backend: str = "onednn",
+    percentile: float = 99.99,
+    arithmetic: Int8Arithmetic = VNNI_INT8,
 ) -> QConfigMapping:
     """One global QConfig (the BackendConfig decides which ops actually get quantized), plus the
-    fixed [0, 1] output observer of the sigmoids."""
-    act = activation_observer(observer, backend=backend, percentile=percentile)
-    weight = weight_observer(per_channel)
+    fixed [0, 1] output observer of the sigmoids; ranges from ``arithmetic`` (the Target's)."""
+    act = activation_observer(observer, backend=backend, percentile=percentile, arithmetic=arithmetic)
+    weight = weight_observer(per_channel, arithmetic)
     mapping = QConfigMapping().set_global(QConfig(activation=act, weight=weight))
     for op in FIXED_QPARAMS_OPS:
         mapping.set_object_type(op, QConfig(activation=FIXED_0TO1, weight=weight))

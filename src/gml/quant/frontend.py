@@ -45,9 +45,11 @@ from gml.capture import MUTATES
 from gml.errors import InputError, UnsupportedError
 from gml.ir.layers import behaves_as
 from gml.ir.qdq import is_dequantize, is_quantize_any
+from gml.ir.target import Int8Arithmetic
 from gml.passes.manager import PassManager, PipelineReport
 from gml.quant.backend_config import (
     NORMALIZED_MODULES,
+    VNNI_INT8,
     activation_observer,
     get_backend_config,
     int8_ops,
@@ -215,8 +217,10 @@ def prepare(
     per_channel: bool = True,
     backend: str = "onednn",
     percentile: float = 99.99,
+    arithmetic: Int8Arithmetic = VNNI_INT8,
 ) -> fx.GraphModule:
-    """Fuse with the GML BackendConfig and insert observers (``gm`` is not modified).
+    """Fuse with the GML BackendConfig and insert observers (``gm`` is not modified); the observers'
+    ranges are ``arithmetic``'s (the target's INT8 arithmetic: ``Target.int8``).
 
     Every ``call_module`` of ``gm`` stays a leaf: torch.ao re-traces the module and would
     otherwise inline modules outside ``torch.nn`` (the normalized ``gml.nn.Add``, user leaves).
@@ -232,7 +236,9 @@ def prepare(
         .set_non_traceable_module_classes(list(NORMALIZED_MODULES))
         .set_non_traceable_module_names(leaves)
     )
-    qmap = qconfig_mapping(observer, per_channel=per_channel, backend=backend, percentile=percentile)
+    qmap = qconfig_mapping(
+        observer, per_channel=per_channel, backend=backend, percentile=percentile, arithmetic=arithmetic
+    )
     with quiet_torch_ao():
         prepared = prepare_fx(
             gm,
@@ -241,7 +247,8 @@ def prepare(
             prepare_custom_config=custom,
             backend_config=get_backend_config(backend),
         )
-    _observe_fixed_qparams_inputs(prepared, activation_observer(observer, backend=backend, percentile=percentile))
+    act = activation_observer(observer, backend=backend, percentile=percentile, arithmetic=arithmetic)
+    _observe_fixed_qparams_inputs(prepared, act)
     return prepared
 
 
@@ -452,6 +459,7 @@ def prepare_reference(
     max_batches: int | None = None,
     seed: int = 0,
     token_range: tuple[int, int] | None = None,
+    arithmetic: Int8Arithmetic = VNNI_INT8,
 ) -> ReferenceResult:
     """fp32 model → calibrated reference Q/DQ graph (see the module docstring).
 
@@ -468,14 +476,17 @@ def prepare_reference(
         fp32_output: keep conv/linear results that are model outputs in fp32
             (see :func:`keep_outputs_fp32`).
         token_range: the ids generated integer inputs are drawn from (the model's vocabulary).
+        arithmetic: the target's INT8 arithmetic (``Target.int8``): the weight and activation
+            ranges every kernel on that CPU computes exactly (docs/adr/011-int8-on-every-isa.md).
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     silence_qtensor_notice()
     gm, fp32_report = run_fp32_passes(model, example_inputs)
     prepared = prepare(
-        gm, example_inputs, observer=observer, per_channel=per_channel, backend=backend, percentile=percentile
-    )
+        gm, example_inputs, observer=observer, per_channel=per_channel, backend=backend, percentile=percentile,
+        arithmetic=arithmetic,
+    )  # fmt: skip
     data, source = _calibration_source(calib_data, example_inputs, seed, token_range)
     stats = calibrate(prepared, data, progress, max_batches=max_batches, source=source)
     twin = float_twin(prepared)

@@ -27,6 +27,7 @@ import torch
 from torch import fx, nn
 
 from gml.errors import InputError, UnsupportedError
+from gml.ir.target import Target
 from gml.runtime import native
 from gml.runtime.plan import Builder
 from gml.runtime.shape_values import cache_guards, cache_shape_values, schedule_for_engine
@@ -71,6 +72,10 @@ class RuntimeReport:
     shape_fallbacks: dict[str, str] = field(default_factory=dict)
     #: convs the example input's plans run as Winograd F(2x2, 3x3) (docs/adr/010-winograd-conv.md)
     winograd_convs: int = 0
+    #: the CPU the plans are built for (gml.ir.target; detected once at the API boundary)
+    target: Target | None = None
+    #: what the plan changed for this target (e.g. a saved model's 8-bit weights requantized to 7 bits)
+    changes: list[str] = field(default_factory=list)
 
     @property
     def engine_nodes(self) -> int:
@@ -92,6 +97,9 @@ class RuntimeReport:
             f"runtime: {self.path} ({self.engine_nodes} nodes in {self.segments} engine segment(s), "
             f"{len(self.torch_nodes)} in torch)"
         ]
+        if self.target is not None:
+            lines.append(f"  target: {self.target.describe()}")
+        lines += [f"  changed for this CPU: {c}" for c in self.changes]
         if self.note:
             lines.append(f"  {self.note}")
         if self.winograd_convs:
@@ -208,7 +216,7 @@ class EngineSegment(nn.Module):
 
     def _translate(self, env: dict[fx.Node, Any]) -> tuple[Any, list[tuple]]:
         graph = self.reference.graph
-        b = Builder(_last_use(graph))
+        b = Builder(_last_use(graph), self._report.target)
         free = free_values(self.reference, env)
         vals: dict[fx.Node, Any] = {}
         inputs, outputs, metas = [], [], []
@@ -306,9 +314,12 @@ def _key_str(key: tuple) -> str:
     return ", ".join(one(s, d) for s, _, d in key)
 
 
-def partition(gm: fx.GraphModule) -> tuple[fx.GraphModule, RuntimeReport]:
-    """A copy of ``gm`` with each maximal run of engine nodes replaced by one EngineSegment call."""
-    report = RuntimeReport("engine")
+def partition(gm: fx.GraphModule, target: Target | None = None) -> tuple[fx.GraphModule, RuntimeReport]:
+    """A copy of ``gm`` with each maximal run of engine nodes replaced by one EngineSegment call;
+    the segments plan for ``target`` (default: this process's, :func:`gml.runtime.target.detect_target`)."""
+    from gml.runtime.target import resolve
+
+    report = RuntimeReport("engine", target=resolve(target))
     # torch glue first (gml.runtime.shape_values): values of the input sizes alone are computed once
     # per shape, and torch nodes independent of an engine run move before it (fewer segments)
     gm = fx.GraphModule(gm, _copy_graph(gm.graph))  # a copy to reorder; the caller's graph is untouched
@@ -507,13 +518,16 @@ class EngineModule(nn.Module):
         ]
 
 
-def compile_engine(gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> EngineModule:
-    """Partition ``gm`` for the engine and compile the plan for ``example_inputs``' shapes.
+def compile_engine(
+    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], target: Target | None = None
+) -> EngineModule:
+    """Partition ``gm`` for the engine and compile the plan for ``example_inputs``' shapes, for
+    ``target`` (the API boundary's :class:`~gml.ir.target.Target`; default: this process's).
 
     Raises :class:`UnsupportedError` if the native engine is not built (see :func:`native.load`).
     """
     native.load()
-    part, report = partition(gm)
+    part, report = partition(gm, target)
     module = EngineModule(part, report, list(example_inputs))
     with torch.no_grad():
         module(*example_inputs)  # compiles the plans for these shapes

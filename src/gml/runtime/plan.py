@@ -38,6 +38,7 @@ import torch
 from torch import fx
 
 from gml.errors import InputError
+from gml.ir.target import Target
 
 #: A uint8 value's (scale, zero point), or None for fp32.
 QP = tuple[float, int] | None
@@ -213,7 +214,11 @@ class Builder:
     """Records the steps of one plan (see the module docstring). ``node_pos`` / ``last_use`` come
     from the segment graph: a value read by a later node or returned must not be overwritten."""
 
-    def __init__(self, last_use: dict[fx.Node, float]) -> None:
+    def __init__(self, last_use: dict[fx.Node, float], target: Target | None = None) -> None:
+        from gml.runtime.target import resolve
+
+        #: the CPU this plan is for (gml.ir.target): the rules' ISA decisions read it, nothing else
+        self.target = resolve(target)
         self.vals: list[Val] = []
         self.steps: list[Step] = []
         self.last_use = last_use
@@ -634,6 +639,7 @@ class Builder:
                         sum=kw["sum_q"],
                         nthreads=torch.get_num_threads(),  # the team the Winograd choice is timed with
                         winograd=winograd,
+                        native_bf16=self.target.native_bf16,
                         **common,
                     )
                 else:

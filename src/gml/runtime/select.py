@@ -14,6 +14,7 @@ import torch
 from torch import fx
 
 from gml.errors import GMLError, InputError
+from gml.ir.target import Target
 from gml.ir.values import cloned
 from gml.runtime import timing
 from gml.runtime.compile import EngineModule, RuntimeReport, compile_engine
@@ -130,22 +131,29 @@ def attach_runtime(
     *,
     tolerance: float = INT8_TOLERANCE,
     fp32_model: Any = None,
+    target: Target | None = None,
 ) -> tuple[EngineModule | None, RuntimeReport]:
     """``(engine module or None, report)`` for ``gm``: None means "run the Python executor".
 
     ``fp32_model`` (the fp32 graph ``gm`` was quantized from) allows an INT8 engine that differs
     from the executor beyond ``tolerance`` when it is as close to the fp32 model's outputs as the
-    executor (:data:`AS_CLOSE_TO_FP32`); the report's note says so."""
+    executor (:data:`AS_CLOSE_TO_FP32`); the report's note says so. ``target``: the CPU the
+    plans are built for (the API boundary's; default: this process's)."""
+    from gml.runtime.target import resolve
+
     check_runtime(runtime)
+    target = resolve(target)
     if runtime == "torch":
-        return None, RuntimeReport("torch", note="runtime='torch' requested: the Python executor runs every node")
+        return None, RuntimeReport(
+            "torch", note="runtime='torch' requested: the Python executor runs every node", target=target
+        )
     try:
         # copies: compiling runs the graph once, and a graph may write its input (``x.add_(1)``)
-        engine = compile_engine(gm, cloned(example_inputs))
+        engine = compile_engine(gm, cloned(example_inputs), target)
     except GMLError as e:
-        return None, RuntimeReport("torch", note=f"engine unavailable: {e.message}")
+        return None, RuntimeReport("torch", note=f"engine unavailable: {e.message}", target=target)
     if engine.report.engine_nodes == 0:
-        return None, RuntimeReport("torch", nodes=engine.report.nodes, note=engine.report.note)
+        return None, RuntimeReport("torch", nodes=engine.report.nodes, note=engine.report.note, target=target)
     with torch.no_grad():
         ref = gm(*[t.clone() for t in example_inputs])
         got = engine(*[t.clone() for t in example_inputs])
@@ -159,10 +167,11 @@ def attach_runtime(
     if not problem:
         slower = _slower_than_executor(gm, engine, example_inputs)
         if slower:
-            return None, RuntimeReport("torch", nodes=engine.report.nodes, note=slower)
+            return None, RuntimeReport("torch", nodes=engine.report.nodes, note=slower, target=target)
         return engine, engine.report
     return None, RuntimeReport(
         "torch",
         nodes=engine.report.nodes,
         note=f"the engine disagreed with the Python executor ({problem}); using torch",
+        target=target,
     )

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from gml.ir.target import Target
 from gml.runtime.plan import Builder, Unsupported, Val, dtype_name
 
 #: a gml.runtime.translate.Call (not imported: translate imports this module; the functions here
@@ -580,7 +581,7 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if a.is_causal:  # SDPA's: query i sees keys j <= i (top-left aligned)
         keep = torch.ones(L, S, dtype=torch.bool).tril()
         masks.append(b.constant(_additive_constant(keep, rank)))
-    if fused_attention_ok(q, k, v, out):
+    if fused_attention_ok(q, k, v, out, b.target):
         b.attention(q, k, v, out, masks=[_f32(b, m) for m in masks], scale=scale)
         return
     # dense copies of strided heads (pieces of the merged QKV output): oneDNN's brgemm matmul
@@ -603,10 +604,12 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 ATTENTION_ENV = "GML_ATTENTION"
 
 
-def fused_attention_ok(q: Val, k: Val, v: Val, out: Val) -> bool:
+def fused_attention_ok(q: Val, k: Val, v: Val, out: Val, target: Target) -> bool:
     """Whether ``gml.attention`` runs as the engine's one fused step (native/attention.h) instead of
     matmul → softmax → matmul: operands of one dtype with unit last-dim strides, an even head size, a
-    CPU with AVX512-BF16. ``auto``: bf16 only, and not on an AMX CPU (oneDNN's AMX matmuls; the fused
+    ``target`` with AVX-512 and native bf16 (and a CPU that has the instructions, which the engine
+    checks: ``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16 turns it off). ``auto``: bf16 only, and not
+    on an AMX target (oneDNN's AMX matmuls; the fused
     kernel is not measured there yet). fp32 runs fused only when forced (``fused``): on Zen 4 it is
     level with the primitives (MiniLM fp32 and INT8, ADR 009), both bound by fp32 FMA throughput.
     """
@@ -622,13 +625,13 @@ def fused_attention_ok(q: Val, k: Val, v: Val, out: Val) -> bool:
     if choice == "primitives":
         return False
     engine = native.load()
-    if not engine.fused_attention_available():
+    if not (target.avx512 and target.native_bf16 and engine.fused_attention_available()):
         return False
     tensors = (q, k, v, out)
     dtype = q.dtype_name
     if dtype not in ("bf16", "f32") or any(t.dtype_name != dtype for t in tensors):
         return False
-    if choice == "auto" and (dtype != "bf16" or engine.cpu_isa().startswith("avx512_core_amx")):
+    if choice == "auto" and (dtype != "bf16" or target.amx):
         return False
     if any(t.shape[-1] > 1 and t.stride[-1] != 1 for t in tensors):
         return False

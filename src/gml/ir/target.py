@@ -1,0 +1,171 @@
+"""The target CPU as one value: what oneDNN dispatches to, what that ISA can do, and which INT8
+arithmetic GML uses there (docs/adr/011-int8-on-every-isa.md).
+
+:class:`Target` is computed **once** at the API boundary (``gml.optimize`` / ``gml.quantize`` /
+``gml.load`` / the CLI / ``gml bench``: :func:`gml.runtime.target.detect_target`) and passed down
+as a value to the quantizer (weight / activation ranges), the lowering, the runtime choice and the
+engine's plan builder. Nothing below the boundary asks the CPU again.
+
+This module is pure: the mapping "oneDNN ISA name → capabilities" (:data:`ISA_FEATURES`) and the
+decisions that follow from it. Detection (the engine's ``cpu_isa()``, or torch's CPU flags capped
+by ``ONEDNN_MAX_CPU_ISA``) lives in the runtime.
+
+**Why INT8 depends on the ISA.** oneDNN's (and fbgemm's) u8×s8 kernels without a VNNI-class dot
+product (``vpdpbusd``: AVX512-VNNI, AVX-VNNI; AMX's ``tdpbusd``) multiply with ``vpmaddubsw``,
+which adds *pairs* of u8·s8 products into a **saturating int16**: ``255·127·2 = 64,770 > 32,767``.
+With weights in ``[-64, 64]`` a pair is at most ``255·64·2 = 32,640``: it cannot saturate, and the
+result is exact integer arithmetic again (:func:`int8_arithmetic`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: oneDNN ISA names (``dnnl::cpu_isa``, as ``gml._engine.cpu_isa()`` spells them), lowest first,
+#: with the instruction-set features each one includes (oneDNN's ``cpu_isa_traits``: every ISA is
+#: a set of feature bits; ``avx512_core`` does not include AVX-VNNI, ``avx512_core_fp16`` does).
+ISA_FEATURES: dict[str, frozenset[str]] = {}
+
+
+def _isa(name: str, base: str | None, *added: str) -> None:
+    ISA_FEATURES[name] = (ISA_FEATURES[base] if base else frozenset()) | frozenset(added)
+
+
+_isa("sse41", None, "sse41")
+_isa("avx", "sse41", "avx")
+_isa("avx2", "avx", "avx2")
+_isa("avx2_vnni", "avx2", "avx_vnni")
+_isa("avx2_vnni_2", "avx2_vnni", "avx_vnni_2")  # + AVX-NE-CONVERT: native bf16
+_isa("avx512_core", "avx2", "avx512")
+_isa("avx512_core_vnni", "avx512_core", "avx512_vnni")
+_isa("avx512_core_bf16", "avx512_core_vnni", "avx512_bf16")
+_isa("avx512_core_fp16", "avx512_core_bf16", "avx_vnni", "avx_vnni_2", "avx512_fp16")
+_isa("avx512_core_amx", "avx512_core_fp16", "amx")
+_isa("avx512_core_amx_fp16", "avx512_core_amx", "amx_fp16")
+
+#: ``ONEDNN_MAX_CPU_ISA`` values (upper case) → the ISA they cap at; ``ALL`` caps nothing.
+CAP_NAMES: dict[str, str] = {name.upper(): name for name in ISA_FEATURES}
+
+
+def capped_isa(cpu_isa: str, cap: str | None) -> str:
+    """The ISA oneDNN dispatches to on a CPU whose best ISA is ``cpu_isa`` under
+    ``ONEDNN_MAX_CPU_ISA=cap``: the highest ISA whose features the CPU and the cap both include.
+    An unknown or empty cap (or ``ALL``) caps nothing."""
+    if cpu_isa not in ISA_FEATURES:
+        return cpu_isa
+    key = (cap or "").strip().upper()
+    if key not in CAP_NAMES:
+        return cpu_isa
+    allowed = ISA_FEATURES[cpu_isa] & ISA_FEATURES[CAP_NAMES[key]]
+    best = "sse41"
+    for name, features in ISA_FEATURES.items():  # lowest first: the last that fits has the most
+        if features <= allowed and len(features) >= len(ISA_FEATURES[best]):
+            best = name
+    return best
+
+
+@dataclass(frozen=True)
+class Int8Arithmetic:
+    """How GML's static INT8 (u8 activations × s8 weights) computes on a target, and why.
+
+    ``weight_qmin..weight_qmax``: the symmetric weight range (8 bits ``[-128, 127]``, torch's qint8
+    observer range, or 7 bits ``[-64, 64]`` where the kernels' int16 pairs would saturate: symmetric,
+    so an 8-bit weight halved, round half to even, lands in it); ``act_qmin..act_qmax``: the u8
+    activation range. With these ranges every kernel on the target computes exact integer sums.
+    """
+
+    name: str  # "8-bit" | "7-bit weights"
+    weight_qmin: int
+    weight_qmax: int
+    act_qmin: int
+    act_qmax: int
+    reason: str
+
+    @property
+    def weight_bits(self) -> int:
+        return 8 if self.weight_qmax > 64 else 7
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The CPU GML plans for: oneDNN's dispatched ISA (``ONEDNN_MAX_CPU_ISA`` honoured), and threads.
+
+    ``source`` says where the ISA came from (``engine``: oneDNN's ``get_effective_cpu_isa()``;
+    ``torch``: torch's CPU flags capped by ``ONEDNN_MAX_CPU_ISA``; ``given``: a caller's value).
+    """
+
+    isa: str
+    threads: int = 1
+    source: str = "given"
+
+    @property
+    def features(self) -> frozenset[str]:
+        return ISA_FEATURES.get(self.isa, frozenset())
+
+    @property
+    def avx512(self) -> bool:
+        return "avx512" in self.features
+
+    @property
+    def has_vnni(self) -> bool:
+        """AVX512-VNNI (``vpdpbusd`` on zmm)."""
+        return "avx512_vnni" in self.features
+
+    @property
+    def avx_vnni(self) -> bool:
+        """AVX-VNNI (``vpdpbusd`` on ymm, VEX-encoded)."""
+        return "avx_vnni" in self.features
+
+    @property
+    def amx(self) -> bool:
+        return "amx" in self.features
+
+    @property
+    def native_bf16(self) -> bool:
+        """bf16 dot products in hardware (AVX512-BF16, AMX-BF16, AVX-NE-CONVERT): elsewhere oneDNN
+        emulates bf16 through fp32, slower than fp32."""
+        return bool(self.features & {"avx512_bf16", "avx_vnni_2", "amx"})
+
+    @property
+    def exact_u8s8(self) -> bool:
+        """Whether u8×s8 dot products accumulate in int32 without an int16 step (VNNI, AVX-VNNI,
+        AMX): 8-bit weights are exact. Without it (AVX2, AVX-512 without VNNI) pairs saturate."""
+        return self.has_vnni or self.avx_vnni or self.amx
+
+    @property
+    def int8(self) -> Int8Arithmetic:
+        return int8_arithmetic(self)
+
+    def describe(self) -> str:
+        """One line for reports: ``avx2, no VNNI: 7-bit weights (...)``."""
+        what = [self.isa]
+        if self.amx:
+            what.append("AMX")
+        elif self.exact_u8s8:
+            what.append("VNNI")
+        else:
+            what.append("no VNNI")
+        if self.native_bf16:
+            what.append("bf16")
+        return f"{', '.join(what)}: INT8 {self.int8.describe()}; {self.threads} thread(s)"
+
+
+def int8_arithmetic(target: Target) -> Int8Arithmetic:
+    """The static INT8 arithmetic for ``target`` (docs/adr/011-int8-on-every-isa.md)."""
+    if target.exact_u8s8:
+        how = "AMX" if target.amx else "VNNI"
+        return Int8Arithmetic("8-bit", -128, 127, 0, 255, f"{how} dot products accumulate in int32")
+    return Int8Arithmetic(
+        "7-bit weights",
+        -64,
+        64,
+        0,
+        255,
+        "u8×s8 pairs add in a saturating int16; weights in [-64, 64] cannot saturate it",
+    )
+
+
+__all__ = ["CAP_NAMES", "ISA_FEATURES", "Int8Arithmetic", "Target", "capped_isa", "int8_arithmetic"]
