@@ -14,34 +14,37 @@ import torch
 from torch import fx, nn
 
 from gml.ir.library import op
+from gml.ir.target import Target
 from gml.kernels import dynamic_int8
 from gml.kernels.int8_ops import register
 from gml.quant.transformer import DynamicQuantLinear
 from gml.runtime import unavailable_reason
+from gml.runtime.plan import exact_int8_gemm
 from runtime.helpers import run_both
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
 
 def onednn_int8_is_exact() -> bool:
-    """Whether oneDNN's s8 x s8 matmul computes exact int32 sums on this CPU: with VNNI. Without it
-    (AVX2, AVX-512 without VNNI, or ONEDNN_MAX_CPU_ISA capping either) its ``vpmaddubsw`` adds
-    product pairs into saturating int16, and the engine uses GML's exact kernel instead."""
-    from gml.runtime import native
-    from gml.runtime.plan import exact_int8_gemm
+    """Whether oneDNN's s8 x s8 matmul computes exact int32 sums on this CPU: with VNNI / AMX.
+    Without (AVX2, AVX-512 without VNNI, or ONEDNN_MAX_CPU_ISA capping either) its ``vpmaddubsw``
+    adds product pairs into saturating int16, and the engine uses GML's exact kernel instead."""
+    from gml.runtime.target import detect_target
 
-    return not exact_int8_gemm(native.load().cpu_isa())
+    return not exact_int8_gemm(detect_target())
 
 
 @pytest.fixture(params=["gml", "onednn"], autouse=True)
 def gemm(request, monkeypatch):
     """Every test here runs on both GEMMs of the engine's dynamic_linear: GML's exact AVX2 kernel
-    (native/int8_gemm_avx2.h, forced on any CPU) and oneDNN's matmul (where it is exact: VNNI)."""
-    from gml.runtime import plan
+    (native/int8_gemm_avx2.h; the plans built for an AVX2 target, which any x86-64 CPU with AVX2 runs)
+    and oneDNN's matmul (this CPU's own target, where that is exact: VNNI / AMX)."""
+    from gml.runtime import target
 
     if request.param == "onednn" and not onednn_int8_is_exact():
         pytest.skip("oneDNN's int8 matmul saturates without VNNI; the engine does not use it here")
-    monkeypatch.setattr(plan, "exact_int8_gemm", lambda isa: request.param == "gml")
+    if request.param == "gml":
+        monkeypatch.setattr(target, "detect_target", lambda threads=None: Target("avx2", threads=threads or 1))
     return request.param
 
 

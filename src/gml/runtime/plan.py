@@ -97,16 +97,12 @@ def winograd_mode() -> int:
     return WINOGRAD_MODES[value]
 
 
-#: oneDNN ISAs whose int8 dot product is VNNI (``vpdpbusd``: int32 accumulation, nothing saturates).
-_VNNI_ISAS = ("vnni", "bf16", "amx", "fp16")
-
-
-def exact_int8_gemm(isa: str) -> bool:
-    """Whether ``gml::dynamic_linear`` runs its GEMM on GML's own exact AVX2 kernel on a CPU whose
-    oneDNN ISA is ``isa`` (native/int8_gemm_avx2.h): where there is no VNNI (``avx2``,
-    ``avx512_core``) oneDNN's int8 matmul multiplies with ``vpmaddubsw``, whose int16 pair sums
-    saturate, in its slow ``gemm:jit`` (issue #23); with VNNI its brgemm is exact and faster."""
-    return isa.startswith(("avx2", "avx512")) and not any(tag in isa for tag in _VNNI_ISAS)
+def exact_int8_gemm(target: Target) -> bool:
+    """Whether ``gml::dynamic_linear`` runs its GEMM on GML's own exact AVX2 kernel on ``target``
+    (native/int8_gemm_avx2.h): where int8 dot products are not VNNI-class (``target.exact_u8s8``:
+    AVX2, AVX-512 without VNNI) oneDNN's int8 matmul multiplies with ``vpmaddubsw``, whose int16 pair
+    sums saturate, in its slow ``gemm:jit`` (issue #23); with VNNI / AMX its brgemm is exact and faster."""
+    return not target.exact_u8s8 and "avx2" in target.features
 
 
 def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -606,10 +602,8 @@ class Builder:
         return plan
 
     def _emit_steps(self, plan: Any, ids: dict[Val, int]) -> None:
-        from gml.runtime import native
-
         winograd = winograd_mode()
-        exact_gemm = exact_int8_gemm(native.load().cpu_isa())
+        exact_gemm = exact_int8_gemm(self.target)
         for s in self.steps:
             kw = dict(s.kwargs)
             if s.method in ("conv", "inner_product"):
