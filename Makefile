@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.gml-installed
 BENCH_STAMP := $(VENV)/.gml-bench-installed
 
-.PHONY: demo test lint fuzz bench install install-bench clean sanitize
+.PHONY: demo test test-tiers lint fuzz bench install install-bench clean sanitize
 
 $(STAMP): pyproject.toml $(wildcard native/*.cpp native/*.h native/CMakeLists.txt)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,8 +24,22 @@ demo: $(STAMP)
 	$(BIN)/gml demo
 
 # The fuzz properties run their seeded CI budget (200 fp32 graphs, fewer INT8); `make fuzz` runs 10,000.
+# Then the INT8 tests again under each lower ISA tier this CPU can run (ONEDNN_MAX_CPU_ISA=AVX2: no
+# AVX-512, no VNNI; AVX512_CORE: AVX-512 without VNNI), as `python -m gml.runtime.target` lists
+# them (docs/adr/011-int8-on-every-isa.md): the correctness of INT8 on every tier from one machine.
+INT8_TIER_TESTS = tests/ir/test_target.py tests/kernels/test_onednn_int8.py tests/quant/test_int8_isa.py \
+	tests/runtime/test_dynamic_linear.py tests/runtime/test_ops.py tests/fuzz/test_regressions.py \
+	tests/fuzz/test_fuzz_int8.py
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory test-tiers
+
+test-tiers: $(STAMP)
+	@tiers="$$($(BIN)/python -m gml.runtime.target | tail -n 1)"; \
+	for cap in $$tiers; do \
+		echo "== INT8 tests under ONEDNN_MAX_CPU_ISA=$$cap"; \
+		ONEDNN_MAX_CPU_ISA=$$cap $(BIN)/python -m pytest -q -p no:cacheprovider $(INT8_TIER_TESTS) || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -442,7 +442,10 @@ def quantize(
     # gml.optimize's fusion passes on what stays fp32).
     samples = [inputs]
     t0 = time.perf_counter()
-    passes = lowering_passes(backend, fallback=fallback)
+    def passes_again() -> list[GraphPass]:
+        return lowering_passes(backend, fallback=fallback, target=target)
+
+    passes = passes_again()
     result = PassManager(passes, strict=strict).run(copy.deepcopy(ref.graph_module), samples)
     seconds["lower + fuse + clean up"] = time.perf_counter() - t0
     # INT8 regions slower than their fp32 ops stay fp32 (lowered again); picks the runtime too. The
@@ -466,7 +469,7 @@ def quantize(
         inputs,
         policy=cost_policy,
         runtime=runtime,
-        relower=lambda gm: PassManager(lowering_passes(backend, fallback=fallback), strict=strict).run(gm, samples),
+        relower=lambda gm: PassManager(passes_again(), strict=strict).run(gm, samples),
         attach=lambda gm: attach_runtime(gm, inputs, runtime, fp32_model=ref.float_module, target=target),
         strict=strict,
         fp32=lambda: gml_fp32().executable,
@@ -657,13 +660,15 @@ def _quantize_transformer(
     from gml.quant.lower import CoverageEntry, LoweringCoverage
     from gml.quant.transformer import quantize_transformer
     from gml.runtime.select import attach_runtime
+    from gml.runtime.target import resolve
 
+    target = resolve(target)
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     res = quantize_transformer(
         model, inputs, calib_data=calib_data if calib_data is not None else 8, min_sqnr_db=min_sqnr_db,
         smooth_alpha=smooth_alpha, leaf_modules=leaf_modules, strict=strict, token_range=token_range,
-        attention_bf16=fallback == "bf16",
+        attention_bf16=fallback == "bf16", weight_qmax=min(127, target.int8.weight_qmax),
     )  # fmt: skip
     seconds["capture + fp32 passes + measure + quantize"] = time.perf_counter() - t0
     coverage = LoweringCoverage()

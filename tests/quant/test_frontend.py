@@ -14,6 +14,7 @@ from gml import nn as gnn
 from gml.errors import InputError
 from gml.quant.backend_config import (
     OBSERVERS,
+    VNNI_INT8,
     PercentileObserver,
     get_backend_config,
     int8_ops,
@@ -314,7 +315,8 @@ def test_resnet18_reference_graph_reaches_cosine_target():
     g = torch.Generator().manual_seed(0)
     calib = [torch.randn(4, 3, 224, 224, generator=g) for _ in range(4)]
     test = torch.randn(4, 3, 224, 224, generator=g)
-    res = prepare_reference(m, (test[:1],), calib, progress=False)
+    # the 8-bit arithmetic of a VNNI target: the reference graph is float math, no kernel runs
+    res = prepare_reference(m, (test[:1],), calib, progress=False, arithmetic=VNNI_INT8)
     types = _types(res.graph_module)
     assert (types.count("ConvReLU2d"), types.count("ConvAddReLU2d"), types.count("Conv2d")) == (9, 8, 3)
     assert not res.report.fp32
@@ -439,12 +441,18 @@ def _normalized(model: nn.Module) -> fx.GraphModule:
 
 def test_int8_of_a_conv_added_to_itself_lowers_and_matches_fp32():
     import gml
+    from gml.runtime.target import detect_target
 
     torch.manual_seed(0)
     model, x = _ConvTwice().eval(), torch.randn(2, 3, 8, 8)
-    res = gml.quantize(model, [torch.randn(2, 3, 8, 8) for _ in range(4)], example_inputs=(x,), progress=False)
-    ref = model(x)
-    assert (res.module(x) - ref).abs().max() <= 0.05 * ref.abs().max()
+    calib = [torch.randn(2, 3, 8, 8) for _ in range(4)]
+    res = gml.quantize(model, calib, example_inputs=(x,), progress=False, cost_policy="off")
+    with torch.no_grad():
+        ref, exact, out = model(x), res.reference(x), res.module(x)
+    assert (out - exact).abs().max() <= 1e-4 * ref.abs().max()  # the kernels: exact arithmetic
+    # 7-bit weights (a target without VNNI, ADR 011) double the weights' rounding error
+    bound = 0.05 if detect_target().int8.weight_bits == 8 else 0.1
+    assert (out - ref).abs().max() <= bound * ref.abs().max()
 
 
 @pytest.mark.parametrize("act", [torch.sigmoid, F.hardsigmoid])

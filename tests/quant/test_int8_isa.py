@@ -114,7 +114,7 @@ def test_a_saturating_result_is_broken_and_not_returned() -> None:
         assert q.precision == "int8" and q.accuracy.broken is None
     else:
         assert q.precision == "fp32", q.accuracy.summary()
-        assert "far from exact integer arithmetic" in q.precision_reason
+        assert "exact integer arithmetic" in q.precision_reason
         assert q.rejected_int8_accuracy.far_from_exact
 
 

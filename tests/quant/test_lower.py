@@ -4,6 +4,10 @@ Reference graphs come from torch.ao (``prepare_fx`` → calibrate → ``convert_
 two configs that spell residuals differently: oneDNN's fuses conv+add(+relu) into one
 ``ConvAddReLU2d`` module; x86's quantizes the conv output and adds separately (the lowering then
 fuses ``QConv2d → QAdd`` itself). ResNet18 runs through GML's own frontend, as ``gml.quantize`` will.
+
+oneDNN's config gets this process's target's weight range (``qmap_for``: 7-bit weights without
+VNNI, ADR 011), so its reference and the lowered graph compute the same integers on every tier;
+x86's has 7-bit activations, with which 8-bit weights cannot saturate a kernel's int16 pairs.
 """
 
 from __future__ import annotations
@@ -24,11 +28,25 @@ from torch.testing import FileCheck
 
 from gml.ir import library
 from gml.ir.ops import op_kind
+from gml.ir.target import Target
 from gml.passes.manager import PassManager
+from gml.quant.backend_config import weight_observer
 from gml.quant.fuse_int8 import FuseQConvAdd
 from gml.quant.lower import LowerToGML, coverage_of
+from gml.runtime.target import detect_target
 
 SHAPE = (1, 3, 32, 32)
+#: ResNet18 INT8 vs fp32 (issue 4's bar with 8-bit weights; 7-bit weights double their rounding error)
+RESNET18_MIN_COS = 0.9998 if detect_target().int8.weight_bits == 8 else 0.9995
+
+
+def qmap_for(config: str):
+    """torch.ao's default qconfig mapping of ``config``; oneDNN's with the target's weight range."""
+    qmap = get_default_qconfig_mapping(config)
+    if config == "onednn":
+        qc = qmap.global_qconfig
+        qmap.set_global(type(qc)(activation=qc.activation, weight=weight_observer(per_channel=True)))
+    return qmap
 
 
 def _batches(n: int, shape: tuple[int, ...] = SHAPE, seed: int = 0) -> list[torch.Tensor]:
@@ -39,7 +57,7 @@ def _batches(n: int, shape: tuple[int, ...] = SHAPE, seed: int = 0) -> list[torc
 def ao_reference(model: nn.Module, config: str = "onednn", shape: tuple[int, ...] = SHAPE) -> fx.GraphModule:
     """torch.ao reference graph of an eval model (conv+BN folded by prepare_fx's fusion)."""
     backend_config = get_onednn_backend_config() if config == "onednn" else get_x86_backend_config()
-    qmap = get_default_qconfig_mapping(config)
+    qmap = qmap_for(config)
     calib = _batches(4, shape)
     prepared = prepare_fx(copy.deepcopy(model).eval(), qmap, (calib[0],), backend_config=backend_config)
     with torch.no_grad():
@@ -56,9 +74,14 @@ def op_counts(gm: fx.GraphModule) -> Counter[str]:
     )
 
 
-def lowered(ref: fx.GraphModule, backend: str = "onednn", fuse: bool = True) -> fx.GraphModule:
+#: the target to lower x86-config references for: their 7-bit activations keep 8-bit weights exact
+#: on every tier (127·128·2 fits in int16), so LowerToGML must not halve them
+SEVEN_BIT_ACTIVATIONS = Target("avx512_core_vnni")
+
+
+def lowered(ref: fx.GraphModule, backend: str = "onednn", fuse: bool = True, target: Target | None = None):
     """LowerToGML, then (``fuse``) FuseQConvAdd: the INT8 pipeline's lowering steps."""
-    gm = LowerToGML(backend)(copy.deepcopy(ref)).graph_module
+    gm = LowerToGML(backend, target)(copy.deepcopy(ref)).graph_module
     return FuseQConvAdd()(gm).graph_module if fuse else gm
 
 
@@ -143,7 +166,7 @@ def test_residual_cnn_golden_module_counts(cnn: nn.Module, config: str):
 )
 def test_residual_cnn_matches_the_reference_graph(cnn: nn.Module, config: str, fuse: bool, min_cos_ref: float):
     ref = ao_reference(cnn, config)
-    gm = lowered(ref, fuse=fuse)
+    gm = lowered(ref, fuse=fuse, target=SEVEN_BIT_ACTIVATIONS if config == "x86" else None)
     with torch.no_grad():
         for x in _batches(3, seed=7):
             out, expected, fp32 = gm(x), ref(x), cnn(x)
@@ -211,7 +234,7 @@ class WithGelu(nn.Module):
 def _gelu_reference() -> fx.GraphModule:
     torch.manual_seed(1)
     model = WithGelu().eval()
-    qmap = get_default_qconfig_mapping("onednn")
+    qmap = qmap_for("onednn")
     qmap.set_object_type(nn.GELU, qmap.global_qconfig)  # quantize GELU's output, so it sits DQ → GELU → Q
     bc = get_onednn_backend_config()
     calib = _batches(2)
@@ -288,8 +311,8 @@ def test_skip_tensor_read_after_the_fused_add_is_protected():
     torch.manual_seed(3)
     model = SkipReadTwice().eval()
     ref = ao_reference(model, "x86")
-    gm = lowered(ref)
-    unfused = lowered(ref, fuse=False)
+    gm = lowered(ref, target=SEVEN_BIT_ACTIVATIONS)
+    unfused = lowered(ref, fuse=False, target=SEVEN_BIT_ACTIVATIONS)
     assert op_counts(gm)["qconv_add"] == 2
     # conv(a) + a runs before tail(a) reads `a`: gml.qconv_add is functional (it never writes its
     # residual operand), so `a` is intact when tail reads it
@@ -337,4 +360,4 @@ def test_resnet18_every_conv_linear_add_relu_pool_is_int8():
         cos_ref = min(cosine(gm(x), ref(x)) for x in xs)
     print(f"ResNet18 INT8 (GML, oneDNN): cosine vs fp32 {cos_fp32:.6f}, vs reference graph {cos_ref:.6f}")
     assert cos_ref > 0.9999
-    assert cos_fp32 >= 0.9998  # issue 4 acceptance; OpenVINO INT8 gets 0.99989 here
+    assert cos_fp32 >= RESNET18_MIN_COS  # issue 4 acceptance (8-bit); OpenVINO INT8 gets 0.99989 here

@@ -18,14 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from gml.errors import InputError
-from gml.runtime import compile_engine, native, unavailable_reason
-from gml.runtime.transformer_rules import ATTENTION_ENV
+from gml.runtime import compile_engine, unavailable_reason
+from gml.runtime.target import detect_target
+from gml.runtime.transformer_rules import ATTENTION_ENV, fused_attention_cpu
 from runtime.helpers import attention_graph, strided_heads_graph
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 needs_kernel = pytest.mark.skipif(
-    unavailable_reason() is not None or not native.load().fused_attention_available(),
-    reason="this CPU has no AVX512-BF16 (the fused attention kernel's ISA)",
+    unavailable_reason() is not None or not fused_attention_cpu(detect_target()),
+    reason="this target has no AVX512-BF16 (the fused attention kernel's ISA; ONEDNN_MAX_CPU_ISA included)",
 )
 
 BOUND = 1.25 * 2.0**-7
@@ -211,6 +212,7 @@ def test_an_odd_head_size_keeps_the_primitive_path(monkeypatch):
     assert FUSED not in used
 
 
+@pytest.mark.skipif(not detect_target().avx512, reason="oneDNN 3.2 has no bf16 matmul below AVX-512 (the cap)")
 def test_primitives_forced_and_a_bad_setting(monkeypatch):
     q, k, v = qkv(1, 2, 4, 4, 16, 16)
     _, used = run(attention_graph(3), q, k, v, path="primitives", monkeypatch=monkeypatch)

@@ -18,6 +18,7 @@ from runtime.helpers import (
     graph_of,
     int8_weight,
     rand_u8,
+    run_both,
 )
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -256,8 +257,18 @@ def test_spatial_qmean_is_a_global_average_pool(keepdim, out_qp):
     # squeeze-excite's mean (mixnet, efficientnet): in the engine, so the block's segment is one
     x = rand_u8(2, 8, 6, 5)
     c0 = calibrated_qconv(x, cout=8, k=3, padding=(1, 1), in_qp=IN)
-    mean = qm.QMean((2, 3), keepdim, c0.output_qparams, out_qp or c0.output_qparams)
-    eng = check_engine(graph_of(c0, mean), x)
+    qp, out = c0.output_qparams, out_qp or c0.output_qparams
+    mean = qm.QMean((2, 3), keepdim, qp, out)
+    ref, eng, got = run_both(graph_of(c0, mean), x)
+    assert eng.report.path == "engine", str(eng.report)
+    # both executors against the exact mean of the conv's integers (a 16-value mean lands on .5 ties,
+    # which the engine's pooling and torch's round either way: compare with exact arithmetic)
+    with torch.no_grad():
+        conv = graph_of(c0)(x).double()
+    exact = ((conv - qp.zero_point) * qp.scale).mean((2, 3), keepdim=keepdim) / out.scale + out.zero_point
+    exact = exact.clamp(0, 255)
+    for y in (ref, got):
+        assert float((y.double() - exact).abs().max()) <= 0.5 + 1e-6
     plan = next(iter(eng.segments()[0]._plans.values()))[0]
     assert plan.step_names() == ["qconv_default", "qmean_default"], plan.step_names()  # one pooling step
     assert not [i for i in plan.step_impls() if i.startswith("ref")], plan.step_impls()

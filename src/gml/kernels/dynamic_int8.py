@@ -32,14 +32,18 @@ AMAX_FLOOR = 1e-30
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def quantize_weight(weight: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    weight: torch.Tensor, smooth: torch.Tensor | None = None, qmax: int = QMAX
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``weight`` ``[N, K]`` (times ``smooth[k]`` per input channel, SmoothQuant) as
-    contiguous int8 ``[N, K]``, symmetric, ``scale[o] = max_k |w[o, k]| / 127`` (fp32 ``[N]``)."""
+    contiguous int8 ``[N, K]``, symmetric, ``scale[o] = max_k |w[o, k]| / qmax`` (fp32 ``[N]``).
+    ``qmax``: 127, or 64 on a target without VNNI (``Target.int8``: s8 activations shifted to u8
+    then pair with the weights in a saturating int16; ``|w| <= 64`` cannot saturate it, ADR 011)."""
     w = weight.detach().float()
     if smooth is not None:
         w = w * smooth[None, :]
-    scale = (w.abs().amax(dim=1) / QMAX).clamp_min(_TINY)
-    q = torch.round(w / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8).contiguous()
+    scale = (w.abs().amax(dim=1) / qmax).clamp_min(_TINY)
+    q = torch.round(w / scale[:, None]).clamp(-qmax, qmax).to(torch.int8).contiguous()
     return q, scale.contiguous()
 
 

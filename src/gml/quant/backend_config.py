@@ -68,6 +68,7 @@ Activation observer choices:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -101,9 +102,19 @@ from gml import nn as gnn
 from gml.errors import InputError
 from gml.ir.target import Int8Arithmetic, Target
 
-#: The INT8 arithmetic of a VNNI / AMX target (8-bit weights, full u8 activations): the default
-#: where no Target is given (gml.quantize always passes its own).
+#: The INT8 arithmetic of a VNNI / AMX target (8-bit weights, full u8 activations).
 VNNI_INT8 = Target("avx512_core_vnni").int8
+
+
+def target_arithmetic(arithmetic: Int8Arithmetic | None) -> Int8Arithmetic:
+    """``arithmetic``, or this process's target's (``detect_target().int8``) when None: the
+    default of every function here, so a caller that names no target gets kernels that are exact
+    on the CPU it runs on (``gml.quantize`` passes its own Target's)."""
+    if arithmetic is not None:
+        return arithmetic
+    from gml.runtime.target import detect_target
+
+    return detect_target().int8
 
 BACKENDS = ("onednn", "fbgemm")
 OBSERVERS = ("minmax", "moving_average", "histogram", "percentile")
@@ -168,10 +179,11 @@ def activation_observer(
     *,
     backend: str = "onednn",
     percentile: float = 99.99,
-    arithmetic: Int8Arithmetic = VNNI_INT8,
+    arithmetic: Int8Arithmetic | None = None,
 ):
     """Observer constructor for activations: per-tensor affine quint8 over ``arithmetic``'s
-    activation range (``fbgemm``: at most 0..127, torch's reduce_range)."""
+    activation range (``fbgemm``: at most 0..127, torch's reduce_range; default: this target's)."""
+    arithmetic = target_arithmetic(arithmetic)
     _check_choice(observer, OBSERVERS, "observer")
     _check_choice(backend, BACKENDS, "backend")
     kw: dict[str, Any] = {"dtype": torch.quint8, "qscheme": torch.per_tensor_affine}
@@ -187,10 +199,11 @@ def activation_observer(
     return PercentileObserver.with_args(percentile=percentile, **kw)
 
 
-def weight_observer(per_channel: bool = True, arithmetic: Int8Arithmetic = VNNI_INT8):
+def weight_observer(per_channel: bool = True, arithmetic: Int8Arithmetic | None = None):
     """Observer constructor for weights: symmetric qint8 over ``arithmetic``'s weight range (8 bits
-    with VNNI/AMX; 7 bits, ``[-64, 64]`` at twice the scale, where int16 pairs would saturate), per
-    output channel or per tensor."""
+    with VNNI/AMX; 7 bits, ``[-64, 64]`` at twice the scale, where int16 pairs would saturate;
+    default: this target's), per output channel or per tensor."""
+    arithmetic = target_arithmetic(arithmetic)
     kw: dict[str, Any] = {"dtype": torch.qint8}
     if (arithmetic.weight_qmin, arithmetic.weight_qmax) != (-128, 127):
         kw.update(quant_min=arithmetic.weight_qmin, quant_max=arithmetic.weight_qmax)
@@ -208,10 +221,14 @@ def qconfig_mapping(
     per_channel: bool = True,
     backend: str = "onednn",
     percentile: float = 99.99,
-    arithmetic: Int8Arithmetic = VNNI_INT8,
+    arithmetic: Int8Arithmetic | None = None,
 ) -> QConfigMapping:
     """One global QConfig (the BackendConfig decides which ops actually get quantized), plus the
-    fixed [0, 1] output observer of the sigmoids; ranges from ``arithmetic`` (the Target's)."""
+    fixed [0, 1] output observer of the sigmoids; ranges from ``arithmetic`` (the Target's). The
+    fbgemm backend's 7-bit activations (0..127) keep 8-bit weights: ``127·128·2`` fits in int16."""
+    arithmetic = target_arithmetic(arithmetic)
+    if backend == "fbgemm":
+        arithmetic = dataclasses.replace(arithmetic, weight_qmin=-128, weight_qmax=127, act_qmax=127)
     act = activation_observer(observer, backend=backend, percentile=percentile, arithmetic=arithmetic)
     weight = weight_observer(per_channel, arithmetic)
     mapping = QConfigMapping().set_global(QConfig(activation=act, weight=weight))

@@ -49,7 +49,6 @@ from gml.ir.target import Int8Arithmetic
 from gml.passes.manager import PassManager, PipelineReport
 from gml.quant.backend_config import (
     NORMALIZED_MODULES,
-    VNNI_INT8,
     activation_observer,
     get_backend_config,
     int8_ops,
@@ -217,10 +216,11 @@ def prepare(
     per_channel: bool = True,
     backend: str = "onednn",
     percentile: float = 99.99,
-    arithmetic: Int8Arithmetic = VNNI_INT8,
+    arithmetic: Int8Arithmetic | None = None,
 ) -> fx.GraphModule:
     """Fuse with the GML BackendConfig and insert observers (``gm`` is not modified); the observers'
-    ranges are ``arithmetic``'s (the target's INT8 arithmetic: ``Target.int8``).
+    ranges are ``arithmetic``'s (the target's INT8 arithmetic: ``Target.int8``; default: this
+    process's target's).
 
     Every ``call_module`` of ``gm`` stays a leaf: torch.ao re-traces the module and would
     otherwise inline modules outside ``torch.nn`` (the normalized ``gml.nn.Add``, user leaves).
@@ -459,7 +459,7 @@ def prepare_reference(
     max_batches: int | None = None,
     seed: int = 0,
     token_range: tuple[int, int] | None = None,
-    arithmetic: Int8Arithmetic = VNNI_INT8,
+    arithmetic: Int8Arithmetic | None = None,
 ) -> ReferenceResult:
     """fp32 model → calibrated reference Q/DQ graph (see the module docstring).
 
@@ -477,7 +477,8 @@ def prepare_reference(
             (see :func:`keep_outputs_fp32`).
         token_range: the ids generated integer inputs are drawn from (the model's vocabulary).
         arithmetic: the target's INT8 arithmetic (``Target.int8``): the weight and activation
-            ranges every kernel on that CPU computes exactly (docs/adr/011-int8-on-every-isa.md).
+            ranges every kernel on that CPU computes exactly (docs/adr/011-int8-on-every-isa.md);
+            default: this process's target's.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)

@@ -77,6 +77,7 @@ from gml.ir import library
 from gml.ir.layers import behaves_as
 from gml.ir.ops import ACTIVATION_KINDS, INT8_KINDS
 from gml.ir.qdq import is_dequantize, is_quantize, quantize_args
+from gml.ir.target import Target
 from gml.ir.values import ConvSpec, QParams
 from gml.kernels.backend import Int8Backend
 from gml.kernels.fp32 import NO_POST_OP, PostOp, post_op_of, post_op_of_module
@@ -807,13 +808,19 @@ class LowerToGML(GraphPass):
         backend: kernel backend name or instance (``None``: oneDNN if available, else FBGEMM); it
             decides which patterns lower (which post-ops fuse) and is recorded in each op's
             ``backend`` argument for the Python executor.
+        target: the CPU the lowered graph is for (:class:`~gml.ir.target.Target`; default: this
+            process's). Weights a reference graph holds outside the target's INT8 range (8-bit
+            weights of torch.ao's own configs on a CPU without VNNI) are requantized
+            (:func:`gml.quant.retarget.retarget_weights`, listed in the notes), so the kernels are
+            exact there (ADR 011).
     """
 
     name = "lower_to_gml"
     tolerance = None
 
-    def __init__(self, backend: str | Int8Backend | None = None) -> None:
+    def __init__(self, backend: str | Int8Backend | None = None, target: Target | None = None) -> None:
         self.backend = get_backend(backend)
+        self.target = target
         register_int8_ops()
 
     def requires(self, gm: fx.GraphModule) -> None:
@@ -885,13 +892,19 @@ class LowerToGML(GraphPass):
         # 4. every planned INT8 module becomes the torch.ops.gml call it stands for
         self._emit_ops(ctx)
         self._drop_unused_attributes(gm, qparam_attrs)
+        # 5. weights outside the target's INT8 range (a reference quantized for another CPU)
+        from gml.quant.retarget import retarget_weights
+        from gml.runtime.target import resolve
+
+        retargeted = retarget_weights(gm, resolve(self.target))
 
         graph.lint()
         gm.recompile()
         cov = coverage_of(gm)
         return LoweringResult(
-            gm, modified=matches > 0 or bool(dead), matches=matches, skips=skips, notes=[cov.summary()], coverage=cov
-        )
+            gm, modified=matches > 0 or bool(dead), matches=matches, skips=skips,
+            notes=[cov.summary(), *retargeted], coverage=cov,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
     def _match(self, ctx: _Ctx, src: fx.Node, out_qp: QParams) -> tuple[_Plan | None, str]:

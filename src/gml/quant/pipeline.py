@@ -22,6 +22,7 @@ step before it and reports; no pass runs another pass inside itself.
 
 from __future__ import annotations
 
+from gml.ir.target import Target
 from gml.passes.base import FunctionPass, GraphPass, Tolerance
 from gml.passes.bf16 import LowerToBf16
 from gml.passes.fuse_all import fusion_passes
@@ -49,20 +50,23 @@ def reference_passes() -> list[GraphPass]:
     ]
 
 
-def lowering_passes(backend: str | None = "onednn", *, fallback: str = "fp32") -> list[GraphPass]:
+def lowering_passes(
+    backend: str | None = "onednn", *, fallback: str = "fp32", target: Target | None = None
+) -> list[GraphPass]:
     """The passes after ``convert_to_reference_fx``. ``fallback="bf16"``: what stays out of INT8
-    then runs on bf16 kernels (:class:`~gml.passes.bf16.LowerToBf16`, last; check the CPU first)."""
+    then runs on bf16 kernels (:class:`~gml.passes.bf16.LowerToBf16`, last; check the CPU first).
+    ``target``: the CPU the graph is lowered for (default: this process's)."""
     return [
         # reads torch.ao's reference Q/DQ form, so it runs first: DQ → op → Q patterns become
         # torch.ops.gml calls on uint8 values; what has no INT8 kernel stays fp32 with a reason
-        LowerToGML(backend),
+        LowerToGML(backend, target),
         # on the gml ops: a conv feeding a residual add joins it (one kernel, oneDNN's sum post-op)
         FuseQConvAdd(),
         # last: the quantize ops left at fp32 → INT8 boundaries move above views, equal ones merge,
         # dequantize → quantize pairs with equal qparams vanish (all exact)
         LiftCombineQuant(),
         *fp32_remainder_passes(),
-        *([LowerToBf16()] if fallback == "bf16" else []),
+        *([LowerToBf16(target=target)] if fallback == "bf16" else []),
     ]
 
 

@@ -3,8 +3,8 @@
 A model quantized where u8×s8 dot products accumulate in int32 (VNNI, AMX) has 8-bit weights. On a
 target without VNNI (AVX2, AVX-512 without VNNI) the same kernels add pairs of products in a
 saturating int16 (``255·127·2 > 32,767``: docs/adr/011-int8-on-every-isa.md), so the weights of
-every ``qconv`` / ``qconv_add`` / ``qlinear`` output channel outside the target's range are
-requantized to 7 bits::
+every ``qconv`` / ``qconv_add`` / ``qlinear`` / ``dynamic_linear`` output channel outside the
+target's range are requantized to 7 bits::
 
     w7[o, :] = round_half_even(w8[o, :] / 2)      (|w7| <= 64: 2·255·64 = 32,640 fits in int16)
     s7[o]    = 2 · s8[o]                          (w7 · s7 ≈ w8 · s8: the same float weights)
@@ -24,8 +24,9 @@ from torch import fx
 from gml.ir.library import gml_op_name, op_args
 from gml.ir.target import Target
 
-#: the gml ops with u8 activations × s8 weights (schema arguments ``weight`` / ``weight_scale``)
-WEIGHTED_OPS = ("qconv", "qconv_add", "qlinear")
+#: the gml ops with int8 weights (schema arguments ``weight`` / ``weight_scale``): u8 activations
+#: (qconv, qconv_add, qlinear), or per-token s8 ones that the kernels shift to u8 (dynamic_linear)
+WEIGHTED_OPS = ("qconv", "qconv_add", "qlinear", "dynamic_linear")
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> torch.Tensor:

@@ -65,9 +65,9 @@ class DynamicQuantLinear(nn.Module):
     before they are quantized and divided out of the activations at run time.
     """
 
-    def __init__(self, linear: nn.Linear, smooth: torch.Tensor | None = None) -> None:
+    def __init__(self, linear: nn.Linear, smooth: torch.Tensor | None = None, weight_qmax: int = 127) -> None:
         super().__init__()
-        q, scale = dynamic_int8.quantize_weight(linear.weight, smooth)
+        q, scale = dynamic_int8.quantize_weight(linear.weight, smooth, weight_qmax)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight", q)  # int8 [out, in], contiguous
         self.register_buffer("weight_scale", scale)
@@ -155,11 +155,11 @@ def _run_batches(gm: fx.GraphModule, batches: Sequence[tuple], hooks: dict[str, 
 
 
 def _measure(
-    gm: fx.GraphModule, targets: list[str], batches: Sequence[tuple], alpha: float | None
+    gm: fx.GraphModule, targets: list[str], batches: Sequence[tuple], alpha: float | None, weight_qmax: int = 127
 ) -> dict[str, _GemmStats]:
     """Each GEMM's INT8 error on the calibration batches (and, with ``alpha``, with SmoothQuant)."""
     stats = {t: _GemmStats() for t in targets}
-    plain = {t: DynamicQuantLinear(gm.get_submodule(t)) for t in targets}
+    plain = {t: DynamicQuantLinear(gm.get_submodule(t), weight_qmax=weight_qmax) for t in targets}
 
     def first_pass(target: str):
         def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
@@ -176,7 +176,9 @@ def _measure(
     if alpha is None:
         return stats
     smoothed = {
-        t: DynamicQuantLinear(gm.get_submodule(t), smooth_factors(st.x_absmax, gm.get_submodule(t).weight, alpha))
+        t: DynamicQuantLinear(
+            gm.get_submodule(t), smooth_factors(st.x_absmax, gm.get_submodule(t).weight, alpha), weight_qmax
+        )
         for t, st in stats.items()
         if st.x_absmax is not None
     }
@@ -220,6 +222,9 @@ class QuantizeLinearsDynamic(GraphPass):
     lets each GEMM use SmoothQuant where that raises its SQNR. Each GEMM's decision, with the
     numbers, is in ``node.meta[PRECISION]`` (:func:`precisions` reads it).
 
+    ``weight_qmax``: the int8 weights' range ``[-weight_qmax, weight_qmax]``: 127, or 64 for a
+    target without VNNI (``Target.int8``, ADR 011), where wider weights would saturate the kernels.
+
     Skipped, with the reason: non-fp32 weights; inputs that are not floating point; SQNR below
     ``min_sqnr_db``.
     """
@@ -233,6 +238,7 @@ class QuantizeLinearsDynamic(GraphPass):
         *,
         min_sqnr_db: float | None = DEFAULT_MIN_SQNR_DB,
         smooth_alpha: float | None = None,
+        weight_qmax: int = 127,
     ) -> None:
         from gml.errors import InputError
 
@@ -241,6 +247,7 @@ class QuantizeLinearsDynamic(GraphPass):
         self.calib_data = [tuple(b) for b in calib_data]
         self.min_sqnr_db = min_sqnr_db
         self.smooth_alpha = smooth_alpha
+        self.weight_qmax = weight_qmax
 
     def call(self, gm: fx.GraphModule) -> PassResult:
         modules = modules_of(gm)
@@ -262,7 +269,11 @@ class QuantizeLinearsDynamic(GraphPass):
                 continue
             candidates.append(node)
         targets = sorted({str(n.target) for n in candidates})
-        stats = _measure(gm, targets, self.calib_data, self.smooth_alpha) if self.calib_data and targets else {}
+        stats = (
+            _measure(gm, targets, self.calib_data, self.smooth_alpha, self.weight_qmax)
+            if self.calib_data and targets
+            else {}
+        )
         from gml.kernels.int8_ops import register
 
         register()  # the graph will call torch.ops.gml.dynamic_linear: its schema and Python kernel
@@ -295,7 +306,8 @@ class QuantizeLinearsDynamic(GraphPass):
             node.meta[PRECISION] = GemmPrecision(node.name, _op(lin), "int8", why)
             if target not in constants:
                 with gm.graph.inserting_before(node):
-                    constants[target] = _register_constants(gm, target, DynamicQuantLinear(lin, smooth))
+                    q = DynamicQuantLinear(lin, smooth, self.weight_qmax)
+                    constants[target] = _register_constants(gm, target, q)
             _emit_dynamic_linear(gm, node, constants[target])
             done += 1
         if done:
@@ -620,11 +632,13 @@ def quantize_transformer(
     strict: bool = False,
     token_range: tuple[int, int] | None = None,
     attention_bf16: bool = False,
+    weight_qmax: int = 127,
 ) -> TransformerQuantResult:
     """Quantize a transformer with the scheme of this module; ``model`` is not modified.
 
     ``attention_bf16``: attention on bf16 q / k / v (:class:`AttentionInBf16`; the mixed mode of
     ``gml.quantize(..., fallback_precision="bf16")``; the caller checks the CPU has native bf16).
+    ``weight_qmax``: the target's int8 weight range (64 without VNNI; :class:`QuantizeLinearsDynamic`).
 
     ``calib_data``: batches the per-GEMM SQNR is measured on (the fallback and SmoothQuant need
     them); an int N generates N batches like ``example_inputs`` (token ids drawn from
@@ -654,7 +668,7 @@ def quantize_transformer(
         source = f"{len(batches)} user batch(es)"
     _check_batches(batches, inputs)
     quantize_pass = QuantizeLinearsDynamic(
-        batches, min_sqnr_db=min_sqnr_db, smooth_alpha=smooth_alpha
+        batches, min_sqnr_db=min_sqnr_db, smooth_alpha=smooth_alpha, weight_qmax=weight_qmax
     )  # checks options
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
     fp32_passes = [*canonical_passes(), FuseAttention(), HorizontalMerge(), *fp32_conv_passes()]

@@ -62,9 +62,29 @@ def detect_target(threads: int | None = None) -> Target:
     return Target(isa, threads=int(threads) if threads is not None else torch.get_num_threads(), source=source)
 
 
+#: The lower tiers ``make test`` runs the INT8 tests on again, as ``ONEDNN_MAX_CPU_ISA`` values:
+#: AVX2 (no AVX-512, no VNNI: AMD Zen 3, Intel before Cascade Lake) and AVX512_CORE (AVX-512 without
+#: VNNI: Skylake-SP). oneDNN (torch's and the engine's) honours the cap; fbgemm does not.
+TEST_TIERS = ("AVX2", "AVX512_CORE")
+
+
+def lower_tiers(target: Target | None = None) -> list[str]:
+    """The :data:`TEST_TIERS` strictly below ``target`` (default: this process's) that this CPU can
+    run: the caps under which ``make test`` repeats the INT8 tests."""
+    from gml.ir.target import ISA_FEATURES
+
+    have = ISA_FEATURES.get(resolve(target).isa, frozenset())
+    return [cap for cap in TEST_TIERS if ISA_FEATURES[cap.lower()] < have]
+
+
 def resolve(target: Target | None) -> Target:
     """``target``, or this process's when None (the API boundary's default)."""
     return target if target is not None else detect_target()
 
 
-__all__ = ["ISA_ENV", "detect_target", "resolve"]
+__all__ = ["ISA_ENV", "TEST_TIERS", "detect_target", "lower_tiers", "resolve"]
+
+
+if __name__ == "__main__":  # `python -m gml.runtime.target`: the target, then the tiers make test adds
+    print(detect_target().describe())
+    print(" ".join(lower_tiers()))

@@ -604,6 +604,15 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 ATTENTION_ENV = "GML_ATTENTION"
 
 
+def fused_attention_cpu(target: Target) -> bool:
+    """Whether ``target`` runs the fused attention kernel (native/attention.h): AVX-512 with native
+    bf16 on the target (``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16 says no) and on the CPU (the
+    engine checks the instructions exist)."""
+    from gml.runtime import native
+
+    return target.avx512 and target.native_bf16 and bool(native.load().fused_attention_available())
+
+
 def fused_attention_ok(q: Val, k: Val, v: Val, out: Val, target: Target) -> bool:
     """Whether ``gml.attention`` runs as the engine's one fused step (native/attention.h) instead of
     matmul → softmax → matmul: operands of one dtype with unit last-dim strides, an even head size, a
@@ -615,7 +624,6 @@ def fused_attention_ok(q: Val, k: Val, v: Val, out: Val, target: Target) -> bool
     """
     import os
 
-    from gml.runtime import native
 
     choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower()
     if choice not in ("auto", "fused", "primitives"):
@@ -624,8 +632,7 @@ def fused_attention_ok(q: Val, k: Val, v: Val, out: Val, target: Target) -> bool
         raise InputError(f"{ATTENTION_ENV}={choice!r} is not an attention path.", hint="use auto, fused or primitives.")
     if choice == "primitives":
         return False
-    engine = native.load()
-    if not (target.avx512 and target.native_bf16 and engine.fused_attention_available()):
+    if not fused_attention_cpu(target):
         return False
     tensors = (q, k, v, out)
     dtype = q.dtype_name

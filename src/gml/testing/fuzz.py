@@ -270,14 +270,21 @@ def _steps(spec: ModelSpec, ranges: dict[int, float]) -> dict[int, float]:
 
 
 def quantization_noise(
-    model: nn.Module, batches: Sequence[tuple[torch.Tensor, ...]], *, trials: int = NOISE_TRIALS, seed: int = 0
+    model: nn.Module,
+    batches: Sequence[tuple[torch.Tensor, ...]],
+    *,
+    trials: int = NOISE_TRIALS,
+    seed: int = 0,
+    weight_levels: float | None = None,
 ) -> list[float]:
     """How far INT8-sized rounding noise moves each output of a generated model (max abs, per output).
 
     Models INT8 as fp32 plus rounding noise: every value of the model (input and each layer's
     output) gets independent uniform noise of ±half its quantization step, ``step = range/255``
     (per-tensor uint8 over the value's calibration range, which includes 0, as the minmax observer
-    does), and every conv/linear weight gets ±half its per-output-channel step ``max|w_c|/127.5``.
+    does), and every conv/linear weight gets ±half its per-output-channel step ``max|w_c|/L``,
+    ``L = weight_levels``: half the target's weight range (127.5 for 8-bit weights, 64 for the 7-bit
+    weights of a target without VNNI, ADR 011; default: this process's target's).
     Ops that keep their input's scale in INT8 (pooling, ReLU-like clamps, views, cat) are given the
     step of the widest range they share: an average pool's output has a much narrower range than
     its input but is rounded on the input's grid. All of that over-approximates the real
@@ -302,6 +309,11 @@ def quantization_noise(
 
     step = _steps(model.spec, {i: hi[i] - lo[i] for i in hi})  # type: ignore[arg-type]
     noisy = copy.deepcopy(model)
+    if weight_levels is None:
+        from gml.runtime.target import detect_target
+
+        arith = detect_target().int8
+        weight_levels = (arith.weight_qmax - arith.weight_qmin) / 2
     gen = torch.Generator().manual_seed(seed)
     worst = [0.0] * len(clean[0])
     originals = [(w, w.detach().clone()) for w, _ in _weighted_params(noisy)]
@@ -315,7 +327,7 @@ def quantization_noise(
         for _ in range(trials):
             for (w, w0), (_, axis) in zip(originals, _weighted_params(noisy)):
                 dims = [d for d in range(w0.dim()) if d != axis]
-                wstep = w0.abs().amax(dim=dims, keepdim=True) / 127.5
+                wstep = w0.abs().amax(dim=dims, keepdim=True) / weight_levels
                 w.copy_(w0 + (torch.rand(w0.shape, generator=gen) - 0.5) * wstep)
             for b, ref in zip(batches, clean):
                 for k, (r, y) in enumerate(zip(ref, _run(noisy, b))):
@@ -332,7 +344,10 @@ def _quantize(model: nn.Module, calib: list[tuple[torch.Tensor, ...]]) -> Any:
     if quantize is not None:
         import inspect
 
-        extra = {"per_layer": False} if "per_layer" in inspect.signature(quantize).parameters else {}
+        params = inspect.signature(quantize).parameters
+        extra = {"per_layer": False} if "per_layer" in params else {}
+        if "keep_broken" in params:  # the property checks the INT8 model, never an fp32 fallback for it
+            extra["keep_broken"] = True
         res = quantize(model, calib, example_inputs=calib[0], **extra)
         frontend = getattr(getattr(res, "frontend", None), "fp32_passes", None)
         # the runtime gml.quantize chose (the native engine where it covers the graph)
