@@ -1,5 +1,5 @@
 """One dynamic INT8 GEMM (``gml::dynamic_linear``, ADR 008) on MiniLM's sizes: the native engine
-against the Python kernel (``torch._int_mm`` + torch ops), ONNX Runtime's dynamic INT8
+against the Python kernel (``int8_matmul``'s fp32 chunks + torch ops), ONNX Runtime's dynamic INT8
 (``quantize_dynamic``: DynamicQuantizeLinear + MatMulInteger, per-tensor activation scale) and fp32
 ``F.linear``, interleaved round by round, the same thread count for all.
 

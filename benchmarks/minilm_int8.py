@@ -93,6 +93,7 @@ def main() -> None:
     n_int8 = sum(1 for p in q.precisions if p.precision == "int8")
     print(f"CPU: {platform.processor() or platform.machine()}; torch {torch.__version__}; 1 thread")
     print(f"{len(SENTENCES)} sentences; {n_int8} INT8 GEMMs; fallback {q.fallback_precision}; {q.frontend.summary()}")
+    print(f"gml.quantize returned {q.precision}; whole-model guard (int8 ms, fp32 ms): {q.cost.whole}")
     print(f"INT8 runtime: {q.runtime.path} ({q.runtime.note or 'agrees with the Python executor'})")
     print(f"cosine INT8 vs fp32: mean {float(cos.mean()):.5f}, min {float(cos.min()):.5f}")
     kept = float((nn32 == nn8).float().mean())

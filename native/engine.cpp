@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "int8_gemm_avx2.h"
 #include "oneapi/dnnl/dnnl.hpp"
 #include "winograd.h"
 
@@ -406,9 +407,13 @@ class Plan {
   // [1, 1, N] (the caller adds q, amax and dst as 3-D views): measured on oneDNN 3.2 (avx512_core_vnni),
   // the 2-D form with an [M, 1] binary operand finds only the reference matmul ("ref:any", ~100x
   // slower), the 3-D form brgemm ("brg:avx512_core_vnni").
+  //
+  // ``exact_gemm`` (CPUs without VNNI, chosen by the caller from the target CPU): step 2 is GML's own
+  // exact s8 x s8 GEMM instead (native/int8_gemm_avx2.h, gemm_step()): without VNNI oneDNN's int8
+  // matmul multiplies with vpmaddubsw, whose int16 pair sums saturate, and runs its slow ``gemm:jit``.
   void dynamic_linear(int src, int dst, int q, int amax, uintptr_t weight, const Dims& wdims,
                       const std::vector<float>& w_scales, uintptr_t bias, const std::vector<float>& smooth_inv,
-                      const Eltwise& eltwise, const std::string& name, int sum_src) {
+                      const Eltwise& eltwise, const std::string& name, int sum_src, bool exact_gemm) {
     const memory::desc src_md = md_in(src), q_md = md_in(q), amax_md = md_in(amax), dst_md = md_out(dst);
     if (src_md.get_ndims() != 2 || src_md.get_data_type() != dt::f32)
       throw std::invalid_argument("gml engine: dynamic_linear takes a 2-D fp32 source");
@@ -446,6 +451,10 @@ class Plan {
                           {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, q}, {DNNL_ARG_DST_1, amax}}, {}, memory::desc(),
                           name + ":quantize"});
 
+    if (exact_gemm) {
+      gemm_step(q, amax, dst, sum_src, weight, n, k, w_scales, bias, eltwise, name);
+      return;
+    }
     // Step 2: the matmul. The caller's [N, K] int8 rows are the [K, N] weights in column-major order.
     memory::desc user_w({1, k, n}, dt::s8, memory::dims{k * n, 1, k});
     memory::desc any_w({1, k, n}, dt::s8, memory::format_tag::any);
@@ -475,6 +484,89 @@ class Plan {
         {DNNL_ARG_SRC, q}, {DNNL_ARG_DST, dst}, {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, amax}};
     if (sum_src >= 0) args.emplace_back(DNNL_ARG_ATTR_MULTIPLE_POST_OP(sum_index) | DNNL_ARG_SRC_1, sum_src);
     push(dnnl::matmul(pd), std::move(args), std::move(consts), pd.scratchpad_desc(), name);
+  }
+
+  // dynamic_linear's step 2 as GML's exact int8 GEMM (native/int8_gemm_avx2.h), one Kernel step:
+  //   z = relu?(((float(q . w) * w_scales[n]) * amax[m]) + bias[n])          (the GEMM's epilogue)
+  //   z = eltwise(z)   other post-ops (GELU): oneDNN eltwise primitives, in place on dense rows
+  //   dst = z + residual[m, n]                                                 (if any)
+  // the operations and their order of the oneDNN matmul's post-op chain. The eltwise runs on dst when
+  // its rows are dense, else on a dense copy in the scratchpad (copied out after, exactly).
+  void gemm_step(int q, int amax, int dst, int sum_src, uintptr_t weight, int64_t n, int64_t k,
+                 const std::vector<float>& w_scales, uintptr_t bias, const Eltwise& eltwise, const std::string& name) {
+    const memory::desc dst_md = md_in(dst);
+    const int64_t m = dst_md.get_dims()[1];
+    const int64_t ldy = m > 1 ? dst_md.get_strides()[1] : n;
+    if (n > 1 && dst_md.get_strides()[2] != 1) throw std::invalid_argument("gml engine: dynamic_linear output columns must be dense");
+    int64_t ldr = 0;
+    if (sum_src >= 0) {
+      const memory::desc r = md_in(sum_src);
+      if (r.get_data_type() != dt::f32 || (n > 1 && r.get_strides()[2] != 1))
+        throw std::invalid_argument("gml engine: dynamic_linear's residual must be f32 with dense columns");
+      ldr = m > 1 ? r.get_strides()[1] : n;
+    }
+    auto gemm = std::make_shared<const gml_int8_gemm::Gemm>(reinterpret_cast<const int8_t*>(weight), n, k, k, w_scales,
+                                                             reinterpret_cast<const float*>(bias));
+    // the epilogue's ReLU is exact in the kernel; other activations are oneDNN eltwise primitives
+    bool relu = false;
+    std::vector<dnnl::eltwise_forward> acts;
+    std::string impl = "gml:int8_gemm_avx2";
+    const memory::desc rows({m, n}, dt::f32, memory::format_tag::ab);
+    for (const auto& [alg, alpha, beta] : eltwise) {
+      if (alg == "relu" && alpha == 0.0f && acts.empty() && !relu) {
+        relu = true;
+        continue;
+      }
+      dnnl::primitive_attr attr;
+      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+      auto pd = dnnl::eltwise_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_inference,
+                                                      parse_eltwise(alg), rows, rows, alpha, beta, attr);
+      if (pd.scratchpad_desc().get_size() > 0) throw std::invalid_argument("gml engine: eltwise with a scratchpad");
+      impl += std::string("+") + pd.impl_info_str();
+      acts.emplace_back(pd);
+    }
+    const bool staged = !acts.empty() && (ldy != n || sum_src >= 0);  // eltwise on a dense copy, then out
+    const size_t gemm_bytes = (gemm->scratch_bytes(m) + kAlign - 1) / kAlign * kAlign;
+    const size_t scratch = gemm_bytes + (staged ? static_cast<size_t>(m * n) * sizeof(float) : 0);
+    const bool parallel = m * n * k >= (int64_t{1} << 18);  // below: an OpenMP fork costs more than it saves
+    const bool has_res = sum_src >= 0;
+    Kernel kernel = [gemm, acts, relu, staged, gemm_bytes, m, n, ldy, ldr, has_res, parallel,
+                     rows](const std::unordered_map<int, memory>& args) {
+      const int8_t* qx = static_cast<const int8_t*>(args.at(DNNL_ARG_SRC).get_data_handle());
+      const float* am = static_cast<const float*>(args.at(DNNL_ARG_SRC_1).get_data_handle());
+      float* y = static_cast<float*>(args.at(DNNL_ARG_DST).get_data_handle());
+      const float* res = has_res ? static_cast<const float*>(args.at(DNNL_ARG_SRC_2).get_data_handle()) : nullptr;
+      char* scratch = static_cast<char*>(args.at(DNNL_ARG_SCRATCHPAD).get_data_handle());
+      if (acts.empty()) {
+        gemm->run(qx, m, gemm->k(), am, y, ldy, relu, res, ldr, scratch, parallel);
+        return;
+      }
+      float* z = staged ? reinterpret_cast<float*>(scratch + gemm_bytes) : y;
+      const int64_t ldz = staged ? n : ldy;
+      gemm->run(qx, m, gemm->k(), am, z, ldz, relu, nullptr, 0, scratch, parallel);
+      dnnl::stream stream(cpu_engine());  // CPU primitives run synchronously on the calling thread
+      memory zm(rows, cpu_engine(), z);
+      for (const auto& act : acts) act.execute(stream, {{DNNL_ARG_SRC, zm}, {DNNL_ARG_DST, zm}});
+      stream.wait();
+      if (!staged) return;
+      for (int64_t r = 0; r < m; ++r) {
+        float* yr = y + r * ldy;
+        const float* zr = z + r * n;
+        if (res) {
+          const float* rr = res + r * ldr;
+          for (int64_t c = 0; c < n; ++c) yr[c] = zr[c] + rr[c];
+        } else {
+          std::memcpy(yr, zr, static_cast<size_t>(n) * sizeof(float));
+        }
+      }
+    };
+    if (finalized_) throw std::runtime_error("gml engine: plan already finalized");
+    std::vector<std::pair<int, int>> args{{DNNL_ARG_SRC, q}, {DNNL_ARG_SRC_1, amax}, {DNNL_ARG_DST, dst}};
+    if (has_res) args.emplace_back(DNNL_ARG_SRC_2, sum_src);
+    Step step{dnnl::primitive(), std::move(kernel), std::move(args), {},
+              memory::desc({static_cast<int64_t>(scratch)}, dt::u8, memory::format_tag::a), name};
+    step.impl = impl;
+    steps_.push_back(std::move(step));
   }
 
   // Reorder: layout change, quantize (f32 -> u8, dst_q), dequantize (u8 -> f32, src_q) or
@@ -1249,7 +1341,7 @@ NB_MODULE(_engine, m) {
            nb::arg("dst_q").none(), nb::arg("eltwise"), nb::arg("name"))
       .def("dynamic_linear", &Plan::dynamic_linear, nb::arg("src"), nb::arg("dst"), nb::arg("q"), nb::arg("amax"),
            nb::arg("weight"), nb::arg("wdims"), nb::arg("w_scales"), nb::arg("bias"), nb::arg("smooth_inv"),
-           nb::arg("eltwise"), nb::arg("name"), nb::arg("sum_src") = -1)
+           nb::arg("eltwise"), nb::arg("name"), nb::arg("sum_src") = -1, nb::arg("exact_gemm") = false)
       .def("reorder", &Plan::reorder, nb::arg("src"), nb::arg("dst"), nb::arg("src_q").none(),
            nb::arg("dst_q").none(), nb::arg("name"))
       .def("pool", &Plan::pool, nb::arg("src"), nb::arg("dst"), nb::arg("alg"), nb::arg("kernel"), nb::arg("strides"),

@@ -10,7 +10,7 @@ from torch import fx
 from gml import nn as gnn
 from gml.runtime import unavailable_reason
 from runtime.helpers import run_both
-from runtime.test_dynamic_linear import dyn_graph, rows, step_impls
+from runtime.test_dynamic_linear import dyn_graph, gemm, rows, step_impls  # noqa: F401 (gemm: autouse, both GEMMs)
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
@@ -40,6 +40,17 @@ def test_linear_then_residual_is_one_matmul_bit_identical(shape):
     assert eng.report.path == "engine", str(eng.report)
     assert len(step_impls(eng)) == 2  # the row quantization and one matmul (no binary add step)
     assert torch.equal(got, ref), float((got - ref).abs().max())
+
+
+def test_residual_after_a_gelu_post_op():
+    """GELU then the residual, in that order (the MLP's second GEMM has none, but the fusion allows it):
+    on GML's GEMM the GELU runs on a dense copy and the residual is added after it."""
+    gm = residual_graph(40, 24, post_op="gelu")
+    x, r = rows(7, 40), rows(7, 24, seed=3)
+    ref, eng, got = run_both(gm, x, r)
+    assert eng.report.path == "engine" and len(step_impls(eng)) == 2, step_impls(eng)
+    tol = 4 * torch.finfo(torch.float32).eps * ref.abs() + 1e-6 * float(ref.abs().max())
+    assert bool(((got - ref).abs() <= tol).all()), float((got - ref).abs().max())
 
 
 def test_a_linear_output_read_again_keeps_its_own_add():

@@ -56,6 +56,33 @@ def quantize_rows(rows: torch.Tensor, smooth_inv: torch.Tensor | None = None) ->
     return torch.round(rows * inv).to(torch.int8), amax
 
 
+#: K-chunk of :func:`int8_matmul`: ``KCHUNK * 127**2 < 2**24``, so every partial sum of a chunk is an
+#: integer fp32 holds exactly.
+KCHUNK = 1024
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.T`` exactly, int32 ``[M, N]``, for int8 ``a`` ``[M, K]`` and ``b`` ``[N, K]`` with
+    every value in ``[-127, 127]`` (what :func:`quantize_rows` / :func:`quantize_weight` produce).
+
+    As fp32 matmuls over chunks of ``KCHUNK`` columns, each chunk's result converted to int32 and the
+    chunks summed in int32: a product is at most ``127**2`` and a chunk's partial sums at most
+    ``1024 * 127**2 < 2**24``, so every fp32 value on the way is an integer represented exactly,
+    whatever the summation order, FMA or blocking of the matmul kernel — and also in a reduced-precision
+    matmul mode (``torch.set_float32_matmul_precision``): int8 values are exact in bf16 / tf32 inputs,
+    whose products accumulate in fp32. Not ``torch._int_mm``: on CPUs without VNNI its oneDNN kernel
+    adds pairs of products into saturating int16 (wrong sums, issue #23), and it returns wrong sums
+    for ``K = 1``."""
+    k = a.shape[1]
+    bt = b.t()
+    acc = None
+    for k0 in range(0, k, KCHUNK):
+        part = torch.mm(a[:, k0 : k0 + KCHUNK].float(), bt[k0 : k0 + KCHUNK].float()).to(torch.int32)
+        acc = part if acc is None else acc.add_(part)
+    assert acc is not None
+    return acc
+
+
 def apply_post_op(y: torch.Tensor, post_op: str, algorithm: str) -> torch.Tensor:
     """The fused activation of a ``dynamic_linear`` (in place on ``y``): ``none``, ``relu``, ``gelu``."""
     if post_op == "none":
@@ -80,15 +107,13 @@ def dynamic_linear(
     post_op_scalars: list[float] | tuple[float, ...] = (),
     post_op_algorithm: str = "",
 ) -> torch.Tensor:
-    """The Python kernel of ``gml::dynamic_linear`` (module docstring): ``torch._int_mm`` on the int8 rows."""
+    """The Python kernel of ``gml::dynamic_linear`` (module docstring): :func:`int8_matmul` on the int8 rows."""
     shape = x.shape
     n, k = weight.shape
     if shape[-1] != k:
         raise ValueError(f"dynamic_linear: input has {shape[-1]} features, the weight {k}")
     q_x, amax = quantize_rows(x.reshape(-1, k).float(), smooth_inv)
-    # int8 x int8 -> int32, exact; torch._int_mm returns wrong sums for K = 1 and N > 1 (torch 2.14
-    # CPU), where the GEMM is an outer product
-    acc = q_x.int() * weight.int().t() if k == 1 else torch._int_mm(q_x, weight.t())
+    acc = int8_matmul(q_x, weight)
     y = torch.mul(acc, weight_scale / QMAX).mul_(amax)  # float(acc) * (s_w / 127), then * amax: two roundings
     if bias is not None:
         y.add_(bias)

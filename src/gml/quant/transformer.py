@@ -8,7 +8,7 @@ all-MiniLM-L6-v2). Here
 * every ``nn.Linear`` (Q/K/V — merged —, attention output, MLP) becomes :class:`DynamicQuantLinear`:
   weights int8, symmetric, one scale per output channel; activations int8, symmetric, one scale
   **per token** (row), computed from that row at run time; ``int8 x int8 -> int32`` GEMM
-  (``torch._int_mm``), then ``acc * s_x[row] * s_w[col] + bias`` in fp32;
+  (exact: ``gml.kernels.dynamic_int8``), then ``acc * s_x[row] * s_w[col] + bias`` in fp32;
 * the residual stream, LayerNorm, softmax, GELU and attention (``gml.attention``: q·kᵀ and p·v in
   fp32 inside the fused SDPA) stay fp32.
 

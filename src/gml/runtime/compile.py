@@ -78,6 +78,9 @@ class RuntimeReport:
     target: Target | None = None
     #: what the plan changed for this target (e.g. a saved model's 8-bit weights requantized to 7 bits)
     changes: list[str] = field(default_factory=list)
+    #: steps of the built plans that run a oneDNN reference kernel (:func:`is_reference_impl`), by
+    #: step name: a bug (a layout or formulation oneDNN has no jitted kernel for), never expected
+    reference_steps: dict[str, str] = field(default_factory=dict)
 
     @property
     def engine_nodes(self) -> int:
@@ -107,9 +110,21 @@ class RuntimeReport:
         if self.winograd_convs:
             n = self.winograd_convs
             lines.append(f"  {n} 3x3 conv(s) run as Winograd F(2x2, 3x3) (GML_WINOGRAD=0: direct convs only)")
+        if self.reference_steps:
+            steps = ", ".join(f"{name} ({impl})" for name, impl in self.reference_steps.items())
+            lines.append(
+                f"  BUG: {len(self.reference_steps)} engine step(s) run oneDNN's reference kernel, 10-1000x slower "
+                f"than a jitted one (please report it with the model and the CPU): {steps}"
+            )
         lines += [f"  torch: {n.name} ({n.op}): {n.reason}" for n in self.torch_nodes]
         lines += [f"  torch for shape {k}: {v}" for k, v in self.shape_fallbacks.items()]
         return "\n".join(lines)
+
+
+def is_reference_impl(impl: str) -> bool:
+    """Whether a step's implementation (``Plan.step_impls``) is oneDNN's reference kernel
+    (``ref:any``, ``ref:...``): alone, or as a part of a GML kernel's (``gml:int8_gemm_avx2+ref:any``)."""
+    return any(part.startswith("ref") for part in impl.split("+"))
 
 
 def free_values(gm: fx.GraphModule, env: dict[fx.Node, Any]) -> set[fx.Node]:
@@ -214,6 +229,9 @@ class EngineSegment(nn.Module):
         except (Unsupported, RuntimeError, ValueError) as e:
             self._report.shape_fallbacks[_key_str(key)] = str(e)
             return None, []
+        for name, impl in zip(plan.step_names(), plan.step_impls()):
+            if is_reference_impl(impl):
+                self._report.reference_steps[name] = impl
         return plan, outs
 
     def _translate(self, env: dict[fx.Node, Any]) -> tuple[Any, list[tuple]]:
@@ -570,5 +588,6 @@ __all__ = [
     "StepTime",
     "UnsupportedError",
     "compile_engine",
+    "is_reference_impl",
     "partition",
 ]

@@ -97,6 +97,14 @@ def winograd_mode() -> int:
     return WINOGRAD_MODES[value]
 
 
+def exact_int8_gemm(target: Target) -> bool:
+    """Whether ``gml::dynamic_linear`` runs its GEMM on GML's own exact AVX2 kernel on ``target``
+    (native/int8_gemm_avx2.h): where int8 dot products are not VNNI-class (``target.exact_u8s8``:
+    AVX2, AVX-512 without VNNI) oneDNN's int8 matmul multiplies with ``vpmaddubsw``, whose int16 pair
+    sums saturate, in its slow ``gemm:jit`` (issue #23); with VNNI / AMX its brgemm is exact and faster."""
+    return not target.exact_u8s8 and "avx2" in target.features
+
+
 def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Dense channels-last strides of an ``N, C, *spatial`` shape (NWC / NHWC / NDHWC)."""
     stride, inner = [1] * len(shape), shape[1]  # channels innermost
@@ -341,9 +349,11 @@ class Builder:
         writing NHWC (a free value, or a fixed NHWC one such as a segment output the executor keeps
         channels-last): reordered to NHWC first. A primitive mixing NCHW in and NHWC out finds only
         oneDNN's reference kernel (shufflenet_v2's conv5 after the channel shuffle: 1.5 s instead of
-        ~0.2 ms); OpenVINO does the same reorder."""
-        writes_nhwc = _fixed_free_layout(dst) or (not dst.free and len(dst.shape) == 4 and is_nhwc(dst))
-        if not writes_nhwc or src.free or len(src.shape) != 4 or is_nhwc(src):
+        ~0.2 ms); OpenVINO does the same reorder. Any rank with spatial dims: a Conv1d's NCW source
+        with an NWC destination (Whisper's first conv, 39 s per call on ``ref:any`` under AVX2)."""
+        rank = len(src.shape)
+        writes_nhwc = _fixed_free_layout(dst) or (not dst.free and len(dst.shape) == rank and is_nhwc(dst))
+        if not writes_nhwc or src.free or rank < 3 or len(dst.shape) != rank or is_nhwc(src):
             return src
         t = self.temp(src.shape, nhwc_strides(src.shape), src.dtype_name)
         t.free = True
@@ -620,6 +630,7 @@ class Builder:
 
     def _emit_steps(self, plan: Any, ids: dict[Val, int]) -> None:
         winograd = winograd_mode()
+        exact_gemm = exact_int8_gemm(self.target)
         for s in self.steps:
             kw = dict(s.kwargs)
             if s.method in ("conv", "inner_product"):
@@ -671,6 +682,7 @@ class Builder:
                     eltwise=kw["eltwise"],
                     name=s.name,
                     sum_src=ids[s.reads[1]] if len(s.reads) > 1 else -1,
+                    exact_gemm=exact_gemm,
                 )
                 del keep
             elif s.method == "reorder":

@@ -519,21 +519,31 @@ def broadcast_view(b: Builder, v: Val, rank: int) -> Val:
     return b.view(v, shape, tuple(reversed(dense)))
 
 
-def _additive_mask(b: Builder, m: Val, rank: int) -> Val:
-    """The float mask to add to the scores (see the module docstring), once per plan."""
+def _additive_mask(b: Builder, m: Val, rank: int, keys: int) -> Val:
+    """The float mask to add to the scores (see the module docstring), once per plan.
+
+    A mask that varies along the queries but not along the ``keys`` (``[..., L, 1]`` after
+    :func:`broadcast_view`; HF ViT's all-true ``[B, 1, L, L]`` expand) is written out ``[..., L, keys]``
+    (one reorder reading it with stride 0 along the keys): oneDNN's matmul has no jitted kernel for a
+    binary post-op broadcast that way, on any ISA (``ref:any``, 0.8 s per ViT attention under AVX2)."""
+    from gml.runtime.translate import _contiguous_strides
+
     memo = b.memo.setdefault("attention_masks", {})
     key = id(m)
     if key in memo:
         return memo[key]
+    out = broadcast_view(b, m, rank)
     if m.dtype_name == "u8":  # a bool mask (torch.bool is the engine's u8)
-        from gml.runtime.translate import _contiguous_strides
-
-        view = broadcast_view(b, m, rank)
-        t = b.temp(view.shape, _contiguous_strides(view.shape), "f32")
-        b.reorder(view, t, src_q=(MASKED, 1), dst_q=None)  # (m - 1) * FLT_MAX
+        t = b.temp(out.shape, _contiguous_strides(out.shape), "f32")
+        b.reorder(out, t, src_q=(MASKED, 1), dst_q=None)  # (m - 1) * FLT_MAX
         out = t
-    else:
-        out = broadcast_view(b, m, rank)
+    if rank >= 2 and out.shape[-2] > 1 and out.shape[-1] == 1 and keys > 1:  # per query: written out
+        # a plain fp32 copy reads the stride 0 (oneDNN 3.2's jitted reorder from a stride-0 u8 source
+        # with a zero point writes wrong values: 37,824 of 197 x 197, so the bool conversion stays above)
+        wide = b.view(out, (*out.shape[:-1], keys), (*out.stride[:-1], 0))
+        t = b.temp(wide.shape, _contiguous_strides(wide.shape), "f32")
+        b.reorder(wide, t, src_q=None, dst_q=None)
+        out = t
     memo[key] = out
     return out
 
@@ -567,7 +577,7 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if isinstance(a.attn_mask, torch.Tensor):  # a constant (a model's buffer): made additive here
         masks.append(b.constant(_additive_constant(a.attn_mask, rank)))
     elif len(ins) > 3:
-        masks.append(_additive_mask(b, ins[3], rank))
+        masks.append(_additive_mask(b, ins[3], rank, k.shape[-2]))
     if a.is_causal:  # SDPA's: query i sees keys j <= i (top-left aligned)
         keep = torch.ones(L, S, dtype=torch.bool).tril()
         masks.append(b.constant(_additive_constant(keep, rank)))

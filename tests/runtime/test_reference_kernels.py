@@ -1,0 +1,117 @@
+"""No engine plan runs a oneDNN reference kernel (issue #23, item 6).
+
+oneDNN falls back to its reference implementation (``ref:any``: plain C++ loops, 10-1000x slower than
+its jitted kernels) for a layout or post-op it has no jitted kernel for on the running ISA; nothing
+fails, the model just gets slow (HF ViT's attention 0.8 s per call, Whisper's first Conv1d 39 s
+under AVX2). Building a plan records every step's implementation, and a reference one is listed in
+the runtime report as a bug (``RuntimeReport.reference_steps``). These tests build small models of
+the kinds that hit it and assert the list is empty — on whatever ISA they run (``make test`` also runs
+them with ``ONEDNN_MAX_CPU_ISA=AVX2``, where the cases above were found).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gml
+from gml.runtime import unavailable_reason
+from gml.runtime.compile import RuntimeReport, is_reference_impl
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+def assert_no_reference_steps(result) -> None:
+    report = result.runtime
+    assert report.path != "torch", str(report)
+    assert result.engine is not None and result.engine.step_impls()
+    assert report.reference_steps == {}, str(report)
+    assert not [s for s in result.engine.step_impls() if is_reference_impl(s[1])]
+
+
+def test_the_report_lists_a_reference_step_as_a_bug():
+    assert is_reference_impl("ref:any") and is_reference_impl("gml:int8_gemm_avx2+ref:any")
+    assert not is_reference_impl("gemm:jit:f32") and not is_reference_impl("gml:winograd_f2x3+brg:avx2")
+    text = str(RuntimeReport("engine", reference_steps={"conv1": "ref:any"}))
+    assert "BUG: 1 engine step(s) run oneDNN's reference kernel" in text and "conv1 (ref:any)" in text
+    assert "BUG" not in str(RuntimeReport("engine"))
+
+
+class _Conv1dStem(nn.Module):
+    """Whisper's encoder stem: Conv1d -> GELU -> Conv1d (stride 2) -> GELU, then time-major."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(8, 16, 3, padding=1)
+        self.conv2 = nn.Conv1d(16, 16, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.gelu(self.conv2(nn.functional.gelu(self.conv1(x))))
+        return x.permute(0, 2, 1)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_conv1d_stem(precision):
+    torch.manual_seed(0)
+    model, x = _Conv1dStem().eval(), torch.randn(1, 8, 40)
+    r = gml.optimize(model, x) if precision == "fp32" else gml.quantize(model, 8, example_inputs=x)
+    assert_no_reference_steps(r)
+
+
+class _SmallCNN(nn.Module):
+    """The conv kinds of the README's CNNs at a small size: a strided stem, a residual block, an
+    inverted-residual (pointwise / depthwise) block, pooling and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        conv3 = lambda c, groups=1: nn.Conv2d(c, c, 3, padding=1, groups=groups)  # noqa: E731
+        self.res = nn.Sequential(conv3(16), nn.BatchNorm2d(16), nn.ReLU(), conv3(16))
+        self.inv = nn.Sequential(nn.Conv2d(16, 32, 1), nn.ReLU6(), conv3(32, 32), nn.ReLU6(), nn.Conv2d(32, 16, 1))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        x = torch.relu(x + self.res(x))
+        x = x + self.inv(x)
+        x = nn.functional.max_pool2d(x, 2)
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_cnn(precision):
+    torch.manual_seed(0)
+    model, x = _SmallCNN().eval(), torch.randn(1, 3, 32, 32)
+    r = gml.optimize(model, x) if precision == "fp32" else gml.quantize(model, 8, example_inputs=x)
+    assert_no_reference_steps(r)
+
+
+def _hf(kind: str):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "vit":  # 17 tokens; its all-true mask [B, 1, L, L] is an expand along the keys
+        config = transformers.ViTConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32,
+            patch_size=8,
+        )  # fmt: skip
+        return transformers.ViTModel(config).eval(), (torch.randn(1, 3, 32, 32),)
+    if kind == "whisper_encoder":
+        config = transformers.WhisperConfig(
+            d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+        )  # fmt: skip
+        return transformers.WhisperModel(config).encoder.eval(), (torch.randn(1, 8, 32),)
+    config = transformers.BertConfig(
+        vocab_size=500, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    ids = torch.randint(1, 500, (1, 11), generator=torch.Generator().manual_seed(0))
+    return transformers.BertModel(config).eval(), (ids, torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("kind", ["vit", "whisper_encoder", "bert"])
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_transformers(kind, precision):
+    model, x = _hf(kind)
+    r = gml.optimize(model, x) if precision == "fp32" else gml.quantize(model, 8, example_inputs=x)
+    assert_no_reference_steps(r)
