@@ -757,7 +757,7 @@ def _quantize_transformer(
     res = quantize_transformer(
         model, inputs, calib_data=calib_data if calib_data is not None else 8, min_sqnr_db=min_sqnr_db,
         smooth_alpha=smooth_alpha, leaf_modules=leaf_modules, strict=strict, token_range=token_range,
-        attention_bf16=fallback == "bf16", weight_qmax=min(127, target.int8.weight_qmax),
+        attention_bf16=fallback == "bf16", weight_qmax=target.dynamic_weight_qmax,
     )  # fmt: skip
     seconds["capture + fp32 passes + measure + quantize"] = time.perf_counter() - t0
     coverage = LoweringCoverage()

@@ -139,6 +139,20 @@ class Target:
     def int8(self) -> Int8Arithmetic:
         return int8_arithmetic(self)
 
+    @property
+    def gml_int8_gemm(self) -> bool:
+        """Whether ``gml.dynamic_linear``'s GEMM runs on GML's own exact AVX2 kernel
+        (native/int8_gemm_avx2.h: ``|x| * (w * sign(x))`` into ``vpmaddubsw``, pair sums <= 32,258):
+        no VNNI-class dot product, where oneDNN's int8 matmul would saturate, and AVX2 present."""
+        return not self.exact_u8s8 and "avx2" in self.features
+
+    @property
+    def dynamic_weight_qmax(self) -> int:
+        """``gml.dynamic_linear``'s int8 weight range ``[-q, q]``: 127 wherever its GEMM is exact with
+        8-bit weights (oneDNN's with VNNI / AMX, GML's AVX2 kernel without; the Python kernel sums
+        exactly everywhere), 64 on a CPU with neither (pre-AVX2)."""
+        return 127 if self.exact_u8s8 or self.gml_int8_gemm else 64
+
     def describe(self) -> str:
         """One line for reports: ``avx2, no VNNI: 7-bit weights (...)``."""
         what = [self.isa]

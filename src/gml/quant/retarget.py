@@ -3,8 +3,9 @@
 A model quantized where u8×s8 dot products accumulate in int32 (VNNI, AMX) has 8-bit weights. On a
 target without VNNI (AVX2, AVX-512 without VNNI) the same kernels add pairs of products in a
 saturating int16 (``255·127·2 > 32,767``: docs/adr/011-int8-on-every-isa.md), so the weights of
-every ``qconv`` / ``qconv_add`` / ``qlinear`` / ``dynamic_linear`` output channel outside the
-target's range are requantized to 7 bits::
+every ``qconv`` / ``qconv_add`` / ``qlinear`` output channel outside the target's range are
+requantized to 7 bits (``dynamic_linear`` keeps 8 bits wherever its GEMM is exact: GML's AVX2
+kernel without VNNI, ``Target.dynamic_weight_qmax``)::
 
     w7[o, :] = round_half_even(w8[o, :] / 2)      (|w7| <= 64: 2·255·64 = 32,640 fits in int16)
     s7[o]    = 2 · s8[o]                          (w7 · s7 ≈ w8 · s8: the same float weights)
@@ -94,7 +95,13 @@ def retarget_weights(gm: fx.GraphModule, target: Target) -> list[str]:
         weight, scale = _fetch(gm, key), _fetch(gm, str(s_node.target))
         if weight.dtype != torch.int8:
             continue
-        out = requantize_weight(weight, scale, arith.weight_qmin, arith.weight_qmax)
+        # dynamic_linear's GEMM has its own exact kernels (Target.dynamic_weight_qmax)
+        qmin, qmax = (
+            (-target.dynamic_weight_qmax, target.dynamic_weight_qmax)
+            if name == "dynamic_linear"
+            else (arith.weight_qmin, arith.weight_qmax)
+        )
+        out = requantize_weight(weight, scale, qmin, qmax)
         if out is None:
             continue
         q, s, n = out
@@ -102,7 +109,7 @@ def retarget_weights(gm: fx.GraphModule, target: Target) -> list[str]:
         _store(gm, str(s_node.target), s)
         changes.append(
             f"{node.name} ({name}): weights of {n}/{q.shape[0]} output channels requantized to "
-            f"[{arith.weight_qmin}, {arith.weight_qmax}], scales x2 ({arith.reason})"
+            f"[{qmin}, {qmax}], scales x2 ({arith.reason})"
         )
     return changes
 

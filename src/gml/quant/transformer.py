@@ -232,8 +232,8 @@ class QuantizeLinearsDynamic(GraphPass):
     lets each GEMM use SmoothQuant where that raises its SQNR. Each GEMM's decision, with the
     numbers, is in ``node.meta[PRECISION]`` (:func:`precisions` reads it).
 
-    ``weight_qmax``: the int8 weights' range ``[-weight_qmax, weight_qmax]``: 127, or 64 for a
-    target without VNNI (``Target.int8``, ADR 011), where wider weights would saturate the kernels.
+    ``weight_qmax``: the int8 weights' range ``[-weight_qmax, weight_qmax]``: the target's
+    ``Target.dynamic_weight_qmax`` (127 wherever the GEMM is exact with 8-bit weights; ADR 011).
 
     Skipped, with the reason: non-fp32 weights; inputs that are not floating point; SQNR below
     ``min_sqnr_db``.
@@ -680,7 +680,7 @@ def quantize_transformer(
 
     ``attention_bf16``: attention on bf16 q / k / v (:class:`AttentionInBf16`; the mixed mode of
     ``gml.quantize(..., fallback_precision="bf16")``; the caller checks the CPU has native bf16).
-    ``weight_qmax``: the target's int8 weight range (64 without VNNI; :class:`QuantizeLinearsDynamic`).
+    ``weight_qmax``: the target's int8 weight range (``Target.dynamic_weight_qmax``; :class:`QuantizeLinearsDynamic`).
 
     ``calib_data``: batches the per-GEMM SQNR is measured on (the fallback and SmoothQuant need
     them); an int N generates N batches like ``example_inputs`` (token ids drawn from

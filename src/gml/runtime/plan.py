@@ -102,7 +102,7 @@ def exact_int8_gemm(target: Target) -> bool:
     (native/int8_gemm_avx2.h): where int8 dot products are not VNNI-class (``target.exact_u8s8``:
     AVX2, AVX-512 without VNNI) oneDNN's int8 matmul multiplies with ``vpmaddubsw``, whose int16 pair
     sums saturate, in its slow ``gemm:jit`` (issue #23); with VNNI / AMX its brgemm is exact and faster."""
-    return not target.exact_u8s8 and "avx2" in target.features
+    return target.gml_int8_gemm
 
 
 def nhwc_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
