@@ -184,6 +184,14 @@ class LLM:
         return self.decoder.weight_bytes()
 
 
+def _check_group(label: str, in_features: int, group_size: int | None) -> None:
+    if group_size is not None and in_features % group_size:
+        raise UnsupportedError(
+            f"{label}: {in_features} input features are not a multiple of group_size={group_size}",
+            "pick a group_size that divides the hidden and intermediate sizes, or weights='int8'",
+        )
+
+
 def llm(
     source: nn.Module | str | os.PathLike,
     *,
@@ -234,13 +242,10 @@ def llm(
             f"max_length={max_length} exceeds this model's {captured.spec.max_positions} learned positions",
             f"use max_length <= {captured.spec.max_positions}",
         )
+    groups = {"int4": group_size}  # int8 is per output channel: any in_features
     for i, layer in enumerate(captured.layers):
         for name in ("qkv", "o", "up", "down"):
-            k = getattr(layer, name).weight.shape[1]
-            if "int4" in (weights,) and k % group_size:
-                raise UnsupportedError(
-                    f"layer {i} {name}: {k} input features are not a multiple of group_size={group_size}",
-                    "pick a group_size that divides the hidden and intermediate sizes, or weights='int8'",
-                )
+            _check_group(f"layer {i} {name}", getattr(layer, name).weight.shape[1], groups.get(weights))
+    _check_group("lm_head", captured.lm_head.weight.shape[1], groups.get(lm_head_weights or weights))
     decoder = Decoder(captured, weights, group_size=group_size, symmetric=symmetric, lm_head_weights=lm_head_weights)
     return LLM(decoder, max_length, KV_DTYPES[kv_cache], tokenizer)
