@@ -66,6 +66,16 @@ def _load_folder(path: str) -> nn.Module:
         ) from e
 
 
+def load_tokenizer(path: str):
+    """The folder's tokenizer, or ``None`` when it has none (token ids still work)."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, ImportError, TypeError):
+        return None
+
+
 class LLM:
     """A captured decoder LM. Use :func:`gml.llm` to build one."""
 
@@ -223,12 +233,7 @@ def llm(
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         model = _load_folder(path)
-        try:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-        except (OSError, ValueError, KeyError, ImportError, TypeError):  # no tokenizer: token ids still work
-            tokenizer = None
+        tokenizer = load_tokenizer(path)
     elif isinstance(source, nn.Module):
         model = source
     else:
