@@ -17,6 +17,7 @@ from torch import nn
 
 from gml.errors import InputError, ModelLoadError, UnsupportedError
 from gml.ir.llm_ops import INT4_GROUP_SIZES
+from gml.kernels.woq import KERNEL_ISAS, detect_kernel, native_kernel_runs
 from gml.llm.model import Decoder, KVCache
 from gml.llm.sampling import Sampling, next_token
 from gml.llm.spec import capture_lm
@@ -211,13 +212,16 @@ def llm(
     symmetric: bool = True,
     kv_cache: str = "fp32",
     lm_head_weights: str | None = None,
+    kernel: str = "auto",
 ) -> LLM:
     """Capture a decoder-only causal LM for generation on CPU.
 
     ``weights``: ``fp32`` | ``bf16`` | ``int8`` (per output channel) | ``int4`` (group-wise,
     ``group_size`` 32/64/128, ``symmetric`` or with zero points). ``lm_head_weights`` defaults to
     ``weights``. ``kv_cache``: ``fp32`` | ``bf16``. ``max_length`` bounds prompt + new tokens; the KV
-    cache is preallocated to it.
+    cache is preallocated to it. ``kernel`` runs the int8 / int4 matrices: ``auto`` (the native kernel
+    for this CPU, :func:`gml.kernels.woq.detect_kernel`; it honours ``ONEDNN_MAX_CPU_ISA``),
+    ``avx512`` | ``avx2`` | ``scalar`` (that native kernel) or ``reference`` (the op's Python kernel).
     """
     if weights not in WEIGHTS:
         raise InputError(f"weights={weights!r} is not one of {WEIGHTS}", f"pick one of {', '.join(WEIGHTS)}")
@@ -227,6 +231,11 @@ def llm(
         raise InputError(f"kv_cache={kv_cache!r} is not one of {tuple(KV_DTYPES)}", "use fp32 or bf16")
     if "int4" in (weights, lm_head_weights) and group_size not in INT4_GROUP_SIZES:
         raise InputError(f"group_size={group_size} is not one of {INT4_GROUP_SIZES}", "use 32, 64 or 128")
+    if kernel not in ("auto", "reference", *KERNEL_ISAS):
+        raise InputError(f"kernel={kernel!r} is not one of auto, reference, {', '.join(KERNEL_ISAS)}", "use auto")
+    chosen = detect_kernel() if kernel == "auto" else (None if kernel == "reference" else kernel)
+    if chosen is not None and not native_kernel_runs(chosen):
+        raise UnsupportedError(f"this CPU (or engine build) cannot run the {chosen!r} woq kernel", "use kernel='auto'")
     if max_length < 1:
         raise InputError(f"max_length must be >= 1, got {max_length}", "give the longest prompt + new tokens")
     tokenizer = None
@@ -252,5 +261,7 @@ def llm(
         for name in ("qkv", "o", "up", "down"):
             _check_group(f"layer {i} {name}", getattr(layer, name).weight.shape[1], groups.get(weights))
     _check_group("lm_head", captured.lm_head.weight.shape[1], groups.get(lm_head_weights or weights))
-    decoder = Decoder(captured, weights, group_size=group_size, symmetric=symmetric, lm_head_weights=lm_head_weights)
+    decoder = Decoder(
+        captured, weights, group_size=group_size, symmetric=symmetric, lm_head_weights=lm_head_weights, kernel=chosen
+    )
     return LLM(decoder, max_length, KV_DTYPES[kv_cache], tokenizer)

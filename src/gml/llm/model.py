@@ -12,8 +12,9 @@ of that KV head, with the mask repeated per group. Decode (``L = 1``) of a full-
 no mask at all.
 
 **Linears.** Each matrix is a :class:`LinearOp`: fp32 ``F.linear``, bf16 weights (``F.linear`` in
-bf16, fp32 out), or ``torch.ops.gml.woq_linear`` (INT8 / INT4 weights, fp32 activations). The LM head
-runs on the last position only when the caller asks for it (decode).
+bf16, fp32 out), or ``torch.ops.gml.woq_linear`` (INT8 / INT4 weights, fp32 activations) on the native
+kernel ``kernel`` names (native/woq.h, via :mod:`gml.kernels.woq`) or, with ``kernel=None``, on the
+op's reference kernel. The LM head runs on the last position only when the caller asks for it (decode).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ import torch.nn.functional as F
 
 from gml.ir.attention import attention_op
 from gml.ir.llm_ops import QuantizedWeight, quantize_weight, woq_linear
+from gml.kernels.woq import native_supports, woq_linear_native
 from gml.llm.spec import CapturedLM, LayerWeights, Linear, ModelSpec, Norm
 
 
 class LinearOp:
     """One matrix of the model in its run-time storage (fp32, bf16 or weight-only quantized)."""
 
-    def __init__(self, lin: Linear, weights: str, group_size: int = 32, symmetric: bool = True) -> None:
+    def __init__(
+        self, lin: Linear, weights: str, group_size: int = 32, symmetric: bool = True, kernel: str | None = None
+    ) -> None:
         self.bias = lin.bias
         self.out_features, self.in_features = lin.weight.shape
         self.weight: torch.Tensor | None = None
@@ -44,8 +48,12 @@ class LinearOp:
             self.qweight = quantize_weight(lin.weight, 4, group_size, symmetric)
         else:
             raise ValueError(f"weights={weights!r}")
+        # the native kernel's ISA (gml.kernels.woq), or None: the op's reference kernel
+        self.kernel = kernel if self.qweight is not None and native_supports(self.qweight) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return woq_linear_native(x, self.qweight, self.bias, self.kernel)
         if self.qweight is not None:
             return woq_linear(x, self.qweight, self.bias)
         if self.weight.dtype == torch.bfloat16:
@@ -105,12 +113,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class Layer:
-    def __init__(self, w: LayerWeights, spec: ModelSpec, weights: str, group_size: int, symmetric: bool) -> None:
+    def __init__(self, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None) -> None:
         self.w = w
-        self.qkv = LinearOp(w.qkv, weights, group_size, symmetric)
-        self.o = LinearOp(w.o, weights, group_size, symmetric)
-        self.up = LinearOp(w.up, weights, group_size, symmetric)
-        self.down = LinearOp(w.down, weights, group_size, symmetric)
+        self.qkv = LinearOp(w.qkv, weights, group_size, symmetric, kernel)
+        self.o = LinearOp(w.o, weights, group_size, symmetric, kernel)
+        self.up = LinearOp(w.up, weights, group_size, symmetric, kernel)
+        self.down = LinearOp(w.down, weights, group_size, symmetric, kernel)
         # Keep the norms, drop the fp32 matrices now held by the LinearOps.
         w.qkv = w.o = w.up = w.down = None  # type: ignore[assignment]
 
@@ -129,15 +137,17 @@ class Decoder:
         group_size: int = 32,
         symmetric: bool = True,
         lm_head_weights: str | None = None,
+        kernel: str | None = None,
     ) -> None:
         self.spec = lm.spec
+        self.kernel = kernel
         self.weights = weights
         self.embed = lm.embed.to(torch.bfloat16) if weights == "bf16" else lm.embed
         self.positions = lm.positions
         self.final_norm = lm.final_norm
         self.rope = lm.rope
-        self.layers = [Layer(w, self.spec, weights, group_size, symmetric) for w in lm.layers]
-        self.lm_head = LinearOp(lm.lm_head, lm_head_weights or weights, group_size, symmetric)
+        self.layers = [Layer(w, weights, group_size, symmetric, kernel) for w in lm.layers]
+        self.lm_head = LinearOp(lm.lm_head, lm_head_weights or weights, group_size, symmetric, kernel)
         self.layer_types = [
             "sliding_attention" if win is not None else "full_attention" for win in self.spec.sliding_windows
         ]
