@@ -45,7 +45,7 @@ sanitize: $(STAMP)
 		ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:detect_odr_violation=0:halt_on_error=1 \
 		UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 && \
 	$(BIN)/python -c "from gml.runtime import native; print('sanitized engine:', native.load().__file__)" && \
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests/runtime
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/runtime tests/kernels/test_woq_native.py
 
 bench: $(BENCH_STAMP)
 	$(BIN)/gml bench resnet18 --batch-sizes 1,8 --md docs/benchmarks-latest.md --png docs/benchmarks-latest.png --json docs/benchmarks-latest.json
