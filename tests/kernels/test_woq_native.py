@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gml.ir.llm_ops import integer_weight, quantize_weight, woq_linear
+from gml.ir.target import Target
 from gml.kernels.woq import KERNEL_ISAS, detect_kernel, kernel_isa, native_kernel_runs, woq_linear_native
 
 pytestmark = pytest.mark.skipif(detect_kernel() is None, reason="native engine without woq_linear")
@@ -42,10 +43,10 @@ def test_exact_integer_arithmetic(isa, bits, group, symmetric):
 
 
 def test_kernel_follows_the_cpu_description():
-    assert kernel_isa("avx512_core_amx") == "avx512"
-    assert kernel_isa("avx512_core") == "avx512"
-    assert kernel_isa("avx2_vnni") == "avx2"
-    assert kernel_isa("sse41") == "scalar"
+    assert kernel_isa(Target("avx512_core_amx")) == "avx512"
+    assert kernel_isa(Target("avx512_core")) == "avx512"
+    assert kernel_isa(Target("avx2_vnni")) == "avx2"
+    assert kernel_isa(Target("sse41")) == "scalar"
     if "avx2" not in ISAS:
         pytest.skip("CPU without AVX2")
     code = "from gml.kernels.woq import detect_kernel; print(detect_kernel())"

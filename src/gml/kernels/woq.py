@@ -3,9 +3,9 @@
 The op's reference kernel (:mod:`gml.ir.llm_ops`: dequantize, then ``F.linear``) defines the math; this
 one reads the INT8 / INT4 weights in place and expands them in registers, so a decode step reads each
 weight byte once (the GEMV is memory bound). Kernels: ``avx512`` (AVX-512F/BW), ``avx2`` (AVX2 + FMA),
-``scalar``. :func:`kernel_isa` maps GML's CPU description (the oneDNN ISA name the engine reports,
-which honours ``ONEDNN_MAX_CPU_ISA``) to one; the choice is made once at the API boundary
-(``gml.llm``) and passed down.
+``scalar``. :func:`kernel_isa` maps GML's CPU description (:class:`~gml.ir.target.Target`, whose ISA
+honours ``ONEDNN_MAX_CPU_ISA``) to one; the choice is made once at the API boundary (``gml.llm``) and
+passed down.
 """
 
 from __future__ import annotations
@@ -13,27 +13,30 @@ from __future__ import annotations
 import torch
 
 from gml.ir.llm_ops import QuantizedWeight
+from gml.ir.target import Target
 
 KERNEL_ISAS = ("avx512", "avx2", "scalar")
 
 
-def kernel_isa(cpu_isa: str) -> str:
-    """The woq kernel for a CPU whose oneDNN ISA is ``cpu_isa`` (``avx512_core_vnni``, ``avx2``, ...)."""
-    if cpu_isa.startswith("avx512"):
+def kernel_isa(target: Target) -> str:
+    """The woq kernel for ``target`` (GML's one CPU description, :mod:`gml.ir.target`)."""
+    if target.avx512:
         return "avx512"
-    if cpu_isa.startswith("avx2"):
+    if "avx2" in target.features:
         return "avx2"
     return "scalar"
 
 
-def detect_kernel() -> str | None:
-    """The kernel for this machine, or ``None`` when the native engine is not built."""
+def detect_kernel(target: Target | None = None) -> str | None:
+    """The kernel for ``target`` (default: this process's), or ``None`` when the native engine is not
+    built with ``woq_linear``."""
     from gml.runtime.native import _load
+    from gml.runtime.target import resolve
 
     engine, _ = _load()
     if engine is None or not hasattr(engine, "woq_linear"):
         return None
-    return kernel_isa(engine.cpu_isa())
+    return kernel_isa(resolve(target))
 
 
 def native_kernel_runs(isa: str) -> bool:
