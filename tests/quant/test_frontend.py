@@ -446,7 +446,7 @@ def test_int8_of_a_conv_added_to_itself_lowers_and_matches_fp32():
     torch.manual_seed(0)
     model, x = _ConvTwice().eval(), torch.randn(2, 3, 8, 8)
     calib = [torch.randn(2, 3, 8, 8) for _ in range(4)]
-    res = gml.quantize(model, calib, example_inputs=(x,), progress=False, cost_policy="off")
+    res = gml.quantize(model, calib, example_inputs=(x,), progress=False, cost_policy="off", keep_intermediates=True)
     with torch.no_grad():
         ref, exact, out = model(x), res.reference(x), res.module(x)
     assert (out - exact).abs().max() <= 1e-4 * ref.abs().max()  # the kernels: exact arithmetic

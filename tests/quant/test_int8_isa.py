@@ -67,7 +67,7 @@ def test_hostile_layers_are_exact_on_this_target(name: str) -> None:
     exact8 = prepare_reference(copy.deepcopy(model), (x,), calib, arithmetic=VNNI_INT8, progress=False)
     with torch.no_grad():
         err8 = 1 - _cos(exact8.graph_module(x), y)
-    q = gml.quantize(model, calib, example_inputs=(x,), cost_policy="off", per_layer=False)
+    q = gml.quantize(model, calib, example_inputs=(x,), cost_policy="off", per_layer=False, keep_intermediates=True)
     assert q.precision == "int8", q.precision_reason
     assert q.target == detect_target() or q.target.isa == detect_target().isa
     with torch.no_grad():
@@ -129,7 +129,7 @@ def test_a_model_saved_with_8bit_weights_is_rebuilt_for_a_cpu_without_vnni(tmp_p
     x = _u(1, 64, 16, 16, seed=4)
     q = gml.quantize(
         model, _calib((1, 64, 16, 16)), example_inputs=(x,), cost_policy="off", per_layer=False,
-        target=Target("avx512_core_amx"), keep_broken=True,
+        target=Target("avx512_core_amx"), keep_broken=True, keep_intermediates=True,
     )  # fmt: skip
     path = tmp_path / "m.pt2"
     q.save(str(path))
