@@ -2,7 +2,7 @@
 
 ``compile_engine(gm, example_inputs)`` partitions a lowered GraphModule into engine segments and
 torch nodes and returns an :class:`EngineModule` whose ``report`` says which path runs each node.
-The graph → engine translation is one table (:mod:`gml.runtime.translate`). See docs/architecture.md
+The graph → engine translation is one table (:mod:`gml.runtime.rules`). See docs/architecture.md
 ("GML Runtime") and docs/adr/006-native-engine.md.
 """
 

@@ -1,6 +1,6 @@
 """Compile a lowered GraphModule for the native engine: partition, segments, shape-keyed plans.
 
-Partition: every node the translation table (:mod:`gml.runtime.translate`) accepts is an engine
+Partition: every node the translation table (:mod:`gml.runtime.rules`) accepts is an engine
 node; each maximal run of engine nodes (in graph order) becomes one :class:`EngineSegment` module,
 and everything else stays a torch node between segments. The result is an ordinary GraphModule
 (``EngineModule.graph_module``), so mixed graphs run as they did, with the segments as single calls.
@@ -32,8 +32,8 @@ from gml.ir.target import Target
 from gml.kernels.fp32 import all_finite
 from gml.runtime import native
 from gml.runtime.plan import Builder
+from gml.runtime.rules import Unsupported, read_call, rule_for
 from gml.runtime.shape_values import cache_guards, cache_shape_values, schedule_for_engine
-from gml.runtime.translate import Unsupported, read_call, rule_for
 
 #: Plans a segment keeps (one per input layout seen; the oldest goes first beyond this).
 MAX_PLANS = 8
@@ -384,7 +384,7 @@ def partition(gm: fx.GraphModule, target: Target | None = None) -> tuple[fx.Grap
             report.nodes.append(NodeReport(node.name, "ShapeValues", "torch", why))
         elif node.op in ("call_module", "call_function", "call_method"):
             call = read_call(gm, node)
-            op = call.op if call is not None else str(getattr(node.target, "__name__", node.target))
+            op = call.name if call is not None else str(getattr(node.target, "__name__", node.target))
             report.nodes.append(NodeReport(node.name, op, "engine" if ok else "torch", reason or ""))
         if ok:
             current.append(node)
@@ -415,7 +415,7 @@ def _gather_split_pieces(graph: fx.Graph) -> None:
     between two pieces (timm tf_mixnet_s: the "same" padding ``F.pad`` of one mixed-kernel conv)
     ended the split's engine run before its other pieces, the next segment then took the split's
     tuple as its input, and both segments fell back to their Python executor."""
-    from gml.runtime.transformer_rules import is_split
+    from gml.runtime.rules.shape import is_split
 
     for node in list(graph.nodes):
         if not is_split(node):

@@ -1,6 +1,6 @@
 """One engine plan: the steps of a graph segment for one input shape, and its activation arena.
 
-:class:`Builder` is what the translation table (:mod:`gml.runtime.translate`) writes to. It records
+:class:`Builder` is what the translation table (:mod:`gml.runtime.rules`) writes to. It records
 steps over :class:`Val` values whose shapes / strides / dtypes come from one run of the segment's
 Python executor on the inputs (so they are, by construction, what that executor produces), then
 
@@ -52,7 +52,7 @@ class Unsupported(Exception):
     """The engine has no kernel for this node (or this shape of it); the message says why."""
 
 
-#: torch.bool is u8 (the same bytes: 0 / 1), read only as an attention mask (gml.runtime.transformer_rules)
+#: torch.bool is u8 (the same bytes: 0 / 1), read only as an attention mask (gml.runtime.rules.attention)
 # int64: token ids, read only by the embedding kernel (Builder.embedding)
 _DTYPES = {
     torch.uint8: "u8",
@@ -127,7 +127,7 @@ def _dense_in(v: Val, want: tuple[int, ...]) -> bool:
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major dense strides of ``shape`` (in elements); translate and transformer_rules use it too."""
+    """Row-major dense strides of ``shape`` (in elements) (the translation rules: ``contiguous_strides``)."""
     strides, acc = [], 1
     for d in reversed(shape):
         strides.append(acc)

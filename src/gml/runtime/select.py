@@ -108,6 +108,7 @@ def _slower_than_executor(gm: fx.GraphModule, engine: EngineModule, inputs: Sequ
 
     if os.environ.get("GML_COST_POLICY", "measure") == "off":
         return None
+
     def run(f: Any) -> Any:
         return lambda: f(*cloned(inputs))
 
