@@ -103,6 +103,18 @@ def test_the_circle_check_sees_imports_inside_functions(tmp_path):
     assert _imports(b, top_level_only=True) == set()
 
 
+def test_engine_switches_are_read_from_the_environment_in_one_place():
+    # options are values carried from the API (gml.runtime.options.EngineOptions); the GML_*
+    # variables only set their defaults there, never deep in the runtime or the quantizer
+    names = ("GML_WINOGRAD", "GML_ATTENTION", "GML_COST_POLICY")
+    readers = sorted(
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if any(re.search(rf"[\"']{n}[\"']", p.read_text()) for n in names)
+    )
+    assert readers == ["runtime/options.py"]
+
+
 def test_kernel_interface_imports_no_implementation():
     # the interface (backend.py) and the implementations (onednn/fbgemm) meet only in the registry
     imports = _imports(SRC / "kernels" / "backend.py", top_level_only=False)

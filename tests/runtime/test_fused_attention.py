@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from gml.errors import InputError
 from gml.runtime import compile_engine, unavailable_reason
-from gml.runtime.rules.attention import ATTENTION_ENV, fused_attention_cpu
+from gml.runtime.options import ATTENTION_ENV
+from gml.runtime.rules.attention import fused_attention_cpu
 from gml.runtime.target import detect_target
 from runtime.helpers import attention_graph, strided_heads_graph
 

@@ -10,5 +10,14 @@ from __future__ import annotations
 
 from gml.runtime.compile import EngineModule, EngineSegment, RuntimeReport, compile_engine, partition
 from gml.runtime.native import unavailable_reason
+from gml.runtime.options import EngineOptions
 
-__all__ = ["EngineModule", "EngineSegment", "RuntimeReport", "compile_engine", "partition", "unavailable_reason"]
+__all__ = [
+    "EngineModule",
+    "EngineOptions",
+    "EngineSegment",
+    "RuntimeReport",
+    "compile_engine",
+    "partition",
+    "unavailable_reason",
+]

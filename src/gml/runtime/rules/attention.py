@@ -136,7 +136,7 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if a.is_causal:  # SDPA's: query i sees keys j <= i (top-left aligned)
         keep = torch.ones(L, S, dtype=torch.bool).tril()
         masks.append(b.constant(_additive_constant(keep, rank)))
-    if fused_attention_ok(q, k, v, out, b.target):
+    if fused_attention_ok(q, k, v, out, b.target, b.options.attention):
         b.attention(q, k, v, out, masks=[_f32(b, m) for m in masks], scale=scale)
         return
     # dense copies of strided heads (pieces of the merged QKV output): oneDNN's brgemm matmul
@@ -154,11 +154,6 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     b.matmul(probs, v, out)
 
 
-#: ``GML_ATTENTION``: ``auto`` (default), ``fused`` or ``primitives`` — which bf16 attention path the
-#: engine plans (docs/adr/009-fused-bf16-attention.md).
-ATTENTION_ENV = "GML_ATTENTION"
-
-
 def fused_attention_cpu(target: Target) -> bool:
     """Whether ``target`` runs the fused attention kernel (native/attention.h): AVX-512 with native
     bf16 on the target (``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16 says no) and on the CPU (the
@@ -166,7 +161,7 @@ def fused_attention_cpu(target: Target) -> bool:
     return target.avx512 and target.native_bf16 and bool(native.load().fused_attention_available())
 
 
-def fused_attention_ok(q: Val, k: Val, v: Val, out: Val, target: Target) -> bool:
+def fused_attention_ok(q: Val, k: Val, v: Val, out: Val, target: Target, choice: str = "auto") -> bool:
     """Whether ``gml.attention`` runs as the engine's one fused step (native/attention.h) instead of
     matmul → softmax → matmul: operands of one dtype with unit last-dim strides, an even head size, a
     ``target`` with AVX-512 and native bf16 (and a CPU that has the instructions, which the engine
@@ -174,14 +169,8 @@ def fused_attention_ok(q: Val, k: Val, v: Val, out: Val, target: Target) -> bool
     on an AMX target (oneDNN's AMX matmuls; the fused
     kernel is not measured there yet). fp32 runs fused only when forced (``fused``): on Zen 4 it is
     level with the primitives (MiniLM fp32 and INT8, ADR 009), both bound by fp32 FMA throughput.
+    ``choice``: the plan's ``EngineOptions.attention`` (``auto``, ``fused`` or ``primitives``).
     """
-    import os
-
-    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower()
-    if choice not in ("auto", "fused", "primitives"):
-        from gml.errors import InputError
-
-        raise InputError(f"{ATTENTION_ENV}={choice!r} is not an attention path.", hint="use auto, fused or primitives.")
     if choice == "primitives":
         return False
     if not fused_attention_cpu(target):
