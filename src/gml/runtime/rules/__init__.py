@@ -33,7 +33,7 @@ from torch import fx
 from gml.ir.library import gml_op_name, op_args
 from gml.runtime.plan import Unsupported
 from gml.runtime.rules import attention, conv, eltwise, linear, pool, shape
-from gml.runtime.rules.base import Call, OpKey, TranslationRule, op_name
+from gml.runtime.rules.base import Call, OpKey, TranslationRule, always, op_name
 
 
 def _table(*families: dict[Any, TranslationRule]) -> dict[OpKey, TranslationRule]:
@@ -137,4 +137,4 @@ def rule_for(call: Call | None) -> tuple[TranslationRule | None, str | None]:
     return (None, reason) if reason else (rule, None)
 
 
-__all__ = ["TRANSLATION_RULES", "Call", "TranslationRule", "Unsupported", "read_call", "rule_for"]
+__all__ = ["TRANSLATION_RULES", "Call", "TranslationRule", "Unsupported", "always", "read_call", "rule_for"]
