@@ -3,10 +3,10 @@
     python benchmarks/winograd.py [--threads 1] [--rounds 15] [--batch 1 8] [--skip-convs] [--skip-resnet18]
 
 * Per conv: ResNet18's four stride-1 3x3 shapes (64@56², 128@28², 256@14², 512@7², ReLU fused),
-  bf16 and fp32, as one-conv engine plans built with ``GML_WINOGRAD=0`` (oneDNN's direct conv) and
-  ``GML_WINOGRAD=1`` (Winograd), timed alternately; minimum over the rounds.
+  bf16 and fp32, as one-conv engine plans built with ``winograd="0"`` (oneDNN's direct conv) and
+  ``winograd="1"`` (Winograd), timed alternately; minimum over the rounds.
 * ResNet18 (random init, 224²) through ``gml.optimize`` for bf16 and fp32, engine built with
-  ``GML_WINOGRAD=0`` and ``auto`` (the default: per conv, Winograd when timed >= 10% faster at plan
+  ``winograd="0"`` and ``auto`` (the default: per conv, Winograd when timed >= 10% faster at plan
   build), timed interleaved; medians. Also the ``gml.optimize`` time of each (plan build included)
   and how many convs took Winograd.
 
@@ -16,12 +16,12 @@ Prints the CPU and oneDNN's ISA; other processes share the cores: read ratios wi
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,14 +29,11 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 
-@contextlib.contextmanager
-def winograd(mode: str) -> Iterator[None]:
-    """``GML_WINOGRAD=mode`` while plans are built (the engine reads it at plan build)."""
-    os.environ["GML_WINOGRAD"] = mode
-    try:
-        yield
-    finally:
-        os.environ.pop("GML_WINOGRAD", None)
+def winograd(mode: str) -> Any:
+    """The engine options with ``winograd=mode`` (the rest from the environment, as gml.optimize's default)."""
+    from gml.runtime.options import EngineOptions
+
+    return dataclasses.replace(EngineOptions.from_env(), winograd=mode)
 
 
 def _winograd_convs(engine) -> int:
@@ -65,8 +62,7 @@ def per_conv(batches: list[int], rounds: int) -> None:
                 with torch.no_grad():
                     eng = {}
                     for m in ("0", "1"):
-                        with winograd(m):
-                            eng[m] = compile_engine(graph_of(mod), [x])
+                        eng[m] = compile_engine(graph_of(mod), [x], options=winograd(m))
                     times: dict[str, list[float]] = {m: [] for m in eng}
                     for _ in range(rounds):
                         for m, e in eng.items():
@@ -92,8 +88,7 @@ def resnet18(batches: list[int], rounds: int) -> None:
             engines, build = {}, {}
             for mode in ("0", "auto"):
                 t0 = time.perf_counter()
-                with winograd(mode):
-                    engines[mode] = gml.optimize(model, x, precision=precision).engine
+                engines[mode] = gml.optimize(model, x, precision=precision, options=winograd(mode)).engine
                 build[mode] = time.perf_counter() - t0
             times: dict[str, list[float]] = {m: [] for m in engines}
             with torch.no_grad():

@@ -12,14 +12,17 @@ from gml.llm import llm  # the function gml.llm(...) (binds over the subpackage'
 from gml.verify import VerifyResult, verify_pass
 
 
-def load(path: str, *, runtime: str = "engine", trust_pickle: bool = False, target: Any = None) -> Any:
+def load(
+    path: str, *, runtime: str = "engine", trust_pickle: bool = False, target: Any = None, options: Any = None
+) -> Any:
     """Load a model saved by ``gml.optimize(...).save`` / ``gml.quantize(...).save`` (no pickle, no
     model source) and rebuild it for this machine (``target``: a :class:`gml.ir.target.Target`,
-    default this process's); ``runtime="engine"`` compiles the native engine's plan here. See
+    default this process's; ``options``: a :class:`gml.runtime.options.EngineOptions`, default the
+    ``GML_*`` variables'); ``runtime="engine"`` compiles the native engine's plan here. See
     :func:`gml.io.load`."""
     from gml.io import load as _load
 
-    return _load(path, runtime=runtime, trust_pickle=trust_pickle, target=target)
+    return _load(path, runtime=runtime, trust_pickle=trust_pickle, target=target, options=options)
 
 
 __all__ = [

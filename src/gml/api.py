@@ -8,64 +8,23 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
 from gml.inference import refuse_autograd, refuse_nonfinite
 from gml.ir.target import Target
 from gml.memory import returns_memory, shared_copy
 from gml.passes.base import GraphPass
-from gml.passes.manager import PassManager, PipelineReport, compare_outputs, run_outputs
+from gml.passes.manager import PassManager, compare_outputs, run_outputs
 from gml.quant.transformer import DEFAULT_MIN_SQNR_DB as _DEFAULT_MIN_SQNR_DB
+from gml.results import OptimizeResult, QuantizeResult
+from gml.runtime.options import EngineOptions, resolve_options
 from gml.verify.harness import random_inputs, verify_pass
 
 verify = verify_pass
-
-
-@dataclass
-class OptimizeResult:
-    """An optimized fp32 module and the per-pass report; ``max_abs_err`` is the error of
-    :attr:`executable` (the engine where it runs the graph) vs the eager model."""
-
-    module: fx.GraphModule
-    report: PipelineReport
-    max_abs_err: float
-    #: largest |output| of the eager model: the scale ``max_abs_err`` is to be read against
-    max_abs_ref: float = 0.0
-    #: which precision each op runs in and why (``precision="bf16"``; None for plain fp32)
-    precision: Any = None
-    #: the native engine running ``module``'s graph (gml.runtime), or None where torch runs it
-    engine: Any = None
-    #: which runtime runs each node and why (``str(result.runtime)``), when an engine was tried
-    runtime: Any = None
-    #: the example inputs the model was optimized for (what :meth:`save` exports with)
-    example_inputs: tuple = ()
-
-    @property
-    def executable(self) -> Any:
-        """What to call for inference: the engine where it covers the graph, else ``module``."""
-        return self.engine if self.engine is not None else self.module
-
-    @property
-    def rel_err(self) -> float:
-        """``max_abs_err`` relative to the largest eager output magnitude."""
-        return self.max_abs_err / self.max_abs_ref if self.max_abs_ref else self.max_abs_err
-
-    def save(self, path: str) -> None:
-        """Save as a ``torch.export`` program (no pickle; ``gml.load`` reads it back). The batch dim
-        stays dynamic; a model captured with ``torch.export`` (a transformer) keeps every dim its
-        graph allows dynamic, the sequence length too — exporting it from its placeholders' shapes
-        would trace a dynamic length at 1 and specialize the saved model to length 1."""
-        from gml.capture_export import capture_info
-        from gml.io import save
-
-        info = capture_info(self.module)
-        exported = info is not None and info.path == "torch.export"
-        save(self.module, path, self.example_inputs or None, dynamic_dims="all" if exported else "batch")
 
 
 def _inputs_of_batch(model: nn.Module, batch: Any) -> tuple:
@@ -104,6 +63,7 @@ def optimize(
     precision: str = "fp32",
     runtime: str = "engine",
     target: Target | None = None,
+    options: EngineOptions | None = None,
 ) -> OptimizeResult:
     """Run the fp32 pipeline (normalize → untie → fold BN → fuse) on a copy of ``model``.
 
@@ -122,7 +82,8 @@ def optimize(
     part stays on the executor (measured faster than engine segments between torch nodes).
 
     ``target``: the CPU to plan for (:class:`~gml.ir.target.Target`; default: this process's,
-    detected once here — ``ONEDNN_MAX_CPU_ISA`` honoured).
+    detected once here — ``ONEDNN_MAX_CPU_ISA`` honoured). ``options``: the engine's switches
+    (:class:`~gml.runtime.options.EngineOptions`; default: the ``GML_*`` variables', read here).
     """
     from gml.passes.pipeline import fp32_passes
     from gml.runtime.select import FP32_TOLERANCE, INT8_TOLERANCE, attach_runtime, check_runtime
@@ -130,7 +91,7 @@ def optimize(
 
     check_precision(precision)
     check_runtime(runtime)
-    target = resolve(target)
+    target, options = resolve(target), resolve_options(options)
     inputs = _as_tuple(example_inputs)
     check_eval_mode(model)
     check_finite_parameters(model)
@@ -160,7 +121,7 @@ def optimize(
     # bf16 on both sides still rounds differently (fusion order, bf16 stores): the INT8 bound applies
     tolerance = INT8_TOLERANCE if bf16 else FP32_TOLERANCE
     out.engine, out.runtime = attach_runtime(
-        result.graph_module, inputs, runtime, tolerance=tolerance, target=target
+        result.graph_module, inputs, runtime, tolerance=tolerance, target=target, options=options
     )
     if bf16 and out.engine is not None and out.runtime.path != "engine" and _bf16_compute_in_torch(out.runtime):
         # Measured (benchmarks/bf16.py, MiniLM seq128, Zen 4): a bf16 graph whose kernels the engine
@@ -212,77 +173,6 @@ def _bf16_refusal(target: Target) -> str | None:
     return msg
 
 
-@dataclass
-class QuantizeResult:
-    """An INT8 module lowered onto GML kernel modules, with everything that explains it.
-
-    ``report``: the post-convert passes (lowering, quantize clean-up) with per-pass checks;
-    ``frontend``: the fp32 passes, fusions, which ops are INT8 and which stay fp32, calibration;
-    ``coverage``: which nodes became which GML INT8 module, which stayed fp32 and why;
-    ``accuracy``: output cosine / max diff / top-1 agreement and per-layer SQNR vs fp32;
-    ``reference``: torch.ao's reference Q/DQ graph the lowering started from (``keep_intermediates=True``;
-    else None: it holds a full fp32 copy of the weights, issue #28);
-    ``seconds``: wall time of each stage.
-
-    With the transformer scheme (``scheme == "transformer"``): ``frontend`` is the
-    :class:`~gml.quant.transformer.TransformerQuantResult` (its ``table()`` / ``summary()``), ``coverage``
-    lists every GEMM as INT8 or fp32 (with why) and what stays fp32, ``reference`` (and
-    ``frontend.fp32_module``) the fp32 graph the GEMMs were quantized from (``keep_intermediates=True``;
-    else None); ``engine`` runs its ``gml.dynamic_linear`` GEMMs natively (ADR 008).
-    """
-
-    module: fx.GraphModule
-    report: PipelineReport
-    frontend: Any
-    coverage: Any
-    accuracy: Any
-    reference: fx.GraphModule | None
-    seconds: dict[str, float]
-    #: the native engine running ``module``'s graph (gml.runtime), or None where torch runs it
-    engine: Any = None
-    #: which runtime runs each node and why (``str(result.runtime)``)
-    runtime: Any = None
-    #: ``static`` (torch.ao calibration, lowered onto gml INT8 ops) or ``transformer``
-    #: (:mod:`gml.quant.transformer`: per-token dynamic INT8 GEMMs); ``scheme_reason`` says why
-    scheme: str = "static"
-    scheme_reason: str = ""
-    #: every op with its precision (int8 / bf16 / fp32) and why: the transformer scheme's GEMMs,
-    #: attention, LayerNorm, softmax, opaque blocks; the static scheme's
-    #: :class:`~gml.quant.precision.PrecisionTable` (with the runtime that runs each op)
-    precisions: Any = field(default_factory=list)
-    #: the cost policy's measurements and decisions (gml.quant.cost_policy.CostReport)
-    cost: Any = None
-    #: ``int8``, or ``fp32`` / ``bf16`` when the whole-model guard found INT8 slower than
-    #: ``gml.optimize``'s model and returned that model instead (``cost.all_fp32``)
-    precision: str = "int8"
-    #: the precision of the ops INT8 leaves out (``fallback_precision``), after the CPU check
-    fallback_precision: str = "fp32"
-    #: why ``precision`` is not ``int8`` (the whole-model guard's numbers, or the accuracy report's
-    #: BROKEN reason); "" for an INT8 result
-    precision_reason: str = ""
-    #: the accuracy report of the INT8 model that was *not* returned (flagged BROKEN), else None
-    rejected_int8_accuracy: Any = None
-    #: the CPU the model was quantized and planned for, and its INT8 arithmetic (``target.describe()``)
-    target: Any = None
-
-    @property
-    def executable(self) -> Any:
-        """What to call for inference: the engine where it covers the graph, else ``module``."""
-        return self.engine if self.engine is not None else self.module
-
-    def save(self, path: str) -> None:
-        """Save the INT8 model as a ``torch.export`` program of ``torch.ops.gml`` calls (no pickle);
-        ``gml.load(path)`` reads it back without pickle or the model's source and rebuilds the native
-        engine's plan on the machine it loads on (docs/adr/004, 005)."""
-        from gml.io import save
-
-        if self.scheme == "transformer":  # gml.dynamic_linear calls + int8 constants (ADR 008); the
-            # example's batch and sequence length stay dynamic where the graph allows
-            save(self.module, path, self.frontend.example_inputs, dynamic_dims="all")
-            return
-        save(self.module, path)
-
-
 def check_min_cosine(acc: Any, min_cosine: float) -> None:
     """Raise :class:`~gml.errors.AccuracyError` when the accuracy report falls below ``min_cosine``."""
     from gml.errors import AccuracyError, GMLError
@@ -327,6 +217,7 @@ def quantize(
     keep_intermediates: bool = False,
     target: Target | None = None,
     keep_broken: bool = False,
+    options: EngineOptions | None = None,
 ) -> QuantizeResult:
     """Quantize ``model`` to INT8 and lower it onto fused INT8 kernels.
 
@@ -360,7 +251,7 @@ def quantize(
             fp32 on ``eval_data`` is below this (or NaN/Inf differ). Without it, a result below
             :data:`~gml.quant.accuracy.BROKEN_COSINE` is returned with ``accuracy.broken`` set.
         leaf_modules: submodule names or classes kept as opaque calls, as in :func:`gml.capture`.
-        cost_policy: ``measure`` (default; ``None`` reads ``GML_COST_POLICY``, else ``measure``):
+        cost_policy: ``measure`` (default; ``None`` takes ``options.cost_policy``: ``GML_COST_POLICY``):
             time each INT8 region against its fp32 ops on
             ``example_inputs`` with the chosen runtime and keep fp32 the regions where INT8 is
             slower (``coverage.kept_fp32`` gives the numbers; ``result.cost`` the whole report,
@@ -396,7 +287,7 @@ def quantize(
     import time
 
     from gml.errors import InputError
-    from gml.quant.cost_policy import check_policy, default_policy, run_policy
+    from gml.quant.cost_policy import check_policy, run_policy
     from gml.quant.frontend import prepare_reference
     from gml.quant.lower import CoverageEntry, coverage_of
     from gml.quant.pipeline import lowering_passes
@@ -408,8 +299,8 @@ def quantize(
     check_precision(fallback_precision)
     calib_data, eval_data, eval_labels = _from_sources(calib_data, eval_data, eval_labels, max_accuracy_drop)
     check_smooth_alpha(smooth_alpha)
-    target = resolve(target)
-    cost_policy = default_policy() if cost_policy is None else cost_policy
+    target, options = resolve(target), resolve_options(options)
+    cost_policy = options.cost_policy if cost_policy is None else cost_policy
     check_policy(cost_policy)
     check_eval_mode(model, what="INT8 quantization")
     check_finite_parameters(model, what="INT8 quantization")
@@ -446,7 +337,7 @@ def quantize(
             smooth_alpha=smooth_alpha, token_range=token_range, reason=why, runtime=runtime,
             cost_policy=cost_policy, fallback=fallback, max_accuracy_drop=max_accuracy_drop,
             keep_intermediates=keep_intermediates,
-            target=target,
+            target=target, options=options,
         )  # fmt: skip
     seconds: dict[str, float] = {}
 
@@ -471,6 +362,7 @@ def quantize(
     # gml.optimize's fusion passes on what stays fp32).
     samples = [inputs]
     t0 = time.perf_counter()
+
     def passes_again() -> list[GraphPass]:
         return lowering_passes(backend, fallback=fallback, target=target)
 
@@ -486,7 +378,7 @@ def quantize(
         if not optimized:
             opt = optimize(
                 model, inputs, leaf_modules=leaf_modules, precision=fallback, runtime=runtime, strict=strict,
-                target=target,
+                target=target, options=options,
             )  # fmt: skip
             optimized.append(opt)
         return optimized[0]
@@ -500,7 +392,9 @@ def quantize(
         policy=cost_policy,
         runtime=runtime,
         relower=lambda gm: PassManager(passes_again(), strict=strict).run(gm, samples),
-        attach=lambda gm: attach_runtime(gm, inputs, runtime, fp32_model=ref.float_module, target=target),
+        attach=lambda gm: attach_runtime(
+            gm, inputs, runtime, fp32_model=ref.float_module, target=target, options=options
+        ),
         strict=strict,
         fp32=lambda: gml_fp32().executable,
     )
@@ -553,7 +447,9 @@ def quantize(
         scheme="static",
         scheme_reason=why,
         precisions=precision_table(
-            result.graph_module, runtime_report, fp32_reason="reads an fp32 value (outside the INT8 regions)",
+            result.graph_module,
+            runtime_report,
+            fp32_reason="reads an fp32 value (outside the INT8 regions)",
             note=refusal or "",
         ),
         cost=cost,
@@ -737,6 +633,7 @@ def _quantize_transformer(
     max_accuracy_drop: float | None = None,
     keep_intermediates: bool = False,
     target: Target | None = None,
+    options: EngineOptions | None = None,
 ) -> QuantizeResult:
     """:func:`quantize` with the transformer scheme, returned in the same result type: ``coverage``
     lists every GEMM (INT8 or fp32 and why) and what stays fp32 (attention, LayerNorm, softmax,
@@ -777,7 +674,9 @@ def _quantize_transformer(
     # the native engine runs the gml.dynamic_linear GEMMs (and what else it covers), checked against
     # the Python executor on the example first (gml.runtime.select)
     t0 = time.perf_counter()
-    engine, runtime_report = attach_runtime(res.module, inputs, runtime, fp32_model=res.fp32_module, target=target)
+    engine, runtime_report = attach_runtime(
+        res.module, inputs, runtime, fp32_model=res.fp32_module, target=target, options=options
+    )
     seconds["engine compile"] = time.perf_counter() - t0
     cost = None
     if cost_policy != "off":
@@ -786,7 +685,9 @@ def _quantize_transformer(
         from gml.quant.cost_policy import WHOLE_MARGIN, CostReport, guard_whole_model
 
         t0 = time.perf_counter()
-        opt = optimize(model, inputs, leaf_modules=leaf_modules, runtime=runtime, strict=strict, target=target)
+        opt = optimize(
+            model, inputs, leaf_modules=leaf_modules, runtime=runtime, strict=strict, target=target, options=options
+        )
         shapes = " ".join("x".join(map(str, x.shape)) for x in inputs if isinstance(x, torch.Tensor))
         cost = CostReport("measure", shapes=shapes)
         cost.whole = guard_whole_model(engine if engine is not None else res.module, lambda: opt.executable, inputs)

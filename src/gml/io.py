@@ -52,6 +52,7 @@ from gml.kernels import fp32 as k32
 from gml.kernels.int8_ops import register as register_int8_ops
 from gml.memory import returns_memory
 from gml.passes.utils import replace_module
+from gml.runtime.options import EngineOptions, resolve_options
 
 # v2: sealed (every member's SHA-256 in the manifest, gml.archive) and no pickled sample inputs.
 FORMAT_EXPORT = "gml-export-v2"
@@ -433,9 +434,12 @@ def load(
     lift: bool = True,
     lifters: Sequence[Lifter] = DEFAULT_LIFTERS,
     target: Target | None = None,
+    options: EngineOptions | None = None,
 ) -> nn.Module:
     """Load a module written by :func:`save` and rebuild it for this machine (``target``: the
-    :class:`~gml.ir.target.Target` to plan for; default: this process's, detected once here).
+    :class:`~gml.ir.target.Target` to plan for; default: this process's, detected once here;
+    ``options``: the engine's switches, :class:`~gml.runtime.options.EngineOptions`; default: the
+    ``GML_*`` variables', read here).
 
     Before anything is deserialized the archive is checked (:mod:`gml.archive`): every member
     against its recorded SHA-256 (a damaged file is refused), and a ``torch.export`` file member by
@@ -455,9 +459,10 @@ def load(
     from gml.runtime.select import check_runtime
 
     check_runtime(runtime)
+    options = resolve_options(options)
     gm = _load_module(Path(path), trust_pickle, lift, lifters)
     try:
-        return attach_loaded_runtime(gm, runtime, target)
+        return attach_loaded_runtime(gm, runtime, target, options)
     except GMLError:
         raise
     except Exception as e:  # the graph fails on the input shapes it declares itself
@@ -467,7 +472,9 @@ def load(
         ) from e
 
 
-def attach_loaded_runtime(gm: nn.Module, runtime: str = "engine", target: Target | None = None) -> nn.Module:
+def attach_loaded_runtime(
+    gm: nn.Module, runtime: str = "engine", target: Target | None = None, options: EngineOptions | None = None
+) -> nn.Module:
     """``gm`` run by the native engine where it covers the graph and agrees (see :func:`load`), else
     ``gm``; the module returned carries the :class:`~gml.runtime.RuntimeReport` as ``.runtime``."""
     from gml.runtime.compile import RuntimeReport
@@ -494,7 +501,7 @@ def attach_loaded_runtime(gm: nn.Module, runtime: str = "engine", target: Target
         note = f"no input shapes to compile the engine for ({e.message}; save with example_inputs=(x,))"
         engine, report = None, RuntimeReport("torch", note=note, target=target)
     else:
-        engine, report = attach_runtime(gm, inputs, runtime, target=target)
+        engine, report = attach_runtime(gm, inputs, runtime, target=target, options=options)
     report.changes = changes
     module: nn.Module = engine if engine is not None else gm
     refuse_autograd(gm)  # the engine applies the same rule itself (gml.inference)

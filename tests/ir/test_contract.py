@@ -1,5 +1,6 @@
-"""gml.ir is the contract: it imports no other gml package, gml has no import circle, each
-vocabulary fact is defined once, and docs/ir.md shows the op schemas as they are."""
+"""gml.ir is the contract: it imports no other gml package, gml has no import circle (counting
+imports inside functions), each vocabulary fact is defined once, and docs/ir.md shows the op
+schemas as they are."""
 
 from __future__ import annotations
 
@@ -79,11 +80,39 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_circle_between_modules():
-    # module-level imports, as Python executes them (package __init__ re-exports excluded: they
-    # import their children by design)
-    graph = _graph(top_level_only=True)
+    # imports at any level, inside functions too: a function-level import that closes a circle is
+    # still a circle (the two modules cannot be understood, tested or moved apart), it only defers
+    # the failure to run time. Package __init__ re-exports are excluded: they import their children
+    # by design.
+    graph = _graph(top_level_only=False)
     graph = {k: {m for m in v if not k.startswith(m + ".") and not m.startswith(k + ".")} for k, v in graph.items()}
     assert _cycle(graph) is None, " → ".join(_cycle(graph) or [])
+
+
+def test_the_circle_check_sees_imports_inside_functions(tmp_path):
+    # the check itself: a circle closed by an import inside a function is found (the
+    # runtime translate <-> transformer_rules circle was one, invisible to a module-level check)
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from gml.b import g\n")
+    b.write_text("def g():\n    from gml.a import f\n    return f\n")
+    graph = {
+        "gml.a": _imports(a, top_level_only=False) & {"gml.b"},
+        "gml.b": _imports(b, top_level_only=False) & {"gml.a"},
+    }
+    assert _cycle(graph) == ["gml.a", "gml.b", "gml.a"]
+    assert _imports(b, top_level_only=True) == set()
+
+
+def test_engine_switches_are_read_from_the_environment_in_one_place():
+    # options are values carried from the API (gml.runtime.options.EngineOptions); the GML_*
+    # variables only set their defaults there, never deep in the runtime or the quantizer
+    names = ("GML_WINOGRAD", "GML_ATTENTION", "GML_COST_POLICY")
+    readers = sorted(
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if any(re.search(rf"[\"']{n}[\"']", p.read_text()) for n in names)
+    )
+    assert readers == ["runtime/options.py"]
 
 
 def test_kernel_interface_imports_no_implementation():

@@ -182,15 +182,18 @@ def test_a_failing_cost_policy_keeps_the_lowering_and_says_so():
 
 
 def test_the_default_policy_comes_from_the_environment(monkeypatch):
-    from gml.quant.cost_policy import default_policy
+    # read once, at the API boundary (gml.runtime.options), and carried down as a value
+    from gml.runtime.options import EngineOptions
 
     monkeypatch.delenv("GML_COST_POLICY", raising=False)
-    assert default_policy() == "measure"
+    assert EngineOptions.from_env().cost_policy == "measure"
     monkeypatch.setenv("GML_COST_POLICY", "off")
-    assert default_policy() == "off"
+    assert EngineOptions.from_env().cost_policy == "off"
     monkeypatch.setenv("GML_COST_POLICY", "fastest")
-    with pytest.raises(InputError, match="unknown cost_policy 'fastest'"):
-        default_policy()
+    with pytest.raises(InputError, match="GML_COST_POLICY='fastest'"):
+        EngineOptions.from_env()
+    with pytest.raises(InputError, match="cost_policy='fastest'"):
+        EngineOptions(cost_policy="fastest")
 
 
 def test_timing_stops_early_when_one_side_is_far_slower():

@@ -255,13 +255,13 @@ def test_transformer_scheme_mixed_mode_runs_attention_in_bf16():
     fp32 = gml.quantize(layer, 2, example_inputs=(x,), cost_policy="off", per_layer=False)
     assert q.accuracy.cosine > 0.999 and abs(q.accuracy.cosine - fp32.accuracy.cosine) < 1e-3
     if q.engine is not None:
+        from gml.runtime.rules.attention import fused_attention_cpu
         from gml.runtime.target import detect_target
-        from gml.runtime.transformer_rules import fused_attention_cpu
 
         impls = {s.impl for s in q.engine.profile(x, rounds=1)}
         target = detect_target()
         if fused_attention_cpu(target) and not target.amx:
-            assert "gml:attention_avx512_bf16" in impls, impls  # transformer_rules.fused_attention_ok's auto rule
+            assert "gml:attention_avx512_bf16" in impls, impls  # fused_attention_ok's auto rule
 
 
 def test_transformer_scheme_mixed_mode_on_a_cpu_without_bf16_warns_and_keeps_fp32(monkeypatch):

@@ -1,5 +1,5 @@
 """The residual add after a ``gml::dynamic_linear`` as the last post-op of its engine matmul
-(``transformer_rules._fuse_into_dynamic_linear``), against the Python executor."""
+(``gml.runtime.rules.linear.fuse_into_dynamic_linear``), against the Python executor."""
 
 from __future__ import annotations
 

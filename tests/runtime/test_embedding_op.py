@@ -1,4 +1,4 @@
-"""nn.Embedding on the engine (one gather step, gml.runtime.transformer_rules) vs the Python executor."""
+"""nn.Embedding on the engine (one gather step, gml.runtime.rules.shape) vs the Python executor."""
 
 from __future__ import annotations
 

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from gml.errors import InputError
 from gml.runtime import compile_engine, unavailable_reason
+from gml.runtime.options import ATTENTION_ENV
+from gml.runtime.rules.attention import fused_attention_cpu
 from gml.runtime.target import detect_target
-from gml.runtime.transformer_rules import ATTENTION_ENV, fused_attention_cpu
 from runtime.helpers import attention_graph, strided_heads_graph
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -145,7 +146,7 @@ def test_masked_keys_weigh_exactly_zero(monkeypatch):
 
 @needs_kernel
 def test_a_fully_masked_row_averages_the_values(monkeypatch):
-    """The engine's documented choice (transformer_rules): every key masked -> uniform weights."""
+    """The engine's documented choice (gml.runtime.rules.attention): every key masked -> uniform weights."""
     q, k, v = qkv(1, 1, 3, 5, 16, 16, seed=5)
     mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
     mask[0, 0, 1] = False

@@ -1,5 +1,5 @@
 """A padding mask's arithmetic on the engine (``to(bool)``, ``index``, ``&``, ``expand`` into an
-attention's mask: gml.runtime.transformer_rules) vs the Python executor, op by op."""
+attention's mask: gml.runtime.rules.attention) vs the Python executor, op by op."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ def test_activation(op, shape):
 
 
 def test_an_activation_without_an_eltwise_form_stays_in_torch_with_its_reason():
-    from gml.runtime.translate import Call, rule_for
+    from gml.runtime.rules import Call, rule_for
 
     rule, reason = rule_for(Call("qactivation", SimpleNamespace(op="elu", scalars=[1.0]), ()))
     assert rule is None and reason.startswith("INT8 elu: ") and "unknown oneDNN post-op 'elu'" in reason

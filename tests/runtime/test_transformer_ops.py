@@ -1,4 +1,4 @@
-"""Transformer ops on the engine (gml.runtime.transformer_rules) vs the Python executor, op by op.
+"""Transformer ops on the engine (gml.runtime.rules) vs the Python executor, op by op.
 
 fp32: the same math in another summation order, within 1e-5 of the output's magnitude. bf16:
 both sides round operands and outputs to bf16 (8 significant bits) but may differ in where (the

@@ -33,6 +33,7 @@ from gml.errors import InputError
 from gml.kernels import bf16 as kb
 from gml.kernels.fp32 import FusedConv, FusedConvAdd, PostOp
 from gml.runtime import compile_engine, unavailable_reason
+from gml.runtime.options import EngineOptions
 from runtime.helpers import graph_of, qconv, rand_u8
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -267,6 +268,22 @@ def test_a_bad_setting_is_an_input_error(monkeypatch):
     monkeypatch.setenv("GML_WINOGRAD", "yes")
     with pytest.raises(InputError, match="GML_WINOGRAD"), torch.no_grad():
         compile_engine(_graph(mod), _inputs("f32", mod, 1, 4, 4))
+    with pytest.raises(InputError, match="winograd='yes'"):
+        EngineOptions(winograd="yes")
+
+
+def test_the_option_value_wins_over_the_environment(monkeypatch):
+    """``options=`` is the setting; ``GML_WINOGRAD`` only sets the default when none is given (read
+    at the API boundary, gml.runtime.options), and a plan built later for a new shape keeps it."""
+    mod = _module("f32", 16, 16, bias=True, post="relu")
+    monkeypatch.setenv("GML_WINOGRAD", "1")
+    with torch.no_grad():
+        forced = compile_engine(_graph(mod), _inputs("f32", mod, 1, 8, 8))
+        direct = compile_engine(_graph(mod), _inputs("f32", mod, 1, 8, 8), options=EngineOptions(winograd="0"))
+        monkeypatch.setenv("GML_WINOGRAD", "0")  # too late: the options were taken at compile time
+        forced(*_inputs("f32", mod, 2, 8, 8))
+    assert _winograd_steps(forced) and not _winograd_steps(direct), (forced.step_impls(), direct.step_impls())
+    assert len(_winograd_steps(forced)) == 2  # both plans (batch 1 and batch 2) run Winograd
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=needs_bf16), "f32"])

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from gml.batch.run import ItemsResult, infer_items
+from gml.batch.items import ItemsResult, infer_items
 from gml.batch.shards import ShardStore
 from gml.errors import GMLError
 

@@ -10,7 +10,7 @@ with ``q: [..., L, E]``, ``k: [..., S, E]``, ``v: [..., S, Ev]``; ``scale`` ``No
 
 The Python executor runs it with torch's fused CPU SDPA (flash attention on CPU: one pass over
 K/V blocks, no ``[L, S]`` score matrix in memory); the native engine runs it as three oneDNN
-primitives, matmul (scale and mask as post-ops) → softmax → matmul (gml.runtime.transformer_rules). It has a
+primitives, matmul (scale and mask as post-ops) → softmax → matmul (gml.runtime.rules.attention). It has a
 fake kernel, so graphs holding it export.
 
 Declared in its own ``torch.library`` fragment of the ``gml`` namespace, in the same style as the

@@ -53,9 +53,11 @@ from gml.ir.qdq import is_dequantize, is_quantize_any
 from gml.ir.values import cloned
 from gml.passes.utils import remove_unused_nodes
 from gml.quant.lower import KEEP_FP32_COST as KEEP_FP32  # node.meta key LowerToGML reads
+from gml.runtime.options import COST_POLICIES
 from gml.runtime.timing import median_ms_interleaved
 
-POLICIES = ("measure", "off")
+#: the policies by name (one definition: gml.runtime.options, whose ``cost_policy`` sets the default)
+POLICIES = COST_POLICIES
 
 #: INT8 is returned only when the whole INT8 executable takes at most this fraction of the GML fp32
 #: one's time. INT8 costs accuracy, so it has to buy a speed-up that survives noise: a 9-round guard
@@ -498,16 +500,6 @@ def _failed(e: Exception) -> str:
     return f"cost policy failed ({type(e).__name__}: {e}); every region kept INT8"
 
 
-def default_policy() -> str:
-    """The policy when none is given: ``GML_COST_POLICY`` if set (a deployment or CI default, e.g.
-    ``off`` for runs that must not depend on timing), else ``measure``."""
-    import os
-
-    policy = os.environ.get("GML_COST_POLICY", "measure")
-    check_policy(policy)
-    return policy
-
-
 def check_policy(policy: str | Callable[[Region], RegionCost]) -> None:
     """An :class:`~gml.errors.InputError` unless ``policy`` is one of :data:`POLICIES` or a cost function."""
     from gml.errors import InputError
@@ -526,7 +518,6 @@ __all__ = [
     "RegionDecision",
     "check_policy",
     "decide",
-    "default_policy",
     "find_regions",
     "guard_whole_model",
     "keep_fp32",

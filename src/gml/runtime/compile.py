@@ -1,6 +1,6 @@
 """Compile a lowered GraphModule for the native engine: partition, segments, shape-keyed plans.
 
-Partition: every node the translation table (:mod:`gml.runtime.translate`) accepts is an engine
+Partition: every node the translation table (:mod:`gml.runtime.rules`) accepts is an engine
 node; each maximal run of engine nodes (in graph order) becomes one :class:`EngineSegment` module,
 and everything else stays a torch node between segments. The result is an ordinary GraphModule
 (``EngineModule.graph_module``), so mixed graphs run as they did, with the segments as single calls.
@@ -31,9 +31,10 @@ from gml.inference import refuse_grad_inputs
 from gml.ir.target import Target
 from gml.kernels.fp32 import all_finite
 from gml.runtime import native
+from gml.runtime.options import EngineOptions, resolve_options
 from gml.runtime.plan import Builder
+from gml.runtime.rules import Unsupported, read_call, rule_for
 from gml.runtime.shape_values import cache_guards, cache_shape_values, schedule_for_engine
-from gml.runtime.translate import Unsupported, read_call, rule_for
 
 #: Plans a segment keeps (one per input layout seen; the oldest goes first beyond this).
 MAX_PLANS = 8
@@ -76,6 +77,8 @@ class RuntimeReport:
     winograd_convs: int = 0
     #: the CPU the plans are built for (gml.ir.target; detected once at the API boundary)
     target: Target | None = None
+    #: the engine's switches the plans are built with (gml.runtime.options; set at the API boundary)
+    options: EngineOptions = field(default_factory=EngineOptions)
     #: what the plan changed for this target (e.g. a saved model's 8-bit weights requantized to 7 bits)
     changes: list[str] = field(default_factory=list)
     #: steps of the built plans that run a oneDNN reference kernel (:func:`is_reference_impl`), by
@@ -109,7 +112,9 @@ class RuntimeReport:
             lines.append(f"  {self.note}")
         if self.winograd_convs:
             n = self.winograd_convs
-            lines.append(f"  {n} 3x3 conv(s) run as Winograd F(2x2, 3x3) (GML_WINOGRAD=0: direct convs only)")
+            lines.append(
+                f"  {n} 3x3 conv(s) run as Winograd F(2x2, 3x3) (winograd='0', GML_WINOGRAD=0: direct convs only)"
+            )
         if self.reference_steps:
             steps = ", ".join(f"{name} ({impl})" for name, impl in self.reference_steps.items())
             lines.append(
@@ -236,7 +241,7 @@ class EngineSegment(nn.Module):
 
     def _translate(self, env: dict[fx.Node, Any]) -> tuple[Any, list[tuple]]:
         graph = self.reference.graph
-        b = Builder(_last_use(graph), self._report.target)
+        b = Builder(_last_use(graph), self._report.target, self._report.options)
         free = free_values(self.reference, env)
         vals: dict[fx.Node, Any] = {}
         inputs, outputs, metas = [], [], []
@@ -357,12 +362,15 @@ def _key_str(key: tuple) -> str:
     return ", ".join(one(s, d) for s, _, d in key)
 
 
-def partition(gm: fx.GraphModule, target: Target | None = None) -> tuple[fx.GraphModule, RuntimeReport]:
+def partition(
+    gm: fx.GraphModule, target: Target | None = None, options: EngineOptions | None = None
+) -> tuple[fx.GraphModule, RuntimeReport]:
     """A copy of ``gm`` with each maximal run of engine nodes replaced by one EngineSegment call;
-    the segments plan for ``target`` (default: this process's, :func:`gml.runtime.target.detect_target`)."""
+    the segments plan for ``target`` (default: this process's, :func:`gml.runtime.target.detect_target`)
+    with ``options`` (default: the shipped :class:`~gml.runtime.options.EngineOptions`)."""
     from gml.runtime.target import resolve
 
-    report = RuntimeReport("engine", target=resolve(target))
+    report = RuntimeReport("engine", target=resolve(target), options=options or EngineOptions())
     # torch glue first (gml.runtime.shape_values): values of the input sizes alone are computed once
     # per shape, and torch nodes independent of an engine run move before it (fewer segments)
     gm = fx.GraphModule(gm, _copy_graph(gm.graph))  # a copy to reorder; the caller's graph is untouched
@@ -384,7 +392,7 @@ def partition(gm: fx.GraphModule, target: Target | None = None) -> tuple[fx.Grap
             report.nodes.append(NodeReport(node.name, "ShapeValues", "torch", why))
         elif node.op in ("call_module", "call_function", "call_method"):
             call = read_call(gm, node)
-            op = call.op if call is not None else str(getattr(node.target, "__name__", node.target))
+            op = call.name if call is not None else str(getattr(node.target, "__name__", node.target))
             report.nodes.append(NodeReport(node.name, op, "engine" if ok else "torch", reason or ""))
         if ok:
             current.append(node)
@@ -415,7 +423,7 @@ def _gather_split_pieces(graph: fx.Graph) -> None:
     between two pieces (timm tf_mixnet_s: the "same" padding ``F.pad`` of one mixed-kernel conv)
     ended the split's engine run before its other pieces, the next segment then took the split's
     tuple as its input, and both segments fell back to their Python executor."""
-    from gml.runtime.transformer_rules import is_split
+    from gml.runtime.rules.shape import is_split
 
     for node in list(graph.nodes):
         if not is_split(node):
@@ -563,15 +571,19 @@ class EngineModule(nn.Module):
 
 
 def compile_engine(
-    gm: fx.GraphModule, example_inputs: Sequence[torch.Tensor], target: Target | None = None
+    gm: fx.GraphModule,
+    example_inputs: Sequence[torch.Tensor],
+    target: Target | None = None,
+    options: EngineOptions | None = None,
 ) -> EngineModule:
     """Partition ``gm`` for the engine and compile the plan for ``example_inputs``' shapes, for
-    ``target`` (the API boundary's :class:`~gml.ir.target.Target`; default: this process's).
+    ``target`` (the API boundary's :class:`~gml.ir.target.Target`; default: this process's), with
+    ``options`` (:class:`~gml.runtime.options.EngineOptions`; default: the ``GML_*`` variables').
 
     Raises :class:`UnsupportedError` if the native engine is not built (see :func:`native.load`).
     """
     native.load()
-    part, report = partition(gm, target)
+    part, report = partition(gm, target, resolve_options(options))
     module = EngineModule(part, report, list(example_inputs))
     with torch.no_grad():
         module(*example_inputs)  # compiles the plans for these shapes

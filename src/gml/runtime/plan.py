@@ -1,6 +1,6 @@
 """One engine plan: the steps of a graph segment for one input shape, and its activation arena.
 
-:class:`Builder` is what the translation table (:mod:`gml.runtime.translate`) writes to. It records
+:class:`Builder` is what the translation table (:mod:`gml.runtime.rules`) writes to. It records
 steps over :class:`Val` values whose shapes / strides / dtypes come from one run of the segment's
 Python executor on the inputs (so they are, by construction, what that executor produces), then
 
@@ -29,7 +29,6 @@ docs/adr/006-native-engine.md, "Layouts").
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +36,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from gml.errors import InputError
 from gml.ir.target import Target
+from gml.runtime.options import EngineOptions
 
 #: A uint8 value's (scale, zero point), or None for fp32.
 QP = tuple[float, int] | None
@@ -52,7 +51,7 @@ class Unsupported(Exception):
     """The engine has no kernel for this node (or this shape of it); the message says why."""
 
 
-#: torch.bool is u8 (the same bytes: 0 / 1), read only as an attention mask (gml.runtime.transformer_rules)
+#: torch.bool is u8 (the same bytes: 0 / 1), read only as an attention mask (gml.runtime.rules.attention)
 # int64: token ids, read only by the embedding kernel (Builder.embedding)
 _DTYPES = {
     torch.uint8: "u8",
@@ -79,22 +78,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 #: 2-5 % faster in NHWC (its 256- and 512-channel 3x3 convs 3 % / 9 % faster on ``brgconv``, equal
 #: at 64 channels); OpenVINO runs its fp32 convs the same way (``brgconv_avx512_f32``, NHWC).
 FP32_FREE_LAYOUT = "nhwc"
-
-#: ``GML_WINOGRAD`` values and what the engine gets for them (native/engine.cpp ``try_winograd``):
-#: Winograd F(2x2, 3x3) for eligible fp32 / bf16 3x3 stride-1 convs never, always, or when timed
-#: faster than the direct conv at plan build (the default; docs/adr/010-winograd-conv.md).
-WINOGRAD_MODES = {"0": 0, "1": 1, "auto": 2}
-
-
-def winograd_mode() -> int:
-    """The ``GML_WINOGRAD`` setting as the engine's ``conv(winograd=...)`` takes it."""
-    value = os.environ.get("GML_WINOGRAD", "auto").strip().lower() or "auto"
-    if value not in WINOGRAD_MODES:
-        raise InputError(
-            f"GML_WINOGRAD={value!r} is not a Winograd setting.",
-            hint="use 0 (direct convolutions only), 1 (Winograd for every eligible 3x3 conv) or auto (the default).",
-        )
-    return WINOGRAD_MODES[value]
 
 
 def exact_int8_gemm(target: Target) -> bool:
@@ -127,7 +110,7 @@ def _dense_in(v: Val, want: tuple[int, ...]) -> bool:
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major dense strides of ``shape`` (in elements); translate and transformer_rules use it too."""
+    """Row-major dense strides of ``shape`` (in elements) (the translation rules: ``contiguous_strides``)."""
     strides, acc = [], 1
     for d in reversed(shape):
         strides.append(acc)
@@ -218,11 +201,15 @@ class Builder:
     """Records the steps of one plan (see the module docstring). ``node_pos`` / ``last_use`` come
     from the segment graph: a value read by a later node or returned must not be overwritten."""
 
-    def __init__(self, last_use: dict[fx.Node, float], target: Target | None = None) -> None:
+    def __init__(
+        self, last_use: dict[fx.Node, float], target: Target | None = None, options: EngineOptions | None = None
+    ) -> None:
         from gml.runtime.target import resolve
 
         #: the CPU this plan is for (gml.ir.target): the rules' ISA decisions read it, nothing else
         self.target = resolve(target)
+        #: the engine's switches (gml.runtime.options: Winograd, the attention path), from the API
+        self.options = options if options is not None else EngineOptions()
         self.vals: list[Val] = []
         self.steps: list[Step] = []
         self.last_use = last_use
@@ -629,7 +616,7 @@ class Builder:
         return plan
 
     def _emit_steps(self, plan: Any, ids: dict[Val, int]) -> None:
-        winograd = winograd_mode()
+        winograd = self.options.winograd_mode
         exact_gemm = exact_int8_gemm(self.target)
         for s in self.steps:
             kw = dict(s.kwargs)

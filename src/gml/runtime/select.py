@@ -19,6 +19,7 @@ from gml.ir.values import cloned
 from gml.kernels.packs import drop_packed
 from gml.runtime import timing
 from gml.runtime.compile import EngineModule, RuntimeReport, compile_engine
+from gml.runtime.options import EngineOptions, resolve_options
 
 RUNTIMES = ("engine", "torch")
 #: An output may differ from the Python executor's by this fraction of its largest magnitude.
@@ -101,13 +102,15 @@ def fp32_closeness_error(py: Any, got: Any, fp32: Any) -> str | None:
 ENGINE_SLOWER_LIMIT = 1.5
 
 
-def _slower_than_executor(gm: fx.GraphModule, engine: EngineModule, inputs: Sequence[Any]) -> str | None:
+def _slower_than_executor(
+    gm: fx.GraphModule, engine: EngineModule, inputs: Sequence[Any], options: EngineOptions
+) -> str | None:
     """Why the engine is not worth it here (it times slower than the Python executor), or None.
-    Skipped when ``GML_COST_POLICY=off`` (runs that must not depend on timing: the test suite)."""
-    import os
-
-    if os.environ.get("GML_COST_POLICY", "measure") == "off":
+    Skipped when ``options.cost_policy`` is ``off`` (runs that must not depend on timing: the test
+    suite sets ``GML_COST_POLICY=off``, the default at the API boundary)."""
+    if options.cost_policy == "off":
         return None
+
     def run(f: Any) -> Any:
         return lambda: f(*cloned(inputs))
 
@@ -133,24 +136,26 @@ def attach_runtime(
     tolerance: float = INT8_TOLERANCE,
     fp32_model: Any = None,
     target: Target | None = None,
+    options: EngineOptions | None = None,
 ) -> tuple[EngineModule | None, RuntimeReport]:
     """``(engine module or None, report)`` for ``gm``: None means "run the Python executor".
 
     ``fp32_model`` (the fp32 graph ``gm`` was quantized from) allows an INT8 engine that differs
     from the executor beyond ``tolerance`` when it is as close to the fp32 model's outputs as the
     executor (:data:`AS_CLOSE_TO_FP32`); the report's note says so. ``target``: the CPU the
-    plans are built for (the API boundary's; default: this process's)."""
+    plans are built for (the API boundary's; default: this process's); ``options``: the engine's
+    switches (:class:`~gml.runtime.options.EngineOptions`; default: the ``GML_*`` variables')."""
     from gml.runtime.target import resolve
 
     check_runtime(runtime)
-    target = resolve(target)
+    target, options = resolve(target), resolve_options(options)
     if runtime == "torch":
         return None, RuntimeReport(
             "torch", note="runtime='torch' requested: the Python executor runs every node", target=target
         )
     try:
         # copies: compiling runs the graph once, and a graph may write its input (``x.add_(1)``)
-        engine = compile_engine(gm, cloned(example_inputs), target)
+        engine = compile_engine(gm, cloned(example_inputs), target, options)
     except GMLError as e:
         return None, RuntimeReport("torch", note=f"engine unavailable: {e.message}", target=target)
     if engine.report.engine_nodes == 0:
@@ -166,7 +171,7 @@ def attach_runtime(
         )
         problem = None
     if not problem:
-        slower = _slower_than_executor(gm, engine, example_inputs)
+        slower = _slower_than_executor(gm, engine, example_inputs, options)
         if slower:
             return None, RuntimeReport("torch", nodes=engine.report.nodes, note=slower, target=target)
         # The engine holds its own reordered weights: the packed copies the Python executor made

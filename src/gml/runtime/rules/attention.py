@@ -1,0 +1,353 @@
+"""Translation rules: attention (``gml.attention``) and the padding-mask arithmetic that feeds it
+(#15 / #14). With the transformer rows of the other families (LayerNorm and float adds:
+gml.runtime.rules.eltwise; split and Embedding: gml.runtime.rules.shape) they write the engine's
+transformer steps (``Builder.layer_norm`` / ``matmul`` / ``softmax``, native/engine.cpp):
+
+==========================  ========================================================================
+node                        engine steps
+==========================  ========================================================================
+``nn.LayerNorm`` (last dim)  one oneDNN ``layer_normalization`` (statistics in fp32; f32 or bf16 in
+                            and out, as the Python executor's values are) over the rows view
+``gml.attention``           ``S = Q @ Kᵀ`` (matmul, fp32 accumulation and fp32 output; ``Kᵀ`` is K's
+                            strides swapped, no copy) with the scale (eltwise ``linear``) and the
+                            mask (binary ``add``, broadcast over heads / queries) as post-ops →
+                            ``P = softmax(S)`` (fp32 math, written in Q's dtype) → ``O = P @ V``;
+                            on an AVX512-BF16 CPU: the same math as one fused step
+                            (``Builder.attention``, native/attention.h, ADR 009;
+                            :func:`fused_attention_ok` says when)
+``gml.nn.Add`` (float)      one binary ``add`` (oneDNN broadcasts the smaller operand); f32 / bf16,
+                            mixed operands promote as torch does (the executor's output dtype)
+``split`` + ``getitem``     views of the split tensor (no step): the QKV merge's ``q, k, v``
+``nn.Embedding``            one gather step (int64 ids, rows read from the module's table in place)
+==========================  ========================================================================
+
+**Masks.** A float mask is added as it is. A bool mask (``True`` = attend, SDPA's convention) is
+converted once per plan to an additive one, ``(m - 1) * FLT_MAX`` (one u8 → f32 reorder with a zero
+point), not ``-inf``: ``0 * inf`` would be NaN. A masked score becomes ``-FLT_MAX`` and its softmax
+weight exactly 0, as with ``-inf``; only a query row whose keys are *all* masked differs (SDPA gives
+NaN there, the engine the uniform average) — padded batches never mask every key of a row.
+Dimensions a mask has by broadcasting (``expand``: stride 0) are described with size 1, so the
+``[B, 1, L, S]`` boolean masks transformers builds are read without materializing them.
+
+A constant mask (a model's buffer, e.g. a causal mask) and ``is_causal`` (SDPA's top-left aligned
+``j <= i``) are additive fp32 constants the plan owns, one more binary post-op each.
+
+**Not covered** (the node stays in torch with this reason): masks of another dtype, a scale
+computed at run time, LayerNorm over more than the last dim.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+from torch import fx
+
+from gml.ir.attention import is_attention
+from gml.ir.target import Target
+from gml.runtime import native
+from gml.runtime.rules.base import (
+    FLOATS,
+    Builder,
+    Call,
+    TranslationRule,
+    Unsupported,
+    Val,
+    broadcast_view,
+    contiguous_strides,
+    meta_dtype,
+)
+
+
+def check_attention(c: Call) -> str | None:
+    a = c.a
+    if not (a.scale is None or isinstance(a.scale, int | float)):
+        return "attention scale computed at run time"
+    if isinstance(a.attn_mask, torch.Tensor) and a.attn_mask.dtype not in (torch.bool, *FLOATS):
+        return f"a constant {a.attn_mask.dtype} attention mask"
+    dtypes = [meta_dtype(n) for n in c.inputs[:3]]
+    if None in dtypes:
+        return None
+    if len(set(dtypes)) != 1 or dtypes[0] not in FLOATS:
+        return f"attention on {', '.join(str(d) for d in dtypes)} q / k / v"
+    if a.attn_mask is not None:
+        m = meta_dtype(a.attn_mask)
+        if m is not None and m not in (torch.bool, dtypes[0]):
+            return f"a {m} attention mask with {dtypes[0]} q / k / v"
+    return None
+
+
+def _additive_mask(b: Builder, m: Val, rank: int, keys: int) -> Val:
+    """The float mask to add to the scores (see the module docstring), once per plan.
+
+    A mask that varies along the queries but not along the ``keys`` (``[..., L, 1]`` after
+    :func:`broadcast_view`; HF ViT's all-true ``[B, 1, L, L]`` expand) is written out ``[..., L, keys]``
+    (one reorder reading it with stride 0 along the keys): oneDNN's matmul has no jitted kernel for a
+    binary post-op broadcast that way, on any ISA (``ref:any``, 0.8 s per ViT attention under AVX2)."""
+    memo = b.memo.setdefault("attention_masks", {})
+    key = id(m)
+    if key in memo:
+        return memo[key]
+    out = broadcast_view(b, m, rank)
+    if m.dtype_name == "u8":  # a bool mask (torch.bool is the engine's u8)
+        t = b.temp(out.shape, contiguous_strides(out.shape), "f32")
+        b.reorder(out, t, src_q=(MASKED, 1), dst_q=None)  # (m - 1) * FLT_MAX
+        out = t
+    if rank >= 2 and out.shape[-2] > 1 and out.shape[-1] == 1 and keys > 1:  # per query: written out
+        # a plain fp32 copy reads the stride 0 (oneDNN 3.2's jitted reorder from a stride-0 u8 source
+        # with a zero point writes wrong values: 37,824 of 197 x 197, so the bool conversion stays above)
+        wide = b.view(out, (*out.shape[:-1], keys), (*out.stride[:-1], 0))
+        t = b.temp(wide.shape, contiguous_strides(wide.shape), "f32")
+        b.reorder(wide, t, src_q=None, dst_q=None)
+        out = t
+    memo[key] = out
+    return out
+
+
+def _additive_constant(m: torch.Tensor, rank: int) -> torch.Tensor:
+    """A constant mask as the fp32 tensor added to the scores, with leading 1s up to ``rank``."""
+    m = m.detach()
+    add = torch.zeros(m.shape).masked_fill(~m, -MASKED) if m.dtype == torch.bool else m.float()
+    return add.reshape((1,) * (rank - add.dim()) + tuple(add.shape)).contiguous()
+
+
+def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    q, k, v = ins[:3]
+    a = c.a
+    if len(ins) > 3 and ins[3].dtype_name not in ("u8", q.dtype_name):
+        raise Unsupported(f"a {ins[3].dtype_name} attention mask with {q.dtype_name} q / k / v")
+    if len({q.dtype_name, k.dtype_name, v.dtype_name}) != 1 or q.dtype_name not in ("f32", "bf16"):
+        raise Unsupported(f"attention on {q.dtype_name} / {k.dtype_name} / {v.dtype_name}")
+    rank = len(q.shape)
+    if rank < 2 or len(k.shape) != rank or len(v.shape) != rank or 0 in q.shape or 0 in k.shape:
+        raise Unsupported(f"attention of shapes {q.shape}, {k.shape}, {v.shape}")
+    L, E, S = q.shape[-2], q.shape[-1], k.shape[-2]
+    batch = tuple(max(x, y, z) for x, y, z in zip(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+    dims_ok = all(t.shape[i] in (1, d) for t in (q, k, v) for i, d in enumerate(batch))
+    if not dims_ok or k.shape[-1] != E or v.shape[-2] != S or out.shape != (*batch, L, v.shape[-1]):
+        raise Unsupported(f"attention output {out.shape} for q {q.shape}, v {v.shape}")
+    scale = float(a.scale) if a.scale is not None else 1.0 / math.sqrt(E)
+    masks: list[Val] = []
+    if isinstance(a.attn_mask, torch.Tensor):  # a constant (a model's buffer): made additive here
+        masks.append(b.constant(_additive_constant(a.attn_mask, rank)))
+    elif len(ins) > 3:
+        masks.append(_additive_mask(b, ins[3], rank, k.shape[-2]))
+    if a.is_causal:  # SDPA's: query i sees keys j <= i (top-left aligned)
+        keep = torch.ones(L, S, dtype=torch.bool).tril()
+        masks.append(b.constant(_additive_constant(keep, rank)))
+    if fused_attention_ok(q, k, v, out, b.target, b.options.attention):
+        b.attention(q, k, v, out, masks=[_f32(b, m) for m in masks], scale=scale)
+        return
+    # dense copies of strided heads (pieces of the merged QKV output): oneDNN's brgemm matmul
+    # takes dense operands only, else its gemm:jit fallback (measured on MiniLM bf16: Q.K^T
+    # 0.31 -> 0.15 ms, P.V 0.11 -> 0.07 ms for three 10 us reorders)
+    q, k, v = (_dense(b, t) for t in (q, k, v))
+    kt = b.view(k, (*k.shape[:-2], E, S), (*k.stride[:-2], k.stride[-1], k.stride[-2]))
+    post: list[tuple[str, float, float, Val | None]] = [("linear", scale, 0.0, None)]
+    post += [("binary_add", 0.0, 0.0, m) for m in masks]
+    scores_shape = (*batch, L, S)
+    scores = b.temp(scores_shape, contiguous_strides(scores_shape), "f32")
+    b.matmul(q, kt, scores, post=post)
+    probs = b.temp(scores_shape, contiguous_strides(scores_shape), q.dtype_name)
+    b.softmax(scores, probs, rank - 1)
+    b.matmul(probs, v, out)
+
+
+def fused_attention_cpu(target: Target) -> bool:
+    """Whether ``target`` runs the fused attention kernel (native/attention.h): AVX-512 with native
+    bf16 on the target (``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16 says no) and on the CPU (the
+    engine checks the instructions exist)."""
+    return target.avx512 and target.native_bf16 and bool(native.load().fused_attention_available())
+
+
+def fused_attention_ok(q: Val, k: Val, v: Val, out: Val, target: Target, choice: str = "auto") -> bool:
+    """Whether ``gml.attention`` runs as the engine's one fused step (native/attention.h) instead of
+    matmul → softmax → matmul: operands of one dtype with unit last-dim strides, an even head size, a
+    ``target`` with AVX-512 and native bf16 (and a CPU that has the instructions, which the engine
+    checks: ``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16 turns it off). ``auto``: bf16 only, and not
+    on an AMX target (oneDNN's AMX matmuls; the fused
+    kernel is not measured there yet). fp32 runs fused only when forced (``fused``): on Zen 4 it is
+    level with the primitives (MiniLM fp32 and INT8, ADR 009), both bound by fp32 FMA throughput.
+    ``choice``: the plan's ``EngineOptions.attention`` (``auto``, ``fused`` or ``primitives``).
+    """
+    if choice == "primitives":
+        return False
+    if not fused_attention_cpu(target):
+        return False
+    tensors = (q, k, v, out)
+    dtype = q.dtype_name
+    if dtype not in ("bf16", "f32") or any(t.dtype_name != dtype for t in tensors):
+        return False
+    if choice == "auto" and (dtype != "bf16" or target.amx):
+        return False
+    if any(t.shape[-1] > 1 and t.stride[-1] != 1 for t in tensors):
+        return False
+    return q.shape[-1] % 2 == 0 and out.shape[-1] == v.shape[-1]
+
+
+def _f32(b: Builder, m: Val) -> Val:
+    """An additive mask as fp32 (the fused step adds fp32 masks; a bf16 model's float mask is bf16)."""
+    if m.dtype_name == "f32":
+        return m
+    t = b.temp(m.shape, contiguous_strides(m.shape), "f32")
+    b.reorder(m, t, src_q=None, dst_q=None)
+    return t
+
+
+def _dense(b: Builder, v: Val) -> Val:
+    if v.stride == contiguous_strides(v.shape):
+        return v
+    t = b.temp(v.shape, contiguous_strides(v.shape), v.dtype_name)
+    b.reorder(v, t, src_q=None, dst_q=None)
+    return t
+
+
+#: the additive mask value of a masked key: finite, so that ``(m - 1) * MASKED`` is never NaN
+MASKED = float(torch.finfo(torch.float32).max)
+
+
+_aten = torch.ops.aten
+
+
+_TO_OPS = (_aten.to.device, _aten.to.dtype, _aten.to.dtype_layout)
+
+
+_AND_OPS = (_aten.__and__.Tensor, _aten.bitwise_and.Tensor)  # tensor-only schemas (not operator.and_ on ints)
+
+
+_EXPAND_OPS = (_aten.expand.default,)
+
+
+def read_mask_op(node: fx.Node) -> Call | None:
+    """``to(bool)``, ``index``, ``&`` of two tensors and ``expand`` as a :class:`Call`, else None."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    t, args = node.target, node.args
+    if node.op == "call_function" and t in _TO_OPS:
+        named = {a.name: a.default_value if a.has_default_value() else None for a in t._schema.arguments}
+        named.update({a.name: v for a, v in zip(t._schema.arguments, args)}, **node.kwargs)
+        keep = ("dtype", "device", "memory_format", "copy")
+        return Call("to_bool", SimpleNamespace(**{k: named.get(k) for k in keep}), (args[0],))
+    if node.op == "call_function" and t is _aten.index.Tensor and len(args) == 2:
+        idx = list(args[1])
+        if all(isinstance(i, fx.Node) for i in idx):
+            return Call("index", SimpleNamespace(), (args[0], *idx))
+        return Call("index", SimpleNamespace(has_none=True), (args[0],))
+    if node.op == "call_function" and t in _AND_OPS and len(args) == 2 and isinstance(args[1], fx.Node):
+        return Call("and", SimpleNamespace(), (args[0], args[1]))
+    if (node.op == "call_function" and t in _EXPAND_OPS) or (node.op == "call_method" and t == "expand"):
+        return Call("expand_mask", SimpleNamespace(node=node), (args[0],))
+    return None
+
+
+def check_to_bool(c: Call) -> str | None:
+    a = c.a
+    if a.dtype is not torch.bool:
+        return f"a conversion to {a.dtype} (the engine converts masks to bool only)"
+    if a.device is not None and torch.device(a.device).type != "cpu":
+        return f"a conversion to {a.device}"
+    if a.memory_format not in (None, torch.preserve_format):
+        return f"a conversion to {a.memory_format}"
+    if a.copy:
+        return "a conversion with copy=True"
+    src = meta_dtype(c.inputs[0])
+    if src is not None and src not in (torch.int64, torch.bool):
+        return f"a conversion of a {src} tensor to bool (the engine converts int64 masks)"
+    return None
+
+
+def emit_to_bool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x = ins[0]
+    if x.dtype_name == "u8" and b.is_view_of(out, x):  # bool -> bool: torch returns the tensor itself
+        b.alias(out, x)
+        return
+    if x.dtype_name != "s64" or not _is_bool(out) or out.shape != x.shape:
+        raise Unsupported(f"{x.dtype_name} -> bool")
+    b.mask_op("ne0", [x], _dense_out(out), [_broadcast_strides(x, out.shape)])
+
+
+def check_index(c: Call) -> str | None:
+    if getattr(c.a, "has_none", False):
+        return "index with None entries (the engine indexes leading dims by int64 tensors)"
+    idx = [meta_dtype(n) for n in c.inputs[1:]]
+    if any(d is not None and d != torch.int64 for d in idx):
+        return f"index by {', '.join(str(d) for d in idx)} tensors (the engine takes int64 indices)"
+    return None
+
+
+def emit_index(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``out = x[i0, .., ik-1]`` (aten.index with int64 index tensors on x's leading dims)."""
+    x, idx = ins[0], ins[1:]
+    k = len(idx)
+    if any(i.dtype_name != "s64" for i in idx) or k == 0 or k > len(x.shape):
+        raise Unsupported(f"index of a rank-{len(x.shape)} tensor by {k} tensors")
+    bshape = tuple(torch.broadcast_shapes(*(i.shape for i in idx)))
+    rest = tuple(x.shape[k:])
+    if out.shape != bshape + rest or out.dtype_name != x.dtype_name:
+        raise Unsupported(f"index output {out.shape} for {x.shape} by {[i.shape for i in idx]}")
+    pad = (0,) * len(rest)
+    strides = [(0,) * len(bshape) + tuple(x.stride[k:])]
+    strides += [_broadcast_strides(i, bshape) + pad for i in idx]
+    b.mask_op("index", [x, *idx], _dense_out(out), strides, tuple(x.shape[:k]), tuple(x.stride[:k]))
+
+
+def check_mask_and(c: Call) -> str | None:
+    dtypes = [meta_dtype(n) for n in c.inputs]
+    if any(d is not None and d is not torch.bool for d in dtypes):
+        return f"& of {', '.join(str(d) for d in dtypes)} tensors (the engine ands bool masks)"
+    return None
+
+
+def emit_mask_and(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x, y = ins
+    if not (_is_bool(x) and _is_bool(y) and _is_bool(out)):  # uint8 & uint8 is bitwise: not this kernel
+        raise Unsupported(f"& of {x.dtype_name} and {y.dtype_name}")
+    shape = tuple(out.shape)
+    if tuple(torch.broadcast_shapes(x.shape, y.shape)) != shape:
+        raise Unsupported(f"& of {x.shape} and {y.shape} into {shape}")
+    b.mask_op("and", [x, y], _dense_out(out), [_broadcast_strides(x, shape), _broadcast_strides(y, shape)])
+
+
+def check_expand_mask(c: Call) -> str | None:
+    def reads_as_mask(u: fx.Node) -> bool:
+        mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
+        return is_attention(u) and mask is c.a.node and c.a.node not in u.args[:3]
+
+    users = list(c.a.node.users)
+    if not users or not all(reads_as_mask(u) for u in users):
+        return "expand of a value that is not an attention mask (the engine reads expanded masks only)"
+    return None
+
+
+def emit_expand_mask(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    if not b.is_view_of(out, ins[0]):
+        raise Unsupported("an expand that copied")
+    b.alias(out, ins[0])  # stride-0 dims: the attention reads them as size 1 (broadcast_view)
+
+
+def _is_bool(v: Val) -> bool:
+    """A torch.bool value (the engine's ``u8`` is uint8 or bool: the executor's tensor tells which)."""
+    return v.dtype_name == "u8" and v.ref is not None and v.ref.dtype == torch.bool
+
+
+def _broadcast_strides(v: Val, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``v``'s strides (elements) read as ``shape`` by broadcasting: 0 along a dim ``v`` has as 1."""
+    lead = len(shape) - len(v.shape)
+    return tuple(0 if i < lead or v.shape[i - lead] == 1 else v.stride[i - lead] for i in range(len(shape)))
+
+
+def _dense_out(v: Val) -> Val:
+    if v.stride != contiguous_strides(v.shape) and 0 not in v.shape:
+        raise Unsupported(f"a mask op writing layout {v.stride}")
+    return v
+
+
+RULES: dict[object, TranslationRule] = {
+    "attention": TranslationRule(check_attention, emit_attention, None),
+    # the padding mask's arithmetic (read_mask_op): the whole model one plan
+    "to_bool": TranslationRule(check_to_bool, emit_to_bool),
+    "index": TranslationRule(check_index, emit_index, None),
+    "and": TranslationRule(check_mask_and, emit_mask_and, 2),
+    "expand_mask": TranslationRule(check_expand_mask, emit_expand_mask),
+}

@@ -1,0 +1,159 @@
+"""Translation rules: convolutions (INT8 ``gml.qconv`` / ``gml.qconv_add``, the fp32 and bf16 fused
+conv modules of ``gml.kernels.fp32`` / ``gml.kernels.bf16``), each one oneDNN convolution with its
+post-ops; a residual add is oneDNN's ``sum`` post-op, accumulated in the skip value's memory."""
+
+from __future__ import annotations
+
+import torch
+
+from gml.kernels import bf16, fp32
+from gml.runtime.rules.base import (
+    Builder,
+    Call,
+    Eltwise,
+    TranslationRule,
+    Unsupported,
+    Val,
+    bf16_src,
+    eltwise_of,
+    is_nhwc,
+    nhwc_strides,
+    out_qparams,
+    pad_right,
+    post_op_of,
+    qp,
+    qparams,
+    spatial,
+    x_qparams,
+)
+
+
+def _check_conv(c: Call) -> str | None:
+    if c.a.weight.dim() not in (3, 4, 5):
+        return f"INT8 conv with a {c.a.weight.dim()}-D weight (the engine plans 1-D, 2-D and 3-D convs)"
+    return None
+
+
+def _as_nhwc(b: Builder, v: Val) -> Val:
+    """``v``, or a channels-last copy of it: oneDNN's INT8 convs are jitted for NHWC only; any other
+    layout (e.g. a quantized permute of LayerNorm's output in ConvNeXt) falls to its reference
+    kernel, hundreds of times slower (issue #16: convnext_atto, resnest14d)."""
+    if is_nhwc(v):
+        return v
+    t = b.temp(v.shape, nhwc_strides(v.shape), v.dtype_name)
+    b.reorder(v, t, src_q=None, dst_q=None)
+    return t
+
+
+def _emit_conv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val | None = None) -> None:
+    a, x = c.a, ins[0]
+    if x.dtype_name != "u8" or len(x.shape) != a.weight.dim():
+        raise Unsupported(f"conv input {x.dtype_name} rank {len(x.shape)} (expects uint8 of the weight's rank)")
+    x = _as_nhwc(b, x)
+    if sum_with is None and not is_nhwc(out):  # compute channels-last, then copy into the layout wanted
+        t = b.temp(out.shape, nhwc_strides(out.shape), out.dtype_name)
+        _emit_conv(b, c, [x], t)
+        b.reorder(t, out, src_q=None, dst_q=None)
+        return
+    k = tuple(a.weight.shape[2:])
+    stride, padding, dilation = tuple(a.stride), tuple(a.padding), tuple(a.dilation)
+    pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], stride[i], dilation[i], padding[i]) for i in range(len(k))]
+    if sum_with is None:
+        eltwise, out_q = eltwise_of(post_op_of(a)), out_qparams(a)
+    else:  # qconv_add: post_op is none or relu, the output uint8
+        eltwise, out_q = ([("relu", 0.0, 0.0)] if a.post_op == "relu" else []), out_qparams(a)
+    b.conv(
+        x,
+        out,
+        weight=a.weight,
+        w_scales=a.weight_scale,
+        bias=a.bias,
+        stride=stride,
+        dilation=tuple(d - 1 for d in dilation),
+        pad_l=padding,
+        pad_r=pad_r,
+        groups=a.groups,
+        src_q=qp(x_qparams(a)),
+        dst_q=qp(out_q),
+        sum_q=None if sum_with is None else qp(qparams(a.other_scale, a.other_zero_point)),
+        eltwise=eltwise,
+    )
+
+
+def _emit_conv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    # post_op(conv(x) + other) with oneDNN's ``sum`` post-op, accumulated in place into the skip
+    # buffer: the output shares other's memory (the builder copies other first only if it is still
+    # read later or belongs to the caller).
+    b.share(out, ins[1], also_read=ins[0])
+    _emit_conv(b, c, ins[:1], out, sum_with=ins[1])
+
+
+def _check_fconv(c: Call) -> str | None:
+    mod = c.a
+    if mod.weight.dim() not in (3, 4, 5):
+        return f"fp32 conv with a {mod.weight.dim()}-D weight (the engine plans 1-D, 2-D and 3-D convs)"
+    if not mod.fused:
+        return "the fp32 kernels are unavailable (the module runs its ATen fallback)"
+    return None
+
+
+def _emit_fconv(
+    b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val | None = None, dtype: str = "f32"
+) -> None:
+    """A float conv (fp32, or bf16 with fp32 accumulation): weights reordered once, bias fp32."""
+    mod, x = c.a, ins[0]
+    if x.dtype_name != dtype or len(x.shape) != mod.weight.dim() or (dtype == "bf16" and len(x.shape) != 4):
+        raise Unsupported(f"{dtype} conv input {x.dtype_name} rank {len(x.shape)}")
+    k = tuple(mod.weight.shape[2:])
+    pad_r = [
+        pad_right(spatial(x)[i], spatial(out)[i], k[i], mod.stride[i], mod.dilation[i], mod.padding[i])
+        for i in range(len(k))
+    ]
+    relu: Eltwise = [("relu", 0.0, 0.0)] if getattr(mod, "relu", False) else []
+    eltwise = eltwise_of(mod.post_op) if sum_with is None else relu
+    b.conv(
+        x,
+        out,
+        weight=mod.weight.detach(),
+        w_scales=torch.ones(1),
+        bias=mod.bias,
+        stride=mod.stride,
+        dilation=tuple(d - 1 for d in mod.dilation),
+        pad_l=mod.padding,
+        pad_r=pad_r,
+        groups=mod.groups,
+        src_q=None,
+        dst_q=None,
+        sum_q=None if sum_with is None else (1.0, 0),
+        eltwise=eltwise,
+    )
+
+
+def _emit_fconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    # conv(x) + other accumulated in other's memory (a copy if other lives on or is x itself)
+    b.share(out, ins[1], also_read=ins[0])
+    _emit_fconv(b, c, ins[:1], out, sum_with=ins[1])
+
+
+def _emit_bconv(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    _emit_fconv(b, c, [bf16_src(b, ins[0])], out, dtype="bf16")
+
+
+def _emit_bconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    if ins[1].dtype_name != "bf16":
+        raise Unsupported(f"bf16 conv + add of a {ins[1].dtype_name} tensor")
+    x = bf16_src(b, ins[0])
+    b.share(out, ins[1], also_read=x)
+    _emit_fconv(b, c, [x], out, sum_with=ins[1], dtype="bf16")
+
+
+#: fp32 convs write (and read) free layouts: oneDNN's fp32 conv kernels run fastest in the layout
+#: they pick; bf16 convs do not (they take NHWC bf16, :func:`bf16_src`)
+RULES: dict[object, TranslationRule] = {
+    "qconv": TranslationRule(_check_conv, _emit_conv),
+    "qconv_add": TranslationRule(_check_conv, _emit_conv_add, 2),
+    fp32.FusedConv: TranslationRule(_check_fconv, _emit_fconv, writes_free=True, reads_free=True),
+    fp32.FusedConvAdd: TranslationRule(_check_fconv, _emit_fconv_add, 2, writes_free=True, reads_free=True),
+    bf16.Bf16Conv: TranslationRule(_check_fconv, _emit_bconv),
+    bf16.Bf16ConvAdd: TranslationRule(_check_fconv, _emit_bconv_add, 2),
+}

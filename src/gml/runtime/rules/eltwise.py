@@ -1,0 +1,255 @@
+"""Translation rules: element-wise ops, binary ops and normalization — INT8 ``gml.qadd`` /
+``gml.qmul`` / ``gml.qactivation``, ``gml.quantize`` / ``dequantize`` / ``requantize`` and the bf16
+casts (reorders), float residual adds (``gml.nn.Add``), torch.nn activations and ``nn.LayerNorm``.
+
+An INT8 activation is ``max(x, x)`` (the one oneDNN primitive that takes any rank and layout) with
+the dequantize → function → quantize chain as post-ops; a float add or activation right after the
+linear that made its operand becomes that linear's post-op (gml.runtime.rules.linear)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from gml import nn as gnn
+from gml.ir.values import PostOp
+from gml.kernels import bf16
+from gml.kernels.backend import clamp_bounds
+from gml.runtime.rules.base import (
+    FLOATS,
+    Builder,
+    Call,
+    Eltwise,
+    TranslationRule,
+    Unsupported,
+    Val,
+    always,
+    as_rows,
+    broadcast_view,
+    contiguous_strides,
+    eltwise_of,
+    meta_dtype,
+    out_qparams,
+    qp,
+    qparams,
+    requant_eltwise,
+    x_qparams,
+)
+from gml.runtime.rules.linear import extend_linear, fuse_into_dynamic_linear, fuse_into_linear
+
+
+def _check_add(c: Call) -> str | None:
+    return None if c.a.post_op in ("none", "relu") else f"INT8 add with post-op {c.a.post_op}"
+
+
+def _emit_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    qa, qb, o = qparams(c.a.a_scale, c.a.a_zero_point), qparams(c.a.b_scale, c.a.b_zero_point), out_qparams(c.a)
+    if ins[0].shape != ins[1].shape:
+        raise Unsupported("broadcasting INT8 add")
+    # binary computes s_a*a + s_b*b; the zero points and the output quantization are a linear
+    # post-op, relu the clip at the output zero point.
+    shift = -(qa.scale * qa.zero_point + qb.scale * qb.zero_point)
+    eltwise: Eltwise = [("linear", 1.0 / o.scale, shift / o.scale + o.zero_point)]
+    if c.a.post_op == "relu":
+        eltwise.append(("clip", float(o.zero_point), 255.0))
+    b.binary(ins[0], ins[1], out, "add", scale0=qa.scale, scale1=qb.scale, eltwise=eltwise)
+
+
+def _activation_post_op(c: Call) -> PostOp:
+    return PostOp(c.a.op, tuple(c.a.scalars), "")
+
+
+def _check_activation(c: Call) -> str | None:
+    if c.a.op in ("relu", "hardtanh"):
+        return None
+    try:
+        eltwise_of(_activation_post_op(c))
+    except (Unsupported, ValueError) as e:
+        return f"INT8 {c.a.op}: {e}"
+    return None
+
+
+def _emit_activation(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    # All as post-ops of max(x, x), the one primitive that takes any rank and layout.
+    in_q, out_q = x_qparams(c.a), out_qparams(c.a)
+    if c.a.op in ("relu", "hardtanh"):
+        # a clamp of the integers (exact: quantization is monotone, see
+        # gml.kernels.backend.clamp_bounds), then the requantization
+        lo, hi = (in_q.zero_point, 255) if c.a.op == "relu" else clamp_bounds(in_q, *c.a.scalars)
+        eltwise: Eltwise = [("clip", float(lo), float(hi)), *requant_eltwise(in_q, out_q)]
+    else:
+        # hardswish, sigmoid, hardsigmoid, ...: dequantize (s * (q - z)), the function on real
+        # values, quantize (y / s_out + z_out; the u8 destination rounds to nearest and saturates)
+        eltwise = [
+            ("linear", in_q.scale, -in_q.scale * in_q.zero_point),
+            *eltwise_of(_activation_post_op(c)),
+            ("linear", 1.0 / out_q.scale, float(out_q.zero_point)),
+        ]
+    b.binary(ins[0], ins[0], out, "max", scale0=None, scale1=None, eltwise=eltwise)
+
+
+def _emit_mul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    # s_a (a - z_a) * s_b (b - z_b) / s_out + z_out. The binary primitive scales its sources but
+    # takes no zero points: an operand with one is dequantized to fp32 first (a zero-point-free
+    # operand, e.g. a ReLU output or a sigmoid gate, is read as uint8 directly).
+    a, bq, o = qparams(c.a.a_scale, c.a.a_zero_point), qparams(c.a.b_scale, c.a.b_zero_point), out_qparams(c.a)
+    srcs: list[tuple[Val, float | None]] = []
+    for v, q in zip(ins, (a, bq)):
+        if q.zero_point:
+            t = b.temp(v.shape, v.stride, "f32")
+            b.reorder(v, t, src_q=qp(q), dst_q=None)
+            srcs.append((t, None))
+        else:
+            srcs.append((v, q.scale))
+    if srcs[0][0].shape != out.shape:  # oneDNN 3.2 broadcasts the second source only
+        srcs.reverse()
+    (x, sx), (y, sy) = srcs
+    if x.shape != out.shape:
+        raise Unsupported(f"INT8 mul with both inputs broadcast ({x.shape} * {y.shape})")
+    if len(y.shape) < len(out.shape):  # numpy broadcasting: leading 1s
+        pad = len(out.shape) - len(y.shape)
+        outer = y.shape[0] * y.stride[0] if y.shape else 1
+        y = b.view(y, (1,) * pad + y.shape, (outer,) * pad + y.stride)
+    eltwise: Eltwise = [("linear", 1.0 / o.scale, float(o.zero_point))]
+    b.binary(x, y, out, "mul", scale0=sx, scale1=sy, eltwise=eltwise)
+
+
+def _emit_quantize(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    if ins[0].dtype_name != "f32":
+        raise Unsupported(f"quantize of a {ins[0].dtype_name} tensor")
+    b.reorder(ins[0], out, src_q=None, dst_q=qp(out_qparams(c.a)))
+
+
+def _emit_dequantize(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    b.reorder(ins[0], out, src_q=qp(x_qparams(c.a)), dst_q=None)
+
+
+def _emit_requantize(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    b.reorder(ins[0], out, src_q=qp(x_qparams(c.a)), dst_q=qp(out_qparams(c.a)))
+
+
+#: gml.kernels.bf16's dtype conversions (call_function nodes of a bf16 graph)
+CASTS = (bf16.to_fp32, bf16.to_bf16)
+
+
+def _emit_cast(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    b.reorder(ins[0], out, src_q=None, dst_q=None)  # f32 <-> bf16 (round to nearest even), any layout
+
+
+def check_float_add(c: Call) -> str | None:
+    if c.a.alpha != 1:
+        return f"{type(c.a).__name__} with alpha {c.a.alpha}"
+    if any(n.op == "get_attr" for n in c.inputs):
+        return "add of a constant (the engine adds two computed values)"
+    dtypes = [meta_dtype(n) for n in c.inputs]
+    if len(dtypes) != 2 or any(d is not None and d not in FLOATS for d in dtypes):
+        return f"add of {', '.join(str(d) for d in dtypes)} tensors (the engine adds fp32 / bf16)"
+    return None
+
+
+def emit_float_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x, y = ins
+    if {x.dtype_name, y.dtype_name, out.dtype_name} - {"f32", "bf16"}:
+        raise Unsupported(f"add of {x.dtype_name} and {y.dtype_name}")
+    if fuse_into_linear(b, x, y, out) or fuse_into_linear(b, y, x, out):
+        return
+    if fuse_into_dynamic_linear(b, x, y, out) or fuse_into_dynamic_linear(b, y, x, out):
+        return
+    if x.shape != out.shape:  # oneDNN broadcasts the second source only
+        x, y = y, x
+    if x.shape != out.shape or len(y.shape) > len(out.shape):
+        raise Unsupported(f"add of {x.shape} and {y.shape} broadcasting both operands")
+    # oneDNN 3.2's binary has no jitted kernel for mixed bf16 / f32 sources (measured: ref:any,
+    # 2-6 ms for a 128 x 384 add): such operands are converted to the output's dtype first
+    if x.dtype_name != out.dtype_name:
+        x = _converted(b, x, out.dtype_name)
+    if y.dtype_name != out.dtype_name:
+        y = _converted(b, y, out.dtype_name)
+    y = broadcast_view(b, y, len(out.shape))
+    b.binary(x, y, out, "add", scale0=None, scale1=None, eltwise=[])
+
+
+def _converted(b: Builder, v: Val, dtype: str) -> Val:
+    t = b.temp(v.shape, v.stride, dtype)
+    b.reorder(v, t, src_q=None, dst_q=None)
+    return t
+
+
+#: float activation modules → oneDNN eltwise (algorithm, alpha, beta)
+_ELTWISE: dict[type[nn.Module], Callable[[Any], tuple[str, float, float]]] = {
+    nn.GELU: lambda m: ("gelu_tanh" if m.approximate == "tanh" else "gelu_erf", 0.0, 0.0),
+    nn.ReLU: lambda m: ("relu", 0.0, 0.0),
+    nn.Tanh: lambda m: ("tanh", 0.0, 0.0),
+    nn.Sigmoid: lambda m: ("logistic", 0.0, 0.0),
+    nn.SiLU: lambda m: ("swish", 1.0, 0.0),
+}
+
+
+def check_eltwise(c: Call) -> str | None:
+    dtype = meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in FLOATS:
+        return f"{type(c.a).__name__} of a {dtype} tensor"
+    return None
+
+
+def emit_eltwise(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """A post-op of the linear before it when nothing else reads that linear's output; else one
+    ``max(x, x)`` binary with the activation as its post-op (the primitive that takes any rank)."""
+    x = ins[0]
+    if x.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name or x.shape != out.shape:
+        raise Unsupported(f"{type(c.a).__name__} of {x.dtype_name} {x.shape} -> {out.dtype_name} {out.shape}")
+    alg, alpha, beta = _ELTWISE[type(c.a)](c.a)
+    if extend_linear(b, x, out, lambda: [(alg, alpha, beta, None)]):
+        return
+    b.binary(x, x, out, "max", scale0=None, scale1=None, eltwise=[(alg, alpha, beta)])
+
+
+def check_layer_norm(c: Call) -> str | None:
+    mod = c.a
+    if len(mod.normalized_shape) != 1:
+        return f"LayerNorm over {len(mod.normalized_shape)} dims (the engine normalizes the last dim)"
+    dtype = meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in FLOATS:
+        return f"LayerNorm of a {dtype} tensor"
+    return None
+
+
+def _dense_rows(b: Builder, v: Val) -> Val:
+    """``v`` as ``[rows, features]`` with unit feature stride: a view, or a contiguous copy."""
+    if v.stride[-1] != 1 and v.shape[-1] != 1:
+        t = b.temp(v.shape, contiguous_strides(v.shape), v.dtype_name)
+        b.reorder(v, t, src_q=None, dst_q=None)
+        v = t
+    return as_rows(b, v) if len(v.shape) != 2 else v
+
+
+def emit_layer_norm(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    mod, x = c.a, ins[0]
+    if x.dtype_name not in ("f32", "bf16") or out.dtype_name not in ("f32", "bf16") or len(x.shape) < 1:
+        raise Unsupported(f"LayerNorm {x.dtype_name} -> {out.dtype_name}")
+    if len(x.shape) == 1:
+        x, out = (
+            b.view(x, (1, x.shape[0]), (x.shape[0], x.stride[0])),
+            b.view(out, (1, out.shape[0]), (out.shape[0], 1)),
+        )
+    x = _dense_rows(b, x)
+    if out.stride[-1] != 1 and out.shape[-1] != 1:
+        raise Unsupported(f"LayerNorm output layout {out.stride}")
+    out = as_rows(b, out, output=True) if len(out.shape) != 2 else out
+    b.layer_norm(x, out, gamma=mod.weight, beta=mod.bias, eps=float(mod.eps))
+
+
+RULES: dict[object, TranslationRule] = {
+    "qadd": TranslationRule(_check_add, _emit_add, 2),
+    "qactivation": TranslationRule(_check_activation, _emit_activation),
+    "qmul": TranslationRule(always, _emit_mul, 2),
+    "quantize": TranslationRule(always, _emit_quantize),
+    "dequantize": TranslationRule(always, _emit_dequantize),
+    "requantize": TranslationRule(always, _emit_requantize),
+    **{cast: TranslationRule(always, _emit_cast) for cast in CASTS},
+    gnn.Add: TranslationRule(check_float_add, emit_float_add, 2),
+    **{kind: TranslationRule(check_eltwise, emit_eltwise) for kind in _ELTWISE},
+    nn.LayerNorm: TranslationRule(check_layer_norm, emit_layer_norm),
+}

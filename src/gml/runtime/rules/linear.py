@@ -1,0 +1,211 @@
+"""Translation rules: linear layers and the matmuls they become — INT8 ``gml.qlinear`` (oneDNN inner
+product, the source zero point folded into the bias), ``gml.dynamic_linear`` (per-row INT8 inside,
+ADR 008), the fp32 / bf16 fused linears and a plain fp32 ``nn.Linear``. bf16 runs bf16 source,
+weights and destination with fp32 accumulation inside oneDNN; the bias goes in as fp32.
+
+A later node may fold into the linear just recorded (:func:`extend_linear`,
+:func:`fuse_into_linear`, :func:`fuse_into_dynamic_linear`): a residual add or an activation
+becomes a post-op of its matmul (the element-wise rules call these)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from gml.kernels import bf16, fp32
+from gml.kernels.dynamic_int8 import POST_OPS, QMAX
+from gml.runtime.rules.base import (
+    FLOATS,
+    Builder,
+    Call,
+    TranslationRule,
+    Unsupported,
+    Val,
+    always,
+    as_rows,
+    bf16_src,
+    contiguous_strides,
+    eltwise_of,
+    out_qparams,
+    post_op_of,
+    rows_strides,
+    x_qparams,
+)
+
+
+def _emit_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    a = c.a
+    if len(ins[0].shape) < 2:
+        raise Unsupported(f"INT8 linear on a rank-{len(ins[0].shape)} input")
+    # rank > 2 ([batch, tokens, features]): the same inner product over the rows
+    x, out = as_rows(b, ins[0]), as_rows(b, out, output=True)
+    # oneDNN 3.2's inner product takes no source zero point: fold it into the bias,
+    # s_x * s_w[o] * sum_i (x_i - z) w[o, i] = s_x * s_w[o] * sum_i x_i w[o, i] - s_x * s_w[o] * z * sum_i w[o, i].
+    in_q, out_q = x_qparams(a), out_qparams(a)
+    eltwise = eltwise_of(post_op_of(a))
+    if out_q is not None and out_q.zero_point:  # nor a destination one: add z * s_out before the division
+        eltwise.append(("linear", 1.0, out_q.zero_point * out_q.scale))
+    bias = a.bias.double() if a.bias is not None else torch.zeros(a.weight.shape[0], dtype=torch.float64)
+    if in_q.zero_point:
+        w_sum = a.weight.double().sum(1)
+        bias = bias - in_q.scale * a.weight_scale.double() * in_q.zero_point * w_sum
+    b.inner_product(
+        x,
+        out,
+        weight=a.weight,
+        w_scales=a.weight_scale,
+        bias=bias.float(),
+        src_q=(float(in_q.scale), 0),
+        dst_q=None if out_q is None else (float(out_q.scale), 0),
+        eltwise=eltwise,
+    )
+
+
+def _check_dynamic_linear(c: Call) -> str | None:
+    if c.a.post_op not in POST_OPS:
+        return f"dynamic INT8 linear with post-op {c.a.post_op}"
+    if c.a.weight.dtype != torch.int8 or c.a.weight.dim() != 2:
+        return f"dynamic INT8 linear with a {c.a.weight.dtype} {c.a.weight.dim()}-D weight"
+    return None
+
+
+def _emit_dynamic_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``gml.dynamic_linear`` (fp32 → fp32; per-row INT8 inside: ADR 008): the rows of ``x``
+    (leading dims collapsed, a view where they collapse), the engine's row quantization, then one
+    oneDNN matmul with the per-row scale and bias as post-ops."""
+    a, x = c.a, ins[0]
+    if len(x.shape) < 2 or x.dtype_name != "f32":
+        raise Unsupported(f"dynamic INT8 linear on a rank-{len(x.shape)} {x.dtype_name} input")
+    x, out = as_rows(b, x), as_rows(b, out, output=True)
+    if x.stride[1] != 1 and x.shape[1] > 1:  # the row quantization reads dense rows
+        t = b.temp(x.shape, contiguous_strides(x.shape), "f32")
+        b.reorder(x, t, src_q=None, dst_q=None)
+        x = t
+    b.dynamic_linear(
+        x,
+        out,
+        weight=a.weight,
+        w_scales=(a.weight_scale.float() / QMAX).contiguous(),  # exactly the Python kernel's s_w / 127
+        bias=None if a.bias is None else a.bias.detach().float().contiguous(),
+        smooth_inv=None if a.smooth_inv is None else a.smooth_inv.detach().float(),
+        eltwise=eltwise_of(post_op_of(a)),
+    )
+
+
+def _emit_flinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    mod = c.a
+    if len(ins[0].shape) < 2 or ins[0].dtype_name != "f32":
+        raise Unsupported(f"fp32 linear on a rank-{len(ins[0].shape)} {ins[0].dtype_name} input")
+    x, out = as_rows(b, ins[0]), as_rows(b, out, output=True)
+    b.inner_product(
+        x,
+        out,
+        weight=mod.weight.detach(),
+        w_scales=torch.ones(1),
+        bias=mod.bias,
+        src_q=None,
+        dst_q=None,
+        eltwise=eltwise_of(mod.post_op) if hasattr(mod, "post_op") else [],  # a plain nn.Linear: none
+    )
+
+
+def _check_blinear(c: Call) -> str | None:
+    return None if c.a.backend == "onednn" else f"bf16 linear on the {c.a.backend} path"
+
+
+def _emit_blinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    mod = c.a
+    # any layout: a view where the leading dims collapse, else a dense copy (ViT's MHA out_proj
+    # reads a permuted value)
+    x = as_rows(b, bf16_src(b, ins[0]))
+    b.inner_product(
+        x,
+        as_rows(b, out, output=True),
+        weight=mod.weight.detach(),
+        w_scales=torch.ones(1),
+        bias=mod.bias,
+        src_q=None,
+        dst_q=None,
+        eltwise=eltwise_of(mod.post_op),
+    )
+
+
+#: a matmul post-op (gml.runtime.plan.PostOps)
+MatmulPostOp = tuple[str, float, float, "Val | None"]
+
+
+def fuse_into_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
+    """``linear(x) + other`` as one matmul with a binary ``add`` post-op (see :func:`extend_linear`):
+    ``out = post_op(x Wᵀ + b) + other`` in the fp32 accumulator (a bf16 linear's output is then not
+    rounded to bf16 before the add: one rounding fewer than the Python executor)."""
+    if other.free or other.shape != out.shape or rows_strides(other) is None:
+        return False
+    return extend_linear(b, lin, out, lambda: [("binary_add", 0.0, 0.0, as_rows(b, other))])
+
+
+def fuse_into_dynamic_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
+    """``dynamic_linear(x) + other`` (a transformer's residual after its INT8 GEMM) as one step: the
+    add is the matmul's last post-op, in fp32 after the rescale / bias / activation, as the Python
+    executor adds (the same fp32 operations in the same order). Only when the step just recorded is
+    that linear node's own, nothing else reads its output, and all three are plain fp32 rows."""
+    if not b.steps or lin.node is None or b.steps[-1].method != "dynamic_linear":
+        return False
+    step = b.steps[-1]
+    src, dst = step.kwargs["rows"]
+    if len(step.reads) != 1 or step.name != lin.node.name or dst.group is not lin.group or dst.offset != lin.offset:
+        return False
+    if b.last_use.get(lin.node, 0) != b.pos or lin.shape != out.shape or other.shape != out.shape:
+        return False
+    if other.free or out.free or other.dtype_name != "f32" or out.dtype_name != "f32":
+        return False
+    # dense rows only: a strided binary post-op operand sends oneDNN 3.2's matmul to its reference kernel
+    if any(rows_strides(v) is None or rows_strides(v)[1] != 1 for v in (other, out)):
+        return False
+    rows_out, rows_other = as_rows(b, out, output=True), as_rows(b, other)
+    if rows_out.shape != dst.shape or rows_other.shape != dst.shape:
+        return False
+    b.steps.pop()
+    kw = {k: v for k, v in step.kwargs.items() if k != "rows"}
+    b.dynamic_linear(src, rows_out, residual=rows_other, **kw)
+    b.steps[-1].name = f"{step.name}+{b.node_name}"
+    return True
+
+
+def extend_linear(b: Builder, lin: Val, out: Val, extra: Callable[[], list[MatmulPostOp]]) -> bool:
+    """Append post-ops to the float linear that just wrote ``lin`` and write ``out`` instead, when
+    the step just recorded is that linear node's own (an inner product, or a matmul this function
+    made) and nothing else reads ``lin``. The step is re-recorded as one matmul with constant
+    weights (oneDNN's inner product takes no binary post-op)."""
+    if not b.steps or lin.node is None or lin.free or out.free or lin.shape != out.shape:
+        return False
+    step = b.steps[-1]
+    if step.method == "inner_product":
+        if step.kwargs.get("src_q") is not None or step.kwargs["weight"].dtype not in FLOATS:
+            return False
+        weight = step.kwargs["weight"].detach().t()
+        post: list[MatmulPostOp] = [(a, al, be, None) for a, al, be in step.kwargs["eltwise"]]
+    elif step.method == "matmul" and step.kwargs["weight"] is not None:
+        weight, post = step.kwargs["weight"], list(step.kwargs["post"])
+    else:
+        return False
+    # the step is the linear node's own (not a view of its output in another order: a transpose)
+    own = step.name.split("+")[-1] == lin.node.name and step.writes[0].group is lin.group
+    if not own or b.last_use.get(lin.node, 0) != b.pos or rows_strides(out) is None:
+        return False
+    b.steps.pop()
+    post += extra()
+    b.matmul(step.reads[0], None, as_rows(b, out, output=True), weight=weight, bias=step.kwargs["bias"], post=post)
+    b.steps[-1].name = f"{step.name}+{b.node_name}"
+    return True
+
+
+RULES: dict[object, TranslationRule] = {
+    "qlinear": TranslationRule(always, _emit_linear),
+    "dynamic_linear": TranslationRule(_check_dynamic_linear, _emit_dynamic_linear),
+    # MKL's / ATen's GEMM for the same fp32 math: the engine runs it on oneDNN, equal up to rounding
+    fp32.FusedLinear: TranslationRule(always, _emit_flinear, other_backends=("mkl", "aten")),
+    nn.Linear: TranslationRule(always, _emit_flinear),  # an fp32 nn.Linear the fusion left as it was
+    bf16.Bf16Linear: TranslationRule(_check_blinear, _emit_blinear),
+}

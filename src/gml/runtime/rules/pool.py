@@ -1,0 +1,137 @@
+"""Translation rules: pooling — INT8 ``gml.qmax_pool`` / ``gml.qavg_pool2d`` /
+``gml.qadaptive_avg_pool`` / ``gml.qmean`` (the spatial mean as the global average pool it is) and
+torch.nn's fp32 / bf16 pool modules; each one oneDNN pooling primitive, a requantization as its
+``linear`` post-op."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gml.runtime.rules.base import (
+    Builder,
+    Call,
+    Eltwise,
+    TranslationRule,
+    Unsupported,
+    Val,
+    always,
+    out_qparams,
+    pad_right,
+    requant_eltwise,
+    spatial,
+    x_qparams,
+)
+
+
+def _check_maxpool(c: Call) -> str | None:
+    n = len(c.a.kernel_size)
+    return None if n in (1, 2, 3) else f"{n}-D max pool (the engine plans 1-D to 3-D pools)"
+
+
+def _emit_maxpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x, a = ins[0], c.a
+    k, s, p, d = (tuple(v) for v in (a.kernel_size, a.stride, a.padding, a.dilation))
+    if len(x.shape) != len(k) + 2:
+        raise Unsupported(f"{len(k)}-D max pool of a rank-{len(x.shape)} input")
+    pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], s[i], d[i], p[i]) for i in range(len(k))]
+    b.pool(x, out, "max", k, s, tuple(v - 1 for v in d), p, pad_r, [])  # the output keeps x's qparams
+
+
+def _check_avgpool(c: Call) -> str | None:
+    a = c.a
+    if a.divisor_override is not None:
+        return "avg pool with divisor_override"
+    if a.ceil_mode:
+        return "avg pool with ceil_mode"
+    if a.count_include_pad and any(a.padding) and a.x_zero_point != 0:
+        return "avg pool counting padding with a non-zero input zero point (padding is the zero point there)"
+    return None
+
+
+def _emit_avgpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x, a = ins[0], c.a
+    k, s, p = (tuple(v) for v in (a.kernel_size, a.stride, a.padding))
+    pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], s[i], 1, p[i]) for i in range(2)]
+    alg = "avg_include" if a.count_include_pad else "avg_exclude"
+    b.pool(x, out, alg, k, s, (0, 0), p, pad_r, requant_eltwise(x_qparams(a), out_qparams(a)))
+
+
+def _emit_adaptive(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    _emit_adaptive_pool(b, ins[0], out, requant_eltwise(x_qparams(c.a), out_qparams(c.a)))
+
+
+def _check_qmean(c: Call) -> str | None:
+    dims = sorted(int(d) for d in c.a.dim)
+    meta = c.inputs[0].meta.get("val", c.inputs[0].meta.get("tensor_meta")) if c.inputs else None
+    rank = len(meta.shape) if getattr(meta, "shape", None) is not None else None
+    if dims == [2, 3] or (dims == [-2, -1] and rank == 4):
+        return None
+    return f"qmean over dims {list(c.a.dim)} (the engine takes the spatial mean of an NCHW tensor)"
+
+
+def _emit_qmean(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """The spatial mean (squeeze-excite's) as the global average pool it is (the Python kernel runs
+    the same pool): one pooling primitive with the requantization as its post-op. In torch it split
+    every mixnet / efficientnet INT8 block's engine segment in two (issue #16, tf_mixnet_s)."""
+    x = ins[0]
+    if len(x.shape) != 4:
+        raise Unsupported(f"qmean of a rank-{len(x.shape)} tensor")
+    if len(out.shape) == 2:  # keepdim=False: the pool writes [N, C, 1, 1] into out's bytes
+        out = b.view(out, (*out.shape, 1, 1), (*out.stride, 1, 1))
+    _emit_adaptive_pool(b, x, out, requant_eltwise(x_qparams(c.a), out_qparams(c.a)))
+
+
+def _check_fpool(c: Call) -> str | None:
+    mod = c.a
+    if isinstance(mod, torch.nn.MaxPool2d) and mod.return_indices:
+        return "max pool returning indices"
+    if isinstance(mod, torch.nn.AvgPool2d):
+        if mod.divisor_override is not None:
+            return "avg pool with divisor_override"
+        if mod.ceil_mode:
+            return "avg pool with ceil_mode"
+    return None
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def _emit_fpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    # nn.MaxPool2d / nn.AvgPool2d / nn.AdaptiveAvgPool2d of an fp32 or bf16 graph
+    mod, x = c.a, ins[0]
+    if x.dtype_name not in ("f32", "bf16") or len(x.shape) != 4:
+        raise Unsupported(f"pool module on a {x.dtype_name} rank-{len(x.shape)} input")
+    if isinstance(mod, torch.nn.AdaptiveAvgPool2d):
+        _emit_adaptive_pool(b, x, out, [])
+        return
+    k, s = _pair(mod.kernel_size), _pair(mod.stride if mod.stride is not None else mod.kernel_size)
+    p = _pair(mod.padding)
+    d = _pair(getattr(mod, "dilation", 1))
+    pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], s[i], d[i], p[i]) for i in range(2)]
+    max_pool = isinstance(mod, torch.nn.MaxPool2d)
+    alg = "max" if max_pool else "avg_include" if mod.count_include_pad else "avg_exclude"
+    b.pool(x, out, alg, k, s, tuple(v - 1 for v in d), p, pad_r, [])
+
+
+def _emit_adaptive_pool(b: Builder, x: Val, out: Val, eltwise: Eltwise) -> None:
+    size, osize = spatial(x), spatial(out)
+    if not 1 <= len(size) <= 3 or len(osize) != len(size) or any(i % o for i, o in zip(size, osize)):
+        raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)} is not a regular pooling window")
+    k = tuple(i // o for i, o in zip(size, osize))
+    zero = (0,) * len(k)
+    b.pool(x, out, "avg_exclude", k, k, zero, zero, zero, eltwise)
+
+
+#: fp32 pools write and read free layouts, as fp32 convs do (gml.runtime.rules.conv)
+RULES: dict[object, TranslationRule] = {
+    "qmax_pool": TranslationRule(_check_maxpool, _emit_maxpool),
+    "qavg_pool2d": TranslationRule(_check_avgpool, _emit_avgpool),
+    "qadaptive_avg_pool": TranslationRule(always, _emit_adaptive),
+    "qmean": TranslationRule(_check_qmean, _emit_qmean),
+    torch.nn.MaxPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
+    torch.nn.AvgPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
+    torch.nn.AdaptiveAvgPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
+}

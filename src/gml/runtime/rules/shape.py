@@ -1,0 +1,214 @@
+"""Translation rules: shapes, views and gathers — the view ops (``reshape``, ``permute``, ...:
+Tensor methods, their torch functions and aten overloads), ``flatten``, ``contiguous``, ``split``
+and its pieces, INT8 ``gml.qcat``, and ``nn.Embedding`` (one gather step). A view the executor made
+is an alias (no step at all); one that copied is a reorder."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import replace
+from types import SimpleNamespace
+
+import torch
+from torch import fx, nn
+
+from gml.ir.library import gml_op_name
+from gml.runtime.plan import dtype_name
+from gml.runtime.rules.base import (
+    FLOATS,
+    Builder,
+    Call,
+    TranslationRule,
+    Unsupported,
+    Val,
+    always,
+    contiguous_strides,
+    meta_dtype,
+    out_qparams,
+    qp,
+    qparams,
+)
+
+FLATTENS = (torch.flatten, torch.ops.aten.flatten.using_ints)
+
+
+#: shape-only ops (Tensor methods, their torch functions and aten overloads) the engine runs as views
+MOVES = frozenset(
+    {"reshape", "view", "_unsafe_view", "squeeze", "unsqueeze", "permute", "transpose", "contiguous", "select", "slice"}
+)
+
+
+def move_name(node: fx.Node) -> str | None:
+    """``"permute"`` for ``x.permute(...)`` / ``torch.permute`` / ``aten.permute.default``, else None."""
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        name = node.target.overloadpacket.__name__ if node.target.namespace == "aten" else ""
+    elif node.op == "call_function":  # torch.reshape, torch.permute, ...
+        fn = str(getattr(node.target, "__name__", ""))
+        name = fn if fn and getattr(torch, fn, None) is node.target else ""
+    else:
+        return None
+    return name if name in MOVES and node.args and isinstance(node.args[0], fx.Node) else None
+
+
+_SPLITS = (torch.split, torch.functional.split, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
+
+
+def is_split(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "split"
+    return node.op == "call_function" and node.target in _SPLITS
+
+
+def read_split(node: fx.Node) -> Call | None:
+    """A ``split`` or a ``getitem`` of one as a :class:`Call` (both read the split's source)."""
+    if is_split(node) and node.args and isinstance(node.args[0], fx.Node):
+        return Call("split", SimpleNamespace(node=node), (node.args[0],))
+    if (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and is_split(node.args[0])
+        and isinstance(node.args[1], int)
+    ):
+        return Call("split_item", SimpleNamespace(index=node.args[1]), (node.args[0],))
+    return None
+
+
+def check_split(c: Call) -> str | None:
+    if not all(u.op == "call_function" and u.target is operator.getitem for u in c.a.node.users):
+        return "a split whose pieces are not taken apart by getitem"
+    return check_move_source(c.inputs[0], "split", c.engine_runs)
+
+
+def check_split_item(c: Call) -> str | None:
+    """A piece of a split runs in the engine only where its split does: the piece of a split that
+    stays in torch (its source is a torch op's value) is a torch view, and a segment given the
+    split's tuple of pieces as its input could not plan it (timm mixnet_s: every mixed 1x1 conv's
+    segment recompiled on each call, then ran its Python executor)."""
+    split = c.inputs[0]
+    if split.op == "placeholder":  # a segment's own graph: the partition vetted the split
+        return None
+    whole = read_split(split)
+    if whole is None:
+        return "a piece of a value that is not a split"
+    reason = check_split(replace(whole, engine_runs=c.engine_runs))
+    return None if reason is None else f"its split stays in torch ({reason})"
+
+
+def emit_split_item(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x = ins[0]
+    if not b.is_view_of(out, x):
+        raise Unsupported("a split piece that is not a view of its source")
+    b.alias(out, x)
+
+
+def check_move(c: Call) -> str | None:
+    # sizes computed at run time (sym_size of a dynamic dim) are ints the segment takes as inputs
+    return check_move_source(c.inputs[0], c.name, c.engine_runs)
+
+
+def check_move_source(src: fx.Node, op: str, engine_runs: Callable[[fx.Node], bool] | None) -> str | None:
+    """Why a move (or split) of ``src`` stays in torch, or None: the value must come from a node the
+    engine runs (through other moves / split pieces: ``engine_runs`` answers for that node; None:
+    no node does) or be an input of a dtype the engine takes."""
+    while src.op in ("call_method", "call_function") and (
+        move_name(src) or src.target in FLATTENS or read_split(src) is not None
+    ):
+        src = src.args[0]  # type: ignore[assignment]
+    if src.op == "placeholder":
+        # a model input (or, in a segment's own graph, a value the partition already vetted): the
+        # engine takes uint8, fp32 and bf16 tensors
+        meta = src.meta.get("val", src.meta.get("tensor_meta"))
+        dtype = getattr(meta, "dtype", None)
+        if dtype is not None and dtype not in (torch.uint8, torch.float32, torch.bfloat16):
+            return f"{op} of a {dtype} input"
+        return None
+    if gml_op_name(src) is None and not (engine_runs is not None and engine_runs(src)):
+        return f"{op} of a value no lowered GML op made (an fp32 torch op's output: runs in torch)"
+    return None
+
+
+def _check_contiguous(c: Call) -> str | None:
+    """``.contiguous()`` of an engine module's output (fp32 / bf16 convs), else as any move."""
+    return None if c.inputs[0].op == "call_module" else check_move(c)
+
+
+def _emit_move(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x = ins[0]
+    if b.is_view_of(out, x):
+        b.alias(out, x)  # the executor made a view (permute, squeeze, ...): no step at all
+    elif out.shape == x.shape:  # contiguous(): the same elements in another layout
+        b.reorder(x, out, src_q=None, dst_q=None)
+    elif c.op != "permute" and c.op != "transpose" and out.stride == contiguous_strides(out.shape):
+        # a reshape that copied: x's elements in their logical order into out's contiguous memory
+        b.reorder(x, b.view(out, x.shape, contiguous_strides(x.shape)), src_q=None, dst_q=None)
+    else:
+        raise Unsupported(f"{c.op} copying into layout {out.stride}")
+
+
+def emit_flatten(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    x = ins[0]
+    # a view: no step at all (a conv's NHWC output flattened to [N, C, H*W], then transposed into
+    # tokens: timm pvt_v2's MLP, which fell back to the Python executor for the whole segment)
+    if b.is_view_of(out, x) and b.settle(x):
+        b.alias(out, x)
+        return
+    if out.stride != contiguous_strides(out.shape):
+        raise Unsupported(f"flatten to a non-contiguous {out.shape} (strides {out.stride})")
+    # a copy in the flattened order: reorder x into out's memory seen with x's dims
+    b.reorder(x, b.view(out, x.shape, contiguous_strides(x.shape)), src_q=None, dst_q=None)
+
+
+def _emit_cat(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    o = out_qparams(c.a)
+    srcs = []
+    for v, s, z in zip(ins, c.a.x_scales, c.a.x_zero_points):
+        q = qparams(s, z)
+        if not q.close_to(o):  # requantize onto the output grid first
+            t = b.temp(v.shape, v.stride, v.dtype_name)
+            b.reorder(v, t, src_q=qp(q), dst_q=qp(o))
+            v = t
+        srcs.append(v)
+    b.concat(srcs, out, c.a.dim % len(out.shape))
+
+
+def check_embedding(c: Call) -> str | None:
+    mod = c.a
+    if mod.max_norm is not None:
+        return "Embedding with max_norm (it renormalizes the table in place on every lookup)"
+    if mod.weight.dim() != 2 or mod.weight.dtype not in FLOATS:
+        return f"Embedding of a {mod.weight.dtype} table"
+    dtype = meta_dtype(c.inputs[0])
+    if dtype is not None and dtype != torch.int64:
+        return f"Embedding of {dtype} ids (the engine reads int64 ids)"
+    return None
+
+
+def emit_embedding(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """One gather step (native/engine.cpp ``embedding``): the word-embedding lookup of a token-id
+    model in the same plan as the encoder (it was a torch call between engine segments)."""
+    ids, w = ins[0], c.a.weight
+    if ids.dtype_name != "s64":
+        raise Unsupported(f"Embedding of {ids.dtype_name} ids")
+    want = (*ids.shape, w.shape[1])
+    if out.dtype_name != dtype_name(w.dtype) or out.shape != want or out.stride != contiguous_strides(want):
+        raise Unsupported(f"Embedding output {out.dtype_name} {out.shape} / {out.stride} for ids {ids.shape}")
+    if w.stride(1) != 1:
+        raise Unsupported(f"an Embedding table with strides {w.stride()}")
+    b.embedding(ids, out, weight=w)
+
+
+RULES: dict[object, TranslationRule] = {
+    **{name: TranslationRule(check_move, _emit_move) for name in sorted(MOVES - {"contiguous"})},
+    # a fused conv module's output made contiguous (a view, or one reordered copy), else as any move
+    "contiguous": TranslationRule(_check_contiguous, emit_flatten, reads_free=True),
+    "flatten": TranslationRule(always, emit_flatten, reads_free=True),  # torch.flatten of an INT8 value
+    nn.Flatten: TranslationRule(always, emit_flatten, reads_free=True),
+    "split": TranslationRule(check_split, always, tuple_out=True),
+    "split_item": TranslationRule(check_split_item, emit_split_item),
+    "qcat": TranslationRule(always, _emit_cat, None),
+    nn.Embedding: TranslationRule(check_embedding, emit_embedding),
+}
