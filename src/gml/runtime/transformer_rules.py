@@ -2,7 +2,7 @@
 
 Each function here is a ``check`` or an ``emit`` of a :class:`~gml.runtime.translate.Rule` (the rows
 are listed in :data:`gml.runtime.translate.RULES`); they write the engine's transformer steps
-(``Builder.layer_norm`` / ``matmul`` / ``softmax``, native/engine.cpp):
+(``Builder.layer_norm`` / ``matmul`` / ``softmax``, native/eltwise.h and native/linear.h):
 
 ==========================  ========================================================================
 node                        engine steps
@@ -329,7 +329,7 @@ def check_embedding(c: Call) -> str | None:
 
 
 def emit_embedding(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    """One gather step (native/engine.cpp ``embedding``): the word-embedding lookup of a token-id
+    """One gather step (native/shape.h ``EmbeddingStep``): the word-embedding lookup of a token-id
     model in the same plan as the encoder (it was a torch call between engine segments)."""
     from gml.runtime.translate import _contiguous_strides
 
