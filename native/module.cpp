@@ -17,6 +17,7 @@
 #include "plan.h"
 #include "pool.h"
 #include "shape.h"
+#include "woq.h"
 
 namespace nb = nanobind;
 using namespace gml_engine;
@@ -46,6 +47,25 @@ NB_MODULE(_engine, m) {
   m.def("cpu_isa", &isa_name, "The instruction set oneDNN dispatches to on this CPU.");
   m.def("fused_attention_available", &gml_attention::cpu_supported,
         "Whether this CPU runs the fused bf16 attention kernel (AVX512-BF16; native/attention.h).");
+  m.def(
+      "woq_linear",
+      [](uintptr_t x, int64_t M, int64_t K, uintptr_t q, int bits, int64_t group, uintptr_t scales, uintptr_t zeros,
+         uintptr_t bias, uintptr_t y, int64_t N, const std::string& isa, int nthreads) {
+        gml_woq::Problem p;
+        p.x = reinterpret_cast<const float*>(x);
+        p.M = M, p.K = K, p.N = N, p.bits = bits, p.group = group;
+        p.q = reinterpret_cast<const void*>(q);
+        p.scales = reinterpret_cast<const float*>(scales);
+        p.zeros = reinterpret_cast<const uint8_t*>(zeros);
+        p.bias = reinterpret_cast<const float*>(bias);
+        p.y = reinterpret_cast<float*>(y);
+        gml_woq::linear(p, isa, nthreads);
+      },
+      nb::arg("x"), nb::arg("M"), nb::arg("K"), nb::arg("q"), nb::arg("bits"), nb::arg("group"), nb::arg("scales"),
+      nb::arg("zeros"), nb::arg("bias"), nb::arg("y"), nb::arg("N"), nb::arg("isa"), nb::arg("nthreads") = 0,
+      nb::call_guard<nb::gil_scoped_release>(),
+      "torch.ops.gml.woq_linear on contiguous tensors given by address (native/woq.h); isa: avx512 | avx2 | scalar.");
+  m.def("woq_isa_supported", &gml_woq::cpu_has, "Whether this CPU runs woq_linear's kernel for `isa`.");
   nb::class_<Plan> plan(m, "Plan", nb::dynamic_attr());  // dynamic attributes: ``keep`` (embedding tables)
   plan.def(nb::init<>())
       .def("add_value", &Plan::add_value, nb::arg("dims"), nb::arg("strides"), nb::arg("dtype"), nb::arg("where"),

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from gml import archive
+from archive_edit import rewrite
 from gml import io as gio
 from gml.capture import capture
 from gml.errors import ModelLoadError
@@ -56,28 +56,6 @@ def _no_sentinel():
     assert not SENTINEL.exists(), "a payload in the file ran"
 
 
-def _members(path: Path) -> tuple[str, dict[str, bytes]]:
-    with zipfile.ZipFile(path) as z:
-        names = z.namelist()
-        prefix = names[0].split("/", 1)[0] + "/"
-        return prefix, {n[len(prefix) :]: z.read(n) for n in names}
-
-
-def _rewrite(src: Path, dst: Path, edit, *, reseal: bool = True) -> Path:
-    """Copy ``src`` with ``edit(members)`` applied; ``reseal`` writes a manifest that matches (an attacker's)."""
-    prefix, members = _members(src)
-    manifest = json.loads(members.pop(archive.MANIFEST))
-    edit(members)
-    with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as z:
-        for name, data in members.items():
-            z.writestr(prefix + name, data)
-        if not reseal:
-            z.writestr(prefix + archive.MANIFEST, json.dumps(manifest))
-    if reseal:
-        archive.seal(dst, {k: v for k, v in manifest.items() if k != "members"})
-    return dst
-
-
 def _payload_bytes(protocol: int | str) -> bytes:
     if protocol == "torch.save":
         buf = _io.BytesIO()
@@ -107,7 +85,7 @@ def test_pickled_sample_inputs_are_refused_not_run(saved, tmp_path, protocol):
     def edit(m):
         m[next(n for n in m if "sample_inputs" in n)] = _payload_bytes(protocol)
 
-    bad = _rewrite(path, tmp_path / "bad.pt2", edit)
+    bad = rewrite(path, tmp_path / "bad.pt2", edit)
     with pytest.raises(ModelLoadError, match="was refused: it carries pickled sample inputs"):
         gio.load(bad)
 
@@ -122,7 +100,7 @@ def test_a_weight_marked_use_pickle_is_refused_not_run(saved, tmp_path, protocol
         first = next(iter(json.loads(m[name])["config"].values()))
         m["data/weights/" + first["path_name"]] = _payload_bytes(protocol)
 
-    bad = _rewrite(path, tmp_path / "bad.pt2", edit)
+    bad = rewrite(path, tmp_path / "bad.pt2", edit)
     with pytest.raises(ModelLoadError, match="asks for a pickled payload"):
         gio.load(bad)
 
@@ -138,7 +116,7 @@ def test_a_weight_marked_use_pickle_is_refused_not_run(saved, tmp_path, protocol
 )
 def test_other_unpickled_members_are_refused(saved, tmp_path, member, expect):
     path, _, _ = saved
-    bad = _rewrite(path, tmp_path / "bad.pt2", lambda m: m.__setitem__(member, _payload_bytes(2)))
+    bad = rewrite(path, tmp_path / "bad.pt2", lambda m: m.__setitem__(member, _payload_bytes(2)))
     with pytest.raises(ModelLoadError, match=expect):
         gio.load(bad)
 
@@ -154,7 +132,7 @@ def test_a_constant_config_pointing_at_an_object_is_refused(saved, tmp_path):
         m["data/constants/tensor_0"] = _payload_bytes(2)
 
     with pytest.raises(ModelLoadError, match="is not a plain tensor"):
-        gio.load(_rewrite(path, tmp_path / "bad.pt2", edit))
+        gio.load(rewrite(path, tmp_path / "bad.pt2", edit))
 
 
 def test_a_swapped_member_with_a_stale_manifest_is_damaged(saved, tmp_path):
@@ -164,7 +142,7 @@ def test_a_swapped_member_with_a_stale_manifest_is_damaged(saved, tmp_path):
         m[next(n for n in m if "sample_inputs" in n)] = _payload_bytes(2)
 
     with pytest.raises(ModelLoadError, match=r"is damaged: member .* does not match its recorded digest"):
-        gio.load(_rewrite(path, tmp_path / "bad.pt2", edit, reseal=False))
+        gio.load(rewrite(path, tmp_path / "bad.pt2", edit, reseal=False))
 
 
 def test_trust_pickle_does_not_open_the_door_for_export_files(saved, tmp_path):
@@ -174,7 +152,7 @@ def test_trust_pickle_does_not_open_the_door_for_export_files(saved, tmp_path):
         m[next(n for n in m if "sample_inputs" in n)] = _payload_bytes(2)
 
     with pytest.raises(ModelLoadError, match="was refused"):
-        gio.load(_rewrite(path, tmp_path / "bad.pt2", edit), trust_pickle=True)
+        gio.load(rewrite(path, tmp_path / "bad.pt2", edit), trust_pickle=True)
 
 
 def test_truncated_files_are_damaged_and_get_no_pickle_advice(saved, tmp_path):
@@ -292,7 +270,7 @@ def test_int8_files_with_a_pickled_member_are_refused_not_run(saved_int8, tmp_pa
         m[next(n for n in m if "sample_inputs" in n)] = _payload_bytes(protocol)
 
     for edit, expect in ((weights, "asks for a pickled payload"), (sample_inputs, "carries pickled sample inputs")):
-        bad = _rewrite(saved_int8, tmp_path / "bad.pt2", edit)
+        bad = rewrite(saved_int8, tmp_path / "bad.pt2", edit)
         with pytest.raises(ModelLoadError, match=expect):
             gio.load(bad)
         with pytest.raises(ModelLoadError, match="was refused"):

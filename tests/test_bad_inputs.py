@@ -911,29 +911,17 @@ API_CASES += [
 def _load_edited_program(edit: Callable[[dict], None], *, int8: bool = False) -> object:
     """Save a SmallCNN (fp32, or INT8), edit its ``model.json`` with ``edit`` and re-seal the file as an
     attacker would (a consistent manifest), then load it (#24: every field is checked first)."""
-    import json
-    import zipfile
-
-    from gml import archive
+    import archive_edit
     from gml import io as gio
 
-    path = _saved_path("edited.pt2")
+    path = Path(_saved_path("edited.pt2"))
     if int8:
-        api.quantize(_model(), [_x(1, 3, 32, 32)] * 2, per_layer=False).save(path)
+        api.quantize(_model(), [_x(1, 3, 32, 32)] * 2, per_layer=False).save(str(path))
     else:
-        api.optimize(_model(), _x(1, 3, 32, 32)).save(path)
-    with zipfile.ZipFile(path) as z:
-        members = {n: z.read(n) for n in z.namelist()}
-    prefix = next(iter(members)).split("/", 1)[0] + "/"
-    program = json.loads(members[prefix + "models/model.json"])
+        api.optimize(_model(), _x(1, 3, 32, 32)).save(str(path))
+    program = archive_edit.program(path)
     edit(program)
-    members[prefix + "models/model.json"] = json.dumps(program).encode()
-    header = {k: v for k, v in json.loads(members.pop(prefix + archive.MANIFEST)).items() if k != "members"}
-    with zipfile.ZipFile(path, "w") as z:
-        for name, data in members.items():
-            z.writestr(name, data)
-    archive.seal(Path(path), header)
-    return gio.load(path)
+    return gio.load(archive_edit.with_program(path, path.with_name("edited-resealed.pt2"), program))
 
 
 _RUN = "__import__('os').system('touch /tmp/gml-pwned')"

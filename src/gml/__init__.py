@@ -8,6 +8,7 @@ from gml import data  # gml.data.open_data: the user's images / text / tensors a
 from gml.api import OptimizeResult, QuantizeResult, optimize, quantize, verify
 from gml.capture import capture
 from gml.errors import GMLError
+from gml.llm import llm  # the function gml.llm(...) (binds over the subpackage's name; see gml/llm/__init__.py)
 from gml.verify import VerifyResult, verify_pass
 
 
@@ -28,6 +29,7 @@ __all__ = [
     "VerifyResult",
     "capture",
     "data",
+    "llm",
     "load",
     "optimize",
     "quantize",

@@ -1,4 +1,4 @@
-"""The ``gml`` command line: inspect, optimize, quantize, bench, run, demo.
+"""The ``gml`` command line: inspect, optimize, quantize, bench, run, generate, demo.
 
 Every command takes a MODEL: a torchvision name (``resnet18``; random weights, nothing is
 downloaded) or ``path/to/file.py:ClassName``. Errors a user can cause print one paragraph that says
@@ -617,6 +617,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_arguments(p)
     p.set_defaults(func=lambda a: run_command(a, console))
+
+    from gml.llm.cli import DESCRIPTION as GENERATE_DESCRIPTION
+    from gml.llm.cli import add_generate_arguments, generate_command
+
+    p = sub.add_parser(
+        "generate",
+        help="generate tokens with a decoder LLM from a local HF folder (KV cache; fp32/bf16/int8/int4 weights)",
+        description=GENERATE_DESCRIPTION,
+    )
+    add_generate_arguments(p)
+    p.set_defaults(func=lambda a: generate_command(a, console))
 
     p = sub.add_parser(
         "demo",

@@ -178,7 +178,21 @@ def _common(node: ast.AST, walk: Callable[[ast.AST], None]) -> bool:
         for v in node.values:
             walk(v)
         return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in SYMPY_FUNCTIONS:
+        if node.keywords:
+            raise ValueError(f"keywords in a call of {node.func.id!r}")
+        for a in node.args:
+            walk(a)
+        return True
     return False
+
+
+def _grammar(s: str, path: str, walk: Callable[[ast.AST], None], what: str) -> None:
+    """Parse ``s`` and walk its tree with ``walk`` (which raises ValueError naming what is not allowed)."""
+    try:
+        walk(_parse(s, path).body)
+    except ValueError as e:
+        raise _refuse(path, f"= {s[:80]!r} is not {what}: it holds {e}") from None
 
 
 def _sym_expr(s: str, path: str) -> None:
@@ -215,17 +229,10 @@ def _sym_expr(s: str, path: str) -> None:
                 ):
                     raise ValueError("a Float that is not a number")
                 return
-            if node.func.id not in SYMPY_FUNCTIONS or node.keywords:
-                raise ValueError(f"a call of {node.func.id!r}")
-            for a in node.args:
-                walk(a)
-            return
+            raise ValueError(f"a call of {node.func.id!r}")
         raise ValueError(f"a {type(node).__name__}")
 
-    try:
-        walk(_parse(s, path).body)
-    except ValueError as e:
-        raise _refuse(path, f"= {s[:80]!r} is not a shape expression: it holds {e}") from None
+    _grammar(s, path, walk, "a shape expression")
 
 
 def _guard(s: str, path: str) -> None:
@@ -267,17 +274,10 @@ def _guard(s: str, path: str) -> None:
             input_ref(node.func.value)
             return
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            if node.func.id not in SYMPY_FUNCTIONS or node.keywords:
-                raise ValueError(f"a call of {node.func.id!r}")
-            for a in node.args:
-                walk(a)
-            return
+            raise ValueError(f"a call of {node.func.id!r}")
         raise ValueError(f"a {type(node).__name__}")
 
-    try:
-        walk(_parse(s, path).body)
-    except ValueError as e:
-        raise _refuse(path, f"= {s[:80]!r} is not a shape guard: it holds {e}") from None
+    _grammar(s, path, walk, "a shape guard")
 
 
 def _treespec(s: str, path: str) -> None:

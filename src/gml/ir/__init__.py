@@ -7,6 +7,7 @@
 * :mod:`gml.ir.qdq` — quantize / dequantize recognition and their parameters;
 * :mod:`gml.ir.library` — the lowered ops ``torch.ops.gml.*`` (schemas + fake kernels);
 * :mod:`gml.ir.attention` — ``torch.ops.gml.attention`` (SDPA semantics, one op for attention);
+* :mod:`gml.ir.llm_ops` — ``torch.ops.gml.woq_linear`` (INT8 / INT4 weight-only linear: the format, its quantizer);
 * :mod:`gml.ir.match` — the pattern matcher rules are written with.
 """
 

@@ -1,0 +1,232 @@
+// GML engine: weight-only quantized linear layers (torch.ops.gml.woq_linear; src/gml/ir/llm_ops.py).
+//
+//   y[m, n] = sum_g s[n, g] * ( sum_{k in group g} x[m, k] * (q[n, k] - z[n, g]) ) + b[n]
+//
+// x fp32 [M, K] (activations stay fp32), y fp32 [M, N]. Weights as the op stores them, read in place
+// (no repacking: a row of either format is already contiguous along K):
+//   bits 8: q int8 [N, K], z = 0, one group (group = K: scale per output channel);
+//   bits 4: q uint8 [N, K/2], q[n, 2i] = low nibble of byte i, q[n, 2i+1] = high nibble; z = 8 when
+//           zeros is null, else zeros uint8 [N, K/group]; group 32, 64 or 128.
+// Decoding is a GEMV bound by memory bandwidth: each weight byte is read once per token, expanded to
+// fp32 in registers (int8 -> int32 -> fp32; q - z is exact in int32) and FMA'd with x. Per group the
+// partial sum is scaled once. Four output rows are computed together (four FMA chains per x load);
+// for M > 1 (prefill) their weights stay in L1 while every x row passes over them. Blocks of rows
+// are split across OpenMP threads.
+//
+// Dispatch is the caller's: `isa` is "avx512" (AVX-512F/BW), "avx2" (AVX2 + FMA) or "scalar", chosen
+// from GML's CPU description at the API boundary; an ISA this CPU lacks is refused, never run.
+// The summation order differs from the Python reference (dequantize + F.linear) only in fp32 rounding;
+// with integer x and power-of-two scales every partial sum is exact and both agree bit for bit.
+#pragma once
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#define GML_WOQ_AVX512 __attribute__((target("avx512f,avx512bw")))
+#define GML_WOQ_AVX2 __attribute__((target("avx2,fma")))
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace gml_woq {
+
+struct Problem {
+  const float* x = nullptr;  // [M, K]
+  int64_t M = 0, K = 0, N = 0;
+  const void* q = nullptr;  // int8 [N, K] | uint8 [N, K/2]
+  int bits = 8;
+  int64_t group = 0;               // K for bits 8
+  const float* scales = nullptr;   // [N, K/group]
+  const uint8_t* zeros = nullptr;  // [N, K/group] (bits 4) or null
+  const float* bias = nullptr;     // [N] or null
+  float* y = nullptr;              // [M, N]
+};
+
+// q - z of row n, element k (the scalar definition every vector path must equal).
+inline int32_t weight_int(const Problem& p, int64_t n, int64_t k) {
+  if (p.bits == 8) return static_cast<const int8_t*>(p.q)[n * p.K + k];
+  const uint8_t b = static_cast<const uint8_t*>(p.q)[n * (p.K / 2) + k / 2];
+  const int32_t v = (k & 1) ? (b >> 4) : (b & 0xF);
+  return v - (p.zeros ? p.zeros[n * (p.K / p.group) + k / p.group] : 8);
+}
+
+inline void row_scalar(const Problem& p, int64_t n) {
+  const int64_t G = p.K / p.group;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * p.K;
+    float total = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      float acc = 0.f;
+      for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) acc += x[k] * static_cast<float>(weight_int(p, n, k));
+      total += acc * p.scales[n * G + g];
+    }
+    p.y[m * p.N + n] = total + (p.bias ? p.bias[n] : 0.f);
+  }
+}
+
+// ---------------------------------------------------------------- AVX-512: 16 fp32 lanes
+GML_WOQ_AVX512 inline __m512 int8x16_ps(const int8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+}
+
+// R consecutive output rows at once: every x vector loaded feeds R independent FMA chains (the
+// dependency chain of one accumulator, not the memory, would otherwise bound the loop).
+template <int R>
+GML_WOQ_AVX512 inline void rows_avx512(const Problem& p, int64_t n0) {
+  const int64_t G = p.K / p.group;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * p.K;
+    __m512 total[R];
+    float tail[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps(), tail[r] = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      const int64_t k0 = g * p.group, k1 = k0 + p.group;
+      int64_t k = k0;
+      if (p.bits == 8) {
+        const int8_t* q = static_cast<const int8_t*>(p.q) + n0 * p.K;
+        for (; k + 16 <= k1; k += 16) {
+          const __m512 xv = _mm512_loadu_ps(x + k);
+          for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(xv, int8x16_ps(q + r * p.K + k), acc[r]);
+        }
+        for (int r = 0; r < R; ++r) {  // K not a multiple of 16 (bits 8 only: 4-bit groups are 32/64/128)
+          float t = 0.f;
+          for (int64_t kk = k; kk < k1; ++kk) t += x[kk] * static_cast<float>(q[r * p.K + kk]);
+          tail[r] += t * p.scales[(n0 + r) * G + g];
+        }
+      } else {
+        const uint8_t* q = static_cast<const uint8_t*>(p.q) + n0 * (p.K / 2);
+        const __m128i low = _mm_set1_epi8(0x0F);
+        __m512i z[R];
+        for (int r = 0; r < R; ++r) z[r] = _mm512_set1_epi32(p.zeros ? p.zeros[(n0 + r) * G + g] : 8);
+        for (; k + 32 <= k1; k += 32) {
+          const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+          for (int r = 0; r < R; ++r) {
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * (p.K / 2) + k / 2));
+            const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+            const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);  // k..k+15, k+16..k+31
+            acc[r] = _mm512_fmadd_ps(x0, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v0), z[r])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(x1, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v1), z[r])), acc[r]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        total[r] = _mm512_fmadd_ps(acc[r], _mm512_set1_ps(p.scales[(n0 + r) * G + g]), total[r]);
+    }
+    for (int r = 0; r < R; ++r)
+      p.y[m * p.N + n0 + r] = _mm512_reduce_add_ps(total[r]) + tail[r] + (p.bias ? p.bias[n0 + r] : 0.f);
+  }
+}
+
+// ---------------------------------------------------------------- AVX2: 8 fp32 lanes
+GML_WOQ_AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+GML_WOQ_AVX2 inline __m256 u8x8_minus_ps(__m128i v, __m256i z) {
+  return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(v), z));
+}
+
+template <int R>
+GML_WOQ_AVX2 inline void rows_avx2(const Problem& p, int64_t n0) {
+  const int64_t G = p.K / p.group;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * p.K;
+    __m256 total[R];
+    float tail[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps(), tail[r] = 0.f;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      const int64_t k0 = g * p.group, k1 = k0 + p.group;
+      int64_t k = k0;
+      if (p.bits == 8) {
+        const int8_t* q = static_cast<const int8_t*>(p.q) + n0 * p.K;
+        for (; k + 8 <= k1; k += 8) {
+          const __m256 xv = _mm256_loadu_ps(x + k);
+          for (int r = 0; r < R; ++r) {
+            const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + r * p.K + k));
+            acc[r] = _mm256_fmadd_ps(xv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), acc[r]);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          float t = 0.f;
+          for (int64_t kk = k; kk < k1; ++kk) t += x[kk] * static_cast<float>(q[r * p.K + kk]);
+          tail[r] += t * p.scales[(n0 + r) * G + g];
+        }
+      } else {
+        const uint8_t* q = static_cast<const uint8_t*>(p.q) + n0 * (p.K / 2);
+        const __m128i low = _mm_set1_epi8(0x0F);
+        __m256i z[R];
+        for (int r = 0; r < R; ++r) z[r] = _mm256_set1_epi32(p.zeros ? p.zeros[(n0 + r) * G + g] : 8);
+        for (; k + 32 <= k1; k += 32) {
+          const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+          const __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+          for (int r = 0; r < R; ++r) {
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * (p.K / 2) + k / 2));
+            const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+            const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);
+            acc[r] = _mm256_fmadd_ps(x0, u8x8_minus_ps(v0, z[r]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(x1, u8x8_minus_ps(_mm_srli_si128(v0, 8), z[r]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(x2, u8x8_minus_ps(v1, z[r]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(x3, u8x8_minus_ps(_mm_srli_si128(v1, 8), z[r]), acc[r]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        total[r] = _mm256_fmadd_ps(acc[r], _mm256_set1_ps(p.scales[(n0 + r) * G + g]), total[r]);
+    }
+    for (int r = 0; r < R; ++r)
+      p.y[m * p.N + n0 + r] = hsum256(total[r]) + tail[r] + (p.bias ? p.bias[n0 + r] : 0.f);
+  }
+}
+
+inline bool cpu_has(const std::string& isa) {
+  if (isa == "scalar") return true;
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  return false;
+}
+
+// Runs the problem with `isa`'s kernel on `nthreads` threads (0: OpenMP's default).
+inline void linear(const Problem& p, const std::string& isa, int nthreads) {
+  if (!cpu_has(isa)) throw std::invalid_argument("woq_linear: this CPU cannot run the '" + isa + "' kernel");
+  if ((p.bits != 8 && p.bits != 4) || p.group <= 0 || p.K % p.group || (p.bits == 4 && p.group % 32) ||
+      (p.bits == 8 && (p.group != p.K || p.zeros)))
+    throw std::invalid_argument("woq_linear: unsupported bits / group_size / zeros combination");
+  const int threads = nthreads > 0 ? nthreads : omp_get_max_threads();
+  const int which = isa == "avx512" ? 2 : isa == "avx2" ? 1 : 0;
+  constexpr int64_t R = 4;  // rows per block (see rows_avx512)
+  const int64_t blocks = (p.N + R - 1) / R;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n0 = blk * R;
+    if (n0 + R <= p.N && which == 2) {
+      rows_avx512<R>(p, n0);
+    } else if (n0 + R <= p.N && which == 1) {
+      rows_avx2<R>(p, n0);
+    } else {
+      for (int64_t n = n0; n < std::min(n0 + R, p.N); ++n) {
+        if (which == 2)
+          rows_avx512<1>(p, n);
+        else if (which == 1)
+          rows_avx2<1>(p, n);
+        else
+          row_scalar(p, n);
+      }
+    }
+  }
+}
+
+}  // namespace gml_woq
+
+#pragma GCC diagnostic pop

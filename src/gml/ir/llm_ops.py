@@ -1,0 +1,168 @@
+"""``torch.ops.gml.woq_linear``: a linear layer with weight-only quantized (INT8 / INT4) weights.
+
+The weight format (one definition, used by quantization, the reference kernel and every executor)::
+
+    W[n, k] = (q[n, k] - z[n, g]) * s[n, g],   g = k // group_size
+
+* ``bits=8``: ``qweight`` is ``int8 [N, K]``, ``q`` its value; ``zeros`` ``None`` means ``z = 0``
+  (symmetric; INT8 weights are quantized per output channel, ``group_size = K``).
+* ``bits=4``: ``qweight`` is ``uint8 [N, K/2]``, two values per byte: ``q[n, 2i]`` is the low nibble of
+  ``qweight[n, i]`` and ``q[n, 2i+1]`` the high nibble, both in ``0..15``; ``zeros`` ``None`` means
+  ``z = 8`` (symmetric, values ``-8..7``), else ``zeros`` is ``uint8 [N, K/group_size]`` in ``0..15``
+  (asymmetric).
+* ``scales`` is ``float32 [N, K/group_size]``; ``group_size`` divides ``K`` (``K`` for per channel).
+
+The op computes ``y = x @ W^T + bias`` with ``x: [..., K]`` fp32 activations kept in fp32 (no
+activation quantization) and ``y: [..., N]`` fp32. The reference kernel below dequantizes ``W`` and
+calls ``F.linear``; faster executors must match it to fp32 rounding (they differ only in summation
+order).
+
+:func:`quantize_weight` is the one quantizer of this format (round to nearest, ties to even as
+``torch.round``): symmetric ``s = amax / (2^(bits-1) - 1)`` per group; asymmetric (4-bit)
+``s = (max - min) / 15``, ``z = round(-min / s)``.
+
+Declared in its own ``torch.library`` fragment of the ``gml`` namespace (as
+:mod:`gml.ir.attention`), with a fake kernel so graphs holding it export. Imports no other gml package.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+NAMESPACE = "gml"
+SCHEMAS: dict[str, str] = {
+    "woq_linear": (
+        "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size) -> Tensor"
+    ),
+}
+
+#: The group sizes INT4 weights may use (INT8 is per output channel).
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+class QuantizedWeight(NamedTuple):
+    """A weight in the ``woq_linear`` format (see the module docstring)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group_size: int
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * (2 if self.bits == 4 else 1)
+
+    def nbytes(self) -> int:
+        zeros = 0 if self.zeros is None else self.zeros.numel() * self.zeros.element_size()
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 4 + zeros
+
+
+def check_format(bits: int, group_size: int, in_features: int) -> str | None:
+    """Why ``(bits, group_size)`` cannot quantize a weight with ``in_features`` columns, or ``None``."""
+    if bits not in (4, 8):
+        return f"bits={bits}: woq_linear reads 8-bit (per output channel) or 4-bit (group-wise) weights"
+    if bits == 8 and group_size != in_features:
+        return f"8-bit weights are per output channel (group_size = in_features = {in_features}), not {group_size}"
+    if bits == 4 and group_size not in INT4_GROUP_SIZES:
+        return f"4-bit group_size {group_size} is not one of {INT4_GROUP_SIZES}"
+    if in_features % group_size:
+        return f"group_size {group_size} does not divide in_features {in_features}"
+    return None
+
+
+def quantize_weight(
+    w: torch.Tensor, bits: int, group_size: int | None = None, symmetric: bool = True
+) -> QuantizedWeight:
+    """Quantize an fp32 ``[N, K]`` weight to the ``woq_linear`` format."""
+    n, k = w.shape
+    group_size = k if group_size is None else group_size
+    reason = check_format(bits, group_size, k)
+    if reason is not None:
+        raise ValueError(reason)
+    if bits == 8 and not symmetric:
+        raise ValueError("8-bit weights are symmetric (zeros=None)")
+    g = w.detach().float().reshape(n, k // group_size, group_size)
+    qmax = 2 ** (bits - 1) - 1
+    if symmetric:
+        scales = g.abs().amax(-1) / qmax
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(g / scales[..., None]).clamp(-qmax - 1, qmax)
+        zeros = None
+        offset = 0 if bits == 8 else 8
+    else:
+        lo = g.amin(-1).clamp(max=0.0)
+        hi = g.amax(-1).clamp(min=0.0)
+        scales = (hi - lo) / 15
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        zp = torch.round(-lo / scales).clamp(0, 15)
+        q = (torch.round(g / scales[..., None]) + zp[..., None]).clamp(0, 15)
+        zeros = zp.to(torch.uint8)
+        offset = 0
+    q = q.reshape(n, k)
+    if bits == 8:
+        qweight = q.to(torch.int8)
+    else:
+        nib = (q + offset).to(torch.uint8)
+        qweight = nib[:, 0::2] | (nib[:, 1::2] << 4)
+    return QuantizedWeight(qweight.contiguous(), scales.contiguous(), zeros, bits, group_size)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """``uint8 [N, K/2]`` packed nibbles → ``uint8 [N, K]`` values ``0..15`` (low nibble first)."""
+    return torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)
+
+
+def integer_weight(qweight: torch.Tensor, zeros: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
+    """The exact integers ``q - z`` as ``int32 [N, K]``."""
+    q = qweight.to(torch.int32) if bits == 8 else unpack_int4(qweight).to(torch.int32)
+    if zeros is None:
+        return q if bits == 8 else q - 8
+    return q - zeros.to(torch.int32).repeat_interleave(group_size, dim=1)
+
+
+def dequantize_weight(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group_size: int
+) -> torch.Tensor:
+    """The fp32 ``[N, K]`` weight the format stands for."""
+    wi = integer_weight(qweight, zeros, bits, group_size).to(torch.float32)
+    n, k = wi.shape
+    return (wi.reshape(n, k // group_size, group_size) * scales[..., None]).reshape(n, k)
+
+
+def _woq_linear(x, qweight, scales, zeros, bias, bits, group_size):
+    """Reference kernel: dequantize, then ``F.linear`` in fp32."""
+    return F.linear(x.float(), dequantize_weight(qweight, scales, zeros, bits, group_size), bias)
+
+
+def _fake_woq_linear(x, qweight, scales, zeros, bias, bits, group_size):
+    return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.float32)
+
+
+@functools.cache
+def _define() -> torch.library.Library:
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    for name, schema in SCHEMAS.items():
+        lib.define(name + schema)
+    lib.impl("woq_linear", _woq_linear, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::woq_linear", _fake_woq_linear, lib=lib)
+    return lib
+
+
+def woq_linear_op() -> torch._ops.OpOverload:
+    """``torch.ops.gml.woq_linear.default``, declaring it on first use."""
+    _define()
+    return torch.ops.gml.woq_linear.default
+
+
+def woq_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Call ``torch.ops.gml.woq_linear`` on a :class:`QuantizedWeight`."""
+    return woq_linear_op()(x, w.qweight, w.scales, w.zeros, bias, w.bits, w.group_size)

@@ -1,0 +1,69 @@
+"""The native executor of ``torch.ops.gml.woq_linear`` (native/woq.h), and which of its kernels a CPU runs.
+
+The op's reference kernel (:mod:`gml.ir.llm_ops`: dequantize, then ``F.linear``) defines the math; this
+one reads the INT8 / INT4 weights in place and expands them in registers, so a decode step reads each
+weight byte once (the GEMV is memory bound). Kernels: ``avx512`` (AVX-512F/BW), ``avx2`` (AVX2 + FMA),
+``scalar``. :func:`kernel_isa` maps GML's CPU description (:class:`~gml.ir.target.Target`, whose ISA
+honours ``ONEDNN_MAX_CPU_ISA``) to one; the choice is made once at the API boundary (``gml.llm``) and
+passed down.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gml.ir.llm_ops import QuantizedWeight
+from gml.ir.target import Target
+
+KERNEL_ISAS = ("avx512", "avx2", "scalar")
+
+
+def kernel_isa(target: Target) -> str:
+    """The woq kernel for ``target`` (GML's one CPU description, :mod:`gml.ir.target`)."""
+    if target.avx512:
+        return "avx512"
+    if "avx2" in target.features:
+        return "avx2"
+    return "scalar"
+
+
+def detect_kernel(target: Target | None = None) -> str | None:
+    """The kernel for ``target`` (default: this process's), or ``None`` when the native engine is not
+    built with ``woq_linear``."""
+    from gml.runtime.native import _load
+    from gml.runtime.target import resolve
+
+    engine, _ = _load()
+    if engine is None or not hasattr(engine, "woq_linear"):
+        return None
+    return kernel_isa(resolve(target))
+
+
+def native_kernel_runs(isa: str) -> bool:
+    """Whether the native engine is built with woq_linear and this CPU runs its ``isa`` kernel."""
+    from gml.runtime.native import _load
+
+    engine, _ = _load()
+    return engine is not None and hasattr(engine, "woq_linear") and engine.woq_isa_supported(isa)
+
+
+def native_supports(w: QuantizedWeight) -> bool:
+    """Whether the native kernel reads this weight (symmetric INT8 or INT4 with group 32/64/128)."""
+    return w.zeros is None or w.bits == 4
+
+
+def woq_linear_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, isa: str) -> torch.Tensor:
+    """``torch.ops.gml.woq_linear(x, w, bias)`` on the native kernel ``isa``."""
+    from gml.runtime.native import load
+
+    engine = load()
+    k = w.in_features
+    x2 = x.reshape(-1, k).float().contiguous()
+    y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
+    zeros = 0 if w.zeros is None else w.zeros.data_ptr()
+    b = 0 if bias is None else bias.data_ptr()
+    engine.woq_linear(
+        x2.data_ptr(), x2.shape[0], k, w.qweight.data_ptr(), w.bits, w.group_size, w.scales.data_ptr(), zeros, b,
+        y.data_ptr(), w.out_features, isa, torch.get_num_threads(),
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], w.out_features)

@@ -1,0 +1,267 @@
+"""``gml.llm(source, weights=..., max_length=...)``: a decoder-only causal LM on GML's KV cache.
+
+``source`` is a Hugging Face ``*ForCausalLM`` module or a local HF folder (read offline, no remote
+code). :func:`llm` captures it (:mod:`gml.llm.spec`), stores its matrices as ``weights`` and returns an
+:class:`LLM` with ``generate`` / ``stream`` / ``logits``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gml.errors import InputError, ModelLoadError, UnsupportedError
+from gml.ir.llm_ops import INT4_GROUP_SIZES
+from gml.kernels.woq import KERNEL_ISAS, detect_kernel, native_kernel_runs
+from gml.llm.model import Decoder, KVCache
+from gml.llm.sampling import Sampling, next_token
+from gml.llm.spec import capture_lm
+
+WEIGHTS = ("fp32", "bf16", "int8", "int4")
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class GenerationStats:
+    """Timings of the last ``generate`` / ``stream`` call (wall clock)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first one (which comes out of the prefill) per second of decoding."""
+        steps = max(self.new_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds else 0.0
+
+
+def _load_folder(path: str) -> nn.Module:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(
+            f"{path!r} is not a Hugging Face model folder (no config.json)",
+            "give a folder saved by save_pretrained (config.json + weights) or a *ForCausalLM module",
+        )
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:  # pragma: no cover - transformers is a dependency of the dev install
+        raise ModelLoadError("reading a model folder needs transformers", "pip install transformers") from e
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False, dtype=torch.float32, attn_implementation="eager"
+        )
+    except (ValueError, OSError, KeyError) as e:
+        raise ModelLoadError(
+            f"could not load {path!r} as a causal LM: {str(e).splitlines()[0]}",
+            "give a local folder of a decoder-only *ForCausalLM model (no remote code)",
+        ) from e
+
+
+def load_tokenizer(path: str):
+    """The folder's tokenizer, or ``None`` when it has none (token ids still work)."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, ImportError, TypeError):
+        return None
+
+
+class LLM:
+    """A captured decoder LM. Use :func:`gml.llm` to build one."""
+
+    def __init__(self, decoder: Decoder, max_length: int, kv_dtype: torch.dtype, tokenizer=None) -> None:
+        self.decoder = decoder
+        self.spec = decoder.spec
+        self.max_length = max_length
+        self.kv_dtype = kv_dtype
+        self.tokenizer = tokenizer
+        self.stats = GenerationStats()
+        self._cache: KVCache | None = None
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (
+            f"LLM({s.family}, layers={s.num_layers}, hidden={s.hidden_size}, heads={s.num_heads}/{s.num_kv_heads}, "
+            f"weights={self.decoder.weights}, max_length={self.max_length})"
+        )
+
+    # ------------------------------------------------------------------ inputs
+    def _ids(self, input_ids, *, batch_one: bool) -> torch.Tensor:
+        ids = torch.as_tensor(input_ids)
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() not in (1, 2) or ids.numel() == 0:
+            raise InputError(
+                f"input_ids must be a non-empty 1-D or [batch, length] integer sequence, got {ids.dtype} "
+                f"of shape {tuple(ids.shape)}",
+                "pass token ids, e.g. [1, 2, 3] or a LongTensor [1, L]",
+            )
+        ids = ids.long().reshape(-1, ids.shape[-1])
+        if batch_one and ids.shape[0] != 1:
+            raise InputError(
+                f"generate/stream take one prompt (batch 1), got {ids.shape[0]}",
+                "call generate once per prompt",
+            )
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.spec.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InputError(
+                f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})",
+                "tokenize with this model's tokenizer",
+            )
+        if ids.shape[1] > self.max_length:
+            raise InputError(
+                f"the prompt has {ids.shape[1]} tokens, more than max_length={self.max_length}",
+                f"shorten the prompt or build the LLM with gml.llm(..., max_length>={ids.shape[1]})",
+            )
+        return ids
+
+    def _fresh_cache(self, batch: int) -> KVCache:
+        c = self._cache
+        if c is None or c.batch != batch:
+            c = self._cache = KVCache(self.spec, batch, self.max_length, self.kv_dtype)
+        c.length = 0
+        return c
+
+    # ------------------------------------------------------------------ API
+    def logits(self, input_ids) -> torch.Tensor:
+        """Teacher-forced fp32 logits of every position: ``[L, V]`` for 1-D ids, ``[B, L, V]`` for 2-D."""
+        ids = self._ids(input_ids, batch_one=False)
+        out = self.decoder.forward(ids, self._fresh_cache(ids.shape[0]), last_only=False)
+        return out[0] if torch.as_tensor(input_ids).dim() == 1 else out
+
+    def stream(
+        self,
+        input_ids,
+        max_new_tokens: int = 32,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_tokens: Sequence[int] = (),
+    ) -> Iterator[int]:
+        """Yield new token ids one at a time (a stop token is yielded, then the stream ends)."""
+        ids = self._ids(input_ids, batch_one=True)
+        sampling = Sampling(temperature, top_k, top_p, seed)
+        reason = sampling.check()
+        if reason is not None:
+            raise InputError(reason, "fix the sampling arguments")
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}", "ask for at least one token")
+        if ids.shape[1] + max_new_tokens > self.max_length:
+            raise InputError(
+                f"{ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} exceed max_length={self.max_length}",
+                f"ask for <= {self.max_length - ids.shape[1]} new tokens or build the LLM with a larger max_length",
+            )
+        return self._stream(ids, max_new_tokens, sampling, frozenset(int(t) for t in stop_tokens))
+
+    def _stream(self, ids: torch.Tensor, max_new: int, sampling: Sampling, stops: frozenset[int]) -> Iterator[int]:
+        gen = sampling.generator()
+        cache = self._fresh_cache(1)
+        self.stats = stats = GenerationStats(prompt_tokens=ids.shape[1])
+        t0 = time.perf_counter()
+        logits = self.decoder.forward(ids, cache, last_only=True)
+        token = next_token(logits[:, -1], sampling, gen)
+        stats.prefill_seconds = time.perf_counter() - t0
+        stats.new_tokens = 1
+        yield int(token)
+        if int(token) in stops:
+            return
+        for _ in range(max_new - 1):
+            t0 = time.perf_counter()
+            logits = self.decoder.forward(token[:, None], cache, last_only=True)
+            token = next_token(logits[:, -1], sampling, gen)
+            stats.decode_seconds += time.perf_counter() - t0
+            stats.new_tokens += 1
+            yield int(token)
+            if int(token) in stops:
+                return
+
+    def generate(self, input_ids, max_new_tokens: int = 32, **kwargs) -> list[int]:
+        """The new token ids (not the prompt); keyword arguments as :meth:`stream`."""
+        return list(self.stream(input_ids, max_new_tokens, **kwargs))
+
+    def weight_bytes(self) -> int:
+        return self.decoder.weight_bytes()
+
+
+def _check_group(label: str, in_features: int, group_size: int | None) -> None:
+    if group_size is not None and in_features % group_size:
+        raise UnsupportedError(
+            f"{label}: {in_features} input features are not a multiple of group_size={group_size}",
+            "pick a group_size that divides the hidden and intermediate sizes, or weights='int8'",
+        )
+
+
+def llm(
+    source: nn.Module | str | os.PathLike,
+    *,
+    weights: str = "fp32",
+    max_length: int = 2048,
+    group_size: int = 32,
+    symmetric: bool = True,
+    kv_cache: str = "fp32",
+    lm_head_weights: str | None = None,
+    kernel: str = "auto",
+) -> LLM:
+    """Capture a decoder-only causal LM for generation on CPU.
+
+    ``weights``: ``fp32`` | ``bf16`` | ``int8`` (per output channel) | ``int4`` (group-wise,
+    ``group_size`` 32/64/128, ``symmetric`` or with zero points). ``lm_head_weights`` defaults to
+    ``weights``. ``kv_cache``: ``fp32`` | ``bf16``. ``max_length`` bounds prompt + new tokens; the KV
+    cache is preallocated to it. ``kernel`` runs the int8 / int4 matrices: ``auto`` (the native kernel
+    for this CPU, :func:`gml.kernels.woq.detect_kernel`; it honours ``ONEDNN_MAX_CPU_ISA``),
+    ``avx512`` | ``avx2`` | ``scalar`` (that native kernel) or ``reference`` (the op's Python kernel).
+    """
+    if weights not in WEIGHTS:
+        raise InputError(f"weights={weights!r} is not one of {WEIGHTS}", f"pick one of {', '.join(WEIGHTS)}")
+    if lm_head_weights is not None and lm_head_weights not in WEIGHTS:
+        raise InputError(f"lm_head_weights={lm_head_weights!r} is not one of {WEIGHTS}", f"pick one of {WEIGHTS}")
+    if kv_cache not in KV_DTYPES:
+        raise InputError(f"kv_cache={kv_cache!r} is not one of {tuple(KV_DTYPES)}", "use fp32 or bf16")
+    if "int4" in (weights, lm_head_weights) and group_size not in INT4_GROUP_SIZES:
+        raise InputError(f"group_size={group_size} is not one of {INT4_GROUP_SIZES}", "use 32, 64 or 128")
+    if kernel not in ("auto", "reference", *KERNEL_ISAS):
+        raise InputError(f"kernel={kernel!r} is not one of auto, reference, {', '.join(KERNEL_ISAS)}", "use auto")
+    chosen = detect_kernel() if kernel == "auto" else (None if kernel == "reference" else kernel)
+    if chosen is not None and not native_kernel_runs(chosen):
+        raise UnsupportedError(f"this CPU (or engine build) cannot run the {chosen!r} woq kernel", "use kernel='auto'")
+    if max_length < 1:
+        raise InputError(f"max_length must be >= 1, got {max_length}", "give the longest prompt + new tokens")
+    tokenizer = None
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        model = _load_folder(path)
+        tokenizer = load_tokenizer(path)
+    elif isinstance(source, nn.Module):
+        model = source
+    else:
+        raise ModelLoadError(
+            f"gml.llm takes a *ForCausalLM module or a model folder, not {type(source).__name__}",
+            "pass the module or the folder's path",
+        )
+    captured = capture_lm(model, max_length)
+    if captured.spec.max_positions is not None and max_length > captured.spec.max_positions:
+        raise UnsupportedError(
+            f"max_length={max_length} exceeds this model's {captured.spec.max_positions} learned positions",
+            f"use max_length <= {captured.spec.max_positions}",
+        )
+    groups = {"int4": group_size}  # int8 is per output channel: any in_features
+    for i, layer in enumerate(captured.layers):
+        for name in ("qkv", "o", "up", "down"):
+            _check_group(f"layer {i} {name}", getattr(layer, name).weight.shape[1], groups.get(weights))
+    _check_group("lm_head", captured.lm_head.weight.shape[1], groups.get(lm_head_weights or weights))
+    decoder = Decoder(
+        captured, weights, group_size=group_size, symmetric=symmetric, lm_head_weights=lm_head_weights, kernel=chosen
+    )
+    return LLM(decoder, max_length, KV_DTYPES[kv_cache], tokenizer)

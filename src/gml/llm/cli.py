@@ -1,0 +1,73 @@
+"""``gml generate SOURCE``: greedy / sampled generation from a local Hugging Face folder on gml.llm."""
+
+from __future__ import annotations
+
+import argparse
+
+from gml.errors import InputError
+
+DESCRIPTION = (
+    "Generate tokens with a decoder-only causal LM (Llama, Mistral, Qwen2/3, Gemma, Gemma3, Phi-3, GPT-2) from a "
+    "local Hugging Face folder, on GML's KV cache with fp32 / bf16 / int8 / int4 weights. Prints the new token "
+    "ids, the text when the folder has a tokenizer, and prefill / decode tokens per second."
+)
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="a local Hugging Face model folder (config.json + weights; read offline)")
+    p.add_argument("--weights", choices=("fp32", "bf16", "int8", "int4"), default="fp32", help="(default: fp32)")
+    p.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128 (default: 32)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")
+    g.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma separated: 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="(default: 32)")
+    p.add_argument("--max-length", type=int, default=None, help="KV cache length (default: prompt + new tokens)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-ids", metavar="IDS", default="", help="stop token ids, comma separated")
+
+
+def _ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise InputError(f"{flag} {text!r} is not a comma-separated list of integers", f"e.g. {flag} 1,2,3") from None
+
+
+def generate_command(args: argparse.Namespace, console) -> int:
+    from gml.llm.api import llm, load_tokenizer
+
+    if args.prompt_ids is not None:
+        prompt_ids = _ids(args.prompt_ids, "--prompt-ids")
+        if not prompt_ids:
+            raise InputError("--prompt-ids is empty", "give at least one token id, e.g. --prompt-ids 1,2,3")
+    else:
+        tokenizer = load_tokenizer(args.source)
+        if tokenizer is None:
+            raise InputError(
+                f"{args.source!r} has no tokenizer, so --prompt cannot be tokenized", "give --prompt-ids 1,2,3"
+            )
+        prompt_ids = tokenizer(args.prompt)["input_ids"]
+    max_length = args.max_length or len(prompt_ids) + args.max_new_tokens
+    lm = llm(args.source, weights=args.weights, group_size=args.group_size, max_length=max_length)
+    out = lm.generate(
+        prompt_ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_tokens=_ids(args.stop_ids, "--stop-ids"),
+    )
+    console.print(" ".join(str(t) for t in out), soft_wrap=True)
+    if lm.tokenizer is not None:
+        console.print(lm.tokenizer.decode(out), markup=False, soft_wrap=True)
+    s = lm.stats
+    console.print(
+        f"{lm}: prompt {s.prompt_tokens} tokens, prefill {s.prefill_tokens_per_second:.1f} tok/s; "
+        f"{s.new_tokens} new tokens, decode {s.decode_tokens_per_second:.1f} tok/s",
+        markup=False,
+    )
+    return 0

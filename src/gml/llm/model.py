@@ -1,0 +1,242 @@
+"""GML's decoder: the captured layers (:mod:`gml.llm.spec`) run over a KV cache that GML owns.
+
+**KV cache.** One preallocated tensor ``[layers, 2, batch, kv_heads, max_length, head_dim]`` (fp32 or
+bf16; index 0 = keys after RoPE, 1 = values). A forward step writes the new positions'
+keys/values at ``[start, start + L)`` and attends over ``[0, start + L)``; nothing is reallocated
+while generating. Sliding-window layers keep every position too and mask the ones out of their
+window (simple, and exact; a ring buffer would save memory on long contexts).
+
+**Attention.** ``torch.ops.gml.attention`` (SDPA semantics). Grouped-query attention without copying
+K/V: the ``G = heads / kv_heads`` query heads sharing a KV head are laid out as ``G * L`` query rows
+of that KV head, with the mask repeated per group. Decode (``L = 1``) of a full-attention layer needs
+no mask at all.
+
+**Linears.** Each matrix is a :class:`LinearOp`: fp32 ``F.linear``, bf16 weights (``F.linear`` in
+bf16, fp32 out), or ``torch.ops.gml.woq_linear`` (INT8 / INT4 weights, fp32 activations) on the native
+kernel ``kernel`` names (native/woq.h, via :mod:`gml.kernels.woq`) or, with ``kernel=None``, on the
+op's reference kernel. The LM head runs on the last position only when the caller asks for it (decode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gml.ir.attention import attention_op
+from gml.ir.llm_ops import QuantizedWeight, quantize_weight, woq_linear
+from gml.kernels.woq import native_supports, woq_linear_native
+from gml.llm.spec import CapturedLM, LayerWeights, Linear, ModelSpec, Norm
+
+
+class LinearOp:
+    """One matrix of the model in its run-time storage (fp32, bf16 or weight-only quantized)."""
+
+    def __init__(
+        self, lin: Linear, weights: str, group_size: int = 32, symmetric: bool = True, kernel: str | None = None
+    ) -> None:
+        self.bias = lin.bias
+        self.out_features, self.in_features = lin.weight.shape
+        self.weight: torch.Tensor | None = None
+        self.qweight: QuantizedWeight | None = None
+        if weights == "fp32":
+            self.weight = lin.weight
+        elif weights == "bf16":
+            self.weight = lin.weight.to(torch.bfloat16)
+        elif weights == "int8":
+            self.qweight = quantize_weight(lin.weight, 8)
+        elif weights == "int4":
+            self.qweight = quantize_weight(lin.weight, 4, group_size, symmetric)
+        else:
+            raise ValueError(f"weights={weights!r}")
+        # the native kernel's ISA (gml.kernels.woq), or None: the op's reference kernel
+        self.kernel = kernel if self.qweight is not None and native_supports(self.qweight) else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return woq_linear_native(x, self.qweight, self.bias, self.kernel)
+        if self.qweight is not None:
+            return woq_linear(x, self.qweight, self.bias)
+        if self.weight.dtype == torch.bfloat16:
+            bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+            return F.linear(x.to(torch.bfloat16), self.weight, bias).float()
+        return F.linear(x, self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        if self.qweight is not None:
+            return self.qweight.nbytes()
+        return self.weight.numel() * self.weight.element_size()
+
+
+class KVCache:
+    """``data: [layers, 2, batch, kv_heads, max_length, head_dim]``, preallocated."""
+
+    def __init__(self, spec: ModelSpec, batch: int, max_length: int, dtype: torch.dtype) -> None:
+        self.data = torch.zeros(spec.num_layers, 2, batch, spec.num_kv_heads, max_length, spec.head_dim, dtype=dtype)
+        self.length = 0  # positions [0, length) are filled
+
+    @property
+    def max_length(self) -> int:
+        return self.data.shape[4]
+
+    @property
+    def batch(self) -> int:
+        return self.data.shape[2]
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def _norm(x: torch.Tensor, n: Norm, spec: ModelSpec) -> torch.Tensor:
+    if spec.norm == "layer":
+        return F.layer_norm(x, (x.shape[-1],), n.weight, n.bias, spec.norm_eps)
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + spec.norm_eps)
+    return y * (1.0 + n.weight) if spec.norm_plus_one else y * n.weight
+
+
+def _act(x: torch.Tensor, name: str) -> torch.Tensor:
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.relu(x)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x: [B, h, L, D]``, ``cos/sin: [L, R]`` (R <= D: partial rotary rotates the first R dims)."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
+    rotated = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return rotated if xp.shape[-1] == 0 else torch.cat((rotated, xp), dim=-1)
+
+
+class Layer:
+    def __init__(self, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None) -> None:
+        self.w = w
+        self.qkv = LinearOp(w.qkv, weights, group_size, symmetric, kernel)
+        self.o = LinearOp(w.o, weights, group_size, symmetric, kernel)
+        self.up = LinearOp(w.up, weights, group_size, symmetric, kernel)
+        self.down = LinearOp(w.down, weights, group_size, symmetric, kernel)
+        # Keep the norms, drop the fp32 matrices now held by the LinearOps.
+        w.qkv = w.o = w.up = w.down = None  # type: ignore[assignment]
+
+    def linears(self) -> list[LinearOp]:
+        return [self.qkv, self.o, self.up, self.down]
+
+
+class Decoder:
+    """Runs a :class:`CapturedLM` with weights in ``fp32 | bf16 | int8 | int4``."""
+
+    def __init__(
+        self,
+        lm: CapturedLM,
+        weights: str,
+        *,
+        group_size: int = 32,
+        symmetric: bool = True,
+        lm_head_weights: str | None = None,
+        kernel: str | None = None,
+    ) -> None:
+        self.spec = lm.spec
+        self.kernel = kernel
+        self.weights = weights
+        self.embed = lm.embed.to(torch.bfloat16) if weights == "bf16" else lm.embed
+        self.positions = lm.positions
+        self.final_norm = lm.final_norm
+        self.rope = lm.rope
+        self.layers = [Layer(w, weights, group_size, symmetric, kernel) for w in lm.layers]
+        self.lm_head = LinearOp(lm.lm_head, lm_head_weights or weights, group_size, symmetric, kernel)
+        self.layer_types = [
+            "sliding_attention" if win is not None else "full_attention" for win in self.spec.sliding_windows
+        ]
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights a decode step reads (the matrices and the LM head; not the embedding table)."""
+        return sum(op.nbytes() for layer in self.layers for op in layer.linears()) + self.lm_head.nbytes()
+
+    def _rope_table(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.rope) == 1:
+            return next(iter(self.rope.values()))
+        key = self.layer_types[layer_index]
+        return self.rope.get(key) or self.rope["full_attention"]
+
+    @staticmethod
+    def _mask(start: int, length: int, total: int, window: int | None, groups: int) -> torch.Tensor | None:
+        """Bool ``[groups * length, total]``: query at ``start + i`` sees keys ``j <= start + i`` (and
+        ``j > start + i - window``). ``None`` when every key is visible (decode, full attention)."""
+        if length == 1 and (window is None or total <= window):
+            return None
+        q = torch.arange(start, start + length)[:, None]
+        k = torch.arange(total)[None, :]
+        mask = k <= q
+        if window is not None:
+            mask &= k > q - window
+        return mask.repeat(groups, 1)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
+        """Run positions ``[cache.length, cache.length + L)`` of ``ids: [B, L]``; returns fp32 logits
+        ``[B, L, V]`` (``[B, 1, V]`` with ``last_only``) and advances the cache."""
+        spec = self.spec
+        b, n = ids.shape
+        start = cache.length
+        end = start + n
+        h = F.embedding(ids, self.embed).float()
+        if spec.embed_scale != 1.0:
+            h = h * torch.tensor(spec.embed_scale, dtype=self.embed.dtype).float()
+        if self.positions is not None:
+            h = h + self.positions[start:end]
+        heads, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        groups = heads // kv
+        masks: dict[int | None, torch.Tensor | None] = {}
+        attend = attention_op()
+        for i, layer in enumerate(self.layers):
+            w = layer.w
+            a = _norm(h, w.attn_in_norm, spec)
+            qkv = layer.qkv(a)
+            q = qkv[..., : heads * d].reshape(b, n, heads, d).transpose(1, 2)
+            k = qkv[..., heads * d : (heads + kv) * d].reshape(b, n, kv, d).transpose(1, 2)
+            v = qkv[..., (heads + kv) * d :].reshape(b, n, kv, d).transpose(1, 2)
+            if w.q_norm is not None:
+                q, k = _norm(q, w.q_norm, spec), _norm(k, w.k_norm, spec)
+            if spec.rotary_dim:
+                cos, sin = self._rope_table(i)
+                q = _rope(q, cos[start:end], sin[start:end])
+                k = _rope(k, cos[start:end], sin[start:end])
+            cache.data[i, 0, :, :, start:end] = k
+            cache.data[i, 1, :, :, start:end] = v
+            keys = cache.data[i, 0, :, :, :end]
+            values = cache.data[i, 1, :, :, :end]
+            if keys.dtype != torch.float32:
+                keys, values = keys.float(), values.float()
+            window = spec.sliding_windows[i]
+            if window not in masks:
+                masks[window] = self._mask(start, n, end, window, groups)
+            # [B, heads, L, D] -> [B, kv, G*L, D]: the G query heads of a KV head as G*L rows.
+            qg = q.reshape(b, kv, groups * n, d)
+            o = attend(qg, keys, values, masks[window], spec.attn_scale, False)
+            o = o.reshape(b, heads, n, d).transpose(1, 2).reshape(b, n, heads * d)
+            o = layer.o(o)
+            if w.attn_out_norm is not None:
+                o = _norm(o, w.attn_out_norm, spec)
+            h = h + o
+            m = _norm(h, w.mlp_in_norm, spec)
+            if spec.gated_mlp:
+                gate, up = layer.up(m).chunk(2, dim=-1)
+                m = _act(gate, spec.activation) * up
+            else:
+                m = _act(layer.up(m), spec.activation)
+            m = layer.down(m)
+            if w.mlp_out_norm is not None:
+                m = _norm(m, w.mlp_out_norm, spec)
+            h = h + m
+        cache.length = end
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(_norm(h, self.final_norm, spec))
+        if spec.final_logit_softcap is not None:
+            cap = spec.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

@@ -1,0 +1,71 @@
+"""torch.ops.gml.woq_linear: the weight format, exact integer arithmetic, the quantizer's error bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gml.ir.llm_ops import (
+    check_format,
+    dequantize_weight,
+    integer_weight,
+    quantize_weight,
+    unpack_int4,
+    woq_linear,
+    woq_linear_op,
+)
+
+
+def test_int4_packing_low_nibble_first():
+    w = torch.tensor([[-8.0, 7.0, 0.0, 1.0] * 8])  # amax 8 -> scale 8/7
+    qw = quantize_weight(w, 4, 32)
+    assert qw.qweight.dtype == torch.uint8 and qw.qweight.shape == (1, 16)
+    q = unpack_int4(qw.qweight)
+    for i in range(4):  # value k of the row is nibble (k % 2) of byte k // 2
+        byte = int(qw.qweight[0, i // 2])
+        assert int(q[0, i]) == (byte >> (4 * (i % 2))) & 0xF
+    assert integer_weight(qw.qweight, None, 4, 32)[0, :4].tolist() == [-7, 6, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("bits", "group", "symmetric"), [(8, None, True), (4, 32, True), (4, 64, False), (4, 128, True)]
+)
+def test_woq_linear_is_exact_integer_arithmetic(bits, group, symmetric):
+    # Integer activations and power-of-two scales: every product and partial sum is an exact fp32
+    # integer multiple of the scale, so the op must equal the int64 dot products exactly.
+    torch.manual_seed(0)
+    n, k = 24, 256
+    qw = quantize_weight(torch.randn(n, k), bits, group, symmetric)
+    scales = torch.full_like(qw.scales, 0.25)
+    x = torch.randint(-20, 21, (3, k)).float()
+    wi = integer_weight(qw.qweight, qw.zeros, bits, qw.group_size).long()
+    exact = (x.long() @ wi.t()).float() * 0.25
+    got = woq_linear_op()(x, qw.qweight, scales, qw.zeros, None, bits, qw.group_size)
+    assert torch.equal(got, exact)
+
+
+@pytest.mark.parametrize(("bits", "group", "symmetric"), [(8, None, True), (4, 32, True), (4, 32, False)])
+def test_quantization_error_is_half_a_step(bits, group, symmetric):
+    torch.manual_seed(1)
+    w = torch.randn(16, 128) * 0.1
+    qw = quantize_weight(w, bits, group, symmetric)
+    step = qw.scales.repeat_interleave(qw.group_size, dim=1)
+    err = (dequantize_weight(*qw) - w).abs()
+    assert (err <= step / 2 + 1e-7).all()
+
+
+def test_woq_linear_matches_dequantized_linear_with_bias():
+    torch.manual_seed(2)
+    qw = quantize_weight(torch.randn(40, 64), 4, 32, symmetric=False)
+    x, b = torch.randn(2, 5, 64), torch.randn(40)
+    ref = torch.nn.functional.linear(x, dequantize_weight(*qw), b)
+    torch.testing.assert_close(woq_linear(x, qw, b), ref)
+
+
+def test_format_reasons():
+    assert check_format(4, 48, 96) == "4-bit group_size 48 is not one of (32, 64, 128)"
+    assert "per output channel" in check_format(8, 32, 64)
+    assert "does not divide" in check_format(4, 64, 96)
+    assert check_format(3, 32, 64).startswith("bits=3")
+    with pytest.raises(ValueError, match="symmetric"):
+        quantize_weight(torch.randn(4, 32), 8, symmetric=False)
