@@ -175,6 +175,7 @@ def ov_category(node_type: str) -> str:
 def bf16_ceiling(threads: int) -> tuple[float, str]:
     """The best bf16 GMAC/s of cache-resident inner products planned by the engine (fp32 dst)."""
     from gml.runtime import native
+    from gml.runtime.plan_steps import describe
 
     eng = native.load()
     best, impl = 0.0, ""
@@ -183,8 +184,8 @@ def bf16_ceiling(threads: int) -> tuple[float, str]:
         w = torch.randn(n, k).bfloat16()
         src = plan.add_value([m, k], [k, 1], "bf16", 1, 0, 0)
         dst = plan.add_value([m, n], [n, 1], "f32", 2, 0, 0)
-        plan.inner_product(src, dst, weight=w.data_ptr(), wdims=[n, k], wdtype="bf16", w_scales=[1.0], bias=0,
-                           src_q=None, dst_q=None, eltwise=[], name="peak")  # fmt: skip
+        plan.add(describe(eng.InnerProductStep, src=src, dst=dst, weight=w.data_ptr(), wdims=[n, k], wdtype="bf16",
+                          w_scales=[1.0], name="peak"))  # fmt: skip
         plan.finalize(0)
         x, y = torch.randn(m, k).bfloat16(), torch.empty(m, n)
         for _ in range(100):

@@ -149,6 +149,7 @@ def test_engine_conv_step_refuses_bad_geometry():
     """The native step builder itself (defence in depth): a stride of 0 or a channel mismatch is a
     ValueError from the engine, before oneDNN sees it."""
     from gml.runtime import native
+    from gml.runtime.plan_steps import describe
 
     eng = native.load()
     w = torch.randn(4, 3, 3, 3)
@@ -157,8 +158,8 @@ def test_engine_conv_step_refuses_bad_geometry():
         src = plan.add_value([1, cin, 8, 8], [cin * 64, 64, 8, 1], "f32", 0, 0, 0)
         dst = plan.add_value([1, 4, 6, 6], [144, 36, 6, 1], "f32", 0, 0, 0)
         with pytest.raises(ValueError, match="gml engine: conv"):
-            plan.conv(src, dst, w.data_ptr(), [4, 3, 3, 3], "f32", [], 0, strides, [0, 0], [0, 0], [0, 0], 1,
-                      None, None, None, [], "c")  # fmt: skip
+            plan.add(describe(eng.ConvStep, src=src, dst=dst, weight=w.data_ptr(), wdims=[4, 3, 3, 3], strides=strides,
+                              dilation=[0, 0], pad_l=[0, 0], pad_r=[0, 0], name="c"))  # fmt: skip
 
 
 def test_save_to_a_full_disk_is_an_error_and_leaves_nothing(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gml.runtime import native
+from gml.runtime.plan_steps import describe
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import bf16_ops
@@ -56,8 +57,8 @@ def test_engine_verbose_captures_each_calls_primitives_and_restores_stdout(capfd
     w, x, y = torch.randn(16, 8), torch.randn(4, 8), torch.empty(4, 16)
     src = plan.add_value([4, 8], [8, 1], "f32", 1, 0, 0)
     dst = plan.add_value([4, 16], [16, 1], "f32", 2, 0, 0)
-    plan.inner_product(src, dst, weight=w.data_ptr(), wdims=[16, 8], wdtype="f32", w_scales=[1.0], bias=0,
-                       src_q=None, dst_q=None, eltwise=[], name="ip")  # fmt: skip
+    plan.add(describe(eng.InnerProductStep, src=src, dst=dst, weight=w.data_ptr(), wdims=[16, 8], w_scales=[1.0],
+                      name="ip"))  # fmt: skip
     plan.finalize(0)
     calls = bf16_ops.EngineVerbose().calls(lambda: plan.run([x.data_ptr()], [y.data_ptr()], 1), 2)
     assert len(calls) == 2

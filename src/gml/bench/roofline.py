@@ -75,6 +75,7 @@ def measure_engine_peak(threads: int, *, reps: int = 10, scale: float = 1.0) -> 
     run by the native engine, as GML's INT8 / fp32 graphs run. Raises :class:`~gml.errors.
     UnsupportedError` when the engine is not built."""
     from gml.runtime import native
+    from gml.runtime.plan_steps import describe
 
     eng = native.load()
     isa = eng.cpu_isa()
@@ -100,10 +101,10 @@ def measure_engine_peak(threads: int, *, reps: int = 10, scale: float = 1.0) -> 
         src = plan.add_value([n, n], [n, 1], sname, 1, 0, 0)
         dst = plan.add_value([n, n], [n, 1], "f32", 2, 0, 0)
         try:
-            plan.inner_product(
-                src, dst, weight=w.data_ptr(), wdims=[n, n], wdtype=wname, w_scales=[1.0], bias=0,
-                src_q=(1.0, 0) if precision == "int8" else None, dst_q=None, eltwise=[], name=precision,
-            )  # fmt: skip
+            plan.add(describe(
+                eng.InnerProductStep, src=src, dst=dst, weight=w.data_ptr(), wdims=[n, n], wdtype=wname,
+                w_scales=[1.0], src_q=(1.0, 0) if precision == "int8" else None, name=precision,
+            ))  # fmt: skip
         except (RuntimeError, ValueError):  # this oneDNN has no such primitive here
             continue
         plan.finalize(0)

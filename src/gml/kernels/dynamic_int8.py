@@ -12,7 +12,7 @@ linear layer with int8 weights (symmetric, one scale per output channel, quantiz
 * ``y[t, o] = post_op(((float(acc) * (weight_scale[o] / 127)) * amax[t]) + bias[o])``, each operation
   one fp32 rounding, in that order — the order oneDNN's matmul applies a per-output-channel weight
   scale, a binary-mul post-op and a binary-add post-op, so the native engine
-  (native/engine.cpp, ``Plan::dynamic_linear``) computes the same integers and the same fp32
+  (native/dynamic_linear.h, ``DynamicLinearStep``) computes the same integers and the same fp32
   operations. (``weight_scale[o] / 127 * amax[t]`` is ``s_w[o] * s_x[t]`` with
   ``s_x[t] = amax[t] / 127``.)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gml.errors import InputError
 
-#: ``winograd`` values and what the engine gets for them (native/engine.cpp ``try_winograd``):
+#: ``winograd`` values and what the engine gets for them (native/conv.h ``try_winograd``):
 #: Winograd F(2x2, 3x3) for eligible fp32 / bf16 3x3 stride-1 convs never, always, or when timed
 #: faster than the direct conv at plan build (the default; docs/adr/010-winograd-conv.md).
 WINOGRAD_MODES = {"0": 0, "1": 1, "auto": 2}

@@ -38,6 +38,7 @@ from torch import fx
 
 from gml.ir.target import Target
 from gml.runtime.options import EngineOptions
+from gml.runtime.plan_steps import EMITTERS, EmitContext, Unsupported, dtype_name
 
 #: A uint8 value's (scale, zero point), or None for fp32.
 QP = tuple[float, int] | None
@@ -47,29 +48,8 @@ Eltwise = list[tuple[str, float, float]]
 PostOps = Sequence[tuple[str, float, float, "Val | None"]]
 
 
-class Unsupported(Exception):
-    """The engine has no kernel for this node (or this shape of it); the message says why."""
-
-
-#: torch.bool is u8 (the same bytes: 0 / 1), read only as an attention mask (gml.runtime.rules.attention)
-# int64: token ids, read only by the embedding kernel (Builder.embedding)
-_DTYPES = {
-    torch.uint8: "u8",
-    torch.int8: "s8",
-    torch.float32: "f32",
-    torch.bfloat16: "bf16",
-    torch.bool: "u8",
-    torch.int64: "s64",
-}
 _ITEMSIZE = {"f32": 4, "bf16": 2, "s64": 8}
 ALIGN = 64
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPES.get(dtype)
-    if name is None:
-        raise Unsupported(f"{dtype} tensors")
-    return name
 
 
 #: The layout of free fp32 values (see the module docstring): ``"nhwc"`` (dense channels-last, what
@@ -311,7 +291,7 @@ class Builder:
             other = t
         self._join(out, other, 0)
 
-    # ------------------------------------------------------------ steps (names as in native/engine.cpp)
+    # ------------------------------------------------------------ steps (native plan: gml.runtime.plan_steps)
     def _step(self, method: str, reads: list[Val], writes: list[Val], **kwargs: Any) -> None:
         self.steps.append(Step(method, reads, writes, kwargs, self.node_name))
 
@@ -393,7 +373,7 @@ class Builder:
         n = dst.shape[1]
         q = self.temp((m, k), (k, 1), "s8")
         amax = self.temp((m, 1), (1, 1), "f32")
-        # the native matmul is planned 3-D ([1, M, K] x [1, K, N]; native/engine.cpp says why): views
+        # the native matmul is planned 3-D ([1, M, K] x [1, K, N]; native/dynamic_linear.h says why): views
         q3, amax3 = self.view(q, (1, m, k), (m * k, k, 1)), self.view(amax, (1, m, 1), (m, 1, 1))
         dst3 = self.view(dst, (1, m, n), (m * dst.stride[0], dst.stride[0], dst.stride[1]))
         reads = [src]
@@ -455,7 +435,7 @@ class Builder:
     def concat(self, srcs: list[Val], dst: Val, axis: int) -> None:
         self._step("concat", list(srcs), [dst], axis=axis)
 
-    # transformer ops (native/engine.cpp: matmul, softmax, layer_norm)
+    # transformer ops (native/linear.h: matmul; native/eltwise.h: softmax, layer_norm)
     def matmul(
         self,
         src: Val,
@@ -490,7 +470,7 @@ class Builder:
         index_dims: tuple[int, ...] = (),
         index_strides: tuple[int, ...] = (),
     ) -> None:
-        """A padding mask's integer / bool arithmetic (native/engine.cpp ``mask_op``): ``ne0``,
+        """A padding mask's integer / bool arithmetic (native/shape.h ``MaskOpStep``): ``ne0``,
         ``and`` or ``index`` into the dense ``dst``, each source read through ``strides`` (dst's
         rank, in elements, 0 along a broadcast dim)."""
         self._step(
@@ -598,7 +578,7 @@ class Builder:
         for v in ids:
             if v.tie is not None and not _fixed_free_layout(v):  # a fixed layout: the same strides
                 plan.tie(ids[v], ids[v.tie])
-        self._emit_steps(plan, ids)
+        self._emit_steps(plan, ids, native)
         for v in ids:
             if v.free:
                 v.layout_bytes = int(plan.value_bytes(ids[v]))
@@ -615,152 +595,8 @@ class Builder:
             v.ref = None  # the executor's tensors were for layouts only
         return plan
 
-    def _emit_steps(self, plan: Any, ids: dict[Val, int]) -> None:
-        winograd = self.options.winograd_mode
-        exact_gemm = exact_int8_gemm(self.target)
+    def _emit_steps(self, plan: Any, ids: dict[Val, int], native: Any) -> None:
+        """Each step as its family's typed description (gml.runtime.plan_steps, native/*.h)."""
+        cx = EmitContext(native, ids, self.options.winograd_mode, exact_int8_gemm(self.target), self.target.native_bf16)
         for s in self.steps:
-            kw = dict(s.kwargs)
-            if s.method in ("conv", "inner_product"):
-                w, scales, bias = kw.pop("weight"), kw.pop("w_scales"), kw.pop("bias")
-                w = w.contiguous()
-                bias = None if bias is None else bias.detach().float().contiguous()
-                common = dict(
-                    weight=w.data_ptr(),
-                    wdims=list(w.shape),
-                    wdtype=dtype_name(w.dtype),
-                    w_scales=[float(x) for x in scales.flatten()],
-                    bias=0 if bias is None else bias.data_ptr(),
-                    src_q=kw.pop("src_q"),
-                    dst_q=kw.pop("dst_q"),
-                    eltwise=kw.pop("eltwise"),
-                    name=s.name,
-                )
-                if s.method == "conv":
-                    plan.conv(
-                        ids[s.reads[0]],
-                        ids[s.writes[0]],
-                        strides=list(kw["stride"]),
-                        dilation=list(kw["dilation"]),
-                        pad_l=list(kw["pad_l"]),
-                        pad_r=list(kw["pad_r"]),
-                        groups=int(kw["groups"]),
-                        sum=kw["sum_q"],
-                        nthreads=torch.get_num_threads(),  # the team the Winograd choice is timed with
-                        winograd=winograd,
-                        native_bf16=self.target.native_bf16,
-                        **common,
-                    )
-                else:
-                    plan.inner_product(ids[s.reads[0]], ids[s.writes[0]], **common)
-            elif s.method == "dynamic_linear":
-                w = kw["weight"].contiguous()
-                keep = [w, kw["bias"]]  # alive until the native plan has copied them
-                bias = kw["bias"]
-                plan.dynamic_linear(
-                    ids[s.reads[0]],
-                    ids[s.writes[0]],
-                    ids[s.writes[1]],
-                    ids[s.writes[2]],
-                    weight=w.data_ptr(),
-                    wdims=list(w.shape),
-                    w_scales=[float(x) for x in kw["w_scales"].flatten()],
-                    bias=0 if bias is None else bias.data_ptr(),
-                    smooth_inv=[] if kw["smooth_inv"] is None else [float(x) for x in kw["smooth_inv"].flatten()],
-                    eltwise=kw["eltwise"],
-                    name=s.name,
-                    sum_src=ids[s.reads[1]] if len(s.reads) > 1 else -1,
-                    exact_gemm=exact_gemm,
-                )
-                del keep
-            elif s.method == "reorder":
-                plan.reorder(ids[s.reads[0]], ids[s.writes[0]], kw["src_q"], kw["dst_q"], s.name)
-            elif s.method == "pool":
-                plan.pool(
-                    ids[s.reads[0]],
-                    ids[s.writes[0]],
-                    kw["alg"],
-                    list(kw["kernel"]),
-                    list(kw["stride"]),
-                    list(kw["dilation"]),
-                    list(kw["pad_l"]),
-                    list(kw["pad_r"]),
-                    kw["eltwise"],
-                    s.name,
-                )
-            elif s.method == "binary":
-                plan.binary(
-                    ids[s.reads[0]],
-                    ids[s.reads[1]],
-                    ids[s.writes[0]],
-                    kw["alg"],
-                    kw["scale0"],
-                    kw["scale1"],
-                    kw["eltwise"],
-                    s.name,
-                )
-            elif s.method == "concat":
-                plan.concat([ids[v] for v in s.reads], ids[s.writes[0]], kw["axis"], s.name)
-            elif s.method == "embedding":
-                w = s.kwargs["weight"].detach()
-                plan.keep.append(w)  # the native step reads its rows in place
-                plan.embedding(
-                    ids[s.reads[0]], ids[s.writes[0]], w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), s.name
-                )
-            elif s.method == "mask_op":
-                plan.mask_op(
-                    s.kwargs["op"],
-                    [ids[v] for v in s.reads],
-                    ids[s.writes[0]],
-                    [list(st) for st in s.kwargs["strides"]],
-                    list(s.kwargs["index_dims"]),
-                    list(s.kwargs["index_strides"]),
-                    s.name,
-                )
-            elif s.method == "attention":
-                plan.attention(
-                    *(ids[v] for v in s.reads[:3]),
-                    ids[s.writes[0]],
-                    [ids[v] for v in s.reads[3:]],
-                    float(s.kwargs["scale"]),
-                    s.name,
-                )
-            elif s.method in ("matmul", "softmax", "layer_norm"):
-                _emit_transformer_step(plan, ids, s)
-            else:  # pragma: no cover - the Builder only records the methods above
-                raise AssertionError(s.method)
-
-
-def _f32_param(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().float().contiguous()
-
-
-def _emit_transformer_step(plan: Any, ids: dict[Val, int], s: Step) -> None:
-    """The native call of a matmul / softmax / layer_norm step (Builder.matmul, ...)."""
-    kw = s.kwargs
-    if s.method == "softmax":
-        plan.softmax(ids[s.reads[0]], ids[s.writes[0]], int(kw["axis"]), s.name)
-    elif s.method == "layer_norm":
-        gamma, beta = _f32_param(kw["gamma"]), _f32_param(kw["beta"])
-        plan.layer_norm(
-            ids[s.reads[0]],
-            ids[s.writes[0]],
-            0 if gamma is None else gamma.data_ptr(),
-            0 if beta is None else beta.data_ptr(),
-            float(kw["eps"]),
-            s.name,
-        )
-    else:
-        w, bias = kw["weight"], _f32_param(kw["bias"])
-        post = [(alg, float(a), float(b), -1 if v is None else ids[v]) for alg, a, b, v in kw["post"]]
-        plan.matmul(
-            ids[s.reads[0]],
-            -1 if kw["wei"] is None else ids[kw["wei"]],
-            ids[s.writes[0]],
-            0 if w is None else w.data_ptr(),
-            [] if w is None else list(w.shape),
-            [] if w is None else list(w.stride()),
-            "f32" if w is None else dtype_name(w.dtype),
-            0 if bias is None else bias.data_ptr(),
-            post,
-            s.name,
-        )
+            EMITTERS[s.method](plan, cx, s)

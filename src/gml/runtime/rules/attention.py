@@ -1,7 +1,7 @@
 """Translation rules: attention (``gml.attention``) and the padding-mask arithmetic that feeds it
 (#15 / #14). With the transformer rows of the other families (LayerNorm and float adds:
 gml.runtime.rules.eltwise; split and Embedding: gml.runtime.rules.shape) they write the engine's
-transformer steps (``Builder.layer_norm`` / ``matmul`` / ``softmax``, native/engine.cpp):
+transformer steps (``Builder.layer_norm`` / ``matmul`` / ``softmax``, native/eltwise.h, native/linear.h):
 
 ==========================  ========================================================================
 node                        engine steps

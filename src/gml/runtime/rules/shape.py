@@ -188,7 +188,7 @@ def check_embedding(c: Call) -> str | None:
 
 
 def emit_embedding(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    """One gather step (native/engine.cpp ``embedding``): the word-embedding lookup of a token-id
+    """One gather step (native/shape.h ``EmbeddingStep``): the word-embedding lookup of a token-id
     model in the same plan as the encoder (it was a torch call between engine segments)."""
     ids, w = ins[0], c.a.weight
     if ids.dtype_name != "s64":

@@ -1,0 +1,229 @@
+// GML engine, the convolution step family: oneDNN's direct convolution (INT8, fp32, bf16) and, for
+// eligible fp32 / bf16 3x3 convs, GML's Winograd F(2x2, 3x3) (winograd.h) when it is measured faster.
+// Python fills a ConvStep (gml/runtime/plan_steps.py, conv_step) and calls Plan.add(step).
+#pragma once
+
+#include "plan.h"
+#include "winograd.h"
+
+namespace gml_engine {
+
+// One convolution: src / dst value ids, the caller's weight tensor (copied here, never kept) and the
+// geometry in oneDNN's terms (dilation 0 = dense; pad_r may be negative, see check_conv_geometry).
+struct ConvStep {
+  int src = -1, dst = -1;
+  uintptr_t weight = 0;  // contiguous [O, I/groups, k...]
+  Dims wdims;
+  std::string wdtype = "f32";      // "s8": INT8 (u8 src), "f32" or "bf16"
+  std::vector<float> w_scales;     // INT8: one per tensor or per output channel
+  uintptr_t bias = 0;              // O fp32 values, or 0
+  Dims strides, dilation, pad_l, pad_r;
+  int64_t groups = 1;
+  QP src_q, dst_q;                 // INT8: (scale, zero point) of the source / destination
+  QP sum;                          // residual accumulated into dst: (scale, zero point) of oneDNN's sum post-op
+  Eltwise eltwise;                 // fused post-ops after the sum
+  std::string name;
+  int nthreads = 0;                // the OpenMP team the Winograd choice is timed with (0: the current)
+  int winograd = 0;                // 0 never, 1 always (if eligible), 2 when timed faster (GML_WINOGRAD)
+  bool native_bf16 = false;        // the CPU has bf16 dot products (Winograd's bf16 matmul)
+};
+
+
+// A conv's geometry, checked before oneDNN sees it (a crafted graph's stride of 0 made a division by
+// zero, issue #24): one entry per spatial dim; strides >= 1; dilation (oneDNN's: 0 = dense) and
+// left padding >= 0; groups >= 1 dividing both channel counts; source / weight / destination agreeing
+// on channels and batch; the output size the geometry gives.
+inline void check_conv_geometry(const memory::desc& src, const memory::desc& dst, const Dims& wdims,
+                                const Dims& strides, const Dims& dilation, const Dims& pad_l, const Dims& pad_r,
+                                int64_t groups) {
+  const size_t nsp = wdims.size() - 2;
+  auto bad = [](const std::string& what) { throw std::invalid_argument("gml engine: conv " + what); };
+  if (strides.size() != nsp || dilation.size() != nsp || pad_l.size() != nsp || pad_r.size() != nsp)
+    bad("geometry of another rank than the weight's spatial dims");
+  if (src.get_ndims() != static_cast<int>(nsp) + 2) bad("source of another rank than the weight");
+  if (groups < 1) bad("groups must be >= 1");
+  for (int64_t d : wdims)
+    if (d < 1) bad("weight with an empty dim");
+  if (wdims[0] % groups != 0) bad("output channels not divisible by groups");
+  const memory::dims sd = src.get_dims();
+  if (sd[1] != wdims[1] * groups) bad("source channels do not match the weight's input channels x groups");
+  const bool dst_known = dst.get_ndims() == src.get_ndims();
+  const memory::dims dd = dst_known ? dst.get_dims() : memory::dims();
+  if (dst_known && (dd[0] != sd[0] || dd[1] != wdims[0])) bad("destination batch / channels do not match");
+  for (size_t i = 0; i < nsp; ++i) {
+    if (strides[i] < 1) bad("stride must be >= 1");
+    // pad_r may be negative: the plan sets it so the geometry gives the executor's output size
+    // (oneDNN takes that: a stride-2 conv whose last window would start past the input)
+    if (dilation[i] < 0 || pad_l[i] < 0) bad("dilation and left padding must be >= 0");
+    const int64_t span = (wdims[2 + i] - 1) * (dilation[i] + 1) + 1;
+    const int64_t out = (sd[2 + i] + pad_l[i] + pad_r[i] - span) / strides[i] + 1;
+    if (dst_known && sd[0] > 0 && dd[2 + i] != out) bad("destination size does not match the geometry");
+  }
+}
+
+// Times ``direct`` and ``conv`` alternately on zero-filled dummy buffers (one warm-up call each,
+// then the best of 3): whether Winograd takes at most 0.9x the direct conv's time.
+inline bool winograd_faster(const gml_winograd::Conv& conv, const memory::desc& s, const memory::desc& d,
+                            const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
+                            const memory::desc& direct_scratch, int nthreads) {
+  if (nthreads > 0) omp_set_num_threads(nthreads);
+  auto src = aligned_buffer(s.get_size()), dst = aligned_buffer(d.get_size());
+  const size_t scratch_bytes = std::max(conv.scratch_bytes(), direct_scratch.get_size());
+  auto scratch = aligned_buffer(scratch_bytes);
+  std::memset(src.get(), 0, s.get_size());
+  std::memset(dst.get(), 0, d.get_size());
+  std::memset(scratch.get(), 0, scratch_bytes);
+  std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(s, cpu_engine(), src.get())},
+                                       {DNNL_ARG_DST, memory(d, cpu_engine(), dst.get())}};
+  for (const auto& [arg, m] : consts) args.emplace(arg, m);
+  if (direct_scratch.get_size() > 0)
+    args.emplace(DNNL_ARG_SCRATCHPAD, memory(direct_scratch, cpu_engine(), scratch.get()));
+  dnnl::stream stream(cpu_engine());
+  using clock = std::chrono::steady_clock;
+  double best_direct = 1e30, best_wino = 1e30;
+  for (int rep = 0; rep < 4; ++rep) {
+    auto t0 = clock::now();
+    direct.execute(stream, args);
+    stream.wait();
+    auto t1 = clock::now();
+    conv.run(src.get(), dst.get(), scratch.get());
+    auto t2 = clock::now();
+    if (rep == 0) continue;  // warm-up
+    best_direct = std::min(best_direct, std::chrono::duration<double>(t1 - t0).count());
+    best_wino = std::min(best_wino, std::chrono::duration<double>(t2 - t1).count());
+  }
+  return best_wino <= 0.9 * best_direct;
+}
+
+// An fp32 / bf16 conv as Winograd F(2x2, 3x3) (native/winograd.h, docs/adr/010-winograd-conv.md):
+// for a 2-D 3x3 conv, stride 1, dilation 1, groups 1, padding 1, NHWC dense src and dst of the
+// weights' type, post-ops within winograd.h's Epilogue. GML_WINOGRAD=auto (gml.runtime.plan's
+// winograd_mode) times it against ``direct`` (the oneDNN primitive conv() made, on dummy buffers,
+// ``nthreads`` threads) and takes it when it is at least 10% faster; the choice is cached per
+// problem in the process (``force``: GML_WINOGRAD=1, no timing). Pushes a Kernel step and
+// returns true, or returns false (the caller pushes ``direct``).
+inline bool try_winograd(Plan& p, int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype, uintptr_t bias,
+                  const Dims& strides, const Dims& dilation, const Dims& pad_l, const Dims& pad_r, int64_t groups,
+                  QP sum, const Eltwise& eltwise, const std::string& name, int nthreads, bool force,
+                  bool native_bf16, const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
+                  const memory::desc& direct_scratch) {
+  const memory::desc s = p.md_in(src), d = p.md_in(dst);
+  const dt type = s.get_data_type();
+  gml_winograd::Epilogue epi;
+  if ((type != dt::f32 && type != dt::bf16) || d.get_data_type() != type || parse_dtype(wdtype) != type) return false;
+  if (wdims.size() != 4 || wdims[2] != 3 || wdims[3] != 3 || groups != 1) return false;
+  const memory::dims src_dims = s.get_dims();
+  if (std::any_of(src_dims.begin(), src_dims.end(), [](int64_t d) { return d <= 0; }))
+    return false;  // an empty batch: the direct conv (a no-op in oneDNN); Winograd has no tiles to plan
+  if (strides != Dims{1, 1} || dilation != Dims{0, 0} || pad_l != Dims{1, 1} || pad_r != Dims{1, 1}) return false;
+  if ((sum && sum->second != 0) || !gml_winograd::parse_eltwise(eltwise, epi)) return false;
+  const memory::dims sd = s.get_dims(), dd = d.get_dims();
+  if (sd.size() != 4) return false;
+  const int64_t n = sd[0], c = sd[1], h = sd[2], w = sd[3], k = wdims[0];
+  if (dd != memory::dims{n, k, h, w} || wdims[1] != c || !nhwc_dense(s) || !nhwc_dense(d))
+    return false;
+  if (sum) epi.sum = true, epi.sum_scale = sum->first;
+
+  std::string key = std::to_string(n) + "x" + std::to_string(c) + "x" + std::to_string(h) + "x" +
+                    std::to_string(w) + ">" + std::to_string(k) + (type == dt::f32 ? ":f32" : ":bf16") +
+                    (bias ? ":bias" : "") + (sum ? ":sum" + std::to_string(sum->first) : "") + ":" + isa_name() +
+                    (native_bf16 ? ":nbf16" : "") +
+                    ":t" + std::to_string(nthreads > 0 ? nthreads : omp_get_max_threads());
+  for (const auto& [alg, alpha, beta] : eltwise)
+    key += ":" + alg + std::to_string(alpha) + "," + std::to_string(beta);
+  static std::mutex cache_mu;
+  static std::unordered_map<std::string, bool> cache;  // problem -> Winograd measured faster
+  if (!force) {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    auto it = cache.find(key);
+    if (it != cache.end() && !it->second) return false;
+  }
+  std::shared_ptr<const gml_winograd::Conv> conv;
+  try {
+    conv = std::make_shared<const gml_winograd::Conv>(cpu_engine(), n, c, h, w, k, type,
+                                                       reinterpret_cast<const void*>(weight), type,
+                                                       reinterpret_cast<const float*>(bias), epi, native_bf16);
+  } catch (const dnnl::error&) {
+    return false;  // no matmul for this problem: the direct conv
+  }
+  if (!force) {
+    bool known = false, faster = false;
+    {
+      std::lock_guard<std::mutex> lock(cache_mu);
+      auto it = cache.find(key);
+      if ((known = it != cache.end())) faster = it->second;
+    }
+    if (!known) {
+      faster = winograd_faster(*conv, s, d, direct, consts, direct_scratch, nthreads);
+      std::lock_guard<std::mutex> lock(cache_mu);
+      cache.emplace(key, faster);
+    }
+    if (!faster) return false;
+  }
+  Kernel kernel = [conv](const std::unordered_map<int, memory>& args) {
+    conv->run(args.at(DNNL_ARG_SRC).get_data_handle(), args.at(DNNL_ARG_DST).get_data_handle(),
+              args.at(DNNL_ARG_SCRATCHPAD).get_data_handle());
+  };
+  // the scratchpad holds V, M and the matmul's own scratchpad (per Context: concurrent runs never share it)
+  p.push_kernel(std::move(kernel), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}},
+                memory::desc({static_cast<int64_t>(conv->scratch_bytes())}, dt::u8, memory::format_tag::a), name,
+                conv->impl());
+  return true;
+}
+
+// Convolution, INT8 (u8 src, s8 weights, per-channel or per-tensor weight scales) or fp32.
+// ``weight`` points at a contiguous [O, I/groups, k...] tensor copied (reordered) here, never kept.
+inline void build(Plan& p, const ConvStep& desc) {
+  const int src = desc.src, dst = desc.dst, nthreads = desc.nthreads, winograd = desc.winograd;
+  const uintptr_t weight = desc.weight, bias = desc.bias;
+  const Dims &wdims = desc.wdims, &strides = desc.strides, &dilation = desc.dilation, &pad_l = desc.pad_l,
+             &pad_r = desc.pad_r;
+  const std::string &wdtype = desc.wdtype, &name = desc.name;
+  const std::vector<float>& w_scales = desc.w_scales;
+  const int64_t groups = desc.groups;
+  const QP &src_q = desc.src_q, &dst_q = desc.dst_q, &sum = desc.sum;
+  const Eltwise& eltwise = desc.eltwise;
+  const bool native_bf16 = desc.native_bf16;
+  const memory::desc src_md = p.md_in(src);
+  const memory::desc dst_md = p.md_out(dst);
+  const bool quant = wdtype == "s8";
+  // User weights: [O, I/g, k...] contiguous, as [g, O/g, I/g, k...] when grouped (same bytes).
+  memory::dims wd(wdims.begin(), wdims.end());
+  const int nsp = static_cast<int>(wd.size()) - 2;
+  if (nsp < 1 || nsp > 3) throw std::invalid_argument("gml engine: conv weight must be 3-D to 5-D");
+  check_conv_geometry(src_md, dst_md, wdims, strides, dilation, pad_l, pad_r, groups);
+  if (groups > 1) {
+    wd[0] /= groups;
+    wd.insert(wd.begin(), groups);
+  }
+  memory::desc user_w(wd, parse_dtype(wdtype), plain_strides(wd));
+  memory::desc any_w(wd, parse_dtype(wdtype), memory::format_tag::any);
+  const int64_t oc = wdims[0];
+  memory::desc bias_md = bias ? memory::desc({oc}, dt::f32, memory::format_tag::a) : memory::desc();
+
+  dnnl::primitive_attr attr;
+  dnnl::post_ops po;
+  if (sum) po.append_sum(sum->first, sum->second);
+  append_eltwise(po, eltwise);
+  attr.set_post_ops(po);
+  std::vector<std::pair<int, memory>> consts;
+  if (quant) add_quant_attrs(attr, consts, src_q, dst_q, w_scales, groups > 1 ? 3 : 1);
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+
+  memory::dims st(strides.begin(), strides.end()), dl(dilation.begin(), dilation.end());
+  memory::dims pl(pad_l.begin(), pad_l.end()), pr(pad_r.begin(), pad_r.end());
+  auto pd = dnnl::convolution_forward::primitive_desc(
+      cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, src_md, any_w,
+      bias_md, dst_md, st, dl, pl, pr, attr);
+  p.resolve(dst, pd.dst_desc());
+  consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
+  if (bias) consts.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
+  dnnl::convolution_forward prim(pd);
+  if (!quant && winograd > 0 &&
+      try_winograd(p, src, dst, weight, wdims, wdtype, bias, strides, dilation, pad_l, pad_r, groups, sum, eltwise,
+                   name, nthreads, winograd == 1, native_bf16, prim, consts, pd.scratchpad_desc()))
+    return;
+  p.push(prim, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts), pd.scratchpad_desc(), name);
+}
+
+}  // namespace gml_engine

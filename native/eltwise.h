@@ -1,0 +1,98 @@
+// GML engine, the element-wise step family: oneDNN binary ops (add / mul / max with input scales
+// and eltwise post-ops), softmax and layer normalization.
+// Python fills a BinaryStep / SoftmaxStep / LayerNormStep (gml/runtime/plan_steps.py) and calls
+// Plan.add(step).
+#pragma once
+
+#include "plan.h"
+
+namespace gml_engine {
+
+// dst = eltwise(scale0 * src0 <alg> scale1 * src1), alg "add", "mul" or "max" (a source of size 1 in a
+// dim broadcasts); a scale left empty is 1.
+struct BinaryStep {
+  int src0 = -1, src1 = -1, dst = -1;
+  std::string alg;
+  std::optional<float> scale0, scale1;
+  Eltwise eltwise;
+  std::string name;
+};
+
+// Element-wise binary op: dst = post_ops(scale0 * src0 <alg> scale1 * src1).
+inline void build(Plan& p, const BinaryStep& desc) {
+  const int src0 = desc.src0, src1 = desc.src1, dst = desc.dst;
+  const std::string &alg = desc.alg, &name = desc.name;
+  const std::optional<float> &scale0 = desc.scale0, &scale1 = desc.scale1;
+  const Eltwise& eltwise = desc.eltwise;
+  dnnl::algorithm a;
+  if (alg == "add") a = dnnl::algorithm::binary_add;
+  else if (alg == "mul") a = dnnl::algorithm::binary_mul;
+  else if (alg == "max") a = dnnl::algorithm::binary_max;
+  else throw std::invalid_argument("gml engine: unknown binary op '" + alg + "'");
+  dnnl::primitive_attr attr;
+  dnnl::post_ops po;
+  append_eltwise(po, eltwise);
+  attr.set_post_ops(po);
+  std::vector<std::pair<int, memory>> consts;
+  if (scale0) add_scale(attr, consts, DNNL_ARG_SRC_0, *scale0);
+  if (scale1) add_scale(attr, consts, DNNL_ARG_SRC_1, *scale1);
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  auto pd = dnnl::binary::primitive_desc(cpu_engine(), a, p.md_in(src0), p.md_in(src1), p.md_out(dst), attr);
+  p.resolve(dst, pd.dst_desc());
+  p.push(dnnl::binary(pd), {{DNNL_ARG_SRC_0, src0}, {DNNL_ARG_SRC_1, src1}, {DNNL_ARG_DST, dst}}, std::move(consts),
+         pd.scratchpad_desc(), name);
+}
+
+struct SoftmaxStep {
+  int src = -1, dst = -1, axis = -1;
+  std::string name;
+};
+
+// Softmax along ``axis`` (softmax_accurate: max subtracted, fp32 math); src / dst f32 or bf16.
+inline void build(Plan& p, const SoftmaxStep& desc) {
+  const int src = desc.src, dst = desc.dst, axis = desc.axis;
+  const std::string& name = desc.name;
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  auto pd = dnnl::softmax_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_inference,
+                                                  dnnl::algorithm::softmax_accurate, p.md_in(src), p.md_out(dst),
+                                                  axis, attr);
+  p.resolve(dst, pd.dst_desc());
+  p.push(dnnl::softmax_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, {}, pd.scratchpad_desc(), name);
+}
+
+// gamma / beta: the caller's last-dim fp32 values (copied), or 0.
+struct LayerNormStep {
+  int src = -1, dst = -1;
+  uintptr_t gamma = 0, beta = 0;
+  float eps = 1e-5f;
+  std::string name;
+};
+
+// Layer normalization over the last dim: dst = (src - mean) / sqrt(var + eps) * gamma + beta, the
+// statistics in fp32 whatever the data type (oneDNN's). src / dst f32 or bf16; gamma / beta: the
+// last dim's fp32 values, copied (0: not applied).
+inline void build(Plan& p, const LayerNormStep& desc) {
+  const int src = desc.src, dst = desc.dst;
+  const uintptr_t gamma = desc.gamma, beta = desc.beta;
+  const float eps = desc.eps;
+  const std::string& name = desc.name;
+  const memory::desc src_md = p.md_in(src);
+  const int64_t c = src_md.get_dims().back();
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  auto flags = dnnl::normalization_flags::none;
+  if (gamma) flags |= dnnl::normalization_flags::use_scale;
+  if (beta) flags |= dnnl::normalization_flags::use_shift;
+  auto pd = dnnl::layer_normalization_forward::primitive_desc(
+      cpu_engine(), dnnl::prop_kind::forward_inference, src_md, p.md_out(dst), eps, flags, attr);
+  p.resolve(dst, pd.dst_desc());
+  std::vector<std::pair<int, memory>> consts;
+  const memory::desc param({c}, dt::f32, memory::format_tag::a);
+  if (gamma) consts.emplace_back(DNNL_ARG_SCALE, copy_constant(gamma, param));
+  if (beta) consts.emplace_back(DNNL_ARG_SHIFT, copy_constant(beta, param));
+  p.push(dnnl::layer_normalization_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts),
+         pd.scratchpad_desc(), name);
+}
+
+}  // namespace gml_engine

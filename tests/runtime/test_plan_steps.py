@@ -1,0 +1,40 @@
+"""The engine's step families (gml.runtime.plan_steps ↔ native/*.h): every step the Builder
+records has a function filling its typed description, every description the engine binds is
+filled by one, and a description is filled by field name only."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+from gml.runtime import native, plan, plan_steps
+
+needs_engine = pytest.mark.skipif(native.unavailable_reason() is not None, reason=str(native.unavailable_reason()))
+
+
+def test_every_recorded_step_method_has_an_emitter():
+    recorded = set(re.findall(r'self\._step\(\s*"(\w+)"', inspect.getsource(plan.Builder)))
+    assert recorded == set(plan_steps.EMITTERS)
+
+
+@needs_engine
+def test_every_native_step_description_is_filled_by_one_family_function():
+    eng = native.load()
+    bound = {name for name in dir(eng) if name.endswith("Step")}
+    filled = {
+        name
+        for fn in set(plan_steps.EMITTERS.values())
+        for name in re.findall(r"cx\.native\.(\w+Step)\b", inspect.getsource(fn))
+    }
+    assert filled == bound
+
+
+@needs_engine
+def test_a_description_takes_only_its_own_fields():
+    eng = native.load()
+    step = plan_steps.describe(eng.ReorderStep, src=0, dst=1, src_q=(0.5, 3), name="r")
+    assert (step.src, step.dst, step.src_q, step.dst_q, step.name) == (0, 1, (0.5, 3), None, "r")
+    with pytest.raises(AttributeError):
+        plan_steps.describe(eng.ReorderStep, src=0, dts=1)  # a misspelt field is an error, not ignored
