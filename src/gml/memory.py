@@ -12,13 +12,14 @@
   blocks then come from the heap, whose free pages it does not return on its own. Measured on
   ResNet18 ``gml.optimize``: 500 MB kept without it, 185 MB with it. No-op on other C libraries.
 * :func:`returns_memory`: the decorator ``gml.optimize`` / ``gml.quantize`` / ``gml.load`` (and the
-  INT8 accuracy report) wear: they trim when called and when they return (or raise). Trimming on
-  entry matters for the peak: ``gml.quantize``'s whole-model guard calls ``gml.optimize`` while the
-  pages the INT8 lowering freed are still resident.
+  INT8 accuracy report) wear: they trim when they return (or raise), and on entry when called from
+  inside another of them. Trimming on entry matters for the peak: ``gml.quantize``'s whole-model guard
+  calls ``gml.optimize`` while the pages the INT8 lowering freed are still resident.
 """
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import ctypes
 import ctypes.util
@@ -53,6 +54,10 @@ def shared_copy(module: M) -> M:
     return copy.deepcopy(module, memo)
 
 
+#: how many returns_memory calls are running in this context (0: a call from user code)
+_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("gml_memory_depth", default=0)
+
+
 @functools.cache
 def _malloc_trim() -> Any:
     """glibc's ``malloc_trim``, or None (another C library, or no libc found)."""
@@ -77,14 +82,22 @@ def trim_malloc() -> bool:
 
 
 def returns_memory(fn: F) -> F:
-    """``fn``, trimming the heap (:func:`trim_malloc`) when it is called and when it returns or raises."""
+    """``fn``, trimming the heap (:func:`trim_malloc`) when it returns or raises, and when it is called
+    from inside another such call (``gml.quantize``'s whole-model guard calls ``gml.optimize``: the
+    pages the INT8 lowering freed are GML's own garbage, and trimming them lowers the peak). A call from
+    user code does not trim on entry: the caller's garbage is the caller's, and a full collection costs
+    up to a second in a large process — per call, in a loop of loads."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        trim_malloc()
+        outer = _DEPTH.get()
+        if outer:
+            trim_malloc()
+        token = _DEPTH.set(outer + 1)
         try:
             return fn(*args, **kwargs)
         finally:
+            _DEPTH.reset(token)
             trim_malloc()
 
     return wrapper  # type: ignore[return-value]
