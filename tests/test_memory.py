@@ -192,3 +192,38 @@ def test_loaded_int8_model_holds_one_copy_of_each_weight(tmp_path: Any) -> None:
     assert set(held.storages) <= _storages(module_tensors(loaded))
     if loaded.runtime.path != "torch":
         assert not held.opaque and not held.packed_objects
+
+
+# --- handing memory back -----------------------------------------------------------------------
+
+
+def test_returns_memory_trims_only_after_a_call_that_grew_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full collection costs more than a small model's whole load: a call that grew the process by
+    less than TRIM_MIN_GROWTH does not trim; one that grew it more trims on return, and a nested call
+    trims on entry when the outer call has grown the process that much."""
+    import gml.memory as memory
+
+    trims: list[str] = []
+    monkeypatch.setattr(memory, "trim_malloc", lambda: trims.append("trim") or True)
+    grow = memory.TRIM_MIN_GROWTH * 2
+
+    @memory.returns_memory
+    def small() -> int:
+        return 1
+
+    @memory.returns_memory
+    def big(inner: bool) -> torch.Tensor:
+        held = torch.ones(grow // 4)  # written, so resident
+        trims.append("before inner")
+        if inner:
+            small()
+        return held
+
+    small()
+    assert trims == []
+    kept = big(False)
+    assert trims == ["before inner", "trim"]
+    trims.clear()
+    del kept
+    big(True)
+    assert trims == ["before inner", "trim", "trim"]  # the nested call's entry, then the outer's return

@@ -14,7 +14,10 @@
 * :func:`returns_memory`: the decorator ``gml.optimize`` / ``gml.quantize`` / ``gml.load`` (and the
   INT8 accuracy report) wear: they trim when they return (or raise), and on entry when called from
   inside another of them. Trimming on entry matters for the peak: ``gml.quantize``'s whole-model guard
-  calls ``gml.optimize`` while the pages the INT8 lowering freed are still resident.
+  calls ``gml.optimize`` while the pages the INT8 lowering freed are still resident. Either trim
+  happens only when the process grew by :data:`TRIM_MIN_GROWTH` or more since the (outermost) call
+  began: a full collection costs 0.2 s in a small process and seconds in a large one, more than a
+  small model's whole load — a loop of small loads (or a test suite) must not pay it per call.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -54,8 +58,26 @@ def shared_copy(module: M) -> M:
     return copy.deepcopy(module, memo)
 
 
-#: how many returns_memory calls are running in this context (0: a call from user code)
-_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("gml_memory_depth", default=0)
+#: the resident size when the outermost returns_memory call in this context began (None: none runs)
+_OUTER_START: contextvars.ContextVar[int | None] = contextvars.ContextVar("gml_memory_outer_start", default=None)
+
+#: growth of the resident size (bytes) since a call began below which it does not trim: what a call
+#: that grew the process less than this could hand back is not worth a full garbage collection
+TRIM_MIN_GROWTH = 32 << 20
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (``/proc/self/statm``), or -1 where there is none."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _grew(since: int) -> bool:
+    now = resident_bytes()
+    return since >= 0 and now >= 0 and now - since >= TRIM_MIN_GROWTH
 
 
 @functools.cache
@@ -84,20 +106,22 @@ def trim_malloc() -> bool:
 def returns_memory(fn: F) -> F:
     """``fn``, trimming the heap (:func:`trim_malloc`) when it returns or raises, and when it is called
     from inside another such call (``gml.quantize``'s whole-model guard calls ``gml.optimize``: the
-    pages the INT8 lowering freed are GML's own garbage, and trimming them lowers the peak). A call from
-    user code does not trim on entry: the caller's garbage is the caller's, and a full collection costs
-    up to a second in a large process — per call, in a loop of loads."""
+    pages the INT8 lowering freed are GML's own garbage, and trimming them lowers the peak) — each only
+    when the process grew by :data:`TRIM_MIN_GROWTH` since the call (on entry: the outermost call)
+    began. A call from user code does not trim on entry: the caller's garbage is the caller's."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        outer = _DEPTH.get()
-        if outer:
+        outer = _OUTER_START.get()
+        if outer is not None and _grew(outer):
             trim_malloc()
-        token = _DEPTH.set(outer + 1)
+        start = resident_bytes()
+        token = _OUTER_START.set(start if outer is None else outer)
         try:
             return fn(*args, **kwargs)
         finally:
-            _DEPTH.reset(token)
-            trim_malloc()
+            _OUTER_START.reset(token)
+            if _grew(start):
+                trim_malloc()
 
     return wrapper  # type: ignore[return-value]
