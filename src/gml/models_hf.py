@@ -24,9 +24,11 @@ vocabulary (skipping the padding id, so the ids vary like real text does) and th
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -112,28 +114,39 @@ def load_hf(spec: str, *, trust_remote_code: bool = False) -> nn.Module:
             hint="read that code first; to run it, pass --trust-remote-code (Python: trust_remote_code=True), "
             "as with --unsafe-load for pickled checkpoints.",
         )
-    previous = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
     try:
-        # trust_remote_code is always explicit: transformers never prompts (a y/N question mid-run)
-        config = _forward_only(
-            transformers.AutoConfig.from_pretrained(spec, local_files_only=True, trust_remote_code=trust_remote_code)
-        )
-        model = transformers.AutoModel.from_pretrained(
-            spec, config=config, local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        with hub_offline():
+            # trust_remote_code is always explicit: transformers never prompts (a y/N question mid-run)
+            config = _forward_only(
+                transformers.AutoConfig.from_pretrained(
+                    spec, local_files_only=True, trust_remote_code=trust_remote_code
+                )
+            )
+            model = transformers.AutoModel.from_pretrained(
+                spec, config=config, local_files_only=True, trust_remote_code=trust_remote_code
+            )
     except Exception as exc:
         raise ModelLoadError(
             f"Cannot load the Hugging Face model folder '{spec}': {type(exc).__name__}: {str(exc)[:300]}",
             hint="the folder needs config.json and model.safetensors (or pytorch_model.bin) of a transformers "
             "architecture; nothing is downloaded.",
         ) from None
+    return model.eval()
+
+
+@contextlib.contextmanager
+def hub_offline() -> Iterator[None]:
+    """``HF_HUB_OFFLINE=1`` for the block, the caller's value (or its absence) restored after: with
+    ``local_files_only=True`` it keeps transformers / huggingface_hub from any network call."""
+    previous = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
     finally:
         if previous is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:
             os.environ["HF_HUB_OFFLINE"] = previous
-    return model.eval()
 
 
 def _forward_only(config: Any) -> Any:

@@ -214,3 +214,39 @@ def test_an_optional_input_left_at_its_default_does_not_stop_bf16():
     assert res.precision.effective == "bf16", res.precision.warnings
     with torch.no_grad():
         assert _rel_err(res.executable(x), model(x)) < 2.0**-6
+
+
+@needs_bf16
+def test_one_frame_conv3d_with_depth_padding_stays_fp32_with_the_reason():
+    """oneDNN's bf16 Conv3d is wrong on a one-frame clip with depth padding (the bf16 fuzz property,
+    seed 20261128: relative error 0.7); the pass declines that conv alone, the next one runs bf16."""
+
+    class Clip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.one_frame = nn.Conv3d(3, 8, 3, padding=1)  # depth 1, depth padding 1: declined
+            self.after = nn.Conv3d(8, 8, (1, 3, 3), padding=(0, 1, 1))  # no depth padding: bf16
+
+        def forward(self, x):
+            return self.after(self.one_frame(x))
+
+    torch.manual_seed(0)
+    model, x = Clip().eval(), torch.randn(1, 3, 1, 6, 6)
+    res = gml.optimize(model, x, precision="bf16", runtime="torch")
+    rec = next(r for r in res.report.records if r.name == "lower_bf16")
+    assert rec.status == "applied" and rec.matches == 1
+    (skip,) = [s for s in rec.skips if s.node == "one_frame"]
+    assert "one-frame Conv3d with depth padding" in skip.reason
+    kinds = {name: type(m).__name__ for name, m in res.module.named_modules() if name in ("one_frame", "after")}
+    assert kinds == {"one_frame": "FusedConv", "after": "Bf16Conv"}
+    with torch.no_grad():
+        assert _rel_err(res.module(x), model(x)) <= BF16_TOLERANCE.rtol
+
+
+def test_conv_refusal_names_only_the_one_frame_padded_conv3d():
+    conv = k32.FusedConv.from_conv(nn.Conv3d(2, 2, 3, padding=1))
+    assert kb.conv_refusal(conv, (1, 2, 1, 4, 4)) is not None
+    assert kb.conv_refusal(conv, (1, 2, 2, 4, 4)) is None  # two frames: exact
+    no_depth_pad = k32.FusedConv.from_conv(nn.Conv3d(2, 2, (1, 3, 3), padding=(0, 1, 1)))
+    assert kb.conv_refusal(no_depth_pad, (1, 2, 1, 4, 4)) is None
+    assert kb.conv_refusal(k32.FusedConv.from_conv(nn.Conv2d(2, 2, 3, padding=1)), (1, 2, 1, 4)) is None

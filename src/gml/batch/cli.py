@@ -7,7 +7,8 @@ import argparse
 from rich.console import Console
 from rich.markup import escape
 
-from gml.data.cli import _positive, add_preprocess_arguments, data_options
+from gml.argtypes import positive_int
+from gml.data.cli import add_preprocess_arguments, data_options
 from gml.data.loader import KINDS
 
 DESCRIPTION = (
@@ -29,10 +30,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="FILE.parquet (needs pyarrow; without it FILE.npy is written instead) or FILE.npy",
     )
-    p.add_argument("--batch-size", type=_positive, default=8, metavar="N", help="inputs per model call (default 8)")
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="N", help="inputs per model call (default 8)")
     p.add_argument(
         "--shard-size",
-        type=_positive,
+        type=positive_int,
         default=256,
         metavar="N",
         help="inputs per output shard, the unit of resuming (default 256)",
@@ -43,7 +44,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="images: take the resize/crop/mean/std of this torchvision name or timm:NAME (a .pt2 does not "
         "record its preprocessing; default: resize to the model's input size, pixels in [0, 1])",
     )
-    p.add_argument("--threads", type=_positive, metavar="N", help="torch threads in process (default: torch's)")
+    p.add_argument("--threads", type=positive_int, metavar="N", help="torch threads in process (default: torch's)")
     p.add_argument(
         "--ray",
         nargs="?",
@@ -53,7 +54,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="run on Ray Data (pip install 'gml-lab[ray]'): one GML model per actor, one actor per CPU; "
         "no ADDRESS starts a local Ray, 'auto' or host:port joins a cluster",
     )
-    p.add_argument("--ray-cpus", type=_positive, metavar="N", help="CPUs of the local Ray --ray starts (default: all)")
+    p.add_argument(
+        "--ray-cpus", type=positive_int, metavar="N", help="CPUs of the local Ray --ray starts (default: all)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_preprocess_arguments(p)
 

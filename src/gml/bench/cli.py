@@ -6,6 +6,7 @@ import argparse
 
 from rich.console import Console
 
+from gml.argtypes import positive_int
 from gml.bench.variants import DEFAULT_VARIANTS, VARIANTS
 
 
@@ -17,16 +18,6 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,12 +73,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="which default variants run: fp32 (above) or bf16 (eager, gml-fp32, gml-bf16, ov-fp32, ov-bf16: "
         "GML bf16 against OpenVINO bf16); --variants still picks any list, gml-bf16 included",
     )
-    p.add_argument("--rounds", type=_positive, default=20, help="interleaved timing rounds (default: 20)")
+    p.add_argument("--rounds", type=positive_int, default=20, help="interleaved timing rounds (default: 20)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per variant (default: 3)")
-    p.add_argument("--threads", type=_positive, default=None, help="threads for every runtime (default: all cores)")
+    p.add_argument("--threads", type=positive_int, default=None, help="threads for every runtime (default: all cores)")
     p.add_argument(
         "--calib-batches",
-        type=_positive,
+        type=positive_int,
         default=8,
         help="generated calibration batches for INT8 (default: 8; --calib-data calibrates on real data)",
     )

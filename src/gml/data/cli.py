@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from gml.argtypes import positive_int
 from gml.data.images import ImageOptions
 from gml.data.loader import KINDS, DataOptions
 
@@ -19,16 +20,6 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def add_preprocess_arguments(p: argparse.ArgumentParser) -> None:
     """``--resize/--crop/--mean/--std`` (images) and ``--tokenizer/--seq-len`` (text)."""
     g = p.add_argument_group(
@@ -36,8 +27,8 @@ def add_preprocess_arguments(p: argparse.ArgumentParser) -> None:
         "images: resize, center crop, [0, 1] pixels, normalize; each number from the flag, else the model's "
         "metadata (torchvision weights / timm), else resize to the model's input size without normalizing",
     )
-    g.add_argument("--resize", type=_positive, metavar="N", help="images: resize the shorter side to N pixels")
-    g.add_argument("--crop", type=_positive, metavar="N", help="images: center-crop N x N after resizing")
+    g.add_argument("--resize", type=positive_int, metavar="N", help="images: resize the shorter side to N pixels")
+    g.add_argument("--crop", type=positive_int, metavar="N", help="images: center-crop N x N after resizing")
     g.add_argument("--mean", type=_floats, metavar="M[,M,M]", help="images: per-channel mean of [0, 1] pixels")
     g.add_argument("--std", type=_floats, metavar="S[,S,S]", help="images: per-channel std of [0, 1] pixels")
     g.add_argument(
@@ -48,7 +39,7 @@ def add_preprocess_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--seq-len",
-        type=_positive,
+        type=positive_int,
         metavar="N",
         help="text: tokens per line, padded or truncated (default: the example input's length; gml run: 128 when "
         "the saved model takes any length)",
@@ -65,7 +56,7 @@ def add_data_arguments(p: argparse.ArgumentParser, *, accuracy_gate: bool = True
     )
     g.add_argument(
         "--calib-samples",
-        type=_positive,
+        type=positive_int,
         default=128,
         metavar="N",
         help="calibrate on a seeded random subset of N samples of --calib-data (default 128; all if fewer)",

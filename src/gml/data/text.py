@@ -38,20 +38,16 @@ def load_tokenizer(folder: str | None, data_path: str) -> Any:
             "tokenizing text needs the `transformers` package, which is not installed.",
             hint="pip install 'gml-lab[transformers]'.",
         ) from None
-    previous = os.environ.get("HF_HUB_OFFLINE")
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    from gml.models_hf import hub_offline
+
     try:
-        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        with hub_offline():
+            return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as exc:
         raise InputError(
             f"cannot load a tokenizer from {folder}: {type(exc).__name__}: {str(exc).strip()[:200]}",
             hint="the folder needs a tokenizer (tokenizer.json, or vocab.txt / tokenizer_config.json).",
         ) from None
-    finally:
-        if previous is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
-        else:
-            os.environ["HF_HUB_OFFLINE"] = previous
 
 
 class TextLinesSource(DataSource):

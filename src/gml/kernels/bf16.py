@@ -131,6 +131,23 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
 
+def conv_refusal(m: nn.Module, input_shape: Sequence[int] | None) -> str | None:
+    """Why the bf16 twin of the fused conv ``m`` would compute wrong numbers on ``input_shape``, or
+    ``None``. oneDNN's bf16 Conv3d (torch's build, prepacked or not) is wrong on a one-frame clip
+    with depth padding: relative error 0.4-1.2 for 1, 3 or 5 input channels, 2+ frames or no depth
+    padding exact (measured 2026-11-27 on AMX and under ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16; found
+    by the bf16 fuzz property, seed 20261128) — the INT8 kernel has the same one-frame fault
+    (docs/fuzzing.md). Declined for any channel count: cheap, a one-frame Conv3d is rare."""
+    if getattr(m, "dim", None) != 3:
+        return None
+    shape = tuple(input_shape) if input_shape is not None else getattr(m, "input_size", None)
+    if shape is None or len(shape) != 5:
+        return "a Conv3d's input depth is unknown (oneDNN's bf16 Conv3d is wrong on one frame with depth padding)"
+    if shape[2] == 1 and m.padding[0] > 0:
+        return "one-frame Conv3d with depth padding: oneDNN's bf16 kernel computes it wrong (kept fp32)"
+    return None
+
+
 class Bf16Conv(k32.FusedConv):
     """``bf16(post_op(conv(x, W) + b))``: bf16 weights/activations, fp32 accumulate and bias."""
 

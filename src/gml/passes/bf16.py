@@ -57,6 +57,7 @@ from gml.ir.target import Target
 from gml.kernels import bf16 as kb
 from gml.kernels import fp32 as k32
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
+from gml.passes.fuse_common import shape_of
 from gml.passes.utils import modules_of, replace_module
 
 #: bf16 vs fp32 outputs: ``max|a - b| <= atol + rtol * max|fp32|`` per output. ``rtol = 2^-4`` is 16
@@ -258,6 +259,10 @@ class LowerToBf16(GraphPass):
                 continue
             if not getattr(mod, "fused", True):
                 skips.append(Skip(node.name, "oneDNN kernels unavailable (ATen fallback)", type(mod).__name__))
+                continue
+            refusal = kb.conv_refusal(mod, shape_of(node.args[0])) if node.args else None
+            if refusal is not None:
+                skips.append(Skip(node.name, refusal, type(mod).__name__))
                 continue
             replace_module(gm, str(node.target), twin.from_fused(mod))
             matches += 1
