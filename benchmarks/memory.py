@@ -30,6 +30,7 @@ Acceptance (issue #28): kept <= 3x the fp32 weights for ``gml.optimize``, <= 2x 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -82,6 +83,8 @@ _STAGES = [
     ("gml.quant.frontend", "float_twin", "float twin"),
     ("gml.quant.frontend", "convert_reference", "torch.ao convert (reference graph)"),
     ("gml.quant.cost_policy", "run_policy", "cost policy"),
+    ("gml.quant.cost_policy", "plan_regions", "plan regions (INT8 vs fp32 per region)"),
+    ("gml.quant.cost_policy", "guard_whole_model", "whole-model guard (INT8 vs gml.optimize)"),
     ("gml.runtime.select", "attach_runtime", "attach runtime (compile, check, time)"),
     ("gml.runtime.select", "compile_engine", "engine compile (plan, reordered weights)"),
     ("gml.api", "_accuracy", "accuracy report"),
@@ -207,10 +210,13 @@ def child(spec: str, action: str, file: str | None, profile: bool, threads: int,
     trim_malloc()
     before = current_rss_mb()
     reset_peak_rss()
-    with torch.no_grad():
+    whole = trace.stage(f"{action} + one call") if profile else contextlib.nullcontext()
+    with torch.no_grad(), whole as rec:
         res, run = _act(action, model, x, file, peer, calib_batches)
         run(*x)
-    peak = peak_rss_mb()
+    # a stage boundary resets the high-water mark (StageTrace folds it into the open stages): under
+    # --profile the call's own stage holds the peak of the whole call
+    peak = rec.peak_mb if profile else peak_rss_mb()
     gc.collect()
     after = current_rss_mb()
     out["kept_mb"] = after - before

@@ -65,6 +65,110 @@ def test_snapshot_shares_every_tensor_and_copies_the_graph() -> None:
     assert not {id(t) for t in module_tensors(full.module)} & ids
 
 
+class _ReplaceConvWeight(GraphPass):
+    """Replaces (never writes) the first conv's weight, as a folding pass does."""
+
+    name = "replace_conv_weight"
+
+    def call(self, gm: fx.GraphModule) -> PassResult:
+        gm.conv1.weight = nn.Parameter(gm.conv1.weight.detach() * 1.0, requires_grad=False)
+        return PassResult(gm, modified=True)
+
+
+def test_an_accepted_pass_frees_the_tensor_it_replaced_without_a_garbage_collection() -> None:
+    """The snapshot of an accepted pass is emptied at once (gml.memory.release): the weight the
+    pass replaced is freed by reference counting, not left to the next full collection."""
+    gm = fx.symbolic_trace(SmallCNN().eval())
+    old = weakref.ref(gm.conv1.weight)
+    kept = gm.fc.weight
+    gc.disable()
+    try:
+        out = PassManager([_ReplaceConvWeight()]).run(gm, [(torch.randn(1, 3, 8, 8),)])
+        assert out.report.records[0].status == "applied"
+        assert old() is None, "the replaced weight is still reachable (the snapshot holds it)"
+    finally:
+        gc.enable()
+    assert out.graph_module.fc.weight is kept  # the live module's tensors are untouched
+
+
+def test_release_leaves_the_modules_it_is_told_to_keep() -> None:
+    from gml.memory import release, shared_copy
+
+    gm = fx.symbolic_trace(SmallCNN().eval())
+    sub = fx.GraphModule(gm, gm.graph)  # shares gm's submodules, as a region's subgraph does
+    copy_ = shared_copy(gm)
+    release(sub, keep=[gm])
+    release(copy_, keep=[gm])
+    assert gm.conv1.weight is not None and {id(t) for t in module_tensors(gm)}
+    assert not module_tensors(copy_) and not dict(copy_.named_children())
+
+
+def test_optimize_frees_the_eager_reference_copy_before_capture_copies_the_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gml.optimize's eager outputs come from a copy that is dead before capture copies the model
+    again: one extra copy of the weights at a time (inside quantize's guard, the peak)."""
+    from gml import api
+
+    run_outputs, capture = api.run_outputs, api.capture
+    eager: list[weakref.ref] = []
+    alive_at_capture: list[bool] = []
+
+    def recording_run_outputs(module: nn.Module, samples: Any) -> Any:
+        if not isinstance(module, fx.GraphModule):
+            eager.append(weakref.ref(module))
+        return run_outputs(module, samples)
+
+    def checking_capture(*a: Any, **k: Any) -> Any:
+        alive_at_capture.append(any(r() is not None for r in eager))
+        return capture(*a, **k)
+
+    monkeypatch.setattr(api, "run_outputs", recording_run_outputs)
+    monkeypatch.setattr(api, "capture", checking_capture)
+    gml.optimize(SmallCNN().eval(), torch.randn(1, 3, 16, 16), runtime="torch")
+    assert eager and alive_at_capture == [False]
+
+
+def test_a_timed_region_shares_the_twins_weights_and_is_emptied_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost policy times a region's fp32 side on a copy sharing the float twin's weights (no
+    deep copy), and empties every graph it built for that region once it is timed."""
+    from gml.quant import cost_policy
+    from gml.quant.frontend import prepare_reference
+
+    x = torch.randn(1, 3, 16, 16)
+    q = gml.quantize(SmallCNN().eval(), 2, example_inputs=(x,), cost_policy="off", per_layer=False)
+    ref = prepare_reference(SmallCNN().eval(), (x,), 2, progress=False)
+    twin = _storages(module_tensors(ref.float_module))
+    copies: list[fx.GraphModule] = []
+    shared = cost_policy.shared_copy
+
+    def recording_copy(module: Any) -> Any:
+        out = shared(module)
+        copies.append(out)
+        return out
+
+    monkeypatch.setattr(cost_policy, "shared_copy", recording_copy)
+    cost = cost_policy.MeasuredCost(q.module, ref.float_module, (x,), rounds=1)
+    regions = cost_policy.find_regions(q.module, cost.values)
+    assert regions
+    twin_tensors_before = {id(t) for t in module_tensors(ref.float_module)}
+    timed: list[Any] = []
+    fp32_fn = cost._fp32_fn
+
+    def spy(region: Any) -> Any:
+        fn = fp32_fn(region)
+        timed.append(list(cost._scratch))
+        dense = [t for t in module_tensors(copies[-1]) if not t.is_mkldnn]  # (a fused kernel's packs are new)
+        assert copies and _storages(dense) <= twin, "the region's fp32 copy duplicated weights"
+        return fn
+
+    monkeypatch.setattr(cost, "_fp32_fn", spy)
+    assert cost(regions[0]).int8_ms is not None
+    assert timed and all(not module_tensors(gm) for gm in timed[0]), "a timing graph still holds tensors"
+    assert not cost._scratch
+    assert {id(t) for t in module_tensors(ref.float_module)} == twin_tensors_before  # the twin is intact
+
+
 class _ScaleInPlace(GraphPass):
     """Writes the first conv's weight in place, then fails."""
 

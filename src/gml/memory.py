@@ -5,6 +5,8 @@
 * :func:`shared_copy`: a deep copy of a module's graph and submodules that shares its tensors, for
   a copy whose rewrites replace tensors and never write them (``passes/INVARIANTS.md`` 11): rollback
   snapshots, torch.ao's float twin, the graph the INT8 lowering rewrites.
+* :func:`release`: empty a discarded module copy (a pass snapshot, a timing graph) now instead of at
+  the next full garbage collection (fx graphs are reference cycles).
 * :func:`trim_malloc`: collect garbage and ask glibc to return freed heap pages to the system
   (``malloc_trim(0)``). A build frees several times what it keeps (snapshots, reference graphs,
   calibration, the Python executor's packed weights while the engine is checked); glibc keeps most
@@ -29,7 +31,7 @@ import ctypes.util
 import functools
 import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -56,6 +58,33 @@ def shared_copy(module: M) -> M:
     write a tensor in place; replacing one (a new ``Parameter``) is what rewrites do."""
     memo: dict[int, Any] = {id(t): t for t in module_tensors(module)}
     return copy.deepcopy(module, memo)
+
+
+def release(module: nn.Module, *, keep: Sequence[nn.Module] = ()) -> None:
+    """Empty a module copy nobody will use again: every submodule's parameters, buffers, tensor
+    attributes and children, and its graphs' node metadata, dropped now.
+
+    An fx ``GraphModule`` is a reference cycle (graph ↔ owning module, nodes ↔ graph), so a dropped
+    copy — a pass snapshot once the pass is accepted, a region's timing graph — keeps every tensor
+    it reaches until the next *full* garbage collection, which a large process rarely runs; the
+    weights a pass replaced (folded BN, the fp32 weights the INT8 lowering quantized) then stayed
+    resident beside their replacements for the rest of the build. Emptied, the copy's skeleton still
+    waits for the collector but holds nothing heavy. Submodules of the modules in ``keep`` (the live
+    ones the copy may share submodules with) are left alone; tensors are only dereferenced, never written, so a tensor
+    the copy shares with a live module lives on there."""
+    kept = {id(m) for live in keep for m in live.modules()}
+    for mod in list(module.modules()):
+        if id(mod) in kept:
+            continue
+        mod._parameters.clear()
+        mod._buffers.clear()
+        for name in [k for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]:
+            del mod.__dict__[name]
+        graph = mod.__dict__.get("_graph")
+        if isinstance(graph, torch.fx.Graph):
+            for node in graph.nodes:
+                node.meta = {}
+        mod._modules.clear()
 
 
 #: the resident size when the outermost returns_memory call in this context began (None: none runs)

@@ -34,7 +34,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._pytree import tree_flatten
 
 from gml.errors import GMLError, PassFailure
-from gml.memory import module_tensors, shared_copy
+from gml.memory import module_tensors, release, shared_copy
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 
 
@@ -240,6 +240,14 @@ class Snapshot:
         """How many shared tensors were written in place (or given new data) since the snapshot."""
         return sum(t._version != v or _data_ptr(t) != p for t, v, p in self._stamps)
 
+    def discard(self, live: fx.GraphModule) -> None:
+        """The pass was accepted: empty the snapshot now (:func:`gml.memory.release`). It is a
+        reference cycle holding the tensors the pass replaced (a folded BN's conv weight, the fp32
+        weight the INT8 lowering quantized), which would otherwise stay resident beside their
+        replacements until the next full garbage collection (issue #28)."""
+        self._stamps = []
+        release(self.module, keep=[live])
+
 
 class PassManager:
     """Runs passes in the given order with per-pass lint and numeric checks and rollback.
@@ -361,4 +369,5 @@ class PassManager:
                 wall_ms=wall_ms,
             )
         )
+        snap.discard(gm)
         return gm, new_ref

@@ -369,6 +369,8 @@ def accuracy_report(
                     sig[k] += float((a.double() ** 2).sum())
                     noise[k] += float((d.double() ** 2).sum())
                     worst[k] = max(worst[k], float(d.abs().max()) if d.numel() else 0.0)
+                # every recorded value of both graphs: freed now, not while the next batch records (#28)
+                del rec_q, rec_f
             else:
                 q_out = _flat_outputs(int8_model(*args))
             e_out = _flat_outputs(exact_model(*args)) if exact_model is not None else None

@@ -41,7 +41,6 @@ times the regions; tests inject fixed costs, so the decisions are deterministic 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +50,7 @@ from torch import fx
 
 from gml.ir.qdq import is_dequantize, is_quantize_any
 from gml.ir.values import cloned
+from gml.memory import shared_copy
 from gml.passes.utils import remove_unused_nodes
 from gml.quant.lower import KEEP_FP32_COST as KEEP_FP32  # node.meta key LowerToGML reads
 from gml.runtime.options import COST_POLICIES
@@ -250,6 +250,8 @@ class MeasuredCost:
         self.lowered, self.twin, self.runtime, self.rounds = lowered, twin, runtime, rounds
         self.values = lowered_values if lowered_values is not None else record(lowered, inputs)
         self.twin_values = record(twin, inputs)
+        #: the graphs built to time the current region, emptied once it is timed (see __call__)
+        self._scratch: list[fx.GraphModule] = []
 
     def _on_runtime(self, sub: fx.GraphModule) -> Callable[..., Any]:
         """``sub`` as the runtime runs it: engine segments where the engine covers its nodes."""
@@ -263,10 +265,12 @@ class MeasuredCost:
             run, _ = partition(sub)
         except Exception:  # no engine build: the Python executor runs the model too
             return sub
+        self._scratch.append(run)
         return run
 
     def _int8_fn(self, region: Region) -> Callable[[], Any]:
         sub, outside = subgraph(self.lowered, region.nodes)
+        self._scratch.append(sub)
         args = [self.values[a] for a in outside]
         run = self._on_runtime(sub)
         return lambda: run(*args)
@@ -283,7 +287,11 @@ class MeasuredCost:
             raise LookupError(f"no fp32 counterpart for {', '.join(missing[:3])}")
         sub, outside = subgraph(self.twin, region.covered)
         args = [self.twin_values[a] for a in outside]
-        fused = PassManager(fp32_remainder_passes(), check_numerics=False).run(copy.deepcopy(sub), [tuple(args)])
+        # a copy sharing the twin's weights: the remainder passes replace tensors, never write them
+        # (passes/INVARIANTS.md 11; the pass manager checks), so a deep copy would only duplicate
+        # the region's fp32 weights for as long as it is timed (#28)
+        fused = PassManager(fp32_remainder_passes(), check_numerics=False).run(shared_copy(sub), [tuple(args)])
+        self._scratch += [sub, fused.graph_module]
         run = self._on_runtime(fused.graph_module)
         return lambda: run(*args)
 
@@ -294,7 +302,21 @@ class MeasuredCost:
         except Exception as e:  # a region we cannot time stays as the lowering made it
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             return RegionCost(None, None, f"not measured ({first[:160]})")
+        finally:
+            self._release_scratch()
         return RegionCost(t8, t32)
+
+    def _release_scratch(self) -> None:
+        """Empty the graphs one region was timed with (:func:`gml.memory.release`): fx graphs are
+        reference cycles, so without it every region's fp32 weights folded for timing and both
+        engine plans (reordered weights) stayed resident until the next full garbage collection —
+        on a model of many regions, every region's at once. Modules shared with the lowered graph
+        or the float twin (a subgraph holds theirs) are left alone."""
+        from gml.memory import release
+
+        scratch, self._scratch = self._scratch, []
+        for gm in reversed(scratch):
+            release(gm, keep=[self.lowered, self.twin])
 
 
 # ---------------------------------------------------------------- deciding
@@ -335,7 +357,10 @@ def keep_fp32(
     """
     from gml.quant.lower import KEPT_FP32, CoverageEntry
 
-    gm = copy.deepcopy(reference)
+    # copies sharing the reference's and the twin's tensors: the lowering that runs on this graph
+    # replaces tensors, never writes them (passes/INVARIANTS.md 11), so deep copies would only
+    # duplicate the fp32 weights while it runs (#28)
+    gm = shared_copy(reference)
     nodes = {n.name: n for n in gm.graph.nodes}
     twin_modules = dict(twin.named_modules())
     modules = dict(gm.named_modules())
@@ -351,7 +376,7 @@ def keep_fp32(
             target = str(node.target)
             mod = twin_modules.get(target)
             if mod is not None and type(mod) is not type(modules.get(target)):
-                _set_submodule(gm, target, copy.deepcopy(mod))
+                _set_submodule(gm, target, shared_copy(mod))
     dead: list[fx.Node] = []
     for dq in [n for n in gm.graph.nodes if is_dequantize(n)]:
         q = dq.args[0]
