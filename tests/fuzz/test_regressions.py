@@ -14,6 +14,16 @@ from gml.testing.graphgen import L, ModelSpec
 
 # ---------------------------------------------------------------------------------------- fp32
 FP32_CASES = {
+    # Two calls of one Linear on the same input (untied, then merged by horizontal_merge), the second
+    # output flattened with .view: a slice of the merged output is not contiguous, the view failed
+    # and the PassManager rolled the merge back. horizontal_merge now keeps a sibling whose output
+    # a view reshapes across the sliced dimension apart, with the reason. make fuzz, seed 20261128.
+    "view_of_a_merged_linear_sibling": ModelSpec(
+        inputs=[(1, 2, 1)],
+        layers=[L("linear", 0, out=2), L("reuse", 0), L("flatten", 2, form="view")],
+        outputs=[3],
+        seed=0,
+    ),
     # An in-place activation on a flatten *view* of a conv output, read through the conv (permute).
     # Normalize rightly keeps the in-place op, but fuse_conv's channels-last result made flatten a
     # copy, so the write missed the conv output (error 1.1; the PassManager rolled fuse_conv back).

@@ -129,3 +129,31 @@ def test_single_linear_is_not_a_candidate():
     gm = traced(model, x)
     result = HorizontalMerge()(gm)
     assert not result.modified and result.skips == []
+
+
+class ViewsAcrossTheSlice(nn.Module):
+    """``b.view(n, -1)`` joins the sliced dimension with the one before it: fine on eager's contiguous
+    output, impossible on a slice of a merged output (fuzz, seed 20261128); ``c.view(n, s, 2, 2)``
+    keeps it apart and works on the slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(3, 4), nn.Linear(3, 4)
+
+    def forward(self, x):
+        n, s = x.shape[0], x.shape[1]
+        return self.a(x), self.b(x).view(n, -1), self.c(x).view(n, s, 2, 2)
+
+
+def test_a_view_across_the_sliced_dimension_keeps_its_sibling_apart_with_the_reason():
+    torch.manual_seed(0)
+    model, x = ViewsAcrossTheSlice().eval(), torch.randn(2, 5, 3)
+    gm = traced(model, x)
+    res = PassManager([HorizontalMerge()], strict=True).run(gm, [(x,)])
+    (rec,) = res.report.records
+    assert rec.status == "applied" and rec.notes == ["merged a, c"], rec
+    (skip,) = [s for s in rec.skips if s.node == "b"]
+    assert "views its output in a shape a slice of the merged output cannot take" in skip.reason
+    with torch.no_grad():
+        for got, want in zip(res.graph_module(x), model(x)):
+            torch.testing.assert_close(got, want)

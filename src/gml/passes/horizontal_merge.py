@@ -26,7 +26,8 @@ weights live under a new name (``q_k_v``), so ``state_dict`` keys of the sibling
 
 Skipped, with the reason: siblings whose geometry differs, siblings that feed different
 activations (merging would leave those activations unfused on strided slices), modules called at
-several sites, siblings called with extra arguments.
+several sites, siblings called with extra arguments, a sibling whose output a ``.view`` reshapes
+across the sliced dimension (eager's output is contiguous, the slice is not: the view would fail).
 """
 
 from __future__ import annotations
@@ -93,6 +94,21 @@ def _merged(mods: list[nn.Module]) -> nn.Module:
     return new.eval()
 
 
+def _view_fails_on(user: fx.Node, out: fx.Node, piece: torch.Tensor) -> bool:
+    """Whether ``user`` is a ``.view`` / ``.view_as`` of ``out`` that ``piece`` (a meta tensor with
+    the strides ``out`` would have) cannot take without a copy (unknown shape: assume it fails)."""
+    if user.op != "call_method" or user.target not in ("view", "view_as") or not user.args or user.args[0] is not out:
+        return False
+    shape = fc.shape_of(user)
+    if shape is None:
+        return True
+    try:
+        piece.view(shape)
+    except RuntimeError:
+        return True
+    return False
+
+
 class HorizontalMerge(GraphPass):
     """Merges sibling Linear / Conv nodes over the same input into one op plus a split."""
 
@@ -147,6 +163,9 @@ class HorizontalMerge(GraphPass):
                         )
                     )
                     continue
+                siblings = self._drop_strided_views(siblings, modules, skips)
+                if len(siblings) < self.min_siblings:
+                    continue
                 self._merge(gm, src, siblings, modules)
                 merged += 1
                 notes.append(f"merged {', '.join(str(s.target) for s in siblings)}")
@@ -175,6 +194,42 @@ class HorizontalMerge(GraphPass):
         if sites > 1:
             return f"module {node.target} is called at {sites} sites (run UntieSharedModules first)"
         return None
+
+    def _drop_strided_views(
+        self, siblings: list[fx.Node], modules: dict[str, nn.Module], skips: list[Skip]
+    ) -> list[fx.Node]:
+        """The siblings whose output may become a strided slice of the merged output.
+
+        A sibling's output is contiguous in eager; merged, it is ``narrow(dim, offset, width)`` of
+        the wider output. A ``.view`` that splits or joins the sliced dimension with another (``y.view(b, -1)``
+        on a ``[b, s, n]`` slice of ``[b, s, N]``) then fails, where eager's worked (the fuzz property,
+        seed 20261128). A view that keeps the sliced dimension apart (``q.view(b, s, heads, d)``, the
+        Q/K/V case) works on the slice; only the others are declined, with the reason. A copy
+        (``contiguous()``) would change what an in-place write through the view reaches."""
+        dims = [-1 if isinstance(modules[str(s.target)], nn.Linear) else 1 for s in siblings]
+        shapes = [fc.shape_of(s) for s in siblings]
+        if any(shape is None for shape in shapes):
+            return siblings
+        total = sum(shape[d] for shape, d in zip(shapes, dims))
+        post = self._shared_activation(siblings, modules)
+        kept: list[fx.Node] = []
+        for s, shape, d in zip(siblings, shapes, dims):
+            merged = list(shape)
+            merged[d] = total
+            piece = torch.empty(merged, device="meta").narrow(d, 0, shape[d])  # a slice's strides
+            out = next(iter(s.users)) if post is not None else s
+            view = next((u for u in out.users if _view_fails_on(u, out, piece)), None)
+            if view is None:
+                kept.append(s)
+            else:
+                skips.append(
+                    Skip(
+                        s.name,
+                        f"{view.name} views its output in a shape a slice of the merged output cannot take",
+                        "sibling merge",
+                    )
+                )
+        return kept
 
     def _shared_activation(self, siblings: list[fx.Node], modules: dict[str, nn.Module]) -> k32.PostOp | None:
         """The activation every sibling feeds (alone), if they all feed the same one."""
