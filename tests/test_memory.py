@@ -331,3 +331,23 @@ def test_returns_memory_trims_only_after_a_call_that_grew_the_process(monkeypatc
     del kept
     big(True)
     assert trims == ["before inner", "trim", "trim"]  # the nested call's entry, then the outer's return
+
+
+@pytest.mark.parametrize("guard", ["int8", "fp32"])
+def test_quantize_result_holds_no_packed_copy_next_to_its_engine(monkeypatch: pytest.MonkeyPatch, guard: str) -> None:
+    """The accuracy report runs the returned module on the Python executor, which packs its weights
+    again; with the engine running the model those packs were a second copy of every weight (the
+    fp32 model the whole-model guard returns: 2x its weights, found by benchmarks/memory.py)."""
+    import gml.quant.cost_policy as cp
+    from gml.kernels import int8_ops
+
+    times = (1.0, 3.0) if guard == "int8" else (3.0, 1.0)  # (INT8 ms, fp32 ms)
+    monkeypatch.setattr(cp, "guard_whole_model", lambda *a, **k: times)
+    x = torch.randn(1, 3, 16, 16)
+    q = gml.quantize(SmallCNN().eval(), [(x,)] * 2, per_layer=False, cost_policy="measure")
+    assert q.precision == guard
+    if q.engine is None:
+        pytest.skip(f"the engine does not run this model here: {q.runtime}")
+    held = reachable_storages(q)
+    assert not held.opaque, f"{len(held.opaque)} packed weight copies next to the engine's"
+    assert not any(int8_ops._PACKS.get(t) for t in module_tensors(q.module))

@@ -16,6 +16,7 @@ from torch import nn
 from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
 from gml.inference import refuse_autograd, refuse_nonfinite
 from gml.ir.target import Target
+from gml.kernels.packs import drop_packed
 from gml.memory import returns_memory, shared_copy
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, compare_outputs, run_outputs
@@ -430,6 +431,8 @@ def quantize(
         )  # fmt: skip
         out.rejected_int8_accuracy = acc
         return out
+    if engine is not None:  # the report ran the Python executor, which packed its weights again (#28)
+        drop_packed(result.graph_module)
     refuse_autograd(result.graph_module)
     for int8_model in (result.graph_module, engine):  # INT8 has no NaN / Inf (gml.inference)
         if int8_model is not None:
@@ -506,6 +509,8 @@ def _gml_fp32_instead(
         inputs=inputs, token_range=token_range, per_layer=False, min_cosine=min_cosine,
         max_accuracy_drop=max_accuracy_drop,
     )  # fmt: skip
+    if opt.engine is not None:  # the report ran the Python executor, which packed its weights again (#28)
+        drop_packed(opt.module)
     reference = ref.graph_module if keep_intermediates else None
     return QuantizeResult(
         opt.module, opt.report, ref.report, coverage, acc, reference, seconds, opt.engine, opt.runtime,
