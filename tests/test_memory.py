@@ -103,32 +103,6 @@ def test_release_leaves_the_modules_it_is_told_to_keep() -> None:
     assert not module_tensors(copy_) and not dict(copy_.named_children())
 
 
-def test_optimize_frees_the_eager_reference_copy_before_capture_copies_the_model(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """gml.optimize's eager outputs come from a copy that is dead before capture copies the model
-    again: one extra copy of the weights at a time (inside quantize's guard, the peak)."""
-    from gml import api
-
-    run_outputs, capture = api.run_outputs, api.capture
-    eager: list[weakref.ref] = []
-    alive_at_capture: list[bool] = []
-
-    def recording_run_outputs(module: nn.Module, samples: Any) -> Any:
-        if not isinstance(module, fx.GraphModule):
-            eager.append(weakref.ref(module))
-        return run_outputs(module, samples)
-
-    def checking_capture(*a: Any, **k: Any) -> Any:
-        alive_at_capture.append(any(r() is not None for r in eager))
-        return capture(*a, **k)
-
-    monkeypatch.setattr(api, "run_outputs", recording_run_outputs)
-    monkeypatch.setattr(api, "capture", checking_capture)
-    gml.optimize(SmallCNN().eval(), torch.randn(1, 3, 16, 16), runtime="torch")
-    assert eager and alive_at_capture == [False]
-
-
 def test_a_timed_region_shares_the_twins_weights_and_is_emptied_after(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cost policy times a region's fp32 side on a copy sharing the float twin's weights (no
     deep copy), and empties every graph it built for that region once it is timed."""

@@ -97,12 +97,11 @@ def optimize(
     check_eval_mode(model)
     check_finite_parameters(model)
     check_deterministic(model, inputs)
-    samples = [inputs, *random_inputs(inputs, max(0, n_check_inputs - 1), seed=1)]
-    # The eager outputs first, on a copy (forward may update buffers) that is freed before capture
-    # copies the model again: one copy of the weights alive at a time, not two (#28: inside
-    # gml.quantize's whole-model guard this call's peak is the quantize's)
-    ref = run_outputs(copy.deepcopy(model), samples[:1])
+    # Capture first: it turns a wrong input (shape, dtype, count) into the user's error; running the
+    # eager copy first (one copy of the weights alive at a time, #28) raised torch's raw error instead
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
+    samples = [inputs, *random_inputs(inputs, max(0, n_check_inputs - 1), seed=1)]
+    ref = run_outputs(copy.deepcopy(model), samples[:1])  # a copy: forward may update buffers
     pipeline = list(passes) if passes is not None else fp32_passes()
     refusal = _bf16_refusal(target) if precision == "bf16" else None
     if precision == "bf16" and refusal is None:
