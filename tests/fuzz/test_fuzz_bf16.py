@@ -62,6 +62,26 @@ def test_a_fixed_graph_runs_in_bf16_within_the_bound():
     assert 2.0**-16 < outcome.max_rel_err <= BF16_TOLERANCE.rtol, outcome.max_rel_err
 
 
+# Found by `make fuzz` on seed 20261128 (docs/fuzzing.md): each rolled lower_bf16 back for the whole model.
+BF16_CASES = {
+    # oneDNN's bf16 Conv3d is wrong on one frame with depth padding: that conv stays fp32 (conv_refusal)
+    "one_frame_conv3d_with_depth_padding": ModelSpec(
+        inputs=[(1, 1, 1, 1, 1)], layers=[L("conv", 0, out=1, k=3, pad=1)]
+    ),
+    # a 3-D conv + add read its fp32 addend as bf16 in the 2-D channels-last format: RuntimeError
+    "conv3d_add_reads_its_addend_channels_last_3d": ModelSpec(
+        inputs=[(1, 1, 1, 1, 2)],
+        layers=[L("act", 0, kind="relu6"), L("permute", 1, perm=(0, 1, 2, 4, 3)), L("conv", 2, out=1), L("add", 3, 2)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BF16_CASES))
+def test_bf16_regression(name):
+    outcome = check_fp32(BF16_CASES[name], optimize=_optimize_bf16, rtol=BF16_TOLERANCE.rtol, ulp=BF16_ULP)
+    assert outcome.refused is None
+
+
 def test_the_property_catches_a_wrong_bf16_kernel(monkeypatch):
     real = kb.Bf16Conv.forward
     monkeypatch.setattr(kb.Bf16Conv, "forward", lambda self, x: real(self, x) * 1.25)  # 25 % off

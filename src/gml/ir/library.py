@@ -90,8 +90,12 @@ SCHEMAS: dict[str, str] = {
 SAME_QPARAMS_OPS = frozenset({"qmax_pool"})
 
 
-def _cl(t: torch.Tensor) -> torch.memory_format:
+def channels_last_format(t: torch.Tensor) -> torch.memory_format:
+    """The channels-last memory format of ``t``'s rank (2-D and 3-D convs), else contiguous."""
     return {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim(), torch.contiguous_format)
+
+
+_cl = channels_last_format
 
 
 def _conv_out(size: int, k: int, s: int, p: int, d: int) -> int:

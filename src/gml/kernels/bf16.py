@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gml.ir.library import channels_last_format
 from gml.ir.target import Target
 from gml.ir.values import NO_POST_OP, PostOp
 from gml.kernels import fp32 as k32
@@ -185,7 +186,7 @@ class Bf16ConvAdd(k32.FusedConvAdd):
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         x = to_bf16(x)
         if other.dtype != torch.bfloat16:  # a fresh copy: accumulating into it in place is safe
-            other = other.to(torch.bfloat16, memory_format=torch.channels_last)
+            other = other.to(torch.bfloat16, memory_format=channels_last_format(other))
         return super().forward(x, other)
 
     def _reference(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

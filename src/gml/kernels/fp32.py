@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from gml.ir.library import channels_last_format
 from gml.ir.ops import OPS
 from gml.ir.values import NO_POST_OP, UNARY_ATTRS, PostOp
 
@@ -111,8 +112,7 @@ def register_export_support() -> None:
 
     @torch.library.register_fake(qualname)
     def _binary_fake(x, other, w, b, padding, stride, dilation, groups, binary_attr, alpha, unary, scalars, algo):
-        fmt = torch.channels_last if other.dim() == 4 else torch.channels_last_3d
-        return torch.empty_like(other, memory_format=fmt)
+        return torch.empty_like(other, memory_format=channels_last_format(other))
 
 
 # --------------------------------------------------------------------------------------------------
