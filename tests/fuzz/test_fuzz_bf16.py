@@ -68,6 +68,10 @@ BF16_CASES = {
     "one_frame_conv3d_with_depth_padding": ModelSpec(
         inputs=[(1, 1, 1, 1, 1)], layers=[L("conv", 0, out=1, k=3, pad=1)]
     ),
+    # the same through a conv + add (Bf16ConvAdd: the refusal first looked for FusedConv's .dim only)
+    "one_frame_conv3d_add_with_depth_padding": ModelSpec(
+        inputs=[(1, 1, 1, 1, 1)], layers=[L("conv", 0, out=1, k=3, pad=1), L("add", 1, 0)]
+    ),
     # a 3-D conv + add read its fp32 addend as bf16 in the 2-D channels-last format: RuntimeError
     "conv3d_add_reads_its_addend_channels_last_3d": ModelSpec(
         inputs=[(1, 1, 1, 1, 2)],

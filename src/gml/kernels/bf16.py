@@ -55,6 +55,7 @@ from gml.kernels import fp32 as k32
 #: round-to-nearest-even (2^-9 until 2026-11-24: half the true value).
 BF16_UNIT_ROUNDOFF = 2.0**-8
 
+
 def bf16_dot_bound(abs_dot: torch.Tensor | float, k: int = 1) -> torch.Tensor | float:
     """Error bound of one bf16 kernel vs the same fp32 op: ``(2u + u + k*2^-24) * sum|w||x|``.
 
@@ -139,7 +140,8 @@ def conv_refusal(m: nn.Module, input_shape: Sequence[int] | None) -> str | None:
     padding exact (measured 2026-11-27 on AMX and under ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16; found
     by the bf16 fuzz property, seed 20261128) — the INT8 kernel has the same one-frame fault
     (docs/fuzzing.md). Declined for any channel count: cheap, a one-frame Conv3d is rare."""
-    if getattr(m, "dim", None) != 3:
+    weight = getattr(m, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 5:  # not a Conv3d (FusedConvAdd has no .dim)
         return None
     shape = tuple(input_shape) if input_shape is not None else getattr(m, "input_size", None)
     if shape is None or len(shape) != 5:
