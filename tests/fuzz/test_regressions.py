@@ -14,6 +14,25 @@ from gml.testing.graphgen import L, ModelSpec
 
 # ---------------------------------------------------------------------------------------- fp32
 FP32_CASES = {
+    # conv+add accumulated in place into its residual while a permute *view* of the residual was read
+    # after the add (the check saw direct readers only): error 0.1. fuse_conv_add now looks at every
+    # alias of the residual. make fuzz, seed 20261128 (the rerun).
+    "residual_read_through_a_view_after_an_inplace_conv_add": ModelSpec(
+        inputs=[(1, 1, 1, 1)],
+        layers=[
+            L("conv", 0, out=1),
+            L("bn", 1),
+            L("permute", 2, perm=(0, 1, 3, 2)),
+            L("act", 3),
+            L("conv", 4, out=1),
+            L("bn", 5),
+            L("bn", 6),
+            L("add", 7, 2),
+            L("act", 3),
+        ],
+        outputs=[9],
+        seed=0,
+    ),
     # Two calls of one Linear on the same input (untied, then merged by horizontal_merge), the second
     # output flattened with .view: a slice of the merged output is not contiguous, the view failed
     # and the PassManager rolled the merge back. horizontal_merge now keeps a sibling whose output

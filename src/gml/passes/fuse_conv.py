@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from torch import fx, nn
 
-from gml.ir.alias import may_alias
+from gml.ir.alias import alias_set, may_alias
 from gml.kernels import fp32 as k32
 from gml.passes import fuse_common as fc
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
@@ -179,7 +179,10 @@ class FuseConvAdd(GraphPass):
             return "residual is not a fresh module output"
         if may_alias(conv.args[0], other, modules):
             return "the conv reads the residual itself (the kernel would overwrite its own input)"
-        late = [u for u in other.users if u is not add and order[u] > order[add]]
+        # a read of the residual after the add, directly or through a view of it (a permute of the
+        # residual read later: the fuzz property, seed 20261128 — the in-place sum changed that read)
+        aliases = alias_set(other, modules)
+        late = [u for a in aliases for u in a.users if u is not add and u not in aliases and order[u] > order[add]]
         if late:
             return f"residual is read after the add by {late[0].name}"
         return None
