@@ -29,27 +29,42 @@ from gml.llm.spec import CapturedLM, LayerWeights, Linear, ModelSpec, Norm
 
 
 class LinearOp:
-    """One matrix of the model in its run-time storage (fp32, bf16 or weight-only quantized)."""
+    """One matrix of the model in its run-time storage: fp32 or bf16 ``weight``, or a weight-only
+    quantized ``qweight`` (:class:`QuantizedWeight`) run by the native kernel ``kernel`` (an ISA of
+    :mod:`gml.kernels.woq`; ``None``: the op's reference kernel)."""
 
     def __init__(
-        self, lin: Linear, weights: str, group_size: int = 32, symmetric: bool = True, kernel: str | None = None
+        self,
+        *,
+        weight: torch.Tensor | None = None,
+        qweight: QuantizedWeight | None = None,
+        bias: torch.Tensor | None = None,
+        kernel: str | None = None,
     ) -> None:
-        self.bias = lin.bias
-        self.out_features, self.in_features = lin.weight.shape
-        self.weight: torch.Tensor | None = None
-        self.qweight: QuantizedWeight | None = None
+        if (weight is None) == (qweight is None):
+            raise ValueError("a LinearOp holds either a dense weight or a quantized one")
+        self.weight = weight
+        self.qweight = qweight
+        self.bias = bias
+        self.out_features, self.in_features = (
+            weight.shape if weight is not None else (qweight.out_features, qweight.in_features)
+        )
+        self.kernel = kernel if qweight is not None and native_supports(qweight) else None
+
+    @classmethod
+    def build(
+        cls, lin: Linear, weights: str, group_size: int = 32, symmetric: bool = True, kernel: str | None = None
+    ) -> LinearOp:
+        """``lin`` stored as ``weights`` (``fp32 | bf16 | int8 | int4``)."""
         if weights == "fp32":
-            self.weight = lin.weight
-        elif weights == "bf16":
-            self.weight = lin.weight.to(torch.bfloat16)
-        elif weights == "int8":
-            self.qweight = quantize_weight(lin.weight, 8)
-        elif weights == "int4":
-            self.qweight = quantize_weight(lin.weight, 4, group_size, symmetric)
-        else:
-            raise ValueError(f"weights={weights!r}")
-        # the native kernel's ISA (gml.kernels.woq), or None: the op's reference kernel
-        self.kernel = kernel if self.qweight is not None and native_supports(self.qweight) else None
+            return cls(weight=lin.weight, bias=lin.bias, kernel=kernel)
+        if weights == "bf16":
+            return cls(weight=lin.weight.to(torch.bfloat16), bias=lin.bias, kernel=kernel)
+        if weights == "int8":
+            return cls(qweight=quantize_weight(lin.weight, 8), bias=lin.bias, kernel=kernel)
+        if weights == "int4":
+            return cls(qweight=quantize_weight(lin.weight, 4, group_size, symmetric), bias=lin.bias, kernel=kernel)
+        raise ValueError(f"weights={weights!r}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -113,24 +128,60 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class Layer:
-    def __init__(self, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None) -> None:
+    """One decoder layer: its norms (``w``: a :class:`LayerWeights` whose matrices are ``None``) and
+    its four matrices as :class:`LinearOp` s."""
+
+    def __init__(self, w: LayerWeights, qkv: LinearOp, o: LinearOp, up: LinearOp, down: LinearOp) -> None:
         self.w = w
-        self.qkv = LinearOp(w.qkv, weights, group_size, symmetric, kernel)
-        self.o = LinearOp(w.o, weights, group_size, symmetric, kernel)
-        self.up = LinearOp(w.up, weights, group_size, symmetric, kernel)
-        self.down = LinearOp(w.down, weights, group_size, symmetric, kernel)
+        self.qkv, self.o, self.up, self.down = qkv, o, up, down
+
+    @classmethod
+    def build(cls, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None) -> Layer:
+        names = ("qkv", "o", "up", "down")
+        ops = [LinearOp.build(getattr(w, n), weights, group_size, symmetric, kernel) for n in names]
         # Keep the norms, drop the fp32 matrices now held by the LinearOps.
         w.qkv = w.o = w.up = w.down = None  # type: ignore[assignment]
+        return cls(w, *ops)
 
     def linears(self) -> list[LinearOp]:
         return [self.qkv, self.o, self.up, self.down]
 
 
 class Decoder:
-    """Runs a :class:`CapturedLM` with weights in ``fp32 | bf16 | int8 | int4``."""
+    """Runs a decoder LM: ``spec``, the embedding table (and GPT-2's learned ``positions``), the
+    layers, the final norm, the LM head and the RoPE tables (layer type -> ``(cos, sin)``)."""
 
     def __init__(
         self,
+        spec: ModelSpec,
+        *,
+        embed: torch.Tensor,
+        positions: torch.Tensor | None,
+        layers: list[Layer],
+        final_norm: Norm,
+        lm_head: LinearOp,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        weights: str,
+        lm_head_weights: str | None = None,
+        kernel: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.embed = embed
+        self.positions = positions
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.rope = rope
+        self.weights = weights
+        self.lm_head_weights = lm_head_weights or weights
+        self.kernel = kernel
+        self.layer_types = [
+            "sliding_attention" if win is not None else "full_attention" for win in self.spec.sliding_windows
+        ]
+
+    @classmethod
+    def build(
+        cls,
         lm: CapturedLM,
         weights: str,
         *,
@@ -138,19 +189,20 @@ class Decoder:
         symmetric: bool = True,
         lm_head_weights: str | None = None,
         kernel: str | None = None,
-    ) -> None:
-        self.spec = lm.spec
-        self.kernel = kernel
-        self.weights = weights
-        self.embed = lm.embed.to(torch.bfloat16) if weights == "bf16" else lm.embed
-        self.positions = lm.positions
-        self.final_norm = lm.final_norm
-        self.rope = lm.rope
-        self.layers = [Layer(w, weights, group_size, symmetric, kernel) for w in lm.layers]
-        self.lm_head = LinearOp(lm.lm_head, lm_head_weights or weights, group_size, symmetric, kernel)
-        self.layer_types = [
-            "sliding_attention" if win is not None else "full_attention" for win in self.spec.sliding_windows
-        ]
+    ) -> Decoder:
+        """A :class:`CapturedLM` with its matrices stored as ``weights`` (``fp32 | bf16 | int8 | int4``)."""
+        return cls(
+            lm.spec,
+            embed=lm.embed.to(torch.bfloat16) if weights == "bf16" else lm.embed,
+            positions=lm.positions,
+            layers=[Layer.build(w, weights, group_size, symmetric, kernel) for w in lm.layers],
+            final_norm=lm.final_norm,
+            lm_head=LinearOp.build(lm.lm_head, lm_head_weights or weights, group_size, symmetric, kernel),
+            rope=lm.rope,
+            weights=weights,
+            lm_head_weights=lm_head_weights,
+            kernel=kernel,
+        )
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (the matrices and the LM head; not the embedding table)."""
