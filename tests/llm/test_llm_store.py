@@ -60,7 +60,7 @@ def test_tied_head_is_stored_once(tmp_path):
     path = lm.save(tmp_path / "m.gml")
     with zipfile.ZipFile(path) as z:
         names = [n.split("/", 1)[1] for n in z.namelist()]
-    assert "tensors/embed.bin" in names and not any(n.startswith("tensors/lm_head") for n in names)
+    assert "tensors/embed.weight.bin" in names and not any(n.startswith("tensors/lm_head") for n in names)
     back = gml.load(path)
     assert back.decoder.lm_head.weight is back.decoder.embed
 
@@ -137,8 +137,8 @@ HOSTILE = {
     "unknown family": (_set(["spec", "family"], "__import__('os')"), "family"),
     "NaN eps": (_set(["spec", "norm_eps"], math.nan), "norm_eps"),
     "extra spec field": (_set(["spec", "exec"], "print(1)"), "exactly the fields"),
-    "a shape bigger than the spec": (_set(["tensors", "embed", "shape"], [100000, 64]), "embed"),
-    "a dtype the spec does not allow": (_set(["tensors", "embed", "dtype"], "float64"), "embed"),
+    "a shape bigger than the spec": (_set(["tensors", "embed.qweight", "shape"], [100000, 32]), "embed"),
+    "a dtype the spec does not allow": (_set(["tensors", "embed.qweight", "dtype"], "int8"), "embed"),
     "a path in a tensor name": (_set(["tensors", "../../etc/passwd"], {"dtype": "uint8", "shape": [1]}), "unexpected"),
     "windows of the wrong length": (_set(["spec", "sliding_windows"], [None]), "sliding_windows"),
     "int4 with a bad group": (_set(["group_size"], 48), "group_size"),
@@ -168,8 +168,8 @@ def _member(name: str, fn):
 @pytest.mark.parametrize(
     ("case", "edit", "reason"),
     [
-        ("short tensor", _member("tensors/embed.bin", lambda b: b[:-4]), "bytes"),
-        ("long tensor", _member("tensors/embed.bin", lambda b: b + b"\0" * 4), "bytes"),
+        ("short tensor", _member("tensors/embed.qweight.bin", lambda b: b[:-4]), "bytes"),
+        ("long tensor", _member("tensors/embed.qweight.bin", lambda b: b + b"\0" * 4), "bytes"),
         ("NaN scale", _member("tensors/layers.0.qkv.scales.bin", lambda b: b"\xff\xff\xff\x7f" + b[4:]), "NaN"),
         ("zero point 200", _member("tensors/layers.0.o.zeros.bin", lambda b: b"\xc8" + b[1:]), "zero points"),
         ("an extra member", lambda m: m.__setitem__("tensors/evil.pkl", b"cos\nsystem\n"), "unexpected|members"),

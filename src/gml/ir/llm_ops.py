@@ -138,6 +138,17 @@ def dequantize_weight(
     return (wi.reshape(n, k // group_size, group_size) * scales[..., None]).reshape(n, k)
 
 
+def embedding_rows(w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table stored in the ``woq_linear`` format (``[V, H]``: a row per
+    token, quantized like a weight's output channel), dequantized: fp32 ``[*ids.shape, H]``. Only the
+    rows looked up are expanded, so the table stays INT8 / INT4 in memory (and a tied LM head reads the
+    same bytes)."""
+    flat = ids.reshape(-1)
+    zeros = None if w.zeros is None else w.zeros[flat]
+    rows = dequantize_weight(w.qweight[flat], w.scales[flat], zeros, w.bits, w.group_size)
+    return rows.reshape(*ids.shape, rows.shape[-1])
+
+
 def _woq_linear(x, qweight, scales, zeros, bias, bits, group_size):
     """Reference kernel: dequantize, then ``F.linear`` in fp32."""
     return F.linear(x.float(), dequantize_weight(qweight, scales, zeros, bits, group_size), bias)

@@ -94,7 +94,8 @@ class LLM:
         s = self.spec
         return (
             f"LLM({s.family}, layers={s.num_layers}, hidden={s.hidden_size}, heads={s.num_heads}/{s.num_kv_heads}, "
-            f"weights={self.decoder.weights}, max_length={self.max_length})"
+            f"weights={self.decoder.weights}, lm_head={self.decoder.lm_head_weights}, "
+            f"embedding={self.decoder.embed_weights}, max_length={self.max_length})"
         )
 
     # ------------------------------------------------------------------ inputs
@@ -245,6 +246,7 @@ def llm(
     symmetric: bool = True,
     kv_cache: str | None = None,
     lm_head_weights: str | None = None,
+    embed_weights: str | None = None,
     kernel: str = "auto",
 ) -> LLM:
     """Capture a decoder-only causal LM for generation on CPU.
@@ -255,11 +257,13 @@ def llm(
 
     ``weights``: ``fp32`` (default) | ``bf16`` | ``int8`` (per output channel) | ``int4`` (group-wise,
     ``group_size`` 32/64/128, ``symmetric`` or with zero points). ``lm_head_weights`` defaults to
-    ``weights``. ``kv_cache``: ``fp32`` (default) | ``bf16``. ``max_length`` (default 2048; a saved
-    file's own) bounds prompt + new tokens; the KV cache is preallocated to it. ``kernel`` runs the
-    int8 / int4 matrices: ``auto`` (the native kernel for this CPU,
-    :func:`gml.kernels.woq.detect_kernel`; it honours ``ONEDNN_MAX_CPU_ISA``), ``avx512`` | ``avx2`` |
-    ``scalar`` (that native kernel) or ``reference`` (the op's Python kernel).
+    ``weights``; ``embed_weights`` (the embedding table, quantized a row per token; only the rows
+    looked up are expanded) defaults to the LM head's format when the model ties the two — one
+    tensor then serves both — else to ``weights``. ``kv_cache``: ``fp32`` (default) | ``bf16``.
+    ``max_length`` (default 2048; a saved file's own) bounds prompt + new tokens; the KV cache is
+    preallocated to it. ``kernel`` runs the int8 / int4 matrices: ``auto`` (the native kernel for
+    this CPU, :func:`gml.kernels.woq.detect_kernel`; it honours ``ONEDNN_MAX_CPU_ISA``), ``avx512`` |
+    ``avx2`` | ``scalar`` (that native kernel) or ``reference`` (the op's Python kernel).
     """
     if isinstance(source, (str, os.PathLike)):
         saved = _saved_llm(os.fspath(source))
@@ -267,8 +271,12 @@ def llm(
             from gml.llm.store import load_llm
 
             lm = load_llm(source, max_length=max_length, kv_cache=kv_cache, kernel=kernel, sealed=saved)
-            asked = {"weights": weights, "lm_head_weights": lm_head_weights}
-            held = {"weights": lm.decoder.weights, "lm_head_weights": lm.decoder.lm_head_weights}
+            asked = {"weights": weights, "lm_head_weights": lm_head_weights, "embed_weights": embed_weights}
+            held = {
+                "weights": lm.decoder.weights,
+                "lm_head_weights": lm.decoder.lm_head_weights,
+                "embed_weights": lm.decoder.embed_weights,
+            }
             for name, value in asked.items():
                 if value is not None and value != held[name]:
                     raise InputError(
@@ -281,11 +289,12 @@ def llm(
     max_length = 2048 if max_length is None else max_length
     if weights not in WEIGHTS:
         raise InputError(f"weights={weights!r} is not one of {WEIGHTS}", f"pick one of {', '.join(WEIGHTS)}")
-    if lm_head_weights is not None and lm_head_weights not in WEIGHTS:
-        raise InputError(f"lm_head_weights={lm_head_weights!r} is not one of {WEIGHTS}", f"pick one of {WEIGHTS}")
+    for name, value in (("lm_head_weights", lm_head_weights), ("embed_weights", embed_weights)):
+        if value is not None and value not in WEIGHTS:
+            raise InputError(f"{name}={value!r} is not one of {WEIGHTS}", f"pick one of {', '.join(WEIGHTS)}")
     if kv_cache not in KV_DTYPES:
         raise InputError(f"kv_cache={kv_cache!r} is not one of {tuple(KV_DTYPES)}", "use fp32 or bf16")
-    if "int4" in (weights, lm_head_weights) and group_size not in INT4_GROUP_SIZES:
+    if "int4" in (weights, lm_head_weights, embed_weights) and group_size not in INT4_GROUP_SIZES:
         raise InputError(f"group_size={group_size} is not one of {INT4_GROUP_SIZES}", "use 32, 64 or 128")
     chosen = choose_kernel(kernel)
     if max_length < 1:
@@ -313,7 +322,14 @@ def llm(
         for name in ("qkv", "o", "up", "down"):
             _check_group(f"layer {i} {name}", getattr(layer, name).weight.shape[1], groups.get(weights))
     _check_group("lm_head", captured.lm_head.weight.shape[1], groups.get(lm_head_weights or weights))
+    _check_group("embedding table", captured.embed.shape[1], groups.get(embed_weights or "fp32"))
     decoder = Decoder.build(
-        captured, weights, group_size=group_size, symmetric=symmetric, lm_head_weights=lm_head_weights, kernel=chosen
+        captured,
+        weights,
+        group_size=group_size,
+        symmetric=symmetric,
+        lm_head_weights=lm_head_weights,
+        embed_weights=embed_weights,
+        kernel=chosen,
     )
     return LLM(decoder, max_length, KV_DTYPES[kv_cache], tokenizer)

@@ -82,6 +82,7 @@ def generate_command(args: argparse.Namespace, console) -> int:
         f"{lm}: prompt {s.prompt_tokens} tokens, prefill {s.prefill_tokens_per_second:.1f} tok/s; "
         f"{s.new_tokens} new tokens, decode {s.decode_tokens_per_second:.1f} tok/s",
         markup=False,
+        soft_wrap=True,
     )
     if args.save:
         console.print(f"saved {lm.save(args.save)}", markup=False)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from gml.ir.attention import attention_op
-from gml.ir.llm_ops import QuantizedWeight, quantize_weight, woq_linear
+from gml.ir.llm_ops import QuantizedWeight, embedding_rows, quantize_weight, woq_linear
 from gml.kernels.woq import native_supports, woq_linear_native
 from gml.llm.spec import CapturedLM, LayerWeights, Linear, ModelSpec, Norm
 
@@ -155,7 +155,7 @@ class Decoder:
         self,
         spec: ModelSpec,
         *,
-        embed: torch.Tensor,
+        embed: torch.Tensor | QuantizedWeight,
         positions: torch.Tensor | None,
         layers: list[Layer],
         final_norm: Norm,
@@ -163,10 +163,12 @@ class Decoder:
         rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
         weights: str,
         lm_head_weights: str | None = None,
+        embed_weights: str | None = None,
         kernel: str | None = None,
     ) -> None:
         self.spec = spec
-        self.embed = embed
+        self.embed = embed  # fp32 / bf16 [V, H], or a QuantizedWeight (rows dequantized when looked up)
+        self.embed_weights = embed_weights or weights
         self.positions = positions
         self.layers = layers
         self.final_norm = final_norm
@@ -188,19 +190,39 @@ class Decoder:
         group_size: int = 32,
         symmetric: bool = True,
         lm_head_weights: str | None = None,
+        embed_weights: str | None = None,
         kernel: str | None = None,
     ) -> Decoder:
-        """A :class:`CapturedLM` with its matrices stored as ``weights`` (``fp32 | bf16 | int8 | int4``)."""
+        """A :class:`CapturedLM` with its matrices stored as ``weights`` (``fp32 | bf16 | int8 | int4``),
+        the LM head as ``lm_head_weights`` and the embedding table as ``embed_weights``.
+
+        The table is quantized like a matrix (a row per token). Default ``embed_weights``: the LM
+        head's format when the model ties the head to the table — then one tensor serves both (the
+        lookup dequantizes the rows it gathers, the head reads it as a ``woq_linear``) — else
+        ``weights``."""
+        head_w = lm_head_weights or weights
+        tied = (
+            lm.lm_head.bias is None
+            and lm.lm_head.weight.shape == lm.embed.shape
+            and lm.lm_head.weight.data_ptr() == lm.embed.data_ptr()
+        )
+        embed_w = embed_weights or (head_w if tied else weights)
+        table = LinearOp.build(Linear(lm.embed), embed_w, group_size, symmetric, kernel)
+        if tied and embed_w == head_w:
+            lm_head = table
+        else:
+            lm_head = LinearOp.build(lm.lm_head, head_w, group_size, symmetric, kernel)
         return cls(
             lm.spec,
-            embed=lm.embed.to(torch.bfloat16) if weights == "bf16" else lm.embed,
+            embed=table.weight if table.weight is not None else table.qweight,
             positions=lm.positions,
             layers=[Layer.build(w, weights, group_size, symmetric, kernel) for w in lm.layers],
             final_norm=lm.final_norm,
-            lm_head=LinearOp.build(lm.lm_head, lm_head_weights or weights, group_size, symmetric, kernel),
+            lm_head=lm_head,
             rope=lm.rope,
             weights=weights,
             lm_head_weights=lm_head_weights,
+            embed_weights=embed_w,
             kernel=kernel,
         )
 
@@ -235,9 +257,12 @@ class Decoder:
         b, n = ids.shape
         start = cache.length
         end = start + n
-        h = F.embedding(ids, self.embed).float()
-        if spec.embed_scale != 1.0:
-            h = h * torch.tensor(spec.embed_scale, dtype=self.embed.dtype).float()
+        if isinstance(self.embed, QuantizedWeight):
+            h, table_dtype = embedding_rows(self.embed, ids), torch.float32
+        else:
+            h, table_dtype = F.embedding(ids, self.embed).float(), self.embed.dtype
+        if spec.embed_scale != 1.0:  # HF rounds the scale to the table's dtype
+            h = h * torch.tensor(spec.embed_scale, dtype=table_dtype).float()
         if self.positions is not None:
             h = h + self.positions[start:end]
         heads, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim

@@ -4,8 +4,8 @@ The file is a zip archive sealed like every file :mod:`gml.io` writes (:mod:`gml
 of every member's SHA-256 and size, checked before anything is read). Inside one top-level folder::
 
     llm.json                 what the model is: format, spec (ModelSpec's fields), intermediate size,
-                             storage (weights, lm_head_weights, group_size, symmetric), max_length,
-                             kv_cache, tied LM head, and every tensor's dtype and shape
+                             storage (weights, lm_head_weights, embed_weights, group_size, symmetric),
+                             max_length, kv_cache, tied LM head, and every tensor's dtype and shape
     tensors/<name>.bin       one tensor's raw little-endian bytes, C order
 
 Nothing is unpickled and no name in the file is looked up as code. The loader treats every field as
@@ -83,8 +83,9 @@ def expected_tensors(meta: dict[str, Any], spec: ModelSpec) -> tuple[dict, dict]
     storage, head_storage = meta["weights"], meta["lm_head_weights"]
     group, sym = meta["group_size"], meta["symmetric"]
     fp = torch.float32
-    emb_dtype = torch.bfloat16 if storage == "bf16" else fp
-    req: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {"embed": (emb_dtype, (v, h))}
+    req: dict[str, tuple[torch.dtype, tuple[int, ...]]] = _linear_entries(
+        "embed", v, h, meta["embed_weights"], group, sym
+    )
     opt: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     if spec.learned_positions:
         req["positions"] = (fp, (spec.max_positions, h))
@@ -160,18 +161,15 @@ def save_llm(lm: Any, path: str | Path) -> Path:
     """Write ``lm`` (an :class:`~gml.llm.api.LLM`) to ``path`` (see the module docstring)."""
     dec: Decoder = lm.decoder
     spec = dec.spec
-    tied = (
-        dec.lm_head.qweight is None
-        and dec.lm_head.bias is None
-        and dec.lm_head.weight.dtype == dec.embed.dtype
-        and dec.lm_head.weight.shape == dec.embed.shape
-        and (dec.lm_head.weight.data_ptr() == dec.embed.data_ptr() or torch.equal(dec.lm_head.weight, dec.embed))
-    )
-    tensors: dict[str, torch.Tensor] = {"embed": dec.embed}
+    table = dec.embed
+    table_op = LinearOp(qweight=table) if isinstance(table, QuantizedWeight) else LinearOp(weight=table)
+    tied = dec.lm_head.bias is None and (dec.lm_head.weight is table or dec.lm_head.qweight is table)
+    tensors = _linear_tensors("embed", table_op)
     if dec.positions is not None:
         tensors["positions"] = dec.positions
     tensors |= _norm_tensors("final_norm", dec.final_norm)
-    group, symmetric = 32, True
+    _, g, symmetric = _storage_of(table_op)
+    group = g or 32
     for i, layer in enumerate(dec.layers):
         for n in _NORMS:
             tensors |= _norm_tensors(f"layers.{i}.{n}", getattr(layer.w, n))
@@ -184,8 +182,6 @@ def save_llm(lm: Any, path: str | Path) -> Path:
     group, symmetric = g or group, sym and symmetric
     if not tied:
         tensors |= _linear_tensors("lm_head", dec.lm_head)
-    elif dec.lm_head.bias is not None:  # pragma: no cover - tied heads have no bias (checked above)
-        tensors["lm_head.bias"] = dec.lm_head.bias
     rope_length = 0
     for key, (cos, sin) in dec.rope.items():
         tensors[f"rope.{key}.cos"], tensors[f"rope.{key}.sin"] = cos, sin
@@ -198,6 +194,7 @@ def save_llm(lm: Any, path: str | Path) -> Path:
         "intermediate_size": dec.layers[0].down.in_features if dec.layers else 1,
         "weights": dec.weights,
         "lm_head_weights": head_storage,
+        "embed_weights": dec.embed_weights,
         "group_size": group,
         "symmetric": symmetric,
         "tied_lm_head": tied,
@@ -310,7 +307,7 @@ def _spec(path: Path, raw: Any) -> ModelSpec:
 
 
 _META_KEYS = (
-    "format", "spec", "intermediate_size", "weights", "lm_head_weights", "group_size", "symmetric",
+    "format", "spec", "intermediate_size", "weights", "lm_head_weights", "embed_weights", "group_size", "symmetric",
     "tied_lm_head", "max_length", "kv_cache", "rope", "rope_length", "tensors",
 )  # fmt: skip
 
@@ -326,6 +323,7 @@ def _meta(path: Path, raw: Any) -> tuple[dict[str, Any], ModelSpec]:
     m["intermediate_size"] = _int(path, "intermediate_size", raw["intermediate_size"], 1)
     m["weights"] = _choice(path, "weights", raw["weights"], _WEIGHTS)
     m["lm_head_weights"] = _choice(path, "lm_head_weights", raw["lm_head_weights"], _WEIGHTS)
+    m["embed_weights"] = _choice(path, "embed_weights", raw["embed_weights"], _WEIGHTS)
     m["group_size"] = _int(path, "group_size", raw["group_size"], 1)
     m["symmetric"] = _bool(path, "symmetric", raw["symmetric"])
     m["tied_lm_head"] = _bool(path, "tied_lm_head", raw["tied_lm_head"])
@@ -342,11 +340,9 @@ def _meta(path: Path, raw: Any) -> tuple[dict[str, Any], ModelSpec]:
     m["rope_length"] = _int(path, "rope_length", raw["rope_length"], 0 if not rope else 1)
     positions = spec.max_positions if spec.learned_positions else m["rope_length"]
     m["max_length"] = _int(path, "max_length", raw["max_length"], 1, positions)
-    if m["tied_lm_head"] and m["lm_head_weights"] not in ("fp32", "bf16"):
-        raise _bad(path, "a tied LM head is stored as the embedding table: its weights must be fp32 or bf16")
-    if m["tied_lm_head"] and (m["lm_head_weights"] == "bf16") != (m["weights"] == "bf16"):
-        raise _bad(path, "a tied LM head must have the embedding table's dtype")
-    if "int4" in (m["weights"], m["lm_head_weights"]):
+    if m["tied_lm_head"] and m["lm_head_weights"] != m["embed_weights"]:
+        raise _bad(path, "a tied LM head is the embedding table: lm_head_weights must equal embed_weights")
+    if "int4" in (m["weights"], m["lm_head_weights"], m["embed_weights"]):
         if m["group_size"] not in INT4_GROUP_SIZES:
             raise _bad(path, f"int4 group_size {m['group_size']} is not one of {INT4_GROUP_SIZES}")
         for what, k in (("hidden_size", spec.hidden_size), ("intermediate_size", m["intermediate_size"])):
@@ -483,14 +479,12 @@ def load_llm(
         norms = {n: norm(p + n) for n in _NORMS}
         lw = LayerWeights(qkv=None, o=None, up=None, down=None, **norms)  # type: ignore[arg-type]
         layers.append(Layer(lw, *(linear(p + n, m["weights"]) for n in _LINEARS)))
-    if m["tied_lm_head"]:
-        lm_head = LinearOp(weight=t["embed"], bias=None, kernel=chosen)
-    else:
-        lm_head = linear("lm_head", m["lm_head_weights"])
+    table = linear("embed", m["embed_weights"])
+    lm_head = table if m["tied_lm_head"] else linear("lm_head", m["lm_head_weights"])
     rope = {key: (t[f"rope.{key}.cos"], t[f"rope.{key}.sin"]) for key in m["rope"]}
     decoder = Decoder(
         spec,
-        embed=t["embed"],
+        embed=table.weight if table.weight is not None else table.qweight,
         positions=t.get("positions"),
         layers=layers,
         final_norm=norm("final_norm"),
@@ -498,6 +492,7 @@ def load_llm(
         rope=rope,
         weights=m["weights"],
         lm_head_weights=m["lm_head_weights"],
+        embed_weights=m["embed_weights"],
         kernel=chosen,
     )
     return LLM(decoder, max_length, KV_DTYPES[kv_cache])
