@@ -53,6 +53,7 @@ _LINEARS = ("qkv", "o", "up", "down")
 #: Sizes past these are not a model this loader admits (they bound every allocation the spec implies).
 _MAX_DIM = 1 << 24
 _MAX_LAYERS = 4096
+_CHUNK = 1 << 20
 
 
 # --------------------------------------------------------------------------------------------------
@@ -389,13 +390,21 @@ def _read_tensor(path: Path, z: zipfile.ZipFile, prefix: str, name: str, dtype: 
     if info.file_size != nbytes:
         raise _bad(path, f"tensor {name!r} has {info.file_size} bytes, its shape needs {nbytes}")
     if nbytes:
+        # straight into the tensor, a chunk at a time: ZipExtFile.readinto would read the whole member
+        # into a temporary bytes object first (a second copy of the largest tensor at the peak)
         buf = memoryview(t.view(torch.uint8).reshape(-1).numpy())
+        done = 0
         with z.open(info) as f:
-            got = f.readinto(buf)
-        if got != nbytes:  # pragma: no cover - the size was checked against the zip directory
+            while done < nbytes and (chunk := f.read(min(_CHUNK, nbytes - done))):
+                buf[done : done + len(chunk)] = chunk
+                done += len(chunk)
+        if done != nbytes:  # pragma: no cover - the size was checked against the zip directory
             raise _bad(path, f"tensor {name!r} is short")
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise _bad(path, f"tensor {name!r} holds NaN or infinity")
+    if t.is_floating_point():
+        flat = t.reshape(-1)
+        for i in range(0, flat.numel(), _CHUNK):  # chunks: no tensor-sized bool temporary
+            if not bool(torch.isfinite(flat[i : i + _CHUNK]).all()):
+                raise _bad(path, f"tensor {name!r} holds NaN or infinity")
     if name.endswith(".zeros") and int(t.max()) > 15:
         raise _bad(path, f"int4 zero points of {name!r} must lie in [0, 15]")
     return t
