@@ -19,7 +19,7 @@ from torch import nn
 from gml.errors import InputError, ModelLoadError, UnsupportedError
 from gml.ir.llm_ops import INT4_GROUP_SIZES
 from gml.kernels.woq import KERNEL_ISAS, detect_kernel, native_kernel_runs
-from gml.llm.gguf import is_gguf_source, load_gguf
+from gml.llm.gguf import is_gguf_source, load_gguf, load_gguf_tokenizer
 from gml.llm.model import Decoder, KVCache
 from gml.llm.sampling import Sampling, next_token
 from gml.llm.spec import capture_lm
@@ -70,7 +70,9 @@ def _load_folder(path: str) -> nn.Module:
 
 
 def load_tokenizer(path: str):
-    """The folder's tokenizer, or ``None`` when it has none (token ids still work)."""
+    """The folder's (or GGUF file's) tokenizer, or ``None`` when it has none (token ids still work)."""
+    if is_gguf_source(path):
+        return load_gguf_tokenizer(path)
     try:
         from transformers import AutoTokenizer
 
@@ -243,7 +245,7 @@ def llm(
     tokenizer = None
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        if is_gguf_source(path):  # token ids only: see gml.llm.gguf on its tokenizer
+        if is_gguf_source(path):  # token ids (load_tokenizer(path) rebuilds the GGUF's tokenizer: slow)
             model = load_gguf(path)
         else:
             model = _load_folder(path)

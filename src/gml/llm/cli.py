@@ -10,16 +10,16 @@ from gml.errors import InputError
 DESCRIPTION = (
     "Generate tokens with a decoder-only causal LM (Llama, Mistral, Qwen2/3, Gemma, Gemma3, Phi-3, GPT-2) from a "
     "local Hugging Face folder or a llama.cpp .gguf file, on GML's KV cache with fp32 / bf16 / int8 / int4 "
-    "weights. Prints the new token ids, the text when the folder has a tokenizer, and prefill / decode tokens "
-    "per second."
+    "weights. Prints the new token ids, the text when the folder has a tokenizer (a GGUF's: with --prompt), and "
+    "prefill / decode tokens per second."
 )
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "source",
-        help="a local Hugging Face model folder (config.json + weights) or a .gguf file (needs the [llm] extra; "
-        "give --prompt-ids); read offline",
+        help="a local Hugging Face model folder (config.json + weights) or a .gguf file (needs the [llm] extra); "
+        "read offline",
     )
     p.add_argument("--weights", choices=("fp32", "bf16", "int8", "int4"), default="fp32", help="(default: fp32)")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128 (default: 32)")
@@ -44,18 +44,12 @@ def _ids(text: str, flag: str) -> list[int]:
 
 def generate_command(args: argparse.Namespace, console) -> int:
     from gml.llm.api import llm, load_tokenizer
-    from gml.llm.gguf import is_gguf_source
 
+    tokenizer = None
     if args.prompt_ids is not None:
         prompt_ids = _ids(args.prompt_ids, "--prompt-ids")
         if not prompt_ids:
             raise InputError("--prompt-ids is empty", "give at least one token id, e.g. --prompt-ids 1,2,3")
-    elif is_gguf_source(args.source):
-        raise InputError(
-            f"{args.source!r} is a GGUF file: GML takes token ids for GGUF sources (transformers' tokenizer rebuilt "
-            "from a GGUF vocabulary is not reliable; it splits Gemma 3 text differently from llama.cpp)",
-            "give --prompt-ids 1,2,3 (tokenize with llama.cpp or the model's original tokenizer)",
-        )
     else:
         tokenizer = load_tokenizer(args.source)
         if tokenizer is None:
@@ -75,8 +69,9 @@ def generate_command(args: argparse.Namespace, console) -> int:
         stop_tokens=_ids(args.stop_ids, "--stop-ids"),
     )
     console.print(" ".join(str(t) for t in out), soft_wrap=True)
-    if lm.tokenizer is not None:
-        console.print(lm.tokenizer.decode(out), markup=False, soft_wrap=True)
+    tokenizer = lm.tokenizer or tokenizer  # a GGUF's tokenizer is loaded only for --prompt
+    if tokenizer is not None:
+        console.print(tokenizer.decode(out), markup=False, soft_wrap=True)
     s = lm.stats
     console.print(
         f"{lm}: prompt {s.prompt_tokens} tokens, prefill {s.prefill_tokens_per_second:.1f} tok/s; "
