@@ -623,7 +623,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "generate",
-        help="generate tokens with a decoder LLM from a local HF folder (KV cache; fp32/bf16/int8/int4 weights)",
+        help="generate tokens with a decoder LLM from a local HF folder or a .gguf file "
+        "(KV cache; fp32/bf16/int8/int4 weights)",
         description=GENERATE_DESCRIPTION,
     )
     add_generate_arguments(p)

@@ -102,7 +102,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--llm",
         action="store_true",
-        help="MODEL is a decoder LLM (a local HF folder, a file lm.save wrote, or tinyllama: random weights): "
+        help="MODEL is a decoder LLM (a local HF folder, a .gguf file, a file lm.save wrote, or tinyllama: random "
+        "weights): "
         "prefill / decode tokens/s of GML against HF eager next to the measured bandwidth ceiling",
     )
     g.add_argument(

@@ -110,9 +110,14 @@ def _hf_module(source: str):
         return None
     if Path(source).is_dir():
         return _load_folder(source)
+    from gml.llm.gguf import is_gguf_source, load_gguf
+
+    if is_gguf_source(source):
+        return load_gguf(source)
     raise InputError(
         f"gml bench --llm cannot read {source!r}",
-        f"give a local Hugging Face folder, a file lm.save wrote, or a random-weight model: {', '.join(RANDOM_LLMS)}",
+        "give a local Hugging Face folder, a .gguf file, a file lm.save wrote, or a random-weight model: "
+        + ", ".join(RANDOM_LLMS),
     )
 
 

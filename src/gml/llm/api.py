@@ -1,8 +1,9 @@
 """``gml.llm(source, weights=..., max_length=...)``: a decoder-only causal LM on GML's KV cache.
 
-``source`` is a Hugging Face ``*ForCausalLM`` module or a local HF folder (read offline, no remote
-code). :func:`llm` captures it (:mod:`gml.llm.spec`), stores its matrices as ``weights`` and returns an
-:class:`LLM` with ``generate`` / ``stream`` / ``logits``.
+``source`` is a Hugging Face ``*ForCausalLM`` module, a local HF folder (read offline, no remote
+code) or a llama.cpp ``.gguf`` file (:mod:`gml.llm.gguf`). :func:`llm` captures it
+(:mod:`gml.llm.spec`), stores its matrices as ``weights`` and returns an :class:`LLM` with
+``generate`` / ``stream`` / ``logits``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 from gml.errors import InputError, ModelLoadError, UnsupportedError
 from gml.ir.llm_ops import INT4_GROUP_SIZES
 from gml.kernels.woq import KERNEL_ISAS, detect_kernel, native_kernel_runs
+from gml.llm.gguf import is_gguf_source, load_gguf, load_gguf_tokenizer
 from gml.llm.model import Decoder, KVCache
 from gml.llm.sampling import Sampling, next_token
 from gml.llm.spec import capture_lm
@@ -69,7 +71,9 @@ def _load_folder(path: str) -> nn.Module:
 
 
 def load_tokenizer(path: str):
-    """The folder's tokenizer, or ``None`` when it has none (token ids still work)."""
+    """The folder's (or GGUF file's) tokenizer, or ``None`` when it has none (token ids still work)."""
+    if is_gguf_source(path):
+        return load_gguf_tokenizer(path)
     try:
         from transformers import AutoTokenizer
 
@@ -302,14 +306,17 @@ def llm(
     tokenizer = None
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        model = _load_folder(path)
-        tokenizer = load_tokenizer(path)
+        if is_gguf_source(path):  # token ids (load_tokenizer(path) rebuilds the GGUF's tokenizer: slow)
+            model = load_gguf(path)
+        else:
+            model = _load_folder(path)
+            tokenizer = load_tokenizer(path)
     elif isinstance(source, nn.Module):
         model = source
     else:
         raise ModelLoadError(
-            f"gml.llm takes a *ForCausalLM module or a model folder, not {type(source).__name__}",
-            "pass the module or the folder's path",
+            f"gml.llm takes a *ForCausalLM module, a model folder or a .gguf file, not {type(source).__name__}",
+            "pass the module or the folder's / file's path",
         )
     captured = capture_lm(model, max_length)
     if captured.spec.max_positions is not None and max_length > captured.spec.max_positions:

@@ -1,4 +1,5 @@
-"""``gml generate SOURCE``: greedy / sampled generation from a local Hugging Face folder on gml.llm."""
+"""``gml generate SOURCE``: greedy / sampled generation from a local Hugging Face folder or a .gguf file on
+gml.llm."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ from gml.errors import InputError
 
 DESCRIPTION = (
     "Generate tokens with a decoder-only causal LM (Llama, Mistral, Qwen2/3, Gemma, Gemma3, Phi-3, GPT-2) from a "
-    "local Hugging Face folder, on GML's KV cache with fp32 / bf16 / int8 / int4 weights. Prints the new token "
-    "ids, the text when the folder has a tokenizer, and prefill / decode tokens per second."
+    "local Hugging Face folder or a llama.cpp .gguf file, on GML's KV cache with fp32 / bf16 / int8 / int4 "
+    "weights. Prints the new token ids, the text when the folder has a tokenizer (a GGUF's: with --prompt), and "
+    "prefill / decode tokens per second."
 )
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "source", help="a local Hugging Face model folder (config.json + weights; read offline) or a file lm.save wrote"
+        "source",
+        help="a local Hugging Face model folder (config.json + weights), a .gguf file (needs the [llm] extra) "
+        "or a file lm.save wrote; read offline",
     )
     p.add_argument(
         "--weights",
@@ -48,6 +52,7 @@ def _ids(text: str, flag: str) -> list[int]:
 def generate_command(args: argparse.Namespace, console) -> int:
     from gml.llm.api import llm, load_tokenizer
 
+    tokenizer = None
     if args.prompt_ids is not None:
         prompt_ids = _ids(args.prompt_ids, "--prompt-ids")
         if not prompt_ids:
@@ -75,8 +80,9 @@ def generate_command(args: argparse.Namespace, console) -> int:
         stop_tokens=_ids(args.stop_ids, "--stop-ids"),
     )
     console.print(" ".join(str(t) for t in out), soft_wrap=True)
-    if lm.tokenizer is not None:
-        console.print(lm.tokenizer.decode(out), markup=False, soft_wrap=True)
+    tokenizer = lm.tokenizer or tokenizer  # a GGUF's tokenizer is loaded only for --prompt
+    if tokenizer is not None:
+        console.print(tokenizer.decode(out), markup=False, soft_wrap=True)
     s = lm.stats
     console.print(
         f"{lm}: prompt {s.prompt_tokens} tokens, prefill {s.prefill_tokens_per_second:.1f} tok/s; "
