@@ -197,12 +197,17 @@ inline bool cpu_has(const std::string& isa) {
   return false;
 }
 
-// Runs the problem with `isa`'s kernel on `nthreads` threads (0: OpenMP's default).
-inline void linear(const Problem& p, const std::string& isa, int nthreads) {
+// Refuses a kernel this CPU lacks and a format the kernels do not read.
+inline void check(const Problem& p, const std::string& isa) {
   if (!cpu_has(isa)) throw std::invalid_argument("woq_linear: this CPU cannot run the '" + isa + "' kernel");
   if ((p.bits != 8 && p.bits != 4) || p.group <= 0 || p.K % p.group || (p.bits == 4 && p.group % 32) ||
       (p.bits == 8 && (p.group != p.K || p.zeros)))
     throw std::invalid_argument("woq_linear: unsupported bits / group_size / zeros combination");
+}
+
+// Runs the problem with `isa`'s kernel on `nthreads` threads (0: OpenMP's default).
+inline void linear(const Problem& p, const std::string& isa, int nthreads) {
+  check(p, isa);
   const int threads = nthreads > 0 ? nthreads : omp_get_max_threads();
   const int which = isa == "avx512" ? 2 : isa == "avx2" ? 1 : 0;
   constexpr int64_t R = 4;  // rows per block (see rows_avx512)

@@ -12,7 +12,7 @@ import torch
 
 from gml.ir.llm_ops import integer_weight, quantize_weight, woq_linear
 from gml.ir.target import Target
-from gml.kernels.woq import KERNEL_ISAS, detect_kernel, kernel_isa, native_kernel_runs, woq_linear_native
+from gml.kernels.woq import GEMM_MIN_ROWS, KERNEL_ISAS, detect_kernel, kernel_isa, native_kernel_runs, woq_linear_native
 
 pytestmark = pytest.mark.skipif(detect_kernel() is None, reason="native engine without woq_linear")
 ISAS = [isa for isa in KERNEL_ISAS if native_kernel_runs(isa)]
@@ -32,6 +32,22 @@ def test_matches_reference(isa, bits, group, symmetric):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("bits", "group", "symmetric"), FORMATS)
+def test_prefill_gemm_matches_reference(isa, bits, group, symmetric):
+    """Rows >= GEMM_MIN_ROWS: dequantized tiles (two whole 64-row tiles and a tail) into oneDNN's GEMM."""
+    torch.manual_seed(2)
+    n, k = 135, 264 if bits == 8 else 256
+    w = quantize_weight(torch.randn(n, k), bits, group, symmetric)
+    b = torch.randn(n)
+    for m in (1, 3, 17, 130):
+        x = torch.randn(m, k)
+        ref = woq_linear(x, w, b)
+        for min_rows in (1, GEMM_MIN_ROWS):  # forced GEMM, and the default switch
+            got = woq_linear_native(x, w, b, isa, gemm_min_rows=min_rows)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("bits", "group", "symmetric"), FORMATS)
 def test_exact_integer_arithmetic(isa, bits, group, symmetric):
     torch.manual_seed(1)
     n, k = 13, 264 if bits == 8 else 384
@@ -40,6 +56,7 @@ def test_exact_integer_arithmetic(isa, bits, group, symmetric):
     x = torch.randint(-30, 31, (2, k)).float()
     exact = (x.long() @ integer_weight(w.qweight, w.zeros, bits, w.group_size).long().t()).float() * 0.5
     assert torch.equal(woq_linear_native(x, w, None, isa), exact)
+    assert torch.equal(woq_linear_native(x, w, None, isa, gemm_min_rows=1), exact)
 
 
 def test_kernel_follows_the_cpu_description():

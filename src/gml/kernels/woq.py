@@ -17,6 +17,10 @@ from gml.ir.target import Target
 
 KERNEL_ISAS = ("avx512", "avx2", "scalar")
 
+#: From this many rows of ``x`` on (prefill), the weight is dequantized in tiles into oneDNN's fp32 GEMM
+#: (native/woq_gemm.h) instead of running the GEMV kernel once per row (measured: docs/llm.md).
+GEMM_MIN_ROWS = 4
+
 
 def kernel_isa(target: Target) -> str:
     """The woq kernel for ``target`` (GML's one CPU description, :mod:`gml.ir.target`)."""
@@ -52,8 +56,12 @@ def native_supports(w: QuantizedWeight) -> bool:
     return w.zeros is None or w.bits == 4
 
 
-def woq_linear_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, isa: str) -> torch.Tensor:
-    """``torch.ops.gml.woq_linear(x, w, bias)`` on the native kernel ``isa``."""
+def woq_linear_native(
+    x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, isa: str, gemm_min_rows: int = GEMM_MIN_ROWS
+) -> torch.Tensor:
+    """``torch.ops.gml.woq_linear(x, w, bias)`` on the native kernel ``isa``: the GEMV kernel
+    (native/woq.h) for fewer than ``gemm_min_rows`` rows of ``x``, else dequantized tiles into oneDNN's
+    fp32 GEMM (native/woq_gemm.h)."""
     from gml.runtime.native import load
 
     engine = load()
@@ -61,8 +69,9 @@ def woq_linear_native(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | 
     x2 = x.reshape(-1, k).float().contiguous()
     y = torch.empty(x2.shape[0], w.out_features, dtype=torch.float32)
     zeros = 0 if w.zeros is None else w.zeros.data_ptr()
-    b = 0 if bias is None else bias.data_ptr()
-    engine.woq_linear(
+    b = 0 if bias is None else bias.contiguous().data_ptr()
+    run = engine.woq_gemm if x2.shape[0] >= gemm_min_rows else engine.woq_linear
+    run(
         x2.data_ptr(), x2.shape[0], k, w.qweight.data_ptr(), w.bits, w.group_size, w.scales.data_ptr(), zeros, b,
         y.data_ptr(), w.out_features, isa, torch.get_num_threads(),
     )  # fmt: skip
