@@ -49,6 +49,7 @@ GML_WOQ_AVX512 inline void dequantize_row_avx512(const Problem& p, int64_t n, fl
     int64_t k = 0;
     for (; k + 16 <= p.K; k += 16) _mm512_storeu_ps(out + k, _mm512_mul_ps(int8x16_ps(q + k), s));
     for (; k < p.K; ++k) out[k] = static_cast<float>(q[k]) * p.scales[n];
+    _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
     return;
   }
   const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * (p.K / 2);
@@ -65,6 +66,7 @@ GML_WOQ_AVX512 inline void dequantize_row_avx512(const Problem& p, int64_t n, fl
                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v1), z)), s));
     }
   }
+  _mm256_zeroupper();
 }
 
 GML_WOQ_AVX2 inline void dequantize_row_avx2(const Problem& p, int64_t n, float* out) {
@@ -78,6 +80,7 @@ GML_WOQ_AVX2 inline void dequantize_row_avx2(const Problem& p, int64_t n, float*
       _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s));
     }
     for (; k < p.K; ++k) out[k] = static_cast<float>(q[k]) * p.scales[n];
+    _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
     return;
   }
   const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * (p.K / 2);
@@ -95,11 +98,7 @@ GML_WOQ_AVX2 inline void dequantize_row_avx2(const Problem& p, int64_t n, float*
       _mm256_storeu_ps(out + k + 24, _mm256_mul_ps(u8x8_minus_ps(_mm_srli_si128(v1, 8), z), s));
     }
   }
-}
-
-// 2: AVX-512, 1: AVX2, 0: scalar (the fp32 ISA of a kernel tier).
-inline int fp32_level(const std::string& isa) {
-  return (isa == "avx512" || isa == "vnni") ? 2 : (isa == "avx2" || isa == "avxvnni") ? 1 : 0;
+  _mm256_zeroupper();
 }
 
 // Rows [n0, n1) of the weight into out ([n1 - n0, K] fp32).

@@ -24,6 +24,7 @@ from gml.llm.spec import capture_lm
 
 WEIGHTS = ("fp32", "bf16", "int8", "int4")
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ACTIVATIONS = ("fp32", "int8")
 
 
 @dataclass
@@ -213,6 +214,7 @@ def llm(
     kv_cache: str = "fp32",
     lm_head_weights: str | None = None,
     kernel: str = "auto",
+    activations: str = "fp32",
 ) -> LLM:
     """Capture a decoder-only causal LM for generation on CPU.
 
@@ -221,7 +223,10 @@ def llm(
     ``weights``. ``kv_cache``: ``fp32`` | ``bf16``. ``max_length`` bounds prompt + new tokens; the KV
     cache is preallocated to it. ``kernel`` runs the int8 / int4 matrices: ``auto`` (the native kernel
     for this CPU, :func:`gml.kernels.woq.detect_kernel`; it honours ``ONEDNN_MAX_CPU_ISA``),
-    ``avx512`` | ``avx2`` | ``scalar`` (that native kernel) or ``reference`` (the op's Python kernel).
+    ``vnni`` | ``avx512`` | ``avxvnni`` | ``avx2`` | ``scalar`` (that native kernel) or ``reference``
+    (the op's Python kernel). ``activations``: ``fp32`` or ``int8`` (int8 / int4 weights only: decode
+    steps quantize the activations per block of 32 and run integer dot products, as llama.cpp's Q8_0;
+    prefill stays fp32).
     """
     if weights not in WEIGHTS:
         raise InputError(f"weights={weights!r} is not one of {WEIGHTS}", f"pick one of {', '.join(WEIGHTS)}")
@@ -236,6 +241,8 @@ def llm(
     chosen = detect_kernel() if kernel == "auto" else (None if kernel == "reference" else kernel)
     if chosen is not None and not native_kernel_runs(chosen):
         raise UnsupportedError(f"this CPU (or engine build) cannot run the {chosen!r} woq kernel", "use kernel='auto'")
+    if activations not in ACTIVATIONS:
+        raise InputError(f"activations={activations!r} is not one of {ACTIVATIONS}", "use fp32 or int8")
     if max_length < 1:
         raise InputError(f"max_length must be >= 1, got {max_length}", "give the longest prompt + new tokens")
     tokenizer = None
@@ -262,6 +269,12 @@ def llm(
             _check_group(f"layer {i} {name}", getattr(layer, name).weight.shape[1], groups.get(weights))
     _check_group("lm_head", captured.lm_head.weight.shape[1], groups.get(lm_head_weights or weights))
     decoder = Decoder(
-        captured, weights, group_size=group_size, symmetric=symmetric, lm_head_weights=lm_head_weights, kernel=chosen
+        captured,
+        weights,
+        group_size=group_size,
+        symmetric=symmetric,
+        lm_head_weights=lm_head_weights,
+        kernel=chosen,
+        activations=activations,
     )
     return LLM(decoder, max_length, KV_DTYPES[kv_cache], tokenizer)

@@ -17,6 +17,12 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="a local Hugging Face model folder (config.json + weights; read offline)")
     p.add_argument("--weights", choices=("fp32", "bf16", "int8", "int4"), default="fp32", help="(default: fp32)")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128 (default: 32)")
+    p.add_argument(
+        "--activations",
+        choices=("fp32", "int8"),
+        default="fp32",
+        help="int8: int8/int4 decode steps quantize activations per block of 32 (default: fp32)",
+    )
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")
     g.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma separated: 1,2,3")
@@ -51,7 +57,8 @@ def generate_command(args: argparse.Namespace, console) -> int:
             )
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     max_length = args.max_length or len(prompt_ids) + args.max_new_tokens
-    lm = llm(args.source, weights=args.weights, group_size=args.group_size, max_length=max_length)
+    kwargs = {"group_size": args.group_size, "max_length": max_length, "activations": args.activations}
+    lm = llm(args.source, weights=args.weights, **kwargs)
     out = lm.generate(
         prompt_ids,
         args.max_new_tokens,

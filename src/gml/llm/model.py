@@ -12,9 +12,12 @@ of that KV head, with the mask repeated per group. Decode (``L = 1``) of a full-
 no mask at all.
 
 **Linears.** Each matrix is a :class:`LinearOp`: fp32 ``F.linear``, bf16 weights (``F.linear`` in
-bf16, fp32 out), or ``torch.ops.gml.woq_linear`` (INT8 / INT4 weights, fp32 activations) on the native
-kernel ``kernel`` names (native/woq.h, via :mod:`gml.kernels.woq`) or, with ``kernel=None``, on the
-op's reference kernel. The LM head runs on the last position only when the caller asks for it (decode).
+bf16, fp32 out), or ``torch.ops.gml.woq_linear`` (INT8 / INT4 weights) on the native kernel ``kernel``
+names (native/woq*.h, via :mod:`gml.kernels.woq`) or, with ``kernel=None``, on the op's reference
+kernel. ``activations="int8"`` quantizes the activations per block of 32 (``act_bits=8``) in calls
+of fewer than ``GEMM_MIN_ROWS`` rows (decode); from that many rows on (prefill) a call keeps fp32
+activations and runs as GEMMs over dequantized weight tiles, as llama.cpp does with a BLAS. The LM
+head runs on the last position only when the caller asks for it (decode).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 
 from gml.ir.attention import attention_op
 from gml.ir.llm_ops import QuantizedWeight, quantize_weight, woq_linear
-from gml.kernels.woq import native_supports, woq_linear_native
+from gml.kernels.woq import GEMM_MIN_ROWS, native_supports, woq_linear_native
 from gml.llm.spec import CapturedLM, LayerWeights, Linear, ModelSpec, Norm
 
 
@@ -32,7 +35,13 @@ class LinearOp:
     """One matrix of the model in its run-time storage (fp32, bf16 or weight-only quantized)."""
 
     def __init__(
-        self, lin: Linear, weights: str, group_size: int = 32, symmetric: bool = True, kernel: str | None = None
+        self,
+        lin: Linear,
+        weights: str,
+        group_size: int = 32,
+        symmetric: bool = True,
+        kernel: str | None = None,
+        activations: str = "fp32",
     ) -> None:
         self.bias = lin.bias
         self.out_features, self.in_features = lin.weight.shape
@@ -50,12 +59,19 @@ class LinearOp:
             raise ValueError(f"weights={weights!r}")
         # the native kernel's ISA (gml.kernels.woq), or None: the op's reference kernel
         self.kernel = kernel if self.qweight is not None and native_supports(self.qweight) else None
+        # woq_linear's act_bits for calls of fewer than GEMM_MIN_ROWS rows (prefill keeps fp32)
+        self.act_bits = 8 if activations == "int8" and self.qweight is not None else 0
+
+    def act_bits_for(self, rows: int) -> int:
+        """``woq_linear``'s ``act_bits`` for a call on ``rows`` rows: prefill-sized calls keep fp32."""
+        return self.act_bits if rows < GEMM_MIN_ROWS else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return woq_linear_native(x, self.qweight, self.bias, self.kernel)
         if self.qweight is not None:
-            return woq_linear(x, self.qweight, self.bias)
+            act_bits = self.act_bits_for(x.numel() // x.shape[-1])
+            if self.kernel is not None:
+                return woq_linear_native(x, self.qweight, self.bias, self.kernel, act_bits)
+            return woq_linear(x, self.qweight, self.bias, act_bits)
         if self.weight.dtype == torch.bfloat16:
             bias = None if self.bias is None else self.bias.to(torch.bfloat16)
             return F.linear(x.to(torch.bfloat16), self.weight, bias).float()
@@ -113,12 +129,15 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class Layer:
-    def __init__(self, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None) -> None:
+    def __init__(
+        self, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None, activations: str
+    ) -> None:
         self.w = w
-        self.qkv = LinearOp(w.qkv, weights, group_size, symmetric, kernel)
-        self.o = LinearOp(w.o, weights, group_size, symmetric, kernel)
-        self.up = LinearOp(w.up, weights, group_size, symmetric, kernel)
-        self.down = LinearOp(w.down, weights, group_size, symmetric, kernel)
+        args = (weights, group_size, symmetric, kernel, activations)
+        self.qkv = LinearOp(w.qkv, *args)
+        self.o = LinearOp(w.o, *args)
+        self.up = LinearOp(w.up, *args)
+        self.down = LinearOp(w.down, *args)
         # Keep the norms, drop the fp32 matrices now held by the LinearOps.
         w.qkv = w.o = w.up = w.down = None  # type: ignore[assignment]
 
@@ -138,16 +157,18 @@ class Decoder:
         symmetric: bool = True,
         lm_head_weights: str | None = None,
         kernel: str | None = None,
+        activations: str = "fp32",
     ) -> None:
         self.spec = lm.spec
         self.kernel = kernel
         self.weights = weights
+        self.activations = activations
         self.embed = lm.embed.to(torch.bfloat16) if weights == "bf16" else lm.embed
         self.positions = lm.positions
         self.final_norm = lm.final_norm
         self.rope = lm.rope
-        self.layers = [Layer(w, weights, group_size, symmetric, kernel) for w in lm.layers]
-        self.lm_head = LinearOp(lm.lm_head, lm_head_weights or weights, group_size, symmetric, kernel)
+        self.layers = [Layer(w, weights, group_size, symmetric, kernel, activations) for w in lm.layers]
+        self.lm_head = LinearOp(lm.lm_head, lm_head_weights or weights, group_size, symmetric, kernel, activations)
         self.layer_types = [
             "sliding_attention" if win is not None else "full_attention" for win in self.spec.sliding_windows
         ]
