@@ -34,9 +34,9 @@ def test_matches_reference(isa, bits, group, symmetric):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("bits", "group", "symmetric"), FORMATS)
 def test_prefill_gemm_matches_reference(isa, bits, group, symmetric):
-    """Rows >= GEMM_MIN_ROWS: dequantized tiles (two whole 64-row tiles and a tail) into oneDNN's GEMM."""
+    """Rows >= GEMM_MIN_ROWS: dequantized tiles (two whole 128-row tiles and a tail) into oneDNN's GEMM."""
     torch.manual_seed(2)
-    n, k = 135, 264 if bits == 8 else 256
+    n, k = 263, 264 if bits == 8 else 256
     w = quantize_weight(torch.randn(n, k), bits, group, symmetric)
     b = torch.randn(n)
     for m in (1, 3, 17, 130):

@@ -4,7 +4,7 @@ The op's reference kernels (:mod:`gml.ir.llm_ops`) define the math; these read t
 in place, so a decode step reads each weight byte once (the GEMV is memory bound):
 
 * ``act_bits=0`` (fp32 activations), few rows: native/woq.h expands the weights to fp32 in registers;
-* ``act_bits=0``, ``GEMM_MIN_ROWS`` rows or more (prefill): native/woq_gemm.h dequantizes 64-row tiles
+* ``act_bits=0``, ``GEMM_MIN_ROWS`` rows or more (prefill): native/woq_gemm.h dequantizes 128-row tiles
   into oneDNN's fp32 GEMM;
 * ``act_bits=8``: native/woq_int8act.h quantizes x per block of 32 and runs integer dot products.
 
