@@ -3,6 +3,8 @@ machine's bandwidth ceiling, on a TinyLlama-1.1B-shaped random Llama.
 
     python benchmarks/llm.py [--layers 22] [--prompt 128] [--new 16] [--rounds 2] [--weights fp32,bf16,int8,int4]
 
+``--weights`` entries ``int8+a8`` / ``int4+a8`` add ``activations="int8"`` (int8 activations in decode).
+
 * Model: LlamaConfig(hidden 2048, intermediate 5632, 32 heads, 4 KV heads, vocab 32000, ``--layers``
   layers; 22 is TinyLlama-1.1B), random init (no download).
 * Prefill tokens/s over a ``--prompt``-token prompt, decode tokens/s over ``--new`` greedy tokens.
@@ -99,7 +101,10 @@ def main() -> None:
     print(f"bandwidth: read {read:.1f} GB/s, copy {copy:.1f} GB/s (read + write bytes)")
     model = tinyllama(args.layers)
     max_length = args.prompt + args.new
-    lms = {w: gml.llm(model, weights=w, max_length=max_length) for w in args.weights.split(",")}
+    lms = {}
+    for w in args.weights.split(","):
+        weights, _, act = w.partition("+")
+        lms[w] = gml.llm(model, weights=weights, activations="int8" if act == "a8" else "fp32", max_length=max_length)
     prompt = torch.randint(0, 32000, (1, args.prompt))
     runs = {"HF eager fp32": lambda: time_hf(model, prompt, args.new)}
     runs.update({f"GML {w}": (lambda lm=lm: time_gml(lm, prompt, args.new)) for w, lm in lms.items()})

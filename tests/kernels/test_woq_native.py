@@ -28,7 +28,8 @@ def test_matches_reference(isa, bits, group, symmetric):
     n, k = 39, 272 if bits == 8 else 256
     w = quantize_weight(torch.randn(n, k), bits, group, symmetric)
     x, b = torch.randn(5, k), torch.randn(n)
-    torch.testing.assert_close(woq_linear_native(x, w, b, isa), woq_linear(x, w, b), rtol=1e-5, atol=1e-5)
+    got = woq_linear_native(x, w, b, isa, gemm_min_rows=sys.maxsize)  # the GEMV kernel on 5 rows
+    torch.testing.assert_close(got, woq_linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -42,7 +43,7 @@ def test_prefill_gemm_matches_reference(isa, bits, group, symmetric):
     for m in (1, 3, 17, 130):
         x = torch.randn(m, k)
         ref = woq_linear(x, w, b)
-        for min_rows in (1, GEMM_MIN_ROWS):  # forced GEMM, and the default switch
+        for min_rows in (1, GEMM_MIN_ROWS, 4):  # forced GEMM, the default switch, GEMV up to 3 rows
             got = woq_linear_native(x, w, b, isa, gemm_min_rows=min_rows)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
@@ -56,7 +57,7 @@ def test_exact_integer_arithmetic(isa, bits, group, symmetric):
     w = w._replace(scales=torch.full_like(w.scales, 0.5))
     x = torch.randint(-30, 31, (2, k)).float()
     exact = (x.long() @ integer_weight(w.qweight, w.zeros, bits, w.group_size).long().t()).float() * 0.5
-    assert torch.equal(woq_linear_native(x, w, None, isa), exact)
+    assert torch.equal(woq_linear_native(x, w, None, isa, gemm_min_rows=sys.maxsize), exact)
     assert torch.equal(woq_linear_native(x, w, None, isa, gemm_min_rows=1), exact)
 
 

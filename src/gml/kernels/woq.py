@@ -25,8 +25,9 @@ from gml.ir.target import Target
 KERNEL_ISAS = ("vnni", "avx512", "avxvnni", "avx2", "scalar")
 
 #: From this many rows of ``x`` on (prefill), the weight is dequantized in tiles into oneDNN's fp32 GEMM
-#: (native/woq_gemm.h) instead of running the GEMV kernel once per row (measured: docs/llm.md).
-GEMM_MIN_ROWS = 4
+#: (native/woq_gemm.h) instead of running the GEMV kernel once per row: measured faster from 2 rows on
+#: (INT4) and from 2-3 (INT8), see docs/llm.md. ``gml.llm``'s int8 activations apply below it (decode).
+GEMM_MIN_ROWS = 2
 
 
 def kernel_isa(target: Target) -> str:

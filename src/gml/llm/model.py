@@ -15,7 +15,7 @@ no mask at all.
 bf16, fp32 out), or ``torch.ops.gml.woq_linear`` (INT8 / INT4 weights) on the native kernel ``kernel``
 names (native/woq*.h, via :mod:`gml.kernels.woq`) or, with ``kernel=None``, on the op's reference
 kernel. ``activations="int8"`` quantizes the activations per block of 32 (``act_bits=8``) in calls
-of fewer than ``GEMM_MIN_ROWS`` rows (decode); from that many rows on (prefill) a call keeps fp32
+of fewer than ``GEMM_MIN_ROWS`` (2) rows (decode); from that many rows on (prefill) a call keeps fp32
 activations and runs as GEMMs over dequantized weight tiles, as llama.cpp does with a BLAS. The LM
 head runs on the last position only when the caller asks for it (decode).
 """
