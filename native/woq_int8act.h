@@ -27,7 +27,8 @@
 //
 // Kernels (`isa`): "vnni" (AVX-512 VNNI: 64 weights per vpdpbusd, lanes 0-7 block b, 8-15 block b + 1),
 // "avxvnni" (AVX-VNNI, ymm vpdpbusd, one block per step), "avx2" and "avx512" (AVX2 vpmaddubsw +
-// vpmaddwd, one block per step; AVX-512 without VNNI gains nothing from zmm vpmaddubsw here), "scalar".
+// vpmaddwd, one block per step; AVX-512 without VNNI runs this AVX2 code: no zmm vpmaddubsw version is
+// written), "scalar".
 // Four output rows per block share every activation load, as in woq.h.
 #pragma once
 
