@@ -19,7 +19,8 @@ def load(
     model source) and rebuild it for this machine (``target``: a :class:`gml.ir.target.Target`,
     default this process's; ``options``: a :class:`gml.runtime.options.EngineOptions`, default the
     ``GML_*`` variables'); ``runtime="engine"`` compiles the native engine's plan here. See
-    :func:`gml.io.load`."""
+    :func:`gml.io.load`. A file ``lm.save`` wrote loads as a :class:`gml.llm.api.LLM` (its kernels
+    chosen for ``target``; ``gml.llm(path, max_length=...)`` takes the LLM's own options)."""
     from gml.io import load as _load
 
     return _load(path, runtime=runtime, trust_pickle=trust_pickle, target=target, options=options)

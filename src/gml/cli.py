@@ -116,7 +116,7 @@ def _load_saved(spec: str):
 
     if not is_saved_model(spec):
         return None
-    gm = load(spec, runtime="torch")
+    gm = load(spec, runtime="torch", graph=True)
     inputs = placeholder_inputs(gm)  # a symbolic (dynamic) batch is shown at size 1
     ShapeProp(gm).propagate(*inputs)
     return gm, inputs

@@ -57,6 +57,7 @@ from gml.runtime.options import EngineOptions, resolve_options
 # v2: sealed (every member's SHA-256 in the manifest, gml.archive) and no pickled sample inputs.
 FORMAT_EXPORT = "gml-export-v2"
 FORMAT_PICKLE = "gml-pickle-v2"
+FORMAT_LLM = "gml-llm-1"  # lm.save (gml.llm.store): a decoder LLM's spec and weights, no graph
 _LEGACY_FORMATS = ("gml-export-v1", "gml-pickle-v1")
 
 #: ``lifter(gm, node) -> nn.Module | None``: the module that computes ``node`` (a call of a kernel op
@@ -435,7 +436,8 @@ def load(
     lifters: Sequence[Lifter] = DEFAULT_LIFTERS,
     target: Target | None = None,
     options: EngineOptions | None = None,
-) -> nn.Module:
+    graph: bool = False,
+) -> Any:
     """Load a module written by :func:`save` and rebuild it for this machine (``target``: the
     :class:`~gml.ir.target.Target` to plan for; default: this process's, detected once here;
     ``options``: the engine's switches, :class:`~gml.runtime.options.EngineOptions`; default: the
@@ -455,12 +457,23 @@ def load(
     :class:`~gml.runtime.EngineModule`. Where the engine is unavailable, covers no node or
     disagrees, and with ``runtime="torch"``, the result is the ``GraphModule`` (the Python
     executor). Either way ``result.runtime`` is the report saying which path runs each node.
+
+    A file ``lm.save`` wrote (a decoder LLM, :mod:`gml.llm.store`) loads as a
+    :class:`gml.llm.api.LLM` with its kernels chosen for ``target``; ``graph=True`` (callers that need a
+    graph: ``gml inspect`` / ``bench`` / ``run``) refuses it with a message naming ``gml generate``.
     """
     from gml.runtime.select import check_runtime
 
     check_runtime(runtime)
     options = resolve_options(options)
-    gm = _load_module(Path(path), trust_pickle, lift, lifters)
+    gm = _load_module(Path(path), trust_pickle, lift, lifters, target)
+    if not isinstance(gm, nn.Module):  # an LLM file (lm.save): gml.llm's LLM, which has no graph to plan
+        if graph:
+            raise ModelLoadError(
+                f"{path} is a decoder LLM saved by lm.save: it has no graph for this command",
+                hint=f"generate with it: gml generate {path} --prompt-ids 1,2,3 (in Python: gml.load(path))",
+            )
+        return gm
     try:
         return attach_loaded_runtime(gm, runtime, target, options)
     except GMLError:
@@ -528,7 +541,9 @@ def is_saved_model(spec: str | Path) -> bool:
         return False
 
 
-def _load_module(path: Path, trust_pickle: bool, lift: bool, lifters: Sequence[Lifter]) -> nn.Module:
+def _load_module(
+    path: Path, trust_pickle: bool, lift: bool, lifters: Sequence[Lifter], target: Target | None = None
+) -> Any:
     if not path.exists():
         raise ModelLoadError(f"no such file: {path}", hint="check the path given to gml.io.load")
     if path.is_dir():
@@ -537,6 +552,10 @@ def _load_module(path: Path, trust_pickle: bool, lift: bool, lifters: Sequence[L
     fmt = sealed.header.get("format") if sealed is not None else None
     if fmt == FORMAT_EXPORT:
         return _load_export(path, sealed, lift, lifters)
+    if fmt == FORMAT_LLM:
+        from gml.llm.store import load_llm
+
+        return load_llm(path, sealed=sealed, target=target)
     if fmt not in (FORMAT_PICKLE, None):
         raise ModelLoadError(
             f"{path} has gml format {fmt!r}, which this gml does not read",

@@ -197,3 +197,17 @@ def test_llm_int8_activations(monkeypatch, weights):
     assert seen == {0, 8}
     with pytest.raises(gml.GMLError, match="activations='int4' is not one of"):
         gml.llm(model, weights=weights, activations="int4")
+
+
+def test_saved_llm_takes_int8_activations_at_load(tmp_path):
+    """``activations`` is a run-time choice, not stored: a saved INT4 model loaded with
+    activations="int8" generates what the in-memory one with the same option does."""
+    import gml
+    from assets.llm_models import tiny
+
+    lm = gml.llm(tiny("qwen2"), weights="int4", activations="int8", max_length=24)
+    path = lm.save(tmp_path / "m.gml")
+    back = gml.llm(path, activations="int8")
+    assert all(op.act_bits == 8 for layer in back.decoder.layers for op in layer.linears())
+    assert back.generate([5, 17, 3, 99], 8) == lm.generate([5, 17, 3, 99], 8)
+    assert all(op.act_bits == 0 for layer in gml.llm(path).decoder.layers for op in layer.linears())

@@ -24,6 +24,7 @@ def fake_quant(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> torch
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         s = g.abs().amax(-1, keepdim=True) / qmax
+        s[s == 0] = 1.0  # an all-zero group (a padding token's embedding row) stays zero
         return (torch.round(g / s).clamp(-qmax - 1, qmax) * s).reshape(n, k)
     lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
     s = (hi - lo) / 15
@@ -68,8 +69,9 @@ def test_woq_logits_equal_fake_quantized_hf(family, weights, group, symmetric):
     with torch.no_grad():
         ref = ref_model(torch.tensor([PROMPT]), use_cache=False).logits[0]
     lm = gml.llm(
-        model, weights=weights, group_size=group or 32, symmetric=symmetric, lm_head_weights="fp32", max_length=32
-    )
+        model, weights=weights, group_size=group or 32, symmetric=symmetric, lm_head_weights="fp32",
+        embed_weights="fp32", max_length=32,
+    )  # fmt: skip
     assert rel_err(lm.logits(PROMPT), ref) <= 1e-4
     # the quantization itself moves the logits (the test would pass vacuously otherwise)
     assert rel_err(gml.llm(model, max_length=32).logits(PROMPT), ref) > 1e-4
@@ -90,3 +92,37 @@ def test_group_size_must_divide_the_features():
         gml.llm(tiny("llama"), weights="int4", group_size=128)  # hidden 64
     with pytest.raises(gml.GMLError, match="group_size=48 is not one of"):
         gml.llm(tiny("llama"), weights="int4", group_size=48)
+
+
+@pytest.mark.parametrize(("family", "weights", "group", "symmetric"), [("llama", "int8", None, True),
+                                                                        ("qwen2", "int4", 32, False)])  # fmt: skip
+def test_quantized_embedding_table_equals_fake_quantized_rows(family, weights, group, symmetric):
+    """An untied table stored as ``weights`` (default): the lookup equals HF on the same rounding."""
+    model = tiny(family)
+    assert not model.config.tie_word_embeddings
+    bits = 8 if weights == "int8" else 4
+    ref_model = fake_quantized_copy(model, bits, group, symmetric)
+    emb = ref_model.get_input_embeddings()
+    with torch.no_grad():
+        emb.weight.copy_(fake_quant(emb.weight.float(), bits, group or emb.weight.shape[1], symmetric))
+        ref = ref_model(torch.tensor([PROMPT]), use_cache=False).logits[0]
+    lm = gml.llm(model, weights=weights, group_size=group or 32, symmetric=symmetric, lm_head_weights="fp32",
+                 max_length=32)  # fmt: skip
+    assert lm.decoder.embed_weights == weights
+    assert rel_err(lm.logits(PROMPT), ref) <= 1e-4
+
+
+def test_a_tied_table_and_head_share_one_quantized_tensor():
+    model = tiny("gemma3")
+    assert model.config.tie_word_embeddings
+    lm = gml.llm(model, weights="int8", max_length=32)
+    assert lm.decoder.embed_weights == "int8" and lm.decoder.lm_head.qweight is lm.decoder.embed
+    # the head's quantization is the table's: HF with the shared tensor fake-quantized per row
+    ref_model = fake_quantized_copy(model, 8, None, True)
+    emb = ref_model.get_input_embeddings()
+    with torch.no_grad():
+        emb.weight.copy_(fake_quant(emb.weight.float(), 8, emb.weight.shape[1], True))  # ties the head too
+        ref = ref_model(torch.tensor([PROMPT]), use_cache=False).logits[0]
+    assert rel_err(lm.logits(PROMPT), ref) <= 1e-4
+    untied = gml.llm(model, weights="int8", embed_weights="fp32", max_length=32)
+    assert untied.decoder.lm_head.qweight is not None and untied.decoder.embed.dtype == torch.float32

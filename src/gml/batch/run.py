@@ -55,7 +55,7 @@ def load_saved(path: str, engine: bool = True) -> tuple[Any, tuple[torch.Tensor,
             f"{path} is not a model saved by gml.",
             hint="save one first: gml quantize MODEL --out model.pt2 (or gml optimize MODEL --out model.pt2).",
         )
-    gm = load(path, runtime="torch")
+    gm = load(path, runtime="torch", graph=True)
     example = placeholder_inputs(gm)
     dynamic = []
     for node in gm.graph.nodes:

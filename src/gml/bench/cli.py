@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
@@ -73,7 +74,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="which default variants run: fp32 (above) or bf16 (eager, gml-fp32, gml-bf16, ov-fp32, ov-bf16: "
         "GML bf16 against OpenVINO bf16); --variants still picks any list, gml-bf16 included",
     )
-    p.add_argument("--rounds", type=positive_int, default=20, help="interleaved timing rounds (default: 20)")
+    p.add_argument(
+        "--rounds", type=positive_int, default=None, help="interleaved timing rounds (default: 20; with --llm: 3)"
+    )
     p.add_argument("--warmup", type=int, default=3, help="warm-up calls per variant (default: 3)")
     p.add_argument("--threads", type=positive_int, default=None, help="threads for every runtime (default: all cores)")
     p.add_argument(
@@ -95,6 +98,21 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-floor", action="store_true", help="do not measure the machine's peak (no roofline)")
     p.add_argument("--reset-peak", action="store_true", help="forget the best compute peak measured in earlier runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("decoder LLMs (--llm)")
+    g.add_argument(
+        "--llm",
+        action="store_true",
+        help="MODEL is a decoder LLM (a local HF folder, a file lm.save wrote, or tinyllama: random weights): "
+        "prefill / decode tokens/s of GML against HF eager next to the measured bandwidth ceiling",
+    )
+    g.add_argument(
+        "--llm-weights",
+        default="fp32,int8,int4",
+        metavar="W[,W...]",
+        help="GML weight formats to time: fp32, bf16, int8, int4 (default: fp32,int8,int4)",
+    )
+    g.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length (default: 128)")
+    g.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated (default: 32)")
     from gml.data.cli import add_data_arguments
 
     add_data_arguments(p, accuracy_gate=False)
@@ -111,6 +129,9 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
     console = console or Console(highlight=False)
     for option, path in (("--json", args.json), ("--md", args.md), ("--png", args.png)):
         check_writable(path, option)  # before the run, not after it
+    if args.llm:
+        return _bench_llm(args, console)
+    args.rounds = args.rounds or 20
     shapes = None
     if args.input_shape:
         from gml.models import parse_shapes
@@ -179,6 +200,38 @@ def bench_command(args: argparse.Namespace, console: Console | None = None) -> i
             console.print(f"{what} written to {path}")
     ok = sum(1 for b in result.batches for v in b.variants if v.ok)
     return 0 if ok else 1
+
+
+def _bench_llm(args: argparse.Namespace, console: Console) -> int:
+    from gml.bench.llm import bench_llm
+    from gml.errors import InputError
+    from gml.files import write_atomically
+    from gml.llm.api import WEIGHTS
+
+    if args.json or args.png or args.batch_sizes != [1]:
+        raise InputError(
+            "--llm times batch 1 and writes a Markdown table only", "drop --json / --png / --batch-sizes; use --md FILE"
+        )
+    weights = [w.strip() for w in args.llm_weights.split(",") if w.strip()]
+    bad = [w for w in weights if w not in WEIGHTS]
+    if bad or not weights:
+        raise InputError(f"--llm-weights {args.llm_weights!r}: {bad or 'empty'}", f"pick from {', '.join(WEIGHTS)}")
+    result = bench_llm(
+        args.model,
+        weights=weights,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        rounds=args.rounds or 3,
+        seed=args.seed,
+        threads=args.threads,
+        progress=None if args.no_progress else (lambda msg: console.print(f"[dim]{msg}[/]")),
+    )
+    table = result.markdown()
+    console.print(table, markup=False, soft_wrap=True)
+    if args.md:
+        write_atomically(args.md, lambda tmp: Path(tmp).write_text(table + "\n"), what="Markdown")
+        console.print(f"Markdown written to {args.md}")
+    return 0
 
 
 def _print_data(result, console: Console) -> None:

@@ -53,7 +53,7 @@ def bench_saved(
 
     console = console or Console(highlight=False)
     target = detect_target(threads or None)
-    gm = load(path, runtime="torch", target=target)
+    gm = load(path, runtime="torch", target=target, graph=True)
     engine = attach_loaded_runtime(gm, "engine", target)
     report = engine.runtime
     isa = target.isa

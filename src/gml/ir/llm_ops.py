@@ -157,6 +157,17 @@ def dequantize_weight(
     return (wi.reshape(n, k // group_size, group_size) * scales[..., None]).reshape(n, k)
 
 
+def embedding_rows(w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table stored in the ``woq_linear`` format (``[V, H]``: a row per
+    token, quantized like a weight's output channel), dequantized: fp32 ``[*ids.shape, H]``. Only the
+    rows looked up are expanded, so the table stays INT8 / INT4 in memory (and a tied LM head reads the
+    same bytes)."""
+    flat = ids.reshape(-1)
+    zeros = None if w.zeros is None else w.zeros[flat]
+    rows = dequantize_weight(w.qweight[flat], w.scales[flat], zeros, w.bits, w.group_size)
+    return rows.reshape(*ids.shape, rows.shape[-1])
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x: [M, K]`` fp32 → ``(qx int8 [M, nb * 32], s_x fp32 [M, nb])`` per block of 32 along ``K``
     (``qx`` zero-padded past ``K``); the act_bits=8 format of the module docstring."""

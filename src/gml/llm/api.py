@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -94,7 +95,8 @@ class LLM:
         s = self.spec
         return (
             f"LLM({s.family}, layers={s.num_layers}, hidden={s.hidden_size}, heads={s.num_heads}/{s.num_kv_heads}, "
-            f"weights={self.decoder.weights}, max_length={self.max_length})"
+            f"weights={self.decoder.weights}, lm_head={self.decoder.lm_head_weights}, "
+            f"embedding={self.decoder.embed_weights}, max_length={self.max_length})"
         )
 
     # ------------------------------------------------------------------ inputs
@@ -195,6 +197,38 @@ class LLM:
     def weight_bytes(self) -> int:
         return self.decoder.weight_bytes()
 
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write this LLM to ``path`` (weights as stored, no pickle: :mod:`gml.llm.store`); read it back
+        with ``gml.load(path)`` or ``gml.llm(path)`` on any CPU. Returns the path written."""
+        from gml.llm.store import save_llm
+
+        return save_llm(self, path)
+
+
+def _saved_llm(path: str):
+    """The sealed archive when ``path`` is a file ``lm.save`` wrote, else ``None`` (a folder, a model
+    file of another kind: those are the capture's business)."""
+    from gml import archive
+    from gml.llm.store import is_llm_file
+
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        if f.read(2) != b"PK":  # not a zip archive (a .gguf, a safetensors file)
+            return None
+    sealed = archive.open_sealed(Path(path))
+    return sealed if is_llm_file(sealed) else None
+
+
+def choose_kernel(kernel: str) -> str | None:
+    """The woq kernel ISA for the ``kernel=`` argument (``None``: the op's Python reference kernel)."""
+    if kernel not in ("auto", "reference", *KERNEL_ISAS):
+        raise InputError(f"kernel={kernel!r} is not one of auto, reference, {', '.join(KERNEL_ISAS)}", "use auto")
+    chosen = detect_kernel() if kernel == "auto" else (None if kernel == "reference" else kernel)
+    if chosen is not None and not native_kernel_runs(chosen):
+        raise UnsupportedError(f"this CPU (or engine build) cannot run the {chosen!r} woq kernel", "use kernel='auto'")
+    return chosen
+
 
 def _check_group(label: str, in_features: int, group_size: int | None) -> None:
     if group_size is not None and in_features % group_size:
@@ -207,42 +241,71 @@ def _check_group(label: str, in_features: int, group_size: int | None) -> None:
 def llm(
     source: nn.Module | str | os.PathLike,
     *,
-    weights: str = "fp32",
-    max_length: int = 2048,
+    weights: str | None = None,
+    max_length: int | None = None,
     group_size: int = 32,
     symmetric: bool = True,
-    kv_cache: str = "fp32",
+    kv_cache: str | None = None,
     lm_head_weights: str | None = None,
+    embed_weights: str | None = None,
     kernel: str = "auto",
     activations: str = "fp32",
 ) -> LLM:
     """Capture a decoder-only causal LM for generation on CPU.
 
-    ``weights``: ``fp32`` | ``bf16`` | ``int8`` (per output channel) | ``int4`` (group-wise,
+    ``source``: a HF ``*ForCausalLM`` module, a local HF folder, or a file ``lm.save`` wrote (its
+    weights are used as stored: ``weights`` / ``group_size`` / ``symmetric`` / ``lm_head_weights``
+    must then be left out or match it).
+
+    ``weights``: ``fp32`` (default) | ``bf16`` | ``int8`` (per output channel) | ``int4`` (group-wise,
     ``group_size`` 32/64/128, ``symmetric`` or with zero points). ``lm_head_weights`` defaults to
-    ``weights``. ``kv_cache``: ``fp32`` | ``bf16``. ``max_length`` bounds prompt + new tokens; the KV
-    cache is preallocated to it. ``kernel`` runs the int8 / int4 matrices: ``auto`` (the native kernel
-    for this CPU, :func:`gml.kernels.woq.detect_kernel`; it honours ``ONEDNN_MAX_CPU_ISA``),
-    ``vnni`` | ``avx512`` | ``avxvnni`` | ``avx2`` | ``scalar`` (that native kernel) or ``reference``
-    (the op's Python kernel). ``activations``: ``fp32`` or ``int8`` (int8 / int4 weights only: decode
+    ``weights``; ``embed_weights`` (the embedding table, quantized a row per token; only the rows
+    looked up are expanded) defaults to the LM head's format when the model ties the two — one
+    tensor then serves both — else to ``weights``. ``kv_cache``: ``fp32`` (default) | ``bf16``.
+    ``max_length`` (default 2048; a saved file's own) bounds prompt + new tokens; the KV cache is
+    preallocated to it. ``kernel`` runs the int8 / int4 matrices: ``auto`` (the native kernel for
+    this CPU, :func:`gml.kernels.woq.detect_kernel`; it honours ``ONEDNN_MAX_CPU_ISA``), ``vnni`` |
+    ``avx512`` | ``avxvnni`` | ``avx2`` | ``scalar`` (that native kernel) or ``reference`` (the op's
+    Python kernel). ``activations``: ``fp32`` (default) or ``int8`` (int8 / int4 weights only: decode
     steps quantize the activations per block of 32 and run integer dot products, as llama.cpp's Q8_0;
-    prefill stays fp32).
+    prefill stays fp32); a run-time choice, also for a saved file.
     """
-    if weights not in WEIGHTS:
-        raise InputError(f"weights={weights!r} is not one of {WEIGHTS}", f"pick one of {', '.join(WEIGHTS)}")
-    if lm_head_weights is not None and lm_head_weights not in WEIGHTS:
-        raise InputError(f"lm_head_weights={lm_head_weights!r} is not one of {WEIGHTS}", f"pick one of {WEIGHTS}")
-    if kv_cache not in KV_DTYPES:
-        raise InputError(f"kv_cache={kv_cache!r} is not one of {tuple(KV_DTYPES)}", "use fp32 or bf16")
-    if "int4" in (weights, lm_head_weights) and group_size not in INT4_GROUP_SIZES:
-        raise InputError(f"group_size={group_size} is not one of {INT4_GROUP_SIZES}", "use 32, 64 or 128")
-    if kernel not in ("auto", "reference", *KERNEL_ISAS):
-        raise InputError(f"kernel={kernel!r} is not one of auto, reference, {', '.join(KERNEL_ISAS)}", "use auto")
-    chosen = detect_kernel() if kernel == "auto" else (None if kernel == "reference" else kernel)
-    if chosen is not None and not native_kernel_runs(chosen):
-        raise UnsupportedError(f"this CPU (or engine build) cannot run the {chosen!r} woq kernel", "use kernel='auto'")
     if activations not in ACTIVATIONS:
         raise InputError(f"activations={activations!r} is not one of {ACTIVATIONS}", "use fp32 or int8")
+    if isinstance(source, (str, os.PathLike)):
+        saved = _saved_llm(os.fspath(source))
+        if saved is not None:
+            from gml.llm.store import load_llm
+
+            lm = load_llm(
+                source, max_length=max_length, kv_cache=kv_cache, kernel=kernel, activations=activations, sealed=saved
+            )
+            asked = {"weights": weights, "lm_head_weights": lm_head_weights, "embed_weights": embed_weights}
+            held = {
+                "weights": lm.decoder.weights,
+                "lm_head_weights": lm.decoder.lm_head_weights,
+                "embed_weights": lm.decoder.embed_weights,
+            }
+            for name, value in asked.items():
+                if value is not None and value != held[name]:
+                    raise InputError(
+                        f"{source} holds {name}={held[name]!r}; gml.llm cannot requantize a saved LLM to {value!r}",
+                        f"leave {name} out, or build the LLM from its original model with {name}={value!r}",
+                    )
+            return lm
+    weights = weights or "fp32"
+    kv_cache = kv_cache or "fp32"
+    max_length = 2048 if max_length is None else max_length
+    if weights not in WEIGHTS:
+        raise InputError(f"weights={weights!r} is not one of {WEIGHTS}", f"pick one of {', '.join(WEIGHTS)}")
+    for name, value in (("lm_head_weights", lm_head_weights), ("embed_weights", embed_weights)):
+        if value is not None and value not in WEIGHTS:
+            raise InputError(f"{name}={value!r} is not one of {WEIGHTS}", f"pick one of {', '.join(WEIGHTS)}")
+    if kv_cache not in KV_DTYPES:
+        raise InputError(f"kv_cache={kv_cache!r} is not one of {tuple(KV_DTYPES)}", "use fp32 or bf16")
+    if "int4" in (weights, lm_head_weights, embed_weights) and group_size not in INT4_GROUP_SIZES:
+        raise InputError(f"group_size={group_size} is not one of {INT4_GROUP_SIZES}", "use 32, 64 or 128")
+    chosen = choose_kernel(kernel)
     if max_length < 1:
         raise InputError(f"max_length must be >= 1, got {max_length}", "give the longest prompt + new tokens")
     tokenizer = None
@@ -268,12 +331,14 @@ def llm(
         for name in ("qkv", "o", "up", "down"):
             _check_group(f"layer {i} {name}", getattr(layer, name).weight.shape[1], groups.get(weights))
     _check_group("lm_head", captured.lm_head.weight.shape[1], groups.get(lm_head_weights or weights))
-    decoder = Decoder(
+    _check_group("embedding table", captured.embed.shape[1], groups.get(embed_weights or "fp32"))
+    decoder = Decoder.build(
         captured,
         weights,
         group_size=group_size,
         symmetric=symmetric,
         lm_head_weights=lm_head_weights,
+        embed_weights=embed_weights,
         kernel=chosen,
         activations=activations,
     )

@@ -14,8 +14,17 @@ DESCRIPTION = (
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="a local Hugging Face model folder (config.json + weights; read offline)")
-    p.add_argument("--weights", choices=("fp32", "bf16", "int8", "int4"), default="fp32", help="(default: fp32)")
+    p.add_argument(
+        "source", help="a local Hugging Face model folder (config.json + weights; read offline) or a file lm.save wrote"
+    )
+    p.add_argument(
+        "--weights",
+        choices=("fp32", "bf16", "int8", "int4"),
+        default=None,
+        help="(default: fp32; a saved LLM file: its own)",
+    )
+    p.add_argument("--tokenizer", metavar="FOLDER", help="a folder with the tokenizer (default: SOURCE's own)")
+    p.add_argument("--save", metavar="FILE", help="also write the LLM (its weights as quantized) to FILE")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128 (default: 32)")
     p.add_argument(
         "--activations",
@@ -50,15 +59,19 @@ def generate_command(args: argparse.Namespace, console) -> int:
         if not prompt_ids:
             raise InputError("--prompt-ids is empty", "give at least one token id, e.g. --prompt-ids 1,2,3")
     else:
-        tokenizer = load_tokenizer(args.source)
+        where = args.tokenizer or args.source
+        tokenizer = load_tokenizer(where)
         if tokenizer is None:
             raise InputError(
-                f"{args.source!r} has no tokenizer, so --prompt cannot be tokenized", "give --prompt-ids 1,2,3"
+                f"{where!r} has no tokenizer, so --prompt cannot be tokenized",
+                "give --prompt-ids 1,2,3, or --tokenizer FOLDER (the model's Hugging Face folder)",
             )
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     max_length = args.max_length or len(prompt_ids) + args.max_new_tokens
     kwargs = {"group_size": args.group_size, "max_length": max_length, "activations": args.activations}
     lm = llm(args.source, weights=args.weights, **kwargs)
+    if lm.tokenizer is None and args.tokenizer:
+        lm.tokenizer = load_tokenizer(args.tokenizer)
     out = lm.generate(
         prompt_ids,
         args.max_new_tokens,
@@ -76,5 +89,8 @@ def generate_command(args: argparse.Namespace, console) -> int:
         f"{lm}: prompt {s.prompt_tokens} tokens, prefill {s.prefill_tokens_per_second:.1f} tok/s; "
         f"{s.new_tokens} new tokens, decode {s.decode_tokens_per_second:.1f} tok/s",
         markup=False,
+        soft_wrap=True,
     )
+    if args.save:
+        console.print(f"saved {lm.save(args.save)}", markup=False)
     return 0

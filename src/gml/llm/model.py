@@ -12,12 +12,12 @@ of that KV head, with the mask repeated per group. Decode (``L = 1``) of a full-
 no mask at all.
 
 **Linears.** Each matrix is a :class:`LinearOp`: fp32 ``F.linear``, bf16 weights (``F.linear`` in
-bf16, fp32 out), or ``torch.ops.gml.woq_linear`` (INT8 / INT4 weights) on the native kernel ``kernel``
-names (native/woq*.h, via :mod:`gml.kernels.woq`) or, with ``kernel=None``, on the op's reference
-kernel. ``activations="int8"`` quantizes the activations per block of 32 (``act_bits=8``) in calls
-of fewer than ``GEMM_MIN_ROWS`` (2) rows (decode); from that many rows on (prefill) a call keeps fp32
-activations and runs as GEMMs over dequantized weight tiles, as llama.cpp does with a BLAS. The LM
-head runs on the last position only when the caller asks for it (decode).
+bf16, fp32 out), or ``torch.ops.gml.woq_linear`` (INT8 / INT4 weights, fp32 activations) on the native
+kernel ``kernel`` names (native/woq*.h, via :mod:`gml.kernels.woq`) or, with ``kernel=None``, on the
+op's reference kernel. ``activations="int8"`` quantizes the activations per block of 32 (``act_bits=8``)
+in calls of fewer than ``GEMM_MIN_ROWS`` (2) rows (decode); from that many rows on (prefill) a call
+keeps fp32 activations and runs as GEMMs over dequantized weight tiles, as llama.cpp does with a BLAS.
+The LM head runs on the last position only when the caller asks for it (decode).
 """
 
 from __future__ import annotations
@@ -26,41 +26,58 @@ import torch
 import torch.nn.functional as F
 
 from gml.ir.attention import attention_op
-from gml.ir.llm_ops import QuantizedWeight, quantize_weight, woq_linear
+from gml.ir.llm_ops import QuantizedWeight, embedding_rows, quantize_weight, woq_linear
 from gml.kernels.woq import GEMM_MIN_ROWS, native_supports, woq_linear_native
 from gml.llm.spec import CapturedLM, LayerWeights, Linear, ModelSpec, Norm
 
 
 class LinearOp:
-    """One matrix of the model in its run-time storage (fp32, bf16 or weight-only quantized)."""
+    """One matrix of the model in its run-time storage: fp32 or bf16 ``weight``, or a weight-only
+    quantized ``qweight`` (:class:`QuantizedWeight`) run by the native kernel ``kernel`` (an ISA of
+    :mod:`gml.kernels.woq`; ``None``: the op's reference kernel)."""
 
     def __init__(
         self,
+        *,
+        weight: torch.Tensor | None = None,
+        qweight: QuantizedWeight | None = None,
+        bias: torch.Tensor | None = None,
+        kernel: str | None = None,
+        activations: str = "fp32",
+    ) -> None:
+        if (weight is None) == (qweight is None):
+            raise ValueError("a LinearOp holds either a dense weight or a quantized one")
+        self.weight = weight
+        self.qweight = qweight
+        self.bias = bias
+        self.out_features, self.in_features = (
+            weight.shape if weight is not None else (qweight.out_features, qweight.in_features)
+        )
+        self.kernel = kernel if qweight is not None and native_supports(qweight) else None
+        # woq_linear's act_bits for calls of fewer than GEMM_MIN_ROWS rows (prefill keeps fp32)
+        self.act_bits = 8 if activations == "int8" and qweight is not None else 0
+
+    @classmethod
+    def build(
+        cls,
         lin: Linear,
         weights: str,
         group_size: int = 32,
         symmetric: bool = True,
         kernel: str | None = None,
         activations: str = "fp32",
-    ) -> None:
-        self.bias = lin.bias
-        self.out_features, self.in_features = lin.weight.shape
-        self.weight: torch.Tensor | None = None
-        self.qweight: QuantizedWeight | None = None
+    ) -> LinearOp:
+        """``lin`` stored as ``weights`` (``fp32 | bf16 | int8 | int4``)."""
+        run = {"bias": lin.bias, "kernel": kernel, "activations": activations}
         if weights == "fp32":
-            self.weight = lin.weight
-        elif weights == "bf16":
-            self.weight = lin.weight.to(torch.bfloat16)
-        elif weights == "int8":
-            self.qweight = quantize_weight(lin.weight, 8)
-        elif weights == "int4":
-            self.qweight = quantize_weight(lin.weight, 4, group_size, symmetric)
-        else:
-            raise ValueError(f"weights={weights!r}")
-        # the native kernel's ISA (gml.kernels.woq), or None: the op's reference kernel
-        self.kernel = kernel if self.qweight is not None and native_supports(self.qweight) else None
-        # woq_linear's act_bits for calls of fewer than GEMM_MIN_ROWS rows (prefill keeps fp32)
-        self.act_bits = 8 if activations == "int8" and self.qweight is not None else 0
+            return cls(weight=lin.weight, **run)
+        if weights == "bf16":
+            return cls(weight=lin.weight.to(torch.bfloat16), **run)
+        if weights == "int8":
+            return cls(qweight=quantize_weight(lin.weight, 8), **run)
+        if weights == "int4":
+            return cls(qweight=quantize_weight(lin.weight, 4, group_size, symmetric), **run)
+        raise ValueError(f"weights={weights!r}")
 
     def act_bits_for(self, rows: int) -> int:
         """``woq_linear``'s ``act_bits`` for a call on ``rows`` rows: prefill-sized calls keep fp32."""
@@ -129,49 +146,109 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class Layer:
-    def __init__(
-        self, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None, activations: str
-    ) -> None:
+    """One decoder layer: its norms (``w``: a :class:`LayerWeights` whose matrices are ``None``) and
+    its four matrices as :class:`LinearOp` s."""
+
+    def __init__(self, w: LayerWeights, qkv: LinearOp, o: LinearOp, up: LinearOp, down: LinearOp) -> None:
         self.w = w
-        args = (weights, group_size, symmetric, kernel, activations)
-        self.qkv = LinearOp(w.qkv, *args)
-        self.o = LinearOp(w.o, *args)
-        self.up = LinearOp(w.up, *args)
-        self.down = LinearOp(w.down, *args)
+        self.qkv, self.o, self.up, self.down = qkv, o, up, down
+
+    @classmethod
+    def build(
+        cls, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None, activations: str
+    ) -> Layer:
+        names = ("qkv", "o", "up", "down")
+        ops = [LinearOp.build(getattr(w, n), weights, group_size, symmetric, kernel, activations) for n in names]
         # Keep the norms, drop the fp32 matrices now held by the LinearOps.
         w.qkv = w.o = w.up = w.down = None  # type: ignore[assignment]
+        return cls(w, *ops)
 
     def linears(self) -> list[LinearOp]:
         return [self.qkv, self.o, self.up, self.down]
 
 
 class Decoder:
-    """Runs a :class:`CapturedLM` with weights in ``fp32 | bf16 | int8 | int4``."""
+    """Runs a decoder LM: ``spec``, the embedding table (and GPT-2's learned ``positions``), the
+    layers, the final norm, the LM head and the RoPE tables (layer type -> ``(cos, sin)``)."""
 
     def __init__(
         self,
+        spec: ModelSpec,
+        *,
+        embed: torch.Tensor | QuantizedWeight,
+        positions: torch.Tensor | None,
+        layers: list[Layer],
+        final_norm: Norm,
+        lm_head: LinearOp,
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        weights: str,
+        lm_head_weights: str | None = None,
+        embed_weights: str | None = None,
+        kernel: str | None = None,
+        activations: str = "fp32",
+    ) -> None:
+        self.spec = spec
+        self.embed = embed  # fp32 / bf16 [V, H], or a QuantizedWeight (rows dequantized when looked up)
+        self.embed_weights = embed_weights or weights
+        self.positions = positions
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.rope = rope
+        self.weights = weights
+        self.lm_head_weights = lm_head_weights or weights
+        self.kernel = kernel
+        self.activations = activations
+        self.layer_types = [
+            "sliding_attention" if win is not None else "full_attention" for win in self.spec.sliding_windows
+        ]
+
+    @classmethod
+    def build(
+        cls,
         lm: CapturedLM,
         weights: str,
         *,
         group_size: int = 32,
         symmetric: bool = True,
         lm_head_weights: str | None = None,
+        embed_weights: str | None = None,
         kernel: str | None = None,
         activations: str = "fp32",
-    ) -> None:
-        self.spec = lm.spec
-        self.kernel = kernel
-        self.weights = weights
-        self.activations = activations
-        self.embed = lm.embed.to(torch.bfloat16) if weights == "bf16" else lm.embed
-        self.positions = lm.positions
-        self.final_norm = lm.final_norm
-        self.rope = lm.rope
-        self.layers = [Layer(w, weights, group_size, symmetric, kernel, activations) for w in lm.layers]
-        self.lm_head = LinearOp(lm.lm_head, lm_head_weights or weights, group_size, symmetric, kernel, activations)
-        self.layer_types = [
-            "sliding_attention" if win is not None else "full_attention" for win in self.spec.sliding_windows
-        ]
+    ) -> Decoder:
+        """A :class:`CapturedLM` with its matrices stored as ``weights`` (``fp32 | bf16 | int8 | int4``),
+        the LM head as ``lm_head_weights`` and the embedding table as ``embed_weights``.
+
+        The table is quantized like a matrix (a row per token). Default ``embed_weights``: the LM
+        head's format when the model ties the head to the table — then one tensor serves both (the
+        lookup dequantizes the rows it gathers, the head reads it as a ``woq_linear``) — else
+        ``weights``."""
+        head_w = lm_head_weights or weights
+        tied = (
+            lm.lm_head.bias is None
+            and lm.lm_head.weight.shape == lm.embed.shape
+            and lm.lm_head.weight.data_ptr() == lm.embed.data_ptr()
+        )
+        embed_w = embed_weights or (head_w if tied else weights)
+        table = LinearOp.build(Linear(lm.embed), embed_w, group_size, symmetric, kernel, activations)
+        if tied and embed_w == head_w:
+            lm_head = table
+        else:
+            lm_head = LinearOp.build(lm.lm_head, head_w, group_size, symmetric, kernel, activations)
+        return cls(
+            lm.spec,
+            embed=table.weight if table.weight is not None else table.qweight,
+            positions=lm.positions,
+            layers=[Layer.build(w, weights, group_size, symmetric, kernel, activations) for w in lm.layers],
+            final_norm=lm.final_norm,
+            lm_head=lm_head,
+            rope=lm.rope,
+            weights=weights,
+            lm_head_weights=lm_head_weights,
+            embed_weights=embed_w,
+            kernel=kernel,
+            activations=activations,
+        )
 
     def weight_bytes(self) -> int:
         """Bytes of weights a decode step reads (the matrices and the LM head; not the embedding table)."""
@@ -204,9 +281,12 @@ class Decoder:
         b, n = ids.shape
         start = cache.length
         end = start + n
-        h = F.embedding(ids, self.embed).float()
-        if spec.embed_scale != 1.0:
-            h = h * torch.tensor(spec.embed_scale, dtype=self.embed.dtype).float()
+        if isinstance(self.embed, QuantizedWeight):
+            h, table_dtype = embedding_rows(self.embed, ids), torch.float32
+        else:
+            h, table_dtype = F.embedding(ids, self.embed).float(), self.embed.dtype
+        if spec.embed_scale != 1.0:  # HF rounds the scale to the table's dtype
+            h = h * torch.tensor(spec.embed_scale, dtype=table_dtype).float()
         if self.positions is not None:
             h = h + self.positions[start:end]
         heads, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim

@@ -1,0 +1,221 @@
+"""``gml bench SOURCE --llm``: a decoder LLM's prefill and decode tokens/s on GML against HF eager and
+HF eager, in one interleaved run, next to the machine's bandwidth ceiling.
+
+Batch-1 decoding reads every weight once per token, so its physical limit is
+``tokens/s <= read bandwidth / (weight bytes + KV-cache bytes read per token)``. The read bandwidth is
+measured here (the best of a few passes of ``sum`` over 1 GiB); each row says what fraction of its own
+ceiling it reaches.
+
+Rows: ``HF eager fp32`` (its own KV cache, ``generate``; when SOURCE is a HF model), ``GML <w>`` for
+each of ``weights`` (a saved LLM file: the weights it holds). The peers (llama.cpp, OpenVINO GenAI, ONNX
+Runtime GenAI) are not driven from here yet: the table says, for each, whether it is installed and why
+it did not run (docs/llm.md has their rows, measured by benchmarks/). Rounds are interleaved (every
+row once per round, rows in a seeded random order) and each row keeps its best round: compare ratios
+from one run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gml.errors import InputError
+
+#: Random-weight models by name (nothing is downloaded): TinyLlama-1.1B's shapes.
+RANDOM_LLMS = {
+    "tinyllama": dict(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5,
+    ),
+}  # fmt: skip
+
+
+@dataclass
+class LLMRow:
+    name: str
+    weight_bytes: int | None
+    kv_bytes_per_token: int | None
+    prefill: float = 0.0  # best tokens/s over the rounds
+    decode: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class LLMBench:
+    cpu: str
+    read_gbs: float
+    prompt_tokens: int
+    new_tokens: int
+    rounds: int
+    rows: list[LLMRow] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # peer, why it did not run
+
+    def ceiling(self, row: LLMRow) -> float | None:
+        """Decode tokens/s the read bandwidth allows for ``row`` at the benchmark's mean context length."""
+        if not row.weight_bytes:
+            return None
+        context = self.prompt_tokens + self.new_tokens / 2
+        per_token = row.weight_bytes + (row.kv_bytes_per_token or 0) * context
+        return self.read_gbs * 1e9 / per_token
+
+    def markdown(self) -> str:
+        lines = [
+            f"CPU: {self.cpu}; read bandwidth {self.read_gbs:.1f} GB/s; batch 1, prompt {self.prompt_tokens} "
+            f"tokens, {self.new_tokens} new tokens, best of {self.rounds} interleaved rounds",
+            "",
+            "| runtime | weight MB read per token | prefill tok/s | decode tok/s | ceiling tok/s | % of ceiling |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in self.rows:
+            c = self.ceiling(r)
+            mb = f"{r.weight_bytes / 1e6:.0f}" if r.weight_bytes else "-"
+            ceiling, pct = (f"{c:.2f}", f"{100 * r.decode / c:.0f}%") if c else ("-", "-")
+            name = r.name + (f" ({r.note})" if r.note else "")
+            lines.append(f"| {name} | {mb} | {r.prefill:.1f} | {r.decode:.2f} | {ceiling} | {pct} |")
+        for peer, why in self.skipped:
+            lines.append(f"\nnot run: {peer} — {why}")
+        return "\n".join(lines)
+
+
+def read_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
+    """Best read GB/s of ``sum`` over a ``gib`` GiB fp32 buffer."""
+    n = int(gib * (1 << 30)) // 4
+    a = torch.ones(n)
+    best = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        a.sum()
+        best = max(best, 4 * n / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def _hf_module(source: str):
+    """The HF module of ``source`` (a random-weight name, a HF folder, a .gguf) or ``None`` (a saved LLM)."""
+    if source in RANDOM_LLMS:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(**RANDOM_LLMS[source])
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg).eval()
+    from gml.llm.api import _load_folder, _saved_llm
+
+    if _saved_llm(source) is not None:
+        return None
+    if Path(source).is_dir():
+        return _load_folder(source)
+    raise InputError(
+        f"gml bench --llm cannot read {source!r}",
+        f"give a local Hugging Face folder, a file lm.save wrote, or a random-weight model: {', '.join(RANDOM_LLMS)}",
+    )
+
+
+def _time_hf(model, prompt: torch.Tensor, new: int) -> tuple[float, float]:
+    with torch.no_grad():
+        t = time.perf_counter()
+        model(prompt, use_cache=True)
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        total = time.perf_counter() - t
+    # generate = one prefill + (new - 1) decode steps
+    return prompt.shape[1] / prefill, (new - 1) / max(total - prefill, 1e-9)
+
+
+def _time_gml(lm, prompt: torch.Tensor, new: int) -> tuple[float, float]:
+    lm.generate(prompt, new)
+    s = lm.stats
+    return s.prefill_tokens_per_second, s.decode_tokens_per_second
+
+
+def _kv_bytes_per_token(lm) -> int:
+    s = lm.spec
+    return s.num_layers * 2 * s.num_kv_heads * s.head_dim * torch.tensor([], dtype=lm.kv_dtype).element_size()
+
+
+def _peer_notes(source: str) -> list[tuple[str, str]]:
+    """Peers this run does not time, and why."""
+    notes = []
+    if importlib.util.find_spec("llama_cpp") is None:
+        notes.append(("llama.cpp", "llama-cpp-python is not installed (it builds from source: ~20 min on 2 cores)"))
+    else:
+        notes.append(("llama.cpp", "installed, but gml bench --llm does not drive it yet (docs/llm.md has its rows)"))
+    for module, peer, how in (
+        ("openvino_genai", "OpenVINO GenAI", "an OpenVINO IR folder (optimum-cli export openvino)"),
+        ("onnxruntime_genai", "ONNX Runtime GenAI", "an ONNX GenAI folder (onnxruntime_genai.models.builder)"),
+    ):
+        if importlib.util.find_spec(module) is None:
+            notes.append((peer, "not installed"))
+        else:
+            notes.append((peer, f"installed, but it runs {how}, which gml bench does not build"))
+    return notes
+
+
+def bench_llm(
+    source: str,
+    *,
+    weights: list[str],
+    prompt_tokens: int = 128,
+    new_tokens: int = 32,
+    rounds: int = 3,
+    seed: int = 0,
+    threads: int | None = None,
+    kernel: str = "auto",
+    progress: Callable[[str], None] | None = None,
+) -> LLMBench:
+    """Time ``source`` (see the module docstring) and return the table's rows."""
+    import gml
+    from gml.bench.roofline import cpu_name
+    from gml.runtime.target import resolve
+
+    if new_tokens < 2:
+        raise InputError(f"--new-tokens must be >= 2 to time decoding, got {new_tokens}", "use --new-tokens 32")
+    if threads:
+        torch.set_num_threads(threads)
+    say = progress or (lambda _msg: None)
+    target = resolve(None)
+    cpu = f"{cpu_name()} (oneDNN ISA {target.isa}), {torch.get_num_threads()} thread(s)"
+    say("measuring the read bandwidth")
+    read = read_bandwidth_gbs()
+    max_length = prompt_tokens + new_tokens
+    hf = _hf_module(source)
+    runs: dict[str, Callable[[], tuple[float, float]]] = {}
+    rows: dict[str, LLMRow] = {}
+    gen = torch.Generator().manual_seed(seed)
+    lms = {}
+    if hf is None:  # a saved LLM: the weights it holds
+        lm = gml.llm(source, max_length=max_length, kernel=kernel)
+        lms[f"GML {lm.decoder.weights}"] = lm
+    else:
+        for w in weights:
+            say(f"building GML {w}")
+            lms[f"GML {w}"] = gml.llm(hf, weights=w, max_length=max_length, kernel=kernel)
+    vocab = next(iter(lms.values())).spec.vocab_size
+    prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=gen)
+    if hf is not None:  # HF reads the fp32 matrices GML fp32 holds (the embedding table is gathered, not read)
+        fp32 = lms.get("GML fp32")
+        kv = _kv_bytes_per_token(next(iter(lms.values())))
+        rows["HF eager fp32"] = LLMRow("HF eager fp32", fp32.weight_bytes() if fp32 else None, kv)
+        runs["HF eager fp32"] = lambda: _time_hf(hf, prompt, new_tokens)
+    for name, lm in lms.items():
+        rows[name] = LLMRow(name, lm.weight_bytes(), _kv_bytes_per_token(lm))
+        runs[name] = lambda lm=lm: _time_gml(lm, prompt, new_tokens)
+    for name, run in runs.items():  # one untimed call each: first-call allocations and plan builds
+        say(f"warm-up: {name}")
+        run()
+    order = list(runs)
+    rng = random.Random(seed)
+    for r in range(rounds):
+        rng.shuffle(order)
+        for name in order:
+            say(f"round {r + 1}/{rounds}: {name}")
+            p, d = runs[name]()
+            rows[name].prefill = max(rows[name].prefill, p)
+            rows[name].decode = max(rows[name].decode, d)
+    return LLMBench(cpu, read, prompt_tokens, new_tokens, rounds, list(rows.values()), _peer_notes(source))
