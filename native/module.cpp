@@ -18,6 +18,8 @@
 #include "pool.h"
 #include "shape.h"
 #include "woq.h"
+#include "woq_gemm.h"
+#include "woq_int8act.h"
 
 namespace nb = nanobind;
 using namespace gml_engine;
@@ -50,6 +52,30 @@ NB_MODULE(_engine, m) {
   m.def(
       "woq_linear",
       [](uintptr_t x, int64_t M, int64_t K, uintptr_t q, int bits, int64_t group, uintptr_t scales, uintptr_t zeros,
+         uintptr_t bias, uintptr_t y, int64_t N, const std::string& isa, int nthreads, int act_bits) {
+        gml_woq::Problem p;
+        p.x = reinterpret_cast<const float*>(x);
+        p.M = M, p.K = K, p.N = N, p.bits = bits, p.group = group;
+        p.q = reinterpret_cast<const void*>(q);
+        p.scales = reinterpret_cast<const float*>(scales);
+        p.zeros = reinterpret_cast<const uint8_t*>(zeros);
+        p.bias = reinterpret_cast<const float*>(bias);
+        p.y = reinterpret_cast<float*>(y);
+        if (act_bits == 8)
+          gml_woq::linear_act8(p, isa, nthreads);
+        else if (act_bits == 0)
+          gml_woq::linear(p, isa, nthreads);
+        else
+          throw std::invalid_argument("woq_linear: act_bits is 0 (fp32 activations) or 8");
+      },
+      nb::arg("x"), nb::arg("M"), nb::arg("K"), nb::arg("q"), nb::arg("bits"), nb::arg("group"), nb::arg("scales"),
+      nb::arg("zeros"), nb::arg("bias"), nb::arg("y"), nb::arg("N"), nb::arg("isa"), nb::arg("nthreads") = 0,
+      nb::arg("act_bits") = 0, nb::call_guard<nb::gil_scoped_release>(),
+      "torch.ops.gml.woq_linear on contiguous tensors given by address (native/woq.h; act_bits 8: "
+      "native/woq_int8act.h); isa: vnni | avx512 | avxvnni | avx2 | scalar.");
+  m.def(
+      "woq_gemm",
+      [](uintptr_t x, int64_t M, int64_t K, uintptr_t q, int bits, int64_t group, uintptr_t scales, uintptr_t zeros,
          uintptr_t bias, uintptr_t y, int64_t N, const std::string& isa, int nthreads) {
         gml_woq::Problem p;
         p.x = reinterpret_cast<const float*>(x);
@@ -59,12 +85,12 @@ NB_MODULE(_engine, m) {
         p.zeros = reinterpret_cast<const uint8_t*>(zeros);
         p.bias = reinterpret_cast<const float*>(bias);
         p.y = reinterpret_cast<float*>(y);
-        gml_woq::linear(p, isa, nthreads);
+        gml_woq::gemm(p, isa, nthreads);
       },
       nb::arg("x"), nb::arg("M"), nb::arg("K"), nb::arg("q"), nb::arg("bits"), nb::arg("group"), nb::arg("scales"),
       nb::arg("zeros"), nb::arg("bias"), nb::arg("y"), nb::arg("N"), nb::arg("isa"), nb::arg("nthreads") = 0,
       nb::call_guard<nb::gil_scoped_release>(),
-      "torch.ops.gml.woq_linear on contiguous tensors given by address (native/woq.h); isa: avx512 | avx2 | scalar.");
+      "woq_linear for many rows (prefill): dequantized weight tiles into oneDNN's fp32 GEMM (native/woq_gemm.h).");
   m.def("woq_isa_supported", &gml_woq::cpu_has, "Whether this CPU runs woq_linear's kernel for `isa`.");
   nb::class_<Plan> plan(m, "Plan", nb::dynamic_attr());  // dynamic attributes: ``keep`` (embedding tables)
   plan.def(nb::init<>())

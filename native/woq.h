@@ -13,8 +13,9 @@
 // for M > 1 (prefill) their weights stay in L1 while every x row passes over them. Blocks of rows
 // are split across OpenMP threads.
 //
-// Dispatch is the caller's: `isa` is "avx512" (AVX-512F/BW), "avx2" (AVX2 + FMA) or "scalar", chosen
-// from GML's CPU description at the API boundary; an ISA this CPU lacks is refused, never run.
+// Dispatch is the caller's: `isa` is a kernel tier (cpu_has below; "vnni" runs the "avx512" code and
+// "avxvnni" the "avx2" code here), chosen from GML's CPU description at the API boundary; an ISA this
+// CPU lacks is refused, never run. Int8 activations: woq_int8act.h; many rows (prefill): woq_gemm.h.
 // The summation order differs from the Python reference (dequantize + F.linear) only in fp32 rounding;
 // with integer x and power-of-two scales every partial sum is exact and both agree bit for bit.
 #pragma once
@@ -122,6 +123,7 @@ GML_WOQ_AVX512 inline void rows_avx512(const Problem& p, int64_t n0) {
     for (int r = 0; r < R; ++r)
       p.y[m * p.N + n0 + r] = _mm512_reduce_add_ps(total[r]) + tail[r] + (p.bias ? p.bias[n0 + r] : 0.f);
   }
+  _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
 }
 
 // ---------------------------------------------------------------- AVX2: 8 fp32 lanes
@@ -188,23 +190,40 @@ GML_WOQ_AVX2 inline void rows_avx2(const Problem& p, int64_t n0) {
     for (int r = 0; r < R; ++r)
       p.y[m * p.N + n0 + r] = hsum256(total[r]) + tail[r] + (p.bias ? p.bias[n0 + r] : 0.f);
   }
+  _mm256_zeroupper();
 }
 
+// The kernel tiers: "vnni" (AVX-512 VNNI), "avx512" (AVX-512F/BW), "avxvnni" (AVX2 + AVX-VNNI),
+// "avx2" (AVX2 + FMA), "scalar". The VNNI tiers differ only with int8 activations (woq_int8act.h).
 inline bool cpu_has(const std::string& isa) {
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   if (isa == "scalar") return true;
-  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (isa == "avx512") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (isa == "avx2") return avx2;
+  if (isa == "avxvnni") return avx2 && __builtin_cpu_supports("avxvnni");
+  if (isa == "avx512") return avx512;
+  if (isa == "vnni") return avx512 && __builtin_cpu_supports("avx512vnni");
   return false;
 }
 
-// Runs the problem with `isa`'s kernel on `nthreads` threads (0: OpenMP's default).
-inline void linear(const Problem& p, const std::string& isa, int nthreads) {
+// The fp32-activation code a tier runs: 2 AVX-512, 1 AVX2, 0 scalar.
+inline int fp32_level(const std::string& isa) {
+  return (isa == "avx512" || isa == "vnni") ? 2 : (isa == "avx2" || isa == "avxvnni") ? 1 : 0;
+}
+
+// Refuses a kernel this CPU lacks and a format the kernels do not read.
+inline void check(const Problem& p, const std::string& isa) {
   if (!cpu_has(isa)) throw std::invalid_argument("woq_linear: this CPU cannot run the '" + isa + "' kernel");
   if ((p.bits != 8 && p.bits != 4) || p.group <= 0 || p.K % p.group || (p.bits == 4 && p.group % 32) ||
       (p.bits == 8 && (p.group != p.K || p.zeros)))
     throw std::invalid_argument("woq_linear: unsupported bits / group_size / zeros combination");
+}
+
+// Runs the problem with `isa`'s kernel on `nthreads` threads (0: OpenMP's default).
+inline void linear(const Problem& p, const std::string& isa, int nthreads) {
+  check(p, isa);
   const int threads = nthreads > 0 ? nthreads : omp_get_max_threads();
-  const int which = isa == "avx512" ? 2 : isa == "avx2" ? 1 : 0;
+  const int which = fp32_level(isa);
   constexpr int64_t R = 4;  // rows per block (see rows_avx512)
   const int64_t blocks = (p.N + R - 1) / R;
 #pragma omp parallel for num_threads(threads) schedule(static)

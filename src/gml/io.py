@@ -57,7 +57,6 @@ from gml.runtime.options import EngineOptions, resolve_options
 # v2: sealed (every member's SHA-256 in the manifest, gml.archive) and no pickled sample inputs.
 FORMAT_EXPORT = "gml-export-v2"
 FORMAT_PICKLE = "gml-pickle-v2"
-FORMAT_LLM = "gml-llm-1"  # lm.save (gml.llm.store): a decoder LLM's spec and weights, no graph
 _LEGACY_FORMATS = ("gml-export-v1", "gml-pickle-v1")
 
 #: ``lifter(gm, node) -> nn.Module | None``: the module that computes ``node`` (a call of a kernel op
@@ -552,9 +551,10 @@ def _load_module(
     fmt = sealed.header.get("format") if sealed is not None else None
     if fmt == FORMAT_EXPORT:
         return _load_export(path, sealed, lift, lifters)
-    if fmt == FORMAT_LLM:
-        from gml.llm.store import load_llm
+    from gml.llm.api import load_llm
+    from gml.llm.store import FORMAT as FORMAT_LLM
 
+    if fmt == FORMAT_LLM:  # lm.save: a decoder LLM's spec and weights, no graph
         return load_llm(path, sealed=sealed, target=target)
     if fmt not in (FORMAT_PICKLE, None):
         raise ModelLoadError(

@@ -24,6 +24,10 @@ def test_generate_prints_tokens_and_rates(folder, capsys):
     expected = gml.llm(model, weights="int8", max_length=9).generate([5, 17, 3], 6)
     assert out[0] == " ".join(map(str, expected))
     assert "prefill" in out[-1] and "decode" in out[-1] and "tok/s" in out[-1]
+    args = ["generate", str(path), "--weights", "int4", "--activations", "int8", "--prompt-ids", "5,17,3"]
+    assert main([*args, "--max-new-tokens", "6"]) == 0
+    expected = gml.llm(model, weights="int4", activations="int8", max_length=9).generate([5, 17, 3], 6)
+    assert capsys.readouterr().out.splitlines()[0] == " ".join(map(str, expected))
 
 
 def test_generate_text_prompt_without_tokenizer(folder, capsys):

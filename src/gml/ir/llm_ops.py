@@ -12,10 +12,24 @@ The weight format (one definition, used by quantization, the reference kernel an
   (asymmetric).
 * ``scales`` is ``float32 [N, K/group_size]``; ``group_size`` divides ``K`` (``K`` for per channel).
 
-The op computes ``y = x @ W^T + bias`` with ``x: [..., K]`` fp32 activations kept in fp32 (no
-activation quantization) and ``y: [..., N]`` fp32. The reference kernel below dequantizes ``W`` and
-calls ``F.linear``; faster executors must match it to fp32 rounding (they differ only in summation
-order).
+The op computes ``y = x @ W^T + bias`` with ``x: [..., K]`` fp32 and ``y: [..., N]`` fp32. ``act_bits``
+says what happens to the activations:
+
+* ``0``: they stay fp32. The reference kernel dequantizes ``W`` and calls ``F.linear``.
+* ``8``: they are quantized per row in blocks of :data:`ACT_BLOCK` = 32 along ``K`` (the last block may
+  be shorter) to int8, symmetric — llama.cpp's Q8_0 (:func:`quantize_activations`)::
+
+      s_x[m, b] = amax_b |x[m]| / 127,   qx[m, k] = round(x[m, k] / s_x[m, b]) in [-127, 127]  (0 if s_x = 0)
+
+  and every block's dot product is exact integer arithmetic, scaled once::
+
+      y[m, n] = sum_b (s_x[m, b] * s_w[n, g(b)]) * sum_{k in b} qx[m, k] * (q[n, k] - z[n, g(k)]) + bias[n]
+
+  (``g(b)``: the weight group holding block ``b``; INT8 weights have one group.) A block's integer sum
+  is at most ``32 * 128 * 127 < 2^24``: exact in int32 and in fp32.
+
+Faster executors must match the reference to fp32 rounding (summation order only); with integer
+operands and power-of-two scales every partial sum is exact and they agree bit for bit.
 
 :func:`quantize_weight` is the one quantizer of this format (round to nearest, ties to even as
 ``torch.round``): symmetric ``s = amax / (2^(bits-1) - 1)`` per group; asymmetric (4-bit)
@@ -36,12 +50,17 @@ import torch.nn.functional as F
 NAMESPACE = "gml"
 SCHEMAS: dict[str, str] = {
     "woq_linear": (
-        "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size) -> Tensor"
+        "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, "
+        "int act_bits=0) -> Tensor"
     ),
 }
 
 #: The group sizes INT4 weights may use (INT8 is per output channel).
 INT4_GROUP_SIZES = (32, 64, 128)
+
+#: ``act_bits`` values: 0 keeps fp32 activations, 8 quantizes them per block of ``ACT_BLOCK``.
+ACT_BITS = (0, 8)
+ACT_BLOCK = 32
 
 
 class QuantizedWeight(NamedTuple):
@@ -149,12 +168,48 @@ def embedding_rows(w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     return rows.reshape(*ids.shape, rows.shape[-1])
 
 
-def _woq_linear(x, qweight, scales, zeros, bias, bits, group_size):
-    """Reference kernel: dequantize, then ``F.linear`` in fp32."""
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x: [M, K]`` fp32 → ``(qx int8 [M, nb * 32], s_x fp32 [M, nb])`` per block of 32 along ``K``
+    (``qx`` zero-padded past ``K``); the act_bits=8 format of the module docstring."""
+    m, k = x.shape
+    nb = -(-k // ACT_BLOCK)
+    blocks = F.pad(x.float(), (0, nb * ACT_BLOCK - k)).reshape(m, nb, ACT_BLOCK)
+    sx = blocks.abs().amax(-1) / 127
+    q = torch.round(blocks / torch.where(sx > 0, sx, 1.0)[..., None]).clamp(-127, 127)
+    q = torch.where(sx[..., None] > 0, q, 0.0)
+    return q.to(torch.int8).reshape(m, nb * ACT_BLOCK), sx
+
+
+def _woq_linear_act8(x, qweight, scales, zeros, bias, bits, group_size):
+    """Reference kernel of act_bits=8: quantize x per block, exact integer dots per block, scale."""
+    k = qweight.shape[1] * (2 if bits == 4 else 1)
+    x2 = x.reshape(-1, k).float()
+    qx, sx = quantize_activations(x2)
+    nb = sx.shape[1]
+    wi = F.pad(integer_weight(qweight, zeros, bits, group_size), (0, nb * ACT_BLOCK - k))
+    wi = wi.reshape(-1, nb, ACT_BLOCK).float()
+    # the group of each block (blocks never straddle a group: 32 divides every INT4 group size)
+    sw = scales[:, torch.arange(nb) * ACT_BLOCK // group_size]  # [N, nb]
+    qb = qx.reshape(-1, nb, ACT_BLOCK).float()
+    y = x2.new_empty(qb.shape[0], qweight.shape[0])
+    for i in range(0, qb.shape[0], 16):  # 16 rows at a time bound the [rows, N, nb] block sums
+        isum = torch.einsum("mbk,nbk->mnb", qb[i : i + 16], wi)  # |block sum| < 2^24: exact in fp32
+        y[i : i + 16] = (isum * (sx[i : i + 16, None, :] * sw[None])).sum(-1)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def _woq_linear(x, qweight, scales, zeros, bias, bits, group_size, act_bits=0):
+    """Reference kernel: ``act_bits=0``: dequantize, then ``F.linear`` in fp32; ``8``: see above."""
+    if act_bits == 8:
+        return _woq_linear_act8(x, qweight, scales, zeros, bias, bits, group_size)
+    if act_bits != 0:
+        raise ValueError(f"act_bits={act_bits}: woq_linear keeps fp32 activations (0) or quantizes them to 8 bits")
     return F.linear(x.float(), dequantize_weight(qweight, scales, zeros, bits, group_size), bias)
 
 
-def _fake_woq_linear(x, qweight, scales, zeros, bias, bits, group_size):
+def _fake_woq_linear(x, qweight, scales, zeros, bias, bits, group_size, act_bits=0):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.float32)
 
 
@@ -174,6 +229,8 @@ def woq_linear_op() -> torch._ops.OpOverload:
     return torch.ops.gml.woq_linear.default
 
 
-def woq_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def woq_linear(
+    x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None, act_bits: int = 0
+) -> torch.Tensor:
     """Call ``torch.ops.gml.woq_linear`` on a :class:`QuantizedWeight`."""
-    return woq_linear_op()(x, w.qweight, w.scales, w.zeros, bias, w.bits, w.group_size)
+    return woq_linear_op()(x, w.qweight, w.scales, w.zeros, bias, w.bits, w.group_size, act_bits)

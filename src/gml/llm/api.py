@@ -27,6 +27,7 @@ from gml.llm.spec import capture_lm
 
 WEIGHTS = ("fp32", "bf16", "int8", "int4")
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ACTIVATIONS = ("fp32", "int8")
 
 
 @dataclass
@@ -223,6 +224,38 @@ def _saved_llm(path: str):
     return sealed if is_llm_file(sealed) else None
 
 
+def load_llm(
+    path: str | os.PathLike,
+    *,
+    max_length: int | None = None,
+    kv_cache: str | None = None,
+    kernel: str = "auto",
+    activations: str = "fp32",
+    sealed=None,
+    target=None,
+) -> LLM:
+    """An :class:`LLM` from a file ``lm.save`` wrote (:mod:`gml.llm.store` reads and checks it).
+
+    ``max_length`` / ``kv_cache`` default to the saved ones; ``kernel`` and ``activations`` as
+    :func:`llm`; with ``kernel="auto"`` a ``target`` (:class:`~gml.ir.target.Target`) given by the
+    caller picks the kernel (``gml.load(path, target=...)``), else this process's CPU."""
+    from gml import archive
+    from gml.kernels.woq import kernel_isa
+    from gml.llm.store import read_llm
+
+    p = Path(path)
+    if sealed is None:
+        if not p.is_file():
+            raise ModelLoadError(f"no such file: {p}", hint="give the file lm.save(path) wrote")
+        sealed = archive.open_sealed(p)
+    if kernel == "auto" and target is not None and detect_kernel() is not None:
+        kernel = kernel_isa(target)  # the caller's CPU description, not this process's
+    decoder, max_length, kv_cache = read_llm(
+        p, sealed, max_length=max_length, kv_cache=kv_cache, kernel=choose_kernel(kernel), activations=activations
+    )
+    return LLM(decoder, max_length, KV_DTYPES[kv_cache])
+
+
 def choose_kernel(kernel: str) -> str | None:
     """The woq kernel ISA for the ``kernel=`` argument (``None``: the op's Python reference kernel)."""
     if kernel not in ("auto", "reference", *KERNEL_ISAS):
@@ -252,6 +285,7 @@ def llm(
     lm_head_weights: str | None = None,
     embed_weights: str | None = None,
     kernel: str = "auto",
+    activations: str = "fp32",
 ) -> LLM:
     """Capture a decoder-only causal LM for generation on CPU.
 
@@ -266,15 +300,20 @@ def llm(
     tensor then serves both — else to ``weights``. ``kv_cache``: ``fp32`` (default) | ``bf16``.
     ``max_length`` (default 2048; a saved file's own) bounds prompt + new tokens; the KV cache is
     preallocated to it. ``kernel`` runs the int8 / int4 matrices: ``auto`` (the native kernel for
-    this CPU, :func:`gml.kernels.woq.detect_kernel`; it honours ``ONEDNN_MAX_CPU_ISA``), ``avx512`` |
-    ``avx2`` | ``scalar`` (that native kernel) or ``reference`` (the op's Python kernel).
+    this CPU, :func:`gml.kernels.woq.detect_kernel`; it honours ``ONEDNN_MAX_CPU_ISA``), ``vnni`` |
+    ``avx512`` | ``avxvnni`` | ``avx2`` | ``scalar`` (that native kernel) or ``reference`` (the op's
+    Python kernel). ``activations``: ``fp32`` (default) or ``int8`` (int8 / int4 weights only: decode
+    steps quantize the activations per block of 32 and run integer dot products, as llama.cpp's Q8_0;
+    prefill stays fp32); a run-time choice, also for a saved file.
     """
+    if activations not in ACTIVATIONS:
+        raise InputError(f"activations={activations!r} is not one of {ACTIVATIONS}", "use fp32 or int8")
     if isinstance(source, (str, os.PathLike)):
         saved = _saved_llm(os.fspath(source))
         if saved is not None:
-            from gml.llm.store import load_llm
-
-            lm = load_llm(source, max_length=max_length, kv_cache=kv_cache, kernel=kernel, sealed=saved)
+            lm = load_llm(
+                source, max_length=max_length, kv_cache=kv_cache, kernel=kernel, activations=activations, sealed=saved
+            )
             asked = {"weights": weights, "lm_head_weights": lm_head_weights, "embed_weights": embed_weights}
             held = {
                 "weights": lm.decoder.weights,
@@ -338,5 +377,6 @@ def llm(
         lm_head_weights=lm_head_weights,
         embed_weights=embed_weights,
         kernel=chosen,
+        activations=activations,
     )
     return LLM(decoder, max_length, KV_DTYPES[kv_cache], tokenizer)

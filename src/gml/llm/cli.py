@@ -30,6 +30,12 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="FOLDER", help="a folder with the tokenizer (default: SOURCE's own)")
     p.add_argument("--save", metavar="FILE", help="also write the LLM (its weights as quantized) to FILE")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128 (default: 32)")
+    p.add_argument(
+        "--activations",
+        choices=("fp32", "int8"),
+        default="fp32",
+        help="int8: int8/int4 decode steps quantize activations per block of 32 (default: fp32)",
+    )
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")
     g.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma separated: 1,2,3")
@@ -67,7 +73,8 @@ def generate_command(args: argparse.Namespace, console) -> int:
             )
         prompt_ids = tokenizer(args.prompt)["input_ids"]
     max_length = args.max_length or len(prompt_ids) + args.max_new_tokens
-    lm = llm(args.source, weights=args.weights, group_size=args.group_size, max_length=max_length)
+    kwargs = {"group_size": args.group_size, "max_length": max_length, "activations": args.activations}
+    lm = llm(args.source, weights=args.weights, **kwargs)
     if lm.tokenizer is None and args.tokenizer:
         lm.tokenizer = load_tokenizer(args.tokenizer)
     out = lm.generate(

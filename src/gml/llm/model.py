@@ -13,8 +13,11 @@ no mask at all.
 
 **Linears.** Each matrix is a :class:`LinearOp`: fp32 ``F.linear``, bf16 weights (``F.linear`` in
 bf16, fp32 out), or ``torch.ops.gml.woq_linear`` (INT8 / INT4 weights, fp32 activations) on the native
-kernel ``kernel`` names (native/woq.h, via :mod:`gml.kernels.woq`) or, with ``kernel=None``, on the
-op's reference kernel. The LM head runs on the last position only when the caller asks for it (decode).
+kernel ``kernel`` names (native/woq*.h, via :mod:`gml.kernels.woq`) or, with ``kernel=None``, on the
+op's reference kernel. ``activations="int8"`` quantizes the activations per block of 32 (``act_bits=8``)
+in calls of fewer than ``GEMM_MIN_ROWS`` (2) rows (decode); from that many rows on (prefill) a call
+keeps fp32 activations and runs as GEMMs over dequantized weight tiles, as llama.cpp does with a BLAS.
+The LM head runs on the last position only when the caller asks for it (decode).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 
 from gml.ir.attention import attention_op
 from gml.ir.llm_ops import QuantizedWeight, embedding_rows, quantize_weight, woq_linear
-from gml.kernels.woq import native_supports, woq_linear_native
+from gml.kernels.woq import GEMM_MIN_ROWS, native_supports, woq_linear_native
 from gml.llm.spec import CapturedLM, LayerWeights, Linear, ModelSpec, Norm
 
 
@@ -40,6 +43,7 @@ class LinearOp:
         qweight: QuantizedWeight | None = None,
         bias: torch.Tensor | None = None,
         kernel: str | None = None,
+        activations: str = "fp32",
     ) -> None:
         if (weight is None) == (qweight is None):
             raise ValueError("a LinearOp holds either a dense weight or a quantized one")
@@ -50,27 +54,41 @@ class LinearOp:
             weight.shape if weight is not None else (qweight.out_features, qweight.in_features)
         )
         self.kernel = kernel if qweight is not None and native_supports(qweight) else None
+        # woq_linear's act_bits for calls of fewer than GEMM_MIN_ROWS rows (prefill keeps fp32)
+        self.act_bits = 8 if activations == "int8" and qweight is not None else 0
 
     @classmethod
     def build(
-        cls, lin: Linear, weights: str, group_size: int = 32, symmetric: bool = True, kernel: str | None = None
+        cls,
+        lin: Linear,
+        weights: str,
+        group_size: int = 32,
+        symmetric: bool = True,
+        kernel: str | None = None,
+        activations: str = "fp32",
     ) -> LinearOp:
         """``lin`` stored as ``weights`` (``fp32 | bf16 | int8 | int4``)."""
+        run = {"bias": lin.bias, "kernel": kernel, "activations": activations}
         if weights == "fp32":
-            return cls(weight=lin.weight, bias=lin.bias, kernel=kernel)
+            return cls(weight=lin.weight, **run)
         if weights == "bf16":
-            return cls(weight=lin.weight.to(torch.bfloat16), bias=lin.bias, kernel=kernel)
+            return cls(weight=lin.weight.to(torch.bfloat16), **run)
         if weights == "int8":
-            return cls(qweight=quantize_weight(lin.weight, 8), bias=lin.bias, kernel=kernel)
+            return cls(qweight=quantize_weight(lin.weight, 8), **run)
         if weights == "int4":
-            return cls(qweight=quantize_weight(lin.weight, 4, group_size, symmetric), bias=lin.bias, kernel=kernel)
+            return cls(qweight=quantize_weight(lin.weight, 4, group_size, symmetric), **run)
         raise ValueError(f"weights={weights!r}")
 
+    def act_bits_for(self, rows: int) -> int:
+        """``woq_linear``'s ``act_bits`` for a call on ``rows`` rows: prefill-sized calls keep fp32."""
+        return self.act_bits if rows < GEMM_MIN_ROWS else 0
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return woq_linear_native(x, self.qweight, self.bias, self.kernel)
         if self.qweight is not None:
-            return woq_linear(x, self.qweight, self.bias)
+            act_bits = self.act_bits_for(x.numel() // x.shape[-1])
+            if self.kernel is not None:
+                return woq_linear_native(x, self.qweight, self.bias, self.kernel, act_bits)
+            return woq_linear(x, self.qweight, self.bias, act_bits)
         if self.weight.dtype == torch.bfloat16:
             bias = None if self.bias is None else self.bias.to(torch.bfloat16)
             return F.linear(x.to(torch.bfloat16), self.weight, bias).float()
@@ -136,9 +154,11 @@ class Layer:
         self.qkv, self.o, self.up, self.down = qkv, o, up, down
 
     @classmethod
-    def build(cls, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None) -> Layer:
+    def build(
+        cls, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None, activations: str
+    ) -> Layer:
         names = ("qkv", "o", "up", "down")
-        ops = [LinearOp.build(getattr(w, n), weights, group_size, symmetric, kernel) for n in names]
+        ops = [LinearOp.build(getattr(w, n), weights, group_size, symmetric, kernel, activations) for n in names]
         # Keep the norms, drop the fp32 matrices now held by the LinearOps.
         w.qkv = w.o = w.up = w.down = None  # type: ignore[assignment]
         return cls(w, *ops)
@@ -165,6 +185,7 @@ class Decoder:
         lm_head_weights: str | None = None,
         embed_weights: str | None = None,
         kernel: str | None = None,
+        activations: str = "fp32",
     ) -> None:
         self.spec = spec
         self.embed = embed  # fp32 / bf16 [V, H], or a QuantizedWeight (rows dequantized when looked up)
@@ -177,6 +198,7 @@ class Decoder:
         self.weights = weights
         self.lm_head_weights = lm_head_weights or weights
         self.kernel = kernel
+        self.activations = activations
         self.layer_types = [
             "sliding_attention" if win is not None else "full_attention" for win in self.spec.sliding_windows
         ]
@@ -192,6 +214,7 @@ class Decoder:
         lm_head_weights: str | None = None,
         embed_weights: str | None = None,
         kernel: str | None = None,
+        activations: str = "fp32",
     ) -> Decoder:
         """A :class:`CapturedLM` with its matrices stored as ``weights`` (``fp32 | bf16 | int8 | int4``),
         the LM head as ``lm_head_weights`` and the embedding table as ``embed_weights``.
@@ -207,16 +230,16 @@ class Decoder:
             and lm.lm_head.weight.data_ptr() == lm.embed.data_ptr()
         )
         embed_w = embed_weights or (head_w if tied else weights)
-        table = LinearOp.build(Linear(lm.embed), embed_w, group_size, symmetric, kernel)
+        table = LinearOp.build(Linear(lm.embed), embed_w, group_size, symmetric, kernel, activations)
         if tied and embed_w == head_w:
             lm_head = table
         else:
-            lm_head = LinearOp.build(lm.lm_head, head_w, group_size, symmetric, kernel)
+            lm_head = LinearOp.build(lm.lm_head, head_w, group_size, symmetric, kernel, activations)
         return cls(
             lm.spec,
             embed=table.weight if table.weight is not None else table.qweight,
             positions=lm.positions,
-            layers=[Layer.build(w, weights, group_size, symmetric, kernel) for w in lm.layers],
+            layers=[Layer.build(w, weights, group_size, symmetric, kernel, activations) for w in lm.layers],
             final_norm=lm.final_norm,
             lm_head=lm_head,
             rope=lm.rope,
@@ -224,6 +247,7 @@ class Decoder:
             lm_head_weights=lm_head_weights,
             embed_weights=embed_w,
             kernel=kernel,
+            activations=activations,
         )
 
     def weight_bytes(self) -> int:

@@ -16,7 +16,7 @@ taken from the file, so no kernel can be told to read past a buffer. Floating-po
 finite; int4 zero points must lie in ``[0, 15]``.
 
 The weights are stored in the ``woq_linear`` format (not a CPU's repacked layout): the file is the
-same on every CPU, and :func:`load_llm` picks this machine's kernel (:mod:`gml.kernels.woq`), as
+same on every CPU, and :func:`gml.llm.api.load_llm` picks this machine's kernel (:mod:`gml.kernels.woq`), as
 :func:`gml.llm` does.
 """
 
@@ -34,13 +34,11 @@ import torch
 from gml import archive
 from gml.errors import InputError, ModelLoadError
 from gml.files import write_atomically
-from gml.io import FORMAT_LLM as FORMAT
 from gml.ir.llm_ops import INT4_GROUP_SIZES, QuantizedWeight, check_format
-from gml.ir.target import Target
-from gml.kernels.woq import detect_kernel, kernel_isa
 from gml.llm.model import Decoder, Layer, LinearOp
 from gml.llm.spec import FAMILIES, LayerWeights, ModelSpec, Norm
 
+FORMAT = "gml-llm-1"  # the manifest's format, which gml.io.load dispatches on
 _FOLDER = "gml-llm"
 _JSON = "llm.json"
 _WEIGHTS = ("fp32", "bf16", "int8", "int4")
@@ -414,33 +412,27 @@ def is_llm_file(sealed: archive.Sealed | None) -> bool:
     return sealed is not None and sealed.header.get("format") == FORMAT
 
 
-def load_llm(
+def read_llm(
     path: str | Path,
+    sealed: archive.Sealed,
     *,
     max_length: int | None = None,
     kv_cache: str | None = None,
-    kernel: str = "auto",
-    sealed: archive.Sealed | None = None,
-    target: Target | None = None,
-):
-    """Read an LLM file written by :func:`save_llm` (``lm.save``); see the module docstring.
+    kernel: str | None = None,
+    activations: str = "fp32",
+) -> tuple[Decoder, int, str]:
+    """``(decoder, max_length, kv_cache)`` of an LLM file written by :func:`save_llm` whose seal
+    ``sealed`` was checked; see the module docstring. :func:`gml.llm.api.load_llm` wraps it.
 
     ``max_length`` (default: the saved one) may not exceed the positions the file's RoPE / learned
-    position tables cover. ``kv_cache`` defaults to the saved one; ``kernel`` as :func:`gml.llm`
-    (with ``kernel="auto"``, a ``target`` given by the caller picks it: ``gml.load(path, target=...)``).
+    position tables cover. ``kv_cache`` defaults to the saved one; ``kernel`` is the woq kernel ISA
+    chosen for this CPU (``None``: the reference kernel); ``activations`` (``fp32`` | ``int8``) as
+    :func:`gml.llm`: a run-time choice, not stored.
     """
-    from gml.llm.api import KV_DTYPES, LLM, choose_kernel
-
     path = Path(path)
-    if sealed is None:
-        if not path.is_file():
-            raise ModelLoadError(f"no such file: {path}", hint="give the file lm.save(path) wrote")
-        sealed = archive.open_sealed(path)
     if not is_llm_file(sealed):
         raise ModelLoadError(f"{path} is not an LLM file written by lm.save", hint="give the file lm.save(path) wrote")
-    if kernel == "auto" and target is not None and detect_kernel() is not None:
-        kernel = kernel_isa(target)  # the caller's CPU description, not this process's
-    chosen = choose_kernel(kernel)
+    chosen = kernel
     with zipfile.ZipFile(path) as z:
         prefix = sealed.prefix
         if z.getinfo(prefix + _JSON).file_size > archive.MAX_JSON_BYTES:
@@ -461,13 +453,13 @@ def load_llm(
             f"use max_length <= {limit}, or build the LLM again from its source with a larger max_length",
         )
     kv_cache = m["kv_cache"] if kv_cache is None else kv_cache
-    if kv_cache not in KV_DTYPES:
-        raise InputError(f"kv_cache={kv_cache!r} is not one of {tuple(KV_DTYPES)}", "use fp32 or bf16")
+    if kv_cache not in _KV:
+        raise InputError(f"kv_cache={kv_cache!r} is not one of {_KV}", "use fp32 or bf16")
 
     def linear(name: str, storage: str) -> LinearOp:
         bias = t.get(f"{name}.bias")
         if storage in ("fp32", "bf16"):
-            return LinearOp(weight=t[f"{name}.weight"], bias=bias, kernel=chosen)
+            return LinearOp(weight=t[f"{name}.weight"], bias=bias, kernel=chosen, activations=activations)
         q = t[f"{name}.qweight"]
         bits = 8 if storage == "int8" else 4
         k = q.shape[1] * (2 if bits == 4 else 1)
@@ -476,7 +468,7 @@ def load_llm(
         if reason is not None:  # pragma: no cover - _meta checked the group against every matrix width
             raise _bad(path, f"{name}: {reason}")
         qw = QuantizedWeight(q, t[f"{name}.scales"], t.get(f"{name}.zeros"), bits, group)
-        return LinearOp(qweight=qw, bias=bias, kernel=chosen)
+        return LinearOp(qweight=qw, bias=bias, kernel=chosen, activations=activations)
 
     def norm(name: str) -> Norm | None:
         w = t.get(f"{name}.weight")
@@ -503,5 +495,6 @@ def load_llm(
         lm_head_weights=m["lm_head_weights"],
         embed_weights=m["embed_weights"],
         kernel=chosen,
+        activations=activations,
     )
-    return LLM(decoder, max_length, KV_DTYPES[kv_cache])
+    return decoder, max_length, kv_cache

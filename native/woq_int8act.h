@@ -1,0 +1,359 @@
+// GML engine: woq_linear with int8 activations (act_bits = 8; the math is the Python reference
+// _woq_linear_act8 in src/gml/ir/llm_ops.py — llama.cpp's Q8_0 activations against INT8 / INT4 weights).
+//
+//   x is quantized once per call, per row in blocks of 32 along K (the last block may be shorter):
+//     s_x[m, b] = amax_b |x| / 127,   qx[m, k] = round_half_even(x / s_x) in [-127, 127]  (0 when s_x = 0)
+//   and every dot product runs in integers:
+//     y[m, n] = sum_b (s_x[m, b] * s_w[n, g(b)]) * isum[m, n, b] + bias[n],
+//     isum[m, n, b] = sum_{k in block b} qx[m, k] * (q[n, k] - z[n, g(k)])    (exact in int32)
+//   (INT8 weights: one s_w per row, so the kernels scale by s_w once at the end of the row.)
+//
+// Weights are read in place, in woq.h's layout (no repacking). Instead, the activations are laid out
+// per call to meet them: INT8 weights pair with qx in natural order; INT4 weights (two nibbles per byte,
+// low = even k) pair with qx permuted within each block of 32 as [16 even k, 16 odd k], so that the
+// low nibbles of a block's 16 bytes followed by its high nibbles line up with qx byte for byte.
+//
+// No int16 step can saturate (docs/adr/011-int8-on-every-isa.md):
+//   * INT4: the nibble q in 0..15 is the unsigned operand, qx the signed one:
+//       vpmaddubsw pairs |.| <= 2 * 15 * 127 = 3,810; the zero point enters as a second product
+//       z (u8, <= 15) x (-qx) (precomputed per call), |.| <= 3,810: their int16 sum <= 7,620.
+//   * INT8: q may be -128, qx never is (|qx| <= 127). The sign trick puts the magnitude on the weight:
+//       |q| as u8 (0..128) x qx * sign(q) as s8 (never wraps: |qx| <= 127);
+//       vpmaddubsw pairs |.| <= 2 * 128 * 127 = 32,512 < 32,767.
+//   * VNNI (vpdpbusd, zmm; AVX-VNNI on ymm) sums four u8 x s8 products straight into int32: the same
+//     operands, no int16 step at all.
+// A lane of isum adds at most 32 products (one block): |isum| <= 32 * 128 * 127 < 2^24, exact in int32
+// and in its conversion to fp32; with s_x = 1 and power-of-two s_w the kernels equal an integer dot.
+//
+// Kernels (`isa`): "vnni" (AVX-512 VNNI: 64 weights per vpdpbusd, lanes 0-7 block b, 8-15 block b + 1),
+// "avxvnni" (AVX-VNNI, ymm vpdpbusd, one block per step), "avx2" and "avx512" (AVX2 vpmaddubsw +
+// vpmaddwd, one block per step; AVX-512 without VNNI runs this AVX2 code: no zmm vpmaddubsw version is
+// written), "scalar".
+// Four output rows per block share every activation load, as in woq.h.
+#pragma once
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "woq.h"
+
+#define GML_WOQ_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define GML_WOQ_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+
+namespace gml_woq {
+
+constexpr int64_t kActBlock = 32;
+
+// x quantized per call (see the file comment). Rows of kp = nb * 32 bytes, zero-padded.
+struct Acts {
+  int64_t nb = 0, kp = 0;
+  std::vector<int8_t> q;    // [M, kp] qx (INT4: each block permuted [even k, odd k])
+  std::vector<int8_t> nq;   // [M, kp] -qx (INT4 only: the zero point's operand)
+  std::vector<float> sx;    // [M, nb]
+  std::vector<float> lane;  // [M, nb * 8] s_x[b] repeated 8 times: the scale of each int32 lane
+};
+
+// One block of n <= 32 values: s = amax / 127 and qx (natural order) into q[0, 32); the definition.
+inline float quantize_block_scalar(const float* x, int64_t n, int8_t* q) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < n; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float s = amax / 127.f;  // as torch: one correctly rounded division
+  for (int64_t k = 0; k < n && s > 0.f; ++k) {
+    // round half to even as torch.round: adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to an
+    // integer in the default rounding mode (the engine is built without -ffast-math)
+    q[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, (x[k] / s + 12582912.f) - 12582912.f)));
+  }
+  return s;
+}
+
+// The same for a whole block of 32 on AVX2 (vdivps is correctly rounded, vroundps rounds half to even:
+// equal to the scalar definition bit for bit); the int8 packing is llama.cpp's quantize_row_q8_0.
+// nq non-null (INT4): q is stored permuted [16 even k, 16 odd k] and its negation into nq, as
+// permute_block below.
+GML_WOQ_AVX2 inline float quantize_block_avx2(const float* x, int8_t* q, int8_t* nq) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float s = _mm_cvtss_f32(h) / 127.f;
+  if (!(s > 0.f)) {  // q (and nq) stay 0
+    _mm256_zeroupper();
+    return s;
+  }
+  const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(v[j], vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    i[j] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+  }
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  __m256i out = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (nq) {  // per 128-bit lane [evens, odds], then the 64-bit quads as [0, 2, 1, 3]
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
+                                                0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    out = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(out, evens_odds), _MM_SHUFFLE(3, 1, 2, 0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(nq), _mm256_sub_epi8(_mm256_setzero_si256(), out));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), out);
+  _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
+  return s;
+}
+
+// INT4: a block's qx reordered [16 even k, 16 odd k] in place, and its negation into nq. (Local
+// copies: int8 stores may alias anything, so the compiler would reload every pointer per byte.)
+inline void permute_block(int8_t* __restrict q, int8_t* __restrict nq) {
+  int8_t t[kActBlock];
+  std::copy(q, q + kActBlock, t);
+  for (int j = 0; j < kActBlock / 2; ++j) q[j] = t[2 * j], q[16 + j] = t[2 * j + 1];
+  for (int j = 0; j < kActBlock; ++j) nq[j] = static_cast<int8_t>(-q[j]);
+}
+
+// x quantized for the kernel `vector` (AVX2 or better) or the scalar one; see the file comment.
+inline Acts quantize_acts(const Problem& p, bool vector) {
+  Acts a;
+  a.nb = (p.K + kActBlock - 1) / kActBlock;
+  a.kp = a.nb * kActBlock;
+  a.q.assign(static_cast<size_t>(p.M * a.kp), 0);
+  a.sx.assign(static_cast<size_t>(p.M * a.nb), 0.f);
+  a.lane.assign(static_cast<size_t>(p.M * a.nb * 8), 0.f);
+  if (p.bits == 4) a.nq.assign(a.q.size(), 0);
+  for (int64_t m = 0; m < p.M; ++m) {
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const int64_t k0 = b * kActBlock, n = std::min(kActBlock, p.K - k0);
+      const float* x = p.x + m * p.K + k0;
+      int8_t* q = a.q.data() + m * a.kp + k0;
+      int8_t* nq = p.bits == 4 ? a.nq.data() + m * a.kp + k0 : nullptr;  // INT4 blocks are always whole
+      float s;
+      if (vector && n == kActBlock) {
+        s = quantize_block_avx2(x, q, nq);
+      } else {
+        s = quantize_block_scalar(x, n, q);
+        if (nq) permute_block(q, nq);
+      }
+      a.sx[m * a.nb + b] = s;
+      for (int j = 0; j < 8; ++j) a.lane[(m * a.nb + b) * 8 + j] = s;
+    }
+  }
+  return a;
+}
+
+// qx of row m at the position of natural k (undoes the INT4 permutation).
+inline int32_t qx_at(const Problem& p, const Acts& a, int64_t m, int64_t k) {
+  const int64_t j = k % kActBlock;
+  const int64_t at = p.bits == 4 ? (j % 2 ? 16 + j / 2 : j / 2) : j;
+  return a.q[m * a.kp + (k - j) + at];
+}
+
+// sum over blocks b >= b0 of (s_x[b] * s_w[g(b)]) * isum_b for row n, x row m: the scalar definition
+// (every block of the scalar kernel; the tail blocks of the vector kernels, whose sum is then
+// scaled by s_w at the end for INT8: `per_row` divides it back out by leaving s_w = 1 here).
+inline float blocks_scalar(const Problem& p, const Acts& a, int64_t m, int64_t n, int64_t b0, bool per_row) {
+  const int64_t G = p.K / p.group;
+  float total = 0.f;
+  for (int64_t b = b0; b < a.nb; ++b) {
+    const int64_t k0 = b * kActBlock, k1 = std::min(k0 + kActBlock, p.K);
+    int32_t isum = 0;
+    for (int64_t k = k0; k < k1; ++k) isum += qx_at(p, a, m, k) * weight_int(p, n, k);
+    const float sw = per_row ? 1.f : p.scales[n * G + k0 / p.group];
+    total += (a.sx[m * a.nb + b] * sw) * static_cast<float>(isum);
+  }
+  return total;
+}
+
+// ---------------------------------------------------------------- vector kernels
+// Each computes, for R consecutive weight rows (q: row 0 of them, ldq bytes apart) and one row of
+// quantized x, out[r] = sum over the blocks of [0, kv) of lane-scaled integer sums: INT8 scaled by
+// s_x only (s_w once per row by the caller), INT4 by s_x * s_w. Locals only, so the R accumulators
+// stay in registers. The caller adds the blocks past kv (blocks_scalar) and the bias.
+
+// AVX-512 VNNI, INT8 weights: 64 weights (blocks b, b + 1) per vpdpbusd.
+template <int R>
+GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, const float* lane, int64_t kv,
+                            float* out) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kv; k += 64) {
+    const __m512i x = _mm512_loadu_si512(qx + k);
+    const __m512 s = _mm512_loadu_ps(lane + k / 4);  // lanes 0-7: s_x[b], 8-15: s_x[b + 1]
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i w = _mm512_loadu_si512(q + r * ldq + k);
+      // |q| (u8) x qx * sign(q) (s8): qx negated where q < 0 (see the file comment)
+      const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), zero, x);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs)), s, acc[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
+}
+
+// AVX-512 VNNI, INT4 weights: 32 bytes = 64 weights (blocks b, b + 1) per step. scales / zeros: row
+// 0's [G] (rows ldg apart), zeros null: z = 8.
+template <int R>
+GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, const int8_t* nqx, const float* lane,
+                            const float* scales, const uint8_t* zeros, int64_t ldg, int64_t group, int64_t kv,
+                            float* out) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m512 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kv; k += 64) {
+    const __m512i x = _mm512_loadu_si512(qx + k), nx = _mm512_loadu_si512(nqx + k);
+    const __m512 s = _mm512_loadu_ps(lane + k / 4);
+    const int64_t g0 = k / group, g1 = (k + 32) / group;  // the groups of blocks b and b + 1
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k / 2));
+      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+      // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]: block b's [even k, odd k], then b + 1's
+      const __m512i w4 = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      const __m512i w = _mm512_shuffle_i64x2(w4, w4, _MM_SHUFFLE(3, 1, 2, 0));
+      const int z0 = zeros ? zeros[r * ldg + g0] : 8, z1 = zeros ? zeros[r * ldg + g1] : 8;
+      const __m512i z = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(z0)),
+                                                _mm512_set1_epi8(static_cast<char>(z1)));
+      const __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w, x), z, nx);  // q.qx + z.(-qx)
+      const __m512 sw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[r * ldg + g0]),
+                                             _mm512_set1_ps(scales[r * ldg + g1]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, sw), acc[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
+}
+
+// AVX2 and AVX-VNNI: one block of 32 per step. The same bodies are compiled twice (a target attribute
+// cannot be a template argument): DOT(u, s) is the int32 lane sums of u8 x s8 products; DOT2 adds a
+// second pair.
+#define GML_WOQ_DOT8_YMM(ATTR, NAME, DOT)                                                                        \
+  template <int R>                                                                                               \
+  ATTR void NAME(const int8_t* q, int64_t ldq, const int8_t* qx, const float* sx, int64_t kv, float* out) {      \
+    __m256 acc[R];                                                                                               \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();                            \
+    for (int64_t k = 0; k < kv; k += 32) {                                                                       \
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + k));                            \
+      const __m256 s = _mm256_set1_ps(sx[k / 32]);                                                               \
+      _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                      \
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k));                 \
+        /* |q| (u8) x qx * sign(q) (s8): pairs <= 2 * 128 * 127 = 32,512, never saturate (file comment) */       \
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))), s, acc[r]); \
+      }                                                                                                          \
+    }                                                                                                            \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);                                \
+    _mm256_zeroupper();                                                                                          \
+  }
+
+#define GML_WOQ_DOT4_YMM(ATTR, NAME, DOT2)                                                                        \
+  template <int R>                                                                                                \
+  ATTR void NAME(const uint8_t* q, int64_t ldq, const int8_t* qx, const int8_t* nqx, const float* sx,             \
+                 const float* scales, const uint8_t* zeros, int64_t ldg, int64_t group, int64_t kv, float* out) { \
+    const __m128i low = _mm_set1_epi8(0x0F);                                                                      \
+    __m256 acc[R];                                                                                                \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();                             \
+    for (int64_t k = 0; k < kv; k += 32) {                                                                        \
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + k));                             \
+      const __m256i nx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nqx + k));                           \
+      const int64_t g = k / group;                                                                                \
+      _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                       \
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * ldq + k / 2));                 \
+        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);                  \
+        const __m256i w = _mm256_set_m128i(hi, lo); /* [even k, odd k], as qx */                                  \
+        const __m256i z = _mm256_set1_epi8(static_cast<char>(zeros ? zeros[r * ldg + g] : 8));                    \
+        const __m256 s = _mm256_set1_ps(sx[k / 32] * scales[r * ldg + g]);                                        \
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT2(w, x, z, nx)), s, acc[r]); /* q.qx + z.(-qx) */          \
+      }                                                                                                           \
+    }                                                                                                             \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) out[r] = hsum256(acc[r]);                                 \
+    _mm256_zeroupper();                                                                                           \
+  }
+
+#define GML_WOQ_DOT_AVX2(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+// q.qx and z.(-qx) pairs (each |.| <= 3,810) add in int16 (|.| <= 7,620) before vpmaddwd
+#define GML_WOQ_DOT2_AVX2(w, x, z, nx) \
+  _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w, x), _mm256_maddubs_epi16(z, nx)), _mm256_set1_epi16(1))
+#define GML_WOQ_DOT_AVXVNNI(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#define GML_WOQ_DOT2_AVXVNNI(w, x, z, nx) \
+  _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x), z, nx)
+
+GML_WOQ_DOT8_YMM(GML_WOQ_AVX2, dot8_avx2, GML_WOQ_DOT_AVX2)
+GML_WOQ_DOT8_YMM(GML_WOQ_AVXVNNI, dot8_avxvnni, GML_WOQ_DOT_AVXVNNI)
+GML_WOQ_DOT4_YMM(GML_WOQ_AVX2, dot4_avx2, GML_WOQ_DOT2_AVX2)
+GML_WOQ_DOT4_YMM(GML_WOQ_AVXVNNI, dot4_avxvnni, GML_WOQ_DOT2_AVXVNNI)
+
+// ---------------------------------------------------------------- driver
+enum class Act8Kernel { kScalar, kAvx2, kAvxVnni, kVnni };
+
+inline Act8Kernel act8_kernel(const std::string& isa) {
+  if (isa == "vnni") return Act8Kernel::kVnni;
+  if (isa == "avxvnni") return Act8Kernel::kAvxVnni;
+  if (isa == "avx2" || isa == "avx512") return Act8Kernel::kAvx2;  // AVX-512 without VNNI: the AVX2 code
+  return Act8Kernel::kScalar;
+}
+
+// Rows [n0, n0 + R) for every row of x.
+template <int R>
+void rows_act8(const Problem& p, const Acts& a, int64_t n0, Act8Kernel kern) {
+  const int64_t G = p.K / p.group;
+  const int64_t step = kern == Act8Kernel::kVnni ? 64 : 32;
+  const int64_t kv = kern == Act8Kernel::kScalar ? 0 : p.K / step * step;  // the vector part of K
+  for (int64_t m = 0; m < p.M; ++m) {
+    const int8_t* qx = a.q.data() + m * a.kp;
+    const int8_t* nqx = p.bits == 4 ? a.nq.data() + m * a.kp : nullptr;
+    const float* sx = a.sx.data() + m * a.nb;
+    const float* lane = a.lane.data() + m * a.nb * 8;
+    float out[R] = {};
+    if (p.bits == 8) {
+      const int8_t* q = static_cast<const int8_t*>(p.q) + n0 * p.K;
+      if (kern == Act8Kernel::kVnni) dot8_vnni<R>(q, p.K, qx, lane, kv, out);
+      if (kern == Act8Kernel::kAvxVnni) dot8_avxvnni<R>(q, p.K, qx, sx, kv, out);
+      if (kern == Act8Kernel::kAvx2) dot8_avx2<R>(q, p.K, qx, sx, kv, out);
+    } else {
+      const uint8_t* q = static_cast<const uint8_t*>(p.q) + n0 * (p.K / 2);
+      const float* sc = p.scales + n0 * G;
+      const uint8_t* z = p.zeros ? p.zeros + n0 * G : nullptr;
+      if (kern == Act8Kernel::kVnni) dot4_vnni<R>(q, p.K / 2, qx, nqx, lane, sc, z, G, p.group, kv, out);
+      if (kern == Act8Kernel::kAvxVnni) dot4_avxvnni<R>(q, p.K / 2, qx, nqx, sx, sc, z, G, p.group, kv, out);
+      if (kern == Act8Kernel::kAvx2) dot4_avx2<R>(q, p.K / 2, qx, nqx, sx, sc, z, G, p.group, kv, out);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = n0 + r;
+      const float sum = out[r] + blocks_scalar(p, a, m, n, kv / kActBlock, p.bits == 8);
+      p.y[m * p.N + n] = (p.bits == 8 ? sum * p.scales[n] : sum) + (p.bias ? p.bias[n] : 0.f);
+    }
+  }
+}
+
+// woq_linear with act_bits = 8 on `isa`'s kernel, `nthreads` threads (0: OpenMP's default).
+inline void linear_act8(const Problem& p, const std::string& isa, int nthreads) {
+  check(p, isa);
+  const Act8Kernel kern = act8_kernel(isa);
+  const Acts a = quantize_acts(p, kern != Act8Kernel::kScalar);
+  const int threads = nthreads > 0 ? nthreads : omp_get_max_threads();
+  constexpr int64_t R = 4;  // rows per block: every activation load feeds four rows
+  const int64_t blocks = (p.N + R - 1) / R;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n0 = blk * R;
+    if (n0 + R <= p.N) {
+      rows_act8<R>(p, a, n0, kern);
+    } else {
+      for (int64_t n = n0; n < p.N; ++n) rows_act8<1>(p, a, n, kern);
+    }
+  }
+}
+
+}  // namespace gml_woq
