@@ -21,6 +21,11 @@ def fake_quant(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> torch
     """``w [N, K]`` rounded to ``bits`` per group of ``group`` input columns."""
     n, k = w.shape
     g = w.reshape(n, k // group, group)
+    if symmetric and bits == 4:  # llama.cpp's Q4_0: the largest-magnitude value maps to -8
+        m = g.gather(-1, g.abs().argmax(-1, keepdim=True))
+        s = m / -8
+        s[s == 0] = 1.0
+        return (torch.round(g / s).clamp(-8, 7) * s).reshape(n, k)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         s = g.abs().amax(-1, keepdim=True) / qmax
@@ -79,7 +84,8 @@ def test_woq_logits_equal_fake_quantized_hf(family, weights, group, symmetric):
 
 def test_quantized_lm_head_and_decode_path():
     model = tiny("qwen3")
-    lm = gml.llm(model, weights="int4", max_length=48)
+    lm = gml.llm(model, weights="int4", lm_head_weights="int4", max_length=48)
+    assert gml.llm(model, weights="int4", max_length=48).decoder.lm_head_weights == "int8"  # the default
     full = lm.logits(PROMPT)
     # decode over the cache reproduces the teacher-forced logits of the last position
     out = lm.generate(PROMPT[:-1], 2)

@@ -32,7 +32,9 @@ Faster executors must match the reference to fp32 rounding (summation order only
 operands and power-of-two scales every partial sum is exact and they agree bit for bit.
 
 :func:`quantize_weight` is the one quantizer of this format (round to nearest, ties to even as
-``torch.round``): symmetric ``s = amax / (2^(bits-1) - 1)`` per group; asymmetric (4-bit)
+``torch.round``): symmetric 8-bit ``s = amax / 127`` per output channel; symmetric 4-bit llama.cpp's
+Q4_0 rule ``s = (the group's value of largest magnitude) / -8`` (that value lands exactly on -8; the
+scale may be negative); asymmetric (4-bit)
 ``s = (max - min) / 15``, ``z = round(-min / s)``.
 
 Declared in its own ``torch.library`` fragment of the ``gml`` namespace (as
@@ -111,7 +113,17 @@ def quantize_weight(
         raise ValueError("8-bit weights are symmetric (zeros=None)")
     g = w.detach().float().reshape(n, k // group_size, group_size)
     qmax = 2 ** (bits - 1) - 1
-    if symmetric:
+    if symmetric and bits == 4:
+        # llama.cpp's Q4_0 rule: the group's value of largest magnitude maps exactly to -8, so all 16
+        # levels are used (amax / 7 leaves -8 unused); the scale's sign follows that value. Measured on
+        # Gemma-3-270M (docs/llm.md): with an INT8 LM head it brings GML int4 level with Q4_0.
+        signed_max = g.gather(-1, g.abs().argmax(-1, keepdim=True)).squeeze(-1)
+        scales = signed_max / -8.0
+        scales = torch.where(scales != 0, scales, torch.ones_like(scales))
+        q = torch.round(g / scales[..., None]).clamp(-8, 7)
+        zeros = None
+        offset = 8
+    elif symmetric:
         scales = g.abs().amax(-1) / qmax
         scales = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(g / scales[..., None]).clamp(-qmax - 1, qmax)

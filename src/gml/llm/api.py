@@ -295,7 +295,8 @@ def llm(
 
     ``weights``: ``fp32`` (default) | ``bf16`` | ``int8`` (per output channel) | ``int4`` (group-wise,
     ``group_size`` 32/64/128, ``symmetric`` or with zero points). ``lm_head_weights`` defaults to
-    ``weights``; ``embed_weights`` (the embedding table, quantized a row per token; only the rows
+    ``weights`` (``int8`` when ``weights="int4"``, as llama.cpp's Q4_0 keeps its head 8-bit);
+    ``embed_weights`` (the embedding table, quantized a row per token; only the rows
     looked up are expanded) defaults to the LM head's format when the model ties the two — one
     tensor then serves both — else to ``weights``. ``kv_cache``: ``fp32`` (default) | ``bf16``.
     ``max_length`` (default 2048; a saved file's own) bounds prompt + new tokens; the KV cache is

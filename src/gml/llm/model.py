@@ -223,7 +223,9 @@ class Decoder:
         head's format when the model ties the head to the table — then one tensor serves both (the
         lookup dequantizes the rows it gathers, the head reads it as a ``woq_linear``) — else
         ``weights``."""
-        head_w = lm_head_weights or weights
+        # an INT4 model keeps its LM head INT8 unless told otherwise, as llama.cpp's Q4_0 does: the
+        # logits are the most error-sensitive matrix (measured on Gemma-3-270M, docs/llm.md)
+        head_w = lm_head_weights or ("int8" if weights == "int4" else weights)
         tied = (
             lm.lm_head.bias is None
             and lm.lm_head.weight.shape == lm.embed.shape
@@ -244,7 +246,7 @@ class Decoder:
             lm_head=lm_head,
             rope=lm.rope,
             weights=weights,
-            lm_head_weights=lm_head_weights,
+            lm_head_weights=head_w,
             embed_weights=embed_w,
             kernel=kernel,
             activations=activations,
