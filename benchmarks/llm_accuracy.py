@@ -200,9 +200,10 @@ def main() -> None:
     gml_configs = {
         "GML fp32": dict(weights="fp32"),
         "GML int8 (per channel)": dict(weights="int8"),
-        "GML int4 g32 sym": dict(weights="int4", group_size=32, symmetric=True),
-        "GML int4 g32 asym": dict(weights="int4", group_size=32, symmetric=False),
-        "GML int4 g32 sym, LM head int8": dict(weights="int4", group_size=32, lm_head_weights="int8"),
+        # INT4 defaults: llama.cpp's Q4_0 scale rule for symmetric groups, an INT8 LM head (tied: the table)
+        "GML int4 g32 sym (LM head int8)": dict(weights="int4", group_size=32, symmetric=True),
+        "GML int4 g32 asym (LM head int8)": dict(weights="int4", group_size=32, symmetric=False),
+        "GML int4 g32 sym, LM head int4": dict(weights="int4", group_size=32, lm_head_weights="int4"),
     }
     for name, kw in gml_configs.items():
         t = time.perf_counter()
@@ -257,7 +258,9 @@ def main() -> None:
     # Decode tokens/s, interleaved.
     gml_lms = {
         "GML int8": gml.llm(hf, weights="int8", max_length=max_length),
+        "GML int8, int8 activations": gml.llm(hf, weights="int8", activations="int8", max_length=max_length),
         "GML int4 g32 sym": gml.llm(hf, weights="int4", max_length=max_length),
+        "GML int4 g32 sym, int8 activations": gml.llm(hf, weights="int4", activations="int8", max_length=max_length),
     }
     runs = {name: (lambda lm=lm: _gml_decode(lm, seqs[0], args)) for name, lm in gml_lms.items()}
     for ftype in ("Q8_0", "Q4_0"):

@@ -17,14 +17,15 @@ from gml.ir.llm_ops import (
 
 
 def test_int4_packing_low_nibble_first():
-    w = torch.tensor([[-8.0, 7.0, 0.0, 1.0] * 8])  # amax 8 -> scale 8/7
+    w = torch.tensor([[-8.0, 7.0, 0.0, 1.0] * 8])  # Q4_0 rule: the extreme -8 lands on -8, scale 1
     qw = quantize_weight(w, 4, 32)
     assert qw.qweight.dtype == torch.uint8 and qw.qweight.shape == (1, 16)
     q = unpack_int4(qw.qweight)
     for i in range(4):  # value k of the row is nibble (k % 2) of byte k // 2
         byte = int(qw.qweight[0, i // 2])
         assert int(q[0, i]) == (byte >> (4 * (i % 2))) & 0xF
-    assert integer_weight(qw.qweight, None, 4, 32)[0, :4].tolist() == [-7, 6, 0, 1]
+    assert integer_weight(qw.qweight, None, 4, 32)[0, :4].tolist() == [-8, 7, 0, 1]
+    assert float(qw.scales[0, 0]) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -49,8 +50,19 @@ def test_quantization_error_is_half_a_step(bits, group, symmetric):
     torch.manual_seed(1)
     w = torch.randn(16, 128) * 0.1
     qw = quantize_weight(w, bits, group, symmetric)
-    step = qw.scales.repeat_interleave(qw.group_size, dim=1)
+    step = qw.scales.abs().repeat_interleave(qw.group_size, dim=1)
     err = (dequantize_weight(*qw) - w).abs()
+    if bits == 4 and symmetric:
+        # llama.cpp's Q4_0 rule: the group's extreme lands exactly on -8 steps; a value of the other
+        # sign beyond +7 steps clips to +7 (an error under one step), every other value rounds
+        signed = w.reshape(16, -1, group) / qw.scales[..., None]
+        clipped = (signed > 7.5).reshape(16, -1)
+        assert (err[~clipped] <= step[~clipped] / 2 + 1e-7).all()
+        assert (err[clipped] <= step[clipped] + 1e-7).all()
+        extreme = w.reshape(16, -1, group).abs().argmax(-1, keepdim=True)
+        deq = dequantize_weight(*qw).reshape(16, -1, group)
+        assert torch.equal(deq.gather(-1, extreme), w.reshape(16, -1, group).gather(-1, extreme))
+        return
     assert (err <= step / 2 + 1e-7).all()
 
 
