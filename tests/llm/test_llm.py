@@ -108,3 +108,15 @@ def test_folder_without_config(tmp_path):
 def test_gpt2_max_length_beyond_learned_positions():
     with pytest.raises(UnsupportedError, match="256 learned positions"):
         gml.llm(tiny("gpt2"), max_length=512)
+
+
+def test_chunked_prefill_equals_one_pass():
+    """A prompt run in chunks over the KV cache (``prefill_chunk``) gives the logits and tokens of one pass."""
+    model = tiny("gemma3")  # sliding windows: chunks cross the window's edge
+    one = gml.llm(model, max_length=96)
+    one.prefill_chunk = 10_000
+    chunked = gml.llm(model, max_length=96)
+    chunked.prefill_chunk = 7
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    torch.testing.assert_close(chunked.logits(ids), one.logits(ids), rtol=1e-5, atol=1e-5)
+    assert chunked.generate(ids, 16) == one.generate(ids, 16)

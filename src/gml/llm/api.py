@@ -86,8 +86,15 @@ def load_tokenizer(path: str):
 class LLM:
     """A captured decoder LM. Use :func:`gml.llm` to build one."""
 
-    def __init__(self, decoder: Decoder, max_length: int, kv_dtype: torch.dtype, tokenizer=None) -> None:
+    def __init__(
+        self, decoder: Decoder, max_length: int, kv_dtype: torch.dtype, tokenizer=None, prefill_chunk: int = 256
+    ) -> None:
         self.decoder = decoder
+        # A prompt runs through the model in chunks of this many positions (llama.cpp's n_batch): the
+        # attention scores of a chunk are [kv_heads, groups * chunk, context] instead of the whole
+        # prompt's square, and the MLP's activations a chunk's rows. Measured (benchmarks/llm_memory.py,
+        # TinyLlama-shaped, 2,032-token prompt): the unchunked prefill's peak was 1.6-1.9x the weights + KV.
+        self.prefill_chunk = prefill_chunk
         self.spec = decoder.spec
         self.max_length = max_length
         self.kv_dtype = kv_dtype
@@ -143,8 +150,19 @@ class LLM:
     def logits(self, input_ids) -> torch.Tensor:
         """Teacher-forced fp32 logits of every position: ``[L, V]`` for 1-D ids, ``[B, L, V]`` for 2-D."""
         ids = self._ids(input_ids, batch_one=False)
-        out = self.decoder.forward(ids, self._fresh_cache(ids.shape[0]), last_only=False)
+        cache = self._fresh_cache(ids.shape[0])
+        c = self.prefill_chunk
+        out = torch.cat(
+            [self.decoder.forward(ids[:, s : s + c], cache, last_only=False) for s in range(0, ids.shape[1], c)], 1
+        )
         return out[0] if torch.as_tensor(input_ids).dim() == 1 else out
+
+    def _prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The prompt, chunk by chunk (see ``prefill_chunk``): the last position's logits ``[B, 1, V]``."""
+        c = self.prefill_chunk
+        for s in range(0, ids.shape[1], c):
+            logits = self.decoder.forward(ids[:, s : s + c], cache, last_only=True)
+        return logits
 
     def stream(
         self,
@@ -177,7 +195,7 @@ class LLM:
         cache = self._fresh_cache(1)
         self.stats = stats = GenerationStats(prompt_tokens=ids.shape[1])
         t0 = time.perf_counter()
-        logits = self.decoder.forward(ids, cache, last_only=True)
+        logits = self._prefill(ids, cache)
         token = next_token(logits[:, -1], sampling, gen)
         stats.prefill_seconds = time.perf_counter() - t0
         stats.new_tokens = 1
