@@ -29,6 +29,14 @@ def test_bench_llm_times_hf_and_every_weight_format(folder):
     assert "not run: llama.cpp" in table  # every peer is named with why it did not run
 
 
+def test_bench_llm_adds_int8_activation_rows_for_quantized_weights(folder):
+    result = bench_llm(
+        str(folder), weights=["fp32", "int8"], activations=("fp32", "int8"), prompt_tokens=8, new_tokens=3, rounds=1
+    )
+    names = [r.name for r in result.rows]
+    assert names == ["HF eager fp32", "GML fp32", "GML int8", "GML int8, int8 activations"]
+
+
 def test_bench_llm_on_a_saved_llm_times_the_weights_it_holds(folder, tmp_path):
     path = gml.llm(str(folder), weights="int8", max_length=32).save(tmp_path / "m.gml")
     result = bench_llm(str(path), weights=["fp32"], prompt_tokens=8, new_tokens=3, rounds=1)
@@ -50,5 +58,6 @@ def test_bench_llm_errors(folder, capsys):
         bench_llm("resnet18", weights=["fp32"], rounds=1)
     assert main(["bench", str(folder), "--llm", "--llm-weights", "int3"]) != 0
     assert main(["bench", str(folder), "--llm", "--json", "x.json"]) != 0
+    assert main(["bench", str(folder), "--llm", "--llm-activations", "int4"]) != 0
     out = capsys.readouterr()
     assert "int3" in out.out + out.err and "--md" in out.out + out.err

@@ -112,6 +112,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         metavar="W[,W...]",
         help="GML weight formats to time: fp32, bf16, int8, int4 (default: fp32,int8,int4)",
     )
+    g.add_argument(
+        "--llm-activations",
+        default="fp32",
+        metavar="A[,A...]",
+        help="activations of the int8 / int4 rows: fp32, int8 (decode steps on integer dot products), or both "
+        "(default: fp32)",
+    )
     g.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length (default: 128)")
     g.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated (default: 32)")
     from gml.data.cli import add_data_arguments
@@ -217,9 +224,13 @@ def _bench_llm(args: argparse.Namespace, console: Console) -> int:
     bad = [w for w in weights if w not in WEIGHTS]
     if bad or not weights:
         raise InputError(f"--llm-weights {args.llm_weights!r}: {bad or 'empty'}", f"pick from {', '.join(WEIGHTS)}")
+    acts = tuple(a.strip() for a in args.llm_activations.split(",") if a.strip())
+    if not acts or any(a not in ("fp32", "int8") for a in acts):
+        raise InputError(f"--llm-activations {args.llm_activations!r}", "pick from fp32, int8 (e.g. fp32,int8)")
     result = bench_llm(
         args.model,
         weights=weights,
+        activations=acts,
         prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens,
         rounds=args.rounds or 3,

@@ -172,6 +172,7 @@ def bench_llm(
     seed: int = 0,
     threads: int | None = None,
     kernel: str = "auto",
+    activations: tuple[str, ...] = ("fp32",),
     progress: Callable[[str], None] | None = None,
 ) -> LLMBench:
     """Time ``source`` (see the module docstring) and return the table's rows."""
@@ -196,11 +197,19 @@ def bench_llm(
     lms = {}
     if hf is None:  # a saved LLM: the weights it holds
         lm = gml.llm(source, max_length=max_length, kernel=kernel)
-        lms[f"GML {lm.decoder.weights}"] = lm
+        w = lm.decoder.weights
+        lms[f"GML {w}"] = lm
+        if "int8" in activations and w in ("int8", "int4"):
+            lms[f"GML {w}, int8 activations"] = gml.llm(
+                source, max_length=max_length, kernel=kernel, activations="int8"
+            )
     else:
         for w in weights:
-            say(f"building GML {w}")
-            lms[f"GML {w}"] = gml.llm(hf, weights=w, max_length=max_length, kernel=kernel)
+            # int8 activations apply to int8 / int4 weights only (decode steps; prefill stays fp32)
+            for act in activations if w in ("int8", "int4") else ("fp32",):
+                name = f"GML {w}" + (", int8 activations" if act == "int8" else "")
+                say(f"building {name}")
+                lms[name] = gml.llm(hf, weights=w, max_length=max_length, kernel=kernel, activations=act)
     vocab = next(iter(lms.values())).spec.vocab_size
     prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=gen)
     if hf is not None:  # HF reads the fp32 matrices GML fp32 holds (the embedding table is gathered, not read)
