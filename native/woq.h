@@ -4,7 +4,8 @@
 //
 // x fp32 [M, K] (activations stay fp32), y fp32 [M, N]. Weights as the op stores them, read in place
 // (no repacking: a row of either format is already contiguous along K):
-//   bits 8: q int8 [N, K], z = 0, one group (group = K: scale per output channel);
+//   bits 8: q int8 [N, K], z = 0; group 32, 64 or 128 (llama.cpp's Q8_0 is group 32), or K (one
+//           scale per output channel, any K);
 //   bits 4: q uint8 [N, K/2], q[n, 2i] = low nibble of byte i, q[n, 2i+1] = high nibble; z = 8 when
 //           zeros is null, else zeros uint8 [N, K/group]; group 32, 64 or 128.
 // Decoding is a GEMV bound by memory bandwidth: each weight byte is read once per token, expanded to
@@ -41,7 +42,7 @@ struct Problem {
   int64_t M = 0, K = 0, N = 0;
   const void* q = nullptr;  // int8 [N, K] | uint8 [N, K/2]
   int bits = 8;
-  int64_t group = 0;               // K for bits 8
+  int64_t group = 0;               // 32 | 64 | 128, or K (bits 8: per output channel)
   const float* scales = nullptr;   // [N, K/group]
   const uint8_t* zeros = nullptr;  // [N, K/group] (bits 4) or null
   const float* bias = nullptr;     // [N] or null
@@ -96,7 +97,7 @@ GML_WOQ_AVX512 inline void rows_avx512(const Problem& p, int64_t n0) {
           const __m512 xv = _mm512_loadu_ps(x + k);
           for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(xv, int8x16_ps(q + r * p.K + k), acc[r]);
         }
-        for (int r = 0; r < R; ++r) {  // K not a multiple of 16 (bits 8 only: 4-bit groups are 32/64/128)
+        for (int r = 0; r < R; ++r) {  // K not a multiple of 16 (bits 8, group = K: other groups are 32/64/128)
           float t = 0.f;
           for (int64_t kk = k; kk < k1; ++kk) t += x[kk] * static_cast<float>(q[r * p.K + kk]);
           tail[r] += t * p.scales[(n0 + r) * G + g];
@@ -214,8 +215,11 @@ inline int fp32_level(const std::string& isa) {
 // Refuses a kernel this CPU lacks and a format the kernels do not read.
 inline void check(const Problem& p, const std::string& isa) {
   if (!cpu_has(isa)) throw std::invalid_argument("woq_linear: this CPU cannot run the '" + isa + "' kernel");
-  if ((p.bits != 8 && p.bits != 4) || p.group <= 0 || p.K % p.group || (p.bits == 4 && p.group % 32) ||
-      (p.bits == 8 && (p.group != p.K || p.zeros)))
+  // groups: 32, 64, 128 (both widths), or K (8-bit, per output channel). The int8-activation kernels
+  // rely on a group being a multiple of 32 (one scale per activation block) unless it is K.
+  const bool grouped = p.group == 32 || p.group == 64 || p.group == 128;
+  if ((p.bits != 8 && p.bits != 4) || p.group <= 0 || p.K % p.group || (p.bits == 4 && !grouped) ||
+      (p.bits == 8 && ((!grouped && p.group != p.K) || p.zeros)))
     throw std::invalid_argument("woq_linear: unsupported bits / group_size / zeros combination");
 }
 

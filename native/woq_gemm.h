@@ -43,12 +43,16 @@ inline void dequantize_row_scalar(const Problem& p, int64_t n, float* out) {
 
 GML_WOQ_AVX512 inline void dequantize_row_avx512(const Problem& p, int64_t n, float* out) {
   const int64_t G = p.K / p.group;
-  if (p.bits == 8) {
+  if (p.bits == 8) {  // per group (group = K: one), a 16-lane tail only when group = K
     const int8_t* q = static_cast<const int8_t*>(p.q) + n * p.K;
-    const __m512 s = _mm512_set1_ps(p.scales[n]);
-    int64_t k = 0;
-    for (; k + 16 <= p.K; k += 16) _mm512_storeu_ps(out + k, _mm512_mul_ps(int8x16_ps(q + k), s));
-    for (; k < p.K; ++k) out[k] = static_cast<float>(q[k]) * p.scales[n];
+    for (int64_t g = 0; g < G; ++g) {
+      const float sg = p.scales[n * G + g];
+      const __m512 s = _mm512_set1_ps(sg);
+      const int64_t k1 = (g + 1) * p.group;
+      int64_t k = g * p.group;
+      for (; k + 16 <= k1; k += 16) _mm512_storeu_ps(out + k, _mm512_mul_ps(int8x16_ps(q + k), s));
+      for (; k < k1; ++k) out[k] = static_cast<float>(q[k]) * sg;
+    }
     _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
     return;
   }
@@ -71,15 +75,19 @@ GML_WOQ_AVX512 inline void dequantize_row_avx512(const Problem& p, int64_t n, fl
 
 GML_WOQ_AVX2 inline void dequantize_row_avx2(const Problem& p, int64_t n, float* out) {
   const int64_t G = p.K / p.group;
-  if (p.bits == 8) {
+  if (p.bits == 8) {  // per group (group = K: one), an 8-lane tail only when group = K
     const int8_t* q = static_cast<const int8_t*>(p.q) + n * p.K;
-    const __m256 s = _mm256_set1_ps(p.scales[n]);
-    int64_t k = 0;
-    for (; k + 8 <= p.K; k += 8) {
-      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
-      _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s));
+    for (int64_t g = 0; g < G; ++g) {
+      const float sg = p.scales[n * G + g];
+      const __m256 s = _mm256_set1_ps(sg);
+      const int64_t k1 = (g + 1) * p.group;
+      int64_t k = g * p.group;
+      for (; k + 8 <= k1; k += 8) {
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k));
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s));
+      }
+      for (; k < k1; ++k) out[k] = static_cast<float>(q[k]) * sg;
     }
-    for (; k < p.K; ++k) out[k] = static_cast<float>(q[k]) * p.scales[n];
     _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
     return;
   }

@@ -6,7 +6,10 @@
 //   and every dot product runs in integers:
 //     y[m, n] = sum_b (s_x[m, b] * s_w[n, g(b)]) * isum[m, n, b] + bias[n],
 //     isum[m, n, b] = sum_{k in block b} qx[m, k] * (q[n, k] - z[n, g(k)])    (exact in int32)
-//   (INT8 weights: one s_w per row, so the kernels scale by s_w once at the end of the row.)
+//   (INT8 weights per output channel, group = K: one s_w per row, so the kernels scale by s_w once at
+//   the end of the row. INT8 and INT4 groups are 32, 64 or 128: a block of 32 never straddles two
+//   groups, and each block is scaled by its own s_x * s_w — with INT8 groups of 32, llama.cpp's
+//   Q8_0 x Q8_0 dot product.)
 //
 // Weights are read in place, in woq.h's layout (no repacking). Instead, the activations are laid out
 // per call to meet them: INT8 weights pair with qx in natural order; INT4 weights (two nibbles per byte,
@@ -156,7 +159,7 @@ inline int32_t qx_at(const Problem& p, const Acts& a, int64_t m, int64_t k) {
 
 // sum over blocks b >= b0 of (s_x[b] * s_w[g(b)]) * isum_b for row n, x row m: the scalar definition
 // (every block of the scalar kernel; the tail blocks of the vector kernels, whose sum is then
-// scaled by s_w at the end for INT8: `per_row` divides it back out by leaving s_w = 1 here).
+// scaled by s_w at the end for INT8 per output channel: `per_row` leaves s_w = 1 here).
 inline float blocks_scalar(const Problem& p, const Acts& a, int64_t m, int64_t n, int64_t b0, bool per_row) {
   const int64_t G = p.K / p.group;
   float total = 0.f;
@@ -172,14 +175,15 @@ inline float blocks_scalar(const Problem& p, const Acts& a, int64_t m, int64_t n
 
 // ---------------------------------------------------------------- vector kernels
 // Each computes, for R consecutive weight rows (q: row 0 of them, ldq bytes apart) and one row of
-// quantized x, out[r] = sum over the blocks of [0, kv) of lane-scaled integer sums: INT8 scaled by
-// s_x only (s_w once per row by the caller), INT4 by s_x * s_w. Locals only, so the R accumulators
-// stay in registers. The caller adds the blocks past kv (blocks_scalar) and the bias.
+// quantized x, out[r] = sum over the blocks of [0, kv) of lane-scaled integer sums: INT8 per channel
+// scaled by s_x only (s_w once per row by the caller), grouped INT8 (Grouped = true) and INT4 by
+// s_x * s_w. Locals only, so the R accumulators stay in registers. The caller adds the blocks past kv
+// (blocks_scalar) and the bias. scales: row 0's [G] (rows ldg apart), read only when grouped.
 
 // AVX-512 VNNI, INT8 weights: 64 weights (blocks b, b + 1) per vpdpbusd.
-template <int R>
-GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, const float* lane, int64_t kv,
-                            float* out) {
+template <int R, bool Grouped>
+GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, const float* lane, const float* scales,
+                            int64_t ldg, int64_t group, int64_t kv, float* out) {
   const __m512i zero = _mm512_setzero_si512();
   __m512 acc[R];
 #pragma GCC unroll 4
@@ -187,12 +191,20 @@ GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, cons
   for (int64_t k = 0; k < kv; k += 64) {
     const __m512i x = _mm512_loadu_si512(qx + k);
     const __m512 s = _mm512_loadu_ps(lane + k / 4);  // lanes 0-7: s_x[b], 8-15: s_x[b + 1]
+    const int64_t g0 = k / group, g1 = (k + 32) / group;  // grouped: the groups of blocks b and b + 1
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512i w = _mm512_loadu_si512(q + r * ldq + k);
       // |q| (u8) x qx * sign(q) (s8): qx negated where q < 0 (see the file comment)
       const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), zero, x);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs)), s, acc[r]);
+      const __m512 isum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs));
+      if constexpr (Grouped) {
+        const __m512 sw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[r * ldg + g0]),
+                                               _mm512_set1_ps(scales[r * ldg + g1]));
+        acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(s, sw), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(isum, s, acc[r]);
+      }
     }
   }
 #pragma GCC unroll 4
@@ -240,15 +252,18 @@ GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, con
 // cannot be a template argument): DOT(u, s) is the int32 lane sums of u8 x s8 products; DOT2 adds a
 // second pair.
 #define GML_WOQ_DOT8_YMM(ATTR, NAME, DOT)                                                                        \
-  template <int R>                                                                                               \
-  ATTR void NAME(const int8_t* q, int64_t ldq, const int8_t* qx, const float* sx, int64_t kv, float* out) {      \
+  template <int R, bool Grouped>                                                                                 \
+  ATTR void NAME(const int8_t* q, int64_t ldq, const int8_t* qx, const float* sx, const float* scales,           \
+                 int64_t ldg, int64_t group, int64_t kv, float* out) {                                           \
     __m256 acc[R];                                                                                               \
     _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();                            \
     for (int64_t k = 0; k < kv; k += 32) {                                                                       \
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + k));                            \
-      const __m256 s = _mm256_set1_ps(sx[k / 32]);                                                               \
+      const int64_t g = k / group;                                                                               \
       _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                      \
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k));                 \
+        /* grouped: the block's s_x * s_w; per channel: s_x (s_w by the caller) */                               \
+        const __m256 s = _mm256_set1_ps(Grouped ? sx[k / 32] * scales[r * ldg + g] : sx[k / 32]);                \
         /* |q| (u8) x qx * sign(q) (s8): pairs <= 2 * 128 * 127 = 32,512, never saturate (file comment) */       \
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))), s, acc[r]); \
       }                                                                                                          \
@@ -310,17 +325,24 @@ void rows_act8(const Problem& p, const Acts& a, int64_t n0, Act8Kernel kern) {
   const int64_t G = p.K / p.group;
   const int64_t step = kern == Act8Kernel::kVnni ? 64 : 32;
   const int64_t kv = kern == Act8Kernel::kScalar ? 0 : p.K / step * step;  // the vector part of K
+  const bool per_row = p.bits == 8 && p.group == p.K;  // INT8 per output channel: s_w once per row
   for (int64_t m = 0; m < p.M; ++m) {
     const int8_t* qx = a.q.data() + m * a.kp;
     const int8_t* nqx = p.bits == 4 ? a.nq.data() + m * a.kp : nullptr;
     const float* sx = a.sx.data() + m * a.nb;
     const float* lane = a.lane.data() + m * a.nb * 8;
     float out[R] = {};
-    if (p.bits == 8) {
+    if (p.bits == 8 && per_row) {
       const int8_t* q = static_cast<const int8_t*>(p.q) + n0 * p.K;
-      if (kern == Act8Kernel::kVnni) dot8_vnni<R>(q, p.K, qx, lane, kv, out);
-      if (kern == Act8Kernel::kAvxVnni) dot8_avxvnni<R>(q, p.K, qx, sx, kv, out);
-      if (kern == Act8Kernel::kAvx2) dot8_avx2<R>(q, p.K, qx, sx, kv, out);
+      if (kern == Act8Kernel::kVnni) dot8_vnni<R, false>(q, p.K, qx, lane, nullptr, 0, p.K, kv, out);
+      if (kern == Act8Kernel::kAvxVnni) dot8_avxvnni<R, false>(q, p.K, qx, sx, nullptr, 0, p.K, kv, out);
+      if (kern == Act8Kernel::kAvx2) dot8_avx2<R, false>(q, p.K, qx, sx, nullptr, 0, p.K, kv, out);
+    } else if (p.bits == 8) {
+      const int8_t* q = static_cast<const int8_t*>(p.q) + n0 * p.K;
+      const float* sc = p.scales + n0 * G;
+      if (kern == Act8Kernel::kVnni) dot8_vnni<R, true>(q, p.K, qx, lane, sc, G, p.group, kv, out);
+      if (kern == Act8Kernel::kAvxVnni) dot8_avxvnni<R, true>(q, p.K, qx, sx, sc, G, p.group, kv, out);
+      if (kern == Act8Kernel::kAvx2) dot8_avx2<R, true>(q, p.K, qx, sx, sc, G, p.group, kv, out);
     } else {
       const uint8_t* q = static_cast<const uint8_t*>(p.q) + n0 * (p.K / 2);
       const float* sc = p.scales + n0 * G;
@@ -331,8 +353,8 @@ void rows_act8(const Problem& p, const Acts& a, int64_t n0, Act8Kernel kern) {
     }
     for (int r = 0; r < R; ++r) {
       const int64_t n = n0 + r;
-      const float sum = out[r] + blocks_scalar(p, a, m, n, kv / kActBlock, p.bits == 8);
-      p.y[m * p.N + n] = (p.bits == 8 ? sum * p.scales[n] : sum) + (p.bias ? p.bias[n] : 0.f);
+      const float sum = out[r] + blocks_scalar(p, a, m, n, kv / kActBlock, per_row);
+      p.y[m * p.N + n] = (per_row ? sum * p.scales[n] : sum) + (p.bias ? p.bias[n] : 0.f);
     }
   }
 }

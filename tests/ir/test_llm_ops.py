@@ -29,23 +29,29 @@ def test_int4_packing_low_nibble_first():
 
 
 @pytest.mark.parametrize(
-    ("bits", "group", "symmetric"), [(8, None, True), (4, 32, True), (4, 64, False), (4, 128, True)]
+    ("bits", "group", "symmetric"),
+    [(8, None, True), (8, 32, True), (8, 128, True), (4, 32, True), (4, 64, False), (4, 128, True)],
 )
 def test_woq_linear_is_exact_integer_arithmetic(bits, group, symmetric):
-    # Integer activations and power-of-two scales: every product and partial sum is an exact fp32
-    # integer multiple of the scale, so the op must equal the int64 dot products exactly.
+    # Integer activations and power-of-two scales (one of two per group, so a scale applied to the wrong
+    # group shows): every product and partial sum is an exact fp32 multiple of 1/4, so the op must equal
+    # the int64 dot products of each group, scaled, exactly.
     torch.manual_seed(0)
     n, k = 24, 256
     qw = quantize_weight(torch.randn(n, k), bits, group, symmetric)
-    scales = torch.full_like(qw.scales, 0.25)
+    scales = torch.where(torch.rand(qw.scales.shape) < 0.5, 0.25, 0.5)
     x = torch.randint(-20, 21, (3, k)).float()
-    wi = integer_weight(qw.qweight, qw.zeros, bits, qw.group_size).long()
-    exact = (x.long() @ wi.t()).float() * 0.25
+    g = qw.group_size
+    wi = integer_weight(qw.qweight, qw.zeros, bits, g).long().reshape(n, k // g, g)
+    exact = (torch.einsum("mgk,ngk->mng", x.long().reshape(3, k // g, g), wi).double() * scales.double()).sum(-1)
     got = woq_linear_op()(x, qw.qweight, scales, qw.zeros, None, bits, qw.group_size)
+    exact = exact.float()
     assert torch.equal(got, exact)
 
 
-@pytest.mark.parametrize(("bits", "group", "symmetric"), [(8, None, True), (4, 32, True), (4, 32, False)])
+@pytest.mark.parametrize(
+    ("bits", "group", "symmetric"), [(8, None, True), (8, 32, True), (8, 64, True), (4, 32, True), (4, 32, False)]
+)
 def test_quantization_error_is_half_a_step(bits, group, symmetric):
     torch.manual_seed(1)
     w = torch.randn(16, 128) * 0.1
@@ -76,7 +82,11 @@ def test_woq_linear_matches_dequantized_linear_with_bias():
 
 def test_format_reasons():
     assert check_format(4, 48, 96) == "4-bit group_size 48 is not one of (32, 64, 128)"
-    assert "per output channel" in check_format(8, 32, 64)
+    assert check_format(8, 48, 96) == (
+        "8-bit group_size 48 is not one of (32, 64, 128) or in_features = 96 (per output channel)"
+    )
+    assert check_format(8, 32, 64) is None and check_format(8, 100, 100) is None  # Q8_0's group; per channel
+    assert "does not divide" in check_format(8, 64, 96)
     assert "does not divide" in check_format(4, 64, 96)
     assert check_format(3, 32, 64).startswith("bits=3")
     with pytest.raises(ValueError, match="symmetric"):

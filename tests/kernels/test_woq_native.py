@@ -17,15 +17,32 @@ from gml.kernels.woq import GEMM_MIN_ROWS, KERNEL_ISAS, detect_kernel, kernel_is
 
 pytestmark = pytest.mark.skipif(detect_kernel() is None, reason="native engine without woq_linear")
 ISAS = [isa for isa in KERNEL_ISAS if native_kernel_runs(isa)]
-FORMATS = [(8, None, True), (4, 32, True), (4, 64, False), (4, 128, True)]
+# INT8 per output channel (group None: K, any K) and in groups of 32 (llama.cpp's Q8_0) / 64 / 128
+FORMATS = [(8, None, True), (8, 32, True), (8, 64, True), (8, 128, True), (4, 32, True), (4, 64, False), (4, 128, True)]
+
+
+def pow2_scales(w, choices=(0.25, 0.5, 1.0), seed=0):
+    """``w`` with a power-of-two scale per group, drawn from ``choices`` (a different one per group, so a
+    kernel that applied another group's scale would be caught), keeping every partial sum exact."""
+    pick = torch.randint(0, len(choices), w.scales.shape, generator=torch.Generator().manual_seed(seed))
+    return w._replace(scales=torch.tensor(choices)[pick])
+
+
+def exact_grouped(x: torch.Tensor, w) -> torch.Tensor:
+    """``x @ W^T`` in int64 per group, scaled per group in float64 (exact for the tests' ranges)."""
+    wi = integer_weight(w.qweight, w.zeros, w.bits, w.group_size).long()
+    n, k = wi.shape
+    g = w.group_size
+    per_group = torch.einsum("mgk,ngk->mng", x.long().reshape(-1, k // g, g), wi.reshape(n, k // g, g))
+    return (per_group.double() * w.scales.double()[None]).sum(-1).float()
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("bits", "group", "symmetric"), FORMATS)
 def test_matches_reference(isa, bits, group, symmetric):
     torch.manual_seed(0)
-    # N = 4k + 3 rows: the 4-row blocks and the row tail; K = 256 + 16 (int8): the 16-lane tail
-    n, k = 39, 272 if bits == 8 else 256
+    # N = 4k + 3 rows: the 4-row blocks and the row tail; K = 256 + 16 (int8 per channel): the 16-lane tail
+    n, k = 39, 272 if group is None else 256
     w = quantize_weight(torch.randn(n, k), bits, group, symmetric)
     x, b = torch.randn(5, k), torch.randn(n)
     got = woq_linear_native(x, w, b, isa, gemm_min_rows=sys.maxsize)  # the GEMV kernel on 5 rows
@@ -37,7 +54,7 @@ def test_matches_reference(isa, bits, group, symmetric):
 def test_prefill_gemm_matches_reference(isa, bits, group, symmetric):
     """Rows >= GEMM_MIN_ROWS: dequantized tiles (two whole 128-row tiles and a tail) into oneDNN's GEMM."""
     torch.manual_seed(2)
-    n, k = 263, 264 if bits == 8 else 256
+    n, k = 263, 264 if group is None else 256
     w = quantize_weight(torch.randn(n, k), bits, group, symmetric)
     b = torch.randn(n)
     for m in (1, 3, 17, 130):
@@ -52,11 +69,10 @@ def test_prefill_gemm_matches_reference(isa, bits, group, symmetric):
 @pytest.mark.parametrize(("bits", "group", "symmetric"), FORMATS)
 def test_exact_integer_arithmetic(isa, bits, group, symmetric):
     torch.manual_seed(1)
-    n, k = 13, 264 if bits == 8 else 384
-    w = quantize_weight(torch.randn(n, k), bits, group, symmetric)
-    w = w._replace(scales=torch.full_like(w.scales, 0.5))
+    n, k = 13, 264 if group is None else 384
+    w = pow2_scales(quantize_weight(torch.randn(n, k), bits, group, symmetric))
     x = torch.randint(-30, 31, (2, k)).float()
-    exact = (x.long() @ integer_weight(w.qweight, w.zeros, bits, w.group_size).long().t()).float() * 0.5
+    exact = exact_grouped(x, w)  # |partial sums| <= 384 * 30 * 128 in steps of 1/4: < 2^24 steps, exact
     assert torch.equal(woq_linear_native(x, w, None, isa, gemm_min_rows=sys.maxsize), exact)
     assert torch.equal(woq_linear_native(x, w, None, isa, gemm_min_rows=1), exact)
 
@@ -85,7 +101,7 @@ def test_quantize_activations_is_q8_0():
 @pytest.mark.parametrize(("bits", "group", "symmetric"), FORMATS)
 def test_act8_reference_is_the_exact_math(bits, group, symmetric):
     torch.manual_seed(3)
-    n, k = 7, 272 if bits == 8 else 256
+    n, k = 7, 272 if group is None else 256
     w = quantize_weight(torch.randn(n, k), bits, group, symmetric)
     x, b = torch.randn(3, k), torch.randn(n)
     torch.testing.assert_close(woq_linear(x, w, b, act_bits=8).double(), exact_act8(x, w, b), rtol=1e-5, atol=1e-5)
@@ -95,9 +111,9 @@ def test_act8_reference_is_the_exact_math(bits, group, symmetric):
 @pytest.mark.parametrize(("bits", "group", "symmetric"), FORMATS)
 def test_act8_matches_reference(isa, bits, group, symmetric):
     torch.manual_seed(4)
-    # N = 4k + 3 (row blocks + tail); K: int8 1056 + 16 (a partial block past the 64-wide VNNI steps),
-    # int4 32 * 33 (a block past the 64-wide steps)
-    n, k = 39, 1072 if bits == 8 else 1056 if group == 32 else 1024
+    # N = 4k + 3 (row blocks + tail); K: int8 per channel 1056 + 16 (a partial block past the 64-wide
+    # VNNI steps), groups of 32: 32 * 33 (a block past the 64-wide steps)
+    n, k = 39, 1072 if group is None else 1056 if group == 32 else 1024
     w = quantize_weight(torch.randn(n, k), bits, group, symmetric)
     b = torch.randn(n)
     for m in (1, 3):
@@ -116,7 +132,7 @@ def test_act8_exact_integer_arithmetic_at_the_extremes(isa, bits, group, symmetr
     which the quantizer never makes: the sign trick must not wrap it) and the worst u8 x s8 pairs for
     an int16 step: equal to the int64 dot product times the power-of-two scale, bit for bit."""
     torch.manual_seed(5)
-    n, k = 13, 264 if bits == 8 else 384
+    n, k = 13, 264 if group is None else 384
     w = quantize_weight(torch.randn(n, k), bits, group, symmetric)
     if bits == 8:
         extremes = torch.tensor([-128, 127, -127], dtype=torch.int8)
@@ -124,11 +140,13 @@ def test_act8_exact_integer_arithmetic_at_the_extremes(isa, bits, group, symmetr
     else:
         nibbles = torch.tensor([0x00, 0xFF, 0x0F, 0xF0], dtype=torch.uint8)  # 0 and 15 on both halves
         w = w._replace(qweight=nibbles[torch.randint(0, 4, (n, k // 2))])
-    w = w._replace(scales=torch.full_like(w.scales, 0.25))
+    # a power-of-two scale per group out of two: |partial sums| <= 384 * 127 * 128 * 0.5 in steps of
+    # 1/4, fewer than 2^24 steps: every fp32 sum exact
+    w = pow2_scales(w, (0.25, 0.5), seed=5)
     x = torch.randint(-127, 128, (3, k)).float()
     x[:, ::ACT_BLOCK] = 127.0  # amax 127 in every block: s_x = 1
     x[1] = torch.where(torch.rand(k) < 0.5, 127.0, -127.0)  # every pair at the int16 bound
-    exact = (x.long() @ integer_weight(w.qweight, w.zeros, bits, w.group_size).long().t()).float() * 0.25
+    exact = exact_grouped(x, w)
     assert torch.equal(woq_linear_native(x, w, None, isa, act_bits=8), exact)
     assert torch.equal(woq_linear(x, w, None, act_bits=8), exact)
 
@@ -211,3 +229,34 @@ def test_saved_llm_takes_int8_activations_at_load(tmp_path):
     assert all(op.act_bits == 8 for layer in back.decoder.layers for op in layer.linears())
     assert back.generate([5, 17, 3, 99], 8) == lm.generate([5, 17, 3, 99], 8)
     assert all(op.act_bits == 0 for layer in gml.llm(path).decoder.layers for op in layer.linears())
+
+
+_CAPPED = """
+import sys, torch
+from gml.ir.llm_ops import quantize_weight, woq_linear
+from gml.kernels.woq import detect_kernel, woq_linear_native
+isa = detect_kernel()
+torch.manual_seed(0)
+worst = 0.0
+for group in (32, 128, None):  # INT8 in groups (the LLM default) and per output channel
+    w = quantize_weight(torch.randn(39, 1024), 8, group)
+    b = torch.randn(39)
+    for m, act_bits, min_rows in ((1, 0, 2), (3, 0, sys.maxsize), (5, 0, 2), (1, 8, 2), (3, 8, 2)):
+        x = torch.randn(m, 1024)
+        ref = woq_linear(x, w, b, act_bits=act_bits)
+        got = woq_linear_native(x, w, b, isa, act_bits=act_bits, gemm_min_rows=min_rows)
+        worst = max(worst, float((got - ref).abs().max() / ref.abs().max()))
+print(isa, worst)
+"""
+
+
+@pytest.mark.parametrize(("cap", "kernel"), [("AVX2", "avx2"), ("AVX512_CORE", "avx512")])
+def test_grouped_int8_under_an_isa_cap(cap, kernel):
+    """Under ONEDNN_MAX_CPU_ISA (a fresh process: oneDNN reads it once) the kernel GML picks runs INT8 in
+    groups and per channel — GEMV, GEMM, int8 activations — equal to the reference."""
+    if kernel not in ISAS:
+        pytest.skip(f"CPU without the {kernel} kernel")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA=cap)
+    out = subprocess.run([sys.executable, "-c", _CAPPED], env=env, capture_output=True, text=True, check=True)
+    isa, worst = out.stdout.split()
+    assert isa == kernel and float(worst) <= 1e-5, out.stdout

@@ -28,6 +28,10 @@ def test_generate_prints_tokens_and_rates(folder, capsys):
     assert main([*args, "--max-new-tokens", "6"]) == 0
     expected = gml.llm(model, weights="int4", activations="int8", max_length=9).generate([5, 17, 3], 6)
     assert capsys.readouterr().out.splitlines()[0] == " ".join(map(str, expected))
+    args = ["generate", str(path), "--weights", "int8", "--group-size", "channel", "--prompt-ids", "5,17,3"]
+    assert main([*args, "--max-new-tokens", "6"]) == 0  # int8 per output channel
+    expected = gml.llm(model, weights="int8", group_size=None, max_length=9).generate([5, 17, 3], 6)
+    assert capsys.readouterr().out.splitlines()[0] == " ".join(map(str, expected))
 
 
 def test_generate_text_prompt_without_tokenizer(folder, capsys):

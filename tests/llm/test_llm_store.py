@@ -36,7 +36,9 @@ def saved_int4(tmp_path_factory) -> tuple[LLM, Path]:
     [
         ("llama", "fp32", {}),
         ("gemma3", "bf16", {"kv_cache": "bf16"}),  # tied head in bf16, sandwich + q/k norms, two RoPE tables
-        ("gpt2", "int8", {}),  # learned positions, LayerNorm biases, Conv1D
+        ("gpt2", "int8", {}),  # learned positions, LayerNorm biases, Conv1D; int8 in groups of 32
+        ("llama", "int8", {"group_size": None}),  # int8 per output channel
+        ("qwen3", "int8", {"group_size": 64, "lm_head_weights": "fp32"}),
         ("phi3", "int4", {"group_size": 64}),
         ("mistral", "int8", {"lm_head_weights": "fp32"}),
     ],
@@ -51,6 +53,23 @@ def test_round_trip_gives_the_same_logits_and_tokens(tmp_path, family, weights, 
     assert back.weight_bytes() == lm.weight_bytes()
     assert torch.equal(back.logits(PROMPT), lm.logits(PROMPT))
     assert back.generate(PROMPT, 12) == lm.generate(PROMPT, 12)
+
+
+def test_a_file_from_before_int8_groups_loads_per_channel(tmp_path):
+    """Files written before INT8 had groups have no ``int8_group_size`` and hold INT8 per output channel:
+    they load as such. A grouped file stripped of the key is refused (its scales' shapes disagree), not
+    misread."""
+    model = tiny("gemma3")
+    per_channel = gml.llm(model, weights="int8", group_size=None, max_length=32)
+    path = per_channel.save(tmp_path / "pc.gml")
+    old = _rewrite(path, tmp_path / "old.gml", edit_meta=lambda meta: meta.pop("int8_group_size"))
+    back = gml.load(old)
+    assert all(op.qweight.group_size == op.in_features for layer in back.decoder.layers for op in layer.linears())
+    assert torch.equal(back.logits(PROMPT), per_channel.logits(PROMPT))
+    grouped = gml.llm(model, weights="int8", max_length=32).save(tmp_path / "g.gml")
+    stripped = _rewrite(grouped, tmp_path / "stripped.gml", edit_meta=lambda meta: meta.pop("int8_group_size"))
+    with pytest.raises(ModelLoadError, match="scales"):
+        gml.load(stripped)
 
 
 def test_tied_head_is_stored_once(tmp_path):
@@ -142,6 +161,9 @@ HOSTILE = {
     "a path in a tensor name": (_set(["tensors", "../../etc/passwd"], {"dtype": "uint8", "shape": [1]}), "unexpected"),
     "windows of the wrong length": (_set(["spec", "sliding_windows"], [None]), "sliding_windows"),
     "int4 with a bad group": (_set(["group_size"], 48), "group_size"),
+    "int8 with a bad group": (_set(["int8_group_size"], 48), "int8_group_size 48 is not one of"),
+    "int8 group as a string": (_set(["int8_group_size"], "32"), "int8_group_size must be an integer"),
+    "int8 per channel, scales grouped": (_set(["int8_group_size"], None), "lm_head.scales|embed.scales"),
     "a tied int4 head": (_set(["tied_lm_head"], True), "tensors|tied"),
     "max_length past the RoPE table": (_set(["max_length"], 10**6), "max_length"),
     "another format": (_set(["format"], "gml-llm-99"), "format"),

@@ -58,8 +58,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     ("family", "weights", "group", "symmetric"),
     [
-        ("llama", "int8", None, True),
-        ("gemma3", "int8", None, True),
+        ("llama", "int8", None, True),  # per output channel
+        ("gemma3", "int8", 32, True),  # the default: groups of 32 (llama.cpp's Q8_0)
+        ("qwen3", "int8", 64, True),
         ("llama", "int4", 32, True),
         ("qwen2", "int4", 32, False),
         ("gemma", "int4", 64, True),
@@ -74,7 +75,7 @@ def test_woq_logits_equal_fake_quantized_hf(family, weights, group, symmetric):
     with torch.no_grad():
         ref = ref_model(torch.tensor([PROMPT]), use_cache=False).logits[0]
     lm = gml.llm(
-        model, weights=weights, group_size=group or 32, symmetric=symmetric, lm_head_weights="fp32",
+        model, weights=weights, group_size=group, symmetric=symmetric, lm_head_weights="fp32",
         embed_weights="fp32", max_length=32,
     )  # fmt: skip
     assert rel_err(lm.logits(PROMPT), ref) <= 1e-4
@@ -98,9 +99,16 @@ def test_group_size_must_divide_the_features():
         gml.llm(tiny("llama"), weights="int4", group_size=128)  # hidden 64
     with pytest.raises(gml.GMLError, match="group_size=48 is not one of"):
         gml.llm(tiny("llama"), weights="int4", group_size=48)
+    with pytest.raises(gml.GMLError, match=r"not a multiple of group_size=128(?s:.*)group_size=None"):
+        gml.llm(tiny("llama"), weights="int8", group_size=128)
+    with pytest.raises(gml.GMLError, match=r"group_size=48 is not one of(?s:.*)per output channel"):
+        gml.llm(tiny("llama"), weights="int8", group_size=48)
+    with pytest.raises(gml.GMLError, match="int4 weights are group-wise"):
+        gml.llm(tiny("llama"), weights="int4", group_size=None)
 
 
 @pytest.mark.parametrize(("family", "weights", "group", "symmetric"), [("llama", "int8", None, True),
+                                                                        ("llama", "int8", 32, True),
                                                                         ("qwen2", "int4", 32, False)])  # fmt: skip
 def test_quantized_embedding_table_equals_fake_quantized_rows(family, weights, group, symmetric):
     """An untied table stored as ``weights`` (default): the lookup equals HF on the same rounding."""
@@ -112,7 +120,7 @@ def test_quantized_embedding_table_equals_fake_quantized_rows(family, weights, g
     with torch.no_grad():
         emb.weight.copy_(fake_quant(emb.weight.float(), bits, group or emb.weight.shape[1], symmetric))
         ref = ref_model(torch.tensor([PROMPT]), use_cache=False).logits[0]
-    lm = gml.llm(model, weights=weights, group_size=group or 32, symmetric=symmetric, lm_head_weights="fp32",
+    lm = gml.llm(model, weights=weights, group_size=group, symmetric=symmetric, lm_head_weights="fp32",
                  max_length=32)  # fmt: skip
     assert lm.decoder.embed_weights == weights
     assert rel_err(lm.logits(PROMPT), ref) <= 1e-4
@@ -123,11 +131,12 @@ def test_a_tied_table_and_head_share_one_quantized_tensor():
     assert model.config.tie_word_embeddings
     lm = gml.llm(model, weights="int8", max_length=32)
     assert lm.decoder.embed_weights == "int8" and lm.decoder.lm_head.qweight is lm.decoder.embed
-    # the head's quantization is the table's: HF with the shared tensor fake-quantized per row
-    ref_model = fake_quantized_copy(model, 8, None, True)
+    assert lm.decoder.embed.group_size == 32  # int8 in groups of 32 by default
+    # the head's quantization is the table's: HF with the shared tensor fake-quantized per row's groups
+    ref_model = fake_quantized_copy(model, 8, 32, True)
     emb = ref_model.get_input_embeddings()
     with torch.no_grad():
-        emb.weight.copy_(fake_quant(emb.weight.float(), 8, emb.weight.shape[1], True))  # ties the head too
+        emb.weight.copy_(fake_quant(emb.weight.float(), 8, 32, True))  # ties the head too
         ref = ref_model(torch.tensor([PROMPT]), use_cache=False).logits[0]
     assert rel_err(lm.logits(PROMPT), ref) <= 1e-4
     untied = gml.llm(model, weights="int8", embed_weights="fp32", max_length=32)

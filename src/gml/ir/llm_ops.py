@@ -5,12 +5,13 @@ The weight format (one definition, used by quantization, the reference kernel an
     W[n, k] = (q[n, k] - z[n, g]) * s[n, g],   g = k // group_size
 
 * ``bits=8``: ``qweight`` is ``int8 [N, K]``, ``q`` its value; ``zeros`` ``None`` means ``z = 0``
-  (symmetric; INT8 weights are quantized per output channel, ``group_size = K``).
+  (symmetric), in groups of 32 / 64 / 128 along ``K`` (:data:`INT8_GROUP_SIZES`; 32 is llama.cpp's
+  Q8_0 block) or per output channel (``group_size = K``, any ``K``).
 * ``bits=4``: ``qweight`` is ``uint8 [N, K/2]``, two values per byte: ``q[n, 2i]`` is the low nibble of
   ``qweight[n, i]`` and ``q[n, 2i+1]`` the high nibble, both in ``0..15``; ``zeros`` ``None`` means
   ``z = 8`` (symmetric, values ``-8..7``), else ``zeros`` is ``uint8 [N, K/group_size]`` in ``0..15``
   (asymmetric).
-* ``scales`` is ``float32 [N, K/group_size]``; ``group_size`` divides ``K`` (``K`` for per channel).
+* ``scales`` is ``float32 [N, K/group_size]``; ``group_size`` divides ``K`` (``K``: per output channel).
 
 The op computes ``y = x @ W^T + bias`` with ``x: [..., K]`` fp32 and ``y: [..., N]`` fp32. ``act_bits``
 says what happens to the activations:
@@ -25,14 +26,16 @@ says what happens to the activations:
 
       y[m, n] = sum_b (s_x[m, b] * s_w[n, g(b)]) * sum_{k in b} qx[m, k] * (q[n, k] - z[n, g(k)]) + bias[n]
 
-  (``g(b)``: the weight group holding block ``b``; INT8 weights have one group.) A block's integer sum
-  is at most ``32 * 128 * 127 < 2^24``: exact in int32 and in fp32.
+  (``g(b)``: the weight group holding block ``b``; a block never straddles two groups, since every
+  group size but ``K`` is a multiple of 32, so with INT8 groups of 32 each block has its own
+  ``s_x * s_w``, as llama.cpp's Q8_0 x Q8_0 dot product.) A block's integer sum is at most
+  ``32 * 128 * 127 < 2^24``: exact in int32 and in fp32.
 
 Faster executors must match the reference to fp32 rounding (summation order only); with integer
 operands and power-of-two scales every partial sum is exact and they agree bit for bit.
 
 :func:`quantize_weight` is the one quantizer of this format (round to nearest, ties to even as
-``torch.round``): symmetric 8-bit ``s = amax / 127`` per output channel; symmetric 4-bit llama.cpp's
+``torch.round``): symmetric 8-bit ``s = amax / 127`` per group (Q8_0's rule); symmetric 4-bit llama.cpp's
 Q4_0 rule ``s = (the group's value of largest magnitude) / -8`` (that value lands exactly on -8; the
 scale may be negative); asymmetric (4-bit)
 ``s = (max - min) / 15``, ``z = round(-min / s)``.
@@ -57,8 +60,11 @@ SCHEMAS: dict[str, str] = {
     ),
 }
 
-#: The group sizes INT4 weights may use (INT8 is per output channel).
+#: The group sizes INT4 weights may use.
 INT4_GROUP_SIZES = (32, 64, 128)
+#: The group sizes INT8 weights may use besides ``K`` (per output channel). Multiples of ACT_BLOCK, so
+#: that a block of int8 activations meets one weight scale.
+INT8_GROUP_SIZES = (32, 64, 128)
 
 #: ``act_bits`` values: 0 keeps fp32 activations, 8 quantizes them per block of ``ACT_BLOCK``.
 ACT_BITS = (0, 8)
@@ -90,9 +96,12 @@ class QuantizedWeight(NamedTuple):
 def check_format(bits: int, group_size: int, in_features: int) -> str | None:
     """Why ``(bits, group_size)`` cannot quantize a weight with ``in_features`` columns, or ``None``."""
     if bits not in (4, 8):
-        return f"bits={bits}: woq_linear reads 8-bit (per output channel) or 4-bit (group-wise) weights"
-    if bits == 8 and group_size != in_features:
-        return f"8-bit weights are per output channel (group_size = in_features = {in_features}), not {group_size}"
+        return f"bits={bits}: woq_linear reads 8-bit or 4-bit weights"
+    if bits == 8 and group_size != in_features and group_size not in INT8_GROUP_SIZES:
+        return (
+            f"8-bit group_size {group_size} is not one of {INT8_GROUP_SIZES} "
+            f"or in_features = {in_features} (per output channel)"
+        )
     if bits == 4 and group_size not in INT4_GROUP_SIZES:
         return f"4-bit group_size {group_size} is not one of {INT4_GROUP_SIZES}"
     if in_features % group_size:
@@ -103,7 +112,8 @@ def check_format(bits: int, group_size: int, in_features: int) -> str | None:
 def quantize_weight(
     w: torch.Tensor, bits: int, group_size: int | None = None, symmetric: bool = True
 ) -> QuantizedWeight:
-    """Quantize an fp32 ``[N, K]`` weight to the ``woq_linear`` format."""
+    """Quantize an fp32 ``[N, K]`` weight to the ``woq_linear`` format (``group_size`` ``None``: ``K``,
+    per output channel)."""
     n, k = w.shape
     group_size = k if group_size is None else group_size
     reason = check_format(bits, group_size, k)
@@ -200,7 +210,7 @@ def _woq_linear_act8(x, qweight, scales, zeros, bias, bits, group_size):
     nb = sx.shape[1]
     wi = F.pad(integer_weight(qweight, zeros, bits, group_size), (0, nb * ACT_BLOCK - k))
     wi = wi.reshape(-1, nb, ACT_BLOCK).float()
-    # the group of each block (blocks never straddle a group: 32 divides every INT4 group size)
+    # the group of each block (blocks never straddle a group: 32 divides every group size but K)
     sw = scales[:, torch.arange(nb) * ACT_BLOCK // group_size]  # [N, nb]
     qb = qx.reshape(-1, nb, ACT_BLOCK).float()
     y = x2.new_empty(qb.shape[0], qweight.shape[0])

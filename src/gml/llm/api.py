@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gml.errors import InputError, ModelLoadError, UnsupportedError
-from gml.ir.llm_ops import INT4_GROUP_SIZES
+from gml.ir.llm_ops import INT4_GROUP_SIZES, INT8_GROUP_SIZES
 from gml.kernels.woq import KERNEL_ISAS, detect_kernel, native_kernel_runs
 from gml.llm.gguf import is_gguf_source, load_gguf, load_gguf_tokenizer
 from gml.llm.model import Decoder, KVCache
@@ -288,7 +288,8 @@ def _check_group(label: str, in_features: int, group_size: int | None) -> None:
     if group_size is not None and in_features % group_size:
         raise UnsupportedError(
             f"{label}: {in_features} input features are not a multiple of group_size={group_size}",
-            "pick a group_size that divides the hidden and intermediate sizes, or weights='int8'",
+            "pick a group_size that divides the hidden and intermediate sizes "
+            "(with weights='int8', group_size=None: per output channel, any size)",
         )
 
 
@@ -297,7 +298,7 @@ def llm(
     *,
     weights: str | None = None,
     max_length: int | None = None,
-    group_size: int = 32,
+    group_size: int | None = 32,
     symmetric: bool = True,
     kv_cache: str | None = None,
     lm_head_weights: str | None = None,
@@ -311,8 +312,10 @@ def llm(
     weights are used as stored: ``weights`` / ``group_size`` / ``symmetric`` / ``lm_head_weights``
     must then be left out or match it).
 
-    ``weights``: ``fp32`` (default) | ``bf16`` | ``int8`` (per output channel) | ``int4`` (group-wise,
-    ``group_size`` 32/64/128, ``symmetric`` or with zero points). ``lm_head_weights`` defaults to
+    ``weights``: ``fp32`` (default) | ``bf16`` | ``int8`` (symmetric) | ``int4`` (``symmetric`` or with
+    zero points). ``group_size``: INT8 and INT4 weights have a scale per group of ``group_size``
+    input features, 32 (default: llama.cpp's Q8_0 / Q4_0 block; measured on Gemma-3-270M, docs/llm.md),
+    64 or 128; ``None`` keeps INT8 per output channel (INT4 needs a group). ``lm_head_weights`` defaults to
     ``weights`` (``int8`` when ``weights="int4"``, as llama.cpp's Q4_0 keeps its head 8-bit);
     ``embed_weights`` (the embedding table, quantized a row per token; only the rows
     looked up are expanded) defaults to the LM head's format when the model ties the two — one
@@ -357,7 +360,15 @@ def llm(
     if kv_cache not in KV_DTYPES:
         raise InputError(f"kv_cache={kv_cache!r} is not one of {tuple(KV_DTYPES)}", "use fp32 or bf16")
     if "int4" in (weights, lm_head_weights, embed_weights) and group_size not in INT4_GROUP_SIZES:
-        raise InputError(f"group_size={group_size} is not one of {INT4_GROUP_SIZES}", "use 32, 64 or 128")
+        raise InputError(
+            f"group_size={group_size} is not one of {INT4_GROUP_SIZES} (int4 weights are group-wise)",
+            "use 32, 64 or 128",
+        )
+    if group_size is not None and group_size not in INT8_GROUP_SIZES:
+        raise InputError(
+            f"group_size={group_size} is not one of {INT8_GROUP_SIZES}",
+            "use 32, 64 or 128 (or group_size=None: int8 weights per output channel)",
+        )
     chosen = choose_kernel(kernel)
     if max_length < 1:
         raise InputError(f"max_length must be >= 1, got {max_length}", "give the longest prompt + new tokens")
@@ -382,7 +393,7 @@ def llm(
             f"max_length={max_length} exceeds this model's {captured.spec.max_positions} learned positions",
             f"use max_length <= {captured.spec.max_positions}",
         )
-    groups = {"int4": group_size}  # int8 is per output channel: any in_features
+    groups = {"int4": group_size, "int8": group_size}  # int8 with group_size=None: per output channel
     for i, layer in enumerate(captured.layers):
         for name in ("qkv", "o", "up", "down"):
             _check_group(f"layer {i} {name}", getattr(layer, name).weight.shape[1], groups.get(weights))

@@ -29,7 +29,13 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tokenizer", metavar="FOLDER", help="a folder with the tokenizer (default: SOURCE's own)")
     p.add_argument("--save", metavar="FILE", help="also write the LLM (its weights as quantized) to FILE")
-    p.add_argument("--group-size", type=int, default=32, help="int4 group size: 32, 64 or 128 (default: 32)")
+    p.add_argument(
+        "--group-size",
+        type=_group_size,
+        default=32,
+        help="int8 / int4 weights: a scale per group of 32, 64 or 128 input features, or 'channel' (int8 "
+        "only: per output channel) (default: 32)",
+    )
     p.add_argument(
         "--activations",
         choices=("fp32", "int8"),
@@ -46,6 +52,15 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop-ids", metavar="IDS", default="", help="stop token ids, comma separated")
+
+
+def _group_size(text: str) -> int | None:
+    if text == "channel":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 32, 64, 128 or channel") from None
 
 
 def _ids(text: str, flag: str) -> list[int]:

@@ -62,19 +62,20 @@ class LinearOp:
         cls,
         lin: Linear,
         weights: str,
-        group_size: int = 32,
+        group_size: int | None = 32,
         symmetric: bool = True,
         kernel: str | None = None,
         activations: str = "fp32",
     ) -> LinearOp:
-        """``lin`` stored as ``weights`` (``fp32 | bf16 | int8 | int4``)."""
+        """``lin`` stored as ``weights`` (``fp32 | bf16 | int8 | int4``), INT8 / INT4 in groups of
+        ``group_size`` along K (``None``: INT8 per output channel)."""
         run = {"bias": lin.bias, "kernel": kernel, "activations": activations}
         if weights == "fp32":
             return cls(weight=lin.weight, **run)
         if weights == "bf16":
             return cls(weight=lin.weight.to(torch.bfloat16), **run)
         if weights == "int8":
-            return cls(qweight=quantize_weight(lin.weight, 8), **run)
+            return cls(qweight=quantize_weight(lin.weight, 8, group_size), **run)
         if weights == "int4":
             return cls(qweight=quantize_weight(lin.weight, 4, group_size, symmetric), **run)
         raise ValueError(f"weights={weights!r}")
@@ -155,7 +156,13 @@ class Layer:
 
     @classmethod
     def build(
-        cls, w: LayerWeights, weights: str, group_size: int, symmetric: bool, kernel: str | None, activations: str
+        cls,
+        w: LayerWeights,
+        weights: str,
+        group_size: int | None,
+        symmetric: bool,
+        kernel: str | None,
+        activations: str,
     ) -> Layer:
         names = ("qkv", "o", "up", "down")
         ops = [LinearOp.build(getattr(w, n), weights, group_size, symmetric, kernel, activations) for n in names]
@@ -209,7 +216,7 @@ class Decoder:
         lm: CapturedLM,
         weights: str,
         *,
-        group_size: int = 32,
+        group_size: int | None = 32,
         symmetric: bool = True,
         lm_head_weights: str | None = None,
         embed_weights: str | None = None,

@@ -4,8 +4,9 @@ The file is a zip archive sealed like every file :mod:`gml.io` writes (:mod:`gml
 of every member's SHA-256 and size, checked before anything is read). Inside one top-level folder::
 
     llm.json                 what the model is: format, spec (ModelSpec's fields), intermediate size,
-                             storage (weights, lm_head_weights, embed_weights, group_size, symmetric),
-                             max_length, kv_cache, tied LM head, and every tensor's dtype and shape
+                             storage (weights, lm_head_weights, embed_weights, group_size, symmetric,
+                             int8_group_size), max_length, kv_cache, tied LM head, and every
+                             tensor's dtype and shape
     tensors/<name>.bin       one tensor's raw little-endian bytes, C order
 
 Nothing is unpickled and no name in the file is looked up as code. The loader treats every field as
@@ -17,7 +18,9 @@ finite; int4 zero points must lie in ``[0, 15]``.
 
 The weights are stored in the ``woq_linear`` format (not a CPU's repacked layout): the file is the
 same on every CPU, and :func:`gml.llm.api.load_llm` picks this machine's kernel (:mod:`gml.kernels.woq`), as
-:func:`gml.llm` does.
+:func:`gml.llm` does. ``group_size`` is the INT4 matrices' group; ``int8_group_size`` the INT8 ones' (32 /
+64 / 128, or ``null``: per output channel). Files written before INT8 had groups lack
+``int8_group_size`` and hold INT8 per output channel: they load as such.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 from gml import archive
 from gml.errors import InputError, ModelLoadError
 from gml.files import write_atomically
-from gml.ir.llm_ops import INT4_GROUP_SIZES, QuantizedWeight, check_format
+from gml.ir.llm_ops import INT4_GROUP_SIZES, INT8_GROUP_SIZES, QuantizedWeight, check_format
 from gml.llm.model import Decoder, Layer, LinearOp
 from gml.llm.spec import FAMILIES, LayerWeights, ModelSpec, Norm
 
@@ -59,12 +62,20 @@ _CHUNK = 1 << 20
 # --------------------------------------------------------------------------------------------------
 
 
+def _group(meta: dict[str, Any], storage: str, in_f: int) -> int:
+    """The group size of a matrix with ``in_f`` input features stored as ``storage`` (int8 | int4)."""
+    if storage == "int4":
+        return meta["group_size"]
+    return meta["int8_group_size"] or in_f  # None: per output channel
+
+
 def _linear_entries(
-    name: str, out_f: int, in_f: int, storage: str, group: int, symmetric: bool
+    name: str, out_f: int, in_f: int, storage: str, meta: dict[str, Any]
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     if storage in ("fp32", "bf16"):
         return {f"{name}.weight": (torch.float32 if storage == "fp32" else torch.bfloat16, (out_f, in_f))}
-    bits, g = (8, in_f) if storage == "int8" else (4, group)
+    bits, g = (8 if storage == "int8" else 4), _group(meta, storage, in_f)
+    symmetric = meta["symmetric"]
     out = {
         f"{name}.qweight": ((torch.int8, (out_f, in_f)) if bits == 8 else (torch.uint8, (out_f, in_f // 2))),
         f"{name}.scales": (torch.float32, (out_f, in_f // g)),
@@ -80,11 +91,8 @@ def expected_tensors(meta: dict[str, Any], spec: ModelSpec) -> tuple[dict, dict]
     h, d, v = spec.hidden_size, spec.head_dim, spec.vocab_size
     inter = meta["intermediate_size"]
     storage, head_storage = meta["weights"], meta["lm_head_weights"]
-    group, sym = meta["group_size"], meta["symmetric"]
     fp = torch.float32
-    req: dict[str, tuple[torch.dtype, tuple[int, ...]]] = _linear_entries(
-        "embed", v, h, meta["embed_weights"], group, sym
-    )
+    req: dict[str, tuple[torch.dtype, tuple[int, ...]]] = _linear_entries("embed", v, h, meta["embed_weights"], meta)
     opt: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     if spec.learned_positions:
         req["positions"] = (fp, (spec.max_positions, h))
@@ -113,10 +121,10 @@ def expected_tensors(meta: dict[str, Any], spec: ModelSpec) -> tuple[dict, dict]
             norm(p + "attn_out_norm", h)
             norm(p + "mlp_out_norm", h)
         for name, (o, k) in shapes.items():
-            req.update(_linear_entries(p + name, o, k, storage, group, sym))
+            req.update(_linear_entries(p + name, o, k, storage, meta))
             opt[p + name + ".bias"] = (fp, (o,))
     if not meta["tied_lm_head"]:
-        req.update(_linear_entries("lm_head", v, h, head_storage, group, sym))
+        req.update(_linear_entries("lm_head", v, h, head_storage, meta))
     opt["lm_head.bias"] = (fp, (v,))
     for key in meta["rope"]:
         req[f"rope.{key}.cos"] = (fp, (meta["rope_length"], spec.rotary_dim))
@@ -150,10 +158,13 @@ def _norm_tensors(name: str, n: Norm | None) -> dict[str, torch.Tensor]:
 
 
 def _storage_of(op: LinearOp) -> tuple[str, int | None, bool]:
+    """``(storage, group, symmetric)``: group ``None`` for fp32 / bf16 and for an INT8 matrix with one group
+    per row (per output channel — or a group of exactly its width: the same tensors either way)."""
     if op.qweight is None:
         return ("bf16" if op.weight.dtype == torch.bfloat16 else "fp32"), None, True
     q = op.qweight
-    return ("int8" if q.bits == 8 else "int4"), (q.group_size if q.bits == 4 else None), q.zeros is None
+    one_group = q.bits == 8 and q.group_size == q.in_features
+    return ("int8" if q.bits == 8 else "int4"), (None if one_group else q.group_size), q.zeros is None
 
 
 def save_llm(lm: Any, path: str | Path) -> Path:
@@ -167,18 +178,35 @@ def save_llm(lm: Any, path: str | Path) -> Path:
     if dec.positions is not None:
         tensors["positions"] = dec.positions
     tensors |= _norm_tensors("final_norm", dec.final_norm)
-    _, g, symmetric = _storage_of(table_op)
-    group = g or 32
+    groups: dict[str, set[int]] = {"int8": set(), "int4": set()}  # the group(s) of each width
+    symmetric = True
+    quantized: list[QuantizedWeight] = []
+
+    def note(op: LinearOp) -> str:
+        nonlocal symmetric
+        storage, g, sym = _storage_of(op)
+        if g is not None:
+            groups[storage].add(g)
+        if op.qweight is not None:
+            quantized.append(op.qweight)
+        symmetric = sym and symmetric
+        return storage
+
+    note(table_op)
     for i, layer in enumerate(dec.layers):
         for n in _NORMS:
             tensors |= _norm_tensors(f"layers.{i}.{n}", getattr(layer.w, n))
         for n in _LINEARS:
             op = getattr(layer, n)
             tensors |= _linear_tensors(f"layers.{i}.{n}", op)
-            _, g, sym = _storage_of(op)
-            group, symmetric = g or group, sym and symmetric
-    head_storage, g, sym = _storage_of(dec.lm_head)
-    group, symmetric = g or group, sym and symmetric
+            note(op)
+    head_storage = note(dec.lm_head)
+    group = next(iter(groups["int4"]), 32)
+    int8_group = next(iter(groups["int8"]), None)
+    meta_groups = {"group_size": group, "int8_group_size": int8_group}
+    if any(q.group_size != _group(meta_groups, f"int{q.bits}", q.in_features) for q in quantized):
+        # gml.llm builds one group size per width; a model put together otherwise cannot be described
+        raise ValueError(f"lm.save stores one group size per weight width, this model has {groups}")
     if not tied:
         tensors |= _linear_tensors("lm_head", dec.lm_head)
     rope_length = 0
@@ -195,6 +223,7 @@ def save_llm(lm: Any, path: str | Path) -> Path:
         "lm_head_weights": head_storage,
         "embed_weights": dec.embed_weights,
         "group_size": group,
+        "int8_group_size": int8_group,
         "symmetric": symmetric,
         "tied_lm_head": tied,
         "max_length": lm.max_length,
@@ -309,12 +338,16 @@ _META_KEYS = (
     "format", "spec", "intermediate_size", "weights", "lm_head_weights", "embed_weights", "group_size", "symmetric",
     "tied_lm_head", "max_length", "kv_cache", "rope", "rope_length", "tensors",
 )  # fmt: skip
+#: Keys a file may lack: a file written before INT8 had groups holds INT8 per output channel.
+_OPTIONAL_META = {"int8_group_size": None}
 
 
 def _meta(path: Path, raw: Any) -> tuple[dict[str, Any], ModelSpec]:
-    if not isinstance(raw, dict) or sorted(raw) != sorted(_META_KEYS):
+    if not isinstance(raw, dict) or sorted(set(raw) - set(_OPTIONAL_META)) != sorted(_META_KEYS):
         got = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
-        raise _bad(path, f"{_JSON} must have exactly the keys {sorted(_META_KEYS)}, got {got}"[:400])
+        want = f"{sorted(_META_KEYS)} (and optionally {sorted(_OPTIONAL_META)})"
+        raise _bad(path, f"{_JSON} must have exactly the keys {want}, got {got}"[:400])
+    raw = _OPTIONAL_META | raw
     if raw["format"] != FORMAT:
         raise _bad(path, f"{_JSON} has format {raw['format']!r}, this gml reads {FORMAT!r}"[:300])
     spec = _spec(path, raw["spec"])
@@ -324,6 +357,8 @@ def _meta(path: Path, raw: Any) -> tuple[dict[str, Any], ModelSpec]:
     m["lm_head_weights"] = _choice(path, "lm_head_weights", raw["lm_head_weights"], _WEIGHTS)
     m["embed_weights"] = _choice(path, "embed_weights", raw["embed_weights"], _WEIGHTS)
     m["group_size"] = _int(path, "group_size", raw["group_size"], 1)
+    if raw["int8_group_size"] is not None:
+        m["int8_group_size"] = _int(path, "int8_group_size", raw["int8_group_size"], 1)
     m["symmetric"] = _bool(path, "symmetric", raw["symmetric"])
     m["tied_lm_head"] = _bool(path, "tied_lm_head", raw["tied_lm_head"])
     m["kv_cache"] = _choice(path, "kv_cache", raw["kv_cache"], _KV)
@@ -341,14 +376,19 @@ def _meta(path: Path, raw: Any) -> tuple[dict[str, Any], ModelSpec]:
     m["max_length"] = _int(path, "max_length", raw["max_length"], 1, positions)
     if m["tied_lm_head"] and m["lm_head_weights"] != m["embed_weights"]:
         raise _bad(path, "a tied LM head is the embedding table: lm_head_weights must equal embed_weights")
-    if "int4" in (m["weights"], m["lm_head_weights"], m["embed_weights"]):
-        if m["group_size"] not in INT4_GROUP_SIZES:
-            raise _bad(path, f"int4 group_size {m['group_size']} is not one of {INT4_GROUP_SIZES}")
+    storages = (m["weights"], m["lm_head_weights"], m["embed_weights"])
+    widths = (("int4", "group_size", INT4_GROUP_SIZES), ("int8", "int8_group_size", INT8_GROUP_SIZES))
+    for width, key, allowed in widths:
+        if width not in storages or m[key] is None:  # int8_group_size None: per output channel, any width
+            continue
+        if m[key] not in allowed:
+            raise _bad(path, f"{width} {key} {m[key]} is not one of {allowed}")
+        # every matrix width (the check is a superset for matrices stored otherwise)
         for what, k in (("hidden_size", spec.hidden_size), ("intermediate_size", m["intermediate_size"])):
-            if k % m["group_size"]:
-                raise _bad(path, f"{what} {k} is not a multiple of group_size {m['group_size']}")
-        if (spec.num_heads * spec.head_dim) % m["group_size"]:
-            raise _bad(path, f"num_heads * head_dim is not a multiple of group_size {m['group_size']}")
+            if k % m[key]:
+                raise _bad(path, f"{what} {k} is not a multiple of {key} {m[key]}")
+        if (spec.num_heads * spec.head_dim) % m[key]:
+            raise _bad(path, f"num_heads * head_dim is not a multiple of {key} {m[key]}")
     return m, spec
 
 
@@ -463,7 +503,7 @@ def read_llm(
         q = t[f"{name}.qweight"]
         bits = 8 if storage == "int8" else 4
         k = q.shape[1] * (2 if bits == 4 else 1)
-        group = k if bits == 8 else m["group_size"]
+        group = _group(m, storage, k)
         reason = check_format(bits, group, k)
         if reason is not None:  # pragma: no cover - _meta checked the group against every matrix width
             raise _bad(path, f"{name}: {reason}")
