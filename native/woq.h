@@ -194,6 +194,88 @@ GML_WOQ_AVX2 inline void rows_avx2(const Problem& p, int64_t n0) {
   _mm256_zeroupper();
 }
 
+// ---------------------------------------------------------------- INT8 in groups of GS (32 | 64 | 128)
+// The generic kernels above loop over groups of a run-time size with a K tail in each; for INT8 in
+// small groups that per-group overhead doubled the time (measured, docs/llm.md). Here GS is a
+// compile-time constant: per chunk of 32 weights, W lanes (16 AVX-512 / 8 AVX2) of x feed R rows'
+// FMA chains, and every group's partial sum is scaled into the row's total once. No tail: 32 | GS | K.
+template <int R, int GS>
+GML_WOQ_AVX512 inline void rows8_grouped_avx512(const Problem& p, int64_t n0) {
+  const int64_t G = p.K / GS;
+  const int8_t* q = static_cast<const int8_t*>(p.q) + n0 * p.K;
+  const float* sc = p.scales + n0 * G;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * p.K;
+    __m512 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t k0 = g * GS;
+      __m512 part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+      for (int c = 0; c < GS; c += 32) {
+        const __m512 x0 = _mm512_loadu_ps(x + k0 + c), x1 = _mm512_loadu_ps(x + k0 + c + 16);
+        for (int r = 0; r < R; ++r) {
+          part[r] = _mm512_fmadd_ps(x0, int8x16_ps(q + r * p.K + k0 + c), part[r]);
+          part[r] = _mm512_fmadd_ps(x1, int8x16_ps(q + r * p.K + k0 + c + 16), part[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) total[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(sc[r * G + g]), total[r]);
+    }
+    for (int r = 0; r < R; ++r) p.y[m * p.N + n0 + r] = _mm512_reduce_add_ps(total[r]) + (p.bias ? p.bias[n0 + r] : 0.f);
+  }
+  _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
+}
+
+GML_WOQ_AVX2 inline __m256 int8x8_ps(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+template <int R, int GS>
+GML_WOQ_AVX2 inline void rows8_grouped_avx2(const Problem& p, int64_t n0) {
+  const int64_t G = p.K / GS;
+  const int8_t* q = static_cast<const int8_t*>(p.q) + n0 * p.K;
+  const float* sc = p.scales + n0 * G;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* x = p.x + m * p.K;
+    __m256 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t k0 = g * GS;
+      __m256 part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
+      for (int c = 0; c < GS; c += 32) {
+        __m256 xv[4];
+        for (int j = 0; j < 4; ++j) xv[j] = _mm256_loadu_ps(x + k0 + c + 8 * j);
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 4; ++j) part[r] = _mm256_fmadd_ps(xv[j], int8x8_ps(q + r * p.K + k0 + c + 8 * j), part[r]);
+      }
+      for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(sc[r * G + g]), total[r]);
+    }
+    for (int r = 0; r < R; ++r) p.y[m * p.N + n0 + r] = hsum256(total[r]) + (p.bias ? p.bias[n0 + r] : 0.f);
+  }
+  _mm256_zeroupper();
+}
+
+// rows [n0, n0 + R) of grouped INT8 on level 2 (AVX-512) or 1 (AVX2); false when p is not grouped INT8.
+template <int R>
+inline bool rows8_grouped(const Problem& p, int64_t n0, int level) {
+  if (p.bits != 8 || level == 0 || p.group == p.K) return false;
+  switch (p.group) {
+    case 32:
+      level == 2 ? rows8_grouped_avx512<R, 32>(p, n0) : rows8_grouped_avx2<R, 32>(p, n0);
+      return true;
+    case 64:
+      level == 2 ? rows8_grouped_avx512<R, 64>(p, n0) : rows8_grouped_avx2<R, 64>(p, n0);
+      return true;
+    case 128:
+      level == 2 ? rows8_grouped_avx512<R, 128>(p, n0) : rows8_grouped_avx2<R, 128>(p, n0);
+      return true;
+    default:
+      return false;
+  }
+}
+
 // The kernel tiers: "vnni" (AVX-512 VNNI), "avx512" (AVX-512F/BW), "avxvnni" (AVX2 + AVX-VNNI),
 // "avx2" (AVX2 + FMA), "scalar". The VNNI tiers differ only with int8 activations (woq_int8act.h).
 inline bool cpu_has(const std::string& isa) {
@@ -233,12 +315,16 @@ inline void linear(const Problem& p, const std::string& isa, int nthreads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t n0 = blk * R;
-    if (n0 + R <= p.N && which == 2) {
+    if (n0 + R <= p.N && rows8_grouped<R>(p, n0, which)) {
+      // grouped INT8 (above)
+    } else if (n0 + R <= p.N && which == 2) {
       rows_avx512<R>(p, n0);
     } else if (n0 + R <= p.N && which == 1) {
       rows_avx2<R>(p, n0);
     } else {
       for (int64_t n = n0; n < std::min(n0 + R, p.N); ++n) {
+        if (rows8_grouped<1>(p, n, which))
+          continue;
         if (which == 2)
           rows_avx512<1>(p, n);
         else if (which == 1)

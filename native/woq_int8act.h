@@ -176,14 +176,17 @@ inline float blocks_scalar(const Problem& p, const Acts& a, int64_t m, int64_t n
 // ---------------------------------------------------------------- vector kernels
 // Each computes, for R consecutive weight rows (q: row 0 of them, ldq bytes apart) and one row of
 // quantized x, out[r] = sum over the blocks of [0, kv) of lane-scaled integer sums: INT8 per channel
-// scaled by s_x only (s_w once per row by the caller), grouped INT8 (Grouped = true) and INT4 by
-// s_x * s_w. Locals only, so the R accumulators stay in registers. The caller adds the blocks past kv
-// (blocks_scalar) and the bias. scales: row 0's [G] (rows ldg apart), read only when grouped.
+// scaled by s_x only (s_w once per row by the caller; GS = 0), INT8 in groups of GS (32 | 64 | 128, a
+// compile-time constant) and INT4 by s_x * s_w. Locals only, so the R accumulators stay in registers.
+// The caller adds the blocks past kv (blocks_scalar) and the bias. scales: row 0's [G] (rows ldg
+// apart), read only when grouped.
 
 // AVX-512 VNNI, INT8 weights: 64 weights (blocks b, b + 1) per vpdpbusd.
-template <int R, bool Grouped>
+template <int R, int GS>
 GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, const float* lane, const float* scales,
-                            int64_t ldg, int64_t group, int64_t kv, float* out) {
+                            int64_t ldg, int64_t kv, float* out) {
+  // GS = 32: blocks b, b + 1 have scales g, g + 1, adjacent in memory: one 8-byte load, lanes 0-7 <- [0]
+  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i zero = _mm512_setzero_si512();
   __m512 acc[R];
 #pragma GCC unroll 4
@@ -191,17 +194,18 @@ GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, cons
   for (int64_t k = 0; k < kv; k += 64) {
     const __m512i x = _mm512_loadu_si512(qx + k);
     const __m512 s = _mm512_loadu_ps(lane + k / 4);  // lanes 0-7: s_x[b], 8-15: s_x[b + 1]
-    const int64_t g0 = k / group, g1 = (k + 32) / group;  // grouped: the groups of blocks b and b + 1
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512i w = _mm512_loadu_si512(q + r * ldq + k);
       // |q| (u8) x qx * sign(q) (s8): qx negated where q < 0 (see the file comment)
       const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), zero, x);
       const __m512 isum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs));
-      if constexpr (Grouped) {
-        const __m512 sw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[r * ldg + g0]),
-                                               _mm512_set1_ps(scales[r * ldg + g1]));
+      if constexpr (GS == 32) {  // s_w of blocks b, b + 1 in lanes 0-7, 8-15
+        const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + r * ldg + k / 32)));
+        const __m512 sw = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(two));
         acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(s, sw), acc[r]);
+      } else if constexpr (GS > 0) {  // 64 | GS: both blocks in one group
+        acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(s, _mm512_set1_ps(scales[r * ldg + k / GS])), acc[r]);
       } else {
         acc[r] = _mm512_fmadd_ps(isum, s, acc[r]);
       }
@@ -252,18 +256,17 @@ GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, con
 // cannot be a template argument): DOT(u, s) is the int32 lane sums of u8 x s8 products; DOT2 adds a
 // second pair.
 #define GML_WOQ_DOT8_YMM(ATTR, NAME, DOT)                                                                        \
-  template <int R, bool Grouped>                                                                                 \
+  template <int R, int GS>                                                                                       \
   ATTR void NAME(const int8_t* q, int64_t ldq, const int8_t* qx, const float* sx, const float* scales,           \
-                 int64_t ldg, int64_t group, int64_t kv, float* out) {                                           \
+                 int64_t ldg, int64_t kv, float* out) {                                                          \
     __m256 acc[R];                                                                                               \
     _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();                            \
     for (int64_t k = 0; k < kv; k += 32) {                                                                       \
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + k));                            \
-      const int64_t g = k / group;                                                                               \
       _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                      \
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k));                 \
         /* grouped: the block's s_x * s_w; per channel: s_x (s_w by the caller) */                               \
-        const __m256 s = _mm256_set1_ps(Grouped ? sx[k / 32] * scales[r * ldg + g] : sx[k / 32]);                \
+        const __m256 s = _mm256_set1_ps(GS ? sx[k / 32] * scales[r * ldg + k / (GS ? GS : 1)] : sx[k / 32]);     \
         /* |q| (u8) x qx * sign(q) (s8): pairs <= 2 * 128 * 127 = 32,512, never saturate (file comment) */       \
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))), s, acc[r]); \
       }                                                                                                          \
@@ -319,6 +322,15 @@ inline Act8Kernel act8_kernel(const std::string& isa) {
   return Act8Kernel::kScalar;
 }
 
+// The INT8 dot product of `kern` (not the scalar one) for GS (0: per output channel).
+template <int R, int GS>
+void dot8(Act8Kernel kern, const int8_t* q, int64_t ldq, const int8_t* qx, const float* sx, const float* lane,
+          const float* sc, int64_t ldg, int64_t kv, float* out) {
+  if (kern == Act8Kernel::kVnni) dot8_vnni<R, GS>(q, ldq, qx, lane, sc, ldg, kv, out);
+  if (kern == Act8Kernel::kAvxVnni) dot8_avxvnni<R, GS>(q, ldq, qx, sx, sc, ldg, kv, out);
+  if (kern == Act8Kernel::kAvx2) dot8_avx2<R, GS>(q, ldq, qx, sx, sc, ldg, kv, out);
+}
+
 // Rows [n0, n0 + R) for every row of x.
 template <int R>
 void rows_act8(const Problem& p, const Acts& a, int64_t n0, Act8Kernel kern) {
@@ -332,17 +344,18 @@ void rows_act8(const Problem& p, const Acts& a, int64_t n0, Act8Kernel kern) {
     const float* sx = a.sx.data() + m * a.nb;
     const float* lane = a.lane.data() + m * a.nb * 8;
     float out[R] = {};
-    if (p.bits == 8 && per_row) {
-      const int8_t* q = static_cast<const int8_t*>(p.q) + n0 * p.K;
-      if (kern == Act8Kernel::kVnni) dot8_vnni<R, false>(q, p.K, qx, lane, nullptr, 0, p.K, kv, out);
-      if (kern == Act8Kernel::kAvxVnni) dot8_avxvnni<R, false>(q, p.K, qx, sx, nullptr, 0, p.K, kv, out);
-      if (kern == Act8Kernel::kAvx2) dot8_avx2<R, false>(q, p.K, qx, sx, nullptr, 0, p.K, kv, out);
-    } else if (p.bits == 8) {
+    if (p.bits == 8) {
       const int8_t* q = static_cast<const int8_t*>(p.q) + n0 * p.K;
       const float* sc = p.scales + n0 * G;
-      if (kern == Act8Kernel::kVnni) dot8_vnni<R, true>(q, p.K, qx, lane, sc, G, p.group, kv, out);
-      if (kern == Act8Kernel::kAvxVnni) dot8_avxvnni<R, true>(q, p.K, qx, sx, sc, G, p.group, kv, out);
-      if (kern == Act8Kernel::kAvx2) dot8_avx2<R, true>(q, p.K, qx, sx, sc, G, p.group, kv, out);
+      if (per_row) {
+        dot8<R, 0>(kern, q, p.K, qx, sx, lane, sc, G, kv, out);
+      } else if (p.group == 32) {
+        dot8<R, 32>(kern, q, p.K, qx, sx, lane, sc, G, kv, out);
+      } else if (p.group == 64) {
+        dot8<R, 64>(kern, q, p.K, qx, sx, lane, sc, G, kv, out);
+      } else {
+        dot8<R, 128>(kern, q, p.K, qx, sx, lane, sc, G, kv, out);  // check(): 32, 64, 128 or K
+      }
     } else {
       const uint8_t* q = static_cast<const uint8_t*>(p.q) + n0 * (p.K / 2);
       const float* sc = p.scales + n0 * G;
