@@ -5,13 +5,14 @@
     python llamacpp_worker.py decode MODEL.gguf TOKENS.json PROMPT STEPS  # prints decode tokens/s
     python llamacpp_worker.py tokenize MODEL.gguf TEXTS.json             # prints token ids (JSON)
 
-Only numpy and llama_cpp are imported (this file must not need GML). 2 threads, llama-cpp-python's
-defaults otherwise (f16 KV cache, no flash attention). Results go to stdout as one JSON line.
+Only numpy and llama_cpp are imported (this file must not need GML). 2 threads (or GML_LLAMACPP_THREADS),
+llama-cpp-python's defaults otherwise (f16 KV cache, no flash attention). Results go to stdout as one JSON line.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ FTYPES = {
     "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
     "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
 }
-THREADS = 2
+THREADS = int(os.environ.get("GML_LLAMACPP_THREADS", "2"))  # llm_accuracy.py --threads
 
 
 def quantize(src: str, dst: str, ftype: str) -> dict:

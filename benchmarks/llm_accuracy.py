@@ -167,6 +167,7 @@ def main() -> None:
     ap.add_argument("--llamacpp-types", default="F32,Q8_0,Q4_0", help="llama.cpp files to score")
     ap.add_argument("--decode-rows", default="", help="decode timing: only rows containing one of these words")
     ap.add_argument("--decode-only", action="store_true", help="skip the accuracy rows (decode timing only)")
+    ap.add_argument("--threads", type=int, default=2, help="threads of GML and llama.cpp (default: 2)")
     ap.add_argument("--llamacpp-python", default=os.environ.get("GML_LLAMACPP_PYTHON", DEFAULT_LLAMACPP_PYTHON))
     ap.add_argument("--workdir", default=str(Path.home() / ".cache" / "gml-llm-accuracy"))
     ap.add_argument(
@@ -175,6 +176,8 @@ def main() -> None:
         help="keep ggml's AMX matmul (default off: it dies with SIGILL in this VM)",
     )
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ["GML_LLAMACPP_THREADS"] = str(args.threads)  # llamacpp_worker.py's
 
     import gml
     from gml.llm.gguf import load_gguf
@@ -274,6 +277,8 @@ def main() -> None:
     gml_decode = {
         "GML int8 g32": dict(weights="int8"),
         "GML int8 g32, int8 activations": dict(weights="int8", activations="int8"),
+        "GML int8 g64": dict(weights="int8", group_size=64),
+        "GML int8 g64, int8 activations": dict(weights="int8", group_size=64, activations="int8"),
         "GML int8 per channel": dict(weights="int8", group_size=None),
         "GML int8 per channel, int8 activations": dict(weights="int8", group_size=None, activations="int8"),
         "GML int4 g32 sym": dict(weights="int4"),
