@@ -64,7 +64,8 @@ def native_kernel_runs(isa: str) -> bool:
 
 
 def native_supports(w: QuantizedWeight) -> bool:
-    """Whether the native kernel reads this weight (symmetric INT8 or INT4 with group 32/64/128)."""
+    """Whether the native kernel reads this weight (symmetric INT8, per channel or in groups of 32/64/128, or
+    INT4 in groups of 32/64/128)."""
     return w.zeros is None or w.bits == 4
 
 
