@@ -244,11 +244,12 @@ GML_WOQ_AVX2 inline void rows8_grouped_avx2(const Problem& p, int64_t n0) {
       const int64_t k0 = g * GS;
       __m256 part[R];
       for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
-      for (int c = 0; c < GS; c += 32) {
-        __m256 xv[4];
-        for (int j = 0; j < 4; ++j) xv[j] = _mm256_loadu_ps(x + k0 + c + 8 * j);
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < 4; ++j) part[r] = _mm256_fmadd_ps(xv[j], int8x8_ps(q + r * p.K + k0 + c + 8 * j), part[r]);
+      for (int c = 0; c < GS; c += 16) {  // 16 at a time: 2 x + R part + R total registers, no spills
+        const __m256 x0 = _mm256_loadu_ps(x + k0 + c), x1 = _mm256_loadu_ps(x + k0 + c + 8);
+        for (int r = 0; r < R; ++r) {
+          part[r] = _mm256_fmadd_ps(x0, int8x8_ps(q + r * p.K + k0 + c), part[r]);
+          part[r] = _mm256_fmadd_ps(x1, int8x8_ps(q + r * p.K + k0 + c + 8), part[r]);
+        }
       }
       for (int r = 0; r < R; ++r) total[r] = _mm256_fmadd_ps(part[r], _mm256_set1_ps(sc[r * G + g]), total[r]);
     }
