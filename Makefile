@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.gml-installed
+# The editable install maps each Python module to its file when it is installed: a module added,
+# moved or removed needs a reinstall, so the stamp is named after the set of module paths.
+MODULES_HASH := $(shell find src/gml -name '*.py' | LC_ALL=C sort | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.gml-installed-$(MODULES_HASH)
 BENCH_STAMP := $(VENV)/.gml-bench-installed
 
 .PHONY: demo test test-tiers lint fuzz bench install install-bench clean sanitize
