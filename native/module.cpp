@@ -21,6 +21,7 @@
 #include "woq.h"
 #include "woq_gemm.h"
 #include "woq_int8act.h"
+#include "woq_pool.h"
 
 namespace nb = nanobind;
 using namespace gml_engine;
@@ -62,7 +63,9 @@ NB_MODULE(_engine, m) {
         p.zeros = reinterpret_cast<const uint8_t*>(zeros);
         p.bias = reinterpret_cast<const float*>(bias);
         p.y = reinterpret_cast<float*>(y);
-        if (act_bits == 8)
+        if (M == 1)  // a decode step: helpers that are not scheduled in time cost nothing (woq_pool.h)
+          gml_woq::linear_pooled(p, isa, nthreads, act_bits);
+        else if (act_bits == 8)
           gml_woq::linear_act8(p, isa, nthreads);
         else if (act_bits == 0)
           gml_woq::linear(p, isa, nthreads);
@@ -73,7 +76,8 @@ NB_MODULE(_engine, m) {
       nb::arg("zeros"), nb::arg("bias"), nb::arg("y"), nb::arg("N"), nb::arg("isa"), nb::arg("nthreads") = 0,
       nb::arg("act_bits") = 0, nb::call_guard<nb::gil_scoped_release>(),
       "torch.ops.gml.woq_linear on contiguous tensors given by address (native/woq.h; act_bits 8: "
-      "native/woq_int8act.h); isa: vnni | avx512 | avxvnni | avx2 | scalar.");
+      "native/woq_int8act.h; M = 1: rows split by native/woq_pool.h); isa: vnni | avx512 | avxvnni | avx2 | "
+      "scalar.");
   m.def(
       "woq_gemm",
       [](uintptr_t x, int64_t M, int64_t K, uintptr_t q, int bits, int64_t group, uintptr_t scales, uintptr_t zeros,
