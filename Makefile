@@ -55,7 +55,7 @@ fuzz: $(STAMP)
 # the issue #24 regressions) run against it (GML_ENGINE_LIBRARY); any report fails the run.
 # ASan does not see writes by oneDNN's JIT kernels (not instrumented): the plan checks every value it
 # places in a caller's tensor against that tensor's size (Plan.external_bytes) for that class.
-SAN_TESTS = tests/runtime tests/passes/test_whole_models.py tests/test_reliability24.py tests/kernels/test_woq_native.py tests/llm/test_llm_store.py
+SAN_TESTS = tests/runtime tests/passes/test_whole_models.py tests/test_reliability24.py tests/kernels/test_woq_native.py tests/kernels/test_woq_pool.py tests/llm/test_llm_store.py tests/llm/test_llm_decode.py
 SAN_LIBS = $$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)
 sanitize: $(STAMP)
 	$(BIN)/python -m pip install -q nanobind cmake ninja onednn-devel-cpu-gomp==2023.2.0
