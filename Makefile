@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.gml-installed
+# The editable install maps each Python module to its file when it is installed: a module added,
+# moved or removed needs a reinstall, so the stamp is named after the set of module paths.
+MODULES_HASH := $(shell find src/gml -name '*.py' | LC_ALL=C sort | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.gml-installed-$(MODULES_HASH)
 BENCH_STAMP := $(VENV)/.gml-bench-installed
 
 .PHONY: demo test test-tiers lint fuzz bench install install-bench clean sanitize
@@ -52,7 +55,7 @@ fuzz: $(STAMP)
 # the issue #24 regressions) run against it (GML_ENGINE_LIBRARY); any report fails the run.
 # ASan does not see writes by oneDNN's JIT kernels (not instrumented): the plan checks every value it
 # places in a caller's tensor against that tensor's size (Plan.external_bytes) for that class.
-SAN_TESTS = tests/runtime tests/passes/test_whole_models.py tests/test_reliability24.py tests/kernels/test_woq_native.py tests/llm/test_llm_store.py
+SAN_TESTS = tests/runtime tests/passes/test_whole_models.py tests/test_reliability24.py tests/kernels/test_woq_native.py tests/kernels/test_woq_pool.py tests/llm/test_llm_store.py tests/llm/test_llm_decode.py
 SAN_LIBS = $$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)
 sanitize: $(STAMP)
 	$(BIN)/python -m pip install -q nanobind cmake ninja onednn-devel-cpu-gomp==2023.2.0

@@ -11,6 +11,7 @@
 
 #include "attention_step.h"
 #include "conv.h"
+#include "decode.h"
 #include "dynamic_linear.h"
 #include "eltwise.h"
 #include "linear.h"
@@ -20,6 +21,7 @@
 #include "woq.h"
 #include "woq_gemm.h"
 #include "woq_int8act.h"
+#include "woq_pool.h"
 
 namespace nb = nanobind;
 using namespace gml_engine;
@@ -61,7 +63,9 @@ NB_MODULE(_engine, m) {
         p.zeros = reinterpret_cast<const uint8_t*>(zeros);
         p.bias = reinterpret_cast<const float*>(bias);
         p.y = reinterpret_cast<float*>(y);
-        if (act_bits == 8)
+        if (M == 1)  // a decode step: helpers that are not scheduled in time cost nothing (woq_pool.h)
+          gml_woq::linear_pooled(p, isa, nthreads, act_bits);
+        else if (act_bits == 8)
           gml_woq::linear_act8(p, isa, nthreads);
         else if (act_bits == 0)
           gml_woq::linear(p, isa, nthreads);
@@ -72,7 +76,8 @@ NB_MODULE(_engine, m) {
       nb::arg("zeros"), nb::arg("bias"), nb::arg("y"), nb::arg("N"), nb::arg("isa"), nb::arg("nthreads") = 0,
       nb::arg("act_bits") = 0, nb::call_guard<nb::gil_scoped_release>(),
       "torch.ops.gml.woq_linear on contiguous tensors given by address (native/woq.h; act_bits 8: "
-      "native/woq_int8act.h); isa: vnni | avx512 | avxvnni | avx2 | scalar.");
+      "native/woq_int8act.h; M = 1: rows split by native/woq_pool.h); isa: vnni | avx512 | avxvnni | avx2 | "
+      "scalar.");
   m.def(
       "woq_gemm",
       [](uintptr_t x, int64_t M, int64_t K, uintptr_t q, int bits, int64_t group, uintptr_t scales, uintptr_t zeros,
@@ -91,6 +96,38 @@ NB_MODULE(_engine, m) {
       nb::arg("zeros"), nb::arg("bias"), nb::arg("y"), nb::arg("N"), nb::arg("isa"), nb::arg("nthreads") = 0,
       nb::call_guard<nb::gil_scoped_release>(),
       "woq_linear for many rows (prefill): dequantized weight tiles into oneDNN's fp32 GEMM (native/woq_gemm.h).");
+  // The decode-step glue (native/decode.h): one row, fp32, addresses of contiguous buffers.
+  m.def(
+      "decode_norm",
+      [](uintptr_t x, int64_t n, uintptr_t w, uintptr_t b, int kind, float eps, uintptr_t y) {
+        gml_decode::norm_row(reinterpret_cast<const float*>(x), n, reinterpret_cast<const float*>(w),
+                             reinterpret_cast<const float*>(b), kind, eps, reinterpret_cast<float*>(y));
+      },
+      nb::arg("x"), nb::arg("n"), nb::arg("w"), nb::arg("b"), nb::arg("kind"), nb::arg("eps"), nb::arg("y"),
+      "y = norm(x) of one row (kind 0: RMS, 1: layer norm; w / b 0: none); native/decode.h.");
+  m.def(
+      "decode_residual_norm",
+      [](uintptr_t h, uintptr_t delta, int64_t n, bool delta_norm, uintptr_t dw, uintptr_t db, uintptr_t w,
+         uintptr_t b, int kind, float eps, uintptr_t y) {
+        gml_decode::residual_norm(reinterpret_cast<float*>(h), reinterpret_cast<float*>(delta), n, delta_norm,
+                                  reinterpret_cast<const float*>(dw), reinterpret_cast<const float*>(db),
+                                  reinterpret_cast<const float*>(w), reinterpret_cast<const float*>(b), kind, eps,
+                                  reinterpret_cast<float*>(y));
+      },
+      nb::arg("h"), nb::arg("delta"), nb::arg("n"), nb::arg("delta_norm"), nb::arg("dw"), nb::arg("db"), nb::arg("w"),
+      nb::arg("b"), nb::arg("kind"), nb::arg("eps"), nb::arg("y"),
+      "h += delta (normed first when delta_norm), y = norm(h); native/decode.h.");
+  m.def(
+      "decode_qk_norm_rope",
+      [](uintptr_t qkv, int64_t heads, int64_t kv, int64_t d, uintptr_t qw, uintptr_t kw, int kind, float eps,
+         int64_t r, uintptr_t cos, uintptr_t sin) {
+        gml_decode::qk_norm_rope(reinterpret_cast<float*>(qkv), heads, kv, d, reinterpret_cast<const float*>(qw),
+                                 reinterpret_cast<const float*>(kw), kind, eps, r, reinterpret_cast<const float*>(cos),
+                                 reinterpret_cast<const float*>(sin));
+      },
+      nb::arg("qkv"), nb::arg("heads"), nb::arg("kv"), nb::arg("d"), nb::arg("qw"), nb::arg("kw"), nb::arg("kind"),
+      nb::arg("eps"), nb::arg("r"), nb::arg("cos"), nb::arg("sin"),
+      "q / k heads of a fused QKV row normed (qw / kw 0: no norm) and rotated (r dims); native/decode.h.");
   m.def("woq_isa_supported", &gml_woq::cpu_has, "Whether this CPU runs woq_linear's kernel for `isa`.");
   nb::class_<Plan> plan(m, "Plan", nb::dynamic_attr());  // dynamic attributes: ``keep`` (embedding tables)
   plan.def(nb::init<>())

@@ -17,7 +17,7 @@ from gml.capture import capture, check_deterministic, check_eval_mode, check_fin
 from gml.inference import refuse_autograd, refuse_nonfinite
 from gml.ir.target import Target
 from gml.kernels.packs import drop_packed
-from gml.memory import returns_memory, shared_copy
+from gml.memory import release, returns_memory, shared_copy, trim_malloc
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, compare_outputs, run_outputs
 from gml.quant.transformer import DEFAULT_MIN_SQNR_DB as _DEFAULT_MIN_SQNR_DB
@@ -86,8 +86,7 @@ def optimize(
     detected once here — ``ONEDNN_MAX_CPU_ISA`` honoured). ``options``: the engine's switches
     (:class:`~gml.runtime.options.EngineOptions`; default: the ``GML_*`` variables', read here).
     """
-    from gml.passes.pipeline import fp32_passes
-    from gml.runtime.select import FP32_TOLERANCE, INT8_TOLERANCE, attach_runtime, check_runtime
+    from gml.runtime.select import check_runtime
     from gml.runtime.target import resolve
 
     check_precision(precision)
@@ -100,8 +99,38 @@ def optimize(
     # Capture first: it turns a wrong input (shape, dtype, count) into the user's error; running the
     # eager copy first (one copy of the weights alive at a time, #28) raised torch's raw error instead
     gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
+    ref = run_outputs(copy.deepcopy(model), [inputs])  # a copy: forward may update buffers
+    return optimize_graph(
+        gm, inputs, ref, passes=passes, strict=strict, n_check_inputs=n_check_inputs, precision=precision,
+        runtime=runtime, target=target, options=options,
+    )  # fmt: skip
+
+
+def optimize_graph(
+    gm: Any,
+    inputs: tuple,
+    eager_outputs: list,
+    *,
+    passes: Sequence[GraphPass] | None = None,
+    strict: bool = False,
+    n_check_inputs: int = 3,
+    precision: str = "fp32",
+    runtime: str = "engine",
+    target: Target | None = None,
+    options: EngineOptions | None = None,
+) -> OptimizeResult:
+    """:func:`optimize` from a captured graph ``gm`` (used in place; its tensors are replaced, never
+    written) whose outputs on ``inputs`` the model gave as ``eager_outputs``
+    (:func:`~gml.passes.manager.run_outputs`). ``gml.quantize``'s whole-model guard builds its fp32
+    model this way from the graph it captured once (issue #25): the canonical passes that already ran
+    on it change nothing, and the model's weights are not copied again (#28)."""
+    from gml.passes.pipeline import fp32_passes
+    from gml.runtime.select import FP32_TOLERANCE, INT8_TOLERANCE, attach_runtime
+    from gml.runtime.target import resolve
+
+    target, options = resolve(target), resolve_options(options)
     samples = [inputs, *random_inputs(inputs, max(0, n_check_inputs - 1), seed=1)]
-    ref = run_outputs(copy.deepcopy(model), samples[:1])  # a copy: forward may update buffers
+    ref = eager_outputs
     pipeline = list(passes) if passes is not None else fp32_passes()
     refusal = _bf16_refusal(target) if precision == "bf16" else None
     if precision == "bf16" and refusal is None:
@@ -322,7 +351,12 @@ def quantize(
     from gml.models_hf import token_range as vocab_range
 
     token_range = vocab_range(model)  # generated token ids come from the vocabulary (#15)
-    chosen, why = choose_scheme(model, scheme, inputs)
+    # The one capture of this call (issue #25): the scheme is read from it, the scheme quantizes it,
+    # the whole-model guard's fp32 model is built from its fp32-passed form. On a copy: forward()
+    # may update buffers (a running max) that must stay as the caller left them.
+    # (held in a list: handed over below as a temporary, so no local pins what the passes replace)
+    captured = [_capture_once(model, inputs, scheme, leaf_modules)]
+    chosen, why = choose_scheme(model, scheme, graph=captured[0])
     if chosen == "static" and smooth_alpha is not None:
         raise InputError(
             f"smooth_alpha={smooth_alpha:g} applies to the transformer scheme only; this model is quantized with the "
@@ -340,16 +374,15 @@ def quantize(
             smooth_alpha=smooth_alpha, token_range=token_range, reason=why, runtime=runtime,
             cost_policy=cost_policy, fallback=fallback, max_accuracy_drop=max_accuracy_drop,
             keep_intermediates=keep_intermediates,
-            target=target, options=options,
+            target=target, options=options, graph=captured.pop(),
         )  # fmt: skip
     seconds: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    # The frontend traces, runs and calibrates the model: on a copy, so buffers that forward()
-    # updates (a running max) stay as the caller left them.
-    # (a temporary, not a local: prepare_reference frees it once its fp32 passes are done, #28)
+    # The frontend runs the fp32 passes on the captured graph and calibrates it
+    # (handed over, not a local: its weights the fp32 passes replace die there, #28)
     ref = prepare_reference(
-        capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules) if leaf_modules else copy.deepcopy(model),
+        captured.pop(),
         inputs,
         calib_data,
         observer=observer,
@@ -358,6 +391,7 @@ def quantize(
         progress=progress,
         token_range=token_range,
         arithmetic=target.int8,
+        copy_graph=False,
     )
     seconds["prepare + calibrate + convert"] = time.perf_counter() - t0
 
@@ -378,12 +412,8 @@ def quantize(
     optimized: list[OptimizeResult] = []
 
     def gml_fp32() -> OptimizeResult:
-        if not optimized:
-            opt = optimize(
-                model, inputs, leaf_modules=leaf_modules, precision=fallback, runtime=runtime, strict=strict,
-                target=target, options=options,
-            )  # fmt: skip
-            optimized.append(opt)
+        if not optimized:  # from the graph captured above, sharing its weights (#25, #28)
+            optimized.append(_fp32_from(ref.fp32_graph, inputs, fallback, runtime, strict, target, options))
         return optimized[0]
 
     t0 = time.perf_counter()
@@ -403,6 +433,7 @@ def quantize(
     )
     seconds["cost policy + engine compile"] = time.perf_counter() - t0
     if cost.all_fp32:  # INT8 could not pay on this model: gml.optimize's model, and why
+        result = engine = None  # the INT8 model and its engine are not returned: freed before the report (#28)
         return _gml_fp32_instead(
             model, gml_fp32(), ref, cost, seconds, why, refusal, fallback,
             eval_data=eval_data, eval_labels=eval_labels, inputs=inputs, token_range=token_range,
@@ -410,6 +441,7 @@ def quantize(
             keep_intermediates=keep_intermediates,
             target=target,
         )  # fmt: skip
+    optimized.clear()  # the guard's fp32 model: freed before the report (a BROKEN result rebuilds it, #28)
     # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
     coverage = coverage_of(result.graph_module)
     for r in result.report.rolled_back:
@@ -423,6 +455,7 @@ def quantize(
     )  # fmt: skip
     if acc.broken and not keep_broken:  # never return a model the report calls BROKEN (keep_broken: inspect it)
         broken = f"the INT8 model is BROKEN ({acc.broken}); returning gml.optimize's {fallback} model"
+        result = engine = None
         out = _gml_fp32_instead(
             model, gml_fp32(), ref, cost, seconds, why, refusal, fallback,
             eval_data=eval_data, eval_labels=eval_labels, inputs=inputs, token_range=token_range,
@@ -603,9 +636,42 @@ def check_accuracy_drop(acc: Any, max_drop: float) -> None:
 SCHEMES = ("auto", "static", "transformer")
 
 
-def choose_scheme(model: nn.Module, scheme: str = "auto", inputs: Sequence[Any] | None = None) -> tuple[str, str]:
-    """``(scheme, why)``: the INT8 scheme :func:`quantize` uses for ``model`` and the reason; with
-    ``inputs`` a plain module is captured to look for attention in its graph."""
+def _capture_once(model: nn.Module, inputs: tuple, scheme: str, leaf_modules: Sequence[str | type]) -> Any:
+    """A copy of ``model`` captured, for :func:`quantize`: torch.fx first (torch.ao's static INT8
+    needs it) and torch.export where fx fails; outside a forced static scheme also where fx hides
+    ``torch.nn`` attention layers as opaque leaves (such a model takes the transformer scheme)."""
+    from gml.errors import InputError
+    from gml.quant.frontend import capture_for_ao
+
+    if scheme not in SCHEMES:  # before a capture that may take a while
+        raise InputError(f"unknown INT8 scheme {scheme!r}.", hint=f"use one of {', '.join(SCHEMES)}.")
+    if scheme == "static":
+        return capture_for_ao(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
+    return capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
+
+
+def _fp32_from(
+    graph: Any, inputs: tuple, precision: str, runtime: str, strict: bool, target: Target, options: EngineOptions
+) -> OptimizeResult:
+    """``gml.optimize``'s model (``precision`` fp32 or bf16) built from ``graph``, an fp32 graph
+    :func:`quantize` made from its one capture (the canonical passes already ran on it): a copy
+    sharing its tensors, the passes replace them, never write them. Its outputs stand for the
+    eager model's (the PassManager checked them against the capture's)."""
+    trim_malloc()  # the INT8 build's garbage handed back first: this model is built beside it (#28)
+    run = shared_copy(graph)
+    eager = run_outputs(run, [inputs])
+    release(run)
+    return optimize_graph(
+        shared_copy(graph), inputs, eager, precision=precision, runtime=runtime, strict=strict, target=target,
+        options=options,
+    )  # fmt: skip
+
+
+def choose_scheme(
+    model: nn.Module, scheme: str = "auto", inputs: Sequence[Any] | None = None, *, graph: Any = None
+) -> tuple[str, str]:
+    """``(scheme, why)``: the INT8 scheme :func:`quantize` uses for ``model`` and the reason; a plain
+    module is looked at in its captured ``graph`` (or, given ``inputs``, captured here) for attention."""
     from gml.errors import InputError
     from gml.quant.transformer import WHY_SCHEME, transformer_reason
 
@@ -613,7 +679,7 @@ def choose_scheme(model: nn.Module, scheme: str = "auto", inputs: Sequence[Any] 
         raise InputError(f"unknown INT8 scheme {scheme!r}.", hint=f"use one of {', '.join(SCHEMES)}.")
     if scheme != "auto":
         return scheme, f"scheme={scheme!r} requested"
-    found = transformer_reason(model, inputs)
+    found = transformer_reason(model, inputs, graph=graph)
     if found is not None:
         return "transformer", f"transformer scheme: {found}; {WHY_SCHEME}"
     return "static", "static scheme: no transformer layers found (calibrated per-tensor activation ranges)"
@@ -641,6 +707,7 @@ def _quantize_transformer(
     keep_intermediates: bool = False,
     target: Target | None = None,
     options: EngineOptions | None = None,
+    graph: Any = None,
 ) -> QuantizeResult:
     """:func:`quantize` with the transformer scheme, returned in the same result type: ``coverage``
     lists every GEMM (INT8 or fp32 and why) and what stays fp32 (attention, LayerNorm, softmax,
@@ -661,8 +728,9 @@ def _quantize_transformer(
     res = quantize_transformer(
         model, inputs, calib_data=calib_data if calib_data is not None else 8, min_sqnr_db=min_sqnr_db,
         smooth_alpha=smooth_alpha, leaf_modules=leaf_modules, strict=strict, token_range=token_range,
-        attention_bf16=fallback == "bf16", weight_qmax=target.dynamic_weight_qmax,
+        attention_bf16=fallback == "bf16", weight_qmax=target.dynamic_weight_qmax, graph=graph,
     )  # fmt: skip
+    del graph  # rewritten in place into res.module
     seconds["capture + fp32 passes + measure + quantize"] = time.perf_counter() - t0
     coverage = LoweringCoverage()
     for p in res.precisions:
@@ -692,9 +760,8 @@ def _quantize_transformer(
         from gml.quant.cost_policy import WHOLE_MARGIN, CostReport, guard_whole_model
 
         t0 = time.perf_counter()
-        opt = optimize(
-            model, inputs, leaf_modules=leaf_modules, runtime=runtime, strict=strict, target=target, options=options
-        )
+        # gml.optimize's pipeline continued from the graph the GEMMs were quantized from (#25, #28)
+        opt = _fp32_from(res.fp32_module, inputs, "fp32", runtime, strict, target, options)
         shapes = " ".join("x".join(map(str, x.shape)) for x in inputs if isinstance(x, torch.Tensor))
         cost = CostReport("measure", shapes=shapes)
         cost.whole = guard_whole_model(engine if engine is not None else res.module, lambda: opt.executable, inputs)

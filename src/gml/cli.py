@@ -359,9 +359,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise GMLError(f"--min-cosine {args.min_cosine:g} is not a cosine.", hint="give a value in [-1, 1], e.g. 0.99.")
     check_out_path(args.out)
     model, inputs = load_from_args(args)
-    from gml.api import choose_scheme
-
-    scheme, why = choose_scheme(model, args.scheme, inputs)
     from gml.data.cli import open_calib_eval
 
     calib_src, eval_src = open_calib_eval(args, model, inputs)
@@ -391,14 +388,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             per_layer=not args.no_per_layer,
             progress=True,
             leaf_modules=args.leaf,
-            scheme=scheme,
+            scheme=args.scheme,
             min_sqnr_db=None if args.min_sqnr < 0 else args.min_sqnr,
             smooth_alpha=args.smooth_alpha,
             cost_policy=args.cost_policy,
             fallback_precision=args.fallback_precision,
             keep_broken=args.keep_broken,
         )
-    console.print(f"[dim]{why}[/]")
+    console.print(f"[dim]{res.scheme_reason}[/]")
     fe = res.frontend
     if res.scheme == "transformer":
         _print_transformer_result(args, res, model, inputs, eval_src.describe() if eval_src is not None else None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import Phase, assume, event, given, settings, target
 
-import gml.quant.lower as lower_module
+import gml.quant.lower_rules as lower_rules
 from fuzz.known_bugs import known_int8_bug
 from gml.testing.fuzz import FuzzFailure, check_int8
 from gml.testing.graphgen import L, ModelSpec
@@ -34,13 +34,13 @@ def test_int8_pipeline_within_quantization_noise(spec):
 @pytest.fixture
 def broken_int8_bias(monkeypatch):
     """Lowering that hands the INT8 conv/linear kernels the negated bias."""
-    real = lower_module._weights
+    real = lower_rules._weights
 
     def negated(mod):
         w, ws, b = real(mod)
         return w, ws, None if b is None else -b
 
-    monkeypatch.setattr(lower_module, "_weights", negated)
+    monkeypatch.setattr(lower_rules, "_weights", negated)
 
 
 def test_int8_property_catches_a_wrong_bias_sign(broken_int8_bias):

@@ -244,3 +244,23 @@ def test_a_whole_model_slower_in_int8_returns_the_gml_fp32_model(monkeypatch):
     assert q.cost.whole == (3.0, 1.0)
     with torch.no_grad():
         assert _cos(q.executable(X), _model()(X)) > 0.9999  # fp32 again
+
+
+def test_a_single_region_is_left_to_the_whole_model_guard(monkeypatch):
+    """One INT8 region is the whole INT8 model: it is not timed against its fp32 ops (a second fp32
+    model built only to repeat what the guard measures: the quantize peak of #28); the guard decides."""
+    import gml.quant.cost_policy as cp
+
+    def no_region_timing(*a, **k):
+        raise AssertionError("a single region was timed on its own")
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)).eval()
+    x = torch.randn(1, 3, 16, 16)
+    monkeypatch.setattr(cp, "MeasuredCost", no_region_timing)
+    for times, precision in (((1.0, 3.0), "int8"), ((3.0, 1.0), "fp32")):
+        monkeypatch.setattr(cp, "guard_whole_model", lambda *a, _t=times, **k: _t)
+        q = gml.quantize(model, [(x,)] * 2, cost_policy="measure", per_layer=False)
+        assert q.precision == precision
+        (only,) = q.cost.decisions
+        assert only.int8 and only.cost.int8_ms is None and "whole-model guard decides it" in only.reason
+        assert q.cost.whole == times

@@ -17,6 +17,8 @@ once at the API boundary (``gml.llm``) and passed down.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gml.ir.llm_ops import QuantizedWeight
@@ -98,3 +100,30 @@ def woq_linear_native(
     else:
         engine.woq_linear(*args, act_bits)
     return y.reshape(*x.shape[:-1], w.out_features)
+
+
+def woq_linear_bound(
+    x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, y: torch.Tensor, isa: str, act_bits: int = 0
+) -> functools.partial:
+    """A call of the GEMV kernel (as :func:`woq_linear_native` with fewer than ``GEMM_MIN_ROWS`` rows)
+    from the preallocated ``x: [M, K]`` into ``y: [M, N]`` (contiguous fp32), its arguments fixed once:
+    the addresses of ``x``, ``y``, the weight and ``bias``, and the torch thread count now. The caller
+    keeps ``x``, ``y`` (and the weight, ``bias``) alive while it uses the call."""
+    from gml.runtime.native import load
+
+    m, k = x.shape
+    if x.dtype != torch.float32 or y.dtype != torch.float32 or not (x.is_contiguous() and y.is_contiguous()):
+        raise ValueError("woq_linear_bound: x and y must be contiguous fp32")
+    if k != w.in_features or tuple(y.shape) != (m, w.out_features) or m >= GEMM_MIN_ROWS:
+        raise ValueError(
+            f"woq_linear_bound: x {tuple(x.shape)} / y {tuple(y.shape)} do not fit a {w.out_features} x {k} GEMV"
+        )
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError("woq_linear_bound: bias must be contiguous fp32")
+    zeros = 0 if w.zeros is None else w.zeros.data_ptr()
+    b = 0 if bias is None else bias.data_ptr()
+    args = (
+        x.data_ptr(), m, k, w.qweight.data_ptr(), w.bits, w.group_size, w.scales.data_ptr(), zeros, b,
+        y.data_ptr(), w.out_features, isa, torch.get_num_threads(), act_bits,
+    )  # fmt: skip
+    return functools.partial(load().woq_linear, *args)

@@ -20,6 +20,7 @@ from torch import nn
 from gml.errors import InputError, ModelLoadError, UnsupportedError
 from gml.ir.llm_ops import INT4_GROUP_SIZES, INT8_GROUP_SIZES
 from gml.kernels.woq import KERNEL_ISAS, detect_kernel, native_kernel_runs
+from gml.llm.decode import DecodeStep, native_glue
 from gml.llm.gguf import is_gguf_source, load_gguf, load_gguf_tokenizer
 from gml.llm.model import Decoder, KVCache
 from gml.llm.sampling import Sampling, next_token
@@ -101,6 +102,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.stats = GenerationStats()
         self._cache: KVCache | None = None
+        self._step: DecodeStep | None = None  # the decode step bound to self._cache (gml.llm.decode)
 
     def __repr__(self) -> str:
         s = self.spec
@@ -204,13 +206,25 @@ class LLM:
             return
         for _ in range(max_new - 1):
             t0 = time.perf_counter()
-            logits = self.decoder.forward(token[:, None], cache, last_only=True)
+            logits = self._decode(token[:, None], cache)
             token = next_token(logits[:, -1], sampling, gen)
             stats.decode_seconds += time.perf_counter() - t0
             stats.new_tokens += 1
             yield int(token)
             if int(token) in stops:
                 return
+
+    def _decode(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decode step (``token: [1, 1]``) → logits ``[1, 1, V]``: :class:`DecodeStep` (preallocated
+        buffers, native glue; its logits are overwritten by the next step) when the engine has it, else
+        ``Decoder.forward``."""
+        step = self._step
+        if step is None or not step.fits(cache):
+            engine = native_glue() if cache.batch == 1 else None
+            step = self._step = None if engine is None else DecodeStep(self.decoder, cache, engine)
+        if step is None:
+            return self.decoder.forward(token, cache, last_only=True)
+        return step(token)
 
     def generate(self, input_ids, max_new_tokens: int = 32, **kwargs) -> list[int]:
         """The new token ids (not the prompt); keyword arguments as :meth:`stream`."""

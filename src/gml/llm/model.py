@@ -22,12 +22,14 @@ The LM head runs on the last position only when the caller asks for it (decode).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from gml.ir.attention import attention_op
 from gml.ir.llm_ops import QuantizedWeight, embedding_rows, quantize_weight, woq_linear
-from gml.kernels.woq import GEMM_MIN_ROWS, native_supports, woq_linear_native
+from gml.kernels.woq import GEMM_MIN_ROWS, native_supports, woq_linear_bound, woq_linear_native
 from gml.llm.spec import CapturedLM, LayerWeights, Linear, ModelSpec, Norm
 
 
@@ -94,6 +96,14 @@ class LinearOp:
             bias = None if self.bias is None else self.bias.to(torch.bfloat16)
             return F.linear(x.to(torch.bfloat16), self.weight, bias).float()
         return F.linear(x, self.weight, self.bias)
+
+    def bind(self, x: torch.Tensor, y: torch.Tensor) -> Callable[[], object]:
+        """A call writing ``self(x)`` into ``y`` (both preallocated, contiguous fp32 ``[rows, in]`` /
+        ``[rows, out]``): decode steps (:mod:`gml.llm.decode`) call it with nothing to allocate or check
+        per call — for the native kernel, its arguments are one fixed tuple."""
+        if self.qweight is not None and self.kernel is not None:
+            return woq_linear_bound(x, self.qweight, self.bias, y, self.kernel, self.act_bits_for(x.shape[0]))
+        return lambda: y.copy_(self(x))
 
     def nbytes(self) -> int:
         if self.qweight is not None:
@@ -282,6 +292,19 @@ class Decoder:
             mask &= k > q - window
         return mask.repeat(groups, 1)
 
+    def _embed(self, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """fp32 ``[B, L, H]``: the rows of ``ids: [B, L]`` (positions ``[start, end)``), scaled, plus the
+        learned positions (GPT-2)."""
+        if isinstance(self.embed, QuantizedWeight):
+            h, table_dtype = embedding_rows(self.embed, ids), torch.float32
+        else:
+            h, table_dtype = F.embedding(ids, self.embed).float(), self.embed.dtype
+        if self.spec.embed_scale != 1.0:  # HF rounds the scale to the table's dtype
+            h = h * torch.tensor(self.spec.embed_scale, dtype=table_dtype).float()
+        if self.positions is not None:
+            h = h + self.positions[start:end]
+        return h
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
         """Run positions ``[cache.length, cache.length + L)`` of ``ids: [B, L]``; returns fp32 logits
@@ -290,14 +313,7 @@ class Decoder:
         b, n = ids.shape
         start = cache.length
         end = start + n
-        if isinstance(self.embed, QuantizedWeight):
-            h, table_dtype = embedding_rows(self.embed, ids), torch.float32
-        else:
-            h, table_dtype = F.embedding(ids, self.embed).float(), self.embed.dtype
-        if spec.embed_scale != 1.0:  # HF rounds the scale to the table's dtype
-            h = h * torch.tensor(spec.embed_scale, dtype=table_dtype).float()
-        if self.positions is not None:
-            h = h + self.positions[start:end]
+        h = self._embed(ids, start, end)
         heads, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         groups = heads // kv
         masks: dict[int | None, torch.Tensor | None] = {}

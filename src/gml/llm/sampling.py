@@ -40,7 +40,9 @@ class Sampling:
 def next_token(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
     """``logits: [B, V]`` -> ``[B]`` token ids."""
     if s.temperature == 0:
-        return logits.argmax(-1)
+        # numpy's argmax: the same index (the first maximum; a NaN counts as the maximum), 7x faster
+        # than torch.argmax over a 262k vocabulary (measured, docs/llm.md)
+        return torch.from_numpy(logits.detach().numpy().argmax(-1))
     logits = logits / s.temperature
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]

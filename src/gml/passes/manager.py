@@ -34,7 +34,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils._pytree import tree_flatten
 
 from gml.errors import GMLError, PassFailure
-from gml.memory import module_tensors, release, shared_copy
+from gml.memory import module_tensors, release, returns_memory, shared_copy
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 
 
@@ -272,6 +272,7 @@ class PassManager:
         self.check_numerics = check_numerics
         self.propagate_shapes = propagate_shapes
 
+    @returns_memory  # a pipeline that grew the process hands its garbage back (replaced weights, #28)
     def run(self, gm: fx.GraphModule, sample_inputs: Sequence[tuple] | None = None) -> PipelineResult:
         """Run the pipeline. ``gm`` may be mutated; use the returned module."""
         report = PipelineReport()

@@ -29,6 +29,9 @@ A region kept fp32 is then rewritten by the same fusion passes as ``gml.optimize
 (:func:`gml.quant.pipeline.fp32_remainder_passes`): it runs GML's fused fp32 kernels, on the engine
 where the engine covers them.
 
+A model with a single INT8 region is not timed region by region: that region is the whole INT8
+model, which the last guard times against GML fp32 with a stricter margin.
+
 Last guard (:func:`run_policy`): the whole INT8 executable against ``gml.optimize``'s model (GML
 fp32, on the engine where it covers the graph), interleaved rounds (:attr:`CostReport.whole`). When
 INT8 is slower than ``whole_margin`` (:data:`WHOLE_MARGIN`, 0.9) times that, INT8 cannot pay on this model:
@@ -41,7 +44,7 @@ times the regions; tests inject fixed costs, so the decisions are deterministic 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +53,7 @@ from torch import fx
 
 from gml.ir.qdq import is_dequantize, is_quantize_any
 from gml.ir.values import cloned
-from gml.memory import shared_copy
+from gml.memory import returns_memory, shared_copy, trim_malloc
 from gml.passes.utils import remove_unused_nodes
 from gml.quant.lower import KEEP_FP32_COST as KEEP_FP32  # node.meta key LowerToGML reads
 from gml.runtime.options import COST_POLICIES
@@ -149,11 +152,13 @@ def _is_u8(value: Any) -> bool:
     return False
 
 
-def record(gm: fx.GraphModule, inputs: Sequence[Any]) -> dict[fx.Node, Any]:
-    """Every node's value on ``inputs`` (a run of the Python executor on copies)."""
+def record(gm: fx.GraphModule, inputs: Sequence[Any], keep: Collection[fx.Node] | None = None) -> dict[fx.Node, Any]:
+    """Every node's value on ``inputs`` (a run of the Python executor on copies); with ``keep``,
+    only those nodes' (the others are freed as the run goes: a whole model's activations at once
+    were the build's peak, #28)."""
     from gml.runtime.compile import Recorder
 
-    rec = Recorder(gm)
+    rec = Recorder(gm, keep)
     with torch.no_grad():
         rec.run(*cloned(inputs))
     return rec.values
@@ -207,6 +212,20 @@ def find_regions(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> list[Region]
 
 
 # ---------------------------------------------------------------- measuring
+def _read_by(gm: fx.GraphModule, groups: Sequence[Sequence[str]]) -> set[fx.Node]:
+    """The nodes of ``gm`` that the node groups (names) read from outside themselves: what timing
+    each group as a :func:`subgraph` needs as inputs."""
+    out: set[fx.Node] = set()
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for names in groups:
+        inside = set(names)
+        for name in names:
+            n = nodes.get(name)
+            if n is not None:
+                out.update(a for a in n.all_input_nodes if a.name not in inside)
+    return out
+
+
 def subgraph(gm: fx.GraphModule, names: Sequence[str]) -> tuple[fx.GraphModule, list[fx.Node]]:
     """``gm``'s nodes ``names`` as a GraphModule of their own: ``(module, the outside nodes it
     reads, in placeholder order)``; it returns, as a tuple, every member read outside it."""
@@ -246,10 +265,16 @@ class MeasuredCost:
         runtime: str = "engine",
         rounds: int = 5,
         lowered_values: dict[fx.Node, Any] | None = None,
+        regions: Sequence[Region] | None = None,
     ) -> None:
         self.lowered, self.twin, self.runtime, self.rounds = lowered, twin, runtime, rounds
         self.values = lowered_values if lowered_values is not None else record(lowered, inputs)
-        self.twin_values = record(twin, inputs)
+        # given the regions to time, only the values they read are kept (of both graphs)
+        twin_keep = None
+        if regions is not None:
+            self.values = {n: v for n, v in self.values.items() if n in _read_by(lowered, [r.nodes for r in regions])}
+            twin_keep = _read_by(twin, [r.covered for r in regions])
+        self.twin_values = record(twin, inputs, twin_keep)
         #: the graphs built to time the current region, emptied once it is timed (see __call__)
         self._scratch: list[fx.GraphModule] = []
 
@@ -419,6 +444,7 @@ def _set_submodule(gm: fx.GraphModule, target: str, module: torch.nn.Module) -> 
     setattr(parent, attr, module)
 
 
+@returns_memory  # its garbage (replaced weights, timing graphs) handed back before the next stage (#28)
 def plan_regions(
     lowered: fx.GraphModule,
     reference: fx.GraphModule,
@@ -440,8 +466,19 @@ def plan_regions(
     report = CostReport("measure", shapes=shapes)
     if not regions:
         return None, report
+    if cost is None and len(regions) == 1:
+        # The only region is all of the model's INT8: timing it against its fp32 ops built a second
+        # fp32 model (and engine) for what the whole-model guard measures next anyway, whole INT8
+        # executable vs GML fp32 with the stricter WHOLE_MARGIN; that build was the peak of
+        # gml.quantize on ResNet18 (#28). The guard decides it.
+        only = "the model's only INT8 region: the whole-model guard decides it"
+        report.decisions = [RegionDecision(regions[0], RegionCost(None, None, only), True, only)]
+        return None, report
     if cost is None:
-        cost = MeasuredCost(lowered, twin, inputs, runtime=runtime, rounds=rounds, lowered_values=values)
+        cost = MeasuredCost(
+            lowered, twin, inputs, runtime=runtime, rounds=rounds, lowered_values=values, regions=regions
+        )
+    del values  # what the regions read is in the MeasuredCost
     report.decisions = decide(regions, cost, min_speedup=min_speedup)
     keep: dict[str, str] = {}
     for d in report.kept_fp32:
@@ -496,6 +533,7 @@ def run_policy(
         measure_on = runtime
         if runtime == "engine" and attach(lowered.graph_module)[0] is None:
             measure_on = "torch"  # the engine declines this graph: the Python executor will run it
+        trim_malloc()  # that trial engine's plan and reordered weights are garbage now (#28)
         kept_ref, cost = plan_regions(lowered.graph_module, reference, twin, inputs, runtime=measure_on, cost=given)
         if kept_ref is not None:
             result = relower(kept_ref)

@@ -46,7 +46,7 @@ from gml.errors import InputError, UnsupportedError
 from gml.ir.layers import behaves_as
 from gml.ir.qdq import is_dequantize, is_quantize_any
 from gml.ir.target import Int8Arithmetic
-from gml.memory import shared_copy
+from gml.memory import returns_memory, shared_copy
 from gml.passes.manager import PassManager, PipelineReport
 from gml.quant.backend_config import (
     NORMALIZED_MODULES,
@@ -167,6 +167,10 @@ class ReferenceResult:
     graph_module: fx.GraphModule
     float_module: fx.GraphModule
     report: FrontendReport
+    #: the graph after the fp32 passes, before torch.ao touched it (sharing its tensors with
+    #: ``float_module``): where ``gml.quantize``'s whole-model guard builds GML's fp32 model from
+    #: without capturing the model again (issue #25)
+    fp32_graph: fx.GraphModule | None = None
 
 
 # ---------------------------------------------------------------- fp32 passes
@@ -177,19 +181,28 @@ def fp32_passes() -> list:
     return reference_passes()
 
 
-def run_fp32_passes(model: nn.Module, example_inputs: Sequence[Any]) -> tuple[fx.GraphModule, PipelineReport]:
-    """Capture (if needed) and run :func:`fp32_passes` under the PassManager's checks."""
+def run_fp32_passes(
+    model: nn.Module, example_inputs: Sequence[Any], *, copy_graph: bool = True
+) -> tuple[fx.GraphModule, PipelineReport]:
+    """Capture (if needed) and run :func:`fp32_passes` under the PassManager's checks. A graph is
+    copied first unless ``copy_graph=False`` (a graph the caller hands over: ``gml.quantize``'s one
+    capture, already a copy of the user's model)."""
     from gml.capture import check_eval_mode
 
     check_eval_mode(model, what="INT8 quantization")
     _check_float32(model)
-    gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else capture_for_ao(model, example_inputs)
+    if isinstance(model, fx.GraphModule):
+        gm = copy.deepcopy(model) if copy_graph else model
+    else:
+        gm = capture_for_ao(model, example_inputs)
     result = PassManager(fp32_passes()).run(gm, [tuple(example_inputs)])
     _refuse_kept_inplace_ops(result.graph_module, result.report)
     return result.graph_module, result.report
 
 
-def capture_for_ao(model: nn.Module, example_inputs: Sequence[Any]) -> fx.GraphModule:
+def capture_for_ao(
+    model: nn.Module, example_inputs: Sequence[Any], *, leaf_modules: Sequence[str | type] = ()
+) -> fx.GraphModule:
     """The graph torch.ao's static INT8 starts from: torch.fx's, as ``gml.optimize`` prefers it,
     except that fx's preference for torch.export when it keeps torch.nn attention layers opaque does
     not apply (those models take the transformer scheme). When fx cannot trace the model at all,
@@ -200,10 +213,10 @@ def capture_for_ao(model: nn.Module, example_inputs: Sequence[Any]) -> fx.GraphM
     from gml.errors import TraceFailure
 
     try:
-        return capture(model, example_inputs, export=False)
+        return capture(model, example_inputs, leaf_modules=leaf_modules, export=False)
     except TraceFailure as fx_error:
         try:
-            return capture(model, example_inputs)
+            return capture(model, example_inputs, leaf_modules=leaf_modules)
         except TraceFailure:
             raise fx_error from None
 
@@ -498,6 +511,7 @@ def _calibration_source(
     return calib_data, "user data"
 
 
+@returns_memory  # its garbage (replaced weights, timing graphs) handed back before the next stage (#28)
 def prepare_reference(
     model: nn.Module,
     example_inputs: Sequence[Any],
@@ -513,6 +527,7 @@ def prepare_reference(
     seed: int = 0,
     token_range: tuple[int, int] | None = None,
     arithmetic: Int8Arithmetic | None = None,
+    copy_graph: bool = True,
 ) -> ReferenceResult:
     """fp32 model → calibrated reference Q/DQ graph (see the module docstring).
 
@@ -532,12 +547,16 @@ def prepare_reference(
         arithmetic: the target's INT8 arithmetic (``Target.int8``): the weight and activation
             ranges every kernel on that CPU computes exactly (docs/adr/011-int8-on-every-isa.md);
             default: this process's target's.
+        copy_graph: ``False``: ``model`` is a graph handed over (``gml.quantize``'s one capture), not
+            copied but rewritten in place.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     silence_qtensor_notice()
-    gm, fp32_report = run_fp32_passes(model, example_inputs)
+    gm, fp32_report = run_fp32_passes(model, example_inputs, copy_graph=copy_graph)
     del model  # the caller's copy: its weights the fp32 passes replaced (BN folded) die here (#28)
+    # prepare works on a copy sharing gm's tensors, so gm stays the fp32 graph (no weight copy)
+    fp32_graph = gm
     prepared = prepare(
         gm, example_inputs, observer=observer, per_channel=per_channel, backend=backend, percentile=percentile,
         arithmetic=arithmetic,
@@ -553,7 +572,7 @@ def prepare_reference(
         if kept:
             report.notes.append(f"model outputs kept fp32 (INT8 kernel writes fp32): {', '.join(kept)}")
     report.ops = summarize_reference(ref, backend)
-    return ReferenceResult(ref, twin, report)
+    return ReferenceResult(ref, twin, report, fp32_graph)
 
 
 __all__ = [

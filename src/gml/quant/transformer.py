@@ -44,7 +44,7 @@ from torch import fx, nn
 
 from gml.ir.library import gml_op_name, op, op_args
 from gml.kernels import dynamic_int8
-from gml.memory import shared_copy
+from gml.memory import release, returns_memory, shared_copy
 from gml.passes.base import GraphPass, PassResult, Skip
 from gml.passes.utils import modules_of
 
@@ -560,11 +560,14 @@ def precisions(gm: fx.GraphModule) -> list[GemmPrecision]:
     return rows
 
 
-def transformer_reason(model: nn.Module, inputs: Sequence[Any] | None = None) -> str | None:
+def transformer_reason(
+    model: nn.Module, inputs: Sequence[Any] | None = None, *, graph: fx.GraphModule | None = None
+) -> str | None:
     """Why ``model`` gets the transformer scheme (``None``: it does not): a transformers model, or
-    one holding ``torch.nn`` attention/transformer layers, or a graph that calls attention. Given
-    ``inputs``, a plain module (timm's ViTs, a hand-written encoder) is captured and normalized to
-    find attention the way the fp32 pipeline does: an SDPA call or the hand-written
+    one holding ``torch.nn`` attention/transformer layers, or a graph that calls attention. A plain
+    module (timm's ViTs, a hand-written encoder) is looked at in its captured ``graph`` (given, as
+    ``gml.quantize`` captures once; or, given ``inputs``, captured here), normalized to find
+    attention the way the fp32 pipeline does: an SDPA call or the hand-written
     matmul → scale → mask → softmax → matmul chain (:class:`gml.passes.attention.FuseAttention`)."""
     from gml.capture_export import OPAQUE_TO_FX
 
@@ -580,7 +583,7 @@ def transformer_reason(model: nn.Module, inputs: Sequence[Any] | None = None) ->
         if name and any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
                         for c in type(m).__mro__):  # fmt: skip
             return f"it holds a transformers {type(m).__name__} ('{name}')"
-    if inputs is None:
+    if graph is None and inputs is None:
         return None
     import copy
 
@@ -590,12 +593,16 @@ def transformer_reason(model: nn.Module, inputs: Sequence[Any] | None = None) ->
     from gml.quant.frontend import capture_for_ao
 
     try:  # the graph the static scheme would quantize (torch.export's when fx fails: timm ConViT)
-        gm = capture_for_ao(copy.deepcopy(model), inputs)
+        # (a copy sharing the graph's tensors: the passes replace tensors, never write them)
+        gm = shared_copy(graph) if graph is not None else capture_for_ao(copy.deepcopy(model), inputs)
         gm = Normalize().call(gm).graph_module
         gm = FuseAttention().call(gm).graph_module
     except GMLError:  # the static path reports why the model does not capture
         return None
-    return _graph_attention(gm) or _softmax_between_matmuls(gm)
+    try:
+        return _graph_attention(gm) or _softmax_between_matmuls(gm)
+    finally:  # an fx graph is a reference cycle: emptied now, it pins none of the weights the
+        release(gm)  # scheme's passes replace until the next full garbage collection (#28)
 
 
 def _softmax_between_matmuls(gm: fx.GraphModule, hops: int = 6) -> str | None:
@@ -663,6 +670,7 @@ def _check_batches(batches: Sequence[tuple], inputs: tuple) -> None:
             )
 
 
+@returns_memory  # its garbage (replaced weights, timing graphs) handed back before the next stage (#28)
 def quantize_transformer(
     model: nn.Module,
     example_inputs: Sequence[Any],
@@ -675,8 +683,12 @@ def quantize_transformer(
     token_range: tuple[int, int] | None = None,
     attention_bf16: bool = False,
     weight_qmax: int = 127,
+    graph: fx.GraphModule | None = None,
 ) -> TransformerQuantResult:
     """Quantize a transformer with the scheme of this module; ``model`` is not modified.
+
+    ``graph``: ``model`` already captured (:func:`gml.capture`, on a copy), rewritten in place
+    (``gml.quantize`` captures once); default: captured here.
 
     ``attention_bf16``: attention on bf16 q / k / v (:class:`AttentionInBf16`; the mixed mode of
     ``gml.quantize(..., fallback_precision="bf16")``; the caller checks the CPU has native bf16).
@@ -712,7 +724,7 @@ def quantize_transformer(
     quantize_pass = QuantizeLinearsDynamic(
         batches, min_sqnr_db=min_sqnr_db, smooth_alpha=smooth_alpha, weight_qmax=weight_qmax
     )  # checks options
-    gm = capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
+    gm = graph if graph is not None else capture(copy.deepcopy(model), inputs, leaf_modules=leaf_modules)
     fp32_passes = [*canonical_passes(), FuseAttention(), HorizontalMerge(), *fp32_conv_passes()]
     fp32 = PassManager(fp32_passes, strict=strict).run(gm, [inputs])
     fp32_gm = shared_copy(fp32.graph_module)  # the INT8 passes replace the weights they quantize

@@ -18,7 +18,7 @@ import operator
 import statistics
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -332,13 +332,16 @@ class Recorder(fx.Interpreter):
     """A Python executor keeping every node's result (a segment's layouts for its plan; the INT8
     cost policy's region values)."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, keep: Collection[fx.Node] | None = None) -> None:
         super().__init__(gm)
         self.values: dict[fx.Node, Any] = {}
+        #: the nodes whose results are kept (``None``: every node's); the others are freed once read
+        self.keep = keep
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        self.values[n] = out
+        if self.keep is None or n in self.keep:
+            self.values[n] = out
         return out
 
 

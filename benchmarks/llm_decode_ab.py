@@ -1,0 +1,104 @@
+"""Decode tokens/s of saved GML LLMs — under one or more GML checkouts — and of llama.cpp GGUFs, one
+interleaved run (every row a fresh process per round, rows in a seeded random order per round).
+
+    python benchmarks/llm_decode_ab.py --gml new=.venv/bin/python --gml old=../base/.venv/bin/python \\
+        --model int8=/tmp/gemma-int8.gml --model int4=/tmp/gemma-int4.gml --activations int8 \\
+        --llamacpp Q8_0=/tmp/gemma-3-270m-q8_0.gguf --llamacpp Q4_0=/tmp/gemma-3-270m-q4_0.gguf
+
+Each row: a prompt of ``--prompt`` random token ids (seeded), then ``--steps`` decode steps, batch 1,
+``--threads`` threads. GML: ``lm.generate`` (greedy; the LM head runs every step) after one short
+untimed generation, ``lm.stats.decode_tokens_per_second``. llama.cpp: ``llamacpp_worker.py decode``
+(llama-cpp-python, its AMX matmul off: see llamacpp_noamx.c), which feeds the sequence's next ids.
+A GML checkout is given by its venv's python, so an old commit and a new one run side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+GML_ROW = r"""
+import json, sys, torch, gml
+path, act, prompt, steps, threads, tokens = sys.argv[1:7]
+torch.set_num_threads(int(threads))
+seq = json.load(open(tokens))[0]
+lm = gml.llm(path, activations=act, max_length=int(prompt) + int(steps) + 8)
+lm.generate(seq[:8], 4)
+lm.generate(seq[: int(prompt)], int(steps) + 1)
+print(json.dumps({"decode_tokens_per_second": lm.stats.decode_tokens_per_second}))
+"""
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None) -> float:
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode:
+        raise RuntimeError(f"{cmd[:3]} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["decode_tokens_per_second"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gml", action="append", default=[], help="LABEL=PYTHON of a GML checkout's venv")
+    ap.add_argument("--model", action="append", default=[], help="LABEL=FILE written by lm.save")
+    ap.add_argument("--activations", default="int8", help="comma-separated: fp32,int8")
+    ap.add_argument("--llamacpp", action="append", default=[], help="LABEL=FILE.gguf")
+    ap.add_argument("--llamacpp-python", default="/work/venvs/llamacpp/bin/python")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=262144, help="random prompt ids are drawn below this")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="gml-decode-ab-"))
+    rng = random.Random(args.seed)
+    tokens = work / "tokens.json"
+    tokens.write_text(json.dumps([[2] + [rng.randrange(args.vocab) for _ in range(args.prompt + args.steps + 8)]]))
+    rows: dict[str, tuple[list[str], dict[str, str] | None]] = {}
+    for g in args.gml:
+        label, py = g.split("=", 1)
+        for m in args.model:
+            mlabel, path = m.split("=", 1)
+            for act in args.activations.split(","):
+                cmd = [py, "-c", GML_ROW, path, act, str(args.prompt), str(args.steps), str(args.threads), str(tokens)]
+                rows[f"GML {label} {mlabel}" + (", int8 activations" if act == "int8" else "")] = (cmd, None)
+    if args.llamacpp:
+        lib = work / "libnoamx.so"
+        cc = ["gcc", "-O2", "-shared", "-fPIC", str(HERE / "llamacpp_noamx.c"), "-o", str(lib), "-ldl"]
+        subprocess.run(cc, check=True)
+        env = {**os.environ, "LD_PRELOAD": str(lib)}
+        for q in args.llamacpp:
+            label, path = q.split("=", 1)
+            cmd = [args.llamacpp_python, str(HERE / "llamacpp_worker.py"), "decode", path, str(tokens),
+                   str(args.prompt), str(args.steps)]  # fmt: skip
+            rows[f"llama.cpp {label}"] = (cmd, env)
+    got: dict[str, list[float]] = {name: [] for name in rows}
+    order = list(rows)
+    for r in range(args.rounds):
+        rng.shuffle(order)
+        for name in order:
+            cmd, env = rows[name]
+            got[name].append(run(cmd, env))
+            print(f"round {r + 1}: {name}: {got[name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    print(f"\nbatch 1, prompt {args.prompt}, {args.steps} decode steps, {args.threads} threads, best of "
+          f"{args.rounds} interleaved rounds; load average at the end {' / '.join(load)}")  # fmt: skip
+    print("| runtime | decode tok/s (best) | median | all rounds |")
+    print("|---|---|---|---|")
+    for name, v in got.items():
+        med = sorted(v)[len(v) // 2]
+        print(f"| {name} | {max(v):.1f} | {med:.1f} | {', '.join(f'{x:.1f}' for x in v)} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""gml.llm.decode: the batch-1 decode step (preallocated buffers, native glue) equals Decoder.forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import gml
+from assets.llm_models import FAMILIES, tiny
+from gml.llm.decode import DecodeStep, native_glue
+from gml.llm.model import KVCache
+from gml.llm.sampling import Sampling, next_token
+
+PROMPT = [5, 17, 3, 99, 42, 8, 64, 23, 11, 7]
+
+pytestmark = pytest.mark.skipif(native_glue() is None, reason="the native engine is not built")
+
+
+def _both(lm, tokens: list[int], kv_dtype=torch.float32):
+    """Logits of each token fed one decode step at a time after PROMPT, by forward and by DecodeStep."""
+    dec = lm.decoder
+    caches = [KVCache(dec.spec, 1, lm.max_length, kv_dtype) for _ in range(2)]
+    for c in caches:
+        dec.forward(torch.tensor([PROMPT]), c, last_only=True)
+    step = DecodeStep(dec, caches[1], native_glue())
+    ref, got = [], []
+    for t in tokens:
+        ids = torch.tensor([[t]])
+        ref.append(dec.forward(ids, caches[0], last_only=True)[0, -1])
+        got.append(step(ids)[0, -1].clone())
+    assert caches[0].length == caches[1].length == len(PROMPT) + len(tokens)
+    return torch.stack(ref), torch.stack(got), caches
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_decode_step_equals_forward(family, weights):
+    # every family's variant: GQA / MQA, q/k norm, sandwich norms, (1 + w), soft-capping, partial rotary,
+    # layer norm + learned positions; 20 steps past Mistral's (16) and Gemma 3's (8) sliding windows
+    lm = gml.llm(tiny(family), weights=weights, max_length=64)
+    tokens = [(13 * i + 5) % 128 for i in range(20)]
+    ref, got, caches = _both(lm, tokens)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    n = caches[0].length
+    assert torch.allclose(caches[0].data[..., :n, :], caches[1].data[..., :n, :], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_decode_step_int4_and_int8_activations(activations):
+    lm = gml.llm(tiny("llama"), weights="int4", activations=activations, max_length=64)
+    ref, got, _ = _both(lm, list(range(30, 42)))
+    # int8 activations: an fp32-rounding difference upstream may flip one rounding of x to int8
+    tol = 1e-5 if activations == "fp32" else 1e-3
+    assert (got - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_decode_step_bf16_cache_and_bf16_weights():
+    lm = gml.llm(tiny("qwen3"), weights="bf16", max_length=64)
+    ref, got, _ = _both(lm, list(range(12)), kv_dtype=torch.bfloat16)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_generate_uses_the_step_and_rebinds_on_a_new_cache_or_thread_count():
+    lm = gml.llm(tiny("gemma3"), weights="int8", max_length=96)
+    first = lm.generate(PROMPT, 16)
+    step = lm._step
+    assert isinstance(step, DecodeStep) and step.fits(lm._cache)
+    assert lm.generate(PROMPT, 16) == first and lm._step is step  # same cache: the step is reused
+    lm.logits(torch.tensor([PROMPT, PROMPT]))  # a batch-2 cache replaces the batch-1 one
+    assert lm.generate(PROMPT, 16) == first and lm._step is not step
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert not lm._step.fits(lm._cache)
+        assert lm.generate(PROMPT, 16) == first
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_native_glue_matches_torch():
+    eng = native_glue()
+    torch.manual_seed(0)
+    x, w, b = torch.randn(1, 300), torch.randn(300), torch.randn(300)
+    y = torch.empty(1, 300)
+    eng.decode_norm(x.data_ptr(), 300, w.data_ptr(), 0, 0, 1e-6, y.data_ptr())
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert torch.allclose(y, ref, rtol=1e-6, atol=1e-6)
+    eng.decode_norm(x.data_ptr(), 300, w.data_ptr(), b.data_ptr(), 1, 1e-5, y.data_ptr())
+    assert torch.allclose(y, torch.nn.functional.layer_norm(x, (300,), w, b, 1e-5), rtol=1e-5, atol=1e-5)
+    # residual add with the delta's own norm, then the next norm
+    h, delta, dw = torch.randn(1, 300), torch.randn(1, 300), torch.randn(300)
+    h_ref = h + delta * torch.rsqrt(delta.pow(2).mean(-1, keepdim=True) + 1e-6) * dw
+    args = (h.data_ptr(), delta.data_ptr(), 300, True, dw.data_ptr(), 0, w.data_ptr(), 0, 0, 1e-6, y.data_ptr())
+    eng.decode_residual_norm(*args)
+    assert torch.allclose(h, h_ref, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(y, h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-6) * w, rtol=1e-5, atol=1e-6)
+    # RoPE on 12 of 16 dims (partial rotary), 3 q heads + 1 k head, no q/k norm; v untouched
+    heads, kv, d, r = 3, 1, 16, 12
+    qkv = torch.randn(1, (heads + 2 * kv) * d)
+    ang = torch.rand(r // 2)
+    cos, sin = torch.cat([ang.cos()] * 2), torch.cat([ang.sin()] * 2)
+    x4 = qkv[0, : (heads + kv) * d].view(heads + kv, d)
+    xr, x1, x2 = x4[:, :r], x4[:, : r // 2], x4[:, r // 2 : r]
+    expect = torch.cat([xr * cos + torch.cat((-x2, x1), -1) * sin, x4[:, r:]], -1).reshape(-1)
+    v = qkv[0, (heads + kv) * d :].clone()
+    eng.decode_qk_norm_rope(qkv.data_ptr(), heads, kv, d, 0, 0, 0, 1e-6, r, cos.data_ptr(), sin.data_ptr())
+    assert torch.equal(qkv[0, : (heads + kv) * d], expect)  # same products, same rounding
+    assert torch.equal(qkv[0, (heads + kv) * d :], v)
+    with pytest.raises(ValueError, match="rotary"):
+        eng.decode_qk_norm_rope(qkv.data_ptr(), heads, kv, d, 0, 0, 0, 1e-6, 7, cos.data_ptr(), sin.data_ptr())
+
+
+def test_greedy_argmax_is_torch_argmax():
+    logits = torch.tensor([[0.0, 3.0, 3.0, -1.0], [float("nan"), 1.0, float("nan"), 2.0]])
+    got = next_token(logits, Sampling(), torch.Generator())
+    assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
+    big = torch.from_numpy(np.random.default_rng(0).standard_normal((2, 262144)).astype(np.float32))
+    assert torch.equal(next_token(big, Sampling(), torch.Generator()), big.argmax(-1))
