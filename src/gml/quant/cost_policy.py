@@ -541,9 +541,20 @@ def run_policy(
         if strict:
             raise
         return (lowered, *attach(lowered.graph_module), CostReport("measure", notes=[_failed(e)]))
+    # the fp32 model first: the transient copies its build makes (the Python executor's packed
+    # weights while its engine is checked) then never sit beside the INT8 engine (#28)
+    try:
+        reference = fp32()
+    except Exception as e:
+        if strict:
+            raise
+        cost.notes.append(f"whole-model guard not measured ({type(e).__name__}: {e})")
+        return (result, *attach(result.graph_module), cost)
     engine, runtime_report = attach(result.graph_module)
     try:
-        cost.whole = guard_whole_model(engine if engine is not None else result.graph_module, fp32, inputs)
+        cost.whole = guard_whole_model(
+            engine if engine is not None else result.graph_module, lambda: reference, inputs
+        )
     except Exception as e:
         if strict:
             raise
