@@ -306,35 +306,43 @@ inline void check(const Problem& p, const std::string& isa) {
     throw std::invalid_argument("woq_linear: unsupported bits / group_size / zeros combination");
 }
 
+// Rows per block of the fp32-activation GEMV (see rows_avx512).
+constexpr int64_t kRowBlock = 4;
+
+// Block `blk` (rows blk * kRowBlock ..) of the fp32-activation GEMV with the kernel of level
+// `which` (fp32_level): grouped INT8 first, then the ISA's row kernels, a short last block row by
+// row. The one dispatch both the OpenMP loop below and the decode pool (woq_pool.h) run.
+inline void row_block(const Problem& p, int64_t blk, int which) {
+  constexpr int64_t R = kRowBlock;
+  const int64_t n0 = blk * R;
+  if (n0 + R <= p.N && rows8_grouped<R>(p, n0, which)) {
+    // grouped INT8 (above)
+  } else if (n0 + R <= p.N && which == 2) {
+    rows_avx512<R>(p, n0);
+  } else if (n0 + R <= p.N && which == 1) {
+    rows_avx2<R>(p, n0);
+  } else {
+    for (int64_t n = n0; n < std::min(n0 + R, p.N); ++n) {
+      if (rows8_grouped<1>(p, n, which))
+        continue;
+      if (which == 2)
+        rows_avx512<1>(p, n);
+      else if (which == 1)
+        rows_avx2<1>(p, n);
+      else
+        row_scalar(p, n);
+    }
+  }
+}
+
 // Runs the problem with `isa`'s kernel on `nthreads` threads (0: OpenMP's default).
 inline void linear(const Problem& p, const std::string& isa, int nthreads) {
   check(p, isa);
   const int threads = nthreads > 0 ? nthreads : omp_get_max_threads();
   const int which = fp32_level(isa);
-  constexpr int64_t R = 4;  // rows per block (see rows_avx512)
-  const int64_t blocks = (p.N + R - 1) / R;
+  const int64_t blocks = (p.N + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t n0 = blk * R;
-    if (n0 + R <= p.N && rows8_grouped<R>(p, n0, which)) {
-      // grouped INT8 (above)
-    } else if (n0 + R <= p.N && which == 2) {
-      rows_avx512<R>(p, n0);
-    } else if (n0 + R <= p.N && which == 1) {
-      rows_avx2<R>(p, n0);
-    } else {
-      for (int64_t n = n0; n < std::min(n0 + R, p.N); ++n) {
-        if (rows8_grouped<1>(p, n, which))
-          continue;
-        if (which == 2)
-          rows_avx512<1>(p, n);
-        else if (which == 1)
-          rows_avx2<1>(p, n);
-        else
-          row_scalar(p, n);
-      }
-    }
-  }
+  for (int64_t blk = 0; blk < blocks; ++blk) row_block(p, blk, which);
 }
 
 }  // namespace gml_woq

@@ -373,22 +373,26 @@ void rows_act8(const Problem& p, const Acts& a, int64_t n0, Act8Kernel kern) {
 }
 
 // woq_linear with act_bits = 8 on `isa`'s kernel, `nthreads` threads (0: OpenMP's default).
+// Block `blk` (rows blk * kRowBlock ..) of the int8-activation GEMV: every activation load feeds
+// kRowBlock rows; a short last block row by row. Shared by linear_act8 and the decode pool.
+inline void act8_block(const Problem& p, const Acts& a, int64_t blk, Act8Kernel kern) {
+  constexpr int64_t R = kRowBlock;
+  const int64_t n0 = blk * R;
+  if (n0 + R <= p.N) {
+    rows_act8<R>(p, a, n0, kern);
+  } else {
+    for (int64_t n = n0; n < p.N; ++n) rows_act8<1>(p, a, n, kern);
+  }
+}
+
 inline void linear_act8(const Problem& p, const std::string& isa, int nthreads) {
   check(p, isa);
   const Act8Kernel kern = act8_kernel(isa);
   const Acts a = quantize_acts(p, kern != Act8Kernel::kScalar);
   const int threads = nthreads > 0 ? nthreads : omp_get_max_threads();
-  constexpr int64_t R = 4;  // rows per block: every activation load feeds four rows
-  const int64_t blocks = (p.N + R - 1) / R;
+  const int64_t blocks = (p.N + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t n0 = blk * R;
-    if (n0 + R <= p.N) {
-      rows_act8<R>(p, a, n0, kern);
-    } else {
-      for (int64_t n = n0; n < p.N; ++n) rows_act8<1>(p, a, n, kern);
-    }
-  }
+  for (int64_t blk = 0; blk < blocks; ++blk) act8_block(p, a, blk, kern);
 }
 
 }  // namespace gml_woq

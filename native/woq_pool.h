@@ -150,47 +150,19 @@ inline void for_row_blocks(int64_t blocks, int nthreads, const std::function<voi
 inline void linear_pooled(const Problem& p, const std::string& isa, int nthreads, int act_bits) {
   check(p, isa);
   const int threads = nthreads > 0 ? nthreads : omp_get_max_threads();
-  constexpr int64_t R = 4;
-  const int64_t blocks = (p.N + R - 1) / R;
+  const int64_t blocks = (p.N + kRowBlock - 1) / kRowBlock;
   if (act_bits == 8) {
     const Act8Kernel kern = act8_kernel(isa);
     const Acts a = quantize_acts(p, kern != Act8Kernel::kScalar);
     for_row_blocks(blocks, threads, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t n0 = blk * R;
-        if (n0 + R <= p.N) {
-          rows_act8<R>(p, a, n0, kern);
-        } else {
-          for (int64_t n = n0; n < p.N; ++n) rows_act8<1>(p, a, n, kern);
-        }
-      }
+      for (int64_t blk = b0; blk < b1; ++blk) act8_block(p, a, blk, kern);  // woq_int8act.h
     });
     return;
   }
   if (act_bits != 0) throw std::invalid_argument("woq_linear: act_bits is 0 (fp32 activations) or 8");
   const int which = fp32_level(isa);
   for_row_blocks(blocks, threads, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * R;
-      if (n0 + R <= p.N && rows8_grouped<R>(p, n0, which)) {
-        // grouped INT8 (woq.h)
-      } else if (n0 + R <= p.N && which == 2) {
-        rows_avx512<R>(p, n0);
-      } else if (n0 + R <= p.N && which == 1) {
-        rows_avx2<R>(p, n0);
-      } else {
-        for (int64_t n = n0; n < std::min(n0 + R, p.N); ++n) {
-          if (rows8_grouped<1>(p, n, which))
-            continue;
-          if (which == 2)
-            rows_avx512<1>(p, n);
-          else if (which == 1)
-            rows_avx2<1>(p, n);
-          else
-            row_scalar(p, n);
-        }
-      }
-    }
+    for (int64_t blk = b0; blk < b1; ++blk) row_block(p, blk, which);  // woq.h's dispatch
   });
 }
 
