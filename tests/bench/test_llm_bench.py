@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import gml
 from assets.llm_models import tiny
@@ -61,3 +62,13 @@ def test_bench_llm_errors(folder, capsys):
     assert main(["bench", str(folder), "--llm", "--llm-activations", "int4"]) != 0
     out = capsys.readouterr()
     assert "int3" in out.out + out.err and "--md" in out.out + out.err
+
+
+def test_threads_apply_to_the_call_only(folder):
+    """``threads=`` times with that many threads and leaves the caller's setting as it was (it leaked
+    into the rest of a test session)."""
+    before = torch.get_num_threads()
+    want = 2 if before == 1 else 1
+    result = bench_llm(str(folder), weights=["fp32"], prompt_tokens=8, new_tokens=3, rounds=1, threads=want)
+    assert f"{want} thread(s)" in result.cpu
+    assert torch.get_num_threads() == before

@@ -182,8 +182,16 @@ def bench_llm(
 
     if new_tokens < 2:
         raise InputError(f"--new-tokens must be >= 2 to time decoding, got {new_tokens}", "use --new-tokens 32")
-    if threads:
+    if threads:  # for this call only (a caller's process keeps its own setting)
+        before = torch.get_num_threads()
         torch.set_num_threads(threads)
+        try:
+            return bench_llm(
+                source, weights=weights, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds,
+                seed=seed, kernel=kernel, activations=activations, progress=progress,
+            )  # fmt: skip
+        finally:
+            torch.set_num_threads(before)
     say = progress or (lambda _msg: None)
     target = resolve(None)
     cpu = f"{cpu_name()} (oneDNN ISA {target.isa}), {torch.get_num_threads()} thread(s)"
