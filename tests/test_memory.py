@@ -7,7 +7,10 @@ the module's tensors instead of copying them."""
 from __future__ import annotations
 
 import gc
+import json
 import weakref
+import zipfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ from torch import fx, nn
 
 import gml
 from assets.models import SmallCNN
+from gml import archive
 from gml.bench.memory import reachable_storages
 from gml.errors import PassFailure
 from gml.memory import module_tensors
@@ -270,6 +274,63 @@ def test_loaded_int8_model_holds_one_copy_of_each_weight(tmp_path: Any) -> None:
     assert set(held.storages) <= _storages(module_tensors(loaded))
     if loaded.runtime.path != "torch":
         assert not held.opaque and not held.packed_objects
+
+
+def _saved_cnn(tmp_path: Any) -> tuple[str, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 16, 16)
+    path = str(tmp_path / "m.pt2")
+    gml.quantize(SmallCNN().eval(), 2, example_inputs=x).save(path)
+    return path, x
+
+
+def test_loaded_weights_are_views_of_the_file_mapping_and_paged_out_after_the_engine_build(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded model's weights are read from the file on demand (gml.memory.MappedFile), not copied
+    into the heap; once the engine holds its own copy the mapping's pages are handed back, and the
+    Python executor still reads the right weights afterwards (from the file again)."""
+    from gml.memory import MappedFile
+
+    path, x = _saved_cnn(tmp_path)
+    paged: list[MappedFile] = []
+    page_out = MappedFile.page_out
+    monkeypatch.setattr(MappedFile, "page_out", lambda self: paged.append(self) or page_out(self))
+    graph = gml.load(path, runtime="torch")  # no engine: the weights stay resident, nothing paged out
+    assert not paged
+    mapping = {t.untyped_storage().data_ptr() for t in module_tensors(graph) if t.numel() > 64}
+    assert len(mapping) == 1, "the weights are views of one storage: the mapped file"
+    loaded = gml.load(path)
+    with torch.no_grad():
+        want = graph(x)
+        assert torch.equal(loaded(x), want)
+    if loaded.runtime.path != "torch":
+        assert len(paged) == 1 and paged[0].path == path
+        segment = loaded.segments()[0]
+        with torch.no_grad():  # the segment's Python executor reads the paged-out weights again
+            x2 = torch.randn(2, 3, 16, 16)  # the batch dimension is dynamic in a saved model
+            assert torch.equal(segment.reference(x2)[0], graph(x2))
+            torch.testing.assert_close(loaded(x2), graph(x2), rtol=0, atol=1e-4)  # a new plan, built from them
+            assert torch.equal(loaded(x), want)
+
+
+def test_a_file_whose_members_are_compressed_or_unaligned_loads_the_same(tmp_path: Any) -> None:
+    """A member another zip writer compressed, or stored at an offset its dtype cannot be read at in
+    place (Python's zipfile does not align members as torch's writer does), is copied instead of
+    mapped: the same model."""
+    from archive_edit import members
+
+    path, x = _saved_cnn(tmp_path)
+    prefix, found = members(Path(path))
+    manifest = json.loads(found.pop(archive.MANIFEST))
+    other = tmp_path / "rezipped.pt2"
+    with zipfile.ZipFile(other, "w") as z:
+        for name, data in found.items():
+            kind = zipfile.ZIP_DEFLATED if name.startswith("data/weights/") else zipfile.ZIP_STORED
+            z.writestr(prefix + name, data, compress_type=kind)
+    archive.seal(other, {k: v for k, v in manifest.items() if k != "members"})
+    with torch.no_grad():
+        assert torch.equal(gml.load(str(other), runtime="torch")(x), gml.load(path, runtime="torch")(x))
 
 
 # --- handing memory back -----------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,10 +217,10 @@ def check_export_members(sealed: Sealed) -> None:
             raise _refused(sealed.path, "it carries pickled sample inputs")
 
 
-def read_export_program(sealed: Sealed) -> Any:
+def read_export_program(sealed: Sealed) -> tuple[Any, Any]:
     """The exported program of a sealed ``torch.export`` archive, checked field by field
-    (:mod:`gml.program_check`) before torch builds anything from it; a refused field raises
-    :class:`ModelLoadError` naming it."""
+    (:mod:`gml.program_check`) before torch builds anything from it (a refused field raises
+    :class:`ModelLoadError` naming it), and the :class:`gml.memory.MappedFile` its weights are views of."""
     from gml import program_check
 
     check_export_members(sealed)
@@ -237,20 +238,70 @@ def read_export_program(sealed: Sealed) -> Any:
             program_check.check_payloads(configs[-1], sizes, name)
     program_check.check_program(program)
     program_check.check_state_matches_graph(program, configs)
-    return _deserialize(sealed.path, program_check.sanitized(program))
+    return _deserialize(sealed, program_check.sanitized(program), configs)
 
 
-def _deserialize(path: Path, program: dict[str, Any]) -> Any:
-    """torch.export's own deserializer, given the checked program instead of re-reading the JSON."""
+def _deserialize(sealed: Sealed, program: dict[str, Any], configs: list[Any]) -> tuple[Any, Any]:
+    """torch.export's own deserializer, given the checked program and the tensors of the checked
+    payload configs (weights, then constants) over a mapping of the file (:class:`gml.memory.MappedFile`):
+    a weight costs resident memory only once read, and the engine's load hands those pages back."""
     from torch._export.serde import schema
     from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass
-    from torch.export.pt2_archive._package import PT2ArchiveReader, _load_constants, _load_state_dict
 
-    with PT2ArchiveReader(str(path)) as reader:
-        state_dict = _load_state_dict(reader, _MODEL)
-        constants = _load_constants(reader, _MODEL)
+    from gml.memory import MappedFile
+
+    mapped = MappedFile(sealed.path)
+    with zipfile.ZipFile(sealed.path) as z, open(sealed.path, "rb") as f:
+        state_dict, constants = (
+            _payload_tensors(z, f, sealed.prefix + directory, config, mapped)
+            for config, (_, directory) in zip(configs, _PAYLOADS, strict=True)
+        )
     artifact = _dict_to_dataclass(schema.ExportedProgram, program)
-    return ExportedProgramDeserializer().deserialize(artifact, state_dict, constants, None)
+    return ExportedProgramDeserializer().deserialize(artifact, state_dict, constants, None), mapped
+
+
+def _payload_tensors(z: zipfile.ZipFile, f: Any, directory: str, config: Any, mapped: Any) -> dict[str, Any]:
+    """Each entry of a payload config (checked: plain tensors inside their members,
+    :func:`gml.program_check.check_payloads`) as a strided view of its member's bytes: over the
+    file mapping where the member is stored uncompressed at an aligned offset (as torch's writer
+    stores it), else over a copy of its bytes."""
+    import torch
+    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
+
+    flat: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for fqn, entry in config["config"].items():
+        meta = entry["tensor_meta"]
+        dtype = _SERIALIZE_TO_TORCH_DTYPE[meta["dtype"]]
+        name = entry["path_name"]
+        if name not in flat:
+            info = z.getinfo(directory + name)
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            offset = _stored_offset(f, info)
+            if offset is not None and offset % itemsize == 0 and info.file_size % itemsize == 0:
+                flat[name] = mapped.tensor(offset, info.file_size // itemsize, dtype)
+            else:
+                data = bytearray(z.read(info))
+                flat[name] = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        sizes = [s["as_int"] for s in meta["sizes"]]
+        strides = [s["as_int"] for s in meta["strides"]]
+        base = flat[name]  # as_strided's offset counts from the start of the storage, not of ``base``
+        t = torch.as_strided(base, sizes, strides, base.storage_offset() + meta["storage_offset"]["as_int"])
+        out[fqn] = torch.nn.Parameter(t, requires_grad=meta["requires_grad"]) if entry["is_param"] else t
+    return out
+
+
+def _stored_offset(f: Any, info: zipfile.ZipInfo) -> int | None:
+    """Where an uncompressed member's bytes start in the archive (after its local header); None for a
+    compressed member. The local header is the one zipfile read (and the manifest's digest covered)."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    f.seek(info.header_offset)
+    head = f.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    return info.header_offset + 30 + name_len + extra_len
 
 
 def looks_pickled(path: Path) -> bool:

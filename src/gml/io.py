@@ -50,7 +50,7 @@ from gml.ir.library import gml_op_name, schema_args
 from gml.ir.target import Target
 from gml.kernels import fp32 as k32
 from gml.kernels.int8_ops import register as register_int8_ops
-from gml.memory import returns_memory
+from gml.memory import MappedFile, returns_memory
 from gml.passes.utils import replace_module
 from gml.runtime.options import EngineOptions, resolve_options
 
@@ -465,7 +465,7 @@ def load(
 
     check_runtime(runtime)
     options = resolve_options(options)
-    gm = _load_module(Path(path), trust_pickle, lift, lifters, target)
+    gm, mapped = _load_module(Path(path), trust_pickle, lift, lifters, target)
     if not isinstance(gm, nn.Module):  # an LLM file (lm.save): gml.llm's LLM, which has no graph to plan
         if graph:
             raise ModelLoadError(
@@ -474,7 +474,7 @@ def load(
             )
         return gm
     try:
-        return attach_loaded_runtime(gm, runtime, target, options)
+        module = attach_loaded_runtime(gm, runtime, target, options)
     except GMLError:
         raise
     except Exception as e:  # the graph fails on the input shapes it declares itself
@@ -482,6 +482,11 @@ def load(
             f"{path} does not run on the input shapes it declares: {type(e).__name__}: {str(e).splitlines()[0][:200]}",
             hint="the file is inconsistent (altered, or written by another tool): save the model again with gml",
         ) from e
+    if mapped is not None and module is not gm:
+        # the engine runs the graph on its own reordered copy of the weights: the graph's (pages of the
+        # mapped file, read by the engine's build and check) are read again only if the Python executor runs
+        mapped.page_out()
+    return module
 
 
 def attach_loaded_runtime(
@@ -542,7 +547,8 @@ def is_saved_model(spec: str | Path) -> bool:
 
 def _load_module(
     path: Path, trust_pickle: bool, lift: bool, lifters: Sequence[Lifter], target: Target | None = None
-) -> Any:
+) -> tuple[Any, MappedFile | None]:
+    """The module a file holds, and the file mapping its weights are views of (an export file's)."""
     if not path.exists():
         raise ModelLoadError(f"no such file: {path}", hint="check the path given to gml.io.load")
     if path.is_dir():
@@ -555,7 +561,7 @@ def _load_module(
     from gml.llm.store import FORMAT as FORMAT_LLM
 
     if fmt == FORMAT_LLM:  # lm.save: a decoder LLM's spec and weights, no graph
-        return load_llm(path, sealed=sealed, target=target)
+        return load_llm(path, sealed=sealed, target=target), None
     if fmt not in (FORMAT_PICKLE, None):
         raise ModelLoadError(
             f"{path} has gml format {fmt!r}, which this gml does not read",
@@ -571,10 +577,12 @@ def _load_module(
         )
     gm = _load_trusted(path, lift, lifters)
     _set_input_meta(gm, sealed.header.get("inputs") if sealed is not None else None)
-    return gm
+    return gm, None
 
 
-def _load_export(path: Path, sealed: archive.Sealed, lift: bool, lifters: Sequence[Lifter]) -> fx.GraphModule:
+def _load_export(
+    path: Path, sealed: archive.Sealed, lift: bool, lifters: Sequence[Lifter]
+) -> tuple[fx.GraphModule, MappedFile]:
     from gml.ir.checks import graph_problems
 
     k32.register_export_support()
@@ -582,7 +590,7 @@ def _load_export(path: Path, sealed: archive.Sealed, lift: bool, lifters: Sequen
     try:
         # every field checked (the gml ops it names are defined, a transformers ModelOutput's module
         # imported by its fixed name: gml.program_check) before torch builds anything from it (gml.program_check)
-        ep = archive.read_export_program(sealed)
+        ep, mapped = archive.read_export_program(sealed)
         gm = ep.module()
     except GMLError:
         raise
@@ -606,7 +614,7 @@ def _load_export(path: Path, sealed: archive.Sealed, lift: bool, lifters: Sequen
                 f"{path} was refused: a fused kernel call does not build: {type(e).__name__}: {str(e)[:200]}",
                 hint="gml.io.save never writes such a call: the file was not written by gml, or was altered",
             ) from e
-    return gm
+    return gm, mapped
 
 
 def _plain(value: Any) -> Any:

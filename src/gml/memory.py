@@ -132,6 +132,59 @@ def trim_malloc() -> bool:
     return True
 
 
+#: ``madvise`` advice that reclaims a range's pages (Linux >= 5.4): clean file-backed pages are dropped
+#: and read from the file again when touched; a page written since (copy-on-write) is never lost
+_MADV_PAGEOUT = 21
+
+
+class MappedFile:
+    """A file mapped read-copy-on-write into this process, whose bytes back tensors (a loaded model's
+    weights: :func:`gml.archive.read_export_program`), as ``torch.load(mmap=True)`` and llama.cpp map
+    theirs. A page costs resident memory only once touched; :meth:`page_out` hands the touched ones
+    back (the engine holds its own reordered copy of the weights: the graph's copy is read again, from
+    the page cache or the disk, only when the Python executor runs).
+
+    The mapping lives as long as a tensor over it. Replacing the file (``gml.io.save`` writes a new
+    file and renames it) does not reach the mapping; writing into the file in place would, as with
+    any mapped file. A copy (``copy.deepcopy`` of a model) shares the mapping: its tensors copy what
+    they need."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.nbytes = os.path.getsize(self.path)
+        self.storage = torch.UntypedStorage.from_file(self.path, False, self.nbytes)
+
+    def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` at byte ``offset`` (a multiple of the element size)."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if offset % itemsize or offset < 0 or offset + numel * itemsize > self.nbytes:
+            raise ValueError(f"{numel} x {dtype} at byte {offset} is not an aligned range of {self.path}")
+        return torch.empty(0, dtype=dtype).set_(self.storage, offset // itemsize, (numel,), (1,))
+
+    def page_out(self) -> bool:
+        """Hand the mapping's resident pages back to the system; False where the kernel cannot."""
+        madvise = _madvise()
+        if madvise is None or self.nbytes == 0:
+            return False
+        ptr = self.storage.data_ptr()
+        start = ptr - ptr % os.sysconf("SC_PAGE_SIZE")
+        return madvise(start, self.nbytes + (ptr - start), _MADV_PAGEOUT) == 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MappedFile:
+        return self
+
+
+@functools.cache
+def _madvise() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
 def returns_memory(fn: F) -> F:
     """``fn``, trimming the heap (:func:`trim_malloc`) when it returns or raises, and when it is called
     from inside another such call (``gml.quantize``'s whole-model guard calls ``gml.optimize``: the
