@@ -4,6 +4,7 @@
 #pragma once
 
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -66,8 +67,24 @@ struct AlignedFree {
   void operator()(void* p) const { std::free(p); }
 };
 
+// Buffers from this size up are mapped pages of their own: freed, they go back to the system at
+// once. From the heap (glibc raises its mmap threshold after the first large free), a plan's
+// transient buffers — Winograd's fp32 weight transform, timing buffers — left holes of their size
+// that stayed resident beside the plan (issue #28). Not under AddressSanitizer (make sanitize): its
+// redzones guard heap blocks, not mapped pages, and a step writing past its buffer must be caught.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr size_t kMapBytes = SIZE_MAX;
+#else
+constexpr size_t kMapBytes = size_t{1} << 20;
+#endif
+
 inline std::shared_ptr<void> aligned_buffer(size_t bytes) {
   size_t n = (bytes + kAlign - 1) / kAlign * kAlign;
+  if (n >= kMapBytes) {
+    void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);  // page aligned
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    return std::shared_ptr<void>(p, [n](void* q) { munmap(q, n); });
+  }
   void* p = std::aligned_alloc(kAlign, n == 0 ? kAlign : n);
   if (p == nullptr) throw std::bad_alloc();
   return std::shared_ptr<void>(p, AlignedFree());

@@ -3,6 +3,8 @@
 // Python fills a ConvStep (gml/runtime/plan_steps.py, conv_step) and calls Plan.add(step).
 #pragma once
 
+#include <functional>
+
 #include "plan.h"
 #include "winograd.h"
 
@@ -100,12 +102,13 @@ inline bool winograd_faster(const gml_winograd::Conv& conv, const memory::desc& 
 // weights' type, post-ops within winograd.h's Epilogue. GML_WINOGRAD=auto (gml.runtime.plan's
 // winograd_mode) times it against ``direct`` (the oneDNN primitive conv() made, on dummy buffers,
 // ``nthreads`` threads) and takes it when it is at least 10% faster; the choice is cached per
-// problem in the process (``force``: GML_WINOGRAD=1, no timing). Pushes a Kernel step and
-// returns true, or returns false (the caller pushes ``direct``).
+// problem in the process (``force``: GML_WINOGRAD=1, no timing; ``direct_consts()`` makes the direct
+// conv's constants for the timing only). Pushes a Kernel step and returns true, or returns false
+// (the caller pushes ``direct``).
 inline bool try_winograd(Plan& p, int src, int dst, uintptr_t weight, const Dims& wdims, const std::string& wdtype, uintptr_t bias,
                   const Dims& strides, const Dims& dilation, const Dims& pad_l, const Dims& pad_r, int64_t groups,
                   QP sum, const Eltwise& eltwise, const std::string& name, int nthreads, bool force,
-                  bool native_bf16, const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
+                  bool native_bf16, const dnnl::primitive& direct, const std::function<Consts()>& direct_consts,
                   const memory::desc& direct_scratch) {
   const memory::desc s = p.md_in(src), d = p.md_in(dst);
   const dt type = s.get_data_type();
@@ -154,7 +157,7 @@ inline bool try_winograd(Plan& p, int src, int dst, uintptr_t weight, const Dims
       if ((known = it != cache.end())) faster = it->second;
     }
     if (!known) {
-      faster = winograd_faster(*conv, s, d, direct, consts, direct_scratch, nthreads);
+      faster = winograd_faster(*conv, s, d, direct, direct_consts(), direct_scratch, nthreads);
       std::lock_guard<std::mutex> lock(cache_mu);
       cache.emplace(key, faster);
     }
@@ -216,13 +219,26 @@ inline void build(Plan& p, const ConvStep& desc) {
       cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, src_md, any_w,
       bias_md, dst_md, st, dl, pl, pr, attr);
   p.resolve(dst, pd.dst_desc());
-  consts.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
-  if (bias) consts.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
+  // The direct conv's reordered weights are made only once it is known to run, or to time it against
+  // Winograd: made first and dropped when Winograd won, they left their size as a hole in the heap
+  // for every Winograd conv (ResNet18 fp32 with GML_WINOGRAD=1: the build's peak 136 MB, 88 once
+  // trimmed; issue #28)
+  auto add_weights = [&](Consts& c) {
+    c.emplace_back(DNNL_ARG_WEIGHTS, reorder_constant(weight, user_w, pd.weights_desc()));
+    if (bias) c.emplace_back(DNNL_ARG_BIAS, copy_constant(bias, bias_md));
+  };
   dnnl::convolution_forward prim(pd);
-  if (!quant && winograd > 0 &&
-      try_winograd(p, src, dst, weight, wdims, wdtype, bias, strides, dilation, pad_l, pad_r, groups, sum, eltwise,
-                   name, nthreads, winograd == 1, native_bf16, prim, consts, pd.scratchpad_desc()))
-    return;
+  if (!quant && winograd > 0) {
+    auto direct_consts = [&]() {
+      Consts c = consts;
+      add_weights(c);
+      return c;
+    };
+    if (try_winograd(p, src, dst, weight, wdims, wdtype, bias, strides, dilation, pad_l, pad_r, groups, sum,
+                     eltwise, name, nthreads, winograd == 1, native_bf16, prim, direct_consts, pd.scratchpad_desc()))
+      return;
+  }
+  add_weights(consts);
   p.push(prim, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts), pd.scratchpad_desc(), name);
 }
 

@@ -38,6 +38,7 @@
 
 #include <immintrin.h>
 
+#include "common.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace gml_winograd {
@@ -181,7 +182,10 @@ class Conv {
     mm_ = dnnl::matmul(pd_);
 
     // U = G g G^T in fp32, from the caller's weights, then reordered (bf16: rounded) into U's layout.
-    std::vector<float> u(static_cast<size_t>(16 * c * k));
+    // (the fp32 U is a buffer of its own pages: from the heap, it left a hole of its size beside the
+    // plan for every Winograd conv; common.h, aligned_buffer)
+    const std::shared_ptr<void> u_buffer = gml_engine::aligned_buffer(static_cast<size_t>(16 * c * k) * sizeof(float));
+    float* u = static_cast<float*>(u_buffer.get());
     for (int64_t o = 0; o < k; ++o)
       for (int64_t i = 0; i < c; ++i) {
         float g[9], t[12];
@@ -202,7 +206,7 @@ class Conv {
           for (int j = 0; j < 4; ++j) u[static_cast<size_t>(((r * 4 + j) * c + i) * k + o)] = row[j];
         }
       }
-    memory user(memory::desc({16, c, k}, dt::f32, memory::dims{c * k, k, 1}), eng_, u.data());
+    memory user(memory::desc({16, c, k}, dt::f32, memory::dims{c * k, k, 1}), eng_, u);
     u_ = memory(pd_.weights_desc(), eng_);
     dnnl::stream s(eng_);
     dnnl::reorder(user, u_).execute(s, user, u_);

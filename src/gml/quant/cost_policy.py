@@ -53,6 +53,7 @@ from torch import fx
 
 from gml.ir.qdq import is_dequantize, is_quantize_any
 from gml.ir.values import cloned
+from gml.kernels.packs import drop_packed
 from gml.memory import returns_memory, shared_copy, trim_malloc
 from gml.passes.utils import remove_unused_nodes
 from gml.quant.lower import KEEP_FP32_COST as KEEP_FP32  # node.meta key LowerToGML reads
@@ -542,7 +543,11 @@ def run_policy(
             raise
         return (lowered, *attach(lowered.graph_module), CostReport("measure", notes=[_failed(e)]))
     # the fp32 model first: the transient copies its build makes (the Python executor's packed
-    # weights while its engine is checked) then never sit beside the INT8 engine (#28)
+    # weights while its engine is checked) then never sit beside the INT8 engine (#28); and the
+    # INT8 graph's packed weights (made by the trial engine's check and the region timing) dropped
+    # before it: the INT8 engine built next packs what it needs itself
+    drop_packed(result.graph_module)
+    trim_malloc()
     try:
         reference = fp32()
     except Exception as e:
