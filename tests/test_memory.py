@@ -262,6 +262,22 @@ def test_transformer_scheme_result_drops_its_fp32_graph() -> None:
     assert _gone([user])
 
 
+def test_transformer_scheme_returning_fp32_holds_no_int8_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the whole-model guard returns gml.optimize's fp32 model, the result (its ``frontend``
+    report included) reaches no int8 weight of the INT8 model it did not return."""
+    from gml.quant import cost_policy
+
+    monkeypatch.setattr(cost_policy, "guard_whole_model", lambda *a, **k: (2.0, 1.0))  # INT8 "slower"
+    torch.manual_seed(0)
+    res = gml.quantize(_Encoder().eval(), 2, example_inputs=torch.randn(2, 8, 32), cost_policy="measure")
+    assert res.scheme == "transformer" and res.cost.all_fp32
+    assert res.frontend.module is None and res.frontend.fp32_module is None
+    held = reachable_storages(res)
+    int8 = [t for t in module_tensors(res.module) if t.dtype == torch.int8]
+    assert not int8
+    assert set(held.storages) <= _storages(module_tensors(res.module)) | _storages(res.frontend.example_inputs)
+
+
 def test_loaded_int8_model_holds_one_copy_of_each_weight(tmp_path: Any) -> None:
     torch.manual_seed(0)
     x = torch.randn(1, 3, 16, 16)

@@ -774,8 +774,11 @@ def _quantize_transformer(
                 "gml.optimize's model is returned"
             )
             ref = SimpleNamespace(report=res, graph_module=res.fp32_module, float_module=res.fp32_module)
+            engine = None  # the INT8 engine nobody returns: freed before the accuracy report runs
             if not keep_intermediates:
-                res.fp32_module = None
+                # the result's report (``frontend``) would otherwise hold the INT8 model nobody
+                # returns: BERT-base's 81 MB of int8 weights beside the fp32 model (#28)
+                res.fp32_module = res.module = None
             return _gml_fp32_instead(
                 model, opt, ref, cost, seconds, reason, None, "fp32", eval_data=eval_data, eval_labels=eval_labels,
                 inputs=inputs, token_range=token_range, min_cosine=min_cosine, scheme="transformer",

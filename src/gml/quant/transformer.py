@@ -457,7 +457,7 @@ class TransformerQuantResult:
     ``keep_intermediates=True``); ``calibration``: what the SQNR was measured on.
     """
 
-    module: fx.GraphModule
+    module: fx.GraphModule | None  # None once the whole-model guard returned the fp32 model instead
     report: Any
     precisions: list[GemmPrecision] = field(default_factory=list)
     fp32_module: fx.GraphModule | None = None
