@@ -30,6 +30,7 @@ import torch
 from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.kernels.backend import (
     ConvPostOp,
+    Int8Backend,
     as_qtensor,
     as_uint8,
     clamp_bounds,
@@ -38,7 +39,6 @@ from gml.kernels.backend import (
     silence_quantized_tensor_warnings,
     split_post_op,
 )
-from gml.kernels.quantized_cpu import QuantizedCPUBackend
 
 
 @contextlib.contextmanager
@@ -60,7 +60,7 @@ def _qweight(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     return torch._make_per_channel_quantized_tensor(weight, scale, zp, 0)
 
 
-class FbgemmBackend(QuantizedCPUBackend):
+class FbgemmBackend(Int8Backend):
     """PyTorch ``quantized::*`` kernels (FBGEMM engine)."""
 
     name = "fbgemm"
@@ -77,7 +77,7 @@ class FbgemmBackend(QuantizedCPUBackend):
     def is_available(cls) -> bool:
         return cls.engine in torch.backends.quantized.supported_engines
 
-    def prepack_conv2d(
+    def prepack_conv(
         self,
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
@@ -86,6 +86,8 @@ class FbgemmBackend(QuantizedCPUBackend):
         input_qparams: QParams,
         input_shape: Sequence[int] | None = None,
     ) -> Any:
+        if weight.dim() != 4:
+            raise NotImplementedError(f"the {self.name} backend has no INT8 conv{weight.dim() - 2}d")
         with quantized_engine(self.engine):
             return torch.ops.quantized.conv2d_prepack(
                 _qweight(weight, weight_scale),

@@ -143,13 +143,10 @@ def _check_conv(x: torch.Tensor, weight: torch.Tensor, spec: ConvSpec) -> None:
 
 
 def _conv_handle(be: Int8Backend, x: torch.Tensor, x_qp: QParams, weight, weight_scale, bias, spec: ConvSpec) -> Any:
-    three_d = weight.dim() == 5
-
     def make() -> Any:
         w = weight.unsqueeze(2) if weight.dim() == 3 else weight
         shape = (x.shape[0], x.shape[1], 1, x.shape[2]) if weight.dim() == 3 else tuple(x.shape)
-        prepack = be.prepack_conv3d if three_d else be.prepack_conv2d
-        return prepack(w, weight_scale, bias, spec, x_qp, shape)
+        return be.prepack_conv(w, weight_scale, bias, spec, x_qp, shape)
 
     return _packed(weight, (be.name, spec, x_qp), (weight_scale, bias), make)
 

@@ -48,13 +48,13 @@ import torch
 from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.kernels.backend import (
     ConvPostOp,
+    Int8Backend,
     eltwise_of,
     fp32_or_none,
     has_padding_only_window,
     silence_quantized_tensor_warnings,
     split_post_op,
 )
-from gml.kernels.quantized_cpu import QuantizedCPUBackend
 
 _CL = torch.channels_last
 _CL3 = torch.channels_last_3d
@@ -156,7 +156,7 @@ class OneDNNPackedLinear:
         return packed
 
 
-class OneDNNBackend(QuantizedCPUBackend):
+class OneDNNBackend(Int8Backend):
     """oneDNN (x86, VNNI/AMX) INT8 kernels: fused conv+post-ops, linear, and the residual sum."""
 
     name = "onednn"
@@ -183,7 +183,7 @@ class OneDNNBackend(QuantizedCPUBackend):
         )
 
     # ------------------------------------------------------------------ weights
-    def prepack_conv2d(
+    def prepack_conv(
         self,
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
@@ -192,24 +192,13 @@ class OneDNNBackend(QuantizedCPUBackend):
         input_qparams: QParams,
         input_shape: Sequence[int] | None = None,
     ) -> OneDNNPackedConv:
+        # one handle for 2-D and 3-D: qconv_prepack takes 5-D weights and 3-entry geometry as they are
         packed = OneDNNPackedConv(
             weight.contiguous(), weight_scale.float().contiguous(), fp32_or_none(bias), spec, input_qparams
         )
         if input_shape is not None:
             packed.pack_for(input_shape)
         return packed
-
-    def prepack_conv3d(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: ConvSpec,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
-    ) -> OneDNNPackedConv:
-        # the same handle: qconv_prepack takes 5-D weights and 3-entry geometry as they are
-        return self.prepack_conv2d(weight, weight_scale, bias, spec, input_qparams, input_shape)
 
     def conv3d(
         self, x: torch.Tensor, x_qparams: QParams, packed: OneDNNPackedConv, out_qparams: QParams | None
