@@ -1,4 +1,4 @@
-"""argparse ``type=`` converters the ``gml`` subcommands share (one definition each)."""
+"""argparse ``type=`` converters and options the ``gml`` subcommands share (one definition each)."""
 
 from __future__ import annotations
 
@@ -14,3 +14,20 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """The options that say how MODEL's code and weights may be loaded (``gml optimize`` / ``quantize`` /
+    ``inspect`` / ``bench`` alike): ``--weights``, ``--unsafe-load``, ``--trust-remote-code``."""
+    p.add_argument("--weights", metavar="FILE", help="state_dict checkpoint to load (weights_only=True)")
+    p.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help="allow pickled objects in --weights (runs code from the file: only for files you trust)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a local Hugging Face model folder whose config.json has auto_map run its own Python code "
+        "(only for folders you trust; refused by default)",
+    )

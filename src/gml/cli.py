@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.table import Table
 
+from gml.argtypes import add_load_arguments
 from gml.errors import GMLError, InputError
 
 console = Console(highlight=False)
@@ -33,18 +34,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="example input shape(s), e.g. 1x3x224x224; several inputs: 1x3x32x32,1x10 "
         "(default: what the model declares, else 1x3x224x224)",
     )
-    p.add_argument("--weights", metavar="FILE", help="state_dict checkpoint to load (weights_only=True)")
-    p.add_argument(
-        "--unsafe-load",
-        action="store_true",
-        help="allow pickled objects in --weights (runs code from the file: only for files you trust)",
-    )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="let a local Hugging Face model folder whose config.json has auto_map run its own Python code "
-        "(only for folders you trust; refused by default)",
-    )
+    add_load_arguments(p)
     p.add_argument(
         "--leaf",
         action="append",

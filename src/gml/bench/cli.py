@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gml.argtypes import positive_int
+from gml.argtypes import add_load_arguments, positive_int
 from gml.bench.variants import DEFAULT_VARIANTS, VARIANTS
 
 
@@ -35,18 +35,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="input shape(s) like 1x3x224x224 (dim 0 is replaced by each batch size; several inputs: "
         "1x3x32x32,1x10). Default: what the model declares, else 1x3x224x224",
     )
-    p.add_argument("--weights", metavar="FILE", help="state_dict checkpoint to load (weights_only=True)")
-    p.add_argument(
-        "--unsafe-load",
-        action="store_true",
-        help="allow pickled objects in --weights (runs code from the file: only for files you trust)",
-    )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="let a local Hugging Face model folder whose config.json has auto_map run its own Python code "
-        "(only for folders you trust; refused by default)",
-    )
+    add_load_arguments(p)
     p.add_argument(
         "--submodule",
         metavar="PATH",
