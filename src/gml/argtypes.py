@@ -16,9 +16,18 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_load_arguments(p: argparse.ArgumentParser) -> None:
-    """The options that say how MODEL's code and weights may be loaded (``gml optimize`` / ``quantize`` /
-    ``inspect`` / ``bench`` alike): ``--weights``, ``--unsafe-load``, ``--trust-remote-code``."""
+#: what the MODEL argument of ``gml optimize`` / ``quantize`` / ``inspect`` / ``bench`` names
+MODEL_KINDS = (
+    "torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, hf:ArchitectureClass "
+    "(e.g. hf:BertModel: default config, random weights, nothing downloaded) or a local Hugging Face model folder"
+)
+
+
+def add_model_arguments(p: argparse.ArgumentParser, saved_models: str) -> None:
+    """The positional MODEL (its help: :data:`MODEL_KINDS` + ``saved_models``, what the command does
+    with a model saved by gml) and the options that say how its code and weights may be loaded
+    (``--weights``, ``--unsafe-load``, ``--trust-remote-code``), for every command that loads a model."""
+    p.add_argument("model", help=MODEL_KINDS + saved_models)
     p.add_argument("--weights", metavar="FILE", help="state_dict checkpoint to load (weights_only=True)")
     p.add_argument(
         "--unsafe-load",

@@ -15,18 +15,15 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from gml.argtypes import add_load_arguments
+from gml.argtypes import add_model_arguments
 from gml.errors import GMLError, InputError
 
 console = Console(highlight=False)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model",
-        help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, hf:ArchitectureClass "
-        "(e.g. hf:BertModel: default config, random weights, nothing downloaded) or a local Hugging Face model "
-        "folder; `inspect` also takes a model saved by gml (file.pt2: its graph and the runtime it loads onto)",
+    add_model_arguments(
+        p, "; `inspect` also takes a model saved by gml (file.pt2: its graph and the runtime it loads onto)"
     )
     p.add_argument(
         "--input-shape",
@@ -34,7 +31,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="example input shape(s), e.g. 1x3x224x224; several inputs: 1x3x32x32,1x10 "
         "(default: what the model declares, else 1x3x224x224)",
     )
-    add_load_arguments(p)
     p.add_argument(
         "--leaf",
         action="append",
@@ -251,9 +247,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     check_out_path(args.out)
     model, inputs = load_from_args(args)
     passes = passes_by_name([p.strip() for p in args.passes.split(",") if p.strip()]) if args.passes else None
-    res = optimize(
-        model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf, precision=args.precision
-    )
+    res = optimize(model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf, precision=args.precision)
     _print_capture(res.module, model, inputs)
     console.print(res.report.table(title=f"gml optimize {_model_label(args)}"))
     if res.report.skips or res.report.rolled_back:

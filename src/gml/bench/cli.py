@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gml.argtypes import add_load_arguments, positive_int
+from gml.argtypes import add_model_arguments, positive_int
 from gml.bench.variants import DEFAULT_VARIANTS, VARIANTS
 
 
@@ -23,11 +23,8 @@ def _int_list(text: str) -> list[int]:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``gml bench``'s arguments (including the positional MODEL) to ``p``."""
-    p.add_argument(
-        "model",
-        help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, hf:ArchitectureClass "
-        "(default config, random weights), a local Hugging Face model folder, or a model saved by gml "
-        "(file.pt2: timed on the native engine against its Python executor)",
+    add_model_arguments(
+        p, ", or a model saved by gml (file.pt2: timed on the native engine against its Python executor)"
     )
     p.add_argument(
         "--input-shape",
@@ -35,7 +32,6 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="input shape(s) like 1x3x224x224 (dim 0 is replaced by each batch size; several inputs: "
         "1x3x32x32,1x10). Default: what the model declares, else 1x3x224x224",
     )
-    add_load_arguments(p)
     p.add_argument(
         "--submodule",
         metavar="PATH",
