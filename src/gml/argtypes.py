@@ -23,11 +23,18 @@ MODEL_KINDS = (
 )
 
 
-def add_model_arguments(p: argparse.ArgumentParser, saved_models: str) -> None:
-    """The positional MODEL (its help: :data:`MODEL_KINDS` + ``saved_models``, what the command does
-    with a model saved by gml) and the options that say how its code and weights may be loaded
-    (``--weights``, ``--unsafe-load``, ``--trust-remote-code``), for every command that loads a model."""
+def add_model_arguments(
+    p: argparse.ArgumentParser,
+    saved_models: str,
+    input_shape: str = "example input shape(s), e.g. 1x3x224x224; several inputs: 1x3x32x32,1x10 "
+    "(default: what the model declares, else 1x3x224x224)",
+) -> None:
+    """What every command that loads a model takes: the positional MODEL (help: :data:`MODEL_KINDS` +
+    ``saved_models``, what the command does with a model saved by gml), ``--input-shape`` (help:
+    ``input_shape``), the options that say how its code and weights may be loaded (``--weights``,
+    ``--unsafe-load``, ``--trust-remote-code``), ``--leaf`` and ``--submodule``."""
     p.add_argument("model", help=MODEL_KINDS + saved_models)
+    p.add_argument("--input-shape", metavar="SHAPE", help=input_shape)
     p.add_argument("--weights", metavar="FILE", help="state_dict checkpoint to load (weights_only=True)")
     p.add_argument(
         "--unsafe-load",
@@ -39,4 +46,16 @@ def add_model_arguments(p: argparse.ArgumentParser, saved_models: str) -> None:
         action="store_true",
         help="let a local Hugging Face model folder whose config.json has auto_map run its own Python code "
         "(only for folders you trust; refused by default)",
+    )
+    p.add_argument(
+        "--leaf",
+        action="append",
+        default=[],
+        metavar="SUBMODULE",
+        help="keep this submodule opaque while tracing (repeatable); helps with untraceable code",
+    )
+    p.add_argument(
+        "--submodule",
+        metavar="PATH",
+        help="work on this part of the model only (e.g. backbone), when the whole does not trace",
     )

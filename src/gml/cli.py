@@ -23,25 +23,8 @@ console = Console(highlight=False)
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     add_model_arguments(
-        p, "; `inspect` also takes a model saved by gml (file.pt2: its graph and the runtime it loads onto)"
-    )
-    p.add_argument(
-        "--input-shape",
-        metavar="SHAPE",
-        help="example input shape(s), e.g. 1x3x224x224; several inputs: 1x3x32x32,1x10 "
-        "(default: what the model declares, else 1x3x224x224)",
-    )
-    p.add_argument(
-        "--leaf",
-        action="append",
-        default=[],
-        metavar="SUBMODULE",
-        help="keep this submodule opaque while tracing (repeatable); helps with untraceable code",
-    )
-    p.add_argument(
-        "--submodule",
-        metavar="PATH",
-        help="work on this part of the model only (e.g. backbone), when the whole does not trace",
+        p,
+        saved_models="; `inspect` also takes a model saved by gml (file.pt2: its graph and the runtime it loads onto)",
     )
 
 

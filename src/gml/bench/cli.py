@@ -24,25 +24,10 @@ def _int_list(text: str) -> list[int]:
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``gml bench``'s arguments (including the positional MODEL) to ``p``."""
     add_model_arguments(
-        p, ", or a model saved by gml (file.pt2: timed on the native engine against its Python executor)"
-    )
-    p.add_argument(
-        "--input-shape",
-        metavar="SHAPE",
-        help="input shape(s) like 1x3x224x224 (dim 0 is replaced by each batch size; several inputs: "
+        p,
+        saved_models=", or a model saved by gml (file.pt2: timed on the native engine against its Python executor)",
+        input_shape="input shape(s) like 1x3x224x224 (dim 0 is replaced by each batch size; several inputs: "
         "1x3x32x32,1x10). Default: what the model declares, else 1x3x224x224",
-    )
-    p.add_argument(
-        "--submodule",
-        metavar="PATH",
-        help="benchmark this part of the model only (e.g. backbone), when the whole does not trace",
-    )
-    p.add_argument(
-        "--leaf",
-        action="append",
-        default=[],
-        metavar="SUBMODULE",
-        help="keep this submodule opaque while tracing GML's variants (repeatable), as in gml optimize",
     )
     p.add_argument("--batch-sizes", type=_int_list, default=[1], metavar="N[,N...]", help="batch sizes (default: 1)")
     p.add_argument(
