@@ -42,6 +42,7 @@ Facts checked on this build (tests/kernels/test_onednn_int8.py pins them):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -207,29 +208,8 @@ class OneDNNBackend(Int8Backend):
         # relu for quantized pointwise conv3d"): QConv3d gets its ReLU from the output's saturation.
         if not x.is_contiguous(memory_format=_CL3):
             x = x.contiguous(memory_format=_CL3)
-        s = packed.spec
-        x, padding = _padded_if_needed(x, packed, x_qparams, _CL3)
-        w = packed.pack_for(x.shape, padding)
-        out_scale, out_zp, out_dtype = _out_args(out_qparams)
-        return self._qconv_nd(  # type: ignore[misc]
-            x,
-            x_qparams.scale,
-            x_qparams.zero_point,
-            w,
-            packed.w_scale,
-            packed.w_zp,
-            packed.bias,
-            list(s.stride),
-            list(padding),
-            list(s.dilation),
-            s.groups,
-            out_scale,
-            out_zp,
-            out_dtype,
-            "none",
-            [],
-            "",
-        )
+        src, geometry = _conv_operands(x, x_qparams, packed, _CL3)
+        return self._qconv_nd(*src, packed.bias, *geometry, *_out_args(out_qparams), "none", [], "")  # type: ignore[misc]
 
     def prepack_linear(
         self,
@@ -255,59 +235,18 @@ class OneDNNBackend(Int8Backend):
         other: torch.Tensor | None = None,
         other_qparams: QParams | None = None,
     ) -> torch.Tensor:
-        s = packed.spec
-        x, padding = _padded_if_needed(x, packed, x_qparams, _CL)
-        w = packed.pack_for(x.shape, padding)
-        out_scale, out_zp, out_dtype = _out_args(out_qparams)
+        src, geometry = _conv_operands(x, x_qparams, packed, _CL)
         eltwise, add = split_post_op(post_op)
+        unary = (eltwise.attr, list(eltwise.scalars), eltwise.algorithm)
         if not add:
-            return self._qconv(
-                x,
-                x_qparams.scale,
-                x_qparams.zero_point,
-                w,
-                packed.w_scale,
-                packed.w_zp,
-                packed.bias,
-                s.stride,
-                padding,
-                s.dilation,
-                s.groups,
-                out_scale,
-                out_zp,
-                out_dtype,
-                eltwise.attr,
-                list(eltwise.scalars),
-                eltwise.algorithm,
-            )
+            return self._qconv(*src, packed.bias, *geometry, *_out_args(out_qparams), *unary)
         if other is None or other_qparams is None or out_qparams is None:
             raise ValueError(f"post-op {post_op!r} needs `other`, `other_qparams` and a uint8 output")
         if not other.is_contiguous(memory_format=_CL):
             other = other.contiguous(memory_format=_CL)
-        return self._qconv_sum(
-            x,
-            x_qparams.scale,
-            x_qparams.zero_point,
-            w,
-            packed.w_scale,
-            packed.w_zp,
-            other,
-            packed.bias,
-            s.stride,
-            padding,
-            s.dilation,
-            s.groups,
-            out_scale,
-            out_zp,
-            None,
-            other_qparams.scale,
-            other_qparams.zero_point,
-            "sum",
-            1.0,
-            eltwise.attr,
-            list(eltwise.scalars),
-            eltwise.algorithm,
-        )
+        accum = (other_qparams.scale, other_qparams.zero_point, "sum", 1.0)
+        out = (out_qparams.scale, out_qparams.zero_point, None)
+        return self._qconv_sum(*src, other, packed.bias, *geometry, *out, *accum, *unary)
 
     def linear(
         self,
@@ -356,6 +295,19 @@ def _padded_if_needed(
     pads = [p for pad in reversed(padding) for p in (pad, pad)]  # F.pad lists the last dim first
     x = torch.nn.functional.pad(x, pads, value=x_qparams.zero_point).contiguous(memory_format=memory_format)
     return x, (0,) * len(padding)
+
+
+def _conv_operands(
+    x: torch.Tensor, x_qparams: QParams, packed: OneDNNPackedConv, memory_format: torch.memory_format
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """What every oneDNN conv call takes besides bias, output and post-ops: ``(x, x_scale, x_zp,
+    packed weight, w_scale, w_zp)`` and ``(stride, padding, dilation, groups)``, with ``x`` padded
+    explicitly where the kernel must not see the padding (:func:`_padded_if_needed`)."""
+    s = packed.spec
+    x, padding = _padded_if_needed(x, packed, x_qparams, memory_format)
+    w = packed.pack_for(x.shape, padding)
+    src = (x, x_qparams.scale, x_qparams.zero_point, w, packed.w_scale, packed.w_zp)
+    return src, (list(s.stride), list(padding), list(s.dilation), s.groups)
 
 
 def _out_args(qp: QParams | None) -> tuple[float, int, torch.dtype | None]:
