@@ -63,6 +63,17 @@ class ChannelQParams:
         return torch.tensor(self.scale, dtype=torch.float32)
 
 
+@dataclass(frozen=True, eq=False)
+class Int8Weight:
+    """A weighted op's dense weight as the IR passes it (the ``weight, weight_scale, bias`` arguments of
+    ``gml.qconv`` / ``gml.qlinear``): symmetric int8 ``weight`` (output channels first, zero point 0),
+    ``scale`` per output channel or one per tensor, fp32 ``bias`` or ``None``."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class ConvSpec:
     """Static geometry of an N-d convolution: one entry per spatial dimension (1, 2 or 3)."""

@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from gml.ir.values import NO_POST_OP, ConvSpec, PostOp, QParams
+from gml.ir.values import NO_POST_OP, ConvSpec, Int8Weight, PostOp, QParams
 
 ConvPostOp = Literal["none", "relu", "add", "add_relu"] | PostOp
 POST_OPS: tuple[str, ...] = ("none", "relu", "add", "add_relu")
@@ -147,26 +147,13 @@ class Int8Backend(ABC):
     # ------------------------------------------------------------------ weights
     @abstractmethod
     def prepack_conv(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: ConvSpec,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
+        self, w: Int8Weight, spec: ConvSpec, input_qparams: QParams, input_shape: Sequence[int] | None = None
     ) -> Any:
         """Pack an int8 ``[O, I/groups, kH, kW]`` weight for :meth:`conv2d` (``[O, I/groups, kD, kH, kW]``
         for :meth:`conv3d`, where :attr:`has_conv3d`); ``input_shape`` lets the kernel pick a layout."""
 
     @abstractmethod
-    def prepack_linear(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
-    ) -> Any:
+    def prepack_linear(self, w: Int8Weight, input_qparams: QParams, input_shape: Sequence[int] | None = None) -> Any:
         """Pack an int8 ``[O, I]`` weight."""
 
     # ------------------------------------------------------------------ compute

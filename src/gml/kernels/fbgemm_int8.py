@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from gml.ir.values import ConvSpec, PostOp, QParams
+from gml.ir.values import ConvSpec, Int8Weight, PostOp, QParams
 from gml.kernels.backend import (
     ConvPostOp,
     Int8Backend,
@@ -52,12 +52,12 @@ def quantized_engine(name: str) -> Iterator[None]:
         torch.backends.quantized.engine = old
 
 
-def _qweight(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    scale = weight_scale.double().flatten()
+def _qweight(w: Int8Weight) -> torch.Tensor:
+    scale = w.scale.double().flatten()
     if scale.numel() == 1:
-        return torch._make_per_tensor_quantized_tensor(weight, float(scale[0]), 0)
+        return torch._make_per_tensor_quantized_tensor(w.weight, float(scale[0]), 0)
     zp = torch.zeros(scale.numel(), dtype=torch.int64)
-    return torch._make_per_channel_quantized_tensor(weight, scale, zp, 0)
+    return torch._make_per_channel_quantized_tensor(w.weight, scale, zp, 0)
 
 
 class FbgemmBackend(Int8Backend):
@@ -78,36 +78,23 @@ class FbgemmBackend(Int8Backend):
         return cls.engine in torch.backends.quantized.supported_engines
 
     def prepack_conv(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: ConvSpec,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
+        self, w: Int8Weight, spec: ConvSpec, input_qparams: QParams, input_shape: Sequence[int] | None = None
     ) -> Any:
-        if weight.dim() != 4:
-            raise NotImplementedError(f"the {self.name} backend has no INT8 conv{weight.dim() - 2}d")
+        if w.weight.dim() != 4:
+            raise NotImplementedError(f"the {self.name} backend has no INT8 conv{w.weight.dim() - 2}d")
         with quantized_engine(self.engine):
             return torch.ops.quantized.conv2d_prepack(
-                _qweight(weight, weight_scale),
-                fp32_or_none(bias),
+                _qweight(w),
+                fp32_or_none(w.bias),
                 list(spec.stride),
                 list(spec.padding),
                 list(spec.dilation),
                 spec.groups,
             )
 
-    def prepack_linear(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
-    ) -> Any:
+    def prepack_linear(self, w: Int8Weight, input_qparams: QParams, input_shape: Sequence[int] | None = None) -> Any:
         with quantized_engine(self.engine):
-            return torch.ops.quantized.linear_prepack(_qweight(weight, weight_scale), fp32_or_none(bias))
+            return torch.ops.quantized.linear_prepack(_qweight(w), fp32_or_none(w.bias))
 
     def conv2d(
         self,

@@ -20,7 +20,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gml.ir import library
-from gml.ir.values import ConvSpec, PostOp, QParams
+from gml.ir.values import ConvSpec, Int8Weight, PostOp, QParams
 from gml.kernels import dynamic_int8
 from gml.kernels.backend import Int8Backend
 from gml.kernels.registry import get_backend
@@ -158,7 +158,7 @@ def _conv_handle(be: Int8Backend, x: torch.Tensor, x_qp: QParams, weight, weight
     def make() -> Any:
         w = weight.unsqueeze(2) if weight.dim() == 3 else weight
         shape = (x.shape[0], x.shape[1], 1, x.shape[2]) if weight.dim() == 3 else tuple(x.shape)
-        return be.prepack_conv(w, weight_scale, bias, spec, x_qp, shape)
+        return be.prepack_conv(Int8Weight(w, weight_scale, bias), spec, x_qp, shape)
 
     return _packed(weight, (be.name, spec, x_qp), (weight_scale, bias), make)
 
@@ -207,7 +207,7 @@ def qlinear(
         weight,
         (be.name, x_qp),
         (weight_scale, bias),
-        lambda: be.prepack_linear(weight, weight_scale, bias, x_qp, tuple(x.shape)),
+        lambda: be.prepack_linear(Int8Weight(weight, weight_scale, bias), x_qp, tuple(x.shape)),
     )
     p = _post(post_op, tuple(post_op_scalars), post_op_algorithm)
     return be.linear(x, x_qp, handle, _out(out_scale, out_zero_point, out_dtype), p)

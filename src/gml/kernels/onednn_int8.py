@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from gml.ir.values import ConvSpec, PostOp, QParams
+from gml.ir.values import ConvSpec, Int8Weight, PostOp, QParams
 from gml.kernels.backend import (
     ConvPostOp,
     Int8Backend,
@@ -185,17 +185,11 @@ class OneDNNBackend(Int8Backend):
 
     # ------------------------------------------------------------------ weights
     def prepack_conv(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: ConvSpec,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
+        self, w: Int8Weight, spec: ConvSpec, input_qparams: QParams, input_shape: Sequence[int] | None = None
     ) -> OneDNNPackedConv:
         # one handle for 2-D and 3-D: qconv_prepack takes 5-D weights and 3-entry geometry as they are
         packed = OneDNNPackedConv(
-            weight.contiguous(), weight_scale.float().contiguous(), fp32_or_none(bias), spec, input_qparams
+            w.weight.contiguous(), w.scale.float().contiguous(), fp32_or_none(w.bias), spec, input_qparams
         )
         if input_shape is not None:
             packed.pack_for(input_shape)
@@ -212,14 +206,9 @@ class OneDNNBackend(Int8Backend):
         return self._qconv_nd(*src, packed.bias, *geometry, *_out_args(out_qparams), "none", [], "")  # type: ignore[misc]
 
     def prepack_linear(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
+        self, w: Int8Weight, input_qparams: QParams, input_shape: Sequence[int] | None = None
     ) -> OneDNNPackedLinear:
-        packed = OneDNNPackedLinear(weight.contiguous(), weight_scale.float().contiguous(), fp32_or_none(bias))
+        packed = OneDNNPackedLinear(w.weight.contiguous(), w.scale.float().contiguous(), fp32_or_none(w.bias))
         if input_shape is not None:
             packed.pack_for(_linear_key(input_shape))
         return packed

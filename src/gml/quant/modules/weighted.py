@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gml.ir.values import NO_POST_OP, ConvSpec, PostOp, QParams
+from gml.ir.values import NO_POST_OP, ConvSpec, Int8Weight, PostOp, QParams
 from gml.quant.modules.base import (
     BackendArg,
     BinaryOpsBase,
@@ -81,6 +81,11 @@ class _Weighted(nn.Module):
     def _prepack(self) -> None:
         raise NotImplementedError
 
+    @property
+    def int8_weight(self) -> Int8Weight:
+        """The weight buffers as the backends' ``prepack_*`` take them."""
+        return Int8Weight(self.weight, self.weight_scale, self.bias)
+
     def _init_weight(
         self,
         weight: torch.Tensor,
@@ -141,9 +146,7 @@ class QConv2d(_Weighted, UnaryOpsBase):
         return self.post_op == PostOp("relu")
 
     def _prepack(self) -> None:
-        self._packed = self.backend.prepack_conv(
-            self.weight, self.weight_scale, self.bias, self.spec, self._in_qp, self.input_shape
-        )
+        self._packed = self.backend.prepack_conv(self.int8_weight, self.spec, self._in_qp, self.input_shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.conv2d(x, self._in_qp, self._packed, self._out_qp, self.post_op)
@@ -318,9 +321,7 @@ class QLinear(_Weighted, UnaryOpsBase):
         return self.post_op == PostOp("relu")
 
     def _prepack(self) -> None:
-        self._packed = self.backend.prepack_linear(
-            self.weight, self.weight_scale, self.bias, self._in_qp, self.input_shape
-        )
+        self._packed = self.backend.prepack_linear(self.int8_weight, self._in_qp, self.input_shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.linear(x, self._in_qp, self._packed, self._out_qp, self.post_op)
