@@ -41,6 +41,9 @@ import torch
 from gml.ir.values import NO_POST_OP, ConvSpec, Int8Weight, PostOp, QParams
 
 ConvPostOp = Literal["none", "relu", "add", "add_relu"] | PostOp
+Tensor = torch.Tensor
+#: the residual operand of a fused conv + add: ``(other, other_qparams)``, or ``None``
+Add = tuple[torch.Tensor, QParams] | None
 POST_OPS: tuple[str, ...] = ("none", "relu", "add", "add_relu")
 
 
@@ -157,7 +160,6 @@ class Int8Backend(ABC):
         """Pack an int8 ``[O, I]`` weight."""
 
     # ------------------------------------------------------------------ compute
-    @abstractmethod
     def conv2d(
         self,
         x: torch.Tensor,
@@ -169,7 +171,22 @@ class Int8Backend(ABC):
         other_qparams: QParams | None = None,
     ) -> torch.Tensor:
         """``post_op(conv(x) [+ other])`` requantized to ``out_qparams`` (``None``: fp32 output,
-        element-wise post-ops only)."""
+        element-wise post-ops only): the post-op argument checked here, the kernel :meth:`_conv2d`."""
+        eltwise, add = split_post_op(post_op)
+        if not add:
+            return self._conv2d(x, x_qparams, packed, out_qparams, eltwise, None)
+        if not self.supports_conv_add:
+            raise NotImplementedError(f"the {self.name} backend has no conv kernel with an add post-op")
+        if other is None or other_qparams is None or out_qparams is None:
+            raise ValueError(f"post-op {post_op!r} needs `other`, `other_qparams` and a uint8 output")
+        return self._conv2d(x, x_qparams, packed, out_qparams, eltwise, (other, other_qparams))
+
+    @abstractmethod
+    def _conv2d(
+        self, x: Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, eltwise: PostOp, add: Add
+    ) -> Tensor:
+        """:meth:`conv2d` with its post-op split: ``eltwise`` and, for the residual forms,
+        ``add = (other, other_qparams)`` (``out_qparams`` then is not ``None``)."""
 
     #: :meth:`conv3d` exists (video models' ``Conv3d``).
     has_conv3d: ClassVar[bool] = False
@@ -178,7 +195,6 @@ class Int8Backend(ABC):
         """``conv3d(x)`` requantized to ``out_qparams`` (``None``: fp32), no post-op."""
         raise NotImplementedError(f"the {self.name} backend has no INT8 conv3d")
 
-    @abstractmethod
     def linear(
         self,
         x: torch.Tensor,
@@ -188,7 +204,14 @@ class Int8Backend(ABC):
         post_op: PostOp | bool = False,
     ) -> torch.Tensor:
         """``post_op(x @ W.T + b)`` over the last dimension (``out_qparams=None``: fp32 output);
-        ``True`` / ``False`` mean relu / none."""
+        ``True`` / ``False`` mean relu / none. The kernel: :meth:`_linear`."""
+        return self._linear(x, x_qparams, packed, out_qparams, eltwise_of(post_op))
+
+    @abstractmethod
+    def _linear(
+        self, x: Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, eltwise: PostOp
+    ) -> Tensor:
+        """:meth:`linear` with its post-op as a :class:`PostOp`."""
 
     # ---------------------------- the other INT8 ops: one implementation both CPU backends share,
     # on PyTorch's ``quantized::*`` CPU kernels (a backend with its own kernels overrides them)

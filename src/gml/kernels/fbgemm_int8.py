@@ -29,15 +29,14 @@ import torch
 
 from gml.ir.values import ConvSpec, Int8Weight, PostOp, QParams
 from gml.kernels.backend import (
-    ConvPostOp,
+    Add,
     Int8Backend,
+    Tensor,
     as_qtensor,
     as_uint8,
     clamp_bounds,
-    eltwise_of,
     fp32_or_none,
     silence_quantized_tensor_warnings,
-    split_post_op,
 )
 
 
@@ -96,19 +95,9 @@ class FbgemmBackend(Int8Backend):
         with quantized_engine(self.engine):
             return torch.ops.quantized.linear_prepack(_qweight(w), fp32_or_none(w.bias))
 
-    def conv2d(
-        self,
-        x: torch.Tensor,
-        x_qparams: QParams,
-        packed: Any,
-        out_qparams: QParams | None,
-        post_op: ConvPostOp = "none",
-        other: torch.Tensor | None = None,
-        other_qparams: QParams | None = None,
-    ) -> torch.Tensor:
-        eltwise, add = split_post_op(post_op)
-        if add:
-            raise NotImplementedError("the fbgemm backend has no conv kernel with an add post-op")
+    def _conv2d(
+        self, x: Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, eltwise: PostOp, add: Add
+    ) -> Tensor:
         self._check_post_op("conv2d", eltwise)
         if out_qparams is None:  # no fp32-output kernel: dequantized weights, fp32 conv
             w, b = packed.unpack()
@@ -126,15 +115,9 @@ class FbgemmBackend(Int8Backend):
         y = as_uint8(op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point))
         return self._clamp(y, out_qparams, eltwise)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        x_qparams: QParams,
-        packed: Any,
-        out_qparams: QParams | None,
-        post_op: PostOp | bool = False,
-    ) -> torch.Tensor:
-        eltwise = eltwise_of(post_op)
+    def _linear(
+        self, x: Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, eltwise: PostOp
+    ) -> Tensor:
         self._check_post_op("linear", eltwise)
         if out_qparams is None:  # no fp32-output kernel: dequantized weights, fp32 linear
             w, b = torch.ops.quantized.linear_unpack(packed)

@@ -48,13 +48,12 @@ import torch
 
 from gml.ir.values import ConvSpec, Int8Weight, PostOp, QParams
 from gml.kernels.backend import (
-    ConvPostOp,
+    Add,
     Int8Backend,
-    eltwise_of,
+    Tensor,
     fp32_or_none,
     has_padding_only_window,
     silence_quantized_tensor_warnings,
-    split_post_op,
 )
 
 _CL = torch.channels_last
@@ -214,39 +213,31 @@ class OneDNNBackend(Int8Backend):
         return packed
 
     # ------------------------------------------------------------------ compute
-    def conv2d(
+    def _conv2d(
         self,
-        x: torch.Tensor,
+        x: Tensor,
         x_qparams: QParams,
         packed: OneDNNPackedConv,
         out_qparams: QParams | None,
-        post_op: ConvPostOp = "none",
-        other: torch.Tensor | None = None,
-        other_qparams: QParams | None = None,
-    ) -> torch.Tensor:
+        eltwise: PostOp,
+        add: Add,
+    ) -> Tensor:
         src, geometry = _conv_operands(x, x_qparams, packed, _CL)
-        eltwise, add = split_post_op(post_op)
         unary = (eltwise.attr, list(eltwise.scalars), eltwise.algorithm)
-        if not add:
+        if add is None:
             return self._qconv(*src, packed.bias, *geometry, *_out_args(out_qparams), *unary)
-        if other is None or other_qparams is None or out_qparams is None:
-            raise ValueError(f"post-op {post_op!r} needs `other`, `other_qparams` and a uint8 output")
+        other, other_qparams = add
+        assert out_qparams is not None  # Int8Backend.conv2d checked it
         if not other.is_contiguous(memory_format=_CL):
             other = other.contiguous(memory_format=_CL)
         accum = (other_qparams.scale, other_qparams.zero_point, "sum", 1.0)
         out = (out_qparams.scale, out_qparams.zero_point, None)
         return self._qconv_sum(*src, other, packed.bias, *geometry, *out, *accum, *unary)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        x_qparams: QParams,
-        packed: OneDNNPackedLinear,
-        out_qparams: QParams | None,
-        post_op: PostOp | bool = False,
-    ) -> torch.Tensor:
+    def _linear(
+        self, x: Tensor, x_qparams: QParams, packed: OneDNNPackedLinear, out_qparams: QParams | None, eltwise: PostOp
+    ) -> Tensor:
         out_scale, out_zp, out_dtype = _out_args(out_qparams)
-        eltwise = eltwise_of(post_op)
         return self._qlinear(
             x,
             x_qparams.scale,
