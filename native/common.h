@@ -114,6 +114,26 @@ inline void append_eltwise(dnnl::post_ops& po, const Eltwise& eltwise) {
   for (const auto& [alg, alpha, beta] : eltwise) po.append_eltwise(parse_eltwise(alg), alpha, beta);
 }
 
+// The oneDNN algorithm a step's string names, from its table; an unknown name is an error naming `what`.
+inline dnnl::algorithm algorithm_of(const std::string& name,
+                                    std::initializer_list<std::pair<const char*, dnnl::algorithm>> table,
+                                    const char* what) {
+  for (const auto& [n, a] : table)
+    if (name == n) return a;
+  throw std::invalid_argument(std::string("gml engine: unknown ") + what + " '" + name + "'");
+}
+
+// The attributes most steps start from: `eltwise` as the post-ops, and the scratchpad the plan
+// provides (user mode: one arena for every step, see Plan).
+inline dnnl::primitive_attr eltwise_attr(const Eltwise& eltwise) {
+  dnnl::primitive_attr attr;
+  dnnl::post_ops po;
+  append_eltwise(po, eltwise);
+  attr.set_post_ops(po);
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
 inline memory f32_constant(Consts& consts, const std::vector<float>& v, int arg) {
   memory m(memory::desc({static_cast<int64_t>(v.size())}, dt::f32, memory::format_tag::a), cpu_engine());
   std::memcpy(m.get_data_handle(), v.data(), v.size() * sizeof(float));

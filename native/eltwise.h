@@ -24,19 +24,12 @@ inline void build(Plan& p, const BinaryStep& desc) {
   const std::string &alg = desc.alg, &name = desc.name;
   const std::optional<float> &scale0 = desc.scale0, &scale1 = desc.scale1;
   const Eltwise& eltwise = desc.eltwise;
-  dnnl::algorithm a;
-  if (alg == "add") a = dnnl::algorithm::binary_add;
-  else if (alg == "mul") a = dnnl::algorithm::binary_mul;
-  else if (alg == "max") a = dnnl::algorithm::binary_max;
-  else throw std::invalid_argument("gml engine: unknown binary op '" + alg + "'");
-  dnnl::primitive_attr attr;
-  dnnl::post_ops po;
-  append_eltwise(po, eltwise);
-  attr.set_post_ops(po);
+  using A = dnnl::algorithm;
+  const A a = algorithm_of(alg, {{"add", A::binary_add}, {"mul", A::binary_mul}, {"max", A::binary_max}}, "binary op");
+  dnnl::primitive_attr attr = eltwise_attr(eltwise);
   std::vector<std::pair<int, memory>> consts;
   if (scale0) add_scale(attr, consts, DNNL_ARG_SRC_0, *scale0);
   if (scale1) add_scale(attr, consts, DNNL_ARG_SRC_1, *scale1);
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   auto pd = dnnl::binary::primitive_desc(cpu_engine(), a, p.md_in(src0), p.md_in(src1), p.md_out(dst), attr);
   p.resolve(dst, pd.dst_desc());
   p.push(dnnl::binary(pd), {{DNNL_ARG_SRC_0, src0}, {DNNL_ARG_SRC_1, src1}, {DNNL_ARG_DST, dst}}, std::move(consts),

@@ -36,13 +36,9 @@ inline void build(Plan& p, const InnerProductStep& desc) {
   memory::desc user_w(wd, parse_dtype(wdtype), memory::format_tag::ab);
   memory::desc any_w(wd, parse_dtype(wdtype), memory::format_tag::any);
   memory::desc bias_md = bias ? memory::desc({wd[0]}, dt::f32, memory::format_tag::a) : memory::desc();
-  dnnl::primitive_attr attr;
-  dnnl::post_ops po;
-  append_eltwise(po, eltwise);
-  attr.set_post_ops(po);
+  dnnl::primitive_attr attr = eltwise_attr(eltwise);
   std::vector<std::pair<int, memory>> consts;
   if (quant) add_quant_attrs(attr, consts, src_q, dst_q, w_scales, 1);
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   auto pd = dnnl::inner_product_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_inference,
                                                         p.md_in(src), any_w, bias_md, p.md_out(dst), attr);
   p.resolve(dst, pd.dst_desc());

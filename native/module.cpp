@@ -36,6 +36,20 @@ nb::class_<S> step_class(nb::module_& m, nb::class_<Plan>& plan, const char* nam
   return nb::class_<S>(m, name).def(nb::init<>());
 }
 
+// The WOQ GEMV / GEMM problem of contiguous tensors the Python side gives by address (woq_linear, woq_gemm).
+gml_woq::Problem woq_problem(uintptr_t x, int64_t M, int64_t K, uintptr_t q, int bits, int64_t group,
+                             uintptr_t scales, uintptr_t zeros, uintptr_t bias, uintptr_t y, int64_t N) {
+  gml_woq::Problem p;
+  p.x = reinterpret_cast<const float*>(x);
+  p.M = M, p.K = K, p.N = N, p.bits = bits, p.group = group;
+  p.q = reinterpret_cast<const void*>(q);
+  p.scales = reinterpret_cast<const float*>(scales);
+  p.zeros = reinterpret_cast<const uint8_t*>(zeros);
+  p.bias = reinterpret_cast<const float*>(bias);
+  p.y = reinterpret_cast<float*>(y);
+  return p;
+}
+
 #define GML_FIELD(S, f) def_rw(#f, &S::f)
 // an optional field: None clears it
 #define GML_OPT(S, f) def_rw(#f, &S::f, nb::arg().none())
@@ -55,14 +69,7 @@ NB_MODULE(_engine, m) {
       "woq_linear",
       [](uintptr_t x, int64_t M, int64_t K, uintptr_t q, int bits, int64_t group, uintptr_t scales, uintptr_t zeros,
          uintptr_t bias, uintptr_t y, int64_t N, const std::string& isa, int nthreads, int act_bits) {
-        gml_woq::Problem p;
-        p.x = reinterpret_cast<const float*>(x);
-        p.M = M, p.K = K, p.N = N, p.bits = bits, p.group = group;
-        p.q = reinterpret_cast<const void*>(q);
-        p.scales = reinterpret_cast<const float*>(scales);
-        p.zeros = reinterpret_cast<const uint8_t*>(zeros);
-        p.bias = reinterpret_cast<const float*>(bias);
-        p.y = reinterpret_cast<float*>(y);
+        const gml_woq::Problem p = woq_problem(x, M, K, q, bits, group, scales, zeros, bias, y, N);
         if (M == 1)  // a decode step: helpers that are not scheduled in time cost nothing (woq_pool.h)
           gml_woq::linear_pooled(p, isa, nthreads, act_bits);
         else if (act_bits == 8)
@@ -82,15 +89,7 @@ NB_MODULE(_engine, m) {
       "woq_gemm",
       [](uintptr_t x, int64_t M, int64_t K, uintptr_t q, int bits, int64_t group, uintptr_t scales, uintptr_t zeros,
          uintptr_t bias, uintptr_t y, int64_t N, const std::string& isa, int nthreads) {
-        gml_woq::Problem p;
-        p.x = reinterpret_cast<const float*>(x);
-        p.M = M, p.K = K, p.N = N, p.bits = bits, p.group = group;
-        p.q = reinterpret_cast<const void*>(q);
-        p.scales = reinterpret_cast<const float*>(scales);
-        p.zeros = reinterpret_cast<const uint8_t*>(zeros);
-        p.bias = reinterpret_cast<const float*>(bias);
-        p.y = reinterpret_cast<float*>(y);
-        gml_woq::gemm(p, isa, nthreads);
+        gml_woq::gemm(woq_problem(x, M, K, q, bits, group, scales, zeros, bias, y, N), isa, nthreads);
       },
       nb::arg("x"), nb::arg("M"), nb::arg("K"), nb::arg("q"), nb::arg("bits"), nb::arg("group"), nb::arg("scales"),
       nb::arg("zeros"), nb::arg("bias"), nb::arg("y"), nb::arg("N"), nb::arg("isa"), nb::arg("nthreads") = 0,

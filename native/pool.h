@@ -23,16 +23,13 @@ inline void build(Plan& p, const PoolStep& desc) {
   const Dims &kernel = desc.kernel, &strides = desc.strides, &dilation = desc.dilation, &pad_l = desc.pad_l,
              &pad_r = desc.pad_r;
   const Eltwise& eltwise = desc.eltwise;
-  dnnl::algorithm a;
-  if (alg == "max") a = dnnl::algorithm::pooling_max;
-  else if (alg == "avg_include") a = dnnl::algorithm::pooling_avg_include_padding;
-  else if (alg == "avg_exclude") a = dnnl::algorithm::pooling_avg_exclude_padding;
-  else throw std::invalid_argument("gml engine: unknown pooling '" + alg + "'");
-  dnnl::primitive_attr attr;
-  dnnl::post_ops po;
-  append_eltwise(po, eltwise);
-  attr.set_post_ops(po);
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  using A = dnnl::algorithm;
+  const A a = algorithm_of(alg,
+                           {{"max", A::pooling_max},
+                            {"avg_include", A::pooling_avg_include_padding},
+                            {"avg_exclude", A::pooling_avg_exclude_padding}},
+                           "pooling");
+  const dnnl::primitive_attr attr = eltwise_attr(eltwise);
   const int src_rank = p.md_in(src).get_ndims();
   if (src_rank < 3) throw std::invalid_argument("gml engine: pooling of a source without spatial dims");
   const size_t nsp = static_cast<size_t>(src_rank - 2);

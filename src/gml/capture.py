@@ -21,7 +21,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 
-from gml.errors import InputError, TraceFailure, UnsupportedError
+from gml.errors import InputError, TraceFailure, UnsupportedError, did_you_mean
 from gml.ir.alias import MUTATES
 from gml.ir.layers import torch_layer_base
 from gml.ir.values import cloned
@@ -293,18 +293,15 @@ def _leaf_spec(leaf_modules: Sequence[str | type]) -> tuple[tuple[type, ...], li
 def check_leaf_names(model: nn.Module, leaf_modules: Sequence[str | type], option: str = "leaf_modules") -> None:
     """Every name in ``leaf_modules`` must be a submodule of ``model``: a misspelt one would be
     silently ignored (issue #24). Raises :class:`InputError` naming the closest submodules."""
-    import difflib
-
     names = [n for n in leaf_modules if isinstance(n, str)]
     if not names:
         return
     known = [n for n, _ in model.named_modules() if n]
     for name in names:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=3)
             raise InputError(
                 f"{option} {name!r} is not a submodule of the model.",
-                hint=(f"did you mean {', '.join(close)}? " if close else "")
+                hint=did_you_mean(name, known)
                 + "give a dotted submodule path as model.named_modules() lists it (e.g. layer1.0).",
             )
 

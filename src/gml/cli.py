@@ -15,47 +15,16 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.table import Table
 
+from gml.argtypes import add_model_arguments
 from gml.errors import GMLError, InputError
 
 console = Console(highlight=False)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model",
-        help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, hf:ArchitectureClass "
-        "(e.g. hf:BertModel: default config, random weights, nothing downloaded) or a local Hugging Face model "
-        "folder; `inspect` also takes a model saved by gml (file.pt2: its graph and the runtime it loads onto)",
-    )
-    p.add_argument(
-        "--input-shape",
-        metavar="SHAPE",
-        help="example input shape(s), e.g. 1x3x224x224; several inputs: 1x3x32x32,1x10 "
-        "(default: what the model declares, else 1x3x224x224)",
-    )
-    p.add_argument("--weights", metavar="FILE", help="state_dict checkpoint to load (weights_only=True)")
-    p.add_argument(
-        "--unsafe-load",
-        action="store_true",
-        help="allow pickled objects in --weights (runs code from the file: only for files you trust)",
-    )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="let a local Hugging Face model folder whose config.json has auto_map run its own Python code "
-        "(only for folders you trust; refused by default)",
-    )
-    p.add_argument(
-        "--leaf",
-        action="append",
-        default=[],
-        metavar="SUBMODULE",
-        help="keep this submodule opaque while tracing (repeatable); helps with untraceable code",
-    )
-    p.add_argument(
-        "--submodule",
-        metavar="PATH",
-        help="work on this part of the model only (e.g. backbone), when the whole does not trace",
+    add_model_arguments(
+        p,
+        saved_models="; `inspect` also takes a model saved by gml (file.pt2: its graph and the runtime it loads onto)",
     )
 
 
@@ -261,9 +230,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     check_out_path(args.out)
     model, inputs = load_from_args(args)
     passes = passes_by_name([p.strip() for p in args.passes.split(",") if p.strip()]) if args.passes else None
-    res = optimize(
-        model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf, precision=args.precision
-    )
+    res = optimize(model, inputs, passes=passes, strict=args.strict, leaf_modules=args.leaf, precision=args.precision)
     _print_capture(res.module, model, inputs)
     console.print(res.report.table(title=f"gml optimize {_model_label(args)}"))
     if res.report.skips or res.report.rolled_back:

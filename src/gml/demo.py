@@ -165,6 +165,19 @@ class _Tour:
         calls = sum(1 for n in gm.graph.nodes if n.op.startswith("call"))
         return f"{len(gm.graph.nodes)} nodes, {calls} ops"
 
+    def _fuse(
+        self, model: nn.Module, module: str, cls: str
+    ) -> tuple[tuple[nn.Module, fx.GraphModule, torch.Tensor], str]:
+        """Steps 2 and 3: run fusion pass ``module.cls`` on ``model`` (eval) for a (32, 512) input;
+        ``((model, fused, x), "nodes before → after, max |Δ|")``."""
+        model = model.eval()
+        x = torch.randn(32, 512)
+        before = len(fx.symbolic_trace(model).graph.nodes)
+        gm = self._run_pass(module, cls, model, x, f"{module.rsplit('.', 1)[1]} on {type(model).__name__}")
+        with torch.no_grad():
+            err, _ = _err(model(x), gm(x))
+        return (model, gm, x), f"nodes {before} → {len(gm.graph.nodes)}, max |Δ| {err:.1e}"
+
     def _run_pass(self, module: str, cls: str, model: nn.Module, x: torch.Tensor, title: str) -> fx.GraphModule:
         """Capture ``model``, run the project's pass ``module.cls`` under the PassManager, show the report."""
         try:
@@ -202,14 +215,8 @@ class _Tour:
             "the new node, point the activation's readers at it, erase both, recompile. A Linear whose "
             "output is read twice is declined, with the reason."
         )
-        model = DemoMLP().eval()
-        x = torch.randn(32, 512)
-        before = len(fx.symbolic_trace(model).graph.nodes)
-        gm = self._run_pass("gml.passes.fuse_linear", "FuseLinearActivation", model, x, "fuse_linear on DemoMLP")
-        with torch.no_grad():
-            err, _ = _err(model(x), gm(x))
-        self._mlp = (model, gm, x)
-        return f"nodes {before} → {len(gm.graph.nodes)}, max |Δ| {err:.1e}"
+        self._mlp, summary = self._fuse(DemoMLP(), "gml.passes.fuse_linear", "FuseLinearActivation")
+        return summary
 
     # 3 ---------------------------------------------------------------------------------------
     def pattern_rewrite(self) -> str:
@@ -226,14 +233,8 @@ class _Tour:
             "with a filter that declines what the kernel cannot compute. Constant w, b are then lowered to "
             "a FusedLinear holding Wᵀ prepacked, so nothing is transposed per call."
         )
-        model = MatmulBlock().eval()
-        x = torch.randn(32, 512)
-        before = len(fx.symbolic_trace(model).graph.nodes)
-        gm = self._run_pass("gml.passes.fuse_matmul", "FuseMatmulAddRelu", model, x, "fuse_matmul on MatmulBlock")
-        with torch.no_grad():
-            err, _ = _err(model(x), gm(x))
-        self._matmul = (model, gm, x)
-        return f"nodes {before} → {len(gm.graph.nodes)}, max |Δ| {err:.1e}"
+        self._matmul, summary = self._fuse(MatmulBlock(), "gml.passes.fuse_matmul", "FuseMatmulAddRelu")
+        return summary
 
     # 4 ---------------------------------------------------------------------------------------
     def fused_benchmark(self) -> str:

@@ -8,6 +8,9 @@ traceback for these.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class GMLError(Exception):
     """Base class for user-facing errors. ``hint`` says what the user can do about it."""
@@ -61,3 +64,10 @@ class AccuracyDropError(AccuracyError):
     ``max_accuracy_drop=``)."""
 
     exit_code = 9
+
+
+def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """``"did you mean a, b? "`` naming the (at most three) entries of ``known`` closest to ``name``
+    (each with ``prefix``), or ``""`` when none is close: the start of a hint for an unknown name."""
+    close = difflib.get_close_matches(name, list(known), n=3)
+    return f"did you mean {', '.join(prefix + c for c in close)}? " if close else ""

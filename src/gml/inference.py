@@ -14,6 +14,7 @@ has no code for either and would answer with finite numbers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,9 +40,14 @@ def _hook(module: nn.Module, args: tuple) -> None:
 
 def refuse_autograd(module: nn.Module) -> None:
     """Make ``module`` apply :func:`refuse_grad_inputs` to its inputs on every call (once per module)."""
-    if not getattr(module, "_gml_refuses_autograd", False):
-        module.register_forward_pre_hook(_hook)
-        module._gml_refuses_autograd = True
+    _check_every_call(module, _hook, "_gml_refuses_autograd")
+
+
+def _check_every_call(module: nn.Module, hook: Callable[[nn.Module, tuple], None], flag: str) -> None:
+    """Register ``hook`` as a forward pre-hook of ``module`` once (``flag``: the attribute that records it)."""
+    if not getattr(module, flag, False):
+        module.register_forward_pre_hook(hook)
+        setattr(module, flag, True)
 
 
 def refuse_nonfinite_inputs(args: Any) -> None:
@@ -72,6 +78,4 @@ def _int8_hook(module: nn.Module, args: tuple) -> None:
 
 def refuse_nonfinite(module: nn.Module) -> None:
     """Make INT8 ``module`` apply :func:`refuse_nonfinite_inputs` on every call (once per module)."""
-    if not getattr(module, "_gml_refuses_nonfinite", False):
-        module.register_forward_pre_hook(_int8_hook)
-        module._gml_refuses_nonfinite = True
+    _check_every_call(module, _int8_hook, "_gml_refuses_nonfinite")

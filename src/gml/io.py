@@ -269,6 +269,12 @@ def _twin(cls: type, weight: torch.Tensor) -> Any:
     return cls
 
 
+def _conv_window(x: fx.Node, pad: Any, stride: Any, dil: Any, groups: Any) -> dict[str, Any]:
+    """A oneDNN fp32 conv call's geometry arguments (and its input's static shape) as the fused conv
+    modules' constructor arguments."""
+    return {"stride": stride, "padding": pad, "dilation": dil, "groups": groups, "input_size": _static_shape(x)}
+
+
 def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
     """Lifter for the oneDNN fp32 ops :mod:`gml.kernels.fp32` emits."""
     mk = torch.ops.mkldnn
@@ -283,14 +289,7 @@ def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
             if weight is None:
                 return None
             mod = _twin(k32.FusedConv, weight)(
-                weight,
-                bias,
-                stride=stride,
-                padding=pad,
-                dilation=dil,
-                groups=groups,
-                post_op=_post_op(attr, scalars, algo),
-                input_size=_static_shape(x),
+                weight, bias, post_op=_post_op(attr, scalars, algo), **_conv_window(x, pad, stride, dil, groups)
             )
             return Lift(mod, (x,), str(w.target))
         if node.target == mk._convolution_pointwise.binary:
@@ -299,14 +298,7 @@ def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
             if weight is None or binary != "add" or alpha not in (None, 1) or unary not in (None, "relu"):
                 return None
             mod = _twin(k32.FusedConvAdd, weight)(
-                weight,
-                bias,
-                stride=stride,
-                padding=pad,
-                dilation=dil,
-                groups=groups,
-                relu=unary == "relu",
-                input_size=_static_shape(x),
+                weight, bias, relu=unary == "relu", **_conv_window(x, pad, stride, dil, groups)
             )
             return Lift(mod, (x, other), str(w.target))
         if node.target == mk._linear_pointwise.default:

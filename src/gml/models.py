@@ -21,7 +21,6 @@ for its own Python code (``auto_map``) is refused the same way unless ``trust_re
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import inspect
 import math
@@ -36,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gml.errors import InputError, ModelLoadError
+from gml.errors import InputError, ModelLoadError, did_you_mean
 from gml.models_hf import input_templates, is_hf_spec, load_hf
 
 DEFAULT_VISION_SHAPE = (1, 3, 224, 224)
@@ -60,10 +59,9 @@ def _load_torchvision(name: str) -> nn.Module:
 
     names = tvm.list_models()
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=3)
         raise ModelLoadError(
             f"Unknown model '{name}': not a torchvision model and not a path like file.py:Class.",
-            hint=(f"did you mean {', '.join(close)}? " if close else "")
+            hint=did_you_mean(name, names)
             + "`python -c 'import torchvision; print(torchvision.models.list_models())'` lists the names.",
         )
     kwargs: dict[str, Any] = {"weights": None}
@@ -95,11 +93,9 @@ def _load_timm(name: str) -> nn.Module:
         ) from None
     names = timm.list_models()
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=3)
         raise ModelLoadError(
             f"Unknown timm model '{name}'.",
-            hint=(f"did you mean {', '.join(close)}? " if close else "")
-            + "`python -c 'import timm; print(timm.list_models())'` lists the names.",
+            hint=did_you_mean(name, names) + "`python -c 'import timm; print(timm.list_models())'` lists the names.",
         )
     try:
         return timm.create_model(name, pretrained=False)

@@ -25,7 +25,6 @@ vocabulary (skipping the padding id, so the ids vary like real text does) and th
 from __future__ import annotations
 
 import contextlib
-import difflib
 import inspect
 import os
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gml.errors import ModelLoadError
+from gml.errors import ModelLoadError, did_you_mean
 
 PREFIX = "hf:"
 DEFAULT_SEQ = 128
@@ -89,12 +88,11 @@ def load_hf(spec: str, *, trust_remote_code: bool = False) -> nn.Module:
         cls = getattr(transformers, name, None) if name.isidentifier() else None
         if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
             looks_like_hub = "/" in name or "-" in name or name.islower()
-            close = difflib.get_close_matches(name, _architectures(transformers), n=3)
             raise ModelLoadError(
                 f"'{name}' is not a transformers model class"
                 + (" (it looks like a Hub name; GML-Lab never downloads weights)" if looks_like_hub else "")
                 + ".",
-                hint=(f"did you mean {', '.join('hf:' + c for c in close)}? " if close else "")
+                hint=did_you_mean(name, _architectures(transformers), PREFIX)
                 + "use hf:<ArchitectureClass> (e.g. hf:BertModel, built from its default config with random "
                 "weights), or pass a local folder with config.json and weights.",
             )

@@ -149,7 +149,7 @@ def test_fp32_regression(name):
 INT8_CASES = {
     # Found by seed 424242 (issue #11 run): an INT8 average pool with padding over a 1x1 map (k=2,
     # stride 1, pad 1) was off by 0.93 against outputs of 0.55; PyTorch's quantized kernel mixes up
-    # a channels-last 1x1 map's layout, so such a map takes the fp32 route (quantized_cpu.avg_pool2d).
+    # a channels-last 1x1 map's layout, so such a map takes the fp32 route (Int8Backend.avg_pool2d).
     "avg_pool_with_padding_on_a_1x1_map": ModelSpec(
         inputs=[(2, 4, 1, 1)], layers=[L("pool", 0, kind="avg", stride=1, pad=1)]
     ),

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from gml.errors import InputError
-from gml.ir.values import ConvSpec, QParams
+from gml.ir.values import ConvSpec, Int8Weight, QParams
 from gml.kernels.backend import Int8Backend, as_uint8, clamp_bounds
 from gml.kernels.fbgemm_int8 import FbgemmBackend
 from gml.kernels.fp32 import PostOp
@@ -84,7 +84,7 @@ def test_conv2d_matches_fp32_conv_of_dequantized_values(be: Int8Backend, post_op
     if post_op == "relu":
         ref = ref.relu()
     out_qp = _fit(ref)
-    packed = be.prepack_conv2d(w, ws, bias, spec, X_QP, x.shape)
+    packed = be.prepack_conv(Int8Weight(w, ws, bias), spec, X_QP, x.shape)
     y = be.conv2d(x, X_QP, packed, out_qp, post_op)
     assert y.shape == ref.shape
     assert y.is_contiguous(memory_format=torch.channels_last)
@@ -94,7 +94,7 @@ def test_conv2d_matches_fp32_conv_of_dequantized_values(be: Int8Backend, post_op
 def test_conv2d_fp32_output(be: Int8Backend):
     x = _activation((1, 16, 8, 8), X_QP, be, seed=0)
     w, ws = _weights(4, (16, 1, 1), seed=2)
-    packed = be.prepack_conv2d(w, ws, None, ConvSpec(), X_QP, x.shape)
+    packed = be.prepack_conv(Int8Weight(w, ws, None), ConvSpec(), X_QP, x.shape)
     y = be.conv2d(x, X_QP, packed, None, "relu")
     ref = F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws)).relu()
     assert y.dtype == torch.float32
@@ -110,7 +110,7 @@ def test_conv2d_add_is_one_kernel_with_the_residual(relu: bool):
     other_before = other.clone()
     w, ws = _weights(8, (16, 3, 3), seed=4)
     bias = torch.full((8,), 0.1)
-    packed = be.prepack_conv2d(w, ws, bias, ConvSpec(padding=(1, 1)), X_QP, x.shape)
+    packed = be.prepack_conv(Int8Weight(w, ws, bias), ConvSpec(padding=(1, 1)), X_QP, x.shape)
     ref = F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, padding=1) + be.dequantize(other, other_qp)
     if relu:
         ref = ref.relu()
@@ -131,7 +131,7 @@ def test_onednn_output_scale_is_the_scale_not_its_reciprocal():
     be = get_backend("onednn")
     x = _activation((1, 4, 4, 4), X_QP, be, seed=0)
     w, ws = _weights(4, (4, 1, 1), seed=5)
-    packed = be.prepack_conv2d(w, ws, None, ConvSpec(), X_QP, x.shape)
+    packed = be.prepack_conv(Int8Weight(w, ws, None), ConvSpec(), X_QP, x.shape)
     ref = F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws))
     qp = _fit(ref)
     y = torch.ops.onednn.qconv2d_pointwise(
@@ -144,7 +144,7 @@ def test_onednn_output_scale_is_the_scale_not_its_reciprocal():
 def test_onednn_packs_weights_once_per_input_shape():
     be = get_backend("onednn")
     w, ws = _weights(8, (16, 3, 3), seed=6)
-    packed = be.prepack_conv2d(w, ws, None, ConvSpec(padding=(1, 1)), X_QP, (1, 16, 8, 8))
+    packed = be.prepack_conv(Int8Weight(w, ws, None), ConvSpec(padding=(1, 1)), X_QP, (1, 16, 8, 8))
     assert list(packed.packs) == [(1, 16, 8, 8)]
     for batch in (1, 3, 3):
         x = _activation((batch, 16, 8, 8), X_QP, be, seed=batch)
@@ -163,7 +163,7 @@ def test_linear(be: Int8Backend, relu: bool):
     if relu:
         ref = ref.relu()
     qp = _fit(ref)
-    packed = be.prepack_linear(w, ws, bias, X_QP, x.shape)
+    packed = be.prepack_linear(Int8Weight(w, ws, bias), X_QP, x.shape)
     assert _steps(be, be.linear(x, X_QP, packed, qp, relu), qp, ref) <= HALF_STEP
     y32 = be.linear(x, X_QP, packed, None, relu)
     assert y32.dtype == torch.float32
@@ -243,7 +243,7 @@ def test_onednn_packings_are_bounded():
 
     be = get_backend("onednn")
     w, ws = _weights(4, (4, 1, 1), seed=8)
-    packed = be.prepack_conv2d(w, ws, None, ConvSpec(), X_QP)
+    packed = be.prepack_conv(Int8Weight(w, ws, None), ConvSpec(), X_QP)
     for batch in range(1, MAX_PACKINGS + 3):
         be.conv2d(_activation((batch, 4, 3, 3), X_QP, be, seed=batch), X_QP, packed, X_QP)
     assert sorted(packed.packs) == [(b, 4, 3, 3) for b in range(3, MAX_PACKINGS + 3)]
@@ -259,7 +259,7 @@ def test_conv2d_eltwise_post_op(be: Int8Backend, post_op: PostOp):
     x = _activation((1, 16, 7, 7), X_QP, be, seed=0)
     w, ws = _weights(8, (16, 3, 3), seed=1)
     bias = torch.linspace(-0.5, 0.5, 8)
-    packed = be.prepack_conv2d(w, ws, bias, ConvSpec(padding=(1, 1)), X_QP, x.shape)
+    packed = be.prepack_conv(Int8Weight(w, ws, bias), ConvSpec(padding=(1, 1)), X_QP, x.shape)
     ref = post_op.apply(F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, padding=1))
     out_qp = _fit(ref)
     if not be.fuses("conv2d", post_op):  # fbgemm: no hardswish / swish epilogue
@@ -276,7 +276,7 @@ def test_linear_eltwise_post_op(be: Int8Backend, post_op: PostOp):
     x = _activation((3, 32), X_QP, be, seed=0)
     w, ws = _weights(10, (32,), seed=7)
     bias = torch.linspace(-1, 1, 10)
-    packed = be.prepack_linear(w, ws, bias, X_QP, x.shape)
+    packed = be.prepack_linear(Int8Weight(w, ws, bias), X_QP, x.shape)
     ref = post_op.apply(F.linear(be.dequantize(x, X_QP), _dq_weight(w, ws), bias))
     out_qp = _fit(ref)
     if not be.fuses("linear", post_op):
@@ -292,7 +292,7 @@ def test_relu6_clamps_at_six_where_the_output_grid_goes_further(be: Int8Backend)
     x = be.quantize(torch.rand(1, 8, 5, 5, generator=torch.Generator().manual_seed(2)) * 10, qp)
     w, ws = _weights(4, (8, 1, 1), seed=3)
     w, ws = w.abs(), ws * 3  # non-negative weights on a positive input: outputs well above 6
-    packed = be.prepack_conv2d(w, ws, None, ConvSpec(), qp, x.shape)
+    packed = be.prepack_conv(Int8Weight(w, ws, None), ConvSpec(), qp, x.shape)
     ref = F.conv2d(be.dequantize(x, qp), _dq_weight(w, ws))
     assert float(ref.max()) > 7
     y = be.conv2d(x, qp, packed, qp, RELU6)
@@ -306,7 +306,7 @@ def test_onednn_qconv_rejects_other_eltwise_post_ops():
     be = get_backend("onednn")
     x = _activation((1, 4, 3, 3), X_QP, be, seed=0)
     w, ws = _weights(4, (4, 1, 1), seed=5)
-    packed = be.prepack_conv2d(w, ws, None, ConvSpec(), X_QP, x.shape)
+    packed = be.prepack_conv(Int8Weight(w, ws, None), ConvSpec(), X_QP, x.shape)
     for attr in ("sigmoid", "hardsigmoid", "gelu"):
         with pytest.raises(RuntimeError, match="Unsupported post op"):
             be.conv2d(x, X_QP, packed, X_QP, PostOp(attr))
@@ -371,7 +371,7 @@ def test_conv2d_outputs_whose_window_is_all_padding_are_the_bias(be: Int8Backend
     bias = torch.tensor([0.25, -0.5, 1.0])
     spec = ConvSpec((1, 1), (pad, pad), (dil, dil), 1)
     ref = F.conv2d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, 1, pad, dil)
-    packed = be.prepack_conv2d(w, ws, bias, spec, X_QP, x.shape)
+    packed = be.prepack_conv(Int8Weight(w, ws, bias), spec, X_QP, x.shape)
     for _ in range(2):  # the garbage differed from call to call
         torch.testing.assert_close(be.conv2d(x, X_QP, packed, None), ref, atol=1e-4, rtol=1e-5)
     out_qp = _fit(ref)
@@ -427,7 +427,7 @@ def test_conv3d_matches_fp32_conv_of_dequantized_values(k, stride, pad, dil, gro
     bias = torch.linspace(-0.5, 0.5, 8)
     spec = ConvSpec(stride, pad, dil, groups)
     ref = F.conv3d(be.dequantize(x, X_QP), _dq_weight(w, ws), bias, stride, pad, dil, groups)
-    packed = be.prepack_conv3d(w, ws, bias, spec, X_QP, x.shape)
+    packed = be.prepack_conv(Int8Weight(w, ws, bias), spec, X_QP, x.shape)
     out_qp = _fit(ref)
     for _ in range(2):  # uninitialised memory would differ from call to call
         y = be.conv3d(x, X_QP, packed, out_qp)
@@ -443,13 +443,13 @@ def test_conv3d_relu_is_the_saturation_at_a_zero_point_of_zero():
     spec = ConvSpec((1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
     ref = F.conv3d(be.dequantize(x, X_QP), _dq_weight(w, ws), None, 1, 1).relu()
     out_qp = QParams(float(ref.max()) / 255, 0)
-    y = be.conv3d(x, X_QP, be.prepack_conv3d(w, ws, None, spec, X_QP, x.shape), out_qp)
+    y = be.conv3d(x, X_QP, be.prepack_conv(Int8Weight(w, ws, None), spec, X_QP, x.shape), out_qp)
     assert _steps(be, y, out_qp, ref) <= HALF_STEP
     # the 5-D kernel itself has no eltwise post-op on this build (why QConv3d saturates instead)
     with pytest.raises(RuntimeError, match="Unsupported post op relu"):
         torch.ops.onednn.qconv_pointwise(
             x.contiguous(memory_format=torch.channels_last_3d), 0.02, 128,
-            be.prepack_conv3d(w, ws, None, spec, X_QP, x.shape).pack_for(x.shape), ws,
+            be.prepack_conv(Int8Weight(w, ws, None), spec, X_QP, x.shape).pack_for(x.shape), ws,
             torch.zeros(4, dtype=torch.int64), None, [1, 1, 1], [1, 1, 1], [1, 1, 1], 1, 0.1, 0, None, "relu", [], "",
         )  # fmt: skip
 

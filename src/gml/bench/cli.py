@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from gml.argtypes import positive_int
+from gml.argtypes import add_model_arguments, positive_int
 from gml.bench.variants import DEFAULT_VARIANTS, VARIANTS
 
 
@@ -23,41 +23,11 @@ def _int_list(text: str) -> list[int]:
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``gml bench``'s arguments (including the positional MODEL) to ``p``."""
-    p.add_argument(
-        "model",
-        help="torchvision name (resnet18), timm:NAME (random init), path/to/file.py:ClassName, hf:ArchitectureClass "
-        "(default config, random weights), a local Hugging Face model folder, or a model saved by gml "
-        "(file.pt2: timed on the native engine against its Python executor)",
-    )
-    p.add_argument(
-        "--input-shape",
-        metavar="SHAPE",
-        help="input shape(s) like 1x3x224x224 (dim 0 is replaced by each batch size; several inputs: "
+    add_model_arguments(
+        p,
+        saved_models=", or a model saved by gml (file.pt2: timed on the native engine against its Python executor)",
+        input_shape="input shape(s) like 1x3x224x224 (dim 0 is replaced by each batch size; several inputs: "
         "1x3x32x32,1x10). Default: what the model declares, else 1x3x224x224",
-    )
-    p.add_argument("--weights", metavar="FILE", help="state_dict checkpoint to load (weights_only=True)")
-    p.add_argument(
-        "--unsafe-load",
-        action="store_true",
-        help="allow pickled objects in --weights (runs code from the file: only for files you trust)",
-    )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="let a local Hugging Face model folder whose config.json has auto_map run its own Python code "
-        "(only for folders you trust; refused by default)",
-    )
-    p.add_argument(
-        "--submodule",
-        metavar="PATH",
-        help="benchmark this part of the model only (e.g. backbone), when the whole does not trace",
-    )
-    p.add_argument(
-        "--leaf",
-        action="append",
-        default=[],
-        metavar="SUBMODULE",
-        help="keep this submodule opaque while tracing GML's variants (repeatable), as in gml optimize",
     )
     p.add_argument("--batch-sizes", type=_int_list, default=[1], metavar="N[,N...]", help="batch sizes (default: 1)")
     p.add_argument(

@@ -91,7 +91,8 @@ def _floor_line(result: BenchResult, b: BatchResult) -> str:
 def _header(result: BenchResult) -> str:
     m, s = result.machine, result.settings
     return (
-        f"{result.model} on {m['cpu']}" + (f" ({m['target']})" if m.get("target") else "")
+        f"{result.model} on {m['cpu']}"
+        + (f" ({m['target']})" if m.get("target") else "")
         + f", {s['threads']} threads, torch {m['versions'].get('torch')}; "
         f"{s['rounds']} interleaved rounds after {s['warmup']} warm-up calls; {result.created}"
     )
@@ -240,20 +241,14 @@ def render_png(result: BenchResult, path: str | Path) -> None:
         ax.set_ylabel("latency per call, ms (median, p10–p90)")
         ax.set_title(f"{result.model}, batch {b.batch_size}")
         if result.peak is not None and b.flops is not None:
-            ax.axhline(
-                result.peak.floor_ms(b.flops, "fp32"),
-                color=_COLORS["fp32"],
-                linestyle="--",
-                linewidth=1,
-                label="fp32 floor (measured peak)",
-            )
-            if result.peak.int8_ops:
+            floors = [("fp32", "--", 1.0)] + ([("int8", ":", 1.2)] if result.peak.int8_ops else [])
+            for precision, style, width in floors:
                 ax.axhline(
-                    result.peak.floor_ms(b.flops, "int8"),
-                    color=_COLORS["int8"],
-                    linestyle=":",
-                    linewidth=1.2,
-                    label="int8 floor (measured peak)",
+                    result.peak.floor_ms(b.flops, precision),
+                    color=_COLORS[precision],
+                    linestyle=style,
+                    linewidth=width,
+                    label=f"{precision} floor (measured peak)",
                 )
             ax.legend(fontsize=7, loc="upper right")
         ax.grid(axis="y", alpha=0.3)

@@ -20,12 +20,11 @@ so it lives in ``gml.ir`` and imports no other gml package.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-NAMESPACE = "gml"
+from gml.ir.library import fragment_op
+
 SCHEMAS: dict[str, str] = {
     "attention": "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float? scale=None, "
     "bool is_causal=False) -> Tensor",
@@ -47,20 +46,9 @@ def _fake_attention(query, key, value, attn_mask=None, scale=None, is_causal=Fal
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
-@functools.cache
-def _define() -> torch.library.Library:
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    for name, schema in SCHEMAS.items():
-        lib.define(name + schema)
-    lib.impl("attention", _attention, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::attention", _fake_attention, lib=lib)
-    return lib
-
-
 def attention_op() -> torch._ops.OpOverload:
     """``torch.ops.gml.attention.default``, declaring it on first use."""
-    _define()
-    return torch.ops.gml.attention.default
+    return fragment_op("attention", _attention, _fake_attention, SCHEMAS)
 
 
 def is_attention(node: torch.fx.Node) -> bool:

@@ -31,7 +31,7 @@ This module imports no other gml package; it only declares. Importing it twice i
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -206,6 +206,24 @@ def _define() -> torch.library.Library:
     for name, schema in SCHEMAS.items():
         lib.define(name + schema)
         torch.library.register_fake(f"{NAMESPACE}::{name}", _FAKES[name], lib=lib)
+    return lib
+
+
+def fragment_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any], schemas: dict[str, str]) -> Any:
+    """``torch.ops.gml.<name>.default`` for an op declared in its own ``torch.library`` fragment of
+    the namespace (``gml.attention``, ``gml.woq_linear``): its schema from ``schemas``, ``impl`` as its
+    one kernel for every device (CompositeExplicitAutograd), ``fake`` so graphs holding it export.
+    Declared on first use, once per process."""
+    _fragment(name, impl, fake, schemas[name])
+    return getattr(torch.ops.gml, name).default
+
+
+@functools.cache
+def _fragment(name: str, impl: Callable[..., Any], fake: Callable[..., Any], schema: str) -> torch.library.Library:
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    lib.define(name + schema)
+    lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
     return lib
 
 

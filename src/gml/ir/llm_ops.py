@@ -46,13 +46,13 @@ Declared in its own ``torch.library`` fragment of the ``gml`` namespace (as
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-NAMESPACE = "gml"
+from gml.ir.library import fragment_op
+
 SCHEMAS: dict[str, str] = {
     "woq_linear": (
         "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int bits, int group_size, "
@@ -235,20 +235,9 @@ def _fake_woq_linear(x, qweight, scales, zeros, bias, bits, group_size, act_bits
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.float32)
 
 
-@functools.cache
-def _define() -> torch.library.Library:
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    for name, schema in SCHEMAS.items():
-        lib.define(name + schema)
-    lib.impl("woq_linear", _woq_linear, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::woq_linear", _fake_woq_linear, lib=lib)
-    return lib
-
-
 def woq_linear_op() -> torch._ops.OpOverload:
     """``torch.ops.gml.woq_linear.default``, declaring it on first use."""
-    _define()
-    return torch.ops.gml.woq_linear.default
+    return fragment_op("woq_linear", _woq_linear, _fake_woq_linear, SCHEMAS)
 
 
 def woq_linear(

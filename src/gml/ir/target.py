@@ -89,6 +89,11 @@ class Int8Arithmetic:
         return f"{self.name} ({self.reason})"
 
 
+def _feature(name: str, doc: str) -> property:
+    """A :class:`Target` flag: whether its ISA has feature ``name`` (:data:`ISA_FEATURES`)."""
+    return property(lambda self: name in self.features, doc=doc)
+
+
 @dataclass(frozen=True)
 class Target:
     """The CPU GML plans for: oneDNN's dispatched ISA (``ONEDNN_MAX_CPU_ISA`` honoured), and threads.
@@ -105,23 +110,10 @@ class Target:
     def features(self) -> frozenset[str]:
         return ISA_FEATURES.get(self.isa, frozenset())
 
-    @property
-    def avx512(self) -> bool:
-        return "avx512" in self.features
-
-    @property
-    def has_vnni(self) -> bool:
-        """AVX512-VNNI (``vpdpbusd`` on zmm)."""
-        return "avx512_vnni" in self.features
-
-    @property
-    def avx_vnni(self) -> bool:
-        """AVX-VNNI (``vpdpbusd`` on ymm, VEX-encoded)."""
-        return "avx_vnni" in self.features
-
-    @property
-    def amx(self) -> bool:
-        return "amx" in self.features
+    avx512 = _feature("avx512", "AVX-512 (zmm registers).")
+    has_vnni = _feature("avx512_vnni", "AVX512-VNNI (``vpdpbusd`` on zmm).")
+    avx_vnni = _feature("avx_vnni", "AVX-VNNI (``vpdpbusd`` on ymm, VEX-encoded).")
+    amx = _feature("amx", "AMX tiles (INT8 and bf16).")
 
     @property
     def native_bf16(self) -> bool:

@@ -16,6 +16,15 @@ import torch
 #: oneDNN attr names of the element-wise post-ops (aten/src/ATen/native/mkldnn/Utils.cpp,
 #: ``fusion_unary_attr_map``); ``"none"`` is no post-op.
 UNARY_ATTRS = ("relu", "sigmoid", "tanh", "swish", "hardswish", "hardsigmoid", "leaky_relu", "hardtanh", "gelu")
+#: the post-ops that take no scalars, as ATen functions (:meth:`PostOp.apply`)
+_NO_SCALARS = {
+    "relu": torch.relu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "swish": torch.nn.functional.silu,
+    "hardswish": torch.nn.functional.hardswish,
+    "hardsigmoid": torch.nn.functional.hardsigmoid,
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,17 @@ class ChannelQParams:
     def tensor(self) -> torch.Tensor:
         """The scales as the op argument wants them: a contiguous 1-D float32 tensor."""
         return torch.tensor(self.scale, dtype=torch.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class Int8Weight:
+    """A weighted op's dense weight as the IR passes it (the ``weight, weight_scale, bias`` arguments of
+    ``gml.qconv`` / ``gml.qlinear``): symmetric int8 ``weight`` (output channels first, zero point 0),
+    ``scale`` per output channel or one per tensor, fp32 ``bias`` or ``None``."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -112,18 +132,8 @@ class PostOp:
         a = self.attr
         if a == "none":
             return x
-        if a == "relu":
-            return torch.relu(x)
-        if a == "sigmoid":
-            return torch.sigmoid(x)
-        if a == "tanh":
-            return torch.tanh(x)
-        if a == "swish":
-            return F.silu(x)
-        if a == "hardswish":
-            return F.hardswish(x)
-        if a == "hardsigmoid":
-            return F.hardsigmoid(x)
+        if a in _NO_SCALARS:
+            return _NO_SCALARS[a](x)
         if a == "leaky_relu":
             return F.leaky_relu(x, self.scalars[0])
         if a == "hardtanh":

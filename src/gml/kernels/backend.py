@@ -38,9 +38,12 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from gml.ir.values import NO_POST_OP, ConvSpec, PostOp, QParams
+from gml.ir.values import NO_POST_OP, ConvSpec, Int8Weight, PostOp, QParams
 
 ConvPostOp = Literal["none", "relu", "add", "add_relu"] | PostOp
+Tensor = torch.Tensor
+#: the residual operand of a fused conv + add: ``(other, other_qparams)``, or ``None``
+Add = tuple[torch.Tensor, QParams] | None
 POST_OPS: tuple[str, ...] = ("none", "relu", "add", "add_relu")
 
 
@@ -146,30 +149,17 @@ class Int8Backend(ABC):
 
     # ------------------------------------------------------------------ weights
     @abstractmethod
-    def prepack_conv2d(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: ConvSpec,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
+    def prepack_conv(
+        self, w: Int8Weight, spec: ConvSpec, input_qparams: QParams, input_shape: Sequence[int] | None = None
     ) -> Any:
-        """Pack an int8 ``[O, I/groups, kH, kW]`` weight; ``input_shape`` lets the kernel pick a layout."""
+        """Pack an int8 ``[O, I/groups, kH, kW]`` weight for :meth:`conv2d` (``[O, I/groups, kD, kH, kW]``
+        for :meth:`conv3d`, where :attr:`has_conv3d`); ``input_shape`` lets the kernel pick a layout."""
 
     @abstractmethod
-    def prepack_linear(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
-    ) -> Any:
+    def prepack_linear(self, w: Int8Weight, input_qparams: QParams, input_shape: Sequence[int] | None = None) -> Any:
         """Pack an int8 ``[O, I]`` weight."""
 
     # ------------------------------------------------------------------ compute
-    @abstractmethod
     def conv2d(
         self,
         x: torch.Tensor,
@@ -181,28 +171,30 @@ class Int8Backend(ABC):
         other_qparams: QParams | None = None,
     ) -> torch.Tensor:
         """``post_op(conv(x) [+ other])`` requantized to ``out_qparams`` (``None``: fp32 output,
-        element-wise post-ops only)."""
+        element-wise post-ops only): the post-op argument checked here, the kernel :meth:`_conv2d`."""
+        eltwise, add = split_post_op(post_op)
+        if not add:
+            return self._conv2d(x, x_qparams, packed, out_qparams, eltwise, None)
+        if not self.supports_conv_add:
+            raise NotImplementedError(f"the {self.name} backend has no conv kernel with an add post-op")
+        if other is None or other_qparams is None or out_qparams is None:
+            raise ValueError(f"post-op {post_op!r} needs `other`, `other_qparams` and a uint8 output")
+        return self._conv2d(x, x_qparams, packed, out_qparams, eltwise, (other, other_qparams))
+
+    @abstractmethod
+    def _conv2d(
+        self, x: Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, eltwise: PostOp, add: Add
+    ) -> Tensor:
+        """:meth:`conv2d` with its post-op split: ``eltwise`` and, for the residual forms,
+        ``add = (other, other_qparams)`` (``out_qparams`` then is not ``None``)."""
 
     #: :meth:`conv3d` exists (video models' ``Conv3d``).
     has_conv3d: ClassVar[bool] = False
-
-    def prepack_conv3d(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: ConvSpec,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
-    ) -> Any:
-        """Pack an int8 ``[O, I/groups, kD, kH, kW]`` weight."""
-        raise NotImplementedError(f"the {self.name} backend has no INT8 conv3d")
 
     def conv3d(self, x: torch.Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None) -> torch.Tensor:
         """``conv3d(x)`` requantized to ``out_qparams`` (``None``: fp32), no post-op."""
         raise NotImplementedError(f"the {self.name} backend has no INT8 conv3d")
 
-    @abstractmethod
     def linear(
         self,
         x: torch.Tensor,
@@ -212,10 +204,17 @@ class Int8Backend(ABC):
         post_op: PostOp | bool = False,
     ) -> torch.Tensor:
         """``post_op(x @ W.T + b)`` over the last dimension (``out_qparams=None``: fp32 output);
-        ``True`` / ``False`` mean relu / none."""
+        ``True`` / ``False`` mean relu / none. The kernel: :meth:`_linear`."""
+        return self._linear(x, x_qparams, packed, out_qparams, eltwise_of(post_op))
 
-    # ------------------------------- the other INT8 ops (default implementations: QuantizedCPUBackend)
     @abstractmethod
+    def _linear(
+        self, x: Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, eltwise: PostOp
+    ) -> Tensor:
+        """:meth:`linear` with its post-op as a :class:`PostOp`."""
+
+    # ---------------------------- the other INT8 ops: one implementation both CPU backends share,
+    # on PyTorch's ``quantized::*`` CPU kernels (a backend with its own kernels overrides them)
     def add(
         self,
         a: torch.Tensor,
@@ -226,8 +225,10 @@ class Int8Backend(ABC):
         relu: bool = False,
     ) -> torch.Tensor:
         """Elementwise ``[relu](a + b)`` of two same-shape tensors (``quantized::add[_relu]``)."""
+        op = torch.ops.quantized.add_relu if relu else torch.ops.quantized.add
+        out = op(as_qtensor(a, a_qparams), as_qtensor(b, b_qparams), out_qparams.scale, out_qparams.zero_point)
+        return as_uint8(out)
 
-    @abstractmethod
     def max_pool2d(
         self,
         x: torch.Tensor,
@@ -239,15 +240,16 @@ class Int8Backend(ABC):
     ) -> torch.Tensor:
         """Max pooling; the output keeps the input's qparams (max commutes with the affine map).
         ``quantized::max_pool2d`` takes plain uint8, channels-last in and out."""
+        return torch.ops.quantized.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
 
-    @abstractmethod
     def adaptive_avg_pool3d(
         self, x: torch.Tensor, x_qparams: QParams, output_size: tuple[int, int, int], out_qparams: QParams
     ) -> torch.Tensor:
-        """:meth:`adaptive_avg_pool2d` over ``[N, C, D, H, W]``: the integers averaged in fp32 and rounded once onto
-        the output grid (exact up to that one rounding)."""
+        """:meth:`adaptive_avg_pool2d` over ``[N, C, D, H, W]``: the integers averaged in fp32 and
+        rounded once onto the output grid (exact up to that one rounding)."""
+        y = torch.nn.functional.adaptive_avg_pool3d(x.float(), output_size)
+        return self.quantize(y.sub_(x_qparams.zero_point).mul_(x_qparams.scale), out_qparams)
 
-    @abstractmethod
     def max_pool3d(
         self,
         x: torch.Tensor,
@@ -257,16 +259,25 @@ class Int8Backend(ABC):
         dilation: tuple[int, int, int],
         ceil_mode: bool,
     ) -> torch.Tensor:
-        """:meth:`max_pool2d` over ``[N, C, D, H, W]`` (PyTorch's quantized max_pool3d; the maximum of the integers
-        does not depend on the qparams, so any will do for the wrapper)."""
+        """:meth:`max_pool2d` over ``[N, C, D, H, W]`` (PyTorch's quantized max_pool3d; the maximum
+        of the integers does not depend on the qparams, so any will do for the wrapper)."""
+        q = as_qtensor(x, QParams(1.0, 0))
+        return as_uint8(torch.nn.functional.max_pool3d(q, kernel_size, stride, padding, dilation, ceil_mode))
 
-    @abstractmethod
     def adaptive_avg_pool2d(
         self, x: torch.Tensor, x_qparams: QParams, output_size: tuple[int, int], out_qparams: QParams
     ) -> torch.Tensor:
         """Adaptive average pooling, requantized to ``out_qparams``."""
+        # PyTorch's quantized kernel averages on the input's own grid. It mixes up the layout of a
+        # channels-last 1x1 map it has to spread over a larger output ([a, 0, 0, a] for [a, a, a, a]),
+        # so a 1x1 input takes the fp32 route below, which is exact there (the mean of one value).
+        if x_qparams.close_to(out_qparams) and x.shape[-2] * x.shape[-1] > 1:
+            return as_uint8(torch.nn.functional.adaptive_avg_pool2d(as_qtensor(x, x_qparams), output_size))
+        # Otherwise average the integers in fp32 and round once onto the output grid (rounding the
+        # mean to the input grid first would lose the finer output resolution).
+        y = torch.nn.functional.adaptive_avg_pool2d(x.float(), output_size)
+        return self.quantize(y.sub_(x_qparams.zero_point).mul_(x_qparams.scale), out_qparams)
 
-    @abstractmethod
     def avg_pool2d(
         self,
         x: torch.Tensor,
@@ -279,11 +290,16 @@ class Int8Backend(ABC):
         divisor_override: int | None,
         out_qparams: QParams,
     ) -> torch.Tensor:
-        """Average pooling. An average lies within its inputs' range, so the output normally keeps the input's qparams
-        and PyTorch's quantized kernel averages the integers (padding counts as real 0, the zero point); other
-        output qparams go through fp32 and round once."""
+        """Average pooling. An average lies within its inputs' range, so the output normally keeps
+        the input's qparams and PyTorch's quantized kernel averages the integers (padding counts as
+        real 0, the zero point); other output qparams go through fp32 and round once."""
+        args = (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+        # a channels-last 1x1 map is laid out like a contiguous one and the quantized kernel mixes
+        # the two up (as in adaptive_avg_pool2d above; fuzz seed 424242): it takes the fp32 route
+        if x_qparams.close_to(out_qparams) and x.shape[-2] * x.shape[-1] > 1:
+            return as_uint8(torch.nn.functional.avg_pool2d(as_qtensor(x, x_qparams), *args))
+        return self.quantize(torch.nn.functional.avg_pool2d(self.dequantize(x, x_qparams), *args), out_qparams)
 
-    @abstractmethod
     def batch_norm2d(
         self,
         x: torch.Tensor,
@@ -298,42 +314,75 @@ class Int8Backend(ABC):
     ) -> torch.Tensor:
         """Inference batch norm (a per-channel affine map) with an optional fused ReLU, on PyTorch's
         ``quantized::batch_norm2d[_relu]``: what is left of a BN no conv before it could absorb."""
+        op = torch.ops.quantized.batch_norm2d_relu if relu else torch.ops.quantized.batch_norm2d
+        q = as_qtensor(x, x_qparams)
+        return as_uint8(op(q, weight, bias, mean, var, eps, out_qparams.scale, out_qparams.zero_point))
 
-    @abstractmethod
     def cat(
         self, xs: Sequence[torch.Tensor], qparams: Sequence[QParams], dim: int, out_qparams: QParams
     ) -> torch.Tensor:
         """Concatenate, requantizing each input to ``out_qparams``."""
+        if all(qp.close_to(out_qparams) for qp in qparams):
+            return torch.cat(list(xs), dim)  # same qparams: concatenating the integers is exact
+        qs = [as_qtensor(x, qp) for x, qp in zip(xs, qparams)]
+        return as_uint8(torch.ops.quantized.cat(qs, dim, out_qparams.scale, out_qparams.zero_point))
 
-    @abstractmethod
+    # -------------------------------------------- ops with one obvious implementation
     def relu(self, x: torch.Tensor, x_qparams: QParams) -> torch.Tensor:
         """ReLU in the integer domain: real 0 is the zero point, so ``max(q, zp)``."""
+        return torch.clamp_min(x, x_qparams.zero_point)
 
-    @abstractmethod
     def hardtanh(self, x: torch.Tensor, x_qparams: QParams, min_val: float, max_val: float) -> torch.Tensor:
         """``hardtanh`` (ReLU6 = ``hardtanh(0, 6)``) as a clamp of the integers, same qparams."""
+        lo, hi = clamp_bounds(x_qparams, min_val, max_val)
+        return torch.clamp(x, lo, hi)
 
-    @abstractmethod
     def activation(self, x: torch.Tensor, x_qparams: QParams, post_op: PostOp, out_qparams: QParams) -> torch.Tensor:
-        """A standalone element-wise activation (one of :attr:`activations`) on uint8."""
+        """A standalone element-wise activation (one of :attr:`activations`) on uint8.
 
-    @abstractmethod
+        Clamps (relu, hardtanh) work on the integers; the others go through PyTorch's quantized
+        CPU kernels (``quantized::hardswish``; ``sigmoid`` / ``hardsigmoid`` on a QTensor, which
+        write fixed qparams 1/256, 0 that are then requantized if ``out_qparams`` differ).
+        """
+        if post_op.attr not in self.activations:
+            raise NotImplementedError(f"the {self.name} backend has no INT8 {post_op} kernel")
+        if post_op.attr == "relu":
+            y = self.relu(x, x_qparams)
+        elif post_op.attr == "hardtanh":
+            y = self.hardtanh(x, x_qparams, *post_op.scalars)
+        else:
+            q = as_qtensor(x, x_qparams)
+            if post_op.attr == "hardswish":
+                return as_uint8(torch.ops.quantized.hardswish(q, out_qparams.scale, out_qparams.zero_point))
+            fn = torch.sigmoid if post_op.attr == "sigmoid" else torch.nn.functional.hardsigmoid
+            r = fn(q)
+            return self.requantize(as_uint8(r), QParams(r.q_scale(), r.q_zero_point()), out_qparams)
+        return self.requantize(y, x_qparams, out_qparams)
+
     def mul(
         self, a: torch.Tensor, a_qparams: QParams, b: torch.Tensor, b_qparams: QParams, out_qparams: QParams
     ) -> torch.Tensor:
         """Elementwise ``a * b`` with broadcasting (PyTorch's ``quantized::mul``)."""
+        out = torch.ops.quantized.mul(
+            as_qtensor(a, a_qparams), as_qtensor(b, b_qparams), out_qparams.scale, out_qparams.zero_point
+        )
+        return as_uint8(out)
 
-    @abstractmethod
     def quantize(self, x: torch.Tensor, qparams: QParams) -> torch.Tensor:
         """fp32 → uint8 (round half to even, saturating), channels-last for 4-D inputs."""
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return as_uint8(torch.quantize_per_tensor(x, qparams.scale, qparams.zero_point, torch.quint8))
 
-    @abstractmethod
     def dequantize(self, x: torch.Tensor, qparams: QParams) -> torch.Tensor:
         """uint8 → fp32: ``(q - zero_point) * scale``."""
+        return torch._make_per_tensor_quantized_tensor(x, qparams.scale, qparams.zero_point).dequantize()
 
-    @abstractmethod
     def requantize(self, x: torch.Tensor, x_qparams: QParams, out_qparams: QParams) -> torch.Tensor:
         """Change a uint8 tensor's qparams (identity if they are equal)."""
+        if x_qparams.close_to(out_qparams):
+            return x
+        return self.quantize(self.dequantize(x, x_qparams), out_qparams)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

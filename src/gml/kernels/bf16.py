@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,6 @@ from torch import nn
 
 from gml.ir.library import channels_last_format
 from gml.ir.target import Target
-from gml.ir.values import NO_POST_OP, PostOp
 from gml.kernels import fp32 as k32
 
 #: bf16's unit roundoff 2^(1-p)/2 = 2^-8 for p = 8 significant bits (7 stored + the implicit one),
@@ -151,12 +150,22 @@ def conv_refusal(m: nn.Module, input_shape: Sequence[int] | None) -> str | None:
     return None
 
 
-class Bf16Conv(k32.FusedConv):
-    """``bf16(post_op(conv(x, W) + b))``: bf16 weights/activations, fp32 accumulate and bias."""
+class _Bf16Twin:
+    """What the three bf16 twins add to their fp32 kernel: bf16 weights (built through the fp32
+    constructor, then cast) and ``bf16`` in the repr. ``_forced`` overrides constructor arguments."""
+
+    _forced: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, **kwargs: Any) -> None:
-        super().__init__(weight.float(), None if bias is None else bias.float(), **kwargs)
-        _bf16_weight(self)
+        super().__init__(weight.float(), _f32(bias), **{**kwargs, **self._forced})  # type: ignore[call-arg]
+        _bf16_weight(self)  # type: ignore[arg-type]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", bf16"  # type: ignore[misc]
+
+
+class Bf16Conv(_Bf16Twin, k32.FusedConv):
+    """``bf16(post_op(conv(x, W) + b))``: bf16 weights/activations, fp32 accumulate and bias."""
 
     @classmethod
     def from_fused(cls, m: k32.FusedConv) -> Bf16Conv:
@@ -170,16 +179,9 @@ class Bf16Conv(k32.FusedConv):
         y = conv(x.float(), self.weight.float(), _f32(self.bias), self.stride, self.padding, self.dilation, self.groups)
         return self.post_op.apply(y).to(torch.bfloat16)
 
-    def extra_repr(self) -> str:
-        return super().extra_repr() + ", bf16"
 
-
-class Bf16ConvAdd(k32.FusedConvAdd):
+class Bf16ConvAdd(_Bf16Twin, k32.FusedConvAdd):
     """``bf16([relu](conv(x, W) + b + other))``; ``other`` is read as bf16 (oneDNN's sum post-op)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, **kwargs: Any) -> None:
-        super().__init__(weight.float(), None if bias is None else bias.float(), **kwargs)
-        _bf16_weight(self)
 
     @classmethod
     def from_fused(cls, m: k32.FusedConvAdd) -> Bf16ConvAdd:
@@ -197,26 +199,13 @@ class Bf16ConvAdd(k32.FusedConvAdd):
         y = y + other.float()
         return (torch.relu(y) if self.relu else y).to(torch.bfloat16)
 
-    def extra_repr(self) -> str:
-        return super().extra_repr() + ", bf16"
 
+class Bf16Linear(_Bf16Twin, k32.FusedLinear):
+    """``bf16(post_op(x W^T + b))`` on oneDNN's bf16 inner product (any leading dims); arguments as
+    :class:`~gml.kernels.fp32.FusedLinear`'s but ``backend``: MKL's packed GEMM is fp32-only, so bf16
+    always runs oneDNN's inner product."""
 
-class Bf16Linear(k32.FusedLinear):
-    """``bf16(post_op(x W^T + b))`` on oneDNN's bf16 inner product (any leading dims)."""
-
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        *,
-        post_op: PostOp = NO_POST_OP,
-        rows: int | None = None,
-        backend: str = "onednn",
-    ) -> None:
-        # MKL's packed GEMM is fp32-only: bf16 always runs oneDNN's inner product
-        fbias = None if bias is None else bias.float()
-        super().__init__(weight.float(), fbias, post_op=post_op, rows=rows, backend="onednn")
-        _bf16_weight(self)
+    _forced: ClassVar[dict[str, Any]] = {"backend": "onednn"}
 
     @classmethod
     def from_fused(cls, m: k32.FusedLinear) -> Bf16Linear:
@@ -233,9 +222,6 @@ class Bf16Linear(k32.FusedLinear):
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_op.apply(F.linear(x.float(), self.weight.float(), _f32(self.bias))).to(torch.bfloat16)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + ", bf16"
 
 
 #: fp32 fused module type → its bf16 twin.

@@ -27,18 +27,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from gml.ir.values import ConvSpec, PostOp, QParams
+from gml.ir.values import ConvSpec, Int8Weight, PostOp, QParams
 from gml.kernels.backend import (
-    ConvPostOp,
+    Add,
+    Int8Backend,
+    Tensor,
     as_qtensor,
     as_uint8,
     clamp_bounds,
-    eltwise_of,
     fp32_or_none,
     silence_quantized_tensor_warnings,
-    split_post_op,
 )
-from gml.kernels.quantized_cpu import QuantizedCPUBackend
 
 
 @contextlib.contextmanager
@@ -52,15 +51,15 @@ def quantized_engine(name: str) -> Iterator[None]:
         torch.backends.quantized.engine = old
 
 
-def _qweight(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    scale = weight_scale.double().flatten()
+def _qweight(w: Int8Weight) -> torch.Tensor:
+    scale = w.scale.double().flatten()
     if scale.numel() == 1:
-        return torch._make_per_tensor_quantized_tensor(weight, float(scale[0]), 0)
+        return torch._make_per_tensor_quantized_tensor(w.weight, float(scale[0]), 0)
     zp = torch.zeros(scale.numel(), dtype=torch.int64)
-    return torch._make_per_channel_quantized_tensor(weight, scale, zp, 0)
+    return torch._make_per_channel_quantized_tensor(w.weight, scale, zp, 0)
 
 
-class FbgemmBackend(QuantizedCPUBackend):
+class FbgemmBackend(Int8Backend):
     """PyTorch ``quantized::*`` kernels (FBGEMM engine)."""
 
     name = "fbgemm"
@@ -77,49 +76,28 @@ class FbgemmBackend(QuantizedCPUBackend):
     def is_available(cls) -> bool:
         return cls.engine in torch.backends.quantized.supported_engines
 
-    def prepack_conv2d(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: ConvSpec,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
+    def prepack_conv(
+        self, w: Int8Weight, spec: ConvSpec, input_qparams: QParams, input_shape: Sequence[int] | None = None
     ) -> Any:
+        if w.weight.dim() != 4:
+            raise NotImplementedError(f"the {self.name} backend has no INT8 conv{w.weight.dim() - 2}d")
         with quantized_engine(self.engine):
             return torch.ops.quantized.conv2d_prepack(
-                _qweight(weight, weight_scale),
-                fp32_or_none(bias),
+                _qweight(w),
+                fp32_or_none(w.bias),
                 list(spec.stride),
                 list(spec.padding),
                 list(spec.dilation),
                 spec.groups,
             )
 
-    def prepack_linear(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
-    ) -> Any:
+    def prepack_linear(self, w: Int8Weight, input_qparams: QParams, input_shape: Sequence[int] | None = None) -> Any:
         with quantized_engine(self.engine):
-            return torch.ops.quantized.linear_prepack(_qweight(weight, weight_scale), fp32_or_none(bias))
+            return torch.ops.quantized.linear_prepack(_qweight(w), fp32_or_none(w.bias))
 
-    def conv2d(
-        self,
-        x: torch.Tensor,
-        x_qparams: QParams,
-        packed: Any,
-        out_qparams: QParams | None,
-        post_op: ConvPostOp = "none",
-        other: torch.Tensor | None = None,
-        other_qparams: QParams | None = None,
-    ) -> torch.Tensor:
-        eltwise, add = split_post_op(post_op)
-        if add:
-            raise NotImplementedError("the fbgemm backend has no conv kernel with an add post-op")
+    def _conv2d(
+        self, x: Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, eltwise: PostOp, add: Add
+    ) -> Tensor:
         self._check_post_op("conv2d", eltwise)
         if out_qparams is None:  # no fp32-output kernel: dequantized weights, fp32 conv
             w, b = packed.unpack()
@@ -137,15 +115,9 @@ class FbgemmBackend(QuantizedCPUBackend):
         y = as_uint8(op(as_qtensor(x, x_qparams), packed, out_qparams.scale, out_qparams.zero_point))
         return self._clamp(y, out_qparams, eltwise)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        x_qparams: QParams,
-        packed: Any,
-        out_qparams: QParams | None,
-        post_op: PostOp | bool = False,
-    ) -> torch.Tensor:
-        eltwise = eltwise_of(post_op)
+    def _linear(
+        self, x: Tensor, x_qparams: QParams, packed: Any, out_qparams: QParams | None, eltwise: PostOp
+    ) -> Tensor:
         self._check_post_op("linear", eltwise)
         if out_qparams is None:  # no fp32-output kernel: dequantized weights, fp32 linear
             w, b = torch.ops.quantized.linear_unpack(packed)

@@ -274,6 +274,15 @@ def conv_padding(conv: nn.Module) -> tuple[int, ...] | str:
     return _tuple(conv.padding, n)
 
 
+def conv_geometry(conv: nn.Module) -> dict[str, Any]:
+    """The window of a ``nn.ConvNd`` as the fused convs' constructor arguments (``ValueError`` if
+    its padding has no explicit symmetric form, see :func:`conv_padding`)."""
+    padding = conv_padding(conv)
+    if isinstance(padding, str):
+        raise ValueError(padding)
+    return {"stride": conv.stride, "padding": padding, "dilation": conv.dilation, "groups": conv.groups}
+
+
 class FusedConv(_Prepacked):
     """``post_op(conv{1,2,3}d(x, W) + b)`` in one oneDNN primitive with a prepacked weight."""
 
@@ -307,19 +316,7 @@ class FusedConv(_Prepacked):
     def from_conv(
         cls, conv: nn.Module, post_op: PostOp = NO_POST_OP, input_size: Sequence[int] | None = None
     ) -> FusedConv:
-        padding = conv_padding(conv)
-        if isinstance(padding, str):
-            raise ValueError(padding)
-        return cls(
-            conv.weight,
-            conv.bias,
-            stride=conv.stride,
-            padding=padding,
-            dilation=conv.dilation,
-            groups=conv.groups,
-            post_op=post_op,
-            input_size=input_size,
-        )
+        return cls(conv.weight, conv.bias, **conv_geometry(conv), post_op=post_op, input_size=input_size)
 
     def _pack(self) -> torch.Tensor:
         w = self.weight.detach()
@@ -403,20 +400,7 @@ class FusedConvAdd(_Prepacked):
     def from_conv(
         cls, conv: nn.Module, *, relu: bool, inplace: bool, input_size: Sequence[int] | None = None
     ) -> FusedConvAdd:
-        padding = conv_padding(conv)
-        if isinstance(padding, str):
-            raise ValueError(padding)
-        return cls(
-            conv.weight,
-            conv.bias,
-            stride=conv.stride,
-            padding=padding,
-            dilation=conv.dilation,
-            groups=conv.groups,
-            relu=relu,
-            inplace=inplace,
-            input_size=input_size,
-        )
+        return cls(conv.weight, conv.bias, **conv_geometry(conv), relu=relu, inplace=inplace, input_size=input_size)
 
     def _pack(self) -> torch.Tensor:
         pad, stride, dil = self._args
@@ -611,6 +595,7 @@ __all__ = [
     "PostOp",
     "all_finite",
     "choose_linear_backend",
+    "conv_geometry",
     "conv_padding",
     "describe_kernels",
     "fused_matmul_add_relu",

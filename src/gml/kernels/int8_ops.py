@@ -20,7 +20,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gml.ir import library
-from gml.ir.values import ConvSpec, PostOp, QParams
+from gml.ir.values import ConvSpec, Int8Weight, PostOp, QParams
 from gml.kernels import dynamic_int8
 from gml.kernels.backend import Int8Backend
 from gml.kernels.registry import get_backend
@@ -142,14 +142,23 @@ def _check_conv(x: torch.Tensor, weight: torch.Tensor, spec: ConvSpec) -> None:
             )
 
 
-def _conv_handle(be: Int8Backend, x: torch.Tensor, x_qp: QParams, weight, weight_scale, bias, spec: ConvSpec) -> Any:
-    three_d = weight.dim() == 5
+def _conv_call(
+    backend: str, x: torch.Tensor, x_scale: float, x_zero_point: int, weight, weight_scale, bias, geometry: tuple
+) -> tuple[Int8Backend, QParams, Any]:
+    """What ``gml.qconv`` and ``gml.qconv_add`` share: ``(backend, x's qparams, prepacked weight)``
+    after checking the source, weight and ``geometry`` (stride, padding, dilation, groups) agree."""
+    be = _backend(backend)
+    x_qp = _qp(x_scale, x_zero_point)
+    spec = _conv_spec(weight, *geometry)
+    _check_conv(x, weight, spec)
+    return be, x_qp, _conv_handle(be, x, x_qp, weight, weight_scale, bias, spec)
 
+
+def _conv_handle(be: Int8Backend, x: torch.Tensor, x_qp: QParams, weight, weight_scale, bias, spec: ConvSpec) -> Any:
     def make() -> Any:
         w = weight.unsqueeze(2) if weight.dim() == 3 else weight
         shape = (x.shape[0], x.shape[1], 1, x.shape[2]) if weight.dim() == 3 else tuple(x.shape)
-        prepack = be.prepack_conv3d if three_d else be.prepack_conv2d
-        return prepack(w, weight_scale, bias, spec, x_qp, shape)
+        return be.prepack_conv(Int8Weight(w, weight_scale, bias), spec, x_qp, shape)
 
     return _packed(weight, (be.name, spec, x_qp), (weight_scale, bias), make)
 
@@ -158,11 +167,8 @@ def qconv(
     x, x_scale, x_zero_point, weight, weight_scale, bias, stride, padding, dilation, groups,
     out_scale, out_zero_point, out_dtype, post_op, post_op_scalars, post_op_algorithm, backend="onednn",
 ):  # fmt: skip
-    be = _backend(backend)
-    x_qp = _qp(x_scale, x_zero_point)
-    spec = _conv_spec(weight, stride, padding, dilation, groups)
-    _check_conv(x, weight, spec)
-    handle = _conv_handle(be, x, x_qp, weight, weight_scale, bias, spec)
+    geometry = (stride, padding, dilation, groups)
+    be, x_qp, handle = _conv_call(backend, x, x_scale, x_zero_point, weight, weight_scale, bias, geometry)
     out_qp = _out(out_scale, out_zero_point, out_dtype)
     if weight.dim() == 5:
         # the 5-D kernel has no eltwise post-op: a fused relu is the saturation at zero point 0
@@ -181,11 +187,8 @@ def qconv_add(
     x, x_scale, x_zero_point, weight, weight_scale, bias, stride, padding, dilation, groups,
     other, other_scale, other_zero_point, out_scale, out_zero_point, post_op, backend="onednn",
 ):  # fmt: skip
-    be = _backend(backend)
-    x_qp = _qp(x_scale, x_zero_point)
-    spec = _conv_spec(weight, stride, padding, dilation, groups)
-    _check_conv(x, weight, spec)
-    handle = _conv_handle(be, x, x_qp, weight, weight_scale, bias, spec)
+    geometry = (stride, padding, dilation, groups)
+    be, x_qp, handle = _conv_call(backend, x, x_scale, x_zero_point, weight, weight_scale, bias, geometry)
     if be.conv_add_writes_other and other.is_contiguous(memory_format=torch.channels_last):
         # oneDNN's sum post-op accumulates into `other`; the op is functional, so give it a copy
         # (a non-channels-last `other` is copied by the backend's layout conversion anyway)
@@ -204,7 +207,7 @@ def qlinear(
         weight,
         (be.name, x_qp),
         (weight_scale, bias),
-        lambda: be.prepack_linear(weight, weight_scale, bias, x_qp, tuple(x.shape)),
+        lambda: be.prepack_linear(Int8Weight(weight, weight_scale, bias), x_qp, tuple(x.shape)),
     )
     p = _post(post_op, tuple(post_op_scalars), post_op_algorithm)
     return be.linear(x, x_qp, handle, _out(out_scale, out_zero_point, out_dtype), p)

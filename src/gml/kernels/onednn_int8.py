@@ -42,19 +42,19 @@ Facts checked on this build (tests/kernels/test_onednn_int8.py pins them):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from gml.ir.values import ConvSpec, PostOp, QParams
+from gml.ir.values import ConvSpec, Int8Weight, PostOp, QParams
 from gml.kernels.backend import (
-    ConvPostOp,
-    eltwise_of,
+    Add,
+    Int8Backend,
+    Tensor,
     fp32_or_none,
     has_padding_only_window,
     silence_quantized_tensor_warnings,
-    split_post_op,
 )
-from gml.kernels.quantized_cpu import QuantizedCPUBackend
 
 _CL = torch.channels_last
 _CL3 = torch.channels_last_3d
@@ -156,7 +156,7 @@ class OneDNNPackedLinear:
         return packed
 
 
-class OneDNNBackend(QuantizedCPUBackend):
+class OneDNNBackend(Int8Backend):
     """oneDNN (x86, VNNI/AMX) INT8 kernels: fused conv+post-ops, linear, and the residual sum."""
 
     name = "onednn"
@@ -183,33 +183,16 @@ class OneDNNBackend(QuantizedCPUBackend):
         )
 
     # ------------------------------------------------------------------ weights
-    def prepack_conv2d(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: ConvSpec,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
+    def prepack_conv(
+        self, w: Int8Weight, spec: ConvSpec, input_qparams: QParams, input_shape: Sequence[int] | None = None
     ) -> OneDNNPackedConv:
+        # one handle for 2-D and 3-D: qconv_prepack takes 5-D weights and 3-entry geometry as they are
         packed = OneDNNPackedConv(
-            weight.contiguous(), weight_scale.float().contiguous(), fp32_or_none(bias), spec, input_qparams
+            w.weight.contiguous(), w.scale.float().contiguous(), fp32_or_none(w.bias), spec, input_qparams
         )
         if input_shape is not None:
             packed.pack_for(input_shape)
         return packed
-
-    def prepack_conv3d(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        spec: ConvSpec,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
-    ) -> OneDNNPackedConv:
-        # the same handle: qconv_prepack takes 5-D weights and 3-entry geometry as they are
-        return self.prepack_conv2d(weight, weight_scale, bias, spec, input_qparams, input_shape)
 
     def conv3d(
         self, x: torch.Tensor, x_qparams: QParams, packed: OneDNNPackedConv, out_qparams: QParams | None
@@ -218,118 +201,43 @@ class OneDNNBackend(QuantizedCPUBackend):
         # relu for quantized pointwise conv3d"): QConv3d gets its ReLU from the output's saturation.
         if not x.is_contiguous(memory_format=_CL3):
             x = x.contiguous(memory_format=_CL3)
-        s = packed.spec
-        x, padding = _padded_if_needed(x, packed, x_qparams, _CL3)
-        w = packed.pack_for(x.shape, padding)
-        out_scale, out_zp, out_dtype = _out_args(out_qparams)
-        return self._qconv_nd(  # type: ignore[misc]
-            x,
-            x_qparams.scale,
-            x_qparams.zero_point,
-            w,
-            packed.w_scale,
-            packed.w_zp,
-            packed.bias,
-            list(s.stride),
-            list(padding),
-            list(s.dilation),
-            s.groups,
-            out_scale,
-            out_zp,
-            out_dtype,
-            "none",
-            [],
-            "",
-        )
+        src, geometry = _conv_operands(x, x_qparams, packed, _CL3)
+        return self._qconv_nd(*src, packed.bias, *geometry, *_out_args(out_qparams), "none", [], "")  # type: ignore[misc]
 
     def prepack_linear(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        input_qparams: QParams,
-        input_shape: Sequence[int] | None = None,
+        self, w: Int8Weight, input_qparams: QParams, input_shape: Sequence[int] | None = None
     ) -> OneDNNPackedLinear:
-        packed = OneDNNPackedLinear(weight.contiguous(), weight_scale.float().contiguous(), fp32_or_none(bias))
+        packed = OneDNNPackedLinear(w.weight.contiguous(), w.scale.float().contiguous(), fp32_or_none(w.bias))
         if input_shape is not None:
             packed.pack_for(_linear_key(input_shape))
         return packed
 
     # ------------------------------------------------------------------ compute
-    def conv2d(
+    def _conv2d(
         self,
-        x: torch.Tensor,
+        x: Tensor,
         x_qparams: QParams,
         packed: OneDNNPackedConv,
         out_qparams: QParams | None,
-        post_op: ConvPostOp = "none",
-        other: torch.Tensor | None = None,
-        other_qparams: QParams | None = None,
-    ) -> torch.Tensor:
-        s = packed.spec
-        x, padding = _padded_if_needed(x, packed, x_qparams, _CL)
-        w = packed.pack_for(x.shape, padding)
-        out_scale, out_zp, out_dtype = _out_args(out_qparams)
-        eltwise, add = split_post_op(post_op)
-        if not add:
-            return self._qconv(
-                x,
-                x_qparams.scale,
-                x_qparams.zero_point,
-                w,
-                packed.w_scale,
-                packed.w_zp,
-                packed.bias,
-                s.stride,
-                padding,
-                s.dilation,
-                s.groups,
-                out_scale,
-                out_zp,
-                out_dtype,
-                eltwise.attr,
-                list(eltwise.scalars),
-                eltwise.algorithm,
-            )
-        if other is None or other_qparams is None or out_qparams is None:
-            raise ValueError(f"post-op {post_op!r} needs `other`, `other_qparams` and a uint8 output")
+        eltwise: PostOp,
+        add: Add,
+    ) -> Tensor:
+        src, geometry = _conv_operands(x, x_qparams, packed, _CL)
+        unary = (eltwise.attr, list(eltwise.scalars), eltwise.algorithm)
+        if add is None:
+            return self._qconv(*src, packed.bias, *geometry, *_out_args(out_qparams), *unary)
+        other, other_qparams = add
+        assert out_qparams is not None  # Int8Backend.conv2d checked it
         if not other.is_contiguous(memory_format=_CL):
             other = other.contiguous(memory_format=_CL)
-        return self._qconv_sum(
-            x,
-            x_qparams.scale,
-            x_qparams.zero_point,
-            w,
-            packed.w_scale,
-            packed.w_zp,
-            other,
-            packed.bias,
-            s.stride,
-            padding,
-            s.dilation,
-            s.groups,
-            out_scale,
-            out_zp,
-            None,
-            other_qparams.scale,
-            other_qparams.zero_point,
-            "sum",
-            1.0,
-            eltwise.attr,
-            list(eltwise.scalars),
-            eltwise.algorithm,
-        )
+        accum = (other_qparams.scale, other_qparams.zero_point, "sum", 1.0)
+        out = (out_qparams.scale, out_qparams.zero_point, None)
+        return self._qconv_sum(*src, other, packed.bias, *geometry, *out, *accum, *unary)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        x_qparams: QParams,
-        packed: OneDNNPackedLinear,
-        out_qparams: QParams | None,
-        post_op: PostOp | bool = False,
-    ) -> torch.Tensor:
+    def _linear(
+        self, x: Tensor, x_qparams: QParams, packed: OneDNNPackedLinear, out_qparams: QParams | None, eltwise: PostOp
+    ) -> Tensor:
         out_scale, out_zp, out_dtype = _out_args(out_qparams)
-        eltwise = eltwise_of(post_op)
         return self._qlinear(
             x,
             x_qparams.scale,
@@ -367,6 +275,19 @@ def _padded_if_needed(
     pads = [p for pad in reversed(padding) for p in (pad, pad)]  # F.pad lists the last dim first
     x = torch.nn.functional.pad(x, pads, value=x_qparams.zero_point).contiguous(memory_format=memory_format)
     return x, (0,) * len(padding)
+
+
+def _conv_operands(
+    x: torch.Tensor, x_qparams: QParams, packed: OneDNNPackedConv, memory_format: torch.memory_format
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """What every oneDNN conv call takes besides bias, output and post-ops: ``(x, x_scale, x_zp,
+    packed weight, w_scale, w_zp)`` and ``(stride, padding, dilation, groups)``, with ``x`` padded
+    explicitly where the kernel must not see the padding (:func:`_padded_if_needed`)."""
+    s = packed.spec
+    x, padding = _padded_if_needed(x, packed, x_qparams, memory_format)
+    w = packed.pack_for(x.shape, padding)
+    src = (x, x_qparams.scale, x_qparams.zero_point, w, packed.w_scale, packed.w_zp)
+    return src, (list(s.stride), list(padding), list(s.dilation), s.groups)
 
 
 def _out_args(qp: QParams | None) -> tuple[float, int, torch.dtype | None]:

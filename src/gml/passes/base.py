@@ -12,7 +12,7 @@ arguments; there are no global flags.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -57,6 +57,20 @@ class PassResult:
     matches: int = 0
     skips: list[Skip] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def rewrote(
+        cls, gm: fx.GraphModule, matches: int, skips: Sequence[Skip], note: str, *, prune_modules: bool = False
+    ) -> PassResult:
+        """The result of a pass that rewrote ``matches`` places. If it changed anything, the graph is
+        linted and recompiled (INVARIANTS.md; with ``prune_modules`` the submodules no node calls any
+        more are deleted first) and ``note`` says what was done."""
+        if matches:
+            if prune_modules:
+                gm.delete_all_unused_submodules()
+            gm.graph.lint()
+            gm.recompile()
+        return cls(gm, matches > 0, matches, list(skips), [note] if matches else [])
 
 
 class GraphPass(ABC):

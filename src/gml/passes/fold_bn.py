@@ -287,14 +287,8 @@ class FoldBatchNorm(GraphPass):
             gm.graph.erase_node(node)
             folded[type(layer).__name__] += 1
 
-        matches = sum(folded.values())
-        notes = []
-        if matches:
-            gm.delete_all_unused_submodules()
-            gm.graph.lint()
-            gm.recompile()
-            notes.append("folded BatchNorm into " + ", ".join(f"{k} ×{v}" for k, v in folded.most_common()))
-        return PassResult(gm, matches > 0, matches, skips, notes)
+        note = "folded BatchNorm into " + ", ".join(f"{k} ×{v}" for k, v in folded.most_common())
+        return PassResult.rewrote(gm, sum(folded.values()), skips, note, prune_modules=True)
 
     def _why_not(
         self, gm: fx.GraphModule, bn_node: fx.Node, producer: Any, modules: dict[str, nn.Module]

@@ -131,10 +131,7 @@ class FoldConstants(GraphPass):
         if folded:
             # get_attr nodes of the parameters nobody reads any more
             remove_unused_nodes(gm.graph, [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users])
-            gm.graph.lint()
-            gm.recompile()
-        notes = [f"precomputed {folded} constant value(s)"] if folded else []
-        return PassResult(gm, folded > 0, folded, skips, notes)
+        return PassResult.rewrote(gm, folded, skips, f"precomputed {folded} constant value(s)")
 
 
 __all__ = ["FoldConstants"]

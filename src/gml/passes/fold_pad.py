@@ -81,11 +81,7 @@ class FoldPadIntoConv(GraphPass):
             conv_node.replace_input_with(node, node.args[0])
             gm.graph.erase_node(node)
             matches += 1
-        if matches:
-            gm.graph.lint()
-            gm.recompile()
-        notes = [f"{matches} zero pad(s) folded into conv padding"] if matches else []
-        return PassResult(gm, matches > 0, matches, skips, notes)
+        return PassResult.rewrote(gm, matches, skips, f"{matches} zero pad(s) folded into conv padding")
 
     @staticmethod
     def _why_not(

@@ -18,6 +18,7 @@ from gml.ir.alias import mutates, returns_alias, writes_in_place, written_in_pla
 from gml.ir.ops import ACTIVATION_KINDS as ACTIVATION_KINDS  # re-exported for the fusion passes
 from gml.ir.ops import op_kind
 from gml.kernels import fp32 as k32
+from gml.passes.base import Skip
 from gml.passes.utils import modules_of
 
 CONV_TYPES: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -32,6 +33,25 @@ def kind_of(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
         if isinstance(mod, gnn.Mul):
             return "mul"
     return op_kind(node, modules)
+
+
+def fusable_activation(
+    node: fx.Node, modules: dict[str, nn.Module], kind: str, skips: list[Skip]
+) -> tuple[fx.Node, k32.PostOp] | None:
+    """``(activation, its post-op)`` when an activation reads the ``kind`` (conv / linear) ``node``
+    and can be its fused post-op; ``None`` when none reads it, or (with a skip saying why) when
+    ``node`` has other readers too or the activation has no post-op form."""
+    acts = [u for u in node.users if kind_of(u, modules) in ACTIVATION_KINDS]
+    if not acts:
+        return None
+    if len(node.users) > 1:
+        skips.append(Skip(node.name, f"{kind} output has {len(node.users)} users", f"{kind} → act"))
+        return None
+    found = k32.post_op_of(acts[0], modules)
+    if isinstance(found, str):
+        skips.append(Skip(acts[0].name, f"post-op not fused: {found}", f"{kind} → act"))
+        return None
+    return acts[0], found
 
 
 def add_operands(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[fx.Node, fx.Node] | str:

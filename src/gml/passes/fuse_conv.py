@@ -213,15 +213,9 @@ class FuseConvActivation(GraphPass):
                 skips.append(Skip(conv.name, why, "conv → act"))
                 continue
             post, tail = k32.NO_POST_OP, conv
-            acts = [u for u in conv.users if fc.kind_of(u, modules) in fc.ACTIVATION_KINDS]
-            if acts and len(conv.users) > 1:
-                skips.append(Skip(conv.name, f"conv output has {len(conv.users)} users", "conv → act"))
-            elif acts:
-                found = k32.post_op_of(acts[0], modules)
-                if isinstance(found, str):
-                    skips.append(Skip(acts[0].name, f"post-op not fused: {found}", "conv → act"))
-                else:
-                    post, tail = found, acts[0]
+            act = fc.fusable_activation(conv, modules, "conv", skips)
+            if act is not None:
+                tail, post = act
             if tail is conv and not self.lower_unfused:
                 continue
             new_mod = k32.FusedConv.from_conv(mod, post, input_size=fc.shape_of(conv.args[0]))

@@ -54,12 +54,8 @@ class FuseElementwise(GraphPass):
             elif kind == "mul":
                 self._gated(gm, node, modules, skips, done)
         self._report_other_chains(gm, modules, skips)
-        if done:
-            gm.graph.lint()
-            gm.delete_all_unused_submodules()
-            gm.recompile()
-        notes = [f"fused: {', '.join(f'{n} ×{done.count(n)}' for n in sorted(set(done)))}"] if done else []
-        return PassResult(gm, bool(done), len(done), skips, notes)
+        note = f"fused: {', '.join(f'{n} ×{done.count(n)}' for n in sorted(set(done)))}"
+        return PassResult.rewrote(gm, len(done), skips, note, prune_modules=True)
 
     @staticmethod
     def _replace(gm: fx.GraphModule, chain: list[fx.Node], base: str, module: nn.Module, args: tuple) -> None:

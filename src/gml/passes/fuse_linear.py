@@ -67,25 +67,19 @@ class FuseLinearActivation(GraphPass):
             rows = math.prod(shape[:-1]) if shape else None
             backend = self._backend(rows, mod)
             post, tail = k32.NO_POST_OP, node
-            acts = [u for u in node.users if fc.kind_of(u, modules) in fc.ACTIVATION_KINDS]
-            if acts and len(node.users) > 1:
-                skips.append(Skip(node.name, f"linear output has {len(node.users)} users", "linear → act"))
-            elif acts:
-                found = k32.post_op_of(acts[0], modules)
-                if isinstance(found, str):
-                    skips.append(Skip(acts[0].name, f"post-op not fused: {found}", "linear → act"))
-                elif backend != "onednn":
-                    where = "MKL's packed GEMV" if backend == "mkl" else "ATen's F.linear"
-                    skips.append(
-                        Skip(
-                            acts[0].name,
-                            f"not fused: for {rows} row(s) x {mod.in_features}->{mod.out_features}, {where} "
-                            "measured faster than oneDNN's fused kernel (docs/fp32-kernels.md)",
-                            "linear → act",
-                        )
+            act = fc.fusable_activation(node, modules, "linear", skips)
+            if act is not None and backend != "onednn":
+                where = "MKL's packed GEMV" if backend == "mkl" else "ATen's F.linear"
+                skips.append(
+                    Skip(
+                        act[0].name,
+                        f"not fused: for {rows} row(s) x {mod.in_features}->{mod.out_features}, {where} "
+                        "measured faster than oneDNN's fused kernel (docs/fp32-kernels.md)",
+                        "linear → act",
                     )
-                else:
-                    post, tail = found, acts[0]
+                )
+            elif act is not None:
+                tail, post = act
             if tail is node and (not self.lower_unfused or backend == "aten"):
                 backends["aten (kept nn.Linear)"] = backends.get("aten (kept nn.Linear)", 0) + 1
                 continue

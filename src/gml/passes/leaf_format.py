@@ -63,11 +63,9 @@ class LeafMemoryFormat(GraphPass):
                     fixed = gm.graph.call_method("contiguous", (arg,), {"memory_format": want})
                 node.update_arg(i, fixed)
                 converted += 1
-        if converted:
-            gm.graph.lint()
-            gm.recompile()
-        notes = [f"{converted} leaf input(s) converted back to their traced memory format"] if converted else []
-        return PassResult(gm, converted > 0, converted, skips, notes)
+        return PassResult.rewrote(
+            gm, converted, skips, f"{converted} leaf input(s) converted back to their traced memory format"
+        )
 
 
 __all__ = ["LeafMemoryFormat", "is_opaque"]

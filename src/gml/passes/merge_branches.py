@@ -187,14 +187,8 @@ class MergeBranches(GraphPass):
                     changed = True
                     break
                 skips[node.name] = Skip(node.name, outcome, "conv branches → Add")
-        matches = sum(merged.values())
-        notes = []
-        if matches:
-            gm.delete_all_unused_submodules()
-            gm.graph.lint()
-            gm.recompile()
-            notes.append("merged into one conv: " + ", ".join(f"{k} ×{v}" for k, v in merged.most_common()))
-        return PassResult(gm, matches > 0, matches, list(skips.values()), notes)
+        note = "merged into one conv: " + ", ".join(f"{k} ×{v}" for k, v in merged.most_common())
+        return PassResult.rewrote(gm, sum(merged.values()), list(skips.values()), note, prune_modules=True)
 
     @staticmethod
     def _feeds_bn(add: fx.Node, modules: dict[str, nn.Module]) -> bool:

@@ -36,6 +36,7 @@ from gml.capture import MutableArgsInterpreter
 from gml.errors import InputError
 from gml.ir.library import output_qparams_args
 from gml.passes.oplib import node_label
+from gml.quant.calibrate import batch_misfit
 
 
 @dataclass
@@ -349,12 +350,7 @@ def accuracy_report(
             try:
                 ref_out = _flat_outputs(fp32_model(*args))
             except Exception as exc:
-                shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
-                raise InputError(
-                    f"evaluation batch {i} (shapes {shapes}) does not fit the model: {type(exc).__name__}: "
-                    f"{(str(exc).strip().splitlines() or [''])[0]}",
-                    hint="evaluation batches must look like the example inputs (tensors or (inputs, labels) pairs).",
-                ) from None
+                raise batch_misfit("evaluation", i, args, exc, "tensors or (inputs, labels) pairs") from None
             if layer_graphs:
                 rec_q = _Recorder(int8_model, keys, after_quantize=True)  # type: ignore[arg-type]
                 q_out = _flat_outputs(rec_q.run(*args))

@@ -355,6 +355,16 @@ def _own(op: Any, dtype_config: DTypeConfig = ACTIVATION_U8) -> BackendPatternCo
     return BackendPatternConfig(op).set_observation_type(_OWN_OBSERVER).set_dtype_configs([dtype_config])
 
 
+def _with_relu(layer: type, with_relu: type, reference: type) -> list[BackendPatternConfig]:
+    """A weighted ``layer`` (its reference form ``reference``), the fusion of ``layer → ReLU`` into
+    torch.ao's ``with_relu`` container, and that container as a weighted module."""
+    return [
+        _weighted(layer, layer, reference),
+        _fusion((layer, nn.ReLU), with_relu),
+        _weighted(with_relu, layer, reference),
+    ]
+
+
 def get_backend_config(backend: str = "onednn") -> BackendConfig:
     """The GML-Lab BackendConfig (oneDNN adds the conv+add(+relu) residual fusions; observers differ).
 
@@ -363,9 +373,7 @@ def get_backend_config(backend: str = "onednn") -> BackendConfig:
     """
     _check_choice(backend, BACKENDS, "backend")
     configs: list[BackendPatternConfig] = [
-        _weighted(nn.Conv2d, nn.Conv2d, nnqr.Conv2d),
-        _fusion((nn.Conv2d, nn.ReLU), nni.ConvReLU2d),
-        _weighted(nni.ConvReLU2d, nn.Conv2d, nnqr.Conv2d),
+        *_with_relu(nn.Conv2d, nni.ConvReLU2d, nnqr.Conv2d),
         # conv+add(+relu) only where a fused residual kernel exists (oneDNN's sum post-op); with
         # fbgemm the add stays a separate INT8 add instead of falling back to fp32.
         *(
@@ -378,22 +386,10 @@ def get_backend_config(backend: str = "onednn") -> BackendConfig:
             else []
         ),
         # Conv1d runs on the 2-D kernel as a conv of height 1 (gml.quant.modules.QConv1d)
-        _weighted(nn.Conv1d, nn.Conv1d, nnqr.Conv1d),
-        _fusion((nn.Conv1d, nn.ReLU), nni.ConvReLU1d),
-        _weighted(nni.ConvReLU1d, nn.Conv1d, nnqr.Conv1d),
+        *_with_relu(nn.Conv1d, nni.ConvReLU1d, nnqr.Conv1d),
         # video models: oneDNN has a 5-D INT8 conv (ReLU by saturation, see gml.quant.modules.QConv3d)
-        *(
-            [
-                _weighted(nn.Conv3d, nn.Conv3d, nnqr.Conv3d),
-                _fusion((nn.Conv3d, nn.ReLU), nni.ConvReLU3d),
-                _weighted(nni.ConvReLU3d, nn.Conv3d, nnqr.Conv3d),
-            ]
-            if backend == "onednn"
-            else []
-        ),
-        _weighted(nn.Linear, nn.Linear, nnqr.Linear),
-        _fusion((nn.Linear, nn.ReLU), nni.LinearReLU),
-        _weighted(nni.LinearReLU, nn.Linear, nnqr.Linear),
+        *(_with_relu(nn.Conv3d, nni.ConvReLU3d, nnqr.Conv3d) if backend == "onednn" else []),
+        *_with_relu(nn.Linear, nni.LinearReLU, nnqr.Linear),
         *(_fusion((nn.Conv2d, act), ConvAct2d) for act in FUSED_ACTIVATIONS[backend]),
         _weighted(ConvAct2d, nn.Conv2d, nnqr.Conv2d),
         *(_fusion((nn.Linear, act), LinearAct) for act in FUSED_LINEAR_ACTIVATIONS[backend]),

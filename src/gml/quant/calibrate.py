@@ -95,6 +95,18 @@ class _RangeTracker:
         return out
 
 
+def batch_misfit(kind: str, i: int, args: Sequence[Any], exc: Exception, looks: str) -> InputError:
+    """The error for ``kind`` (calibration / evaluation) batch ``i`` that the model raised ``exc`` on:
+    its shapes, the first line of ``exc``, and that batches must look like the example inputs
+    (``looks`` says how)."""
+    shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
+    return InputError(
+        f"{kind} batch {i} (shapes {shapes}) does not fit the model: {type(exc).__name__}: "
+        f"{(str(exc).strip().splitlines() or [''])[0]}",
+        hint=f"{kind} batches must look like the example inputs ({looks}).",
+    )
+
+
 def _is_mask(x: torch.Tensor) -> bool:
     """An integer 0/1 tensor (an ``attention_mask``): generated batches repeat it as given."""
     return x.dtype == torch.bool or (x.numel() > 0 and bool(((x == 0) | (x == 1)).all()))
@@ -245,12 +257,7 @@ def calibrate(
             try:
                 prepared(*args)
             except Exception as exc:
-                shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
-                raise InputError(
-                    f"calibration batch {i} (shapes {shapes}) does not fit the model: "
-                    f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
-                    hint="calibration batches must look like the example inputs (same rank, channels, dtype).",
-                ) from None
+                raise batch_misfit("calibration", i, args, exc, "same rank, channels, dtype") from None
             batches += 1
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             samples += int(first.shape[0]) if first is not None and first.dim() else 1

@@ -155,11 +155,9 @@ class UnfuseFloatModules(GraphPass):
             for u in users:
                 u.replace_input_with(node, prev)
             matches += 1
-        if matches:
-            gm.graph.lint()
-            gm.recompile()
-        notes = [f"{matches} fused container(s) unfused for the fp32 fusion passes"] if matches else []
-        return PassResult(gm, matches > 0, matches, skips, notes)
+        return PassResult.rewrote(
+            gm, matches, skips, f"{matches} fused container(s) unfused for the fp32 fusion passes"
+        )
 
 
 __all__ = ["FloatFromReference", "UnfuseFloatModules", "float_of_reference"]

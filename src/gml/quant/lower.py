@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,17 +274,10 @@ class LowerToGML(GraphPass):
             return None, str(src.meta[KEEP_FP32_COST])
         if len(src.users) != 1:
             return None, f"{src.name}'s fp32 result is also read elsewhere ({len(src.users)} users); kept in fp32"
-        for rule in RULES:
-            ctx.input_shapes = []
-            try:
-                plan = rule(ctx, src, out_qp)
-                if plan is not None:
-                    _trial_run(ctx, plan)
-            except Decline as e:
-                return None, f"{e}; kept in fp32"
-            if plan is not None:
-                return plan, ""
-        return None, f"no INT8 kernel for {_op_name(ctx, src)}; kept in fp32"
+        plan, reason = _first_plan(ctx, RULES, src, out_qp)
+        if plan is None and not reason:
+            reason = f"no INT8 kernel for {_op_name(ctx, src)}; kept in fp32"
+        return plan, reason
 
     def _lower_fp32_outputs(self, ctx: _Ctx, skips: list[Skip]) -> int:
         graph = ctx.gm.graph
@@ -298,18 +291,7 @@ class LowerToGML(GraphPass):
                 continue
             if _single_user(node) and _fuses_into(ctx, node, next(iter(node.users))):
                 continue  # the activation reading it fuses it
-            plan, reason = None, ""
-            for rule in (_rule_activation, _rule_conv, _rule_linear):
-                ctx.input_shapes = []
-                try:
-                    plan = rule(ctx, node, None)
-                    if plan is not None:
-                        _trial_run(ctx, plan)
-                except Decline as e:
-                    reason = f"{e}; kept in fp32"
-                    break
-                if plan is not None:
-                    break
+            plan, reason = _first_plan(ctx, (_rule_activation, _rule_conv, _rule_linear), node, None)
             if plan is None:
                 if reason:
                     skips.append(Skip(node.name, reason, ctx.label(node)))
@@ -408,6 +390,24 @@ def coverage_of(gm: fx.GraphModule) -> LoweringCoverage:
         if KEPT_FP32 in node.meta:
             cov.kept_fp32.append(node.meta[KEPT_FP32])
     return cov
+
+
+def _first_plan(
+    ctx: _Ctx, rules: Sequence[Callable[..., _Plan | None]], node: fx.Node, out_qp: QParams | None
+) -> tuple[_Plan | None, str]:
+    """The plan of the first of ``rules`` that matches ``node`` (each rule tried with fresh
+    ``ctx.input_shapes``, its plan trial-run), else ``(None, "")``; a rule that declines stops the
+    search: ``(None, "<its reason>; kept in fp32")``."""
+    for rule in rules:
+        ctx.input_shapes = []
+        try:
+            plan = rule(ctx, node, out_qp)
+            if plan is not None:
+                _trial_run(ctx, plan)
+                return plan, ""
+        except Decline as e:
+            return None, f"{e}; kept in fp32"
+    return None, ""
 
 
 def _trial_run(ctx: _Ctx, plan: _Plan) -> None:

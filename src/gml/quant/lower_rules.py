@@ -140,25 +140,26 @@ def _fused_post_op(act: nn.Module) -> PostOp:
     return post_op
 
 
+def _as_layer(mod: nn.Module | None, layer: type, with_relu: type, with_act: type) -> tuple[Any, PostOp] | None:
+    """(layer, fused post-op) for a ``layer`` (float or reference), its torch.ao ``with_relu``
+    container and GML's ``with_act`` container (layer → any fusable activation); else ``None``."""
+    if isinstance(mod, with_relu) and behaves_as(mod[0], layer):
+        return mod[0], PostOp("relu")
+    if isinstance(mod, with_act) and behaves_as(mod[0], layer):
+        return mod[0], _fused_post_op(mod[1])
+    if behaves_as(mod, layer):
+        return mod, NO_POST_OP
+    return None
+
+
 def _as_conv(mod: nn.Module | None) -> tuple[nn.Conv2d, PostOp] | None:
     """(conv, fused post-op) for Conv2d, reference Conv2d, ``nni.ConvReLU2d`` and :class:`ConvAct2d`."""
-    if isinstance(mod, nni.ConvReLU2d) and behaves_as(mod[0], nn.Conv2d):
-        return mod[0], PostOp("relu")
-    if isinstance(mod, ConvAct2d) and behaves_as(mod[0], nn.Conv2d):
-        return mod[0], _fused_post_op(mod[1])
-    if behaves_as(mod, nn.Conv2d):
-        return mod, NO_POST_OP  # type: ignore[return-value]
-    return None
+    return _as_layer(mod, nn.Conv2d, nni.ConvReLU2d, ConvAct2d)
 
 
 def _as_linear(mod: nn.Module | None) -> tuple[nn.Linear, PostOp] | None:
-    if isinstance(mod, nni.LinearReLU) and behaves_as(mod[0], nn.Linear):
-        return mod[0], PostOp("relu")
-    if isinstance(mod, LinearAct) and behaves_as(mod[0], nn.Linear):
-        return mod[0], _fused_post_op(mod[1])
-    if behaves_as(mod, nn.Linear):
-        return mod, NO_POST_OP  # type: ignore[return-value]
-    return None
+    """(linear, fused post-op) for Linear, reference Linear, ``nni.LinearReLU`` and :class:`LinearAct`."""
+    return _as_layer(mod, nn.Linear, nni.LinearReLU, LinearAct)
 
 
 def _is_plain_add_module(mod: nn.Module | None) -> bool:

@@ -209,7 +209,6 @@ def _op(lin: nn.Linear) -> str:
     return f"linear {lin.in_features}->{lin.out_features}"
 
 
-
 def check_smooth_alpha(smooth_alpha: float | None) -> None:
     """SmoothQuant's migration strength must lie in (0, 1) (:class:`~gml.errors.InputError` otherwise)."""
     from gml.errors import InputError
@@ -441,11 +440,8 @@ class AttentionInBf16(GraphPass):
             out.meta = dict(node.meta)
             node.meta[ATTENTION_BF16] = True
             done += 1
-        if done:
-            gm.graph.lint()
-            gm.recompile()
-        notes = [f"{done} attention(s) on bf16 q / k / v (fp32 accumulators and softmax inside)"] if done else []
-        return PassResult(gm, done > 0, done, skips, notes)
+        note = f"{done} attention(s) on bf16 q / k / v (fp32 accumulators and softmax inside)"
+        return PassResult.rewrote(gm, done, skips, note)
 
 
 @dataclass

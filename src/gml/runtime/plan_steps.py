@@ -89,6 +89,14 @@ def _weights(kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None, dic
     return w, bias, fields
 
 
+def _window(kw: dict[str, Any]) -> dict[str, list[int]]:
+    """A conv's or pool's window as its step's fields (native/conv.h, native/pool.h)."""
+    return {
+        k: list(kw[v])
+        for k, v in (("strides", "stride"), ("dilation", "dilation"), ("pad_l", "pad_l"), ("pad_r", "pad_r"))
+    }
+
+
 def conv(plan: Any, cx: EmitContext, s: Any) -> None:
     """native/conv.h ``ConvStep`` (Builder.conv)."""
     kw = s.kwargs
@@ -98,10 +106,7 @@ def conv(plan: Any, cx: EmitContext, s: Any) -> None:
             cx.native.ConvStep,
             src=cx.ids[s.reads[0]],
             dst=cx.ids[s.writes[0]],
-            strides=list(kw["stride"]),
-            dilation=list(kw["dilation"]),
-            pad_l=list(kw["pad_l"]),
-            pad_r=list(kw["pad_r"]),
+            **_window(kw),
             groups=int(kw["groups"]),
             sum=kw["sum_q"],
             name=s.name,
@@ -177,10 +182,7 @@ def pool(plan: Any, cx: EmitContext, s: Any) -> None:
         dst=cx.ids[s.writes[0]],
         alg=kw["alg"],
         kernel=list(kw["kernel"]),
-        strides=list(kw["stride"]),
-        dilation=list(kw["dilation"]),
-        pad_l=list(kw["pad_l"]),
-        pad_r=list(kw["pad_r"]),
+        **_window(kw),
         eltwise=kw["eltwise"],
         name=s.name,
     )

@@ -21,7 +21,7 @@ Needs ``hypothesis`` (the ``dev`` extra).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,33 +199,19 @@ class _Drawer:
         return True
 
     def op_linear(self) -> bool:
-        src = self.pick(self.live(lambda v: len(v.shape) >= 2 and v.shape[-1] <= 2048))
-        if src is None:
-            return False
-        self.add(
-            L(
-                "linear",
-                src,
-                out=self.draw(st.integers(1, self.max_c)),
-                bias=not self.draw(st.booleans()),
-                form="functional" if self.draw(st.integers(0, 7)) == 7 else "module",
-            )
-        )
-        return True
+        return self._gemm("linear", lambda: "functional" if self.draw(st.integers(0, 7)) == 7 else "module")
 
     def op_matmul(self) -> bool:
+        return self._gemm("matmul", lambda: self.draw(st.sampled_from(["op", "torch", "method"])))
+
+    def _gemm(self, kind: str, form: Callable[[], str]) -> bool:
+        """A ``linear`` / ``matmul`` layer (``out`` features, maybe a bias, ``form()`` drawn last)."""
         src = self.pick(self.live(lambda v: len(v.shape) >= 2 and v.shape[-1] <= 2048))
         if src is None:
             return False
-        self.add(
-            L(
-                "matmul",
-                src,
-                out=self.draw(st.integers(1, self.max_c)),
-                bias=not self.draw(st.booleans()),
-                form=self.draw(st.sampled_from(["op", "torch", "method"])),
-            )
-        )
+        out = self.draw(st.integers(1, self.max_c))
+        bias = not self.draw(st.booleans())
+        self.add(L(kind, src, out=out, bias=bias, form=form()))
         return True
 
     def _binary(self, op: str, forms: list[str]) -> bool:

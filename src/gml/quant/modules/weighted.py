@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gml.ir.values import NO_POST_OP, ConvSpec, PostOp, QParams
+from gml.ir.values import NO_POST_OP, ConvSpec, Int8Weight, PostOp, QParams
 from gml.quant.modules.base import (
     BackendArg,
     BinaryOpsBase,
@@ -69,16 +69,6 @@ class _Weighted(nn.Module):
 
     _packed: Any
 
-    def _register_weight(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-        if weight.dtype != torch.int8:
-            raise ValueError(f"weight must be int8, got {weight.dtype}")
-        scale = weight_scale.detach().float().flatten().contiguous()
-        if scale.numel() not in (1, weight.shape[0]):
-            raise ValueError(f"{scale.numel()} weight scales for {weight.shape[0]} output channels")
-        self.register_buffer("weight", weight.detach().contiguous())
-        self.register_buffer("weight_scale", scale)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_packed"] = None  # backend handles are not picklable; rebuilt in __setstate__
@@ -91,8 +81,43 @@ class _Weighted(nn.Module):
     def _prepack(self) -> None:
         raise NotImplementedError
 
+    @property
+    def int8_weight(self) -> Int8Weight:
+        """The weight buffers as the backends' ``prepack_*`` take them."""
+        return Int8Weight(self.weight, self.weight_scale, self.bias)
 
-class QConv2d(UnaryOpsBase, _Weighted):
+    def _init_weight(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_shape: Sequence[int] | None,
+        spec: ConvSpec | None = None,
+    ) -> None:
+        """Register the weight buffers, keep the geometry and the example input shape, prepack."""
+        if weight.dtype != torch.int8:
+            raise ValueError(f"weight must be int8, got {weight.dtype}")
+        scale = weight_scale.detach().float().flatten().contiguous()
+        if scale.numel() not in (1, weight.shape[0]):
+            raise ValueError(f"{scale.numel()} weight scales for {weight.shape[0]} output channels")
+        self.register_buffer("weight", weight.detach().contiguous())
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        if spec is not None:
+            self.spec = spec
+        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
+        self._prepack()
+
+    def refresh(self) -> None:
+        super().refresh()  # the qparams base class: buffers → cached qparams
+        self._prepack()
+
+    def _conv_args(self, x: Any) -> tuple[Any, ...]:
+        """The leading arguments of ``gml.qconv`` / ``gml.qconv_add``: ``x``, its qparams, weight, geometry."""
+        return (x, *_qp(self._in_qp), self.weight, self.weight_scale, self.bias, *self.spec.as_args())
+
+
+class QConv2d(_Weighted, UnaryOpsBase):
     """``post_op(conv2d(x))`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
     ``qconv2d_pointwise`` with an eltwise post-op: relu, hardtanh (ReLU6), hardswish, swish)."""
 
@@ -114,23 +139,14 @@ class QConv2d(UnaryOpsBase, _Weighted):
         self.post_op = _resolve_post_op(relu, post_op)
         if not self.backend.fuses("conv2d", self.post_op):
             raise ValueError(f"the {self.backend.name} backend has no conv kernel with a {self.post_op} post-op")
-        self._register_weight(weight, weight_scale, bias)
-        self.spec = spec
-        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
-        self._prepack()
+        self._init_weight(weight, weight_scale, bias, input_shape, spec)
 
     @property
     def relu(self) -> bool:
         return self.post_op == PostOp("relu")
 
     def _prepack(self) -> None:
-        self._packed = self.backend.prepack_conv2d(
-            self.weight, self.weight_scale, self.bias, self.spec, self._in_qp, self.input_shape
-        )
-
-    def refresh(self) -> None:
-        super().refresh()
-        self._prepack()
+        self._packed = self.backend.prepack_conv(self.int8_weight, self.spec, self._in_qp, self.input_shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.conv2d(x, self._in_qp, self._packed, self._out_qp, self.post_op)
@@ -140,27 +156,9 @@ class QConv2d(UnaryOpsBase, _Weighted):
         return f"{geo}{_post_op_repr(self.post_op)}, {self._qp_repr()}, {self.backend.name}"
 
     def op_call(self, inputs: Sequence[Any]) -> OpCall:
-        stride, padding, dilation, groups = self.spec.as_args()
         p = self.post_op
-        return OpCall(
-            "qconv",
-            (
-                inputs[0],
-                *_qp(self._in_qp),
-                self.weight,
-                self.weight_scale,
-                self.bias,
-                stride,
-                padding,
-                dilation,
-                groups,
-                *_out(self._out_qp),
-                p.attr,
-                list(p.scalars),
-                p.algorithm,
-                self.backend.name,
-            ),
-        )
+        args = (*_out(self._out_qp), p.attr, list(p.scalars), p.algorithm, self.backend.name)
+        return OpCall("qconv", (*self._conv_args(inputs[0]), *args))
 
 
 def _conv_geometry(weight: torch.Tensor, spec: ConvSpec) -> str:
@@ -199,7 +197,7 @@ class QConv1d(QConv2d):
         return OpCall(call.target, tuple(args))
 
 
-class QConv3d(UnaryOpsBase, _Weighted):
+class QConv3d(_Weighted, UnaryOpsBase):
     """``[relu](conv3d(x))`` on uint8 → uint8 (or → fp32 when ``output_qparams`` is None), for video
     models (``onednn::qconv_pointwise`` on 5-D, channels-last-3d).
 
@@ -229,19 +227,9 @@ class QConv3d(UnaryOpsBase, _Weighted):
         if weight.dim() != 5:
             raise ValueError(f"conv3d weight must be 5-D, got {weight.dim()}-D")
         self.relu = relu
-        self._register_weight(weight, weight_scale, bias)
-        self.spec = spec
-        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
-        self._prepack()
+        self._init_weight(weight, weight_scale, bias, input_shape, spec)
 
-    def _prepack(self) -> None:
-        self._packed = self.backend.prepack_conv3d(
-            self.weight, self.weight_scale, self.bias, self.spec, self._in_qp, self.input_shape
-        )
-
-    def refresh(self) -> None:
-        super().refresh()
-        self._prepack()
+    _prepack = QConv2d._prepack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.conv3d(x, self._in_qp, self._packed, self._out_qp)
@@ -251,29 +239,11 @@ class QConv3d(UnaryOpsBase, _Weighted):
         return f"{geo}{', relu' if self.relu else ''}, {self._qp_repr()}, {self.backend.name}"
 
     def op_call(self, inputs: Sequence[Any]) -> OpCall:
-        stride, padding, dilation, groups = self.spec.as_args()
-        return OpCall(
-            "qconv",
-            (
-                inputs[0],
-                *_qp(self._in_qp),
-                self.weight,
-                self.weight_scale,
-                self.bias,
-                stride,
-                padding,
-                dilation,
-                groups,
-                *_out(self._out_qp),
-                "relu" if self.relu else "none",
-                [],
-                "",
-                self.backend.name,
-            ),
-        )
+        args = (*_out(self._out_qp), "relu" if self.relu else "none", [], "", self.backend.name)
+        return OpCall("qconv", (*self._conv_args(inputs[0]), *args))
 
 
-class QConv2dAdd(BinaryOpsBase, _Weighted):
+class QConv2dAdd(_Weighted, BinaryOpsBase):
     """``relu?(conv2d(x) + other)``: the residual join as one kernel (oneDNN ``sum`` post-op).
 
     ``other`` is the skip branch. oneDNN accumulates into ``other``'s memory; the lowering sets
@@ -299,19 +269,12 @@ class QConv2dAdd(BinaryOpsBase, _Weighted):
         super().__init__(input_qparams, other_qparams, output_qparams, backend)
         if not self.backend.supports_conv_add:
             raise ValueError(f"the {self.backend.name} backend has no fused conv+add kernel")
-        self._register_weight(weight, weight_scale, bias)
-        self.spec = spec
         self.relu = relu
         self.clone_other = clone_other
-        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
         self._post_op = "add_relu" if relu else "add"
-        self._prepack()
+        self._init_weight(weight, weight_scale, bias, input_shape, spec)
 
     _prepack = QConv2d._prepack
-
-    def refresh(self) -> None:
-        super().refresh()
-        self._prepack()
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         if self.clone_other and self.backend.conv_add_writes_other:
@@ -324,29 +287,13 @@ class QConv2dAdd(BinaryOpsBase, _Weighted):
         return f"{geo}{flags}, {self._qp_repr()}, {self.backend.name}"
 
     def op_call(self, inputs: Sequence[Any]) -> OpCall:
-        stride, padding, dilation, groups = self.spec.as_args()
+        other = (inputs[1], *_qp(self._other_qp), *_qp(self._out_qp))
         return OpCall(
-            "qconv_add",
-            (
-                inputs[0],
-                *_qp(self._in_qp),
-                self.weight,
-                self.weight_scale,
-                self.bias,
-                stride,
-                padding,
-                dilation,
-                groups,
-                inputs[1],
-                *_qp(self._other_qp),
-                *_qp(self._out_qp),
-                "relu" if self.relu else "none",
-                self.backend.name,
-            ),
+            "qconv_add", (*self._conv_args(inputs[0]), *other, "relu" if self.relu else "none", self.backend.name)
         )
 
 
-class QLinear(UnaryOpsBase, _Weighted):
+class QLinear(_Weighted, UnaryOpsBase):
     """``post_op(x @ W.T + b)`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
     ``qlinear_pointwise``)."""
 
@@ -367,22 +314,14 @@ class QLinear(UnaryOpsBase, _Weighted):
         self.post_op = _resolve_post_op(relu, post_op)
         if not self.backend.fuses("linear", self.post_op):
             raise ValueError(f"the {self.backend.name} backend has no linear kernel with a {self.post_op} post-op")
-        self._register_weight(weight, weight_scale, bias)
-        self.input_shape = None if input_shape is None else tuple(int(d) for d in input_shape)
-        self._prepack()
+        self._init_weight(weight, weight_scale, bias, input_shape)
 
     @property
     def relu(self) -> bool:
         return self.post_op == PostOp("relu")
 
     def _prepack(self) -> None:
-        self._packed = self.backend.prepack_linear(
-            self.weight, self.weight_scale, self.bias, self._in_qp, self.input_shape
-        )
-
-    def refresh(self) -> None:
-        super().refresh()
-        self._prepack()
+        self._packed = self.backend.prepack_linear(self.int8_weight, self._in_qp, self.input_shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.linear(x, self._in_qp, self._packed, self._out_qp, self.post_op)
