@@ -211,9 +211,7 @@ GML_WOQ_VNNI inline __m256 reduce8_vnni(const __m512* a) {
 // masked negate. Scales: per channel, the lane's s_x (s_w by the caller); groups of 64 / 128, s_x
 // times the group's s_w; groups of 32, s_x * s_w of 16 blocks multiplied once per row and per 512
 // weights, each step's two blocks picked by one vpermps. R = 8: one deferred reduction (reduce8_vnni).
-// The weight line kPrefetchRows rows ahead of each line read is prefetched (rows are contiguous, so
-// that is the matrix's byte stream ~kPrefetchRows * K ahead; a prefetch past the end does not fault).
-constexpr int64_t kPrefetchRows = 16;
+// The weight line kPrefetchRows rows ahead of each line read is prefetched (woq.h).
 
 template <int R, int GS>
 GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, const int32_t* corr, const float* lane,
@@ -225,7 +223,7 @@ GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, cons
   // one 64-weight step of row r: the lane sums of blocks b, b + 1 as fp32
   auto isum = [&](int r, int64_t k, __m512i x, __m512i c) GML_WOQ_VNNI {
     const int8_t* w = q + r * ldq + k;
-    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchRows * ldq), _MM_HINT_T0);
+    prefetch_row_ahead(w, ldq);
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, _mm512_xor_si512(_mm512_loadu_si512(w), flip), x));
   };
   if constexpr (GS == 32) {
@@ -285,6 +283,7 @@ GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, con
     const int64_t g0 = k / group, g1 = (k + 32) / group;  // the groups of blocks b and b + 1
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
+      if (k % 128 == 0) prefetch_row_ahead(q + r * ldq + k / 2, ldq);
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k / 2));
       const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
       // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]: block b's [even k, odd k], then b + 1's
@@ -316,6 +315,7 @@ GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, con
     for (int64_t k = 0; k < kv; k += 32) {                                                                       \
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + k));                            \
       _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                      \
+        if (k % 64 == 0) prefetch_row_ahead(q + r * ldq + k, ldq);                                                \
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k));                 \
         /* grouped: the block's s_x * s_w; per channel: s_x (s_w by the caller) */                               \
         const __m256 s = _mm256_set1_ps(GS ? sx[k / 32] * scales[r * ldg + k / (GS ? GS : 1)] : sx[k / 32]);     \
@@ -339,6 +339,7 @@ GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, con
       const __m256i nx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nqx + k));                           \
       const int64_t g = k / group;                                                                                \
       _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                       \
+        if (k % 128 == 0) prefetch_row_ahead(q + r * ldq + k / 2, ldq);                                           \
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * ldq + k / 2));                 \
         const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);                  \
         const __m256i w = _mm256_set_m128i(hi, lo); /* [even k, odd k], as qx */                                  \
