@@ -10,13 +10,24 @@
 //   RoPE (first r of d dims, HF's rotate_half): for i < r/2, with c = cos[i], s = sin[i] (cos/sin are
 //   [r] with both halves equal, as HF's tables):
 //     y[i] = x[i] * cos[i] - x[i + r/2] * sin[i],   y[i + r/2] = x[i + r/2] * cos[i + r/2] + x[i] * sin[i + r/2]
+//   attention of the new position (attention_row): the new k / v rows written into the cache at `pos`,
+//   then per query head h (of KV head h / (heads / kv): GQA / MQA read the shared rows in place)
+//     out[h] = sum_{j in [lo, pos]} softmax_j(scale * q[h] . K[j]) V[j]        (fp32 cache)
+//   — SDPA's math for one query row; lo > 0 is a sliding window (the keys before it are masked).
 // Sums of squares / means accumulate in double, so these differ from torch's float reductions only in
 // fp32 rounding. -ffp-contract=off (CMakeLists.txt): the RoPE products round as torch's do.
 #pragma once
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
+#include <vector>
+
+#define GML_DECODE_AVX2 __attribute__((target("avx2,fma")))
 
 namespace gml_decode {
 
@@ -70,6 +81,73 @@ inline void qk_norm_rope(float* qkv, int64_t heads, int64_t kv, int64_t d, const
       x[i] = a * cos[i] - c * sin[i];
       x[i + half] = c * cos[i + half] + a * sin[i + half];
     }
+  }
+}
+
+// ---------------------------------------------------------------- attention of one position
+// Dot products and y += a * x over a head's d floats: AVX2 + FMA (8 lanes, 4 chains) or scalar. `vector`
+// is the caller's tier (GML's CPU description, chosen at the API boundary).
+GML_DECODE_AVX2 inline float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32)
+    for (int c = 0; c < 4; ++c) s[c] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * c), _mm256_loadu_ps(b + i + 8 * c), s[c]);
+  for (; i + 8 <= n; i += 8) s[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s[0]);
+  const __m256 t = _mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3]));
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  float r = _mm_cvtss_f32(h);
+  for (; i < n; ++i) r += a[i] * b[i];
+  _mm256_zeroupper();
+  return r;
+}
+
+GML_DECODE_AVX2 inline void axpy_avx2(float alpha, const float* x, float* y, int64_t n) {
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+  _mm256_zeroupper();
+}
+
+inline float dot(const float* a, const float* b, int64_t n, bool vector) {
+  if (vector) return dot_avx2(a, b, n);
+  float r = 0.f;
+  for (int64_t i = 0; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n, bool vector) {
+  if (vector) return axpy_avx2(alpha, x, y, n);
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// qkv: the fused QKV row [q: heads * d | k: kv * d | v: kv * d] after RoPE; kc / vc: this layer's cache
+// [kv, max_len, d] (batch 1, fp32); positions [lo, pos] attended, pos written first; out [heads * d].
+inline void attention_row(const float* qkv, int64_t heads, int64_t kv, int64_t d, float* kc, float* vc,
+                          int64_t max_len, int64_t lo, int64_t pos, float scale, bool vector, float* out) {
+  if (heads <= 0 || kv <= 0 || heads % kv || d <= 0 || pos < 0 || pos >= max_len || lo < 0 || lo > pos)
+    throw std::invalid_argument("decode attention: heads a multiple of kv heads, 0 <= lo <= pos < max_length");
+  const float* kn = qkv + heads * d;
+  const float* vn = kn + kv * d;
+  for (int64_t g = 0; g < kv; ++g) {
+    std::memcpy(kc + (g * max_len + pos) * d, kn + g * d, sizeof(float) * d);
+    std::memcpy(vc + (g * max_len + pos) * d, vn + g * d, sizeof(float) * d);
+  }
+  const int64_t S = pos + 1 - lo, group = heads / kv;
+  std::vector<float> p(static_cast<size_t>(S));
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* q = qkv + h * d;
+    const float* K = kc + ((h / group) * max_len + lo) * d;
+    const float* V = vc + ((h / group) * max_len + lo) * d;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < S; ++j) m = std::max(m, p[j] = scale * dot(q, K + j * d, d, vector));
+    float sum = 0.f;
+    for (int64_t j = 0; j < S; ++j) sum += p[j] = std::exp(p[j] - m);
+    float* o = out + h * d;
+    std::fill(o, o + d, 0.f);
+    for (int64_t j = 0; j < S; ++j) axpy(p[j] / sum, V + j * d, o, d, vector);
   }
 }
 
