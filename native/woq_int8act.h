@@ -131,7 +131,10 @@ inline Acts quantize_acts(const Problem& p, bool vector) {
   a.sx.assign(static_cast<size_t>(p.M * a.nb), 0.f);
   a.lane.assign(static_cast<size_t>(p.M * a.nb * 8), 0.f);
   if (p.bits == 4) a.nq.assign(a.q.size(), 0);
-  if (p.bits == 8 && vector) a.corr.assign(a.lane.size(), 0);
+  // the VNNI kernels' accumulator start: -128 * each lane's qx sum (INT8: weights offset by 128), -8 *
+  // (symmetric INT4: the zero point 8)
+  const int32_t offset = p.bits == 8 ? 128 : p.zeros ? 0 : 8;
+  if (vector && offset) a.corr.assign(a.lane.size(), 0);
   for (int64_t m = 0; m < p.M; ++m) {
     for (int64_t b = 0; b < a.nb; ++b) {
       const int64_t k0 = b * kActBlock, n = std::min(kActBlock, p.K - k0);
@@ -147,8 +150,9 @@ inline Acts quantize_acts(const Problem& p, bool vector) {
       }
       a.sx[m * a.nb + b] = s;
       for (int j = 0; j < 8; ++j) a.lane[(m * a.nb + b) * 8 + j] = s;
-      if (!a.corr.empty())  // the VNNI kernels' offset weights (dot8_vnni): -128 * each lane's qx sum
-        for (int j = 0; j < 8; ++j) a.corr[(m * a.nb + b) * 8 + j] = -128 * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
+      if (!a.corr.empty())  // (INT4: of the stored, permuted qx, as the kernel reads it)
+        for (int j = 0; j < 8; ++j)
+          a.corr[(m * a.nb + b) * 8 + j] = -offset * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
     }
   }
   return a;
@@ -267,39 +271,63 @@ GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, cons
 }
 
 // AVX-512 VNNI, INT4 weights: 32 bytes = 64 weights (blocks b, b + 1) per step. scales / zeros: row
-// 0's [G] (rows ldg apart), zeros null: z = 8.
+// 0's [G] (rows ldg apart). Symmetric (zeros null, z = 8): the accumulator starts at corr = -8 * (the
+// lane's 4 qx) — the zero point's product, the same for every row — so one vpdpbusd per step;
+// asymmetric: a second vpdpbusd of z x (-qx). Groups of 32 scale as dot8_vnni (s_x * s_w of 16 blocks
+// per row, one vpermps per step); 64 | group: the lanes' s_x times the group's s_w. R = 8: one
+// deferred reduction.
 template <int R>
-GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, const int8_t* nqx, const float* lane,
-                            const float* scales, const uint8_t* zeros, int64_t ldg, int64_t group, int64_t kv,
-                            float* out) {
+GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, const int8_t* nqx, const int32_t* corr,
+                            const float* lane, const float* sx, const float* scales, const uint8_t* zeros, int64_t ldg,
+                            int64_t group, int64_t kv, float* out) {
   const __m512i zero = _mm512_setzero_si512();
   const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m512 acc[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kv; k += 64) {
-    const __m512i x = _mm512_loadu_si512(qx + k), nx = _mm512_loadu_si512(nqx + k);
-    const __m512 s = _mm512_loadu_ps(lane + k / 4);
-    const int64_t g0 = k / group, g1 = (k + 32) / group;  // the groups of blocks b and b + 1
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      if (k % 128 == 0) prefetch_row_ahead(q + r * ldq + k / 2, ldq);
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k / 2));
-      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]: block b's [even k, odd k], then b + 1's
-      const __m512i w4 = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      const __m512i w = _mm512_shuffle_i64x2(w4, w4, _MM_SHUFFLE(3, 1, 2, 0));
-      const int z0 = zeros ? zeros[r * ldg + g0] : 8, z1 = zeros ? zeros[r * ldg + g1] : 8;
-      const __m512i z = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(z0)),
-                                                _mm512_set1_epi8(static_cast<char>(z1)));
-      const __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w, x), z, nx);  // q.qx + z.(-qx)
-      const __m512 sw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[r * ldg + g0]),
-                                             _mm512_set1_ps(scales[r * ldg + g1]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, sw), acc[r]);
+  for (int64_t k0 = 0; k0 < kv; k0 += 512) {  // windows of 16 blocks (groups of 32: s_x * s_w once per row)
+    const int64_t b0 = k0 / 32, k1 = std::min(kv, k0 + 512);
+    __m512 prod[R];
+    if (group == 32) {
+      const __mmask16 some = static_cast<__mmask16>((1u << ((k1 - k0) / 32)) - 1);
+      const __m512 sxv = _mm512_maskz_loadu_ps(some, sx + b0);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) prod[r] = _mm512_mul_ps(sxv, _mm512_maskz_loadu_ps(some, scales + r * ldg + b0));
+    }
+    __m512i pick = first;  // lanes 0-7: block 2j of the window, 8-15: 2j + 1
+    for (int64_t k = k0; k < k1; k += 64) {
+      const __m512i x = _mm512_loadu_si512(qx + k);
+      const __m512i c = zeros ? zero : _mm512_loadu_si512(corr + k / 4);
+      const __m512 s = _mm512_loadu_ps(lane + k / 4);
+      const int64_t g0 = k / group, g1 = (k + 32) / group;  // the groups of blocks b and b + 1
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if (k % 128 == 0) prefetch_row_ahead(q + r * ldq + k / 2, ldq);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k / 2));
+        const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]: block b's [even k, odd k], then b + 1's
+        const __m512i w4 = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        const __m512i w = _mm512_shuffle_i64x2(w4, w4, _MM_SHUFFLE(3, 1, 2, 0));
+        __m512i isum = _mm512_dpbusd_epi32(c, w, x);  // q.qx (+ corr: -8.qx)
+        if (zeros) {  // + z.(-qx)
+          const __m512i z = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(zeros[r * ldg + g0])),
+                                                    _mm512_set1_epi8(static_cast<char>(zeros[r * ldg + g1])));
+          isum = _mm512_dpbusd_epi32(isum, z, _mm512_loadu_si512(nqx + k));
+        }
+        const __m512 sc = group == 32 ? _mm512_permutexvar_ps(pick, prod[r])
+                                      : _mm512_mul_ps(s, _mm512_set1_ps(scales[r * ldg + g0]));  // g0 == g1
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[r]);
+      }
+      pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2));
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  if constexpr (R == 8) {
+    _mm256_storeu_ps(out, reduce8_vnni(acc));
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  }
   _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
 }
 
@@ -414,7 +442,7 @@ void rows_act8(const Problem& p, const Acts& a, int64_t n0, Act8Kernel kern) {
       const uint8_t* q = static_cast<const uint8_t*>(p.q) + n0 * (p.K / 2);
       const float* sc = p.scales + n0 * G;
       const uint8_t* z = p.zeros ? p.zeros + n0 * G : nullptr;
-      if (kern == Act8Kernel::kVnni) dot4_vnni<R>(q, p.K / 2, qx, nqx, lane, sc, z, G, p.group, kv, out);
+      if (kern == Act8Kernel::kVnni) dot4_vnni<R>(q, p.K / 2, qx, nqx, corr, lane, sx, sc, z, G, p.group, kv, out);
       if (kern == Act8Kernel::kAvxVnni) dot4_avxvnni<R>(q, p.K / 2, qx, nqx, sx, sc, z, G, p.group, kv, out);
       if (kern == Act8Kernel::kAvx2) dot4_avx2<R>(q, p.K / 2, qx, nqx, sx, sc, z, G, p.group, kv, out);
     }
@@ -426,7 +454,7 @@ void rows_act8(const Problem& p, const Acts& a, int64_t n0, Act8Kernel kern) {
   }
 }
 
-// Rows per block of the int8-activation GEMV: 8 (the VNNI INT8 kernel's rows at once: one deferred
+// Rows per block of the int8-activation GEMV: 8 (the VNNI kernels' rows at once: one deferred
 // reduction; the others run two blocks of 4, woq.h's kRowBlock).
 constexpr int64_t kAct8Rows = 8;
 
@@ -435,7 +463,7 @@ constexpr int64_t kAct8Rows = 8;
 inline void act8_block(const Problem& p, const Acts& a, int64_t blk, Act8Kernel kern) {
   int64_t n = blk * kAct8Rows;
   const int64_t end = std::min(p.N, n + kAct8Rows);
-  if (end - n == 8 && p.bits == 8 && kern == Act8Kernel::kVnni) {
+  if (end - n == 8 && kern == Act8Kernel::kVnni) {
     rows_act8<8>(p, a, n, kern);
     return;
   }
