@@ -75,7 +75,7 @@ def main() -> None:
         lib = work / "libnoamx.so"
         cc = ["gcc", "-O2", "-shared", "-fPIC", str(HERE / "llamacpp_noamx.c"), "-o", str(lib), "-ldl"]
         subprocess.run(cc, check=True)
-        env = {**os.environ, "LD_PRELOAD": str(lib)}
+        env = {**os.environ, "LD_PRELOAD": str(lib), "GML_LLAMACPP_THREADS": str(args.threads)}
         for q in args.llamacpp:
             label, path = q.split("=", 1)
             cmd = [args.llamacpp_python, str(HERE / "llamacpp_worker.py"), "decode", path, str(tokens),

@@ -60,6 +60,7 @@ struct Acts {
   std::vector<int8_t> nq;   // [M, kp] -qx (INT4 only: the zero point's operand)
   std::vector<float> sx;    // [M, nb]
   std::vector<float> lane;  // [M, nb * 8] s_x[b] repeated 8 times: the scale of each int32 lane
+  std::vector<int32_t> corr;  // [M, nb * 8] (INT8, vector kernels) -128 * the sum of each lane's 4 qx
 };
 
 // One block of n <= 32 values: s = amax / 127 and qx (natural order) into q[0, 32); the definition.
@@ -130,6 +131,10 @@ inline Acts quantize_acts(const Problem& p, bool vector) {
   a.sx.assign(static_cast<size_t>(p.M * a.nb), 0.f);
   a.lane.assign(static_cast<size_t>(p.M * a.nb * 8), 0.f);
   if (p.bits == 4) a.nq.assign(a.q.size(), 0);
+  // the VNNI kernels' accumulator start: -128 * each lane's qx sum (INT8: weights offset by 128), -8 *
+  // (symmetric INT4: the zero point 8)
+  const int32_t offset = p.bits == 8 ? 128 : p.zeros ? 0 : 8;
+  if (vector && offset) a.corr.assign(a.lane.size(), 0);
   for (int64_t m = 0; m < p.M; ++m) {
     for (int64_t b = 0; b < a.nb; ++b) {
       const int64_t k0 = b * kActBlock, n = std::min(kActBlock, p.K - k0);
@@ -145,6 +150,9 @@ inline Acts quantize_acts(const Problem& p, bool vector) {
       }
       a.sx[m * a.nb + b] = s;
       for (int j = 0; j < 8; ++j) a.lane[(m * a.nb + b) * 8 + j] = s;
+      if (!a.corr.empty())  // (INT4: of the stored, permuted qx, as the kernel reads it)
+        for (int j = 0; j < 8; ++j)
+          a.corr[(m * a.nb + b) * 8 + j] = -offset * (q[4 * j] + q[4 * j + 1] + q[4 * j + 2] + q[4 * j + 3]);
     }
   }
   return a;
@@ -181,74 +189,145 @@ inline float blocks_scalar(const Problem& p, const Acts& a, int64_t m, int64_t n
 // The caller adds the blocks past kv (blocks_scalar) and the bias. scales: row 0's [G] (rows ldg
 // apart), read only when grouped.
 
-// AVX-512 VNNI, INT8 weights: 64 weights (blocks b, b + 1) per vpdpbusd.
+// The 8 sums of acc[0..8) in one ymm (row r in lane r): the horizontal reductions of 8 rows deferred
+// into one shuffle tree (24 ops instead of 8 separate reductions of ~8 each).
+GML_WOQ_VNNI inline __m256 reduce8_vnni(const __m512* a) {
+  __m512 t[4];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [A0+A2, B0+B2, A1+A3, B1+B3] of rows A = 2i, B = 2i + 1
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  __m512 u[2];
+  for (int i = 0; i < 2; ++i) {  // per 128-bit lane: rows 4i .. 4i + 3
+    const __m512d l = _mm512_castps_pd(t[2 * i]), h = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(l, h)), _mm512_castpd_ps(_mm512_unpackhi_pd(l, h)));
+  }
+  // the four 128-bit lanes of each u added: [u0 L0+L1, u0 L2+L3, u1 L0+L1, u1 L2+L3], then once more
+  const __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_castps512_ps256(w);
+}
+
+// AVX-512 VNNI, INT8 weights: 64 weights (blocks b, b + 1) per vpdpbusd. The weight is the unsigned
+// operand offset by 128 (q ^ 0x80 = q + 128 in 0..255, so -128 is exact too) and the accumulator
+// starts at corr = -128 * (the lane's 4 qx) instead of 0: corr + sum (q + 128) qx = sum q qx, exact
+// in int32 (|lane| <= 4 * 255 * 127). One xor per 64 weights instead of the sign trick's abs + mask +
+// masked negate. Scales: per channel, the lane's s_x (s_w by the caller); groups of 64 / 128, s_x
+// times the group's s_w; groups of 32, s_x * s_w of 16 blocks multiplied once per row and per 512
+// weights, each step's two blocks picked by one vpermps. R = 8: one deferred reduction (reduce8_vnni).
+// The weight line kPrefetchRows rows ahead of each line read is prefetched (woq.h).
+
 template <int R, int GS>
-GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, const float* lane, const float* scales,
-                            int64_t ldg, int64_t kv, float* out) {
-  // GS = 32: blocks b, b + 1 have scales g, g + 1, adjacent in memory: one 8-byte load, lanes 0-7 <- [0]
-  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i zero = _mm512_setzero_si512();
+GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, const int32_t* corr, const float* lane,
+                            const float* sx, const float* scales, int64_t ldg, int64_t kv, float* out) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kv; k += 64) {
-    const __m512i x = _mm512_loadu_si512(qx + k);
-    const __m512 s = _mm512_loadu_ps(lane + k / 4);  // lanes 0-7: s_x[b], 8-15: s_x[b + 1]
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m512i w = _mm512_loadu_si512(q + r * ldq + k);
-      // |q| (u8) x qx * sign(q) (s8): qx negated where q < 0 (see the file comment)
-      const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), zero, x);
-      const __m512 isum = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), xs));
-      if constexpr (GS == 32) {  // s_w of blocks b, b + 1 in lanes 0-7, 8-15
-        const __m128 two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + r * ldg + k / 32)));
-        const __m512 sw = _mm512_permutexvar_ps(pair, _mm512_castps128_ps512(two));
-        acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(s, sw), acc[r]);
-      } else if constexpr (GS > 0) {  // 64 | GS: both blocks in one group
-        acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(s, _mm512_set1_ps(scales[r * ldg + k / GS])), acc[r]);
-      } else {
-        acc[r] = _mm512_fmadd_ps(isum, s, acc[r]);
+  // one 64-weight step of row r: the lane sums of blocks b, b + 1 as fp32
+  auto isum = [&](int r, int64_t k, __m512i x, __m512i c) GML_WOQ_VNNI {
+    const int8_t* w = q + r * ldq + k;
+    prefetch_row_ahead(w, ldq);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, _mm512_xor_si512(_mm512_loadu_si512(w), flip), x));
+  };
+  if constexpr (GS == 32) {
+    const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int64_t k0 = 0; k0 < kv; k0 += 512) {  // 16 blocks: their s_x * s_w, once per row
+      const int64_t b0 = k0 / 32, k1 = std::min(kv, k0 + 512);
+      const __mmask16 some = static_cast<__mmask16>((1u << ((k1 - k0) / 32)) - 1);
+      const __m512 sxv = _mm512_maskz_loadu_ps(some, sx + b0);
+      __m512 prod[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) prod[r] = _mm512_mul_ps(sxv, _mm512_maskz_loadu_ps(some, scales + r * ldg + b0));
+      __m512i pick = first;  // lanes 0-7: block 2j of the 16, 8-15: 2j + 1
+      for (int64_t k = k0; k < k1; k += 64) {
+        const __m512i x = _mm512_loadu_si512(qx + k), c = _mm512_loadu_si512(corr + k / 4);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(isum(r, k, x, c), _mm512_permutexvar_ps(pick, prod[r]), acc[r]);
+        pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2));
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < kv; k += 64) {
+      const __m512i x = _mm512_loadu_si512(qx + k), c = _mm512_loadu_si512(corr + k / 4);
+      const __m512 s = _mm512_loadu_ps(lane + k / 4);  // lanes 0-7: s_x[b], 8-15: s_x[b + 1]
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if constexpr (GS > 0) {  // 64 | GS: both blocks in one group
+          acc[r] = _mm512_fmadd_ps(isum(r, k, x, c), _mm512_mul_ps(s, _mm512_set1_ps(scales[r * ldg + k / GS])), acc[r]);
+        } else {
+          acc[r] = _mm512_fmadd_ps(isum(r, k, x, c), s, acc[r]);
+        }
       }
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  if constexpr (R == 8) {
+    _mm256_storeu_ps(out, reduce8_vnni(acc));
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  }
   _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
 }
 
 // AVX-512 VNNI, INT4 weights: 32 bytes = 64 weights (blocks b, b + 1) per step. scales / zeros: row
-// 0's [G] (rows ldg apart), zeros null: z = 8.
+// 0's [G] (rows ldg apart). Symmetric (zeros null, z = 8): the accumulator starts at corr = -8 * (the
+// lane's 4 qx) — the zero point's product, the same for every row — so one vpdpbusd per step;
+// asymmetric: a second vpdpbusd of z x (-qx). Groups of 32 scale as dot8_vnni (s_x * s_w of 16 blocks
+// per row, one vpermps per step); 64 | group: the lanes' s_x times the group's s_w. R = 8: one
+// deferred reduction.
 template <int R>
-GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, const int8_t* nqx, const float* lane,
-                            const float* scales, const uint8_t* zeros, int64_t ldg, int64_t group, int64_t kv,
-                            float* out) {
+GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, const int8_t* nqx, const int32_t* corr,
+                            const float* lane, const float* sx, const float* scales, const uint8_t* zeros, int64_t ldg,
+                            int64_t group, int64_t kv, float* out) {
   const __m512i zero = _mm512_setzero_si512();
   const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m512 acc[R];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kv; k += 64) {
-    const __m512i x = _mm512_loadu_si512(qx + k), nx = _mm512_loadu_si512(nqx + k);
-    const __m512 s = _mm512_loadu_ps(lane + k / 4);
-    const int64_t g0 = k / group, g1 = (k + 32) / group;  // the groups of blocks b and b + 1
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k / 2));
-      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-      // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]: block b's [even k, odd k], then b + 1's
-      const __m512i w4 = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      const __m512i w = _mm512_shuffle_i64x2(w4, w4, _MM_SHUFFLE(3, 1, 2, 0));
-      const int z0 = zeros ? zeros[r * ldg + g0] : 8, z1 = zeros ? zeros[r * ldg + g1] : 8;
-      const __m512i z = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(z0)),
-                                                _mm512_set1_epi8(static_cast<char>(z1)));
-      const __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w, x), z, nx);  // q.qx + z.(-qx)
-      const __m512 sw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[r * ldg + g0]),
-                                             _mm512_set1_ps(scales[r * ldg + g1]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, sw), acc[r]);
+  for (int64_t k0 = 0; k0 < kv; k0 += 512) {  // windows of 16 blocks (groups of 32: s_x * s_w once per row)
+    const int64_t b0 = k0 / 32, k1 = std::min(kv, k0 + 512);
+    __m512 prod[R];
+    if (group == 32) {
+      const __mmask16 some = static_cast<__mmask16>((1u << ((k1 - k0) / 32)) - 1);
+      const __m512 sxv = _mm512_maskz_loadu_ps(some, sx + b0);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) prod[r] = _mm512_mul_ps(sxv, _mm512_maskz_loadu_ps(some, scales + r * ldg + b0));
+    }
+    __m512i pick = first;  // lanes 0-7: block 2j of the window, 8-15: 2j + 1
+    for (int64_t k = k0; k < k1; k += 64) {
+      const __m512i x = _mm512_loadu_si512(qx + k);
+      const __m512i c = zeros ? zero : _mm512_loadu_si512(corr + k / 4);
+      const __m512 s = _mm512_loadu_ps(lane + k / 4);
+      const int64_t g0 = k / group, g1 = (k + 32) / group;  // the groups of blocks b and b + 1
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if (k % 128 == 0) prefetch_row_ahead(q + r * ldq + k / 2, ldq);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k / 2));
+        const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]: block b's [even k, odd k], then b + 1's
+        const __m512i w4 = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        const __m512i w = _mm512_shuffle_i64x2(w4, w4, _MM_SHUFFLE(3, 1, 2, 0));
+        __m512i isum = _mm512_dpbusd_epi32(c, w, x);  // q.qx (+ corr: -8.qx)
+        if (zeros) {  // + z.(-qx)
+          const __m512i z = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(zeros[r * ldg + g0])),
+                                                    _mm512_set1_epi8(static_cast<char>(zeros[r * ldg + g1])));
+          isum = _mm512_dpbusd_epi32(isum, z, _mm512_loadu_si512(nqx + k));
+        }
+        const __m512 sc = group == 32 ? _mm512_permutexvar_ps(pick, prod[r])
+                                      : _mm512_mul_ps(s, _mm512_set1_ps(scales[r * ldg + g0]));  // g0 == g1
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, acc[r]);
+      }
+      pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2));
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  if constexpr (R == 8) {
+    _mm256_storeu_ps(out, reduce8_vnni(acc));
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  }
   _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
 }
 
@@ -264,6 +343,7 @@ GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, con
     for (int64_t k = 0; k < kv; k += 32) {                                                                       \
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + k));                            \
       _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                      \
+        if (k % 64 == 0) prefetch_row_ahead(q + r * ldq + k, ldq);                                                \
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k));                 \
         /* grouped: the block's s_x * s_w; per channel: s_x (s_w by the caller) */                               \
         const __m256 s = _mm256_set1_ps(GS ? sx[k / 32] * scales[r * ldg + k / (GS ? GS : 1)] : sx[k / 32]);     \
@@ -287,6 +367,7 @@ GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, con
       const __m256i nx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nqx + k));                           \
       const int64_t g = k / group;                                                                                \
       _Pragma("GCC unroll 4") for (int r = 0; r < R; ++r) {                                                       \
+        if (k % 128 == 0) prefetch_row_ahead(q + r * ldq + k / 2, ldq);                                           \
         const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * ldq + k / 2));                 \
         const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);                  \
         const __m256i w = _mm256_set_m128i(hi, lo); /* [even k, odd k], as qx */                                  \
@@ -324,9 +405,9 @@ inline Act8Kernel act8_kernel(const std::string& isa) {
 
 // The INT8 dot product of `kern` (not the scalar one) for GS (0: per output channel).
 template <int R, int GS>
-void dot8(Act8Kernel kern, const int8_t* q, int64_t ldq, const int8_t* qx, const float* sx, const float* lane,
-          const float* sc, int64_t ldg, int64_t kv, float* out) {
-  if (kern == Act8Kernel::kVnni) dot8_vnni<R, GS>(q, ldq, qx, lane, sc, ldg, kv, out);
+void dot8(Act8Kernel kern, const int8_t* q, int64_t ldq, const int8_t* qx, const int32_t* corr, const float* sx,
+          const float* lane, const float* sc, int64_t ldg, int64_t kv, float* out) {
+  if (kern == Act8Kernel::kVnni) dot8_vnni<R, GS>(q, ldq, qx, corr, lane, sx, sc, ldg, kv, out);
   if (kern == Act8Kernel::kAvxVnni) dot8_avxvnni<R, GS>(q, ldq, qx, sx, sc, ldg, kv, out);
   if (kern == Act8Kernel::kAvx2) dot8_avx2<R, GS>(q, ldq, qx, sx, sc, ldg, kv, out);
 }
@@ -343,24 +424,25 @@ void rows_act8(const Problem& p, const Acts& a, int64_t n0, Act8Kernel kern) {
     const int8_t* nqx = p.bits == 4 ? a.nq.data() + m * a.kp : nullptr;
     const float* sx = a.sx.data() + m * a.nb;
     const float* lane = a.lane.data() + m * a.nb * 8;
+    const int32_t* corr = a.corr.empty() ? nullptr : a.corr.data() + m * a.nb * 8;
     float out[R] = {};
     if (p.bits == 8) {
       const int8_t* q = static_cast<const int8_t*>(p.q) + n0 * p.K;
       const float* sc = p.scales + n0 * G;
       if (per_row) {
-        dot8<R, 0>(kern, q, p.K, qx, sx, lane, sc, G, kv, out);
+        dot8<R, 0>(kern, q, p.K, qx, corr, sx, lane, sc, G, kv, out);
       } else if (p.group == 32) {
-        dot8<R, 32>(kern, q, p.K, qx, sx, lane, sc, G, kv, out);
+        dot8<R, 32>(kern, q, p.K, qx, corr, sx, lane, sc, G, kv, out);
       } else if (p.group == 64) {
-        dot8<R, 64>(kern, q, p.K, qx, sx, lane, sc, G, kv, out);
+        dot8<R, 64>(kern, q, p.K, qx, corr, sx, lane, sc, G, kv, out);
       } else {
-        dot8<R, 128>(kern, q, p.K, qx, sx, lane, sc, G, kv, out);  // check(): 32, 64, 128 or K
+        dot8<R, 128>(kern, q, p.K, qx, corr, sx, lane, sc, G, kv, out);  // check(): 32, 64, 128 or K
       }
     } else {
       const uint8_t* q = static_cast<const uint8_t*>(p.q) + n0 * (p.K / 2);
       const float* sc = p.scales + n0 * G;
       const uint8_t* z = p.zeros ? p.zeros + n0 * G : nullptr;
-      if (kern == Act8Kernel::kVnni) dot4_vnni<R>(q, p.K / 2, qx, nqx, lane, sc, z, G, p.group, kv, out);
+      if (kern == Act8Kernel::kVnni) dot4_vnni<R>(q, p.K / 2, qx, nqx, corr, lane, sx, sc, z, G, p.group, kv, out);
       if (kern == Act8Kernel::kAvxVnni) dot4_avxvnni<R>(q, p.K / 2, qx, nqx, sx, sc, z, G, p.group, kv, out);
       if (kern == Act8Kernel::kAvx2) dot4_avx2<R>(q, p.K / 2, qx, nqx, sx, sc, z, G, p.group, kv, out);
     }
@@ -372,25 +454,30 @@ void rows_act8(const Problem& p, const Acts& a, int64_t n0, Act8Kernel kern) {
   }
 }
 
-// woq_linear with act_bits = 8 on `isa`'s kernel, `nthreads` threads (0: OpenMP's default).
-// Block `blk` (rows blk * kRowBlock ..) of the int8-activation GEMV: every activation load feeds
-// kRowBlock rows; a short last block row by row. Shared by linear_act8 and the decode pool.
+// Rows per block of the int8-activation GEMV: 8 (the VNNI kernels' rows at once: one deferred
+// reduction; the others run two blocks of 4, woq.h's kRowBlock).
+constexpr int64_t kAct8Rows = 8;
+
+// Block `blk` (rows blk * kAct8Rows ..) of the int8-activation GEMV: every activation load feeds
+// 8 or 4 rows; a short last block in 4s, then row by row. Shared by linear_act8 and the decode pool.
 inline void act8_block(const Problem& p, const Acts& a, int64_t blk, Act8Kernel kern) {
-  constexpr int64_t R = kRowBlock;
-  const int64_t n0 = blk * R;
-  if (n0 + R <= p.N) {
-    rows_act8<R>(p, a, n0, kern);
-  } else {
-    for (int64_t n = n0; n < p.N; ++n) rows_act8<1>(p, a, n, kern);
+  int64_t n = blk * kAct8Rows;
+  const int64_t end = std::min(p.N, n + kAct8Rows);
+  if (end - n == 8 && kern == Act8Kernel::kVnni) {
+    rows_act8<8>(p, a, n, kern);
+    return;
   }
+  for (; n + kRowBlock <= end; n += kRowBlock) rows_act8<kRowBlock>(p, a, n, kern);
+  for (; n < end; ++n) rows_act8<1>(p, a, n, kern);
 }
 
+// woq_linear with act_bits = 8 on `isa`'s kernel, `nthreads` threads (0: OpenMP's default).
 inline void linear_act8(const Problem& p, const std::string& isa, int nthreads) {
   check(p, isa);
   const Act8Kernel kern = act8_kernel(isa);
   const Acts a = quantize_acts(p, kern != Act8Kernel::kScalar);
   const int threads = nthreads > 0 ? nthreads : omp_get_max_threads();
-  const int64_t blocks = (p.N + kRowBlock - 1) / kRowBlock;
+  const int64_t blocks = (p.N + kAct8Rows - 1) / kAct8Rows;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t blk = 0; blk < blocks; ++blk) act8_block(p, a, blk, kern);
 }

@@ -145,23 +145,22 @@ inline void for_row_blocks(int64_t blocks, int nthreads, const std::function<voi
 }
 
 
-// woq.h's `linear` and woq_int8act.h's `linear_act8` (the same row kernels, rows in blocks of 4) with
+// woq.h's `linear` and woq_int8act.h's `linear_act8` (the same row kernels and row blocks) with
 // the blocks split by for_row_blocks instead of an OpenMP region: for one-row calls (decode steps).
 inline void linear_pooled(const Problem& p, const std::string& isa, int nthreads, int act_bits) {
   check(p, isa);
   const int threads = nthreads > 0 ? nthreads : omp_get_max_threads();
-  const int64_t blocks = (p.N + kRowBlock - 1) / kRowBlock;
   if (act_bits == 8) {
     const Act8Kernel kern = act8_kernel(isa);
     const Acts a = quantize_acts(p, kern != Act8Kernel::kScalar);
-    for_row_blocks(blocks, threads, [&](int64_t b0, int64_t b1) {
+    for_row_blocks((p.N + kAct8Rows - 1) / kAct8Rows, threads, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) act8_block(p, a, blk, kern);  // woq_int8act.h
     });
     return;
   }
   if (act_bits != 0) throw std::invalid_argument("woq_linear: act_bits is 0 (fp32 activations) or 8");
   const int which = fp32_level(isa);
-  for_row_blocks(blocks, threads, [&](int64_t b0, int64_t b1) {
+  for_row_blocks((p.N + kRowBlock - 1) / kRowBlock, threads, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) row_block(p, blk, which);  // woq.h's dispatch
   });
 }

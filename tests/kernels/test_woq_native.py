@@ -260,3 +260,26 @@ def test_grouped_int8_under_an_isa_cap(cap, kernel):
     out = subprocess.run([sys.executable, "-c", _CAPPED], env=env, capture_output=True, text=True, check=True)
     isa, worst = out.stdout.split()
     assert isa == kernel and float(worst) <= 1e-5, out.stdout
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    ("bits", "group", "symmetric"),
+    [(8, None, True), (8, 32, True), (8, 64, True), (4, 32, True), (4, 32, False), (4, 64, False)],
+)
+def test_act8_short_rows_exact(isa, bits, group, symmetric):
+    """The LM head's shape class (K = 640: 10 steps of 64, groups of 32 in a window of 16 blocks and a
+    partial one of 4) over several 8-row blocks and a row tail, weights at their extremes: bit-exact."""
+    torch.manual_seed(6)
+    n, k = 8 * 5 + 3, 640
+    w = quantize_weight(torch.randn(n, k), bits, group, symmetric)
+    if bits == 8:
+        w = w._replace(qweight=torch.tensor([-128, 127, -127, 0, 1], dtype=torch.int8)[torch.randint(0, 5, (n, k))])
+    else:
+        w = w._replace(
+            qweight=torch.tensor([0x00, 0xFF, 0x0F, 0xF0, 0x87], dtype=torch.uint8)[torch.randint(0, 5, (n, k // 2))]
+        )
+    w = pow2_scales(w, (0.25, 0.5), seed=6)
+    x = torch.randint(-127, 128, (1, k)).float()
+    x[:, ::ACT_BLOCK] = -127.0  # s_x = 1 in every block
+    assert torch.equal(woq_linear_native(x, w, None, isa, act_bits=8), exact_grouped(x, w))

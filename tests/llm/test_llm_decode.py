@@ -111,6 +111,32 @@ def test_native_glue_matches_torch():
         eng.decode_qk_norm_rope(qkv.data_ptr(), heads, kv, d, 0, 0, 0, 1e-6, 7, cos.data_ptr(), sin.data_ptr())
 
 
+@pytest.mark.parametrize("vector", [True, False])
+def test_native_attention_matches_sdpa(vector):
+    """decode_attention (native/decode.h) writes the new k / v at pos and equals SDPA over [lo, pos]: GQA
+    (3 query heads per KV head), a head size with an 8-lane tail (36), a full range and a window."""
+    eng = native_glue()
+    torch.manual_seed(1)
+    heads, kv, d, max_len, pos = 6, 2, 36, 40, 29
+    cache = torch.randn(2, kv, max_len, d)
+    qkv = torch.randn(1, (heads + 2 * kv) * d)
+    q = qkv[0, : heads * d].view(kv, heads // kv, d)
+    k_new, v_new = qkv[0, heads * d : (heads + kv) * d].view(kv, d), qkv[0, (heads + kv) * d :].view(kv, d)
+    for lo in (0, 21):
+        out = torch.empty(1, heads * d)
+        eng.decode_attention(
+            qkv.data_ptr(), heads, kv, d, cache[0].data_ptr(), cache[1].data_ptr(), max_len, lo, pos, 0.3, vector,
+            out.data_ptr(),
+        )  # fmt: skip
+        assert torch.equal(cache[0, :, pos], k_new) and torch.equal(cache[1, :, pos], v_new)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q, cache[0, :, lo : pos + 1], cache[1, :, lo : pos + 1], scale=0.3
+        )
+        torch.testing.assert_close(out.view(kv, heads // kv, d), ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="lo <= pos"):
+        eng.decode_attention(qkv.data_ptr(), heads, kv, d, 0, 0, max_len, 0, max_len, 0.3, vector, 0)
+
+
 def test_greedy_argmax_is_torch_argmax():
     logits = torch.tensor([[0.0, 3.0, 3.0, -1.0], [float("nan"), 1.0, float("nan"), 2.0]])
     got = next_token(logits, Sampling(), torch.Generator())

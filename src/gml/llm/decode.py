@@ -11,13 +11,15 @@ about as long as the 18 layers' matrix kernels themselves (docs/llm.md, "Where a
   buffers (:meth:`LinearOp.bind`: the native kernel's arguments are a fixed tuple);
 * the glue between the matrices in native calls (native/decode.h): a norm; the residual add fused with
   the next norm (the sandwich norm of Gemma 3 first); the q/k norm + RoPE of the fused QKV row in place;
-* attention over the cache as one SDPA call on views of the cache (a sliding window is a narrower view
-  instead of a mask: for the newest position the two are the same);
+* attention over an fp32 cache as one native call per layer that also writes the new k / v rows
+  (native/decode.h: one query row per head, GQA heads reading their KV head's rows in place); a bf16
+  cache as one SDPA call on views of the cache. A sliding window is a narrower range of positions
+  instead of a mask: for the newest position the two are the same;
 * the argmax of greedy decoding (:func:`gml.llm.sampling.next_token`) through numpy, 7x faster than
   ``torch.argmax`` over a 262k vocabulary.
 
-What stays as torch ops: the embedding lookup, the activation (``act(gate) * up``), the K/V writes into
-the cache (any cache dtype), the attention. Equal to ``forward`` on the same token up to fp32 rounding
+What stays as torch ops: the embedding lookup, the activation (``act(gate) * up``); with a bf16 cache
+the K/V writes and the attention. Equal to ``forward`` on the same token up to fp32 rounding
 (tests/llm/test_llm_decode.py). The logits it returns are a buffer the next step overwrites.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from gml.ir.attention import attention_op
+from gml.kernels.woq import detect_kernel
 from gml.llm.model import Decoder, KVCache, _act
 from gml.llm.spec import Norm
 
@@ -89,12 +92,17 @@ class DecodeStep:
                     attn_in=self._norm_args(w.attn_in_norm),
                     keys=cache.data[i, 0],  # [1, kv, max_length, d]
                     values=cache.data[i, 1],
+                    kp=cache.data[i, 0].data_ptr(),
+                    vp=cache.data[i, 1].data_ptr(),
                     window=spec.sliding_windows[i],
                 )
             )
         self.final = self._norm_args(decoder.final_norm)
         self.lm_head = decoder.lm_head.bind(self.a, self.logits)
         self.attend = attention_op()
+        # the native attention (fp32 cache) and its tier: AVX2 + FMA unless GML's CPU description says scalar
+        self.native_attention = cache.data.dtype == torch.float32 and hasattr(engine, "decode_attention")
+        self.vector = detect_kernel() not in (None, "scalar")
 
     # ------------------------------------------------------------------ build helpers
     def _hold(self, t: torch.Tensor) -> torch.Tensor:
@@ -145,15 +153,19 @@ class DecodeStep:
                 sp = 0 if sin is None else sin.data_ptr() + pos * sin.stride(0) * 4
                 eng.decode_qk_norm_rope(qkvp, heads, kv, d, qw, kw, kind, eps, r if cos is not None else 0, cp, sp)
             keys, values = lay["keys"], lay["values"]
-            keys[0, :, pos].copy_(self.k)
-            values[0, :, pos].copy_(self.v)
             window = lay["window"]
             lo = end - window if window is not None and end > window else 0
-            k, v = keys[:, :, lo:end], values[:, :, lo:end]
-            if k.dtype != torch.float32:
-                k, v = k.float(), v.float()
-            o = self.attend(self.q, k, v, None, spec.attn_scale, False)
-            self.attn.view_as(o).copy_(o)
+            if self.native_attention:
+                eng.decode_attention(
+                    qkvp, heads, kv, d, lay["kp"], lay["vp"], cache.max_length, lo, pos, spec.attn_scale,
+                    self.vector, self.attn.data_ptr(),
+                )  # fmt: skip
+            else:
+                keys[0, :, pos].copy_(self.k)
+                values[0, :, pos].copy_(self.v)
+                k, v = keys[:, :, lo:end].float(), values[:, :, lo:end].float()
+                o = self.attend(self.q, k, v, None, spec.attn_scale, False)
+                self.attn.view_as(o).copy_(o)
             lay["o"]()
             has, dw, db = lay["attn_out"]
             _, w, b = lay["mlp_in"]
