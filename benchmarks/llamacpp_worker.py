@@ -69,11 +69,13 @@ def decode(path: str, tokens_json: str, prompt: int, steps: int) -> dict:
     fed, as greedy decoding would feed its own; the LM head runs for every step)."""
     seq = json.loads(Path(tokens_json).read_text())[0]
     llm = _load(path, prompt + steps + 1, logits_all=False)
-    llm.eval(seq[:prompt])
+    t = time.perf_counter()
+    llm.eval(seq[:prompt])  # the prompt's prefill, up to the logits of its last position
+    ttft_ms = 1000 * (time.perf_counter() - t)
     t = time.perf_counter()
     for tok in seq[prompt : prompt + steps]:
         llm.eval([tok])
-    return {"decode_tokens_per_second": steps / (time.perf_counter() - t)}
+    return {"decode_tokens_per_second": steps / (time.perf_counter() - t), "ttft_ms": ttft_ms}
 
 
 def tokenize(path: str, texts_json: str) -> dict:

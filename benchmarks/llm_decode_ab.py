@@ -33,15 +33,18 @@ seq = json.load(open(tokens))[0]
 lm = gml.llm(path, activations=act, max_length=int(prompt) + int(steps) + 8)
 lm.generate(seq[:8], 4)
 lm.generate(seq[: int(prompt)], int(steps) + 1)
-print(json.dumps({"decode_tokens_per_second": lm.stats.decode_tokens_per_second}))
+print(json.dumps({"decode_tokens_per_second": lm.stats.decode_tokens_per_second,
+                  "ttft_ms": 1000 * lm.stats.prefill_seconds}))
 """
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None) -> float:
+def run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """(decode tokens/s, time to first token in ms: the prompt's prefill up to its last logits)."""
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode:
         raise RuntimeError(f"{cmd[:3]} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["decode_tokens_per_second"]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    return row["decode_tokens_per_second"], row["ttft_ms"]
 
 
 def main() -> None:
@@ -82,22 +85,27 @@ def main() -> None:
                    str(args.prompt), str(args.steps)]  # fmt: skip
             rows[f"llama.cpp {label}"] = (cmd, env)
     got: dict[str, list[float]] = {name: [] for name in rows}
+    ttft: dict[str, list[float]] = {name: [] for name in rows}
     order = list(rows)
     for r in range(args.rounds):
         rng.shuffle(order)
         for name in order:
             cmd, env = rows[name]
-            got[name].append(run(cmd, env))
-            print(f"round {r + 1}: {name}: {got[name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
+            tps, first = run(cmd, env)
+            got[name].append(tps)
+            ttft[name].append(first)
+            print(f"round {r + 1}: {name}: {tps:.1f} tok/s, first token {first:.1f} ms", file=sys.stderr, flush=True)
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     print(f"\nbatch 1, prompt {args.prompt}, {args.steps} decode steps, {args.threads} threads, best of "
           f"{args.rounds} interleaved rounds; load average at the end {' / '.join(load)}")  # fmt: skip
-    print("| runtime | decode tok/s (best) | median | all rounds |")
-    print("|---|---|---|---|")
+    first = f"time to first token, {args.prompt}-token prompt (ms, best / median)"
+    print(f"| runtime | decode tok/s (best) | median | all rounds | {first} |")
+    print("|---|---|---|---|---|")
     for name, v in got.items():
-        med = sorted(v)[len(v) // 2]
-        print(f"| {name} | {max(v):.1f} | {med:.1f} | {', '.join(f'{x:.1f}' for x in v)} |")
+        med, t = sorted(v)[len(v) // 2], sorted(ttft[name])
+        rounds = ", ".join(f"{x:.1f}" for x in v)
+        print(f"| {name} | {max(v):.1f} | {med:.1f} | {rounds} | {t[0]:.0f} / {t[len(t) // 2]:.0f} |")
 
 
 if __name__ == "__main__":
