@@ -10,7 +10,7 @@ BENCH_STAMP := $(VENV)/.gml-bench-installed
 
 .PHONY: demo test test-tiers lint fuzz bench install install-bench clean sanitize
 
-$(STAMP): pyproject.toml $(wildcard native/*.cpp native/*.h native/CMakeLists.txt)
+$(STAMP): pyproject.toml $(wildcard native/*.cpp native/*.h native/*.inc native/CMakeLists.txt)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)

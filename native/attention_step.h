@@ -3,6 +3,7 @@
 #pragma once
 
 #include "attention.h"
+#include "bind.h"
 #include "plan.h"
 
 namespace gml_engine {
@@ -89,5 +90,14 @@ inline void build(Plan& plan, const AttentionStep& desc) {
   plan.push_kernel(std::move(kern), std::move(value_args), memory::desc(), name,
                    pb.f32 ? "gml:attention_avx512_f32" : "gml:attention_avx512_bf16");
 }
+
+// Python binding of this family's step description(s) (native/bind.h).
+inline void bind_attention(Module& m, PlanClass& plan) {
+  using AT = AttentionStep;
+  step_class<AT>(m, plan, "AttentionStep")
+      .GML_FIELD(AT, q).GML_FIELD(AT, k).GML_FIELD(AT, v).GML_FIELD(AT, dst).GML_FIELD(AT, masks)
+      .GML_FIELD(AT, scale).GML_FIELD(AT, name);
+}
+GML_BIND(bind_attention)
 
 }  // namespace gml_engine

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "int8_gemm_avx2.h"
+#include "bind.h"
 #include "plan.h"
 
 namespace gml_engine {
@@ -240,5 +241,15 @@ inline void build(Plan& p, const DynamicLinearStep& desc) {
   if (sum_src >= 0) args.emplace_back(DNNL_ARG_ATTR_MULTIPLE_POST_OP(sum_index) | DNNL_ARG_SRC_1, sum_src);
   p.push(dnnl::matmul(pd), std::move(args), std::move(consts), pd.scratchpad_desc(), name);
 }
+
+// Python binding of this family's step description(s) (native/bind.h).
+inline void bind_dynamic_linear(Module& m, PlanClass& plan) {
+  using DL = DynamicLinearStep;
+  step_class<DL>(m, plan, "DynamicLinearStep")
+      .GML_FIELD(DL, src).GML_FIELD(DL, dst).GML_FIELD(DL, q).GML_FIELD(DL, amax).GML_FIELD(DL, weight)
+      .GML_FIELD(DL, wdims).GML_FIELD(DL, w_scales).GML_FIELD(DL, bias).GML_FIELD(DL, smooth_inv)
+      .GML_FIELD(DL, eltwise).GML_FIELD(DL, name).GML_FIELD(DL, sum_src).GML_FIELD(DL, exact_gemm);
+}
+GML_BIND(bind_dynamic_linear)
 
 }  // namespace gml_engine

@@ -4,6 +4,7 @@
 // Plan.add(step).
 #pragma once
 
+#include "bind.h"
 #include "plan.h"
 
 namespace gml_engine {
@@ -87,5 +88,20 @@ inline void build(Plan& p, const LayerNormStep& desc) {
   p.push(dnnl::layer_normalization_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts),
          pd.scratchpad_desc(), name);
 }
+
+// Python binding of this family's step description(s) (native/bind.h).
+inline void bind_eltwise(Module& m, PlanClass& plan) {
+  using BI = BinaryStep;
+  step_class<BI>(m, plan, "BinaryStep")
+      .GML_FIELD(BI, src0).GML_FIELD(BI, src1).GML_FIELD(BI, dst).GML_FIELD(BI, alg).GML_OPT(BI, scale0)
+      .GML_OPT(BI, scale1).GML_FIELD(BI, eltwise).GML_FIELD(BI, name);
+  using SM = SoftmaxStep;
+  step_class<SM>(m, plan, "SoftmaxStep").GML_FIELD(SM, src).GML_FIELD(SM, dst).GML_FIELD(SM, axis).GML_FIELD(SM, name);
+  using LN = LayerNormStep;
+  step_class<LN>(m, plan, "LayerNormStep")
+      .GML_FIELD(LN, src).GML_FIELD(LN, dst).GML_FIELD(LN, gamma).GML_FIELD(LN, beta).GML_FIELD(LN, eps)
+      .GML_FIELD(LN, name);
+}
+GML_BIND(bind_eltwise)
 
 }  // namespace gml_engine

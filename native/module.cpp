@@ -1,40 +1,14 @@
-// GML engine: the Python module gml._engine (nanobind). Binds the Plan core (plan.h) and, per step
-// family, its typed step description: Python creates e.g. ``_engine.ConvStep()``, sets its fields
-// by name (gml/runtime/plan_steps.py) and calls ``plan.add(step)``; the description's type picks
-// the builder (one ``build`` overload per family header). See docs/architecture.md, "How to add an op".
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/optional.h>
-#include <nanobind/stl/pair.h>
-#include <nanobind/stl/string.h>
-#include <nanobind/stl/tuple.h>
-#include <nanobind/stl/vector.h>
+// GML engine: the Python module gml._engine (nanobind). Binds the Plan core (plan.h), the decode /
+// WOQ kernels the LLM runtime calls by address, and every step family: each family header ends with
+// its own binder (native/bind.h), and this file includes every header of native/ through the list
+// CMakeLists.txt generates, so a new family header needs no edit here. Python creates e.g.
+// ``_engine.ConvStep()``, sets its fields by name (gml/runtime/plan_steps.py) and calls
+// ``plan.add(step)``; the description's type picks the builder. See docs/architecture.md, "How to add an op".
+#include "gml_native_headers.h"  // generated: every native/*.h
 
-#include "attention_step.h"
-#include "conv.h"
-#include "decode.h"
-#include "dynamic_linear.h"
-#include "eltwise.h"
-#include "linear.h"
-#include "plan.h"
-#include "pool.h"
-#include "shape.h"
-#include "woq.h"
-#include "woq_gemm.h"
-#include "woq_int8act.h"
-#include "woq_pool.h"
-
-namespace nb = nanobind;
-using namespace gml_engine;
+using namespace gml_engine;  // and its nb (nanobind) alias, native/bind.h
 
 namespace {
-
-// A step description class: default-constructible, every field read / written by name, and
-// ``plan.add(step)`` building it.
-template <typename S>
-nb::class_<S> step_class(nb::module_& m, nb::class_<Plan>& plan, const char* name) {
-  plan.def("add", [](Plan& p, const S& s) { build(p, s); }, nb::arg("step"));
-  return nb::class_<S>(m, name).def(nb::init<>());
-}
 
 // The WOQ GEMV / GEMM problem of contiguous tensors the Python side gives by address (woq_linear, woq_gemm).
 gml_woq::Problem woq_problem(uintptr_t x, int64_t M, int64_t K, uintptr_t q, int bits, int64_t group,
@@ -49,10 +23,6 @@ gml_woq::Problem woq_problem(uintptr_t x, int64_t M, int64_t K, uintptr_t q, int
   p.y = reinterpret_cast<float*>(y);
   return p;
 }
-
-#define GML_FIELD(S, f) def_rw(#f, &S::f)
-// an optional field: None clears it
-#define GML_OPT(S, f) def_rw(#f, &S::f, nb::arg().none())
 
 }  // namespace
 
@@ -160,56 +130,5 @@ NB_MODULE(_engine, m) {
       .def("step_names", &Plan::step_names)
       .def("step_impls", &Plan::step_impls);
 
-  using C = ConvStep;
-  step_class<C>(m, plan, "ConvStep")
-      .GML_FIELD(C, src).GML_FIELD(C, dst).GML_FIELD(C, weight).GML_FIELD(C, wdims).GML_FIELD(C, wdtype)
-      .GML_FIELD(C, w_scales).GML_FIELD(C, bias).GML_FIELD(C, strides).GML_FIELD(C, dilation).GML_FIELD(C, pad_l)
-      .GML_FIELD(C, pad_r).GML_FIELD(C, groups).GML_OPT(C, src_q).GML_OPT(C, dst_q).GML_OPT(C, sum)
-      .GML_FIELD(C, eltwise).GML_FIELD(C, name).GML_FIELD(C, nthreads).GML_FIELD(C, winograd)
-      .GML_FIELD(C, native_bf16);
-  using IP = InnerProductStep;
-  step_class<IP>(m, plan, "InnerProductStep")
-      .GML_FIELD(IP, src).GML_FIELD(IP, dst).GML_FIELD(IP, weight).GML_FIELD(IP, wdims).GML_FIELD(IP, wdtype)
-      .GML_FIELD(IP, w_scales).GML_FIELD(IP, bias).GML_OPT(IP, src_q).GML_OPT(IP, dst_q).GML_FIELD(IP, eltwise)
-      .GML_FIELD(IP, name);
-  using MM = MatmulStep;
-  step_class<MM>(m, plan, "MatmulStep")
-      .GML_FIELD(MM, src).GML_FIELD(MM, wei).GML_FIELD(MM, dst).GML_FIELD(MM, weight).GML_FIELD(MM, wdims)
-      .GML_FIELD(MM, wstrides).GML_FIELD(MM, wdtype).GML_FIELD(MM, bias).GML_FIELD(MM, post).GML_FIELD(MM, name);
-  using DL = DynamicLinearStep;
-  step_class<DL>(m, plan, "DynamicLinearStep")
-      .GML_FIELD(DL, src).GML_FIELD(DL, dst).GML_FIELD(DL, q).GML_FIELD(DL, amax).GML_FIELD(DL, weight)
-      .GML_FIELD(DL, wdims).GML_FIELD(DL, w_scales).GML_FIELD(DL, bias).GML_FIELD(DL, smooth_inv)
-      .GML_FIELD(DL, eltwise).GML_FIELD(DL, name).GML_FIELD(DL, sum_src).GML_FIELD(DL, exact_gemm);
-  using PO = PoolStep;
-  step_class<PO>(m, plan, "PoolStep")
-      .GML_FIELD(PO, src).GML_FIELD(PO, dst).GML_FIELD(PO, alg).GML_FIELD(PO, kernel).GML_FIELD(PO, strides)
-      .GML_FIELD(PO, dilation).GML_FIELD(PO, pad_l).GML_FIELD(PO, pad_r).GML_FIELD(PO, eltwise).GML_FIELD(PO, name);
-  using BI = BinaryStep;
-  step_class<BI>(m, plan, "BinaryStep")
-      .GML_FIELD(BI, src0).GML_FIELD(BI, src1).GML_FIELD(BI, dst).GML_FIELD(BI, alg).GML_OPT(BI, scale0)
-      .GML_OPT(BI, scale1).GML_FIELD(BI, eltwise).GML_FIELD(BI, name);
-  using SM = SoftmaxStep;
-  step_class<SM>(m, plan, "SoftmaxStep").GML_FIELD(SM, src).GML_FIELD(SM, dst).GML_FIELD(SM, axis).GML_FIELD(SM, name);
-  using LN = LayerNormStep;
-  step_class<LN>(m, plan, "LayerNormStep")
-      .GML_FIELD(LN, src).GML_FIELD(LN, dst).GML_FIELD(LN, gamma).GML_FIELD(LN, beta).GML_FIELD(LN, eps)
-      .GML_FIELD(LN, name);
-  using AT = AttentionStep;
-  step_class<AT>(m, plan, "AttentionStep")
-      .GML_FIELD(AT, q).GML_FIELD(AT, k).GML_FIELD(AT, v).GML_FIELD(AT, dst).GML_FIELD(AT, masks)
-      .GML_FIELD(AT, scale).GML_FIELD(AT, name);
-  using RO = ReorderStep;
-  step_class<RO>(m, plan, "ReorderStep")
-      .GML_FIELD(RO, src).GML_FIELD(RO, dst).GML_OPT(RO, src_q).GML_OPT(RO, dst_q).GML_FIELD(RO, name);
-  using CC = ConcatStep;
-  step_class<CC>(m, plan, "ConcatStep").GML_FIELD(CC, srcs).GML_FIELD(CC, dst).GML_FIELD(CC, axis).GML_FIELD(CC, name);
-  using EM = EmbeddingStep;
-  step_class<EM>(m, plan, "EmbeddingStep")
-      .GML_FIELD(EM, ids).GML_FIELD(EM, dst).GML_FIELD(EM, table).GML_FIELD(EM, num).GML_FIELD(EM, dim)
-      .GML_FIELD(EM, ld).GML_FIELD(EM, name);
-  using MO = MaskOpStep;
-  step_class<MO>(m, plan, "MaskOpStep")
-      .GML_FIELD(MO, op).GML_FIELD(MO, srcs).GML_FIELD(MO, dst).GML_FIELD(MO, strides).GML_FIELD(MO, index_dims)
-      .GML_FIELD(MO, index_strides).GML_FIELD(MO, name);
+  for (Binder bind : binders()) bind(m, plan);  // each family header's step description(s)
 }

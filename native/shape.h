@@ -4,6 +4,7 @@
 // (gml/runtime/plan_steps.py) and calls Plan.add(step).
 #pragma once
 
+#include "bind.h"
 #include "plan.h"
 
 namespace gml_engine {
@@ -198,5 +199,23 @@ inline void build(Plan& p, const MaskOpStep& desc) {
   for (int i = 0; i < ns; ++i) value_args.emplace_back(DNNL_ARG_MULTIPLE_SRC + i, srcs[i]);
   p.push_kernel(std::move(k), std::move(value_args), memory::desc(), name, "gml:mask_" + op);
 }
+
+// Python binding of this family's step description(s) (native/bind.h).
+inline void bind_shape(Module& m, PlanClass& plan) {
+  using RO = ReorderStep;
+  step_class<RO>(m, plan, "ReorderStep")
+      .GML_FIELD(RO, src).GML_FIELD(RO, dst).GML_OPT(RO, src_q).GML_OPT(RO, dst_q).GML_FIELD(RO, name);
+  using CC = ConcatStep;
+  step_class<CC>(m, plan, "ConcatStep").GML_FIELD(CC, srcs).GML_FIELD(CC, dst).GML_FIELD(CC, axis).GML_FIELD(CC, name);
+  using EM = EmbeddingStep;
+  step_class<EM>(m, plan, "EmbeddingStep")
+      .GML_FIELD(EM, ids).GML_FIELD(EM, dst).GML_FIELD(EM, table).GML_FIELD(EM, num).GML_FIELD(EM, dim)
+      .GML_FIELD(EM, ld).GML_FIELD(EM, name);
+  using MO = MaskOpStep;
+  step_class<MO>(m, plan, "MaskOpStep")
+      .GML_FIELD(MO, op).GML_FIELD(MO, srcs).GML_FIELD(MO, dst).GML_FIELD(MO, strides).GML_FIELD(MO, index_dims)
+      .GML_FIELD(MO, index_strides).GML_FIELD(MO, name);
+}
+GML_BIND(bind_shape)
 
 }  // namespace gml_engine

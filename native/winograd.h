@@ -91,7 +91,7 @@ inline bool parse_eltwise(const std::vector<std::tuple<std::string, float, float
 
 // ---------------------------------------------------------------- per-tile kernels
 // 16 channels at a time in GCC vector types (one zmm register in the AVX-512 clones, two ymm in the
-// AVX2 one, four xmm in the baseline); the last C % 16 channels scalar (winograd_kernels.h).
+// AVX2 one, four xmm in the baseline); the last C % 16 channels scalar (winograd_kernels.inc).
 // (-Wpsabi: the helpers are always inlined, no vector crosses a call boundary)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -102,7 +102,7 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 namespace portable {  // AVX-512, AVX2 and baseline bodies, picked when the library loads
 #define GML_WINO_ENTRY __attribute__((target_clones("avx512f", "avx2", "default")))
-#include "winograd_kernels.h"
+#include "winograd_kernels.inc"
 #undef GML_WINO_ENTRY
 }  // namespace portable
 
@@ -113,7 +113,7 @@ namespace portable {  // AVX-512, AVX2 and baseline bodies, picked when the libr
 namespace native_bf16 {  // used when the CPU has AVX512_BF16 (Conv::native_)
 #define GML_WINO_ENTRY
 #define GML_WINO_NATIVE_BF16 1
-#include "winograd_kernels.h"
+#include "winograd_kernels.inc"
 #undef GML_WINO_NATIVE_BF16
 #undef GML_WINO_ENTRY
 }  // namespace native_bf16
