@@ -450,12 +450,11 @@ def resolve_target(s: str) -> torch._ops.OpOverload | None:
     if not (is_identifier(overload) and (is_identifier(name) or name.strip("_") in _DUNDER_OPS)):
         return None
     if ns == "gml":
-        from gml.ir import attention, library
+        from gml.ir import library
 
-        if name not in library.SCHEMAS and name not in attention.SCHEMAS:
+        ops = library.vocabulary()  # defines every op (a load is often the first use in a process)
+        if name not in ops or not getattr(ops[name], "saved", True):
             return None
-        library.ops()  # define the ops (a load is often the first use in a process)
-        attention.attention_op()
     elif ns == "mkldnn":
         if name not in MKLDNN_OPS:
             return None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gml.ir.library import fragment_op
+from gml.ir.library import OpDef, declare, register
 
 SCHEMAS: dict[str, str] = {
     "attention": "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float? scale=None, "
@@ -46,9 +46,12 @@ def _fake_attention(query, key, value, attn_mask=None, scale=None, is_causal=Fal
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
+ATTENTION = register(OpDef("attention", SCHEMAS["attention"], _attention, _fake_attention))
+
+
 def attention_op() -> torch._ops.OpOverload:
     """``torch.ops.gml.attention.default``, declaring it on first use."""
-    return fragment_op("attention", _attention, _fake_attention, SCHEMAS)
+    return declare(ATTENTION)
 
 
 def is_attention(node: torch.fx.Node) -> bool:

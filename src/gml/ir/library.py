@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -209,13 +210,46 @@ def _define() -> torch.library.Library:
     return lib
 
 
-def fragment_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any], schemas: dict[str, str]) -> Any:
-    """``torch.ops.gml.<name>.default`` for an op declared in its own ``torch.library`` fragment of
-    the namespace (``gml.attention``, ``gml.woq_linear``): its schema from ``schemas``, ``impl`` as its
-    one kernel for every device (CompositeExplicitAutograd), ``fake`` so graphs holding it export.
-    Declared on first use, once per process."""
-    _fragment(name, impl, fake, schemas[name])
-    return getattr(torch.ops.gml, name).default
+@dataclass(frozen=True)
+class OpDef:
+    """An op of the vocabulary declared in its own module of :mod:`gml.ir` (``gml.attention``,
+    ``gml.woq_linear``, ``gml.rms_norm``): its schema, its Python kernel (``impl``: the op's one
+    kernel for every device, CompositeExplicitAutograd: the Python executor), a ``fake`` kernel so
+    graphs holding it export, and what else runs it:
+
+    * ``engine_step``: the native step description that runs it (a ``struct`` of a native/*.h
+      family header, e.g. ``"RmsNormStep"``) when the generic translation rule
+      (:mod:`gml.runtime.rules.kernel`) can build it: the struct's fields are the schema's argument
+      names plus ``dst``; ``None``: the op has its own translation rule, or none;
+    * ``saved``: whether a saved model (:mod:`gml.io`) may call it.
+
+    Its module calls :func:`register` at import; :func:`declare` defines it with torch on first use."""
+
+    name: str
+    schema: str
+    impl: Callable[..., Any]
+    fake: Callable[..., Any]
+    engine_step: str | None = None
+    saved: bool = True
+
+
+_DEFS: dict[str, OpDef] = {}
+
+
+def register(d: OpDef) -> OpDef:
+    """Record ``d`` in the vocabulary (its module does this at import; nothing is defined yet)."""
+    known = _DEFS.setdefault(d.name, d)
+    if known is not d and known != d:
+        raise AssertionError(f"gml.{d.name} is registered twice, differently")
+    return d
+
+
+def declare(d: OpDef) -> torch._ops.OpOverload:
+    """``torch.ops.gml.<name>.default`` for ``d``, defining it in its own ``torch.library`` fragment
+    of the namespace on first use (once per process)."""
+    register(d)
+    _fragment(d.name, d.impl, d.fake, d.schema)
+    return getattr(torch.ops.gml, d.name).default
 
 
 @functools.cache
@@ -225,6 +259,31 @@ def _fragment(name: str, impl: Callable[..., Any], fake: Callable[..., Any], sch
     lib.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
     return lib
+
+
+@functools.cache
+def vocabulary() -> dict[str, OpDef | None]:
+    """Every op of the ``gml`` namespace, declared: the INT8 table (``None``: defined here) and each
+    :class:`OpDef` of the other :mod:`gml.ir` modules, which are imported for it — so a saved graph's
+    ops exist before it is read, and a new op module needs no list of modules updated."""
+    import importlib
+    import pkgutil
+
+    import gml.ir
+
+    ops()
+    for info in pkgutil.iter_modules(gml.ir.__path__):
+        importlib.import_module(f"{gml.ir.__name__}.{info.name}")
+    table: dict[str, OpDef | None] = dict.fromkeys(SCHEMAS)
+    for name, d in _DEFS.items():
+        declare(d)
+        table[name] = d
+    return table
+
+
+def op_def(name: str) -> OpDef | None:
+    """The :class:`OpDef` of op ``name`` (of its module, once imported), or ``None``."""
+    return _DEFS.get(name)
 
 
 def ops() -> Any:

@@ -51,7 +51,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from gml.ir.library import fragment_op
+from gml.ir.library import OpDef, declare, register
 
 SCHEMAS: dict[str, str] = {
     "woq_linear": (
@@ -235,9 +235,13 @@ def _fake_woq_linear(x, qweight, scales, zeros, bias, bits, group_size, act_bits
     return x.new_empty((*x.shape[:-1], qweight.shape[0]), dtype=torch.float32)
 
 
+#: not in saved graphs: LLM files are their own format (gml.llm.store), read without torch.export
+WOQ_LINEAR = register(OpDef("woq_linear", SCHEMAS["woq_linear"], _woq_linear, _fake_woq_linear, saved=False))
+
+
 def woq_linear_op() -> torch._ops.OpOverload:
     """``torch.ops.gml.woq_linear.default``, declaring it on first use."""
-    return fragment_op("woq_linear", _woq_linear, _fake_woq_linear, SCHEMAS)
+    return declare(WOQ_LINEAR)
 
 
 def woq_linear(

@@ -490,6 +490,13 @@ class Builder:
     ) -> None:
         self._step("layer_norm", [src], [dst], gamma=gamma, beta=beta, eps=eps)
 
+    def kernel(self, struct: str, reads: dict[str, Val], writes: dict[str, Val], **fields: Any) -> None:
+        """A step whose native description ``struct`` (an op's own engine step, gml.runtime.rules.kernel)
+        takes its values by field name: ``reads`` and ``writes`` name them, ``fields`` are set as they are."""
+        self._step(
+            "kernel", list(reads.values()), list(writes.values()), struct=struct, names=[*reads, *writes], fields=fields
+        )
+
     # ------------------------------------------------------------ placement
     def place_inputs(self, inputs: list[Val]) -> None:
         for i, v in enumerate(inputs):

@@ -293,6 +293,17 @@ def mask_op(plan: Any, cx: EmitContext, s: Any) -> None:
     plan.add(desc)
 
 
+def kernel(plan: Any, cx: EmitContext, s: Any) -> None:
+    """An op's own engine step (Builder.kernel; gml.runtime.rules.kernel): its description's fields are
+    the values by name, and the op's other arguments as they are."""
+    kw = s.kwargs
+    cls = getattr(cx.native, kw["struct"], None)
+    if cls is None:  # an engine built before the op's header existed
+        raise Unsupported(f"this build of the engine has no {kw['struct']} (rebuild it: pip install -e .)")
+    values = {name: cx.ids[v] for name, v in zip(kw["names"], (*s.reads, *s.writes))}
+    plan.add(describe(cls, **values, **kw["fields"], name=s.name))
+
+
 #: Builder step method -> the function adding it to the native plan.
 EMITTERS: dict[str, Callable[[Any, EmitContext, Any], None]] = {
     "conv": conv,
@@ -308,4 +319,5 @@ EMITTERS: dict[str, Callable[[Any, EmitContext, Any], None]] = {
     "concat": concat,
     "embedding": embedding,
     "mask_op": mask_op,
+    "kernel": kernel,
 }

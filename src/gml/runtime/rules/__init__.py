@@ -18,8 +18,10 @@ class, or the function called) to a :class:`~gml.runtime.rules.base.TranslationR
 The families (each file ends with its ``RULES``): :mod:`.conv`, :mod:`.linear` (and the matmuls a
 linear becomes), :mod:`.pool`, :mod:`.eltwise` (element-wise, binary, casts, LayerNorm),
 :mod:`.attention` (and the padding mask's arithmetic), :mod:`.shape` (views, flatten, split, cat,
-Embedding). They import :mod:`.base` and nothing of each other but :mod:`.linear` (the element-wise
-rules fold into the linear before them). Adding an op's translation rule: docs/architecture.md.
+Embedding). An op whose :class:`~gml.ir.library.OpDef` names its own engine step (``gml.rms_norm``)
+needs no entry: :mod:`.kernel` is its rule. They import :mod:`.base` and nothing of each other but
+:mod:`.linear` (the element-wise rules fold into the linear before them). Adding an op's
+translation rule: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import fx
 
 from gml.ir.library import gml_op_name, op_args
 from gml.runtime.plan import Unsupported
-from gml.runtime.rules import attention, conv, eltwise, linear, pool, shape
+from gml.runtime.rules import attention, conv, eltwise, kernel, linear, pool, shape
 from gml.runtime.rules.base import Call, OpKey, TranslationRule, always, op_name
 
 
@@ -126,7 +128,8 @@ def rule_for(call: Call | None) -> tuple[TranslationRule | None, str | None]:
     """``(rule, None)`` when the engine runs ``call``, else ``(None, reason)``."""
     if call is None:
         return None, "not a lowered GML op (runs in torch)"
-    rule = TRANSLATION_RULES.get(call.op)
+    # the table, else the generic rule of an op that names its own engine step (rules/kernel.py)
+    rule = TRANSLATION_RULES.get(call.op) or kernel.rule_for_op(call.op)
     if rule is None:
         return None, f"no engine kernel for {call.name}"
     backend = getattr(call.a, "backend", "onednn")
