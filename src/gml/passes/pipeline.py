@@ -18,6 +18,8 @@ Order matters and is fixed here, not discovered:
   visible to it): a symmetric zero pad becomes the conv's padding.
 * ``FuseAttention`` after Normalize (which removes eval dropout between softmax and the second
   matmul) and before the fusions: attention becomes one ``gml.attention`` call they leave alone.
+* ``RecognizeRMSNorm`` after Normalize and FoldConstants (it matches their modules and Gemma's folded
+  ``1 + w``), fp32 only: RMSNorm becomes one ``gml.rms_norm`` op the engine runs between the linears.
 * fusions last, since they replace modules with kernel modules that other passes do not look into;
   their own order (and why) is in :mod:`gml.passes.fuse_all`.
 * ``LeafMemoryFormat`` after them: fused convs write channels-last; an opaque leaf gets back the
@@ -36,6 +38,7 @@ from gml.passes.gelu import RecognizeTanhGelu
 from gml.passes.leaf_format import LeafMemoryFormat
 from gml.passes.merge_branches import MergeBranches
 from gml.passes.normalize import Normalize
+from gml.passes.rms_norm import RecognizeRMSNorm
 from gml.passes.untie import UntieSharedModules
 
 
@@ -56,7 +59,7 @@ def canonical_passes() -> list[GraphPass]:
 
 def fp32_passes() -> list[GraphPass]:
     """The default fp32 pipeline of ``gml optimize`` / :func:`gml.optimize`."""
-    return [*canonical_passes(), FuseAttention(), *fusion_passes(), LeafMemoryFormat()]
+    return [*canonical_passes(), FuseAttention(), RecognizeRMSNorm(), *fusion_passes(), LeafMemoryFormat()]
 
 
 def available_passes() -> dict[str, type[GraphPass]]:
@@ -64,7 +67,7 @@ def available_passes() -> dict[str, type[GraphPass]]:
     classes: list[type[GraphPass]] = [FoldConstants, Normalize, RecognizeTanhGelu, UntieSharedModules, FoldBatchNorm]
     classes += [MergeBranches]
     classes += [FoldPadIntoConv]
-    classes += [FuseAttention]
+    classes += [FuseAttention, RecognizeRMSNorm]
     classes += [*FUSION_PASS_CLASSES, LeafMemoryFormat]
     return {cls.name: cls for cls in classes}
 
