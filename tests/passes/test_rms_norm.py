@@ -136,3 +136,19 @@ def test_hf_llama_rms_norm_class():
     gm = _run(model, x).graph_module
     assert _ops(gm) == ["Linear", "rms_norm", "Linear"]
     torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_hf_llama_model_through_optimize_every_norm_is_one_op():
+    """A whole HF Llama (torch.export's capture: ``aten.to.dtype`` casts): 2 per layer + the final one."""
+    tf = pytest.importorskip("transformers")
+    import gml
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, use_cache=False,
+    )  # fmt: skip
+    model, ids = tf.LlamaModel(cfg).eval(), torch.randint(0, 128, (1, 12))
+    res = gml.optimize(model, (ids,), runtime="torch")
+    assert [gml_op_name(n) for n in res.module.graph.nodes].count("rms_norm") == 2 * 2 + 1
+    assert res.max_abs_err < 1e-4

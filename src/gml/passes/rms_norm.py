@@ -62,7 +62,11 @@ def _module(cls: type[nn.Module]) -> Callable[[fx.Node], bool]:
 
 
 def _f32_cast(node: fx.Node) -> bool:
-    """A cast an fp32 graph does not see: ``x.to(torch.float32)``, ``x.float()``, ``x.type_as(y)``."""
+    """A cast an fp32 graph does not see: ``x.to(torch.float32)``, ``x.float()``, ``x.type_as(y)``, and
+    torch.export's ``aten.to.dtype`` / ``aten._to_copy`` to fp32."""
+    if node.op == "call_function" and node.target in (torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default):
+        dtype = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+        return dtype is torch.float32 and set(node.kwargs) <= {"dtype"}
     if node.op != "call_method":
         return False
     if node.target == "float":
