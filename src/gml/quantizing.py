@@ -244,30 +244,21 @@ def quantize(
 
 
 def _gml_fp32_instead(
-    model: nn.Module,
+    job: QuantizeJob,
     opt: OptimizeResult,
     ref: Any,
     cost: Any,
     seconds: dict[str, float],
-    scheme_reason: str,
-    refusal: str | None,
-    fallback: str,
     *,
-    eval_data: Any,
-    eval_labels: Sequence[Any] | None,
-    inputs: tuple,
-    token_range: tuple[int, int] | None,
-    min_cosine: float | None,
+    fallback: str,
+    refusal: str | None,
     scheme: str = "static",
-    max_accuracy_drop: float | None = None,
-    keep_intermediates: bool = False,
     reason: str | None = None,
-    target: Target | None = None,
 ) -> QuantizeResult:
     """The :class:`QuantizeResult` of a model INT8 could not speed up (or, with ``reason``, whose
     INT8 result was BROKEN): ``gml.optimize``'s model (``opt``: its module, engine, pass report and
-    runtime report), with a coverage and a precision table that list every op as fp32 (or bf16)
-    with the whole-model guard's numbers (or ``reason``) as the reason."""
+    runtime report, in ``fallback`` precision), with a coverage and a precision table that list every
+    op as fp32 (or bf16) with the whole-model guard's numbers (or ``reason``) as the reason."""
 
     from gml.quant.lower import CoverageEntry, LoweringCoverage
     from gml.quant.precision import precision_table
@@ -283,57 +274,48 @@ def _gml_fp32_instead(
     table = precision_table(opt.module, opt.runtime, fp32_reason=why, note=refusal or "")
     coverage = LoweringCoverage(kept_fp32=[CoverageEntry([r.node], r.op, r.precision, why) for r in table])
     # per-layer SQNR pairs INT8 nodes with the float twin's: there are none here
-    acc = _accuracy(
-        model, opt.module, ref.float_module, seconds, eval_data=eval_data, eval_labels=eval_labels,
-        inputs=inputs, token_range=token_range, per_layer=False, min_cosine=min_cosine,
-        max_accuracy_drop=max_accuracy_drop,
-    )  # fmt: skip
+    acc = _accuracy(job, opt.module, ref.float_module, seconds, per_layer=False)
     if opt.engine is not None:  # the report ran the Python executor, which packed its weights again (#28)
         drop_packed(opt.module)
-    reference = ref.graph_module if keep_intermediates else None
+    reference = ref.graph_module if job.keep_intermediates else None
     return QuantizeResult(
         opt.module, opt.report, ref.report, coverage, acc, reference, seconds, opt.engine, opt.runtime,
-        scheme=scheme, scheme_reason=scheme_reason, precisions=table, cost=cost, precision=fallback,
-        fallback_precision=fallback, precision_reason=why, target=target,
+        scheme=scheme, scheme_reason=job.reason, precisions=table, cost=cost, precision=fallback,
+        fallback_precision=fallback, precision_reason=why, target=job.target,
     )  # fmt: skip
 
 
 @returns_memory
 def _accuracy(
-    model: nn.Module,
+    job: QuantizeJob,
     returned: nn.Module,
     fp32_graph: nn.Module,
     seconds: dict[str, float],
     *,
-    eval_data: Any,
-    eval_labels: Sequence[Any] | None,
-    inputs: tuple,
-    token_range: tuple[int, int] | None,
     per_layer: bool,
-    min_cosine: float | None,
-    max_accuracy_drop: float | None = None,
     exact_model: nn.Module | None = None,
 ) -> Any:
     """The accuracy report of the module ``quantize`` returns against the eager model (on
-    ``eval_data``, or two generated batches shaped like ``inputs``), timed into ``seconds``;
-    ``min_cosine`` is enforced here."""
+    ``job.eval_data``, or two generated batches shaped like its inputs), timed into ``seconds``;
+    ``min_cosine`` and ``max_accuracy_drop`` are enforced here."""
     import time
 
     from gml.quant.accuracy import accuracy_report
     from gml.quant.calibrate import generate_batches
 
+    eval_data = job.eval_data
     if eval_data is None:
-        eval_data = generate_batches(inputs, 2, seed=12345, token_range=token_range)
+        eval_data = generate_batches(job.inputs, 2, seed=12345, token_range=job.token_range)
     t0 = time.perf_counter()
     acc = accuracy_report(
-        copy.deepcopy(model), returned, eval_data, labels=eval_labels, fp32_graph=fp32_graph, per_layer=per_layer,
-        exact_model=exact_model,
+        copy.deepcopy(job.model), returned, eval_data, labels=job.eval_labels, fp32_graph=fp32_graph,
+        per_layer=per_layer, exact_model=exact_model,
     )  # fmt: skip
     seconds["accuracy report"] = time.perf_counter() - t0
-    if min_cosine is not None:
-        check_min_cosine(acc, min_cosine)
-    if max_accuracy_drop is not None:
-        check_accuracy_drop(acc, max_accuracy_drop)
+    if job.min_cosine is not None:
+        check_min_cosine(acc, job.min_cosine)
+    if job.max_accuracy_drop is not None:
+        check_accuracy_drop(acc, job.max_accuracy_drop)
     return acc
 
 
@@ -514,24 +496,7 @@ class StaticScheme:
         seconds["cost policy + engine compile"] = time.perf_counter() - t0
         if cost.all_fp32:  # INT8 could not pay on this model: gml.optimize's model, and reason
             result = engine = None  # the INT8 model and its engine are not returned: freed before the report (#28)
-            return _gml_fp32_instead(
-                job.model,
-                gml_fp32(),
-                ref,
-                cost,
-                seconds,
-                job.reason,
-                job.refusal,
-                job.fallback,
-                eval_data=job.eval_data,
-                eval_labels=job.eval_labels,
-                inputs=job.inputs,
-                token_range=job.token_range,
-                min_cosine=job.min_cosine,
-                max_accuracy_drop=job.max_accuracy_drop,
-                keep_intermediates=job.keep_intermediates,
-                target=job.target,
-            )
+            return _gml_fp32_instead(job, gml_fp32(), ref, cost, seconds, fallback=job.fallback, refusal=job.refusal)
         optimized.clear()  # the guard's fp32 model: freed before the report (a BROKEN result rebuilds it, #28)
         # the coverage of the module returned, not of what the lowering planned (it may be rolled back)
         coverage = coverage_of(result.graph_module)
@@ -539,38 +504,13 @@ class StaticScheme:
             coverage.kept_fp32.append(CoverageEntry([f"(pass {r.name})"], r.name, "fp32", f"rolled back: {r.error}"))
 
         acc = _accuracy(
-            job.model,
-            result.graph_module,
-            ref.float_module,
-            seconds,
-            eval_data=job.eval_data,
-            eval_labels=job.eval_labels,
-            inputs=job.inputs,
-            token_range=job.token_range,
-            per_layer=job.per_layer,
-            min_cosine=job.min_cosine,
-            max_accuracy_drop=job.max_accuracy_drop,
-            exact_model=ref.graph_module,
+            job, result.graph_module, ref.float_module, seconds, per_layer=job.per_layer, exact_model=ref.graph_module
         )
         if acc.broken and not job.keep_broken:  # never return a model the report calls BROKEN (keep_broken: inspect it)
             broken = f"the INT8 model is BROKEN ({acc.broken}); returning gml.optimize's {job.fallback} model"
             result = engine = None
             out = _gml_fp32_instead(
-                job.model,
-                gml_fp32(),
-                ref,
-                cost,
-                seconds,
-                job.reason,
-                job.refusal,
-                job.fallback,
-                eval_data=job.eval_data,
-                eval_labels=job.eval_labels,
-                inputs=job.inputs,
-                token_range=job.token_range,
-                min_cosine=job.min_cosine,
-                reason=broken,
-                target=job.target,
+                job, gml_fp32(), ref, cost, seconds, fallback=job.fallback, refusal=job.refusal, reason=broken
             )
             out.rejected_int8_accuracy = acc
             return out
@@ -648,19 +588,7 @@ class TransformerScheme:
                 coverage.lowered.append(CoverageEntry([p.node], p.op, "dynamic_linear", p.why))
             else:
                 coverage.kept_fp32.append(CoverageEntry([p.node], p.op, p.precision, p.why))
-        acc = _accuracy(
-            job.model,
-            res.module,
-            res.fp32_module,
-            seconds,
-            eval_data=job.eval_data,
-            eval_labels=job.eval_labels,
-            inputs=job.inputs,
-            token_range=job.token_range,
-            per_layer=job.per_layer,
-            min_cosine=job.min_cosine,
-            max_accuracy_drop=job.max_accuracy_drop,
-        )
+        acc = _accuracy(job, res.module, res.fp32_module, seconds, per_layer=job.per_layer)
         refuse_autograd(res.module)
         refuse_nonfinite(res.module)
         # the native engine runs the gml.dynamic_linear GEMMs (and what else it covers), checked against
@@ -699,23 +627,7 @@ class TransformerScheme:
                     # returns: BERT-base's 81 MB of int8 weights beside the fp32 model (#28)
                     res.fp32_module = res.module = None
                 return _gml_fp32_instead(
-                    job.model,
-                    opt,
-                    ref,
-                    cost,
-                    seconds,
-                    job.reason,
-                    None,
-                    "fp32",
-                    eval_data=job.eval_data,
-                    eval_labels=job.eval_labels,
-                    inputs=job.inputs,
-                    token_range=job.token_range,
-                    min_cosine=job.min_cosine,
-                    scheme="transformer",
-                    max_accuracy_drop=job.max_accuracy_drop,
-                    keep_intermediates=job.keep_intermediates,
-                    target=job.target,
+                    job, opt, ref, cost, seconds, fallback="fp32", refusal=None, scheme="transformer"
                 )
         if engine is not None:
             refuse_nonfinite(engine)

@@ -56,6 +56,7 @@ from gml.runtime.rules.base import (
     Val,
     broadcast_view,
     contiguous_strides,
+    dense,
     meta_dtype,
 )
 
@@ -142,7 +143,7 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     # dense copies of strided heads (pieces of the merged QKV output): oneDNN's brgemm matmul
     # takes dense operands only, else its gemm:jit fallback (measured on MiniLM bf16: Q.K^T
     # 0.31 -> 0.15 ms, P.V 0.11 -> 0.07 ms for three 10 us reorders)
-    q, k, v = (_dense(b, t) for t in (q, k, v))
+    q, k, v = (dense(b, t) for t in (q, k, v))
     kt = b.view(k, (*k.shape[:-2], E, S), (*k.stride[:-2], k.stride[-1], k.stride[-2]))
     post: list[tuple[str, float, float, Val | None]] = [("linear", scale, 0.0, None)]
     post += [("binary_add", 0.0, 0.0, m) for m in masks]
@@ -192,14 +193,6 @@ def _f32(b: Builder, m: Val) -> Val:
         return m
     t = b.temp(m.shape, contiguous_strides(m.shape), "f32")
     b.reorder(m, t, src_q=None, dst_q=None)
-    return t
-
-
-def _dense(b: Builder, v: Val) -> Val:
-    if v.stride == contiguous_strides(v.shape):
-        return v
-    t = b.temp(v.shape, contiguous_strides(v.shape), v.dtype_name)
-    b.reorder(v, t, src_q=None, dst_q=None)
     return t
 
 

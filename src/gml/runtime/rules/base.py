@@ -172,6 +172,15 @@ def rows_strides(v: Val) -> tuple[int, int] | None:
     return (dims[-1][1] if dims else v.shape[-1] * v.stride[-1]), v.stride[-1]
 
 
+def dense(b: Builder, v: Val) -> Val:
+    """``v``, or a dense row-major copy of it (for a step that reads plain rows)."""
+    if v.stride == contiguous_strides(v.shape):
+        return v
+    t = b.temp(v.shape, contiguous_strides(v.shape), v.dtype_name)
+    b.reorder(v, t, src_q=None, dst_q=None)
+    return t
+
+
 def as_rows(b: Builder, v: Val, *, output: bool = False) -> Val:
     """``v`` ([..., features], rank >= 2) as the 2-D ``[rows, features]`` matrix an inner product
     takes: a view of the same bytes, or (an input whose dims do not collapse, or whose features are

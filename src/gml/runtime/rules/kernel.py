@@ -24,7 +24,16 @@ import torch
 from torch import fx
 
 from gml.ir.library import op_def
-from gml.runtime.rules.base import Builder, Call, TranslationRule, Unsupported, Val, contiguous_strides, meta_dtype
+from gml.runtime.rules.base import (
+    Builder,
+    Call,
+    TranslationRule,
+    Unsupported,
+    Val,
+    contiguous_strides,
+    dense,
+    meta_dtype,
+)
 
 _SCALARS = (bool, int, float, str)
 
@@ -48,22 +57,13 @@ def _check(c: Call) -> str | None:
     return None
 
 
-def _dense(b: Builder, v: Val) -> Val:
-    """``v``, or a dense row-major copy of it."""
-    if v.stride == contiguous_strides(v.shape):
-        return v
-    t = b.temp(v.shape, contiguous_strides(v.shape), v.dtype_name)
-    b.reorder(v, t, src_q=None, dst_q=None)
-    return t
-
-
 def _emit(step: str, b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     reads: dict[str, Val] = {}
     fields: dict[str, Any] = {}
     activations = iter(ins)
     for name, v in vars(c.a).items():
         if isinstance(v, fx.Node):
-            reads[name] = _dense(b, next(activations))
+            reads[name] = dense(b, next(activations))
         elif isinstance(v, torch.Tensor):
             reads[name] = b.constant(v.detach())
         elif v is not None:
@@ -73,8 +73,8 @@ def _emit(step: str, b: Builder, c: Call, ins: list[Val], out: Val) -> None:
             raise Unsupported(f"{c.name} reads {name} as {v.dtype_name} (the engine step takes fp32)")
     if out.dtype_name != "f32":
         raise Unsupported(f"{c.name} writes {out.dtype_name} (the engine step writes fp32)")
-    dense = contiguous_strides(out.shape)
-    dst = out if out.stride == dense else b.temp(out.shape, dense, "f32")
+    plain = contiguous_strides(out.shape)
+    dst = out if out.stride == plain else b.temp(out.shape, plain, "f32")
     b.kernel(step, reads, {"dst": dst}, **fields)
     if dst is not out:
         b.reorder(dst, out, src_q=None, dst_q=None)
