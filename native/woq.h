@@ -82,8 +82,10 @@ inline void row_scalar(const Problem& p, int64_t n) {
 }
 
 // 32 INT4 weights from 16 bytes (weight 2i in byte i's low nibble, 2i + 1 in its high one, as
-// above): v0 = weights 0..15, v1 = 16..31, one per byte (0..15). SSE2: every tier's kernels use it.
-inline void unpack_int4x32(const uint8_t* bytes, __m128i& v0, __m128i& v1) {
+// above): v0 = weights 0..15, v1 = 16..31, one per byte (0..15). SSE2: every tier's kernels use it;
+// always inlined, so compiled with the caller's target (VEX-encoded): a call into non-VEX SSE code
+// from AVX-512 / AVX2 code with dirty upper halves costs a state transition per instruction (~40x).
+__attribute__((always_inline)) inline void unpack_int4x32(const uint8_t* bytes, __m128i& v0, __m128i& v1) {
   const __m128i low = _mm_set1_epi8(0x0F);
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
   const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
