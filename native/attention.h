@@ -146,8 +146,11 @@ GML_AVX512BF16 inline void tile_epilogue(__m512 (&acc)[NR][NJ], int64_t j0, floa
   }
 }
 
+// The tile helpers below are always inlined: a call would keep the accumulators in memory.
+#define GML_ATTN_INLINE __attribute__((always_inline)) inline
+
 template <int NR, int NJ>
-GML_AVX512BF16 inline void zero_tile(__m512 (&acc)[NR][NJ]) {
+GML_AVX512BF16 GML_ATTN_INLINE void zero_tile(__m512 (&acc)[NR][NJ]) {
 #pragma GCC unroll 4
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
@@ -158,8 +161,8 @@ GML_AVX512BF16 inline void zero_tile(__m512 (&acc)[NR][NJ]) {
 //   acc[r][j] = sum over steps p of dot2(A[r, 2p..2p+1], B[p][c0 + 16 j .. c0 + 16 j + 15]),
 // A bf16 rows ``a_row`` apart, B VNNI-packed bf16 pairs ``b_row`` apart; fp32 accumulation.
 template <int NR, int NJ>
-GML_AVX512BF16 inline void dot_tile(const uint16_t* a, int64_t a_row, const uint32_t* b, int64_t b_row, int64_t steps,
-                                    int64_t c0, __m512 (&acc)[NR][NJ]) {
+GML_AVX512BF16 GML_ATTN_INLINE void dot_tile(const uint16_t* a, int64_t a_row, const uint32_t* b, int64_t b_row,
+                                             int64_t steps, int64_t c0, __m512 (&acc)[NR][NJ]) {
   zero_tile<NR, NJ>(acc);
   for (int64_t p = 0; p < steps; ++p) {
     __m512bh bv[NJ];
@@ -170,31 +173,6 @@ GML_AVX512BF16 inline void dot_tile(const uint16_t* a, int64_t a_row, const uint
       const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(load_pair(a + r * a_row + 2 * p))));
 #pragma GCC unroll 4
       for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
-    }
-  }
-}
-
-// The same for fp32: acc[r][j] = sum over steps p of A[r, p] (broadcast) x B[p][c0 + 16 j ..], B's
-// vectors read under ``mask`` (kMasked: the last one's lanes past the row's end are zero), else whole.
-template <int NR, int NJ, bool kMasked>
-GML_AVX512BF16 inline void dot_tile_f32(const float* a, int64_t a_row, const float* b, int64_t b_row, int64_t steps,
-                                        int64_t c0, const __mmask16* mask, __m512 (&acc)[NR][NJ]) {
-  zero_tile<NR, NJ>(acc);
-  for (int64_t p = 0; p < steps; ++p) {
-    __m512 bv[NJ];
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) {
-      const float* row = b + p * b_row + c0 + 16 * j;
-      if constexpr (kMasked)
-        bv[j] = _mm512_maskz_loadu_ps(mask[j], row);
-      else
-        bv[j] = _mm512_loadu_ps(row);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) {
-      const __m512 av = _mm512_set1_ps(a[r * a_row + p]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_fmadd_ps(av, bv[j], acc[r][j]);
     }
   }
 }
@@ -214,7 +192,18 @@ template <int NR, int NJ>
 GML_AVX512BF16 inline void scores_tile_f32(const float* q, int64_t q_row, const float* kt, int64_t sp, int64_t e,
                                            int64_t j0, float* sc, int64_t sc_row, Epilogue& ep) {
   __m512 acc[NR][NJ];
-  dot_tile_f32<NR, NJ, false>(q, q_row, kt, sp, e, j0, nullptr, acc);
+  zero_tile<NR, NJ>(acc);
+  for (int64_t d = 0; d < e; ++d) {
+    __m512 b[NJ];
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; ++j) b[j] = _mm512_loadu_ps(kt + d * sp + j0 + 16 * j);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const __m512 a = _mm512_set1_ps(q[r * q_row + d]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
+    }
+  }
   tile_epilogue<NR, NJ>(acc, j0, sc, sc_row, ep);
 }
 
@@ -249,7 +238,18 @@ GML_AVX512BF16 inline void pv_tile_f32(const float* pr, int64_t p_row, const flo
   __mmask16 m[ND];
 #pragma GCC unroll 4
   for (int d = 0; d < ND; ++d) m[d] = row_tail_mask(ev, d0, d);
-  dot_tile_f32<NR, ND, true>(pr, p_row, v, v_row, keys, d0, m, acc);
+  zero_tile<NR, ND>(acc);
+  for (int64_t j = 0; j < keys; ++j) {
+    __m512 b[ND];
+#pragma GCC unroll 4
+    for (int d = 0; d < ND; ++d) b[d] = _mm512_maskz_loadu_ps(m[d], v + j * v_row + d0 + 16 * d);
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const __m512 a = _mm512_set1_ps(pr[r * p_row + j]);
+#pragma GCC unroll 4
+      for (int d = 0; d < ND; ++d) acc[r][d] = _mm512_fmadd_ps(a, b[d], acc[r][d]);
+    }
+  }
 #pragma GCC unroll 4
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4

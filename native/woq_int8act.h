@@ -212,7 +212,7 @@ GML_WOQ_VNNI inline __m256 reduce8_vnni(const __m512* a) {
 // reduction, reduce8_vnni), then the upper halves cleared (GCC does not insert vzeroupper in
 // target("avx...") functions: SSE code follows).
 template <int R>
-GML_WOQ_VNNI inline void store_row_sums_vnni(const __m512* acc, float* out) {
+GML_WOQ_VNNI __attribute__((always_inline)) inline void store_row_sums_vnni(const __m512* acc, float* out) {
   if constexpr (R == 8) {
     _mm256_storeu_ps(out, reduce8_vnni(acc));
   } else {
