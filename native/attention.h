@@ -146,27 +146,44 @@ GML_AVX512BF16 inline void tile_epilogue(__m512 (&acc)[NR][NJ], int64_t j0, floa
   }
 }
 
+// The tile helpers below are always inlined: a call would keep the accumulators in memory.
+#define GML_ATTN_INLINE __attribute__((always_inline)) inline
+
+template <int NR, int NJ>
+GML_AVX512BF16 GML_ATTN_INLINE void zero_tile(__m512 (&acc)[NR][NJ]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
+}
+
+// The products' one inner loop, for both S = Q Kᵀ (A = Q, B = Kp) and O = P V (A = P, B = Vp):
+//   acc[r][j] = sum over steps p of dot2(A[r, 2p..2p+1], B[p][c0 + 16 j .. c0 + 16 j + 15]),
+// A bf16 rows ``a_row`` apart, B VNNI-packed bf16 pairs ``b_row`` apart; fp32 accumulation.
+template <int NR, int NJ>
+GML_AVX512BF16 GML_ATTN_INLINE void dot_tile(const uint16_t* a, int64_t a_row, const uint32_t* b, int64_t b_row,
+                                             int64_t steps, int64_t c0, __m512 (&acc)[NR][NJ]) {
+  zero_tile<NR, NJ>(acc);
+  for (int64_t p = 0; p < steps; ++p) {
+    __m512bh bv[NJ];
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; ++j) bv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b + p * b_row + c0 + 16 * j));
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh av = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(load_pair(a + r * a_row + 2 * p))));
+#pragma GCC unroll 4
+      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
+    }
+  }
+}
+
 // Scores of NR query rows x NJ key vectors (16 keys each) starting at key j0:
 //   sc[r][j0 + 16 jv + lane] = sum_p dot2(Q[r, 2p..2p+1], Kp[p][j0 + 16 jv + lane]).
 template <int NR, int NJ>
 GML_AVX512BF16 inline void scores_tile(const uint16_t* q, int64_t q_row, const uint32_t* kp, int64_t sp, int64_t pairs,
                                        int64_t j0, float* sc, int64_t sc_row, Epilogue& ep) {
   __m512 acc[NR][NJ];
-#pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh b[NJ];
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kp + p * sp + j0 + 16 * j));
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) {
-      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(load_pair(q + r * q_row + 2 * p))));
-#pragma GCC unroll 4
-      for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
-    }
-  }
+  dot_tile<NR, NJ>(q, q_row, kp, sp, pairs, j0, acc);
   tile_epilogue<NR, NJ>(acc, j0, sc, sc_row, ep);
 }
 
@@ -175,10 +192,7 @@ template <int NR, int NJ>
 GML_AVX512BF16 inline void scores_tile_f32(const float* q, int64_t q_row, const float* kt, int64_t sp, int64_t e,
                                            int64_t j0, float* sc, int64_t sc_row, Epilogue& ep) {
   __m512 acc[NR][NJ];
-#pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
+  zero_tile<NR, NJ>(acc);
   for (int64_t d = 0; d < e; ++d) {
     __m512 b[NJ];
 #pragma GCC unroll 4
@@ -193,6 +207,12 @@ GML_AVX512BF16 inline void scores_tile_f32(const float* q, int64_t q_row, const 
   tile_epilogue<NR, NJ>(acc, j0, sc, sc_row, ep);
 }
 
+// The lanes of an output row's vector d (columns d0 + 16 d ..) that lie before its end ``ev``.
+inline __mmask16 row_tail_mask(int64_t ev, int64_t d0, int d) {
+  const int64_t left = ev - (d0 + 16 * d);
+  return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+}
+
 // O rows (NR) x ND output vectors starting at column d0: sum over key pairs of P's pair x Vp.
 // ``evp``: Vp's row stride (the value head size rounded up to 16, zero padded); ``ev``: the head size
 // (the last vector's lanes past it are not stored).
@@ -200,29 +220,13 @@ template <int NR, int ND>
 GML_AVX512BF16 inline void pv_tile(const uint16_t* pr, int64_t p_row, const uint32_t* vp, int64_t evp, int64_t ev,
                                    int64_t kpairs, int64_t d0, const float* row_scale, uint16_t* o, int64_t o_row) {
   __m512 acc[NR][ND];
+  dot_tile<NR, ND>(pr, p_row, vp, evp, kpairs, d0, acc);
 #pragma GCC unroll 4
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 4
-    for (int d = 0; d < ND; ++d) acc[r][d] = _mm512_setzero_ps();
-  for (int64_t q = 0; q < kpairs; ++q) {
-    __m512bh b[ND];
-#pragma GCC unroll 4
-    for (int d = 0; d < ND; ++d) b[d] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vp + q * evp + d0 + 16 * d));
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) {
-      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(load_pair(pr + r * p_row + 2 * q))));
-#pragma GCC unroll 4
-    for (int d = 0; d < ND; ++d) acc[r][d] = _mm512_dpbf16_ps(acc[r][d], a, b[d]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-    for (int d = 0; d < ND; ++d) {
-      const int64_t left = ev - (d0 + 16 * d);
-      const __mmask16 m = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      store_bf16(o + r * o_row + d0 + 16 * d, _mm512_mul_ps(acc[r][d], _mm512_set1_ps(row_scale[r])), m);
-    }
+    for (int d = 0; d < ND; ++d)
+      store_bf16(o + r * o_row + d0 + 16 * d, _mm512_mul_ps(acc[r][d], _mm512_set1_ps(row_scale[r])),
+                 row_tail_mask(ev, d0, d));
 }
 
 // O rows (NR) x ND output vectors for fp32: sum over keys j of P[r, j] (broadcast) x V[j, d0..]
@@ -233,14 +237,8 @@ GML_AVX512BF16 inline void pv_tile_f32(const float* pr, int64_t p_row, const flo
   __m512 acc[NR][ND];
   __mmask16 m[ND];
 #pragma GCC unroll 4
-  for (int d = 0; d < ND; ++d) {
-    const int64_t left = ev - (d0 + 16 * d);
-    m[d] = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 4
-    for (int d = 0; d < ND; ++d) acc[r][d] = _mm512_setzero_ps();
+  for (int d = 0; d < ND; ++d) m[d] = row_tail_mask(ev, d0, d);
+  zero_tile<NR, ND>(acc);
   for (int64_t j = 0; j < keys; ++j) {
     __m512 b[ND];
 #pragma GCC unroll 4

@@ -81,6 +81,18 @@ inline void row_scalar(const Problem& p, int64_t n) {
   }
 }
 
+// 32 INT4 weights from 16 bytes (weight 2i in byte i's low nibble, 2i + 1 in its high one, as
+// above): v0 = weights 0..15, v1 = 16..31, one per byte (0..15). SSE2: every tier's kernels use it;
+// always inlined, so compiled with the caller's target (VEX-encoded): a call into non-VEX SSE code
+// from AVX-512 / AVX2 code with dirty upper halves costs a state transition per instruction (~40x).
+__attribute__((always_inline)) inline void unpack_int4x32(const uint8_t* bytes, __m128i& v0, __m128i& v1) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+  v0 = _mm_unpacklo_epi8(lo, hi);
+  v1 = _mm_unpackhi_epi8(lo, hi);
+}
+
 // ---------------------------------------------------------------- AVX-512: 16 fp32 lanes
 GML_WOQ_AVX512 inline __m512 int8x16_ps(const int8_t* q) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
@@ -117,16 +129,14 @@ GML_WOQ_AVX512 inline void rows_avx512(const Problem& p, int64_t n0) {
         }
       } else {
         const uint8_t* q = static_cast<const uint8_t*>(p.q) + n0 * (p.K / 2);
-        const __m128i low = _mm_set1_epi8(0x0F);
         __m512i z[R];
         for (int r = 0; r < R; ++r) z[r] = _mm512_set1_epi32(p.zeros ? p.zeros[(n0 + r) * G + g] : 8);
         for (; k + 32 <= k1; k += 32) {
           const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
           for (int r = 0; r < R; ++r) {
             if (k % 128 == 0) prefetch_row_ahead(q + r * (p.K / 2) + k / 2, p.K / 2);
-            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * (p.K / 2) + k / 2));
-            const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-            const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);  // k..k+15, k+16..k+31
+            __m128i v0, v1;  // weights k..k+15, k+16..k+31
+            unpack_int4x32(q + r * (p.K / 2) + k / 2, v0, v1);
             acc[r] = _mm512_fmadd_ps(x0, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v0), z[r])), acc[r]);
             acc[r] = _mm512_fmadd_ps(x1, _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v1), z[r])), acc[r]);
           }
@@ -183,7 +193,6 @@ GML_WOQ_AVX2 inline void rows_avx2(const Problem& p, int64_t n0) {
         }
       } else {
         const uint8_t* q = static_cast<const uint8_t*>(p.q) + n0 * (p.K / 2);
-        const __m128i low = _mm_set1_epi8(0x0F);
         __m256i z[R];
         for (int r = 0; r < R; ++r) z[r] = _mm256_set1_epi32(p.zeros ? p.zeros[(n0 + r) * G + g] : 8);
         for (; k + 32 <= k1; k += 32) {
@@ -191,9 +200,8 @@ GML_WOQ_AVX2 inline void rows_avx2(const Problem& p, int64_t n0) {
           const __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
           for (int r = 0; r < R; ++r) {
             if (k % 128 == 0) prefetch_row_ahead(q + r * (p.K / 2) + k / 2, p.K / 2);
-            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + r * (p.K / 2) + k / 2));
-            const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-            const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);
+            __m128i v0, v1;  // weights k..k+15, k+16..k+31
+            unpack_int4x32(q + r * (p.K / 2) + k / 2, v0, v1);
             acc[r] = _mm256_fmadd_ps(x0, u8x8_minus_ps(v0, z[r]), acc[r]);
             acc[r] = _mm256_fmadd_ps(x1, u8x8_minus_ps(_mm_srli_si128(v0, 8), z[r]), acc[r]);
             acc[r] = _mm256_fmadd_ps(x2, u8x8_minus_ps(v1, z[r]), acc[r]);

@@ -57,14 +57,12 @@ GML_WOQ_AVX512 inline void dequantize_row_avx512(const Problem& p, int64_t n, fl
     return;
   }
   const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * (p.K / 2);
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     const __m512i z = _mm512_set1_epi32(p.zeros ? p.zeros[n * G + g] : 8);
     const __m512 s = _mm512_set1_ps(p.scales[n * G + g]);
     for (int64_t k = g * p.group; k < (g + 1) * p.group; k += 32) {  // groups are multiples of 32
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
-      const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-      const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);  // k..k+15, k+16..k+31
+      __m128i v0, v1;  // weights k..k+15, k+16..k+31
+      unpack_int4x32(q + k / 2, v0, v1);
       _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v0), z)), s));
       _mm512_storeu_ps(out + k + 16,
                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v1), z)), s));
@@ -92,14 +90,12 @@ GML_WOQ_AVX2 inline void dequantize_row_avx2(const Problem& p, int64_t n, float*
     return;
   }
   const uint8_t* q = static_cast<const uint8_t*>(p.q) + n * (p.K / 2);
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     const __m256i z = _mm256_set1_epi32(p.zeros ? p.zeros[n * G + g] : 8);
     const __m256 s = _mm256_set1_ps(p.scales[n * G + g]);
     for (int64_t k = g * p.group; k < (g + 1) * p.group; k += 32) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
-      const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-      const __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi);
+      __m128i v0, v1;  // weights k..k+15, k+16..k+31
+      unpack_int4x32(q + k / 2, v0, v1);
       _mm256_storeu_ps(out + k, _mm256_mul_ps(u8x8_minus_ps(v0, z), s));
       _mm256_storeu_ps(out + k + 8, _mm256_mul_ps(u8x8_minus_ps(_mm_srli_si128(v0, 8), z), s));
       _mm256_storeu_ps(out + k + 16, _mm256_mul_ps(u8x8_minus_ps(v1, z), s));

@@ -208,6 +208,20 @@ GML_WOQ_VNNI inline __m256 reduce8_vnni(const __m512* a) {
   return _mm512_castps512_ps256(w);
 }
 
+// The end of an R-row AVX-512 VNNI kernel: out[r] = the sum of acc[r]'s lanes (R = 8: one deferred
+// reduction, reduce8_vnni), then the upper halves cleared (GCC does not insert vzeroupper in
+// target("avx...") functions: SSE code follows).
+template <int R>
+GML_WOQ_VNNI __attribute__((always_inline)) inline void store_row_sums_vnni(const __m512* acc, float* out) {
+  if constexpr (R == 8) {
+    _mm256_storeu_ps(out, reduce8_vnni(acc));
+  } else {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  }
+  _mm256_zeroupper();
+}
+
 // AVX-512 VNNI, INT8 weights: 64 weights (blocks b, b + 1) per vpdpbusd. The weight is the unsigned
 // operand offset by 128 (q ^ 0x80 = q + 128 in 0..255, so -128 is exact too) and the accumulator
 // starts at corr = -128 * (the lane's 4 qx) instead of 0: corr + sum (q + 128) qx = sum q qx, exact
@@ -261,13 +275,7 @@ GML_WOQ_VNNI void dot8_vnni(const int8_t* q, int64_t ldq, const int8_t* qx, cons
       }
     }
   }
-  if constexpr (R == 8) {
-    _mm256_storeu_ps(out, reduce8_vnni(acc));
-  } else {
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-  }
-  _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
+  store_row_sums_vnni<R>(acc, out);
 }
 
 // AVX-512 VNNI, INT4 weights: 32 bytes = 64 weights (blocks b, b + 1) per step. scales / zeros: row
@@ -322,13 +330,7 @@ GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, con
       pick = _mm512_add_epi32(pick, _mm512_set1_epi32(2));
     }
   }
-  if constexpr (R == 8) {
-    _mm256_storeu_ps(out, reduce8_vnni(acc));
-  } else {
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-  }
-  _mm256_zeroupper();  // GCC does not insert it in target("avx...") functions: SSE code follows
+  store_row_sums_vnni<R>(acc, out);
 }
 
 // AVX2 and AVX-VNNI: one block of 32 per step. The same bodies are compiled twice (a target attribute

@@ -14,6 +14,7 @@ has no code for either and would answer with finite numbers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,20 +35,22 @@ def refuse_grad_inputs(args: Any) -> None:
         )
 
 
-def _hook(module: nn.Module, args: tuple) -> None:
-    refuse_grad_inputs(args)
-
-
 def refuse_autograd(module: nn.Module) -> None:
     """Make ``module`` apply :func:`refuse_grad_inputs` to its inputs on every call (once per module)."""
-    _check_every_call(module, _hook, "_gml_refuses_autograd")
+    _check_every_call(module, refuse_grad_inputs, "_gml_refuses_autograd")
 
 
-def _check_every_call(module: nn.Module, hook: Callable[[nn.Module, tuple], None], flag: str) -> None:
-    """Register ``hook`` as a forward pre-hook of ``module`` once (``flag``: the attribute that records it)."""
+def _check_every_call(module: nn.Module, check: Callable[[tuple], None], flag: str) -> None:
+    """Run ``check`` on ``module``'s inputs before every call: a forward pre-hook, registered once
+    (``flag``: the attribute that records it)."""
     if not getattr(module, flag, False):
-        module.register_forward_pre_hook(hook)
+        # a partial of named functions, not a lambda: hooks are pickled with the module by torch.save
+        module.register_forward_pre_hook(functools.partial(_check_inputs, check))
         setattr(module, flag, True)
+
+
+def _check_inputs(check: Callable[[tuple], None], module: nn.Module, args: tuple) -> None:
+    check(args)
 
 
 def refuse_nonfinite_inputs(args: Any) -> None:
@@ -72,10 +75,6 @@ def refuse_nonfinite_inputs(args: Any) -> None:
             )
 
 
-def _int8_hook(module: nn.Module, args: tuple) -> None:
-    refuse_nonfinite_inputs(args)
-
-
 def refuse_nonfinite(module: nn.Module) -> None:
     """Make INT8 ``module`` apply :func:`refuse_nonfinite_inputs` on every call (once per module)."""
-    _check_every_call(module, _int8_hook, "_gml_refuses_nonfinite")
+    _check_every_call(module, refuse_nonfinite_inputs, "_gml_refuses_nonfinite")

@@ -259,21 +259,16 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def _load(
-    model: str | nn.Module,
-    weights: str | None = None,
-    unsafe_load: bool = False,
-    submodule: str | None = None,
-    trust_remote_code: bool = False,
+    model: str | nn.Module, **options: Any
 ) -> tuple[nn.Module, str, list[tuple[int, ...]], tuple[torch.Tensor, ...] | None]:
-    """The eager model, its display name, default input shapes and input templates."""
+    """The eager model, its display name, default input shapes and input templates (``options``:
+    :func:`gml.models.load_with_defaults`'s: ``weights``, ``unsafe_load``, ``submodule``, ...)."""
     from gml.models import load_with_defaults
 
     name = model if isinstance(model, str) else type(model).__name__
-    if submodule:
-        name = f"{name}.{submodule}"
-    m, shapes, like = load_with_defaults(
-        model, weights=weights, unsafe_load=unsafe_load, submodule=submodule, trust_remote_code=trust_remote_code
-    )
+    if options.get("submodule"):
+        name = f"{name}.{options['submodule']}"
+    m, shapes, like = load_with_defaults(model, **options)
     return m, name, [tuple(s) for s in shapes], like
 
 
@@ -415,7 +410,9 @@ def run_bench(
         variants if variants is None or isinstance(variants, str) else list(variants), precision=precision
     )
     threads = threads or _default_threads()
-    eager_model, model_name, declared, like = _load(model, weights, unsafe_load, submodule, trust_remote_code)
+    eager_model, model_name, declared, like = _load(
+        model, weights=weights, unsafe_load=unsafe_load, submodule=submodule, trust_remote_code=trust_remote_code
+    )
     if input_shape is None:
         shapes = declared or [(1, 3, 224, 224)]
     elif input_shape and isinstance(input_shape[0], int):

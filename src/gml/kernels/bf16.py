@@ -122,12 +122,6 @@ def _bf16_weight(module: k32._Prepacked) -> None:
         module.bias = nn.Parameter(module.bias.detach().to(torch.bfloat16), requires_grad=False)
 
 
-def _geometry(m: k32.FusedConv | k32.FusedConvAdd) -> dict[str, Any]:
-    """The constructor arguments that place a fused conv's window (shared by both bf16 twins)."""
-    return {"stride": m.stride, "padding": m.padding, "dilation": m.dilation, "groups": m.groups,
-            "input_size": m.input_size}  # fmt: skip
-
-
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
@@ -140,7 +134,7 @@ def conv_refusal(m: nn.Module, input_shape: Sequence[int] | None) -> str | None:
     by the bf16 fuzz property, seed 20261128) — the INT8 kernel has the same one-frame fault
     (docs/fuzzing.md). Declined for any channel count: cheap, a one-frame Conv3d is rare."""
     weight = getattr(m, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 5:  # not a Conv3d (FusedConvAdd has no .dim)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 5:  # not a Conv3d
         return None
     shape = tuple(input_shape) if input_shape is not None else getattr(m, "input_size", None)
     if shape is None or len(shape) != 5:
@@ -169,14 +163,13 @@ class Bf16Conv(_Bf16Twin, k32.FusedConv):
 
     @classmethod
     def from_fused(cls, m: k32.FusedConv) -> Bf16Conv:
-        return cls(m.weight, m.bias, post_op=m.post_op, **_geometry(m))
+        return cls(m.weight, m.bias, post_op=m.post_op, **m.window())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(to_bf16(x))
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
-        conv = (F.conv1d, F.conv2d, F.conv3d)[self.dim - 1]
-        y = conv(x.float(), self.weight.float(), _f32(self.bias), self.stride, self.padding, self.dilation, self.groups)
+        y = self._conv(x.float(), self.weight.float(), _f32(self.bias))
         return self.post_op.apply(y).to(torch.bfloat16)
 
 
@@ -185,7 +178,7 @@ class Bf16ConvAdd(_Bf16Twin, k32.FusedConvAdd):
 
     @classmethod
     def from_fused(cls, m: k32.FusedConvAdd) -> Bf16ConvAdd:
-        return cls(m.weight, m.bias, relu=m.relu, inplace=m.inplace, **_geometry(m))
+        return cls(m.weight, m.bias, relu=m.relu, inplace=m.inplace, **m.window())
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         x = to_bf16(x)
@@ -194,9 +187,7 @@ class Bf16ConvAdd(_Bf16Twin, k32.FusedConvAdd):
         return super().forward(x, other)
 
     def _reference(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        conv = F.conv2d if self.weight.dim() == 4 else F.conv3d
-        y = conv(x.float(), self.weight.float(), _f32(self.bias), self.stride, self.padding, self.dilation, self.groups)
-        y = y + other.float()
+        y = self._conv(x.float(), self.weight.float(), _f32(self.bias)) + other.float()
         return (torch.relu(y) if self.relu else y).to(torch.bfloat16)
 
 

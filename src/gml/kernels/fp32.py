@@ -283,8 +283,10 @@ def conv_geometry(conv: nn.Module) -> dict[str, Any]:
     return {"stride": conv.stride, "padding": padding, "dilation": conv.dilation, "groups": conv.groups}
 
 
-class FusedConv(_Prepacked):
-    """``post_op(conv{1,2,3}d(x, W) + b)`` in one oneDNN primitive with a prepacked weight."""
+class _PrepackedConv(_Prepacked):
+    """A convolution's window (``stride``, ``padding``, ``dilation``, ``groups``; ``input_size``, the
+    example input's, for the weight's layout) and its weight prepacked for it; a 1-D conv runs as
+    2-D with an ``[O, I, 1, k]`` weight."""
 
     def __init__(
         self,
@@ -295,28 +297,16 @@ class FusedConv(_Prepacked):
         padding: Sequence[int],
         dilation: Sequence[int],
         groups: int = 1,
-        post_op: PostOp = NO_POST_OP,
         input_size: Sequence[int] | None = None,
     ) -> None:
         super().__init__(weight, bias)
-        n = weight.dim() - 2
-        if n not in (1, 2, 3):
-            raise ValueError(f"conv weight must be 3-, 4- or 5-D, got {weight.dim()}-D")
-        self.dim = n
+        n = self.dim = weight.dim() - 2
         self.stride, self.padding, self.dilation = _tuple(stride, n), _tuple(padding, n), _tuple(dilation, n)
         self.groups = int(groups)
-        self.post_op = post_op
         self.input_size = tuple(input_size) if input_size is not None else None
         # Hot-path arguments prebuilt once (lists, as the op schema wants). Conv1d runs as 2-D.
         lift = (lambda t, v: [v, *t]) if n == 1 else (lambda t, v: list(t))
         self._args = (lift(self.padding, 0), lift(self.stride, 1), lift(self.dilation, 1))
-        self._attr = (post_op.attr, post_op.op_scalars, post_op.algorithm)
-
-    @classmethod
-    def from_conv(
-        cls, conv: nn.Module, post_op: PostOp = NO_POST_OP, input_size: Sequence[int] | None = None
-    ) -> FusedConv:
-        return cls(conv.weight, conv.bias, **conv_geometry(conv), post_op=post_op, input_size=input_size)
 
     def _pack(self) -> torch.Tensor:
         w = self.weight.detach()
@@ -326,6 +316,48 @@ class FusedConv(_Prepacked):
             size = [size[0], size[1], 1, size[2]] if size is not None else None
         pad, stride, dil = self._args
         return torch.ops.mkldnn._reorder_convolution_weight(w, pad, stride, dil, self.groups, size)
+
+    def window(self) -> dict[str, Any]:
+        """The constructor arguments that place this conv's window."""
+        return {"stride": self.stride, "padding": self.padding, "dilation": self.dilation, "groups": self.groups,
+                "input_size": self.input_size}  # fmt: skip
+
+    def _conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The convolution alone, unfused (ATen), for the reference paths."""
+        conv = (F.conv1d, F.conv2d, F.conv3d)[self.dim - 1]
+        return conv(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def _window_repr(self) -> str:
+        o, i = self.weight.shape[:2]
+        k = "x".join(str(s) for s in self.weight.shape[2:])
+        s = f"{i * self.groups}->{o}, k={k}, stride={self.stride}, padding={self.padding}"
+        if any(d != 1 for d in self.dilation):
+            s += f", dilation={self.dilation}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        return s
+
+
+class FusedConv(_PrepackedConv):
+    """``post_op(conv{1,2,3}d(x, W) + b)`` in one oneDNN primitive with a prepacked weight.
+
+    ``window``: ``stride``, ``padding``, ``dilation``, ``groups``, ``input_size`` (:class:`_PrepackedConv`).
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, post_op: PostOp = NO_POST_OP, **window: Any
+    ) -> None:
+        super().__init__(weight, bias, **window)
+        if self.dim not in (1, 2, 3):
+            raise ValueError(f"conv weight must be 3-, 4- or 5-D, got {weight.dim()}-D")
+        self.post_op = post_op
+        self._attr = (post_op.attr, post_op.op_scalars, post_op.algorithm)
+
+    @classmethod
+    def from_conv(
+        cls, conv: nn.Module, post_op: PostOp = NO_POST_OP, input_size: Sequence[int] | None = None
+    ) -> FusedConv:
+        return cls(conv.weight, conv.bias, **conv_geometry(conv), post_op=post_op, input_size=input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused:
@@ -348,27 +380,19 @@ class FusedConv(_Prepacked):
         return torch.ops.mkldnn._convolution_pointwise(x, w, self.bias, *self._args, self.groups, *self._attr)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
-        conv = (F.conv1d, F.conv2d, F.conv3d)[self.dim - 1]
-        y = conv(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
-        return self.post_op.apply(y)
+        return self.post_op.apply(self._conv(x, self.weight, self.bias))
 
     def extra_repr(self) -> str:
-        o, i = self.weight.shape[:2]
-        k = "x".join(str(s) for s in self.weight.shape[2:])
-        s = f"{i * self.groups}->{o}, k={k}, stride={self.stride}, padding={self.padding}"
-        if any(d != 1 for d in self.dilation):
-            s += f", dilation={self.dilation}"
-        if self.groups != 1:
-            s += f", groups={self.groups}"
-        return s + f", post_op={self.post_op}" + ("" if self.fused else ", UNFUSED fallback")
+        return self._window_repr() + f", post_op={self.post_op}" + ("" if self.fused else ", UNFUSED fallback")
 
 
-class FusedConvAdd(_Prepacked):
+class FusedConvAdd(_PrepackedConv):
     """``[relu](conv2d/3d(x, W) + b + other)`` in one oneDNN primitive (binary-add post-op).
 
     With ``inplace=True`` the sum is accumulated into ``other``'s memory
     (``_convolution_pointwise_.binary``, oneDNN's ``sum`` post-op: no output allocation); the fusion
     pass sets it only when nothing reads ``other`` afterwards and ``other`` is a fresh tensor.
+    ``window``: as :class:`FusedConv`'s.
     """
 
     def __init__(
@@ -376,24 +400,15 @@ class FusedConvAdd(_Prepacked):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         *,
-        stride: Sequence[int],
-        padding: Sequence[int],
-        dilation: Sequence[int],
-        groups: int = 1,
         relu: bool = False,
         inplace: bool = False,
-        input_size: Sequence[int] | None = None,
+        **window: Any,
     ) -> None:
-        super().__init__(weight, bias)
-        n = weight.dim() - 2
-        if n not in (2, 3):
+        super().__init__(weight, bias, **window)
+        if self.dim not in (2, 3):
             raise ValueError("conv+add fusion needs a 2-D or 3-D convolution")
-        self.stride, self.padding, self.dilation = _tuple(stride, n), _tuple(padding, n), _tuple(dilation, n)
-        self.groups = int(groups)
         self.relu = bool(relu)
         self.inplace = bool(inplace)
-        self.input_size = tuple(input_size) if input_size is not None else None
-        self._args = (list(self.padding), list(self.stride), list(self.dilation))
         self._unary = "relu" if relu else None
 
     @classmethod
@@ -401,11 +416,6 @@ class FusedConvAdd(_Prepacked):
         cls, conv: nn.Module, *, relu: bool, inplace: bool, input_size: Sequence[int] | None = None
     ) -> FusedConvAdd:
         return cls(conv.weight, conv.bias, **conv_geometry(conv), relu=relu, inplace=inplace, input_size=input_size)
-
-    def _pack(self) -> torch.Tensor:
-        pad, stride, dil = self._args
-        size = list(self.input_size) if self.input_size is not None else None
-        return torch.ops.mkldnn._reorder_convolution_weight(self.weight.detach(), pad, stride, dil, self.groups, size)
 
     def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         if not self.fused:
@@ -426,18 +436,11 @@ class FusedConvAdd(_Prepacked):
         )
 
     def _reference(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        conv = F.conv2d if self.weight.dim() == 4 else F.conv3d
-        y = conv(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
-        y = y + other
+        y = self._conv(x, self.weight, self.bias) + other
         return torch.relu(y) if self.relu else y
 
     def extra_repr(self) -> str:
-        o, i = self.weight.shape[:2]
-        k = "x".join(str(s) for s in self.weight.shape[2:])
-        s = f"{i * self.groups}->{o}, k={k}, stride={self.stride}, padding={self.padding}"
-        if self.groups != 1:
-            s += f", groups={self.groups}"
-        s += ", post_op=add" + ("+relu" if self.relu else "")
+        s = self._window_repr() + ", post_op=add" + ("+relu" if self.relu else "")
         if self.inplace:
             s += ", inplace"
         return s + ("" if self.fused else ", UNFUSED fallback")

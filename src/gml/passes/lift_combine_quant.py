@@ -37,7 +37,7 @@ All three rewrites are exact: tolerance 0.
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,6 +189,15 @@ def _modules(gm: fx.GraphModule) -> dict[str, nn.Module]:
     return dict(gm.named_modules(remove_duplicate=False))
 
 
+def _quantize_ops(gm: fx.GraphModule, modules: dict[str, nn.Module]) -> Iterator[QuantizeOp]:
+    """The quantize ops of ``gm`` in graph order, each read when it is reached: the caller may
+    rewrite the graph as it goes (the nodes are listed first, so new ones are not visited)."""
+    for node in list(gm.graph.nodes):
+        q = quantize_of(gm, node, modules)
+        if q is not None:
+            yield q
+
+
 def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
     # The value changed shape/dtype, so tensor_meta is left for the next shape propagation.
     for key in ("stack_trace", "nn_module_stack"):
@@ -237,10 +246,8 @@ class LiftCombineQuant(GraphPass):
         graph = gm.graph
         modules = _modules(gm)
         lifted = 0
-        for node in list(graph.nodes):
-            q = quantize_of(gm, node, modules)
-            if q is None:
-                continue
+        for q in _quantize_ops(gm, modules):
+            node = q.node
             chain: list[fx.Node] = []
             producer = q.input
             blocked = ""
@@ -286,10 +293,8 @@ class LiftCombineQuant(GraphPass):
         graph = gm.graph
         modules = _modules(gm)
         groups: dict[Hashable, list[QuantizeOp]] = {}
-        for node in graph.nodes:
-            q = quantize_of(gm, node, modules)
-            if q is not None:
-                groups.setdefault(_tensor_key(q.input), []).append(q)
+        for q in _quantize_ops(gm, modules):
+            groups.setdefault(_tensor_key(q.input), []).append(q)
         order = {n: i for i, n in enumerate(graph.nodes)}  # combining only erases: stays valid
         merged = 0
         for ops in groups.values():
@@ -337,43 +342,42 @@ class LiftCombineQuant(GraphPass):
 
     # ------------------------------------------------------------------ 3. dequantize → quantize
     def _drop_dq_q(self, gm: fx.GraphModule, skips: list[Skip]) -> int:
-        graph = gm.graph
         modules = _modules(gm)
         dropped = 0
-        for node in list(graph.nodes):
-            q = quantize_of(gm, node, modules)
-            if q is None or not is_dequantize(q.input, modules):
+        for q in _quantize_ops(gm, modules):
+            source = _dequantized_source(q, modules)
+            if source is None:
                 continue
-            dq = q.input
-            source = dq.args[0] if dq.args else None
-            if not isinstance(source, fx.Node):
+            reason = _dq_q_refusal(gm, q, source, modules)
+            if reason is not None:
+                skips.append(Skip(q.node.name, reason, "dequantize → quantize"))
                 continue
-            if q.qparams is None:
-                skips.append(Skip(node.name, f"cannot compare qparams: {q.unresolved}", "dequantize → quantize"))
-                continue
-            src_qp = output_qparams(gm, source, modules)
-            if src_qp is None:
-                skips.append(
-                    Skip(
-                        node.name,
-                        f"qparams of {source.name} (the dequantized tensor) are unknown",
-                        "dequantize → quantize",
-                    )
-                )
-                continue
-            if not src_qp.equals(q.qparams):
-                skips.append(
-                    Skip(
-                        node.name,
-                        f"requantization, qparams differ: {src_qp.difference(q.qparams)}",
-                        "dequantize → quantize",
-                    )
-                )
-                continue
-            node.replace_all_uses_with(source)
-            _erase_with_args(graph, node)
+            q.node.replace_all_uses_with(source)
+            _erase_with_args(gm.graph, q.node)
             dropped += 1
         return dropped
+
+
+def _dequantized_source(q: QuantizeOp, modules: dict[str, nn.Module]) -> fx.Node | None:
+    """``s`` when ``q`` is ``quantize(dequantize(s))``, else None."""
+    dq = q.input
+    if not is_dequantize(dq, modules):
+        return None
+    source = dq.args[0] if dq.args else None
+    return source if isinstance(source, fx.Node) else None
+
+
+def _dq_q_refusal(gm: fx.GraphModule, q: QuantizeOp, source: fx.Node, modules: dict[str, nn.Module]) -> str | None:
+    """Why ``q`` = ``quantize(dequantize(source))`` is not ``source`` itself, or None when it is
+    (the same qparams: the round trip is exact)."""
+    if q.qparams is None:
+        return f"cannot compare qparams: {q.unresolved}"
+    src_qp = output_qparams(gm, source, modules)
+    if src_qp is None:
+        return f"qparams of {source.name} (the dequantized tensor) are unknown"
+    if not src_qp.equals(q.qparams):
+        return f"requantization, qparams differ: {src_qp.difference(q.qparams)}"
+    return None
 
 
 __all__ = ["LiftCombineQuant", "QuantizeOp", "TensorQParams", "output_qparams", "quantize_of"]

@@ -112,6 +112,14 @@ class _Ctx:
     def label(self, node: fx.Node) -> str:
         return node_label(node, self.modules)
 
+    def unary(self, node: fx.Node, out_qp: QParams, cls: type[nn.Module], *params: Any, **options: Any) -> _Plan:
+        """The one-module plan for ``node`` on its first input read as uint8:
+        ``cls(*params, input_qparams, out_qp, backend=..., **options)`` (the constructor order of
+        every single-input plan value)."""
+        src, in_qp = self.u8_input(node.args[0])
+        q = cls(*params, in_qp, out_qp, backend=self.backend, **options)
+        return _Plan(q, [src], [node], self.label(node))
+
 
 def _single_user(node: fx.Node) -> bool:
     return len(node.users) == 1
@@ -466,9 +474,7 @@ def _rule_mean(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None
         raise Decline("mean with a dtype or a run-time keepdim has no INT8 kernel")
     if not isinstance(dims, list | tuple) or not dims or not all(isinstance(d, int) for d in dims):
         raise Decline("mean over all dims or run-time dims has no INT8 kernel")
-    src, in_qp = ctx.u8_input(node.args[0])
-    q = QMean(tuple(dims), keepdim, in_qp, out_qp, backend=ctx.backend)
-    return _Plan(q, [src], [node], ctx.label(node))
+    return ctx.unary(node, out_qp, QMean, tuple(dims), keepdim)
 
 
 def _rule_max_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
@@ -479,20 +485,10 @@ def _rule_max_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
         return None
     if mod.return_indices:
         raise Decline("max pool returning indices has no INT8 kernel")
-    src, in_qp = ctx.u8_input(node.args[0])
     cls, n = (QMaxPool2d, 2) if isinstance(mod, nn.MaxPool2d) else (QMaxPool3d, 3)
     stride = mod.stride if mod.stride is not None else mod.kernel_size
-    q = cls(
-        _ntuple(mod.kernel_size, n),
-        _ntuple(stride, n),
-        _ntuple(mod.padding, n),
-        _ntuple(mod.dilation, n),
-        bool(mod.ceil_mode),
-        in_qp,
-        out_qp,
-        backend=ctx.backend,
-    )
-    return _Plan(q, [src], [node], ctx.label(node))
+    window = (_ntuple(v, n) for v in (mod.kernel_size, stride, mod.padding, mod.dilation))
+    return ctx.unary(node, out_qp, cls, *window, bool(mod.ceil_mode))
 
 
 def _rule_batch_norm(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
@@ -508,9 +504,7 @@ def _rule_batch_norm(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan 
         raise Decline("batch norm in training mode (batch statistics) has no INT8 kernel")
     if bn.running_mean is None or bn.running_var is None:
         raise Decline("batch norm without running statistics has no INT8 kernel")
-    src, in_qp = ctx.u8_input(node.args[0])
-    q = QBatchNorm2d(bn, in_qp, out_qp, relu=relu, backend=ctx.backend)
-    return _Plan(q, [src], [node], ctx.label(node))
+    return ctx.unary(node, out_qp, QBatchNorm2d, bn, relu=relu)
 
 
 def _rule_avg_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
@@ -518,20 +512,10 @@ def _rule_avg_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
         return None
     mod = ctx.module(node)
     if behaves_as(mod, nn.AvgPool2d):
-        src, in_qp = ctx.u8_input(node.args[0])
         stride = mod.stride if mod.stride is not None else mod.kernel_size
-        q = QAvgPool2d(
-            _pair(mod.kernel_size),
-            _pair(stride),
-            _pair(mod.padding),
-            bool(mod.ceil_mode),
-            bool(mod.count_include_pad),
-            mod.divisor_override,
-            in_qp,
-            out_qp,
-            backend=ctx.backend,
-        )
-        return _Plan(q, [src], [node], ctx.label(node))
+        window = (_pair(mod.kernel_size), _pair(stride), _pair(mod.padding))
+        flags = (bool(mod.ceil_mode), bool(mod.count_include_pad), mod.divisor_override)
+        return ctx.unary(node, out_qp, QAvgPool2d, *window, *flags)
     if not behaves_as(mod, (nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d)):
         return None
     cls, n = (QAdaptiveAvgPool2d, 2) if isinstance(mod, nn.AdaptiveAvgPool2d) else (QAdaptiveAvgPool3d, 3)
@@ -539,9 +523,7 @@ def _rule_avg_pool(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
     size = (size,) * n if isinstance(size, int) else tuple(size)
     if any(s is None for s in size):
         raise Decline("adaptive avg pool with a None output size has no INT8 kernel")
-    src, in_qp = ctx.u8_input(node.args[0])
-    q = cls(tuple(int(s) for s in size), in_qp, out_qp, backend=ctx.backend)
-    return _Plan(q, [src], [node], ctx.label(node))
+    return ctx.unary(node, out_qp, cls, tuple(int(s) for s in size))
 
 
 def _rule_flatten(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
@@ -558,8 +540,7 @@ def _rule_flatten(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | N
             raise Decline("flatten with dims computed at run time")
     else:
         return None
-    src, in_qp = ctx.u8_input(node.args[0])
-    return _Plan(QFlatten(start, end, in_qp, out_qp, backend=ctx.backend), [src], [node], ctx.label(node))
+    return ctx.unary(node, out_qp, QFlatten, start, end)
 
 
 _MOVE_FUNCTIONS: dict[Any, str] = {

@@ -117,16 +117,18 @@ class _Weighted(nn.Module):
         return (x, *_qp(self._in_qp), self.weight, self.weight_scale, self.bias, *self.spec.as_args())
 
 
-class QConv2d(_Weighted, UnaryOpsBase):
-    """``post_op(conv2d(x))`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
-    ``qconv2d_pointwise`` with an eltwise post-op: relu, hardtanh (ReLU6), hardswish, swish)."""
+class _WithPostOp(_Weighted, UnaryOpsBase):
+    """``post_op(op(x))`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None: the conv and
+    linear kernels with an element-wise post-op. ``kind`` is the op as the backend's ``fuses`` names it."""
+
+    kind: str
 
     def __init__(
         self,
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None,
-        spec: ConvSpec,
+        spec: ConvSpec | None,
         input_qparams: QParams,
         output_qparams: QParams | None,
         *,
@@ -137,13 +139,25 @@ class QConv2d(_Weighted, UnaryOpsBase):
     ) -> None:
         super().__init__(input_qparams, output_qparams, backend)
         self.post_op = _resolve_post_op(relu, post_op)
-        if not self.backend.fuses("conv2d", self.post_op):
-            raise ValueError(f"the {self.backend.name} backend has no conv kernel with a {self.post_op} post-op")
+        if not self.backend.fuses(self.kind, self.post_op):
+            raise ValueError(f"the {self.backend.name} backend has no {self.kind} kernel with a {self.post_op} post-op")
         self._init_weight(weight, weight_scale, bias, input_shape, spec)
 
     @property
     def relu(self) -> bool:
         return self.post_op == PostOp("relu")
+
+    def _post_op_args(self) -> tuple[Any, ...]:
+        """The trailing arguments of ``gml.qconv`` / ``gml.qlinear``: output qparams, post-op, backend."""
+        p = self.post_op
+        return (*_out(self._out_qp), p.attr, list(p.scalars), p.algorithm, self.backend.name)
+
+
+class QConv2d(_WithPostOp):
+    """``post_op(conv2d(x))`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
+    ``qconv2d_pointwise`` with an eltwise post-op: relu, hardtanh (ReLU6), hardswish, swish)."""
+
+    kind = "conv2d"
 
     def _prepack(self) -> None:
         self._packed = self.backend.prepack_conv(self.int8_weight, self.spec, self._in_qp, self.input_shape)
@@ -156,9 +170,7 @@ class QConv2d(_Weighted, UnaryOpsBase):
         return f"{geo}{_post_op_repr(self.post_op)}, {self._qp_repr()}, {self.backend.name}"
 
     def op_call(self, inputs: Sequence[Any]) -> OpCall:
-        p = self.post_op
-        args = (*_out(self._out_qp), p.attr, list(p.scalars), p.algorithm, self.backend.name)
-        return OpCall("qconv", (*self._conv_args(inputs[0]), *args))
+        return OpCall("qconv", (*self._conv_args(inputs[0]), *self._post_op_args()))
 
 
 def _conv_geometry(weight: torch.Tensor, spec: ConvSpec) -> str:
@@ -293,9 +305,11 @@ class QConv2dAdd(_Weighted, BinaryOpsBase):
         )
 
 
-class QLinear(_Weighted, UnaryOpsBase):
+class QLinear(_WithPostOp):
     """``post_op(x @ W.T + b)`` on uint8 → uint8, or → fp32 when ``output_qparams`` is None (oneDNN
-    ``qlinear_pointwise``)."""
+    ``qlinear_pointwise``). Keyword arguments as :class:`QConv2d`'s."""
+
+    kind = "linear"
 
     def __init__(
         self,
@@ -304,21 +318,9 @@ class QLinear(_Weighted, UnaryOpsBase):
         bias: torch.Tensor | None,
         input_qparams: QParams,
         output_qparams: QParams | None,
-        *,
-        relu: bool = False,
-        post_op: PostOp | None = None,
-        input_shape: Sequence[int] | None = None,
-        backend: BackendArg = None,
+        **options: Any,
     ) -> None:
-        super().__init__(input_qparams, output_qparams, backend)
-        self.post_op = _resolve_post_op(relu, post_op)
-        if not self.backend.fuses("linear", self.post_op):
-            raise ValueError(f"the {self.backend.name} backend has no linear kernel with a {self.post_op} post-op")
-        self._init_weight(weight, weight_scale, bias, input_shape)
-
-    @property
-    def relu(self) -> bool:
-        return self.post_op == PostOp("relu")
+        super().__init__(weight, weight_scale, bias, None, input_qparams, output_qparams, **options)
 
     def _prepack(self) -> None:
         self._packed = self.backend.prepack_linear(self.int8_weight, self._in_qp, self.input_shape)
@@ -331,19 +333,5 @@ class QLinear(_Weighted, UnaryOpsBase):
         return f"{i}→{o}{_post_op_repr(self.post_op)}, {self._qp_repr()}, {self.backend.name}"
 
     def op_call(self, inputs: Sequence[Any]) -> OpCall:
-        p = self.post_op
-        return OpCall(
-            "qlinear",
-            (
-                inputs[0],
-                *_qp(self._in_qp),
-                self.weight,
-                self.weight_scale,
-                self.bias,
-                *_out(self._out_qp),
-                p.attr,
-                list(p.scalars),
-                p.algorithm,
-                self.backend.name,
-            ),
-        )
+        args = (inputs[0], *_qp(self._in_qp), self.weight, self.weight_scale, self.bias)
+        return OpCall("qlinear", (*args, *self._post_op_args()))
