@@ -91,13 +91,7 @@ inline void build(Plan& plan, const AttentionStep& desc) {
                    pb.f32 ? "gml:attention_avx512_f32" : "gml:attention_avx512_bf16");
 }
 
-// Python binding of this family's step description(s) (native/bind.h).
-inline void bind_attention(Module& m, PlanClass& plan) {
-  using AT = AttentionStep;
-  step_class<AT>(m, plan, "AttentionStep")
-      .GML_FIELD(AT, q).GML_FIELD(AT, k).GML_FIELD(AT, v).GML_FIELD(AT, dst).GML_FIELD(AT, masks)
-      .GML_FIELD(AT, scale).GML_FIELD(AT, name);
-}
-GML_BIND(bind_attention)
+// Python bindings of this family's step descriptions (native/bind.h).
+GML_STEP(AttentionStep, q, k, v, dst, masks, scale, name)
 
 }  // namespace gml_engine

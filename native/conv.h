@@ -243,16 +243,9 @@ inline void build(Plan& p, const ConvStep& desc) {
   p.push(prim, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts), pd.scratchpad_desc(), name);
 }
 
-// Python binding of this family's step description(s) (native/bind.h).
-inline void bind_conv(Module& m, PlanClass& plan) {
-  using C = ConvStep;
-  step_class<C>(m, plan, "ConvStep")
-      .GML_FIELD(C, src).GML_FIELD(C, dst).GML_FIELD(C, weight).GML_FIELD(C, wdims).GML_FIELD(C, wdtype)
-      .GML_FIELD(C, w_scales).GML_FIELD(C, bias).GML_FIELD(C, strides).GML_FIELD(C, dilation).GML_FIELD(C, pad_l)
-      .GML_FIELD(C, pad_r).GML_FIELD(C, groups).GML_OPT(C, src_q).GML_OPT(C, dst_q).GML_OPT(C, sum)
-      .GML_FIELD(C, eltwise).GML_FIELD(C, name).GML_FIELD(C, nthreads).GML_FIELD(C, winograd)
-      .GML_FIELD(C, native_bf16);
-}
-GML_BIND(bind_conv)
+// Python bindings of this family's step descriptions (native/bind.h).
+GML_STEP(ConvStep,
+        src, dst, weight, wdims, wdtype, w_scales, bias, strides, dilation, pad_l, pad_r, groups, src_q, dst_q, sum,
+        eltwise, name, nthreads, winograd, native_bf16)
 
 }  // namespace gml_engine

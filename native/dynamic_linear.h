@@ -242,14 +242,8 @@ inline void build(Plan& p, const DynamicLinearStep& desc) {
   p.push(dnnl::matmul(pd), std::move(args), std::move(consts), pd.scratchpad_desc(), name);
 }
 
-// Python binding of this family's step description(s) (native/bind.h).
-inline void bind_dynamic_linear(Module& m, PlanClass& plan) {
-  using DL = DynamicLinearStep;
-  step_class<DL>(m, plan, "DynamicLinearStep")
-      .GML_FIELD(DL, src).GML_FIELD(DL, dst).GML_FIELD(DL, q).GML_FIELD(DL, amax).GML_FIELD(DL, weight)
-      .GML_FIELD(DL, wdims).GML_FIELD(DL, w_scales).GML_FIELD(DL, bias).GML_FIELD(DL, smooth_inv)
-      .GML_FIELD(DL, eltwise).GML_FIELD(DL, name).GML_FIELD(DL, sum_src).GML_FIELD(DL, exact_gemm);
-}
-GML_BIND(bind_dynamic_linear)
+// Python bindings of this family's step descriptions (native/bind.h).
+GML_STEP(DynamicLinearStep,
+        src, dst, q, amax, weight, wdims, w_scales, bias, smooth_inv, eltwise, name, sum_src, exact_gemm)
 
 }  // namespace gml_engine

@@ -89,19 +89,9 @@ inline void build(Plan& p, const LayerNormStep& desc) {
          pd.scratchpad_desc(), name);
 }
 
-// Python binding of this family's step description(s) (native/bind.h).
-inline void bind_eltwise(Module& m, PlanClass& plan) {
-  using BI = BinaryStep;
-  step_class<BI>(m, plan, "BinaryStep")
-      .GML_FIELD(BI, src0).GML_FIELD(BI, src1).GML_FIELD(BI, dst).GML_FIELD(BI, alg).GML_OPT(BI, scale0)
-      .GML_OPT(BI, scale1).GML_FIELD(BI, eltwise).GML_FIELD(BI, name);
-  using SM = SoftmaxStep;
-  step_class<SM>(m, plan, "SoftmaxStep").GML_FIELD(SM, src).GML_FIELD(SM, dst).GML_FIELD(SM, axis).GML_FIELD(SM, name);
-  using LN = LayerNormStep;
-  step_class<LN>(m, plan, "LayerNormStep")
-      .GML_FIELD(LN, src).GML_FIELD(LN, dst).GML_FIELD(LN, gamma).GML_FIELD(LN, beta).GML_FIELD(LN, eps)
-      .GML_FIELD(LN, name);
-}
-GML_BIND(bind_eltwise)
+// Python bindings of this family's step descriptions (native/bind.h).
+GML_STEP(BinaryStep, src0, src1, dst, alg, scale0, scale1, eltwise, name)
+GML_STEP(SoftmaxStep, src, dst, axis, name)
+GML_STEP(LayerNormStep, src, dst, gamma, beta, eps, name)
 
 }  // namespace gml_engine

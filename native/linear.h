@@ -118,18 +118,8 @@ inline void build(Plan& p, const MatmulStep& desc) {
   p.push(dnnl::matmul(pd), std::move(args), std::move(consts), pd.scratchpad_desc(), name);
 }
 
-// Python binding of this family's step description(s) (native/bind.h).
-inline void bind_linear(Module& m, PlanClass& plan) {
-  using IP = InnerProductStep;
-  step_class<IP>(m, plan, "InnerProductStep")
-      .GML_FIELD(IP, src).GML_FIELD(IP, dst).GML_FIELD(IP, weight).GML_FIELD(IP, wdims).GML_FIELD(IP, wdtype)
-      .GML_FIELD(IP, w_scales).GML_FIELD(IP, bias).GML_OPT(IP, src_q).GML_OPT(IP, dst_q).GML_FIELD(IP, eltwise)
-      .GML_FIELD(IP, name);
-  using MM = MatmulStep;
-  step_class<MM>(m, plan, "MatmulStep")
-      .GML_FIELD(MM, src).GML_FIELD(MM, wei).GML_FIELD(MM, dst).GML_FIELD(MM, weight).GML_FIELD(MM, wdims)
-      .GML_FIELD(MM, wstrides).GML_FIELD(MM, wdtype).GML_FIELD(MM, bias).GML_FIELD(MM, post).GML_FIELD(MM, name);
-}
-GML_BIND(bind_linear)
+// Python bindings of this family's step descriptions (native/bind.h).
+GML_STEP(InnerProductStep, src, dst, weight, wdims, wdtype, w_scales, bias, src_q, dst_q, eltwise, name)
+GML_STEP(MatmulStep, src, wei, dst, weight, wdims, wstrides, wdtype, bias, post, name)
 
 }  // namespace gml_engine

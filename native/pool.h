@@ -48,13 +48,7 @@ inline void build(Plan& p, const PoolStep& desc) {
   p.push(dnnl::pooling_forward(pd), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, {}, pd.scratchpad_desc(), name);
 }
 
-// Python binding of this family's step description(s) (native/bind.h).
-inline void bind_pool(Module& m, PlanClass& plan) {
-  using PO = PoolStep;
-  step_class<PO>(m, plan, "PoolStep")
-      .GML_FIELD(PO, src).GML_FIELD(PO, dst).GML_FIELD(PO, alg).GML_FIELD(PO, kernel).GML_FIELD(PO, strides)
-      .GML_FIELD(PO, dilation).GML_FIELD(PO, pad_l).GML_FIELD(PO, pad_r).GML_FIELD(PO, eltwise).GML_FIELD(PO, name);
-}
-GML_BIND(bind_pool)
+// Python bindings of this family's step descriptions (native/bind.h).
+GML_STEP(PoolStep, src, dst, alg, kernel, strides, dilation, pad_l, pad_r, eltwise, name)
 
 }  // namespace gml_engine

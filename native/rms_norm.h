@@ -68,12 +68,7 @@ inline void build(Plan& p, const RmsNormStep& desc) {
   p.push_kernel(std::move(k), std::move(value_args), memory::desc(), desc.name, "gml:rms_norm");
 }
 
-// Python binding (native/bind.h).
-inline void bind_rms_norm(Module& m, PlanClass& plan) {
-  using R = RmsNormStep;
-  step_class<R>(m, plan, "RmsNormStep")
-      .GML_FIELD(R, x).GML_FIELD(R, weight).GML_FIELD(R, dst).GML_FIELD(R, eps).GML_FIELD(R, name);
-}
-GML_BIND(bind_rms_norm)
+// Python bindings of this family's step descriptions (native/bind.h).
+GML_STEP(RmsNormStep, x, weight, dst, eps, name)
 
 }  // namespace gml_engine

@@ -200,22 +200,10 @@ inline void build(Plan& p, const MaskOpStep& desc) {
   p.push_kernel(std::move(k), std::move(value_args), memory::desc(), name, "gml:mask_" + op);
 }
 
-// Python binding of this family's step description(s) (native/bind.h).
-inline void bind_shape(Module& m, PlanClass& plan) {
-  using RO = ReorderStep;
-  step_class<RO>(m, plan, "ReorderStep")
-      .GML_FIELD(RO, src).GML_FIELD(RO, dst).GML_OPT(RO, src_q).GML_OPT(RO, dst_q).GML_FIELD(RO, name);
-  using CC = ConcatStep;
-  step_class<CC>(m, plan, "ConcatStep").GML_FIELD(CC, srcs).GML_FIELD(CC, dst).GML_FIELD(CC, axis).GML_FIELD(CC, name);
-  using EM = EmbeddingStep;
-  step_class<EM>(m, plan, "EmbeddingStep")
-      .GML_FIELD(EM, ids).GML_FIELD(EM, dst).GML_FIELD(EM, table).GML_FIELD(EM, num).GML_FIELD(EM, dim)
-      .GML_FIELD(EM, ld).GML_FIELD(EM, name);
-  using MO = MaskOpStep;
-  step_class<MO>(m, plan, "MaskOpStep")
-      .GML_FIELD(MO, op).GML_FIELD(MO, srcs).GML_FIELD(MO, dst).GML_FIELD(MO, strides).GML_FIELD(MO, index_dims)
-      .GML_FIELD(MO, index_strides).GML_FIELD(MO, name);
-}
-GML_BIND(bind_shape)
+// Python bindings of this family's step descriptions (native/bind.h).
+GML_STEP(ReorderStep, src, dst, src_q, dst_q, name)
+GML_STEP(ConcatStep, srcs, dst, axis, name)
+GML_STEP(EmbeddingStep, ids, dst, table, num, dim, ld, name)
+GML_STEP(MaskOpStep, op, srcs, dst, strides, index_dims, index_strides, name)
 
 }  // namespace gml_engine
