@@ -1,7 +1,7 @@
 """GML's decoder: the captured layers (:mod:`gml.llm.spec`) run over a KV cache that GML owns.
 
-**KV cache.** One preallocated tensor ``[layers, 2, batch, kv_heads, max_length, head_dim]`` (fp32 or
-bf16; index 0 = keys after RoPE, 1 = values). A forward step writes the new positions'
+**KV cache.** One preallocated tensor ``[layers, 2, batch, kv_heads, max_length, head_dim]`` (fp32,
+bf16 or fp16: :data:`KV_DTYPES`; index 0 = keys after RoPE, 1 = values). A forward step writes the new positions'
 keys/values at ``[start, start + L)`` and attends over ``[0, start + L)``; nothing is reallocated
 while generating. Sliding-window layers keep every position too and mask the ones out of their
 window (simple, and exact; a ring buffer would save memory on long contexts).
@@ -109,6 +109,12 @@ class LinearOp:
         if self.qweight is not None:
             return self.qweight.nbytes()
         return self.weight.numel() * self.weight.element_size()
+
+
+#: The KV cache's entry types by name (``gml.llm(..., kv_cache=...)``, the saved ``kv_cache`` field) and
+#: the code native/decode.h's attention reads them by (``KvType``).
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KV_NATIVE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class KVCache:
