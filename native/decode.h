@@ -370,6 +370,10 @@ void attention_item(const AttnJob& J, int64_t item) {
 template <class T>
 void write_kv(const float* kn, const float* vn, int64_t kv, int64_t d, void* kc, void* vc, int64_t max_len,
               int64_t pos) {
+  if (std::is_same<T, f16_t>::value)  // fp16 would store inf (then NaN logits): refused, nothing written
+    for (int64_t i = 0; i < 2 * kv * d; ++i)
+      if (std::fabs(kn[i]) >= 65520.f)  // rounds to inf (kn and vn are one row: [k: kv * d | v: kv * d])
+        throw std::overflow_error("decode attention: a key / value beyond fp16's range (65504) for an fp16 KV cache");
   for (int64_t g = 0; g < kv; ++g)
     for (int64_t i = 0; i < d; ++i) {
       static_cast<T*>(kc)[(g * max_len + pos) * d + i] = from_f32<T>(kn[g * d + i]);

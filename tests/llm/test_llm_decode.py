@@ -8,6 +8,7 @@ import torch
 
 import gml
 from assets.llm_models import FAMILIES, tiny
+from gml.errors import UnsupportedError
 from gml.llm.decode import DecodeStep, native_glue
 from gml.llm.model import KVCache
 from gml.llm.sampling import Sampling, next_token
@@ -159,20 +160,26 @@ def test_native_attention_matches_sdpa(dtype, vector, heads, kv, d, pos, lo):
 
 
 def test_native_attention_kv_rounding_and_bad_arguments():
-    """The new k / v rounded to bf16 / fp16 as torch rounds (ties, subnormals, overflow to inf, NaN);
-    arguments out of range refused."""
+    """The new k / v rounded to bf16 / fp16 as torch rounds (ties, subnormals, the largest finite fp16, NaN;
+    bf16: 1e6 and inf); what fp16 would round to inf refused; arguments out of range refused."""
     eng = native_glue()
     heads, kv, d = 1, 1, 16
-    special = [1 + 2**-8, 1 + 3 * 2**-8, 2**-20, -(2**-24) * 1.5, 65519.0, 65520.0, 1e6, float("inf"), float("nan")]
-    row = torch.tensor(special + [0.1 * i for i in range(d - len(special))])
-    qkv = torch.cat([torch.zeros(d), row, row]).view(1, -1)
-    for dtype in (torch.bfloat16, torch.float16):
+    special = [1 + 2**-8, 1 + 3 * 2**-8, 2**-20, -(2**-24) * 1.5, 65519.0, -65519.9, float("nan")]
+    for dtype, extra in ((torch.bfloat16, [1e6, float("inf")]), (torch.float16, [])):
+        row = torch.tensor(special + extra + [0.1 * i for i in range(d - len(special) - len(extra))])
+        qkv = torch.cat([torch.zeros(d), row, row]).view(1, -1)
         cache = torch.zeros(2, kv, 4, d, dtype=dtype)
         _native_attention(eng, qkv, cache, heads, kv, d, 0, 2, False, 1)
         want = row.to(dtype)
         got = cache[0, 0, 2]
         assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
         assert got[want.isnan()].isnan().all()
+    for big in (65520.0, -1e6, float("inf")):  # fp16 rounds these to inf
+        qkv = torch.cat([torch.zeros(d), torch.full((d,), big), torch.zeros(d)]).view(1, -1)
+        cache = torch.zeros(2, kv, 4, d, dtype=torch.float16)
+        with pytest.raises(OverflowError, match="fp16"):
+            _native_attention(eng, qkv, cache, heads, kv, d, 0, 2, True, 1)
+        assert not cache.any()  # nothing written
     cache = torch.zeros(2, kv, 4, d)
     with pytest.raises(ValueError, match="lo <= pos"):
         eng.decode_attention(qkv.data_ptr(), heads, kv, d, 0, 0, 4, 0, 4, 0.3, 0, True, 1, 0)
@@ -187,3 +194,23 @@ def test_greedy_argmax_is_torch_argmax():
     assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
     big = torch.from_numpy(np.random.default_rng(0).standard_normal((2, 262144)).astype(np.float32))
     assert torch.equal(next_token(big, Sampling(), torch.Generator()), big.argmax(-1))
+
+
+def test_fp16_cache_refuses_keys_beyond_its_range():
+    """A key / value beyond 65504 would be inf in an fp16 cache (NaN logits after): prefill and the decode
+    step refuse it naming the fix, and a bf16 cache (fp32's range) takes it."""
+    lm = gml.llm(tiny("llama"), weights="int8", max_length=32)
+    assert lm.kv_dtype == torch.float16  # the default for quantized weights
+    spec = lm.decoder.spec
+    for layer in lm.decoder.layers:  # scale v's rows of the fused QKV matrix (the last ones): values of ~1e6
+        layer.qkv.qweight.scales[-spec.num_kv_heads * spec.head_dim :] *= 1e6
+    with pytest.raises(UnsupportedError, match="kv_cache='bf16'"):
+        lm.generate(PROMPT, 4)
+    dec = lm.decoder
+    cache = KVCache(spec, 1, 32, torch.float16)
+    step = DecodeStep(dec, cache, native_glue())
+    with pytest.raises(UnsupportedError, match="beyond fp16's range"):
+        step(torch.tensor([[5]]))
+    bf16 = KVCache(spec, 1, 32, torch.bfloat16)
+    dec.forward(torch.tensor([PROMPT]), bf16, last_only=True)
+    assert DecodeStep(dec, bf16, native_glue())(torch.tensor([[5]])).isfinite().all()

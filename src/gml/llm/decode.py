@@ -30,7 +30,7 @@ import torch
 
 from gml.ir.attention import attention_op
 from gml.kernels.woq import detect_kernel
-from gml.llm.model import KV_NATIVE_TYPES, Decoder, KVCache, _act
+from gml.llm.model import KV_NATIVE_TYPES, Decoder, KVCache, _act, check_kv_range, kv_overflow
 from gml.llm.spec import Norm
 
 _KINDS = {"rms": 0, "layer": 1}
@@ -159,11 +159,15 @@ class DecodeStep:
             window = lay["window"]
             lo = end - window if window is not None and end > window else 0
             if self.native_attention:
-                eng.decode_attention(
-                    qkvp, heads, kv, d, lay["kp"], lay["vp"], cache.max_length, lo, pos, spec.attn_scale,
-                    self.kv_type, self.vector, self.threads, self.attn.data_ptr(),
-                )  # fmt: skip
+                try:
+                    eng.decode_attention(
+                        qkvp, heads, kv, d, lay["kp"], lay["vp"], cache.max_length, lo, pos, spec.attn_scale,
+                        self.kv_type, self.vector, self.threads, self.attn.data_ptr(),
+                    )  # fmt: skip
+                except OverflowError:  # an fp16 cache and a k / v beyond 65504 (native/decode.h)
+                    raise kv_overflow(i) from None
             else:
+                check_kv_range(cache, i, self.k, self.v)
                 keys[0, :, pos].copy_(self.k)
                 values[0, :, pos].copy_(self.v)
                 k, v = keys[:, :, lo:end].float(), values[:, :, lo:end].float()
