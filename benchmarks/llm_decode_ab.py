@@ -27,10 +27,10 @@ HERE = Path(__file__).resolve().parent
 
 GML_ROW = r"""
 import json, sys, torch, gml
-path, act, prompt, steps, threads, tokens = sys.argv[1:7]
+path, act, prompt, steps, threads, tokens, kv = sys.argv[1:8]
 torch.set_num_threads(int(threads))
 seq = json.load(open(tokens))[0]
-lm = gml.llm(path, activations=act, max_length=int(prompt) + int(steps) + 8)
+lm = gml.llm(path, activations=act, max_length=int(prompt) + int(steps) + 8, kv_cache=None if kv == "-" else kv)
 lm.generate(seq[:8], 4)
 lm.generate(seq[: int(prompt)], int(steps) + 1)
 print(json.dumps({"decode_tokens_per_second": lm.stats.decode_tokens_per_second,
@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--gml", action="append", default=[], help="LABEL=PYTHON of a GML checkout's venv")
     ap.add_argument("--model", action="append", default=[], help="LABEL=FILE written by lm.save")
     ap.add_argument("--activations", default="int8", help="comma-separated: fp32,int8")
+    ap.add_argument("--kv-cache", default="-", help="comma-separated GML KV cache types (default: the file's)")
     ap.add_argument("--llamacpp", action="append", default=[], help="LABEL=FILE.gguf")
     ap.add_argument("--llamacpp-python", default="/work/venvs/llamacpp/bin/python")
     ap.add_argument("--prompt", type=int, default=128)
@@ -72,8 +73,11 @@ def main() -> None:
         for m in args.model:
             mlabel, path = m.split("=", 1)
             for act in args.activations.split(","):
-                cmd = [py, "-c", GML_ROW, path, act, str(args.prompt), str(args.steps), str(args.threads), str(tokens)]
-                rows[f"GML {label} {mlabel}" + (", int8 activations" if act == "int8" else "")] = (cmd, None)
+                for kv in args.kv_cache.split(","):
+                    cmd = [py, "-c", GML_ROW, path, act, str(args.prompt), str(args.steps), str(args.threads),
+                           str(tokens), kv]  # fmt: skip
+                    name = f"GML {label} {mlabel}" + (", int8 activations" if act == "int8" else "")
+                    rows[name + ("" if kv == "-" else f", {kv} KV cache")] = (cmd, None)
     if args.llamacpp:
         lib = work / "libnoamx.so"
         cc = ["gcc", "-O2", "-shared", "-fPIC", str(HERE / "llamacpp_noamx.c"), "-o", str(lib), "-ldl"]

@@ -2,7 +2,8 @@
 // the matrix calls that works on one row of a few hundred to a few thousand floats: norms, the residual
 // add fused with the next norm, and the q/k norm + RoPE of the fused QKV row. Each torch op on such a
 // row costs more in dispatch (a few µs) than in arithmetic (well under one); one call here replaces
-// 5-20 of them. Single-threaded (no OpenMP region: a row is far too small to split).
+// 5-20 of them. Single-threaded (no OpenMP region: a row is far too small to split), except attention,
+// whose positions are split over the decode pool on long contexts (below).
 //
 // The math is gml.llm.model's (HF's):
 //   rms norm:   y = x * rsqrt(mean(x^2) + eps) * w            (Gemma's (1 + w): w is given as 1 + w)
@@ -12,7 +13,7 @@
 //     y[i] = x[i] * cos[i] - x[i + r/2] * sin[i],   y[i + r/2] = x[i + r/2] * cos[i + r/2] + x[i] * sin[i + r/2]
 //   attention of the new position (attention_row): the new k / v rows written into the cache at `pos`,
 //   then per query head h (of KV head h / (heads / kv): GQA / MQA read the shared rows in place)
-//     out[h] = sum_{j in [lo, pos]} softmax_j(scale * q[h] . K[j]) V[j]        (fp32 cache)
+//     out[h] = sum_{j in [lo, pos]} softmax_j(scale * q[h] . K[j]) V[j]        (fp32, bf16 or fp16 cache)
 //   — SDPA's math for one query row; lo > 0 is a sliding window (the keys before it are masked).
 // Sums of squares / means accumulate in double, so these differ from torch's float reductions only in
 // fp32 rounding. -ffp-contract=off (CMakeLists.txt): the RoPE products round as torch's do.
@@ -25,7 +26,10 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
+
+#include "woq_pool.h"  // the decode pool that attention_row splits its items over
 
 #define GML_DECODE_AVX2 __attribute__((target("avx2,fma")))
 
@@ -85,9 +89,95 @@ inline void qk_norm_rope(float* qkv, int64_t heads, int64_t kv, int64_t d, const
 }
 
 // ---------------------------------------------------------------- attention of one position
-// Three passes per query head over its S keys: scores p[j] = scale * q . K[j]; softmax in place
-// (max subtracted, exp, sum); out = sum_j p[j] V[j] / sum. AVX2 + FMA (`vector`, the caller's tier from
-// GML's CPU description) runs up to 4 heads of one KV head together; scalar one head at a time.
+// Flash-decoding over the cache. The S = pos + 1 - lo attended positions of each KV head are cut into
+// items of kItem positions (the last one shorter); an item is one unit of work for a thread (the decode
+// pool of woq_pool.h: the caller claims items, helpers take what is left when they get to run). For
+// an item [j0, j1) and each of the G query heads that share its KV head, the item computes
+//   s[j] = scale * q . K[j],   m = max_j s[j],   l = sum_j exp(s[j] - m),   a = sum_j exp(s[j] - m) V[j]
+// reading each K row once for all G heads (in sub-groups of up to 8) and each V row once. The merge
+// (caller, after all items): M = max_c m_c,  out = sum_c exp(m_c - M) a_c / sum_c exp(m_c - M) l_c —
+// the softmax over all S positions, exactly regrouped. Items have a fixed length, so the result does
+// not depend on the thread count (bit for bit). Within an item the values are weighted in blocks of
+// kBlock positions (that block of V stays in L1 while every 8-float slice of the outputs is summed).
+//
+// The cache stores K and V as fp32, bf16 or fp16 (KvType): 16-bit entries are widened to fp32 as they
+// are loaded (bf16: a 16-bit shift; fp16: F16C's vcvtph2ps), so every sum is fp32 and the 16-bit cache
+// halves the bytes a step reads. The new k / v are rounded to the cache type when written (nearest,
+// ties to even: torch's .to(bfloat16) / .to(float16), so prefill's torch writes and these agree).
+
+enum KvType : int { kKvF32 = 0, kKvBF16 = 1, kKvF16 = 2 };
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float to_f32(f16_t x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16, e = (x.bits >> 10) & 0x1fu, m = x.bits & 0x3ffu;
+  uint32_t u;
+  if (e == 0) {  // zero or subnormal: m * 2^-24
+    const float f = std::ldexp(static_cast<float>(m), -24);
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  } else {
+    u = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <class T>
+T from_f32(float f);
+template <>
+inline float from_f32<float>(float f) {
+  return f;
+}
+template <>
+inline bf16_t from_f32<bf16_t>(float f) {  // nearest, ties to even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x40u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return {static_cast<uint16_t>(u >> 16)};
+}
+template <>
+inline f16_t from_f32<f16_t>(float f) {  // nearest, ties to even; beyond 65504 (after rounding): inf
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return {static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+  if (ax >= 0x47800000u) return {static_cast<uint16_t>(sign | 0x7c00u)};  // >= 2^16 (and inf): inf
+  if (ax < 0x38800000u) {  // below 2^-14: a subnormal (or zero), m = round(|f| * 2^24) (exact scaling)
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return {static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)))};
+  }
+  // rebias the exponent (127 -> 15) and round 23 mantissa bits to 10; a carry moves into the exponent
+  // (65520 and up become inf, as they should)
+  const uint32_t r = ax - 0x38000000u + 0xfffu + ((ax >> 13) & 1u);
+  return {static_cast<uint16_t>(sign | (r >> 13))};
+}
+
+#define GML_DECODE_F16C __attribute__((target("avx2,fma,f16c")))
+
+// 8 cache entries as fp32.
+GML_DECODE_F16C inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+GML_DECODE_F16C inline __m256 load8(const bf16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+GML_DECODE_F16C inline __m256 load8(const f16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // exp(x) for x <= 0 (softmax after the max is subtracted; below -87 it is 0): Cephes' expf — x = n ln2
 // + r, a degree-5 polynomial for e^r, n added to the exponent. Relative error ~1e-7 (std::exp: ~6e-8).
@@ -115,108 +205,126 @@ GML_DECODE_AVX2 inline float hsum_avx2(__m256 t) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// NH query heads that share a KV head at once (GQA / MQA), so each K and V row is read once for all of
-// them. Scores: p[h][j] = scale * q[h] . K[j]; returns nothing, maxima into m[h].
-template <int NH>
-GML_DECODE_AVX2 void scores_avx2(const float* const* q, const float* K, int64_t S, int64_t d, float scale,
-                                 float* const* p, float* m) {
+constexpr int64_t kItem = 128;  // positions per work item (one thread's share is whole items)
+constexpr int64_t kBlock = 32;  // positions per block of the weighted values (that V block stays in L1)
+constexpr int kSub = 8;         // query heads whose scores / outputs are in registers at once
+
+// s[h * n + j] = scale * q[h] . K[j] for NH heads (q[h] = q + h * d), j < n: each K row loaded once.
+template <int NH, class T>
+GML_DECODE_F16C void scores_avx2(const float* q, const T* K, int64_t n, int64_t d, float scale, float* s) {
   const int64_t dv = d / 8 * 8;
-  for (int h = 0; h < NH; ++h) m[h] = -INFINITY;
-  for (int64_t j = 0; j < S; ++j) {
-    const float* k = K + j * d;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = K + j * d;
     __m256 a[NH];
     for (int h = 0; h < NH; ++h) a[h] = _mm256_setzero_ps();
     for (int64_t i = 0; i < dv; i += 8) {
-      const __m256 kv = _mm256_loadu_ps(k + i);
-      for (int h = 0; h < NH; ++h) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + i), kv, a[h]);
+      const __m256 kv = load8(k + i);
+      for (int h = 0; h < NH; ++h) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), kv, a[h]);
     }
     for (int h = 0; h < NH; ++h) {
       float t = hsum_avx2(a[h]);
-      for (int64_t i = dv; i < d; ++i) t += q[h][i] * k[i];
-      m[h] = std::max(m[h], p[h][j] = scale * t);
+      for (int64_t i = dv; i < d; ++i) t += q[h * d + i] * to_f32(k[i]);
+      s[h * n + j] = scale * t;
     }
   }
   _mm256_zeroupper();
 }
 
-// p[j] = exp(p[j] - m) / sum over j (the weights of the values).
-GML_DECODE_AVX2 inline void softmax_avx2(float* p, int64_t S, float m) {
-  const __m256 mv = _mm256_set1_ps(m);
-  __m256 sv = _mm256_setzero_ps();
+// p[j] = exp(p[j] - max) in place; returns (max, sum).
+GML_DECODE_AVX2 inline void exp_avx2(float* p, int64_t n, float* m_out, float* l_out) {
+  __m256 mv = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
-  for (; j + 8 <= S; j += 8) {
+  for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(p + j));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  float m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  for (; j < n; ++j) m = std::max(m, p[j]);
+  mv = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= n; j += 8) {
     const __m256 e = exp_neg_avx2(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
     _mm256_storeu_ps(p + j, e);
     sv = _mm256_add_ps(sv, e);
   }
   float sum = hsum_avx2(sv);
-  for (; j < S; ++j) sum += p[j] = std::exp(p[j] - m);
-  const float inv = 1.f / sum;
-  for (j = 0; j < S; ++j) p[j] *= inv;
+  for (; j < n; ++j) sum += p[j] = std::exp(p[j] - m);
   _mm256_zeroupper();
+  *m_out = m;
+  *l_out = sum;
 }
 
-// o[h] = sum_j p[h][j] V[j] for NH heads: 16 outputs of each head in registers over all keys.
-template <int NH>
-GML_DECODE_AVX2 void pv_avx2(const float* const* p, const float* V, int64_t S, int64_t d, float* const* o) {
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    __m256 a[NH][2];
-    for (int h = 0; h < NH; ++h) a[h][0] = a[h][1] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < S; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(V + j * d + i), v1 = _mm256_loadu_ps(V + j * d + i + 8);
-      for (int h = 0; h < NH; ++h) {
-        const __m256 w = _mm256_broadcast_ss(p[h] + j);
-        a[h][0] = _mm256_fmadd_ps(w, v0, a[h][0]);
-        a[h][1] = _mm256_fmadd_ps(w, v1, a[h][1]);
+// a[h * lda + i] = sum_j p[h * n + j] V[j][i] for NH heads: per block of kBlock positions, each 8-float
+// slice of the NH outputs in registers while the block's V rows stream by (each V entry loaded once).
+template <int NH, class T>
+GML_DECODE_F16C void pv_avx2(const float* p, int64_t n, const T* V, int64_t d, float* a, int64_t lda) {
+  const int64_t dv = d / 8 * 8;
+  for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+    const int64_t b1 = std::min(n, b0 + kBlock);
+    for (int64_t i = 0; i < dv; i += 8) {
+      __m256 acc[NH];
+      for (int h = 0; h < NH; ++h) acc[h] = b0 ? _mm256_loadu_ps(a + h * lda + i) : _mm256_setzero_ps();
+      for (int64_t j = b0; j < b1; ++j) {
+        const __m256 v = load8(V + j * d + i);
+        for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * n + j), v, acc[h]);
       }
+      for (int h = 0; h < NH; ++h) _mm256_storeu_ps(a + h * lda + i, acc[h]);
     }
-    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(o[h] + i, a[h][0]), _mm256_storeu_ps(o[h] + i + 8, a[h][1]);
+    for (int64_t i = dv; i < d; ++i)
+      for (int h = 0; h < NH; ++h) {
+        float t = b0 ? a[h * lda + i] : 0.f;
+        for (int64_t j = b0; j < b1; ++j) t += p[h * n + j] * to_f32(V[j * d + i]);
+        a[h * lda + i] = t;
+      }
   }
-  for (; i < d; ++i)
-    for (int h = 0; h < NH; ++h) {
-      float t = 0.f;
-      for (int64_t j = 0; j < S; ++j) t += p[h][j] * V[j * d + i];
-      o[h][i] = t;
-    }
   _mm256_zeroupper();
 }
 
-template <int NH>
-void heads_avx2(const float* const* q, const float* K, const float* V, int64_t S, int64_t d, float scale,
-                float* const* p, float* const* o) {
-  float m[NH];
-  scores_avx2<NH>(q, K, S, d, scale, p, m);
-  for (int h = 0; h < NH; ++h) softmax_avx2(p[h], S, m[h]);
-  pv_avx2<NH>(p, V, S, d, o);
+template <class T>
+void scores_scalar(int nh, const float* q, const T* K, int64_t n, int64_t d, float scale, float* s) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int h = 0; h < nh; ++h) {
+      float t = 0.f;
+      for (int64_t i = 0; i < d; ++i) t += q[h * d + i] * to_f32(K[j * d + i]);
+      s[h * n + j] = scale * t;
+    }
 }
 
-inline float scores_scalar(const float* q, const float* K, int64_t S, int64_t d, float scale, float* p) {
-  float m = -INFINITY;
-  for (int64_t j = 0; j < S; ++j) {
-    float t = 0.f;
-    for (int64_t i = 0; i < d; ++i) t += q[i] * K[j * d + i];
-    m = std::max(m, p[j] = scale * t);
+inline void exp_scalar(float* p, int64_t n, float* m_out, float* l_out) {
+  float m = -INFINITY, sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, p[j]);
+  for (int64_t j = 0; j < n; ++j) sum += p[j] = std::exp(p[j] - m);
+  *m_out = m;
+  *l_out = sum;
+}
+
+template <class T>
+void pv_scalar(int nh, const float* p, int64_t n, const T* V, int64_t d, float* a, int64_t lda) {
+  for (int h = 0; h < nh; ++h) std::fill(a + h * lda, a + h * lda + d, 0.f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int h = 0; h < nh; ++h)
+      for (int64_t i = 0; i < d; ++i) a[h * lda + i] += p[h * n + j] * to_f32(V[j * d + i]);
+}
+
+// NH (a compile-time count for the registers) from a run-time nh in [1, kSub].
+template <class F>
+void with_heads(int nh, F&& f) {
+  switch (nh) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
   }
-  return m;
-}
-
-inline float softmax_scalar(float* p, int64_t S, float m) {
-  float sum = 0.f;
-  for (int64_t j = 0; j < S; ++j) sum += p[j] = std::exp(p[j] - m);
-  return sum;
-}
-
-inline void pv_scalar(const float* p, const float* V, int64_t S, int64_t d, float inv, float* o) {
-  std::fill(o, o + d, 0.f);
-  for (int64_t j = 0; j < S; ++j)
-    for (int64_t i = 0; i < d; ++i) o[i] += (p[j] * inv) * V[j * d + i];
 }
 
 // Denormals flushed to zero (MXCSR FTZ + DAZ) while it lives, the caller's mode restored after. Softmax
 // weights of far-away keys are tiny (e^-80), and their products with the values fall below 2^-126:
 // each such product or operand costs the CPU a microcode assist. Measured on Gemma-3-270M's real cache
 // (one thread): 18 layers' attention 3.5 ms per step, 0.6 ms flushed. Only values below 1.2e-38 change.
+// MXCSR is per thread: every item sets it on the thread that runs it.
 struct FlushDenormals {
   unsigned saved = _mm_getcsr();
   FlushDenormals() { _mm_setcsr(saved | 0x8040); }
@@ -225,45 +333,105 @@ struct FlushDenormals {
   FlushDenormals& operator=(const FlushDenormals&) = delete;
 };
 
+// One call's work: items [0, kv * per_head), item c of KV head g = c / per_head.
+struct AttnJob {
+  const float* q;  // the query heads, [heads * d]
+  const void* kc;
+  const void* vc;  // this layer's cache, [kv, max_len, d] of the cache type each
+  int64_t max_len, d, group, lo, S, per_head;
+  float scale;
+  bool vector;
+  float* part;  // per item and query head of its KV head: [m, l, a[d]]
+};
+
+template <class T>
+void attention_item(const AttnJob& J, int64_t item) {
+  const FlushDenormals flush;
+  const int64_t g = item / J.per_head, j0 = (item % J.per_head) * kItem, n = std::min(kItem, J.S - j0), d = J.d;
+  const T* K = static_cast<const T*>(J.kc) + (g * J.max_len + J.lo + j0) * d;
+  const T* V = static_cast<const T*>(J.vc) + (g * J.max_len + J.lo + j0) * d;
+  float s[kSub * kItem];
+  for (int64_t h0 = 0; h0 < J.group; h0 += kSub) {
+    const int nh = static_cast<int>(std::min<int64_t>(kSub, J.group - h0));
+    const float* q = J.q + (g * J.group + h0) * d;
+    float* part = J.part + (item * J.group + h0) * (d + 2);  // head h: part + h * (d + 2)
+    if (J.vector) {
+      with_heads(nh, [&](auto NH) { scores_avx2<decltype(NH)::value>(q, K, n, d, J.scale, s); });
+      for (int h = 0; h < nh; ++h) exp_avx2(s + h * n, n, part + h * (d + 2), part + h * (d + 2) + 1);
+      with_heads(nh, [&](auto NH) { pv_avx2<decltype(NH)::value>(s, n, V, d, part + 2, d + 2); });
+    } else {
+      scores_scalar(nh, q, K, n, d, J.scale, s);
+      for (int h = 0; h < nh; ++h) exp_scalar(s + h * n, n, part + h * (d + 2), part + h * (d + 2) + 1);
+      pv_scalar(nh, s, n, V, d, part + 2, d + 2);
+    }
+  }
+}
+
+template <class T>
+void write_kv(const float* kn, const float* vn, int64_t kv, int64_t d, void* kc, void* vc, int64_t max_len,
+              int64_t pos) {
+  if (std::is_same<T, f16_t>::value)  // fp16 would store inf (then NaN logits): refused, nothing written
+    for (int64_t i = 0; i < 2 * kv * d; ++i)
+      if (std::fabs(kn[i]) >= 65520.f)  // rounds to inf (kn and vn are one row: [k: kv * d | v: kv * d])
+        throw std::overflow_error("decode attention: a key / value beyond fp16's range (65504) for an fp16 KV cache");
+  for (int64_t g = 0; g < kv; ++g)
+    for (int64_t i = 0; i < d; ++i) {
+      static_cast<T*>(kc)[(g * max_len + pos) * d + i] = from_f32<T>(kn[g * d + i]);
+      static_cast<T*>(vc)[(g * max_len + pos) * d + i] = from_f32<T>(vn[g * d + i]);
+    }
+}
+
 // qkv: the fused QKV row [q: heads * d | k: kv * d | v: kv * d] after RoPE; kc / vc: this layer's cache
-// [kv, max_len, d] (batch 1, fp32); positions [lo, pos] attended, pos written first; out [heads * d].
-inline void attention_row(const float* qkv, int64_t heads, int64_t kv, int64_t d, float* kc, float* vc,
-                          int64_t max_len, int64_t lo, int64_t pos, float scale, bool vector, float* out) {
+// [kv, max_len, d] of type kv_type (batch 1); positions [lo, pos] attended, pos written first; out
+// [heads * d]. vector: the AVX2 + FMA (+ F16C) code, else scalar (the caller's tier from GML's CPU
+// description); nthreads > 1: items over the decode pool (woq_pool.h).
+inline void attention_row(const float* qkv, int64_t heads, int64_t kv, int64_t d, void* kc, void* vc, int64_t max_len,
+                          int64_t lo, int64_t pos, float scale, int kv_type, bool vector, int nthreads, float* out) {
   if (heads <= 0 || kv <= 0 || heads % kv || d <= 0 || pos < 0 || pos >= max_len || lo < 0 || lo > pos)
     throw std::invalid_argument("decode attention: heads a multiple of kv heads, 0 <= lo <= pos < max_length");
+  if (kv_type != kKvF32 && kv_type != kKvBF16 && kv_type != kKvF16)
+    throw std::invalid_argument("decode attention: kv_type is 0 (fp32), 1 (bf16) or 2 (fp16)");
   const float* kn = qkv + heads * d;
   const float* vn = kn + kv * d;
-  for (int64_t g = 0; g < kv; ++g) {
-    std::memcpy(kc + (g * max_len + pos) * d, kn + g * d, sizeof(float) * d);
-    std::memcpy(vc + (g * max_len + pos) * d, vn + g * d, sizeof(float) * d);
+  if (kv_type == kKvF16 && !__builtin_cpu_supports("f16c")) vector = false;  // no vcvtph2ps: scalar widening
+  using Item = void (*)(const AttnJob&, int64_t);
+  Item item;
+  if (kv_type == kKvF32) {
+    write_kv<float>(kn, vn, kv, d, kc, vc, max_len, pos);
+    item = attention_item<float>;
+  } else if (kv_type == kKvBF16) {
+    write_kv<bf16_t>(kn, vn, kv, d, kc, vc, max_len, pos);
+    item = attention_item<bf16_t>;
+  } else {
+    write_kv<f16_t>(kn, vn, kv, d, kc, vc, max_len, pos);
+    item = attention_item<f16_t>;
   }
+  const int64_t S = pos + 1 - lo, group = heads / kv, per_head = (S + kItem - 1) / kItem, items = kv * per_head;
+  std::vector<float> part(static_cast<size_t>(items * group * (d + 2)));
+  const AttnJob job{qkv, kc, vc, max_len, d, group, lo, S, per_head, scale, vector, part.data()};
+  if (nthreads <= 1 || items < 2) {
+    for (int64_t c = 0; c < items; ++c) item(job, c);
+  } else {
+    gml_woq::HelperPool::get().run(items, nthreads - 1, [&](int64_t c) { item(job, c); });
+  }
+  // the merge: per query head, the items' partial softmaxes rescaled to the largest maximum
   const FlushDenormals flush;
-  const int64_t S = pos + 1 - lo, group = heads / kv;
-  std::vector<float> scores(static_cast<size_t>(S * heads));
-  for (int64_t h0 = 0; h0 < heads;) {  // up to 4 heads of one KV head at a time
-    const int64_t g = h0 / group, nh = std::min<int64_t>(4, (g + 1) * group - h0);
-    const float* K = kc + (g * max_len + lo) * d;
-    const float* V = vc + (g * max_len + lo) * d;
-    const float* q[4];
-    float* p[4];
-    float* o[4];
-    for (int64_t h = 0; h < nh; ++h) q[h] = qkv + (h0 + h) * d, p[h] = scores.data() + (h0 + h) * S, o[h] = out + (h0 + h) * d;
-    if (!vector) {
-      for (int64_t h = 0; h < nh; ++h) {
-        const float m = scores_scalar(q[h], K, S, d, scale, p[h]);
-        pv_scalar(p[h], V, S, d, 1.f / softmax_scalar(p[h], S, m), o[h]);
+  for (int64_t g = 0; g < kv; ++g)
+    for (int64_t h = 0; h < group; ++h) {
+      float M = -INFINITY;
+      for (int64_t c = 0; c < per_head; ++c) M = std::max(M, part[((g * per_head + c) * group + h) * (d + 2)]);
+      float* o = out + (g * group + h) * d;
+      std::fill(o, o + d, 0.f);
+      float L = 0.f;
+      for (int64_t c = 0; c < per_head; ++c) {
+        const float* p = part.data() + ((g * per_head + c) * group + h) * (d + 2);
+        const float w = std::exp(p[0] - M);
+        L += w * p[1];
+        for (int64_t i = 0; i < d; ++i) o[i] += w * p[2 + i];
       }
-    } else if (nh == 4) {
-      heads_avx2<4>(q, K, V, S, d, scale, p, o);
-    } else if (nh == 3) {
-      heads_avx2<3>(q, K, V, S, d, scale, p, o);
-    } else if (nh == 2) {
-      heads_avx2<2>(q, K, V, S, d, scale, p, o);
-    } else {
-      heads_avx2<1>(q, K, V, S, d, scale, p, o);
+      const float inv = 1.f / L;
+      for (int64_t i = 0; i < d; ++i) o[i] *= inv;
     }
-    h0 += nh;
-  }
 }
 
 }  // namespace gml_decode

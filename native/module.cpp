@@ -100,14 +100,17 @@ NB_MODULE(_engine, m) {
   m.def(
       "decode_attention",
       [](uintptr_t qkv, int64_t heads, int64_t kv, int64_t d, uintptr_t kc, uintptr_t vc, int64_t max_len, int64_t lo,
-         int64_t pos, float scale, bool vector, uintptr_t out) {
+         int64_t pos, float scale, int kv_type, bool vector, int nthreads, uintptr_t out) {
         nb::gil_scoped_release nogil;
-        gml_decode::attention_row(reinterpret_cast<const float*>(qkv), heads, kv, d, reinterpret_cast<float*>(kc),
-                                  reinterpret_cast<float*>(vc), max_len, lo, pos, scale, vector, reinterpret_cast<float*>(out));
+        gml_decode::attention_row(reinterpret_cast<const float*>(qkv), heads, kv, d, reinterpret_cast<void*>(kc),
+                                  reinterpret_cast<void*>(vc), max_len, lo, pos, scale, kv_type, vector, nthreads,
+                                  reinterpret_cast<float*>(out));
       },
       nb::arg("qkv"), nb::arg("heads"), nb::arg("kv"), nb::arg("d"), nb::arg("kc"), nb::arg("vc"), nb::arg("max_len"),
-      nb::arg("lo"), nb::arg("pos"), nb::arg("scale"), nb::arg("vector"), nb::arg("out"),
-      "One position's attention over an fp32 KV cache, its k / v written at pos first; native/decode.h.");
+      nb::arg("lo"), nb::arg("pos"), nb::arg("scale"), nb::arg("kv_type"), nb::arg("vector"), nb::arg("nthreads"),
+      nb::arg("out"),
+      "One position's attention over a KV cache (kv_type 0 fp32, 1 bf16, 2 fp16), its k / v written at pos "
+      "first; positions split over nthreads (the decode pool); native/decode.h.");
   m.def("woq_isa_supported", &gml_woq::cpu_has, "Whether this CPU runs woq_linear's kernel for `isa`.");
   nb::class_<Plan> plan(m, "Plan", nb::dynamic_attr());  // dynamic attributes: ``keep`` (embedding tables)
   plan.def(nb::init<>())

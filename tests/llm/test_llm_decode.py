@@ -8,6 +8,7 @@ import torch
 
 import gml
 from assets.llm_models import FAMILIES, tiny
+from gml.errors import UnsupportedError
 from gml.llm.decode import DecodeStep, native_glue
 from gml.llm.model import KVCache
 from gml.llm.sampling import Sampling, next_token
@@ -55,10 +56,13 @@ def test_decode_step_int4_and_int8_activations(activations):
     assert (got - ref).abs().max() <= tol * ref.abs().max()
 
 
-def test_decode_step_bf16_cache_and_bf16_weights():
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_decode_step_16bit_cache_and_bf16_weights(kv_dtype):
     lm = gml.llm(tiny("qwen3"), weights="bf16", max_length=64)
-    ref, got, _ = _both(lm, list(range(12)), kv_dtype=torch.bfloat16)
+    ref, got, caches = _both(lm, list(range(12)), kv_dtype=kv_dtype)
     assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    n = caches[0].length  # the step's native K / V writes round as forward's torch writes
+    assert torch.equal(caches[0].data[..., :n, :], caches[1].data[..., :n, :])
 
 
 def test_generate_uses_the_step_and_rebinds_on_a_new_cache_or_thread_count():
@@ -111,30 +115,77 @@ def test_native_glue_matches_torch():
         eng.decode_qk_norm_rope(qkv.data_ptr(), heads, kv, d, 0, 0, 0, 1e-6, 7, cos.data_ptr(), sin.data_ptr())
 
 
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _native_attention(eng, qkv, cache, heads, kv, d, lo, pos, vector, threads, scale=0.3):
+    out = torch.empty(1, heads * d)
+    eng.decode_attention(
+        qkv.data_ptr(), heads, kv, d, cache[0].data_ptr(), cache[1].data_ptr(), cache.shape[2], lo, pos, scale,
+        KV_TYPES[cache.dtype], vector, threads, out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vector", [True, False])
-def test_native_attention_matches_sdpa(vector):
-    """decode_attention (native/decode.h) writes the new k / v at pos and equals SDPA over [lo, pos]: GQA
-    (3 query heads per KV head), a head size with an 8-lane tail (36), a full range and a window."""
+@pytest.mark.parametrize(
+    "heads, kv, d, pos, lo",
+    [
+        (6, 2, 36, 29, 0),  # GQA (3 query heads per KV head), a head size with an 8-lane tail, one item
+        (6, 2, 36, 29, 21),  # a sliding window
+        (4, 1, 256, 300, 0),  # Gemma-3-270M's MQA: 3 items of positions (128, 128, 45), merged
+        (10, 1, 16, 259, 70),  # 10 query heads of one KV head (sub-groups of 8 + 2), a window over 2 items
+        (8, 4, 64, 140, 0),  # TinyLlama's group of 8, 2 items per KV head
+    ],
+)
+def test_native_attention_matches_sdpa(dtype, vector, heads, kv, d, pos, lo):
+    """decode_attention (native/decode.h) writes the new k / v at pos (rounded to the cache type as torch
+    rounds) and equals SDPA over [lo, pos] of the cache; split over 2 threads, bit for bit the 1-thread
+    result (the items do not depend on the thread count)."""
     eng = native_glue()
-    torch.manual_seed(1)
-    heads, kv, d, max_len, pos = 6, 2, 36, 40, 29
-    cache = torch.randn(2, kv, max_len, d)
+    torch.manual_seed(pos + d)
+    max_len = pos + 7
+    cache = torch.randn(2, kv, max_len, d).to(dtype)
     qkv = torch.randn(1, (heads + 2 * kv) * d)
     q = qkv[0, : heads * d].view(kv, heads // kv, d)
     k_new, v_new = qkv[0, heads * d : (heads + kv) * d].view(kv, d), qkv[0, (heads + kv) * d :].view(kv, d)
-    for lo in (0, 21):
-        out = torch.empty(1, heads * d)
-        eng.decode_attention(
-            qkv.data_ptr(), heads, kv, d, cache[0].data_ptr(), cache[1].data_ptr(), max_len, lo, pos, 0.3, vector,
-            out.data_ptr(),
-        )  # fmt: skip
-        assert torch.equal(cache[0, :, pos], k_new) and torch.equal(cache[1, :, pos], v_new)
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q, cache[0, :, lo : pos + 1], cache[1, :, lo : pos + 1], scale=0.3
-        )
-        torch.testing.assert_close(out.view(kv, heads // kv, d), ref, rtol=1e-5, atol=1e-6)
+    out = _native_attention(eng, qkv, cache, heads, kv, d, lo, pos, vector, 1)
+    assert torch.equal(cache[0, :, pos], k_new.to(dtype)) and torch.equal(cache[1, :, pos], v_new.to(dtype))
+    c = cache.float()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, c[0, :, lo : pos + 1], c[1, :, lo : pos + 1], scale=0.3)
+    # fp32 sums in another order than SDPA's (a 256-long scalar dot product: ~1e-6 of a score of ~5)
+    torch.testing.assert_close(out.view(kv, heads // kv, d), ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(_native_attention(eng, qkv, cache, heads, kv, d, lo, pos, vector, 2), out)
+
+
+def test_native_attention_kv_rounding_and_bad_arguments():
+    """The new k / v rounded to bf16 / fp16 as torch rounds (ties, subnormals, the largest finite fp16, NaN;
+    bf16: 1e6 and inf); what fp16 would round to inf refused; arguments out of range refused."""
+    eng = native_glue()
+    heads, kv, d = 1, 1, 16
+    special = [1 + 2**-8, 1 + 3 * 2**-8, 2**-20, -(2**-24) * 1.5, 65519.0, -65519.9, float("nan")]
+    for dtype, extra in ((torch.bfloat16, [1e6, float("inf")]), (torch.float16, [])):
+        row = torch.tensor(special + extra + [0.1 * i for i in range(d - len(special) - len(extra))])
+        qkv = torch.cat([torch.zeros(d), row, row]).view(1, -1)
+        cache = torch.zeros(2, kv, 4, d, dtype=dtype)
+        _native_attention(eng, qkv, cache, heads, kv, d, 0, 2, False, 1)
+        want = row.to(dtype)
+        got = cache[0, 0, 2]
+        assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+        assert got[want.isnan()].isnan().all()
+    for big in (65520.0, -1e6, float("inf")):  # fp16 rounds these to inf
+        qkv = torch.cat([torch.zeros(d), torch.full((d,), big), torch.zeros(d)]).view(1, -1)
+        cache = torch.zeros(2, kv, 4, d, dtype=torch.float16)
+        with pytest.raises(OverflowError, match="fp16"):
+            _native_attention(eng, qkv, cache, heads, kv, d, 0, 2, True, 1)
+        assert not cache.any()  # nothing written
+    cache = torch.zeros(2, kv, 4, d)
     with pytest.raises(ValueError, match="lo <= pos"):
-        eng.decode_attention(qkv.data_ptr(), heads, kv, d, 0, 0, max_len, 0, max_len, 0.3, vector, 0)
+        eng.decode_attention(qkv.data_ptr(), heads, kv, d, 0, 0, 4, 0, 4, 0.3, 0, True, 1, 0)
+    with pytest.raises(ValueError, match="kv_type"):
+        eng.decode_attention(qkv.data_ptr(), heads, kv, d, cache[0].data_ptr(), cache[1].data_ptr(), 4, 0, 1, 0.3, 3,
+                             True, 1, 0)  # fmt: skip
 
 
 def test_greedy_argmax_is_torch_argmax():
@@ -143,3 +194,23 @@ def test_greedy_argmax_is_torch_argmax():
     assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
     big = torch.from_numpy(np.random.default_rng(0).standard_normal((2, 262144)).astype(np.float32))
     assert torch.equal(next_token(big, Sampling(), torch.Generator()), big.argmax(-1))
+
+
+def test_fp16_cache_refuses_keys_beyond_its_range():
+    """A key / value beyond 65504 would be inf in an fp16 cache (NaN logits after): prefill and the decode
+    step refuse it naming the fix, and a bf16 cache (fp32's range) takes it."""
+    lm = gml.llm(tiny("llama"), weights="int8", max_length=32)
+    assert lm.kv_dtype == torch.float16  # the default for quantized weights
+    spec = lm.decoder.spec
+    for layer in lm.decoder.layers:  # scale v's rows of the fused QKV matrix (the last ones): values of ~1e6
+        layer.qkv.qweight.scales[-spec.num_kv_heads * spec.head_dim :] *= 1e6
+    with pytest.raises(UnsupportedError, match="kv_cache='bf16'"):
+        lm.generate(PROMPT, 4)
+    dec = lm.decoder
+    cache = KVCache(spec, 1, 32, torch.float16)
+    step = DecodeStep(dec, cache, native_glue())
+    with pytest.raises(UnsupportedError, match="beyond fp16's range"):
+        step(torch.tensor([[5]]))
+    bf16 = KVCache(spec, 1, 32, torch.bfloat16)
+    dec.forward(torch.tensor([PROMPT]), bf16, last_only=True)
+    assert DecodeStep(dec, bf16, native_glue())(torch.tensor([[5]])).isfinite().all()

@@ -74,9 +74,9 @@ def test_woq_logits_equal_fake_quantized_hf(family, weights, group, symmetric):
     ref_model = fake_quantized_copy(model, bits, group, symmetric)
     with torch.no_grad():
         ref = ref_model(torch.tensor([PROMPT]), use_cache=False).logits[0]
-    lm = gml.llm(
+    lm = gml.llm(  # (an fp32 KV cache: the weights' error alone)
         model, weights=weights, group_size=group, symmetric=symmetric, lm_head_weights="fp32",
-        embed_weights="fp32", max_length=32,
+        embed_weights="fp32", max_length=32, kv_cache="fp32",
     )  # fmt: skip
     assert rel_err(lm.logits(PROMPT), ref) <= 1e-4
     # the quantization itself moves the logits (the test would pass vacuously otherwise)
@@ -121,7 +121,7 @@ def test_quantized_embedding_table_equals_fake_quantized_rows(family, weights, g
         emb.weight.copy_(fake_quant(emb.weight.float(), bits, group or emb.weight.shape[1], symmetric))
         ref = ref_model(torch.tensor([PROMPT]), use_cache=False).logits[0]
     lm = gml.llm(model, weights=weights, group_size=group, symmetric=symmetric, lm_head_weights="fp32",
-                 max_length=32)  # fmt: skip
+                 max_length=32, kv_cache="fp32")  # fmt: skip
     assert lm.decoder.embed_weights == weights
     assert rel_err(lm.logits(PROMPT), ref) <= 1e-4
 
@@ -129,7 +129,7 @@ def test_quantized_embedding_table_equals_fake_quantized_rows(family, weights, g
 def test_a_tied_table_and_head_share_one_quantized_tensor():
     model = tiny("gemma3")
     assert model.config.tie_word_embeddings
-    lm = gml.llm(model, weights="int8", max_length=32)
+    lm = gml.llm(model, weights="int8", max_length=32, kv_cache="fp32")
     assert lm.decoder.embed_weights == "int8" and lm.decoder.lm_head.qweight is lm.decoder.embed
     assert lm.decoder.embed.group_size == 32  # int8 in groups of 32 by default
     # the head's quantization is the table's: HF with the shared tensor fake-quantized per row's groups

@@ -11,16 +11,17 @@ about as long as the 18 layers' matrix kernels themselves (docs/llm.md, "Where a
   buffers (:meth:`LinearOp.bind`: the native kernel's arguments are a fixed tuple);
 * the glue between the matrices in native calls (native/decode.h): a norm; the residual add fused with
   the next norm (the sandwich norm of Gemma 3 first); the q/k norm + RoPE of the fused QKV row in place;
-* attention over an fp32 cache as one native call per layer that also writes the new k / v rows
-  (native/decode.h: one query row per head, GQA heads reading their KV head's rows in place); a bf16
-  cache as one SDPA call on views of the cache. A sliding window is a narrower range of positions
-  instead of a mask: for the newest position the two are the same;
+* attention as one native call per layer that also writes the new k / v rows (native/decode.h: an
+  fp32, bf16 or fp16 cache read in place, each K / V row once for all the query heads of its KV head;
+  on long contexts the positions split over the decode pool's threads, flash-decoding). A sliding
+  window is a narrower range of positions instead of a mask: for the newest position the two are the
+  same;
 * the argmax of greedy decoding (:func:`gml.llm.sampling.next_token`) through numpy, 7x faster than
   ``torch.argmax`` over a 262k vocabulary.
 
-What stays as torch ops: the embedding lookup, the activation (``act(gate) * up``); with a bf16 cache
-the K/V writes and the attention. Equal to ``forward`` on the same token up to fp32 rounding
-(tests/llm/test_llm_decode.py). The logits it returns are a buffer the next step overwrites.
+What stays as torch ops: the embedding lookup, the activation (``act(gate) * up``). Equal to
+``forward`` on the same token up to fp32 rounding (tests/llm/test_llm_decode.py). The logits it
+returns are a buffer the next step overwrites.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from gml.ir.attention import attention_op
 from gml.kernels.woq import detect_kernel
-from gml.llm.model import Decoder, KVCache, _act
+from gml.llm.model import KV_NATIVE_TYPES, Decoder, KVCache, _act, check_kv_range, kv_overflow
 from gml.llm.spec import Norm
 
 _KINDS = {"rms": 0, "layer": 1}
@@ -100,8 +101,10 @@ class DecodeStep:
         self.final = self._norm_args(decoder.final_norm)
         self.lm_head = decoder.lm_head.bind(self.a, self.logits)
         self.attend = attention_op()
-        # the native attention (fp32 cache) and its tier: AVX2 + FMA unless GML's CPU description says scalar
-        self.native_attention = cache.data.dtype == torch.float32 and hasattr(engine, "decode_attention")
+        # the native attention (any cache type of KV_NATIVE_TYPES) and its tier: AVX2 + FMA unless GML's CPU
+        # description says scalar; long contexts split their positions over the torch thread count
+        self.kv_type = KV_NATIVE_TYPES.get(cache.data.dtype)
+        self.native_attention = self.kv_type is not None and hasattr(engine, "decode_attention")
         self.vector = detect_kernel() not in (None, "scalar")
 
     # ------------------------------------------------------------------ build helpers
@@ -156,11 +159,15 @@ class DecodeStep:
             window = lay["window"]
             lo = end - window if window is not None and end > window else 0
             if self.native_attention:
-                eng.decode_attention(
-                    qkvp, heads, kv, d, lay["kp"], lay["vp"], cache.max_length, lo, pos, spec.attn_scale,
-                    self.vector, self.attn.data_ptr(),
-                )  # fmt: skip
+                try:
+                    eng.decode_attention(
+                        qkvp, heads, kv, d, lay["kp"], lay["vp"], cache.max_length, lo, pos, spec.attn_scale,
+                        self.kv_type, self.vector, self.threads, self.attn.data_ptr(),
+                    )  # fmt: skip
+                except OverflowError:  # an fp16 cache and a k / v beyond 65504 (native/decode.h)
+                    raise kv_overflow(i) from None
             else:
+                check_kv_range(cache, i, self.k, self.v)
                 keys[0, :, pos].copy_(self.k)
                 values[0, :, pos].copy_(self.v)
                 k, v = keys[:, :, lo:end].float(), values[:, :, lo:end].float()

@@ -1,7 +1,7 @@
 """GML's decoder: the captured layers (:mod:`gml.llm.spec`) run over a KV cache that GML owns.
 
-**KV cache.** One preallocated tensor ``[layers, 2, batch, kv_heads, max_length, head_dim]`` (fp32 or
-bf16; index 0 = keys after RoPE, 1 = values). A forward step writes the new positions'
+**KV cache.** One preallocated tensor ``[layers, 2, batch, kv_heads, max_length, head_dim]`` (fp32,
+bf16 or fp16: :data:`KV_DTYPES`; index 0 = keys after RoPE, 1 = values). A forward step writes the new positions'
 keys/values at ``[start, start + L)`` and attends over ``[0, start + L)``; nothing is reallocated
 while generating. Sliding-window layers keep every position too and mask the ones out of their
 window (simple, and exact; a ring buffer would save memory on long contexts).
@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from gml.errors import UnsupportedError
 from gml.ir.attention import attention_op
 from gml.ir.llm_ops import QuantizedWeight, embedding_rows, quantize_weight, woq_linear
 from gml.kernels.woq import GEMM_MIN_ROWS, native_supports, woq_linear_bound, woq_linear_native
@@ -109,6 +110,30 @@ class LinearOp:
         if self.qweight is not None:
             return self.qweight.nbytes()
         return self.weight.numel() * self.weight.element_size()
+
+
+#: The KV cache's entry types by name (``gml.llm(..., kv_cache=...)``, the saved ``kv_cache`` field) and
+#: the code native/decode.h's attention reads them by (``KvType``).
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KV_NATIVE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FP16_INF = 65520.0  # the smallest magnitude fp16 rounds to inf (its largest finite value is 65504)
+
+
+def kv_overflow(layer: int, value: float | None = None) -> UnsupportedError:
+    """The error for a key / value an fp16 KV cache cannot hold (it would store inf, then NaN logits)."""
+    what = "a key / value" if value is None else f"a key / value of magnitude {value:.4g}"
+    return UnsupportedError(
+        f"layer {layer} wrote {what} into the fp16 KV cache, beyond fp16's range (65504)",
+        "build the LLM with kv_cache='bf16' (fp32's range) or kv_cache='fp32'",
+    )
+
+
+def check_kv_range(cache: KVCache, layer: int, *rows: torch.Tensor) -> None:
+    """Refuse keys / values an fp16 cache would turn into inf (bf16 and fp32 have fp32's range)."""
+    if cache.data.dtype == torch.float16:
+        top = max(float(r.abs().amax()) for r in rows)
+        if top >= FP16_INF:
+            raise kv_overflow(layer, top)
 
 
 class KVCache:
@@ -331,6 +356,7 @@ class Decoder:
                 cos, sin = self._rope_table(i)
                 q = _rope(q, cos[start:end], sin[start:end])
                 k = _rope(k, cos[start:end], sin[start:end])
+            check_kv_range(cache, i, k, v)
             cache.data[i, 0, :, :, start:end] = k
             cache.data[i, 1, :, :, start:end] = v
             keys = cache.data[i, 0, :, :, :end]

@@ -38,14 +38,14 @@ from gml import archive
 from gml.errors import InputError, ModelLoadError
 from gml.files import write_atomically
 from gml.ir.llm_ops import INT4_GROUP_SIZES, INT8_GROUP_SIZES, QuantizedWeight, check_format
-from gml.llm.model import Decoder, Layer, LinearOp
+from gml.llm.model import KV_DTYPES, Decoder, Layer, LinearOp
 from gml.llm.spec import FAMILIES, LayerWeights, ModelSpec, Norm
 
 FORMAT = "gml-llm-1"  # the manifest's format, which gml.io.load dispatches on
 _FOLDER = "gml-llm"
 _JSON = "llm.json"
 _WEIGHTS = ("fp32", "bf16", "int8", "int4")
-_KV = ("fp32", "bf16")
+_KV = tuple(KV_DTYPES)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "uint8": torch.uint8}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _ROPE_KEYS = ("full_attention", "sliding_attention")
@@ -227,7 +227,7 @@ def save_llm(lm: Any, path: str | Path) -> Path:
         "symmetric": symmetric,
         "tied_lm_head": tied,
         "max_length": lm.max_length,
-        "kv_cache": "bf16" if lm.kv_dtype == torch.bfloat16 else "fp32",
+        "kv_cache": next(name for name, t in KV_DTYPES.items() if t == lm.kv_dtype),
         "rope": sorted(dec.rope),
         "rope_length": rope_length,
         "tensors": {
@@ -494,7 +494,7 @@ def read_llm(
         )
     kv_cache = m["kv_cache"] if kv_cache is None else kv_cache
     if kv_cache not in _KV:
-        raise InputError(f"kv_cache={kv_cache!r} is not one of {_KV}", "use fp32 or bf16")
+        raise InputError(f"kv_cache={kv_cache!r} is not one of {_KV}", "use one of " + ", ".join(_KV))
 
     def linear(name: str, storage: str) -> LinearOp:
         bias = t.get(f"{name}.bias")
