@@ -10,7 +10,10 @@ writes, from the one model ``gml.bench.llm.random_llm`` builds (seed 0, the weig
   write it (:func:`write_llama_gguf`), then ``-q8_0.gguf`` / ``-q4_0.gguf``: llama.cpp's quantize of
   that file (``llamacpp_worker.py quantize``, llama.cpp's default per-tensor rules);
 * ``OUT_DIR/<model>-int8.gml`` / ``-int4.gml``: ``gml.llm(model, weights=...).save(...)`` with GML's
-  defaults (INT8 in groups of 32; INT4 g32 symmetric with an INT8 LM head);
+  defaults (INT8 in groups of 32; INT4 g32 symmetric with an INT8 LM head), and ``-int8pc.gml``: INT8 per
+  output channel (``group_size=None``, the layout of OpenVINO's INT8 weights);
+* with ``--openvino-python PY``: ``OUT_DIR/ov-int8`` / ``ov-int4``, OpenVINO IR folders exported from
+  ``hf/`` by ``openvino_worker.py export`` in that venv (NNCF INT8 per channel / INT4 g32 symmetric);
 
 and checks that it is one model: llama.cpp's logits of the F16 file on ``--check`` token ids against HF
 eager fp32's (F16 weights and F16 activations in llama.cpp's matmuls: close, not equal). Then time them
@@ -41,6 +44,15 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
+
+
+#: The GML files written (label -> gml.llm options): the defaults of each width, and INT8 per output
+#: channel, the layout of OpenVINO's (NNCF's) INT8 weights.
+GML_FILES = {
+    "int8": dict(weights="int8"),
+    "int4": dict(weights="int4"),
+    "int8pc": dict(weights="int8", group_size=None),
+}
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -163,6 +175,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--model", default="tinyllama", choices=sorted(RANDOM_LLMS))
     ap.add_argument("--llamacpp-python", default="/work/venvs/llamacpp/bin/python")
+    ap.add_argument("--openvino-python", default=None, help="also export OUT_DIR/ov-int8, ov-int4 (openvino_worker.py)")
     ap.add_argument("--check", type=int, default=8, help="teacher-forced positions compared with HF eager")
     ap.add_argument("--max-length", type=int, default=2048, help="of the saved GML files")
     args = ap.parse_args()
@@ -183,19 +196,28 @@ def main() -> None:
         if not dst.exists():
             print(f"llama.cpp quantize {q} -> {dst}", flush=True)
             llamacpp(args.llamacpp_python, "quantize", str(f16), str(dst), q)
-    for w in ("int8", "int4"):
-        dst = out / f"{m}-{w}.gml"
+    for label, kw in GML_FILES.items():
+        dst = out / f"{m}-{label}.gml"
         if not dst.exists():
-            print(f"gml.llm(weights={w!r}).save -> {dst}", flush=True)
-            gml.llm(model, weights=w, max_length=args.max_length).save(dst)
+            print(f"gml.llm({kw}).save -> {dst}", flush=True)
+            gml.llm(model, max_length=args.max_length, **kw).save(dst)
     worst = check_logits(model, f16, args.llamacpp_python, args.check)
     print(f"worst relative logit difference: {worst:.2e}")
     if worst > 2e-2:
         sys.exit(f"llama.cpp's logits of {f16} are not HF's ({worst:.2e} > 2e-2): the GGUF is not this model")
+    peers = f"--llamacpp Q8_0={out}/{m}-q8_0.gguf --llamacpp Q4_0={out}/{m}-q4_0.gguf"
+    if args.openvino_python:
+        for w in ("int8", "int4"):  # NNCF: INT8 per channel; INT4 in groups of 32 (GML's), symmetric
+            dst = out / f"ov-{w}"
+            if not (dst / "openvino_model.xml").exists():
+                print(f"OpenVINO export {w} -> {dst}", flush=True)
+                cmd = [args.openvino_python, str(HERE / "openvino_worker.py"), "export", str(out / "hf"), str(dst), w]
+                subprocess.run(cmd, check=True, capture_output=True)
+            peers += f" --openvino {w}={dst}"
+    models = " ".join(f"--model {label}={out}/{m}-{label}.gml" for label in GML_FILES)
     print(
         f"\npython benchmarks/llm_decode_ab.py --gml new=.venv/bin/python --vocab {model.config.vocab_size} "
-        f"--model int8={out}/{m}-int8.gml --model int4={out}/{m}-int4.gml "
-        f"--llamacpp Q8_0={out}/{m}-q8_0.gguf --llamacpp Q4_0={out}/{m}-q4_0.gguf"
+        f"--bos 1 {models} {peers}"
     )
 
 
