@@ -1,5 +1,7 @@
 """OpenVINO GenAI side of benchmarks/llm_decode_ab.py; runs in a venv with openvino-genai, optimum-intel and
-nncf (not GML's: ``pip install openvino-genai optimum-intel nncf``). Offline: nothing is downloaded.
+nncf (not GML's: ``pip install openvino-genai optimum-intel nncf``; for a ``.gguf`` source also ``gguf
+accelerate``; optimum-intel 2.2.0 exports Gemma 3 only with ``transformers<=5.0``, so
+``pip install transformers==5.0.0`` there). Offline: nothing is downloaded.
 
     python openvino_worker.py export SRC OUT_DIR {int8,int4} [--group-size G] [--asym]
     python openvino_worker.py decode OUT_DIR TOKENS.json PROMPT STEPS   # prints decode tokens/s (JSON)
