@@ -1,14 +1,20 @@
-"""Decode tokens/s of saved GML LLMs — under one or more GML checkouts — and of llama.cpp GGUFs, one
-interleaved run (every row a fresh process per round, rows in a seeded random order per round).
+"""Decode tokens/s of saved GML LLMs — under one or more GML checkouts — and of llama.cpp GGUFs and OpenVINO
+GenAI IR folders, one interleaved run (every row a fresh process per round, rows in a seeded random order
+per round).
 
     python benchmarks/llm_decode_ab.py --gml new=.venv/bin/python --gml old=../base/.venv/bin/python \\
         --model int8=/tmp/gemma-int8.gml --model int4=/tmp/gemma-int4.gml --activations int8 \\
-        --llamacpp Q8_0=/tmp/gemma-3-270m-q8_0.gguf --llamacpp Q4_0=/tmp/gemma-3-270m-q4_0.gguf
+        --llamacpp Q8_0=/tmp/gemma-3-270m-q8_0.gguf --llamacpp Q4_0=/tmp/gemma-3-270m-q4_0.gguf \\
+        --openvino int8=/tmp/gemma-ov-int8 --openvino int4=/tmp/gemma-ov-int4
 
 Each row: a prompt of ``--prompt`` random token ids (seeded), then ``--steps`` decode steps, batch 1,
 ``--threads`` threads. GML: ``lm.generate`` (greedy; the LM head runs every step) after one short
 untimed generation, ``lm.stats.decode_tokens_per_second``. llama.cpp: ``llamacpp_worker.py decode``
 (llama-cpp-python, its AMX matmul off: see llamacpp_noamx.c), which feeds the sequence's next ids.
+OpenVINO GenAI: ``openvino_worker.py decode`` (``LLMPipeline`` on token ids, greedy, ``--threads`` as
+``INFERENCE_NUM_THREADS``; decode tokens/s from its mean time per output token), on a folder
+``openvino_worker.py export`` wrote. The peers run in their own venvs (``--llamacpp-python``,
+``--openvino-python``); nothing here imports them.
 A GML checkout is given by its venv's python, so an old commit and a new one run side by side.
 """
 
@@ -55,18 +61,22 @@ def main() -> None:
     ap.add_argument("--kv-cache", default="-", help="comma-separated GML KV cache types (default: the file's)")
     ap.add_argument("--llamacpp", action="append", default=[], help="LABEL=FILE.gguf")
     ap.add_argument("--llamacpp-python", default="/work/venvs/llamacpp/bin/python")
+    ap.add_argument("--openvino", action="append", default=[], help="LABEL=DIR: an OpenVINO IR folder")
+    ap.add_argument("--openvino-python", default="/work/venvs/openvino/bin/python")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=262144, help="random prompt ids are drawn below this")
+    ap.add_argument("--bos", type=int, default=2, help="the first id of the prompt (Gemma's BOS; Llama's is 1)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="gml-decode-ab-"))
     rng = random.Random(args.seed)
     tokens = work / "tokens.json"
-    tokens.write_text(json.dumps([[2] + [rng.randrange(args.vocab) for _ in range(args.prompt + args.steps + 8)]]))
+    ids = [args.bos] + [rng.randrange(args.vocab) for _ in range(args.prompt + args.steps + 8)]
+    tokens.write_text(json.dumps([ids]))
     rows: dict[str, tuple[list[str], dict[str, str] | None]] = {}
     for g in args.gml:
         label, py = g.split("=", 1)
@@ -88,6 +98,11 @@ def main() -> None:
             cmd = [args.llamacpp_python, str(HERE / "llamacpp_worker.py"), "decode", path, str(tokens),
                    str(args.prompt), str(args.steps)]  # fmt: skip
             rows[f"llama.cpp {label}"] = (cmd, env)
+    for o in args.openvino:
+        label, path = o.split("=", 1)
+        cmd = [args.openvino_python, str(HERE / "openvino_worker.py"), "decode", path, str(tokens), str(args.prompt),
+               str(args.steps)]  # fmt: skip
+        rows[f"OpenVINO GenAI {label}"] = (cmd, {**os.environ, "GML_OPENVINO_THREADS": str(args.threads)})
     got: dict[str, list[float]] = {name: [] for name in rows}
     ttft: dict[str, list[float]] = {name: [] for name in rows}
     order = list(rows)

@@ -95,15 +95,21 @@ def read_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
     return best
 
 
+def random_llm(name: str):
+    """The random-weight HF Llama ``name`` of :data:`RANDOM_LLMS` (seed 0, HF's initialization, eager
+    attention): the same weights on every call, so benchmarks/ can hand them to other runtimes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**RANDOM_LLMS[name])
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
 def _hf_module(source: str):
     """The HF module of ``source`` (a random-weight name, a HF folder, a .gguf) or ``None`` (a saved LLM)."""
     if source in RANDOM_LLMS:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(**RANDOM_LLMS[source])
-        cfg._attn_implementation = "eager"
-        torch.manual_seed(0)
-        return LlamaForCausalLM(cfg).eval()
+        return random_llm(source)
     from gml.llm.api import _load_folder, _saved_llm
 
     if _saved_llm(source) is not None:
