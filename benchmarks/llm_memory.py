@@ -26,6 +26,13 @@ import tempfile
 
 
 def _mib_peak() -> float:
+    """This process's RSS high-water mark. ``VmHWM`` (of this address space, fresh after exec) rather
+    than ``ru_maxrss``, which Linux keeps across fork + exec: a child of a parent that had just built
+    the 1.1B-parameter model reported the parent's 8 GB as its own baseline."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
