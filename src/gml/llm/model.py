@@ -162,14 +162,15 @@ def _norm(x: torch.Tensor, n: Norm, spec: ModelSpec) -> torch.Tensor:
     return y * (1.0 + n.weight) if spec.norm_plus_one else y * n.weight
 
 
-def _act(x: torch.Tensor, name: str) -> torch.Tensor:
+def _act(x: torch.Tensor, name: str, inplace: bool = False) -> torch.Tensor:
+    """The MLP's activation; ``inplace`` overwrites ``x`` where torch has the in-place form (SiLU, ReLU)."""
     if name == "silu":
-        return F.silu(x)
+        return F.silu(x, inplace=inplace)
     if name == "gelu":
         return F.gelu(x)
     if name == "gelu_tanh":
         return F.gelu(x, approximate="tanh")
-    return F.relu(x)
+    return F.relu(x, inplace=inplace)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -306,16 +307,20 @@ class Decoder:
 
     @staticmethod
     def _mask(start: int, length: int, total: int, window: int | None, groups: int) -> torch.Tensor | None:
-        """Bool ``[groups * length, total]``: query at ``start + i`` sees keys ``j <= start + i`` (and
-        ``j > start + i - window``). ``None`` when every key is visible (decode, full attention)."""
+        """Additive fp32 ``[groups * length, total]``: 0 where the query at ``start + i`` sees key ``j``
+        (``j <= start + i`` and ``j > start + i - window``), ``-inf`` elsewhere. ``None`` when every key
+        is visible (decode, full attention). Built once per forward and window, in SDPA's own float
+        form: a bool mask is converted to this by every attention call (two ``[G*L, S]`` temporaries
+        per layer, 16 MB each for a 256-row chunk of a TinyLlama-shaped model at 2,048 tokens)."""
         if length == 1 and (window is None or total <= window):
             return None
         q = torch.arange(start, start + length)[:, None]
         k = torch.arange(total)[None, :]
-        mask = k <= q
+        hidden = k > q
         if window is not None:
-            mask &= k > q - window
-        return mask.repeat(groups, 1)
+            hidden |= k <= q - window
+        mask = torch.zeros(groups * length, total)
+        return mask.masked_fill_(hidden.repeat(groups, 1), float("-inf"))
 
     def _embed(self, ids: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """fp32 ``[B, L, H]``: the rows of ``ids: [B, L]`` (positions ``[start, end)``), scaled, plus the
@@ -376,8 +381,10 @@ class Decoder:
             h = h + o
             m = _norm(h, w.mlp_in_norm, spec)
             if spec.gated_mlp:
+                # act(gate) * up written over the gate half of up's output: one [L, I] temporary
+                # fewer (of two) per layer during prefill (benchmarks/llm_memory.py: peak RSS).
                 gate, up = layer.up(m).chunk(2, dim=-1)
-                m = _act(gate, spec.activation) * up
+                m = _act(gate, spec.activation, inplace=True).mul_(up)
             else:
                 m = _act(layer.up(m), spec.activation)
             m = layer.down(m)
