@@ -156,7 +156,11 @@ class BinaryOpsBase(UnaryOpsBase):
     _other_qp: QParams
 
     def __init__(
-        self, input_qparams: QParams, other_qparams: QParams, output_qparams: QParams, backend: BackendArg = None
+        self,
+        input_qparams: QParams,
+        other_qparams: QParams,
+        output_qparams: QParams,
+        backend: BackendArg = None,
     ) -> None:
         super().__init__(input_qparams, output_qparams, backend)
         self._hold("other", other_qparams)
