@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from rich.console import Console
@@ -62,7 +62,10 @@ def _as_is(obj: Any, *names: str) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in names}
 
 
-def _first(items: Sequence[Any], field_name: str, value: Any) -> Any:
+_T = TypeVar("_T")
+
+
+def _first(items: Sequence[_T], field_name: str, value: Any) -> _T:
     """The first of ``items`` whose ``field_name`` is ``value``; ``KeyError(value)`` if none is."""
     for item in items:
         if getattr(item, field_name) == value:
