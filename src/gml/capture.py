@@ -21,7 +21,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.node import map_aggregate
 from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 
-from gml.errors import InputError, TraceFailure, UnsupportedError, did_you_mean
+from gml.errors import InputError, TraceFailure, UnsupportedError, did_you_mean, first_few
 from gml.ir.alias import MUTATES
 from gml.ir.layers import torch_layer_base
 from gml.ir.values import cloned
@@ -420,7 +420,7 @@ def _guard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], why: list[s
     tensors = list(example_inputs)[: len(placeholders)]
     if why:
         shapes: list[Any] = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in tensors]
-        reason = why[0] + (f" and {len(why) - 1} more" if len(why) > 1 else "")
+        reason = first_few(why, 1)
     else:
         shapes = [x.dim() if isinstance(x, torch.Tensor) else None for x in tensors]
         reason = "it asserts or branches on tensor ranks (x.ndim / x.dim())"
@@ -589,9 +589,8 @@ def check_finite_parameters(model: nn.Module, *, what: str = "optimization") -> 
             bad.append(f"{name} ({int(torch.isnan(p).sum())} NaN, {int(torch.isinf(p).sum())} Inf)")
     if bad:
         raise UnsupportedError(
-            f"The model's parameters hold NaN/Inf values: {', '.join(bad[:3])}"
-            + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-            + f"; its outputs are not numbers, so {what} cannot check anything against them.",
+            f"The model's parameters hold NaN/Inf values: {first_few(bad)}; its outputs are not numbers, "
+            f"so {what} cannot check anything against them.",
             hint="load the intended weights (a diverged training run or a damaged checkpoint writes NaN); "
             "find them with [n for n, p in model.named_parameters() if not p.isfinite().all()].",
         )

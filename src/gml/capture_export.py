@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from gml.errors import TraceFailure
+from gml.errors import TraceFailure, first_few
 
 #: ``torch.nn`` layers fx keeps as opaque leaves although GML rewrites what is inside them.
 OPAQUE_TO_FX: tuple[type[nn.Module], ...] = (
@@ -124,8 +124,7 @@ def choose_export(gm: fx.GraphModule, model: nn.Module | None = None, inputs: Se
     left as opaque leaves, or (given the model and its inputs) an output type fx lost."""
     hidden = opaque_leaves(gm)
     if hidden:
-        shown = ", ".join(hidden[:3]) + (f" and {len(hidden) - 3} more" if len(hidden) > 3 else "")
-        return f"torch.fx keeps {shown} as opaque leaves; torch.export traces into them"
+        return f"torch.fx keeps {first_few(hidden)} as opaque leaves; torch.export traces into them"
     return _lost_output_type(gm, model, inputs) if model is not None else None
 
 

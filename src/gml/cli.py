@@ -28,6 +28,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    func: Callable[[argparse.Namespace], int | None],
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None,
+    *,
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """The subcommand ``name`` running ``func``, with the arguments ``add_arguments`` declares (the
+    commands that take a model: :func:`_add_model_args`); the caller adds the command's own."""
+    p = sub.add_parser(name, help=help, description=description)
+    if add_arguments is not None:
+        add_arguments(p)
+    p.set_defaults(func=func)
+    return p
+
+
 def load_from_args(args: argparse.Namespace, batch: int | None = None):
     """(model, example_inputs) from the common model arguments."""
     from gml.capture import check_leaf_names
@@ -440,25 +458,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "inspect",
+        cmd_inspect,
+        _add_model_args,
         help="print the captured graph: node table, op histogram, fusible patterns",
         description="Trace MODEL with torch.fx, propagate shapes and print every node (kind, target, "
         "args, shape), a histogram of node kinds and ops, and the known fusible patterns it contains.",
     )
-    _add_model_args(p)
     p.add_argument("--no-nodes", action="store_true", help="skip the per-node table")
     p.add_argument("--svg", metavar="FILE", help="draw the graph to FILE (.svg needs Graphviz; .dot does not)")
-    p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "optimize",
+        cmd_optimize,
+        _add_model_args,
         help="run the fp32 pipeline (normalize, untie, fold BN, fuse) and report every pass",
         description="Capture MODEL, run the fp32 pass pipeline with per-pass verification (a pass that "
         "breaks lint or numerics is rolled back), print the per-pass report and every declined candidate "
         "with its reason, and optionally save the optimized module.",
     )
-    _add_model_args(p)
     p.add_argument(
         "--passes",
         metavar="LIST",
@@ -475,19 +496,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-time", action="store_true", help="skip the quick eager-vs-optimized latency check")
     p.add_argument("--out", metavar="FILE", help="save the optimized module (see docs/adr/004)")
-    p.set_defaults(func=cmd_optimize)
 
     from gml.quant.transformer import DEFAULT_MIN_SQNR_DB
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "quantize",
+        cmd_quantize,
+        _add_model_args,
         help="quantize to INT8 and lower onto fused INT8 kernels; report coverage and accuracy",
         description="Capture MODEL, run the fp32 passes, quantize with GML's BackendConfig (per-channel "
         "symmetric weights, per-tensor activations), calibrate, lower to GML INT8 kernel modules, and print "
         "the pass report, the lowering coverage (which nodes became which INT8 module, which stayed fp32 and "
         "why), the accuracy report (per-layer SQNR, output cosine, top-1 agreement) and fp32-vs-INT8 latency.",
     )
-    _add_model_args(p)
     p.add_argument(
         "--calib", type=int, default=8, metavar="N", help="generated calibration batches (default 8; see --calib-data)"
     )
@@ -558,50 +580,54 @@ def build_parser() -> argparse.ArgumentParser:
     from gml.data.cli import add_data_arguments
 
     add_data_arguments(p)
-    p.set_defaults(func=cmd_quantize)
 
     from gml.bench.cli import add_bench_arguments, bench_command
 
-    p = sub.add_parser(
+    _command(
+        sub,
         "bench",
+        lambda a: bench_command(a, console),
+        add_bench_arguments,
         help="measure every variant (eager, GML fp32/INT8, torch.compile, torch.ao, ONNX Runtime, OpenVINO)",
         description="Benchmark MODEL's variants side by side in one interleaved run: median/p10/p90 latency, "
         "speedup vs eager, output error vs eager, build time, memory, and the roofline floor. Peer runtimes "
         "come from the optional [bench] extra (pip install 'gml-lab[bench]'); a missing one is skipped.",
     )
-    add_bench_arguments(p)
-    p.set_defaults(func=lambda a: bench_command(a, console))
 
     from gml.batch.cli import DESCRIPTION, add_run_arguments, run_command
 
-    p = sub.add_parser(
+    _command(
+        sub,
         "run",
+        lambda a: run_command(a, console),
+        add_run_arguments,
         help="batch inference of a saved model over a folder / file of inputs (resumable; --ray: on Ray Data)",
         description=DESCRIPTION,
     )
-    add_run_arguments(p)
-    p.set_defaults(func=lambda a: run_command(a, console))
 
     from gml.llm.cli import DESCRIPTION as GENERATE_DESCRIPTION
     from gml.llm.cli import add_generate_arguments, generate_command
 
-    p = sub.add_parser(
+    _command(
+        sub,
         "generate",
+        lambda a: generate_command(a, console),
+        add_generate_arguments,
         help="generate tokens with a decoder LLM from a local HF folder or a .gguf file "
         "(KV cache; fp32/bf16/int8/int4 weights)",
         description=GENERATE_DESCRIPTION,
     )
-    add_generate_arguments(p)
-    p.set_defaults(func=lambda a: generate_command(a, console))
 
-    p = sub.add_parser(
+    _command(
+        sub,
         "demo",
+        cmd_demo,
+        None,
         help="guided tour of the lab on the embedded default (ResNet18), offline",
         description="Walk the fusion practice's phases in order: trace basics, manual Linear+ReLU fusion, "
         "matmul+add+relu pattern rewrite, fused vs unfused benchmark, Conv+BN folding, INT8 quantize + "
         "lower of ResNet18, summary table.",
     )
-    p.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -9,7 +9,7 @@ traceback for these.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class GMLError(Exception):
@@ -64,6 +64,12 @@ class AccuracyDropError(AccuracyError):
     ``max_accuracy_drop=``)."""
 
     exit_code = 9
+
+
+def first_few(items: Sequence[str], shown: int = 3) -> str:
+    """``"a, b, c and 4 more"``: the first ``shown`` of ``items``, for a message, and how many it leaves out."""
+    rest = len(items) - shown
+    return ", ".join(items[:shown]) + (f" and {rest} more" if rest > 0 else "")
 
 
 def did_you_mean(name: str, known: Iterable[str], prefix: str = "") -> str:

@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from rich.console import Console
@@ -55,6 +55,22 @@ from gml.bench.stats import Stats, cosine, flat_output, max_abs_diff, speedup, s
 from gml.bench.variants import VARIANTS, BuildContext, Built, VariantSkipped, resolve_variants
 
 PEER_PACKAGES = ("onnxruntime", "onnx", "onnxscript", "openvino", "nncf")
+
+
+def _as_is(obj: Any, *names: str) -> dict[str, Any]:
+    """``{name: obj.name}`` for the fields ``to_dict`` writes unchanged (JSON-ready as they are)."""
+    return {name: getattr(obj, name) for name in names}
+
+
+_T = TypeVar("_T")
+
+
+def _first(items: Sequence[_T], field_name: str, value: Any) -> _T:
+    """The first of ``items`` whose ``field_name`` is ``value``; ``KeyError(value)`` if none is."""
+    for item in items:
+        if getattr(item, field_name) == value:
+            return item
+    raise KeyError(value)
 
 
 @dataclass
@@ -86,15 +102,9 @@ class VariantResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "label": self.label,
-            "precision": self.precision,
-            "status": self.status,
-            "message": self.message,
-            "build_s": self.build_s,
+            **_as_is(self, "name", "label", "precision", "status", "message", "build_s"),
             "calls_per_sample": self.inner,
-            "samples_ms": self.samples_ms,
-            "sample_rounds": self.sample_rounds,
+            **_as_is(self, "samples_ms", "sample_rounds"),
             "stats_ms": self.stats.to_dict() if self.stats else None,
             "speedup_vs_eager": _finite(self.speedup),
             "max_abs_diff_vs_eager": _finite(self.max_abs_diff),
@@ -103,8 +113,7 @@ class VariantResult:
             "top1_accuracy_labelled": self.top1_accuracy,
             "rss": self.rss.to_dict() if self.rss else None,
             "activation_footprint": self.footprint.to_dict() if self.footprint else None,
-            "floor_ms": self.floor_ms,
-            "notes": self.notes,
+            **_as_is(self, "floor_ms", "notes"),
         }
 
 
@@ -127,18 +136,13 @@ class BatchResult:
         return None if self.flops is None else self.flops // 2
 
     def variant(self, name: str) -> VariantResult:
-        for v in self.variants:
-            if v.name == name:
-                return v
-        raise KeyError(name)
+        return _first(self.variants, "name", name)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "batch_size": self.batch_size,
             "input_shapes": [list(s) for s in self.input_shapes],
-            "flops": self.flops,
-            "macs": self.macs,
-            "schedule": self.schedule,
+            **_as_is(self, "flops", "macs", "schedule"),
             "variants": [v.to_dict() for v in self.variants],
         }
 
@@ -153,17 +157,11 @@ class BenchResult:
     batches: list[BatchResult]
 
     def batch(self, batch_size: int) -> BatchResult:
-        for b in self.batches:
-            if b.batch_size == batch_size:
-                return b
-        raise KeyError(batch_size)
+        return _first(self.batches, "batch_size", batch_size)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "model": self.model,
-            "created": self.created,
-            "machine": self.machine,
-            "settings": self.settings,
+            **_as_is(self, "model", "created", "machine", "settings"),
             "peak": self.peak.to_dict() if self.peak else None,
             "batches": [b.to_dict() for b in self.batches],
         }

@@ -311,12 +311,21 @@ def _conv_add_module(ctx: _Ctx, node: fx.Node, mod: nn.Module | None) -> tuple[n
 
 
 # ---------------------------------------------------------------- rules: producer node → plan
-def _rule_conv(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
-    hit = _as_conv(ctx.module(node))
-    if hit is None:
-        return None
-    conv, post_op = hit
-    return _qconv(ctx, conv, node.args[0], out_qp, post_op, [node], ctx.label(node))
+def _layer_rule(as_layer: Callable[[nn.Module | None], Any], lower: Callable[..., _Plan]) -> Rule:
+    """The rule of a weighted layer alone: ``as_layer`` recognises the node's module (the layer and
+    its fused post-op, or None), ``lower`` plans it (:func:`_qconv`, :func:`_qlinear`)."""
+
+    def rule(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
+        hit = as_layer(ctx.module(node))
+        if hit is None:
+            return None
+        layer, post_op = hit
+        return lower(ctx, layer, node.args[0], out_qp, post_op, [node], ctx.label(node))
+
+    return rule
+
+
+_rule_conv = _layer_rule(_as_conv, _qconv)
 
 
 def _rule_conv1d(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
@@ -371,20 +380,15 @@ def _rule_conv_add(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | 
     return _qconv_add(ctx, conv, node.args[0], node.args[1], out_qp, relu, [node], ctx.label(node))
 
 
-def _rule_linear(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
-    hit = _as_linear(ctx.module(node))
-    if hit is None:
-        return None
-    lin, post_op = hit
-    return _qlinear(ctx, lin, node.args[0], out_qp, post_op, [node], ctx.label(node))
-
-
 def _qlinear(ctx: _Ctx, lin: nn.Linear, x_arg: Any, out_qp: QParams | None, post_op: PostOp, covered, label) -> _Plan:
     _check_fuses(ctx, "linear", post_op)
     src, in_qp = ctx.u8_input(x_arg)
     w, ws, b = _weights(lin)
     mod = QLinear(w, ws, b, in_qp, out_qp, post_op=post_op, input_shape=_shape(x_arg), backend=ctx.backend)
     return _Plan(mod, [src], covered, label)
+
+
+_rule_linear = _layer_rule(_as_linear, _qlinear)
 
 
 def _qadd(ctx: _Ctx, node: fx.Node, operands: tuple[Any, Any], out_qp: QParams, relu: bool, covered) -> _Plan:

@@ -354,13 +354,18 @@ class Builder:
                 break
         return src, dst
 
-    def conv(self, src: Val, dst: Val, *, sum_q: QP = None, **kw: Any) -> None:
+    def _windowed(self, method: str, src: Val, dst: Val, *, accumulate: bool = False, **kw: Any) -> None:
+        """A conv or pool step from ``src`` to ``dst``, the two laid out for it (:meth:`_fixed_src`,
+        :meth:`_free_edge`, :meth:`_one_order`). ``accumulate``: the step also reads ``dst`` (a conv's
+        ``sum`` post-op), which is then written where it is, never through a free edge."""
         src = self._fixed_src(src, dst)
-        written = dst if sum_q is not None else self._free_edge(src, dst)
+        written = dst if accumulate else self._free_edge(src, dst)
         src, target = self._one_order(src, written)
-        reads = [src, target] if sum_q is not None else [src]
-        self._step("conv", reads, [target], sum_q=sum_q, **kw)
+        self._step(method, [src, target] if accumulate else [src], [target], **kw)
         self._finish_edge(written, dst)
+
+    def conv(self, src: Val, dst: Val, *, sum_q: QP = None, **kw: Any) -> None:
+        self._windowed("conv", src, dst, accumulate=sum_q is not None, sum_q=sum_q, **kw)
 
     def inner_product(self, src: Val, dst: Val, **kw: Any) -> None:
         self._step("inner_product", [src], [dst], **kw)
@@ -384,34 +389,10 @@ class Builder:
     def reorder(self, src: Val, dst: Val, *, src_q: QP, dst_q: QP) -> None:
         self._step("reorder", [src], [dst], src_q=src_q, dst_q=dst_q)
 
-    def pool(
-        self,
-        src: Val,
-        dst: Val,
-        alg: str,
-        kernel: Any,
-        stride: Any,
-        dilation: Any,
-        pad_l: Any,
-        pad_r: Any,
-        eltwise: Eltwise,
-    ) -> None:
-        src = self._fixed_src(src, dst)
-        written = self._free_edge(src, dst)
-        src, target = self._one_order(src, written)
-        self._step(
-            "pool",
-            [src],
-            [target],
-            alg=alg,
-            kernel=kernel,
-            stride=stride,
-            dilation=dilation,
-            pad_l=pad_l,
-            pad_r=pad_r,
-            eltwise=eltwise,
-        )
-        self._finish_edge(written, dst)
+    def pool(self, src: Val, dst: Val, **kw: Any) -> None:
+        """One oneDNN pooling (native/pool.h): ``alg``, the window (``kernel``, ``stride``,
+        ``dilation``, ``pad_l``, ``pad_r``) and the ``eltwise`` post-ops, as keywords."""
+        self._windowed("pool", src, dst, **kw)
 
     def binary(
         self, a: Val, b: Val, dst: Val, alg: str, *, scale0: float | None, scale1: float | None, eltwise: Eltwise

@@ -61,7 +61,45 @@ def _refresh_after_load(module: nn.Module, incompatible_keys: Any) -> None:
     module.refresh()  # type: ignore[operator]
 
 
-class GMLQuantModuleBase(nn.Module, ABC):
+#: the qparams a module may hold, by buffer prefix: (the attribute caching them, their name in reprs)
+_HELD = {"input": ("_in_qp", "in"), "other": ("_other_qp", "other"), "output": ("_out_qp", "out")}
+
+
+class _HoldsQParams(nn.Module):
+    """A module whose qparams live in buffers (``<prefix>_scale`` / ``<prefix>_zp``, the state_dict
+    form) with a Python-float copy cached for the hot path; :meth:`refresh` (called after
+    ``load_state_dict``) re-reads every copy from its buffers."""
+
+    def __init__(self, backend: BackendArg) -> None:
+        super().__init__()
+        self.backend = get_backend(backend)
+        self._held: tuple[str, ...] = ()
+        self.register_load_state_dict_post_hook(_refresh_after_load)
+
+    def _hold(self, prefix: str, qp: QParams | None) -> None:
+        """Register ``qp`` as the ``prefix`` buffers and cache it (``None``, an fp32 output: buffers
+        (1.0, 0), cached ``None``). Reprs list the qparams held last first."""
+        _register_qparams(self, prefix, qp or QParams(1.0, 0))
+        setattr(self, _HELD[prefix][0], qp)
+        self._held = (prefix, *self._held)
+
+    def refresh(self) -> None:
+        """Re-read cached values from the buffers (after they were loaded or edited)."""
+        for prefix in self._held:
+            if getattr(self, _HELD[prefix][0]) is not None:  # an fp32 output stays None
+                setattr(self, _HELD[prefix][0], _buffered_qparams(self, prefix))
+
+    def _qp_repr(self) -> str:
+        def text(qp: QParams | None) -> str:
+            return "fp32" if qp is None else f"({qp.scale:.4g}, {qp.zero_point})"
+
+        return ", ".join(f"{_HELD[p][1]}={text(getattr(self, _HELD[p][0]))}" for p in self._held)
+
+    def extra_repr(self) -> str:
+        return self._qp_repr()  # a module with more attributes puts them first
+
+
+class GMLQuantModuleBase(_HoldsQParams, ABC):
     """An INT8 op whose output is a uint8 tensor with the qparams in ``output_scale``/``output_zp``.
 
     Subclasses call ``super().__init__(output_qparams, backend)`` first, register their own
@@ -78,24 +116,17 @@ class GMLQuantModuleBase(nn.Module, ABC):
     #: The output shares memory with the first input (a view): the lowering must not let a kernel
     #: write into it while the input is still read.
     is_view: bool = False
+    _out_qp: QParams | None
 
     def __init__(self, output_qparams: QParams | None, backend: BackendArg = None) -> None:
-        super().__init__()
-        self.backend = get_backend(backend)
+        super().__init__(backend)
         self.output_dtype = torch.uint8 if output_qparams is not None else torch.float32
-        _register_qparams(self, "output", output_qparams or QParams(1.0, 0))
-        self._out_qp = output_qparams
-        self.register_load_state_dict_post_hook(_refresh_after_load)
+        self._hold("output", output_qparams)
 
     @property
     def output_qparams(self) -> QParams | None:
         """qparams of the uint8 output; ``None`` when the module writes fp32."""
         return self._out_qp
-
-    def refresh(self) -> None:
-        """Re-read cached values from the buffers (after they were loaded or edited)."""
-        if self.output_dtype == torch.uint8:
-            self._out_qp = _buffered_qparams(self, "output")
 
     @abstractmethod
     def forward(self, *args: torch.Tensor) -> torch.Tensor: ...
@@ -104,33 +135,25 @@ class GMLQuantModuleBase(nn.Module, ABC):
     def op_call(self, inputs: Sequence[Any]) -> OpCall:
         """The ``torch.ops.gml`` call computing this module on ``inputs`` (what the lowering emits)."""
 
-    def _qp_repr(self) -> str:
-        qp = self._out_qp
-        return "out=fp32" if qp is None else f"out=({qp.scale:.4g}, {qp.zero_point})"
-
 
 class UnaryOpsBase(GMLQuantModuleBase):
     """One uint8 input with qparams ``input_scale``/``input_zp``."""
 
+    _in_qp: QParams
+
     def __init__(self, input_qparams: QParams, output_qparams: QParams, backend: BackendArg = None) -> None:
         super().__init__(output_qparams, backend)
-        _register_qparams(self, "input", input_qparams)
-        self._in_qp = input_qparams
+        self._hold("input", input_qparams)
 
     @property
     def input_qparams(self) -> QParams:
         return self._in_qp
 
-    def refresh(self) -> None:
-        super().refresh()
-        self._in_qp = _buffered_qparams(self, "input")
-
-    def _qp_repr(self) -> str:
-        return f"in=({self._in_qp.scale:.4g}, {self._in_qp.zero_point}), " + super()._qp_repr()
-
 
 class BinaryOpsBase(UnaryOpsBase):
     """Two uint8 inputs: ``input_*`` for the first, ``other_*`` for the second."""
+
+    _other_qp: QParams
 
     def __init__(
         self,
@@ -140,20 +163,11 @@ class BinaryOpsBase(UnaryOpsBase):
         backend: BackendArg = None,
     ) -> None:
         super().__init__(input_qparams, output_qparams, backend)
-        _register_qparams(self, "other", other_qparams)
-        self._other_qp = other_qparams
+        self._hold("other", other_qparams)
 
     @property
     def other_qparams(self) -> QParams:
         return self._other_qp
-
-    def refresh(self) -> None:
-        super().refresh()
-        self._other_qp = _buffered_qparams(self, "other")
-
-    def _qp_repr(self) -> str:
-        other = f"other=({self._other_qp.scale:.4g}, {self._other_qp.zero_point}), "
-        return other + super()._qp_repr()
 
 
 class Quantize(GMLQuantModuleBase):
@@ -162,36 +176,26 @@ class Quantize(GMLQuantModuleBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.quantize(x, self._out_qp)
 
-    def extra_repr(self) -> str:
-        return self._qp_repr()
-
     def op_call(self, inputs: Sequence[Any]) -> OpCall:
         return OpCall("quantize", (inputs[0], *_qp(self._out_qp)))
 
 
-class Dequantize(nn.Module):
+class Dequantize(_HoldsQParams):
     """uint8 → fp32 where the INT8 region ends. Not a :class:`GMLQuantModuleBase`: its output
     carries no qparams, so :func:`extract_qparams` correctly finds none on it."""
 
+    _in_qp: QParams
+
     def __init__(self, input_qparams: QParams, *, backend: BackendArg = None) -> None:
-        super().__init__()
-        self.backend = get_backend(backend)
-        _register_qparams(self, "input", input_qparams)
-        self._in_qp = input_qparams
-        self.register_load_state_dict_post_hook(_refresh_after_load)
+        super().__init__(backend)
+        self._hold("input", input_qparams)
 
     @property
     def input_qparams(self) -> QParams:
         return self._in_qp
 
-    def refresh(self) -> None:
-        self._in_qp = _buffered_qparams(self, "input")
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.dequantize(x, self._in_qp)
-
-    def extra_repr(self) -> str:
-        return f"in=({self._in_qp.scale:.4g}, {self._in_qp.zero_point})"
 
     def op_call(self, inputs: Sequence[Any]) -> OpCall:
         return OpCall("dequantize", (inputs[0], *_qp(self._in_qp)))

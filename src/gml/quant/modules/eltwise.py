@@ -62,9 +62,6 @@ class QReLU(UnaryOpsBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.backend.requantize(self.backend.relu(x, self._in_qp), self._in_qp, self._out_qp)
 
-    def extra_repr(self) -> str:
-        return self._qp_repr()
-
     def op_call(self, inputs: Sequence[Any]) -> OpCall:
         return OpCall("qactivation", (inputs[0], *_qp(self._in_qp), "relu", [], *_qp(self._out_qp), self.backend.name))
 

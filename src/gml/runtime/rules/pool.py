@@ -36,7 +36,8 @@ def _emit_maxpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if len(x.shape) != len(k) + 2:
         raise Unsupported(f"{len(k)}-D max pool of a rank-{len(x.shape)} input")
     pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], s[i], d[i], p[i]) for i in range(len(k))]
-    b.pool(x, out, "max", k, s, tuple(v - 1 for v in d), p, pad_r, [])  # the output keeps x's qparams
+    # the output keeps x's qparams
+    b.pool(x, out, alg="max", kernel=k, stride=s, dilation=tuple(v - 1 for v in d), pad_l=p, pad_r=pad_r, eltwise=[])
 
 
 def _check_avgpool(c: Call) -> str | None:
@@ -55,7 +56,8 @@ def _emit_avgpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     k, s, p = (tuple(v) for v in (a.kernel_size, a.stride, a.padding))
     pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], s[i], 1, p[i]) for i in range(2)]
     alg = "avg_include" if a.count_include_pad else "avg_exclude"
-    b.pool(x, out, alg, k, s, (0, 0), p, pad_r, requant_eltwise(x_qparams(a), out_qparams(a)))
+    eltwise = requant_eltwise(x_qparams(a), out_qparams(a))
+    b.pool(x, out, alg=alg, kernel=k, stride=s, dilation=(0, 0), pad_l=p, pad_r=pad_r, eltwise=eltwise)
 
 
 def _emit_adaptive(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
@@ -113,7 +115,7 @@ def _emit_fpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], s[i], d[i], p[i]) for i in range(2)]
     max_pool = isinstance(mod, torch.nn.MaxPool2d)
     alg = "max" if max_pool else "avg_include" if mod.count_include_pad else "avg_exclude"
-    b.pool(x, out, alg, k, s, tuple(v - 1 for v in d), p, pad_r, [])
+    b.pool(x, out, alg=alg, kernel=k, stride=s, dilation=tuple(v - 1 for v in d), pad_l=p, pad_r=pad_r, eltwise=[])
 
 
 def _emit_adaptive_pool(b: Builder, x: Val, out: Val, eltwise: Eltwise) -> None:
@@ -122,7 +124,7 @@ def _emit_adaptive_pool(b: Builder, x: Val, out: Val, eltwise: Eltwise) -> None:
         raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)} is not a regular pooling window")
     k = tuple(i // o for i, o in zip(size, osize))
     zero = (0,) * len(k)
-    b.pool(x, out, "avg_exclude", k, k, zero, zero, zero, eltwise)
+    b.pool(x, out, alg="avg_exclude", kernel=k, stride=k, dilation=zero, pad_l=zero, pad_r=zero, eltwise=eltwise)
 
 
 #: fp32 pools write and read free layouts, as fp32 convs do (gml.runtime.rules.conv)
