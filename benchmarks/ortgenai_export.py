@@ -9,7 +9,9 @@ DIR`` keeps that folder). The model builder
 (``python -m onnxruntime_genai.models.builder -e cpu -p int4|int8``) writes MatMulNBits weights
 (symmetric, blocks of ``--block-size`` along K; default 32, GML's and Q4_0's / Q8_0's block) with
 ``accuracy_level`` 4 (the activations quantized to int8 for the dot products; the builder's CPU default);
-the embedding table stays fp32 (``Gather``; only the looked-up rows are read).
+the embedding table stays fp32 (``Gather``; only the looked-up rows are read). Gemma 3 folders written by
+transformers 5 nest their RoPE per layer type, which the builder (0.18) does not read: it is run with the
+config flattened back (``_builder``).
 
 The builder insists on a tokenizer. A folder without one (the random-weight TinyLlama-shaped model of
 ``benchmarks/llama_gguf.py``) is staged through a temporary folder of symlinks plus a placeholder
@@ -64,7 +66,33 @@ def _stage(src: Path, tmp: Path) -> Path:
     return tmp
 
 
+def _builder(argv: list[str]) -> None:
+    """Run the model builder with transformers 5's per-layer-type RoPE (Gemma 3's ``rope_parameters:
+    {full_attention: ..., sliding_attention: ...}``) given back in the flat form the builder (0.18) reads:
+    ``rope_theta`` global, ``rope_local_base_freq`` local."""
+    import runpy
+
+    import transformers
+
+    load = transformers.AutoConfig.from_pretrained
+
+    def flat_rope(*args, **kwargs):
+        config = load(*args, **kwargs)
+        rope = getattr(config, "rope_parameters", None)
+        if isinstance(rope, dict) and "full_attention" in rope:
+            config.rope_local_base_freq = rope.get("sliding_attention", rope["full_attention"])["rope_theta"]
+            config.rope_theta = rope["full_attention"]["rope_theta"]
+            config.rope_parameters = dict(rope["full_attention"])
+        return config
+
+    transformers.AutoConfig.from_pretrained = flat_rope
+    sys.argv = ["builder", *argv]
+    runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--builder"]:
+        return _builder(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
     ap.add_argument("out", type=Path)
@@ -79,7 +107,7 @@ def main() -> None:
             a.save_hf.mkdir(parents=True, exist_ok=True)
             stage = a.save_hf
         folder = _stage(a.src.resolve(), stage)
-        cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(a.out),
+        cmd = [sys.executable, __file__, "--builder", "-i", str(folder), "-o", str(a.out),
                "-p", a.precision, "-e", "cpu", "-c", cache, "--extra_options", f"block_size={a.block_size}",
                f"accuracy_level={a.accuracy_level}", "hf_remote=false", "hf_token=false"]  # fmt: skip
         print(" ".join(cmd), file=sys.stderr, flush=True)

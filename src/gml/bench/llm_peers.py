@@ -39,22 +39,24 @@ class PeerKind:
     kv_bytes: int  # bytes per KV-cache element in the peer's default cache (for the bandwidth ceiling)
 
 
+#: kv_bytes: llama.cpp's default cache is f16, OpenVINO's CPU plugin keeps u8 (``KV_CACHE_PRECISION``), ONNX
+#: Runtime GenAI's CPU models fp32 (their past_key_values inputs).
 PEERS = (
     PeerKind(
-        "llamacpp", "llama.cpp", "llama_cpp", "pip install llama-cpp-python (a ~20 min source build)",
+        "llamacpp", "llama.cpp", "llama_cpp",
+        "pip install 'gml-lab[llm-llamacpp]' (llama-cpp-python: a ~20 min source build)",
         "a .gguf file", "llama.cpp's quantize tool or benchmarks/llama_gguf.py write Q8_0 / Q4_0 GGUFs", 2,
     ),
     PeerKind(
-        "openvino", "OpenVINO GenAI", "openvino_genai", "pip install openvino-genai optimum-intel nncf",
+        "openvino", "OpenVINO GenAI", "openvino_genai", "pip install 'gml-lab[llm-openvino]' (openvino-genai)",
         "an OpenVINO IR folder", "benchmarks/openvino_worker.py export SRC DIR int8|int4", 1,
     ),
     PeerKind(
-        "ortgenai", "ONNX Runtime GenAI", "onnxruntime_genai", "pip install onnxruntime-genai",
+        "ortgenai", "ONNX Runtime GenAI", "onnxruntime_genai",
+        "pip install 'gml-lab[llm-ortgenai]' (onnxruntime-genai)",
         "an ONNX Runtime GenAI folder", "benchmarks/ortgenai_export.py SRC DIR int4|int8 (its model builder)", 4,
     ),
 )  # fmt: skip
-#: KV-cache element bytes: llama.cpp's default cache is f16, OpenVINO's CPU plugin keeps u8
-#: (``KV_CACHE_PRECISION``), ONNX Runtime GenAI's CPU models fp32 (their past_key_values inputs).
 PEERS_BY_KEY = {p.key: p for p in PEERS}
 
 
