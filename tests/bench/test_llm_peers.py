@@ -29,6 +29,12 @@ def folder(tmp_path_factory):
     return path
 
 
+@pytest.fixture(autouse=True)
+def no_bandwidth_pass(monkeypatch):
+    """The 1 GiB read-bandwidth pass is not what these tests check: a fixed number keeps them fast."""
+    monkeypatch.setattr("gml.bench.llm.read_bandwidth_gbs", lambda: 10.0)
+
+
 @pytest.fixture
 def log(tmp_path, monkeypatch):
     path = tmp_path / "runs.jsonl"
@@ -40,6 +46,7 @@ def _models(tmp_path, *names):
     paths = []
     for n in names:
         (tmp_path / n).mkdir()
+        (tmp_path / n / "openvino_model.xml").write_text("<net/>")  # what an IR folder must hold (FAKE's key)
         paths.append(str(tmp_path / n))
     return paths
 
@@ -123,6 +130,9 @@ def test_bad_paths_are_clear_errors(folder, tmp_path):
         bench_llm(str(folder), weights=["int4"], rounds=1, peers=[PeerRequest(gguf, sys.executable, [str(tmp_path)])])
     with pytest.raises(InputError, match="not an executable"):
         bench_llm(str(folder), weights=["int4"], rounds=1, peers=[PeerRequest(gguf, "/no/python", [])])
+    ort = PEERS_BY_KEY["ortgenai"]
+    with pytest.raises(InputError, match=r"no genai_config\.json in it"):
+        bench_llm(str(folder), weights=["int4"], rounds=1, peers=[PeerRequest(ort, sys.executable, [str(tmp_path)])])
     assert main(["bench", str(folder), "--llm", "--openvino-model", str(tmp_path / "nope")]) != 0
     assert main(["bench", str(folder), "--llm", "--llamacpp-preload", str(tmp_path / "no.so")]) != 0
 

@@ -131,6 +131,15 @@ def _hf_module(source: str):
     )
 
 
+def _hf_weight_bytes(model) -> int:
+    """Bytes of the matrices HF reads per decode step: every 2-D parameter (counted once) but the
+    embedding tables, which are gathered a row at a time (a table tied to the LM head is read whole)."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings()
+    tables.discard(id(head.weight) if head is not None else None)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2 and id(p) not in tables)
+
+
 def _time_hf(model, prompt: torch.Tensor, new: int) -> tuple[float, float]:
     with torch.no_grad():
         t = time.perf_counter()
@@ -230,11 +239,8 @@ def _bench(source, weights, prompt_tokens, new_tokens, rounds, seed, kernel, act
                 lms[name] = gml.llm(hf, weights=w, max_length=max_length, kernel=kernel, activations=act)
     first = next(iter(lms.values()))
     vocab = first.spec.vocab_size
-    if hf is not None:  # HF reads the fp32 matrices GML fp32 holds (the embedding table is gathered, not read)
-        fp32 = lms.get("GML fp32")
-        rows["HF eager fp32"] = LLMRow(
-            "HF eager fp32", fp32.weight_bytes() if fp32 else None, _kv_bytes_per_token(first)
-        )
+    if hf is not None:
+        rows["HF eager fp32"] = LLMRow("HF eager fp32", _hf_weight_bytes(hf), _kv_bytes_per_token(first))
         runs["HF eager fp32"] = lambda ids: _time_hf(hf, torch.tensor([ids]), new_tokens)
     for name, lm in lms.items():
         rows[name] = LLMRow(name, lm.weight_bytes(), _kv_bytes_per_token(lm))

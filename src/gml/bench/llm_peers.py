@@ -83,13 +83,20 @@ def _check_python(kind: PeerKind, python: str) -> None:
         )
 
 
+#: what a model folder must hold (llama.cpp takes a file)
+FOLDER_MARKERS = {"openvino": "openvino_model.xml", "ortgenai": "genai_config.json"}
+
+
 def _check_model(kind: PeerKind, path: str) -> None:
     p = Path(path)
     if not p.exists():
         raise InputError(f"--{kind.key}-model {path!r} does not exist", f"give {kind.model}; {kind.make_model}")
-    want_file = kind.key == "llamacpp"
-    if want_file != p.is_file():
-        raise InputError(f"--{kind.key}-model {path!r} is not {kind.model}", f"give {kind.model}; {kind.make_model}")
+    marker = FOLDER_MARKERS.get(kind.key)
+    if (marker is None) != p.is_file() or (marker and not (p / marker).is_file()):
+        what = f" (no {marker} in it)" if marker and p.is_dir() else ""
+        raise InputError(
+            f"--{kind.key}-model {path!r} is not {kind.model}{what}", f"give {kind.model}; {kind.make_model}"
+        )
 
 
 def installed(kind: PeerKind, python: str) -> str | None:
