@@ -177,6 +177,11 @@ def test_openvino_bytes_and_precision_from_the_ir(tmp_path):
     (tmp_path / "openvino_model.xml").write_text("".join(xml))
     # the u8 table and its f32 scale only reach a Gather: an embedding, not read per token
     assert openvino_info(str(tmp_path)) == ("int4", 320 + 40)
+    # an int8 matrix next to the int4 ones (NNCF's LM head) is named
+    xml = (tmp_path / "openvino_model.xml").read_text().replace('type="Gather"', 'type="MatMul"')
+    (tmp_path / "openvino_model.xml").write_text(xml)
+    precision, nbytes = openvino_info(str(tmp_path))
+    assert nbytes == 640 + 320 + 40 + 4 and {precision} & {"int4 (+ 1 int8 matrix)", "int8 (+ 1 int4 matrix)"}
 
 
 def test_only_gathered_follows_decompression_ops():

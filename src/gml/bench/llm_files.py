@@ -12,7 +12,9 @@ a table that is also the LM head is read whole and counts).
   the file has its own ``output.weight``.
 * OpenVINO IR folder: ``openvino_model.xml``'s ``Const`` layers (their ``size``); a constant whose
   every path through decompression ops (Convert, Subtract, Multiply, Reshape, ...) ends in a ``Gather``
-  is an embedding table. The precision: the element type holding most of the remaining bytes.
+  is an embedding table. The precision: the integer type of most compressed matrices, the others named
+  (NNCF keeps the LM head of an int4 model in int8: ``int4 (+ 1 int8 matrix)``); a float type by bytes
+  when nothing is compressed.
 * ONNX Runtime GenAI folder: with ``onnx``, ``model.onnx``'s initializers (shapes × element sizes, the
   data not read), the same rule for ``Gather`` / ``GatherBlockQuantized``; the precision from its
   ``MatMulNBits`` nodes (bits, block size, ``accuracy_level`` 4 = int8 activations). Without ``onnx``:
@@ -139,13 +141,20 @@ def openvino_info(folder: str) -> ModelInfo:
     for e in root.iter("edge"):
         to = e.get("to-layer")
         consumers[e.get("from-layer")].append((types.get(to, "?"), to))
-    by_type: Counter[str] = Counter()
+    total, ints, floats = 0, Counter(), Counter()
     for lid, (size, et) in consts.items():
         if not _only_gathered(lid, consumers):
-            by_type[et] += size
-    weights = {et: n for et, n in by_type.items() if et in _OV_BITS}
-    precision = _OV_BITS[max(weights, key=weights.get)] if weights else "?"
-    return ModelInfo(precision, sum(by_type.values()))
+            total += size
+            if _OV_BITS.get(et, "").startswith("int"):
+                ints[_OV_BITS[et]] += 1  # compressed matrices (their zero points too), counted
+            elif et in _OV_BITS:
+                floats[_OV_BITS[et]] += size
+    if ints:
+        (main, _), *rest = ints.most_common()
+        precision = main + "".join(f" (+ {n} {bits} matri{'x' if n == 1 else 'ces'})" for bits, n in rest)
+    else:
+        precision = max(floats, key=floats.get) if floats else "?"
+    return ModelInfo(precision, total)
 
 
 # --- ONNX Runtime GenAI -----------------------------------------------------------------------------

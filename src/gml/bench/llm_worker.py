@@ -30,7 +30,8 @@ without a model). Greedy decoding, batch 1, ``T`` threads, each peer's defaults 
   token, decode = its mean time per output token × (M − 1) (``perf_metrics``).
 * ``ortgenai`` (onnxruntime-genai): ``Model(Config(DIR))`` with ``intra_op_num_threads=T`` overlaid on
   the folder's ``genai_config.json``; ``append_tokens(prompt)`` then ``generate_next_token()`` until M
-  tokens (greedy: ``do_sample=False``).
+  tokens (greedy: ``do_sample=False``; the cache at least a sliding window long: Gemma 3's attention
+  refuses a shorter one).
 
 :func:`serve` is the loop; a test can serve a fake runtime through it.
 """
@@ -115,14 +116,17 @@ class ORTGenAI:
         config = og.Config(model)
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.model = og.Model(config)
-        self.max_length = max_length
-        vocab = json.loads((Path(model) / "genai_config.json").read_text())["model"].get("vocab_size")
+        cfg = json.loads((Path(model) / "genai_config.json").read_text())["model"]
+        # Gemma 3's sliding-window layers refuse a cache shorter than their window
+        self.min_cache = (cfg["decoder"].get("sliding_window") or {}).get("window_size", 0)
+        vocab = cfg.get("vocab_size")
         return {"runtime": f"onnxruntime-genai {og.__version__}", "vocab_size": vocab}
 
     def run(self, prompt: list[int], new_tokens: int) -> tuple[float, float]:
         og = self.og
         params = og.GeneratorParams(self.model)
-        params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+        total = len(prompt) + new_tokens  # min_length: no end-of-sequence token stops it early
+        params.set_search_options(max_length=max(total, self.min_cache), min_length=total, do_sample=False)
         gen = og.Generator(self.model, params)
         t = time.perf_counter()
         gen.append_tokens([prompt])  # runs the prompt: the logits of its last position
