@@ -2,9 +2,9 @@
 
     python llamacpp_worker.py quantize IN.gguf OUT.gguf {Q8_0,Q4_0,F32}
     python llamacpp_worker.py logits MODEL.gguf TOKENS.json OUT_DIR      # OUT_DIR/seq{i}.npy, float32 [L, V]
-    python llamacpp_worker.py decode MODEL.gguf TOKENS.json PROMPT STEPS  # prints decode tokens/s
     python llamacpp_worker.py tokenize MODEL.gguf TEXTS.json             # prints token ids (JSON)
 
+Decoding speed is timed by ``gml bench --llm`` / ``llm_decode_ab.py`` through ``gml.bench.llm_worker``.
 Only numpy and llama_cpp are imported (this file must not need GML). 2 threads (or GML_LLAMACPP_THREADS),
 llama-cpp-python's defaults otherwise (f16 KV cache, no flash attention). Results go to stdout as one JSON line.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import llama_cpp
@@ -64,20 +63,6 @@ def logits(path: str, tokens_json: str, out_dir: str) -> dict:
     return {"sequences": len(seqs)}
 
 
-def decode(path: str, tokens_json: str, prompt: int, steps: int) -> dict:
-    """Prefill ``prompt`` tokens, then ``steps`` single-token decode steps (the next token of the sequence is
-    fed, as greedy decoding would feed its own; the LM head runs for every step)."""
-    seq = json.loads(Path(tokens_json).read_text())[0]
-    llm = _load(path, prompt + steps + 1, logits_all=False)
-    t = time.perf_counter()
-    llm.eval(seq[:prompt])  # the prompt's prefill, up to the logits of its last position
-    ttft_ms = 1000 * (time.perf_counter() - t)
-    t = time.perf_counter()
-    for tok in seq[prompt : prompt + steps]:
-        llm.eval([tok])
-    return {"decode_tokens_per_second": steps / (time.perf_counter() - t), "ttft_ms": ttft_ms}
-
-
 def tokenize(path: str, texts_json: str) -> dict:
     llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
     texts = json.loads(Path(texts_json).read_text())
@@ -90,8 +75,6 @@ if __name__ == "__main__":
         out = quantize(*rest)
     elif cmd == "logits":
         out = logits(*rest)
-    elif cmd == "decode":
-        out = decode(rest[0], rest[1], int(rest[2]), int(rest[3]))
     elif cmd == "tokenize":
         out = tokenize(*rest)
     else:

@@ -1,20 +1,21 @@
-"""Decode tokens/s of saved GML LLMs — under one or more GML checkouts — and of llama.cpp GGUFs and OpenVINO
-GenAI IR folders, one interleaved run (every row a fresh process per round, rows in a seeded random order
-per round).
+"""Decode tokens/s of saved GML LLMs — under one or more GML checkouts — and of llama.cpp GGUFs, OpenVINO
+GenAI IR folders and ONNX Runtime GenAI folders, one interleaved run (every row a fresh process per round,
+rows in a seeded random order per round).
 
     python benchmarks/llm_decode_ab.py --gml new=.venv/bin/python --gml old=../base/.venv/bin/python \\
         --model int8=/tmp/gemma-int8.gml --model int4=/tmp/gemma-int4.gml --activations int8 \\
         --llamacpp Q8_0=/tmp/gemma-3-270m-q8_0.gguf --llamacpp Q4_0=/tmp/gemma-3-270m-q4_0.gguf \\
-        --openvino int8=/tmp/gemma-ov-int8 --openvino int4=/tmp/gemma-ov-int4
+        --openvino int8=/tmp/gemma-ov-int8 --openvino int4=/tmp/gemma-ov-int4 \\
+        --ortgenai int4=/tmp/gemma-ort-int4
 
 Each row: a prompt of ``--prompt`` random token ids (seeded), then ``--steps`` decode steps, batch 1,
 ``--threads`` threads. GML: ``lm.generate`` (greedy; the LM head runs every step) after one short
-untimed generation, ``lm.stats.decode_tokens_per_second``. llama.cpp: ``llamacpp_worker.py decode``
-(llama-cpp-python, its AMX matmul off: see llamacpp_noamx.c), which feeds the sequence's next ids.
-OpenVINO GenAI: ``openvino_worker.py decode`` (``LLMPipeline`` on token ids, greedy, ``--threads`` as
-``INFERENCE_NUM_THREADS``; decode tokens/s from its mean time per output token), on a folder
-``openvino_worker.py export`` wrote. The peers run in their own venvs (``--llamacpp-python``,
-``--openvino-python``); nothing here imports them.
+untimed generation, ``lm.stats.decode_tokens_per_second``. The peers run through ``gml bench --llm``'s
+drivers (``gml.bench.llm_peers``: a worker process in the peer's own venv, ``--llamacpp-python``,
+``--openvino-python``, ``--ortgenai-python``; greedy, ``--threads`` threads; one short untimed run, then
+the timed one): llama.cpp (llama-cpp-python, its AMX matmul off: see llamacpp_noamx.c), OpenVINO GenAI
+(``LLMPipeline`` on token ids, on a folder ``openvino_worker.py export`` wrote), ONNX Runtime GenAI (on
+a folder ``ortgenai_export.py`` wrote). Nothing here imports a peer.
 A GML checkout is given by its venv's python, so an old commit and a new one run side by side.
 """
 
@@ -22,14 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))  # gml.bench.llm_peers: the worker needs no GML install
+from gml.bench.llm_peers import PeerWorker  # noqa: E402
 
 GML_ROW = r"""
 import json, sys, torch, gml
@@ -42,6 +45,19 @@ lm.generate(seq[: int(prompt)], int(steps) + 1)
 print(json.dumps({"decode_tokens_per_second": lm.stats.decode_tokens_per_second,
                   "ttft_ms": 1000 * lm.stats.prefill_seconds}))
 """
+
+
+def run_peer(kind: str, python: str, model: str, env: dict[str, str], ids: list[int], prompt: int, steps: int,
+             threads: int) -> tuple[float, float]:  # fmt: skip
+    """A fresh worker: load, one short untimed run, then ``steps`` decode steps after ``prompt`` ids."""
+    w = PeerWorker(kind, python, env)
+    try:
+        w.request({"cmd": "load", "model": model, "threads": threads, "max_length": prompt + steps + 8})
+        w.request({"cmd": "run", "prompt": ids[:8], "new_tokens": 4})
+        r = w.request({"cmd": "run", "prompt": ids[:prompt], "new_tokens": steps + 1})
+    finally:
+        w.close()
+    return steps / r["decode_seconds"], 1000 * r["prefill_seconds"]
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
@@ -63,6 +79,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default="/work/venvs/llamacpp/bin/python")
     ap.add_argument("--openvino", action="append", default=[], help="LABEL=DIR: an OpenVINO IR folder")
     ap.add_argument("--openvino-python", default="/work/venvs/openvino/bin/python")
+    ap.add_argument("--ortgenai", action="append", default=[], help="LABEL=DIR: an ONNX Runtime GenAI folder")
+    ap.add_argument("--ortgenai-python", default="/work/venvs/ortgenai/bin/python")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -77,7 +95,7 @@ def main() -> None:
     tokens = work / "tokens.json"
     ids = [args.bos] + [rng.randrange(args.vocab) for _ in range(args.prompt + args.steps + 8)]
     tokens.write_text(json.dumps([ids]))
-    rows: dict[str, tuple[list[str], dict[str, str] | None]] = {}
+    rows: dict[str, Callable[[], tuple[float, float]]] = {}
     for g in args.gml:
         label, py = g.split("=", 1)
         for m in args.model:
@@ -87,30 +105,30 @@ def main() -> None:
                     cmd = [py, "-c", GML_ROW, path, act, str(args.prompt), str(args.steps), str(args.threads),
                            str(tokens), kv]  # fmt: skip
                     name = f"GML {label} {mlabel}" + (", int8 activations" if act == "int8" else "")
-                    rows[name + ("" if kv == "-" else f", {kv} KV cache")] = (cmd, None)
+                    rows[name + ("" if kv == "-" else f", {kv} KV cache")] = lambda cmd=cmd: run(cmd)
+    env: dict[str, str] = {}
     if args.llamacpp:
         lib = work / "libnoamx.so"
         cc = ["gcc", "-O2", "-shared", "-fPIC", str(HERE / "llamacpp_noamx.c"), "-o", str(lib), "-ldl"]
         subprocess.run(cc, check=True)
-        env = {**os.environ, "LD_PRELOAD": str(lib), "GML_LLAMACPP_THREADS": str(args.threads)}
-        for q in args.llamacpp:
+        env = {"LD_PRELOAD": str(lib)}
+    for kind, name, given, python, kind_env in (
+        ("llamacpp", "llama.cpp", args.llamacpp, args.llamacpp_python, env),
+        ("openvino", "OpenVINO GenAI", args.openvino, args.openvino_python, {}),
+        ("ortgenai", "ONNX Runtime GenAI", args.ortgenai, args.ortgenai_python, {}),
+    ):
+        for q in given:
             label, path = q.split("=", 1)
-            cmd = [args.llamacpp_python, str(HERE / "llamacpp_worker.py"), "decode", path, str(tokens),
-                   str(args.prompt), str(args.steps)]  # fmt: skip
-            rows[f"llama.cpp {label}"] = (cmd, env)
-    for o in args.openvino:
-        label, path = o.split("=", 1)
-        cmd = [args.openvino_python, str(HERE / "openvino_worker.py"), "decode", path, str(tokens), str(args.prompt),
-               str(args.steps)]  # fmt: skip
-        rows[f"OpenVINO GenAI {label}"] = (cmd, {**os.environ, "GML_OPENVINO_THREADS": str(args.threads)})
+            rows[f"{name} {label}"] = lambda k=kind, py=python, m=path, e=kind_env: run_peer(
+                k, py, m, e, ids, args.prompt, args.steps, args.threads
+            )
     got: dict[str, list[float]] = {name: [] for name in rows}
     ttft: dict[str, list[float]] = {name: [] for name in rows}
     order = list(rows)
     for r in range(args.rounds):
         rng.shuffle(order)
         for name in order:
-            cmd, env = rows[name]
-            tps, first = run(cmd, env)
+            tps, first = rows[name]()
             got[name].append(tps)
             ttft[name].append(first)
             print(f"round {r + 1}: {name}: {tps:.1f} tok/s, first token {first:.1f} ms", file=sys.stderr, flush=True)

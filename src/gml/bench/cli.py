@@ -73,8 +73,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--llm",
         action="store_true",
         help="MODEL is a decoder LLM (a local HF folder, a .gguf file, a file lm.save wrote, or tinyllama: random "
-        "weights): "
-        "prefill / decode tokens/s of GML against HF eager next to the measured bandwidth ceiling",
+        "weights): prefill / decode tokens/s of GML against HF eager and the peer models given below (each peer in "
+        "its own worker process), next to the measured bandwidth ceiling",
     )
     g.add_argument(
         "--llm-weights",
@@ -91,6 +91,29 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length (default: 128)")
     g.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated (default: 32)")
+    from gml.bench.llm_peers import PEERS
+
+    for kind in PEERS:
+        g.add_argument(
+            f"--{kind.key}-model",
+            action="append",
+            default=[],
+            metavar="PATH[,PATH...]",
+            help=f"{kind.name}: {kind.model} to time (repeatable; a row each, named by its precision)",
+        )
+        g.add_argument(
+            f"--{kind.key}-python",
+            default=None,
+            metavar="PYTHON",
+            help=f"the python that has {kind.name} (its own venv; default: this one)",
+        )
+    g.add_argument(
+        "--llamacpp-preload",
+        default=None,
+        metavar="LIB",
+        help="a library LD_PRELOADed into the llama.cpp worker only (e.g. benchmarks/llamacpp_noamx.c built, where "
+        "ggml's AMX matmul dies with SIGILL)",
+    )
     from gml.data.cli import add_data_arguments
 
     add_data_arguments(p, accuracy_gate=False)
@@ -201,6 +224,7 @@ def _bench_llm(args: argparse.Namespace, console: Console) -> int:
         args.model,
         weights=weights,
         activations=acts,
+        peers=_peer_requests(args),
         prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens,
         rounds=args.rounds or 3,
@@ -214,6 +238,30 @@ def _bench_llm(args: argparse.Namespace, console: Console) -> int:
         write_atomically(args.md, lambda tmp: Path(tmp).write_text(table + "\n"), what="Markdown")
         console.print(f"Markdown written to {args.md}")
     return 0
+
+
+def _peer_requests(args: argparse.Namespace) -> list:
+    """One request per peer runtime from ``--KEY-model`` / ``--KEY-python`` / ``--llamacpp-preload``."""
+    import sys
+
+    from gml.bench.llm_peers import PEERS, PeerRequest
+    from gml.errors import InputError
+
+    requests = []
+    for kind in PEERS:
+        models = [m.strip() for arg in getattr(args, f"{kind.key}_model") for m in arg.split(",") if m.strip()]
+        env = {}
+        if kind.key == "llamacpp" and args.llamacpp_preload:
+            lib = Path(args.llamacpp_preload)
+            if not lib.is_file():
+                raise InputError(
+                    f"--llamacpp-preload {args.llamacpp_preload!r} does not exist",
+                    "build it: gcc -O2 -shared -fPIC benchmarks/llamacpp_noamx.c -o libnoamx.so -ldl",
+                )
+            env["LD_PRELOAD"] = str(lib.resolve())
+        python = getattr(args, f"{kind.key}_python") or sys.executable
+        requests.append(PeerRequest(kind, python, models, env))
+    return requests
 
 
 def _print_data(result, console: Console) -> None:

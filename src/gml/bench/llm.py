@@ -1,5 +1,6 @@
-"""``gml bench SOURCE --llm``: a decoder LLM's prefill and decode tokens/s on GML against HF eager and
-HF eager, in one interleaved run, next to the machine's bandwidth ceiling.
+"""``gml bench SOURCE --llm``: a decoder LLM's prefill and decode tokens/s on GML against HF eager and the
+peers (llama.cpp, OpenVINO GenAI, ONNX Runtime GenAI), in one interleaved run, next to the machine's
+bandwidth ceiling.
 
 Batch-1 decoding reads every weight once per token, so its physical limit is
 ``tokens/s <= read bandwidth / (weight bytes + KV-cache bytes read per token)``. The read bandwidth is
@@ -7,16 +8,16 @@ measured here (the best of a few passes of ``sum`` over 1 GiB); each row says wh
 ceiling it reaches.
 
 Rows: ``HF eager fp32`` (its own KV cache, ``generate``; when SOURCE is a HF model), ``GML <w>`` for
-each of ``weights`` (a saved LLM file: the weights it holds). The peers (llama.cpp, OpenVINO GenAI, ONNX
-Runtime GenAI) are not driven from here yet: the table says, for each, whether it is installed and why
-it did not run (docs/llm.md has their rows, measured by benchmarks/). Rounds are interleaved (every
-row once per round, rows in a seeded random order) and each row keeps its best round: compare ratios
-from one run.
+each of ``weights`` (a saved LLM file: the weights it holds), and a row per peer model given
+(:mod:`gml.bench.llm_peers`: each peer in its own worker process, named by the precision its files
+state); a peer that is not installed or has no model is listed with why it did not run and how to make
+it run. Every row gets one untimed warm-up call, then rounds are interleaved (every row once per round,
+rows in a seeded random order, a fresh random prompt per round shared by all rows: no runtime can reuse
+the previous round's cache) and each row keeps its best round: compare ratios from one run.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from gml.bench.llm_peers import PEERS, PeerError, PeerRequest, PeerRow, check_requests, start_peers
 from gml.errors import InputError
 
 #: Random-weight models by name (nothing is downloaded): TinyLlama-1.1B's shapes.
@@ -75,9 +77,11 @@ class LLMBench:
         for r in self.rows:
             c = self.ceiling(r)
             mb = f"{r.weight_bytes / 1e6:.0f}" if r.weight_bytes else "-"
-            ceiling, pct = (f"{c:.2f}", f"{100 * r.decode / c:.0f}%") if c else ("-", "-")
+            ceiling = f"{c:.2f}" if c else "-"
+            pct = f"{100 * r.decode / c:.0f}%" if c and r.decode else "-"
+            prefill, decode = (f"{r.prefill:.1f}", f"{r.decode:.2f}") if r.decode else ("-", "-")
             name = r.name + (f" ({r.note})" if r.note else "")
-            lines.append(f"| {name} | {mb} | {r.prefill:.1f} | {r.decode:.2f} | {ceiling} | {pct} |")
+            lines.append(f"| {name} | {mb} | {prefill} | {decode} | {ceiling} | {pct} |")
         for peer, why in self.skipped:
             lines.append(f"\nnot run: {peer} — {why}")
         return "\n".join(lines)
@@ -127,6 +131,15 @@ def _hf_module(source: str):
     )
 
 
+def _hf_weight_bytes(model) -> int:
+    """Bytes of the matrices HF reads per decode step: every 2-D parameter (counted once) but the
+    embedding tables, which are gathered a row at a time (a table tied to the LM head is read whole)."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = model.get_output_embeddings()
+    tables.discard(id(head.weight) if head is not None else None)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2 and id(p) not in tables)
+
+
 def _time_hf(model, prompt: torch.Tensor, new: int) -> tuple[float, float]:
     with torch.no_grad():
         t = time.perf_counter()
@@ -145,27 +158,13 @@ def _time_gml(lm, prompt: torch.Tensor, new: int) -> tuple[float, float]:
     return s.prefill_tokens_per_second, s.decode_tokens_per_second
 
 
-def _kv_bytes_per_token(lm) -> int:
+def _kv_elements_per_token(lm) -> int:
     s = lm.spec
-    return s.num_layers * 2 * s.num_kv_heads * s.head_dim * torch.tensor([], dtype=lm.kv_dtype).element_size()
+    return s.num_layers * 2 * s.num_kv_heads * s.head_dim
 
 
-def _peer_notes(source: str) -> list[tuple[str, str]]:
-    """Peers this run does not time, and why."""
-    notes = []
-    if importlib.util.find_spec("llama_cpp") is None:
-        notes.append(("llama.cpp", "llama-cpp-python is not installed (it builds from source: ~20 min on 2 cores)"))
-    else:
-        notes.append(("llama.cpp", "installed, but gml bench --llm does not drive it yet (docs/llm.md has its rows)"))
-    for module, peer, how in (
-        ("openvino_genai", "OpenVINO GenAI", "an OpenVINO IR folder (optimum-cli export openvino)"),
-        ("onnxruntime_genai", "ONNX Runtime GenAI", "an ONNX GenAI folder (onnxruntime_genai.models.builder)"),
-    ):
-        if importlib.util.find_spec(module) is None:
-            notes.append((peer, "not installed"))
-        else:
-            notes.append((peer, f"installed, but it runs {how}, which gml bench does not build"))
-    return notes
+def _kv_bytes_per_token(lm) -> int:
+    return _kv_elements_per_token(lm) * torch.tensor([], dtype=lm.kv_dtype).element_size()
 
 
 def bench_llm(
@@ -179,35 +178,49 @@ def bench_llm(
     threads: int | None = None,
     kernel: str = "auto",
     activations: tuple[str, ...] = ("fp32",),
+    peers: list[PeerRequest] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> LLMBench:
-    """Time ``source`` (see the module docstring) and return the table's rows."""
-    import gml
-    from gml.bench.roofline import cpu_name
-    from gml.runtime.target import resolve
-
+    """Time ``source`` and the ``peers``' models (see the module docstring) and return the table's rows.
+    ``peers``: one request per peer runtime (default: each in this interpreter, no model: listed as not run)."""
     if new_tokens < 2:
         raise InputError(f"--new-tokens must be >= 2 to time decoding, got {new_tokens}", "use --new-tokens 32")
+    peers = [PeerRequest(kind) for kind in PEERS] if peers is None else peers
+    check_requests(peers)  # a bad path is an error before anything is built
     if threads:  # for this call only (a caller's process keeps its own setting)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             return bench_llm(
                 source, weights=weights, prompt_tokens=prompt_tokens, new_tokens=new_tokens, rounds=rounds,
-                seed=seed, kernel=kernel, activations=activations, progress=progress,
+                seed=seed, kernel=kernel, activations=activations, peers=peers, progress=progress,
             )  # fmt: skip
         finally:
             torch.set_num_threads(before)
     say = progress or (lambda _msg: None)
-    target = resolve(None)
-    cpu = f"{cpu_name()} (oneDNN ISA {target.isa}), {torch.get_num_threads()} thread(s)"
+    peer_rows: list[PeerRow] = []
+    try:
+        return _bench(
+            source, weights, prompt_tokens, new_tokens, rounds, seed, kernel, activations, peers, peer_rows, say
+        )
+    finally:
+        for p in peer_rows:
+            p.worker.close()
+
+
+def _bench(source, weights, prompt_tokens, new_tokens, rounds, seed, kernel, activations, peers, peer_rows, say):
+    import gml
+    from gml.bench.roofline import cpu_name
+    from gml.runtime.target import resolve
+
+    threads = torch.get_num_threads()
+    cpu = f"{cpu_name()} (oneDNN ISA {resolve(None).isa}), {threads} thread(s)"
     say("measuring the read bandwidth")
     read = read_bandwidth_gbs()
     max_length = prompt_tokens + new_tokens
     hf = _hf_module(source)
-    runs: dict[str, Callable[[], tuple[float, float]]] = {}
+    runs: dict[str, Callable[[list[int]], tuple[float, float]]] = {}
     rows: dict[str, LLMRow] = {}
-    gen = torch.Generator().manual_seed(seed)
     lms = {}
     if hf is None:  # a saved LLM: the weights it holds
         lm = gml.llm(source, max_length=max_length, kernel=kernel)
@@ -224,26 +237,43 @@ def bench_llm(
                 name = f"GML {w}" + (", int8 activations" if act == "int8" else "")
                 say(f"building {name}")
                 lms[name] = gml.llm(hf, weights=w, max_length=max_length, kernel=kernel, activations=act)
-    vocab = next(iter(lms.values())).spec.vocab_size
-    prompt = torch.randint(0, vocab, (1, prompt_tokens), generator=gen)
-    if hf is not None:  # HF reads the fp32 matrices GML fp32 holds (the embedding table is gathered, not read)
-        fp32 = lms.get("GML fp32")
-        kv = _kv_bytes_per_token(next(iter(lms.values())))
-        rows["HF eager fp32"] = LLMRow("HF eager fp32", fp32.weight_bytes() if fp32 else None, kv)
-        runs["HF eager fp32"] = lambda: _time_hf(hf, prompt, new_tokens)
+    first = next(iter(lms.values()))
+    vocab = first.spec.vocab_size
+    if hf is not None:
+        rows["HF eager fp32"] = LLMRow("HF eager fp32", _hf_weight_bytes(hf), _kv_bytes_per_token(first))
+        runs["HF eager fp32"] = lambda ids: _time_hf(hf, torch.tensor([ids]), new_tokens)
     for name, lm in lms.items():
         rows[name] = LLMRow(name, lm.weight_bytes(), _kv_bytes_per_token(lm))
-        runs[name] = lambda lm=lm: _time_gml(lm, prompt, new_tokens)
-    for name, run in runs.items():  # one untimed call each: first-call allocations and plan builds
-        say(f"warm-up: {name}")
-        run()
-    order = list(runs)
-    rng = random.Random(seed)
-    for r in range(rounds):
-        rng.shuffle(order)
+        runs[name] = lambda ids, lm=lm: _time_gml(lm, torch.tensor([ids]), new_tokens)
+    loaded, failed, skipped = start_peers(peers, threads, max_length, say)
+    peer_rows.extend(loaded)
+    kv_elems = _kv_elements_per_token(first)  # the same model: GML's shapes, the peer's cache type
+    for p in loaded:
+        rows[p.name] = LLMRow(p.name, p.weight_bytes, kv_elems * p.kv_bytes, note=p.note)
+        if p.vocab_size and p.vocab_size != vocab:
+            rows[p.name].note += f"; vocabulary {p.vocab_size}, GML's {vocab}: not the same model?"
+            vocab = min(vocab, p.vocab_size)
+        runs[p.name] = lambda ids, p=p: p.run(ids, new_tokens)
+    for name, why in failed:
+        rows[name] = LLMRow(name, None, None, note=why)
+    gen = torch.Generator().manual_seed(seed)
+
+    def prompt() -> list[int]:
+        return torch.randint(0, vocab, (prompt_tokens,), generator=gen).tolist()
+
+    for r in range(rounds + 1):  # round 0: one untimed call each (first-call allocations, plan builds)
+        ids = prompt()
+        order = list(runs)
+        random.Random(seed + r).shuffle(order)
         for name in order:
-            say(f"round {r + 1}/{rounds}: {name}")
-            p, d = runs[name]()
-            rows[name].prefill = max(rows[name].prefill, p)
-            rows[name].decode = max(rows[name].decode, d)
-    return LLMBench(cpu, read, prompt_tokens, new_tokens, rounds, list(rows.values()), _peer_notes(source))
+            say(f"round {r}/{rounds}: {name}" if r else f"warm-up: {name}")
+            try:
+                p, d = runs[name](ids)
+            except PeerError as e:
+                rows[name].note = f"failed in {'round ' + str(r) if r else 'its warm-up'}: {e}"
+                del runs[name]
+                continue
+            if r:
+                row = rows[name]
+                row.prefill, row.decode = max(row.prefill, p), max(row.decode, d)
+    return LLMBench(cpu, read, prompt_tokens, new_tokens, rounds, list(rows.values()), skipped)
