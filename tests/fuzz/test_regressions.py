@@ -234,6 +234,13 @@ INT8_CASES = {
     "conv_window_entirely_in_padding": ModelSpec(
         inputs=[(1, 2, 5, 1)], layers=[L("conv", 0, out=3, k=2, pad=1, dil=2)]
     ),
+    # Found by the 10,000-graph run (#25): leaky_relu of the second input added to the first. The
+    # engine's scheduler moved the torch-run leaky_relu ahead of the engine run that began with the
+    # first input's quantize, above the second input's placeholder (fx lint: "used before defined").
+    # A node reading a placeholder defined after the run began now ends the run instead.
+    "torch_op_on_a_later_input_after_an_engine_run": ModelSpec(
+        inputs=[(1, 1), (1, 1)], layers=[L("act", 1, kind="leaky_relu"), L("add", 2, 0)], outputs=[3]
+    ),
     "adaptive_pool_upsampling": ModelSpec(
         inputs=[(1, 3, 1, 1)], layers=[L("pool", 0, kind="adaptive", out=2, form="functional"), L("act", 1)]
     ),

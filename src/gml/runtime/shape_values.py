@@ -234,6 +234,11 @@ def schedule_for_engine(graph: fx.Graph, engine: Any) -> int:
         if node.is_impure() or _mutates(node) or any(a in run for a in node.all_input_nodes):
             first, run = None, set()  # the run ends here
             continue
+        if any(a.op == "placeholder" and _after(a, first) for a in node.all_input_nodes):
+            # an input defined after the run began (a later placeholder: inputs stay in their order)
+            # cannot move ahead of it, so neither can this node; the run ends here
+            first, run = None, set()
+            continue
         for a in node.all_input_nodes:  # a constant read first after the run began moves along
             if a.op == "get_attr" and _after(a, first):
                 first.prepend(a)
