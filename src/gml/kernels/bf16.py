@@ -134,6 +134,8 @@ def conv_refusal(m: nn.Module, input_shape: Sequence[int] | None) -> str | None:
     by the bf16 fuzz property, seed 20261128) — the INT8 kernel has the same one-frame fault
     (docs/fuzzing.md). Declined for any channel count: cheap, a one-frame Conv3d is rare."""
     weight = getattr(m, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 4:
+        return _conv2d_refusal(m, input_shape)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 5:  # not a Conv3d
         return None
     shape = tuple(input_shape) if input_shape is not None else getattr(m, "input_size", None)
@@ -142,6 +144,24 @@ def conv_refusal(m: nn.Module, input_shape: Sequence[int] | None) -> str | None:
     if shape[2] == 1 and m.padding[0] > 0:
         return "one-frame Conv3d with depth padding: oneDNN's bf16 kernel computes it wrong (kept fp32)"
     return None
+
+
+def _conv2d_refusal(m: nn.Module, input_shape: Sequence[int] | None) -> str | None:
+    """A Conv2d over a one-column input (width 1) with a width stride > 1 and width padding: oneDNN's
+    AMX bf16 kernel (torch's build too) returns relative errors 0.7-1.8 once the input has 8+ rows;
+    exact under ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, and with stride 1, no width padding, or the
+    same shape transposed (height 1). Measured 2026-11-28 on Sapphire Rapids, found by the 10,000-graph
+    bf16 fuzz run (``(1, 5, 8, 1)``, k=2, stride 2, pad 1). Declined on every CPU and row count: one
+    rule everywhere, and such convs are rare."""
+    if input_shape is None or len(input_shape) != 4 or input_shape[3] != 1:
+        return None
+    stride, padding = getattr(m, "stride", (1, 1)), getattr(m, "padding", (0, 0))
+    if isinstance(padding, str) or stride[1] <= 1 or padding[1] <= 0:
+        return None
+    return (
+        "Conv2d over a one-column input with width stride and padding: "
+        "oneDNN's AMX bf16 kernel computes it wrong (kept fp32)"
+    )
 
 
 class _Bf16Twin:
