@@ -208,6 +208,9 @@ GML_DECODE_AVX2 inline float hsum_avx2(__m256 t) {
 constexpr int64_t kItem = 128;  // positions per work item (one thread's share is whole items)
 constexpr int64_t kBlock = 32;  // positions per block of the weighted values (that V block stays in L1)
 constexpr int kSub = 8;         // query heads whose scores / outputs are in registers at once
+// The loops over the NH heads carry `#pragma GCC unroll 8`: without it GCC kept the NH accumulators of
+// scores_avx2 / pv_avx2 in a stack array (a load and a store around every FMA) and a TinyLlama-shaped
+// layer's attention over 2,048 positions took 1.87 ms on one thread.
 
 // s[h * n + j] = scale * q[h] . K[j] for NH heads (q[h] = q + h * d), j < n: each K row loaded once.
 template <int NH, class T>
@@ -216,11 +219,14 @@ GML_DECODE_F16C void scores_avx2(const float* q, const T* K, int64_t n, int64_t 
   for (int64_t j = 0; j < n; ++j) {
     const T* k = K + j * d;
     __m256 a[NH];
+#pragma GCC unroll 8
     for (int h = 0; h < NH; ++h) a[h] = _mm256_setzero_ps();
     for (int64_t i = 0; i < dv; i += 8) {
       const __m256 kv = load8(k + i);
+#pragma GCC unroll 8
       for (int h = 0; h < NH; ++h) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), kv, a[h]);
     }
+#pragma GCC unroll 8
     for (int h = 0; h < NH; ++h) {
       float t = hsum_avx2(a[h]);
       for (int64_t i = dv; i < d; ++i) t += q[h * d + i] * to_f32(k[i]);
@@ -262,11 +268,14 @@ GML_DECODE_F16C void pv_avx2(const float* p, int64_t n, const T* V, int64_t d, f
     const int64_t b1 = std::min(n, b0 + kBlock);
     for (int64_t i = 0; i < dv; i += 8) {
       __m256 acc[NH];
+#pragma GCC unroll 8
       for (int h = 0; h < NH; ++h) acc[h] = b0 ? _mm256_loadu_ps(a + h * lda + i) : _mm256_setzero_ps();
       for (int64_t j = b0; j < b1; ++j) {
         const __m256 v = load8(V + j * d + i);
+#pragma GCC unroll 8
         for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + h * n + j), v, acc[h]);
       }
+#pragma GCC unroll 8
       for (int h = 0; h < NH; ++h) _mm256_storeu_ps(a + h * lda + i, acc[h]);
     }
     for (int64_t i = dv; i < d; ++i)
