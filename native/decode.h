@@ -226,11 +226,22 @@ GML_DECODE_F16C void scores_avx2(const float* q, const T* K, int64_t n, int64_t 
 #pragma GCC unroll 8
       for (int h = 0; h < NH; ++h) a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * d + i), kv, a[h]);
     }
+    float t[NH];
+    if constexpr (NH == 8) {  // the 8 sums at once: a transposing tree of hadds, not 8 horizontal sums
+      const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      _mm256_storeu_ps(t, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+    } else if constexpr (NH == 4) {
+      const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      _mm_storeu_ps(t, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+    } else {
+#pragma GCC unroll 8
+      for (int h = 0; h < NH; ++h) t[h] = hsum_avx2(a[h]);
+    }
 #pragma GCC unroll 8
     for (int h = 0; h < NH; ++h) {
-      float t = hsum_avx2(a[h]);
-      for (int64_t i = dv; i < d; ++i) t += q[h * d + i] * to_f32(k[i]);
-      s[h * n + j] = scale * t;
+      for (int64_t i = dv; i < d; ++i) t[h] += q[h * d + i] * to_f32(k[i]);
+      s[h * n + j] = scale * t[h];
     }
   }
   _mm256_zeroupper();

@@ -137,6 +137,8 @@ def _native_attention(eng, qkv, cache, heads, kv, d, lo, pos, vector, threads, s
         (4, 1, 256, 300, 0),  # Gemma-3-270M's MQA: 3 items of positions (128, 128, 45), merged
         (10, 1, 16, 259, 70),  # 10 query heads of one KV head (sub-groups of 8 + 2), a window over 2 items
         (8, 4, 64, 140, 0),  # TinyLlama's group of 8, 2 items per KV head
+        (8, 1, 20, 40, 0),  # a group of 8 (the 8-sum hadd tree) with a 4-lane tail
+        (8, 2, 20, 40, 0),  # a group of 4 (the 4-sum hadd tree) with a 4-lane tail
     ],
 )
 def test_native_attention_matches_sdpa(dtype, vector, heads, kv, d, pos, lo):
