@@ -47,33 +47,23 @@ from torch import fx
 from gml.ir.attention import is_attention
 from gml.ir.target import Target
 from gml.runtime import native
-from gml.runtime.rules.base import (
-    FLOATS,
-    Builder,
-    Call,
-    TranslationRule,
-    Unsupported,
-    Val,
-    broadcast_view,
-    contiguous_strides,
-    dense,
-    meta_dtype,
-)
+from gml.runtime.rules import base
+from gml.runtime.rules.base import Builder, Call, TranslationRule, Unsupported, Val
 
 
 def check_attention(c: Call) -> str | None:
     a = c.a
     if not (a.scale is None or isinstance(a.scale, int | float)):
         return "attention scale computed at run time"
-    if isinstance(a.attn_mask, torch.Tensor) and a.attn_mask.dtype not in (torch.bool, *FLOATS):
+    if isinstance(a.attn_mask, torch.Tensor) and a.attn_mask.dtype not in (torch.bool, *base.FLOATS):
         return f"a constant {a.attn_mask.dtype} attention mask"
-    dtypes = [meta_dtype(n) for n in c.inputs[:3]]
+    dtypes = [base.meta_dtype(n) for n in c.inputs[:3]]
     if None in dtypes:
         return None
-    if len(set(dtypes)) != 1 or dtypes[0] not in FLOATS:
+    if len(set(dtypes)) != 1 or dtypes[0] not in base.FLOATS:
         return f"attention on {', '.join(str(d) for d in dtypes)} q / k / v"
     if a.attn_mask is not None:
-        m = meta_dtype(a.attn_mask)
+        m = base.meta_dtype(a.attn_mask)
         if m is not None and m not in (torch.bool, dtypes[0]):
             return f"a {m} attention mask with {dtypes[0]} q / k / v"
     return None
@@ -90,16 +80,16 @@ def _additive_mask(b: Builder, m: Val, rank: int, keys: int) -> Val:
     key = id(m)
     if key in memo:
         return memo[key]
-    out = broadcast_view(b, m, rank)
+    out = base.broadcast_view(b, m, rank)
     if m.dtype_name == "u8":  # a bool mask (torch.bool is the engine's u8)
-        t = b.temp(out.shape, contiguous_strides(out.shape), "f32")
+        t = b.temp(out.shape, base.contiguous_strides(out.shape), "f32")
         b.reorder(out, t, src_q=(MASKED, 1), dst_q=None)  # (m - 1) * FLT_MAX
         out = t
     if rank >= 2 and out.shape[-2] > 1 and out.shape[-1] == 1 and keys > 1:  # per query: written out
         # a plain fp32 copy reads the stride 0 (oneDNN 3.2's jitted reorder from a stride-0 u8 source
         # with a zero point writes wrong values: 37,824 of 197 x 197, so the bool conversion stays above)
         wide = b.view(out, (*out.shape[:-1], keys), (*out.stride[:-1], 0))
-        t = b.temp(wide.shape, contiguous_strides(wide.shape), "f32")
+        t = b.temp(wide.shape, base.contiguous_strides(wide.shape), "f32")
         b.reorder(wide, t, src_q=None, dst_q=None)
         out = t
     memo[key] = out
@@ -143,14 +133,14 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     # dense copies of strided heads (pieces of the merged QKV output): oneDNN's brgemm matmul
     # takes dense operands only, else its gemm:jit fallback (measured on MiniLM bf16: Q.K^T
     # 0.31 -> 0.15 ms, P.V 0.11 -> 0.07 ms for three 10 us reorders)
-    q, k, v = (dense(b, t) for t in (q, k, v))
+    q, k, v = (base.dense(b, t) for t in (q, k, v))
     kt = b.view(k, (*k.shape[:-2], E, S), (*k.stride[:-2], k.stride[-1], k.stride[-2]))
     post: list[tuple[str, float, float, Val | None]] = [("linear", scale, 0.0, None)]
     post += [("binary_add", 0.0, 0.0, m) for m in masks]
     scores_shape = (*batch, L, S)
-    scores = b.temp(scores_shape, contiguous_strides(scores_shape), "f32")
+    scores = b.temp(scores_shape, base.contiguous_strides(scores_shape), "f32")
     b.matmul(q, kt, scores, post=post)
-    probs = b.temp(scores_shape, contiguous_strides(scores_shape), q.dtype_name)
+    probs = b.temp(scores_shape, base.contiguous_strides(scores_shape), q.dtype_name)
     b.softmax(scores, probs, rank - 1)
     b.matmul(probs, v, out)
 
@@ -191,7 +181,7 @@ def _f32(b: Builder, m: Val) -> Val:
     """An additive mask as fp32 (the fused step adds fp32 masks; a bf16 model's float mask is bf16)."""
     if m.dtype_name == "f32":
         return m
-    t = b.temp(m.shape, contiguous_strides(m.shape), "f32")
+    t = b.temp(m.shape, base.contiguous_strides(m.shape), "f32")
     b.reorder(m, t, src_q=None, dst_q=None)
     return t
 
@@ -244,7 +234,7 @@ def check_to_bool(c: Call) -> str | None:
         return f"a conversion to {a.memory_format}"
     if a.copy:
         return "a conversion with copy=True"
-    src = meta_dtype(c.inputs[0])
+    src = base.meta_dtype(c.inputs[0])
     if src is not None and src not in (torch.int64, torch.bool):
         return f"a conversion of a {src} tensor to bool (the engine converts int64 masks)"
     return None
@@ -263,7 +253,7 @@ def emit_to_bool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 def check_index(c: Call) -> str | None:
     if getattr(c.a, "has_none", False):
         return "index with None entries (the engine indexes leading dims by int64 tensors)"
-    idx = [meta_dtype(n) for n in c.inputs[1:]]
+    idx = [base.meta_dtype(n) for n in c.inputs[1:]]
     if any(d is not None and d != torch.int64 for d in idx):
         return f"index by {', '.join(str(d) for d in idx)} tensors (the engine takes int64 indices)"
     return None
@@ -286,7 +276,7 @@ def emit_index(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 
 def check_mask_and(c: Call) -> str | None:
-    dtypes = [meta_dtype(n) for n in c.inputs]
+    dtypes = [base.meta_dtype(n) for n in c.inputs]
     if any(d is not None and d is not torch.bool for d in dtypes):
         return f"& of {', '.join(str(d) for d in dtypes)} tensors (the engine ands bool masks)"
     return None
@@ -331,7 +321,7 @@ def _broadcast_strides(v: Val, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _dense_out(v: Val) -> Val:
-    if v.stride != contiguous_strides(v.shape) and 0 not in v.shape:
+    if v.stride != base.contiguous_strides(v.shape) and 0 not in v.shape:
         raise Unsupported(f"a mask op writing layout {v.stride}")
     return v
 

@@ -13,7 +13,7 @@ Quantization convention (the IR's): ``real = (q - zero_point) * scale`` on uint8
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,9 +118,13 @@ def requant_eltwise(src: QParams, dst: QParams) -> Eltwise:
     return [("linear", alpha, dst.zero_point - src.zero_point * alpha)]
 
 
-def pad_right(size: int, out: int, kernel: int, stride: int, dilation: int, pad_left: int) -> int:
-    """oneDNN's right padding that makes ``out`` outputs (PyTorch floors / ceils, oneDNN is explicit)."""
-    return (out - 1) * stride + (kernel - 1) * dilation + 1 - size - pad_left
+def pads_right(
+    x: Val, out: Val, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int], pad_left: Sequence[int]
+) -> list[int]:
+    """oneDNN's right padding per spatial dim that makes ``out``'s outputs from ``x`` (PyTorch floors /
+    ceils, oneDNN is explicit): ``(out - 1) * stride + (kernel - 1) * dilation + 1 - size - pad_left``."""
+    windows = zip(spatial(x), spatial(out), kernel, stride, dilation, pad_left, strict=True)
+    return [(o - 1) * s + (k - 1) * d + 1 - i - p for i, o, k, s, d, p in windows]
 
 
 def spatial(v: Val) -> tuple[int, ...]:
@@ -240,6 +244,6 @@ def broadcast_view(b: Builder, v: Val, rank: int) -> Val:
 __all__ = [
     "FLOATS", "Builder", "Call", "Eltwise", "OpKey", "TranslationRule", "Unsupported", "Val", "always",
     "as_rows", "bf16_src", "broadcast_view", "contiguous_strides", "eltwise_of", "is_nhwc", "meta_dtype",
-    "nhwc_strides", "op_name", "out_qparams", "pad_right", "post_op_of", "qp", "qparams", "requant_eltwise",
+    "nhwc_strides", "op_name", "out_qparams", "pads_right", "post_op_of", "qp", "qparams", "requant_eltwise",
     "rows_strides", "spatial", "x_qparams",
 ]  # fmt: skip

@@ -7,25 +7,8 @@ from __future__ import annotations
 import torch
 
 from gml.kernels import bf16, fp32
-from gml.runtime.rules.base import (
-    Builder,
-    Call,
-    Eltwise,
-    TranslationRule,
-    Unsupported,
-    Val,
-    bf16_src,
-    eltwise_of,
-    is_nhwc,
-    nhwc_strides,
-    out_qparams,
-    pad_right,
-    post_op_of,
-    qp,
-    qparams,
-    spatial,
-    x_qparams,
-)
+from gml.runtime.rules import base
+from gml.runtime.rules.base import Builder, Call, Eltwise, TranslationRule, Unsupported, Val
 
 
 def _check_conv(c: Call) -> str | None:
@@ -38,9 +21,9 @@ def _as_nhwc(b: Builder, v: Val) -> Val:
     """``v``, or a channels-last copy of it: oneDNN's INT8 convs are jitted for NHWC only; any other
     layout (e.g. a quantized permute of LayerNorm's output in ConvNeXt) falls to its reference
     kernel, hundreds of times slower (issue #16: convnext_atto, resnest14d)."""
-    if is_nhwc(v):
+    if base.is_nhwc(v):
         return v
-    t = b.temp(v.shape, nhwc_strides(v.shape), v.dtype_name)
+    t = b.temp(v.shape, base.nhwc_strides(v.shape), v.dtype_name)
     b.reorder(v, t, src_q=None, dst_q=None)
     return t
 
@@ -50,18 +33,18 @@ def _emit_conv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val |
     if x.dtype_name != "u8" or len(x.shape) != a.weight.dim():
         raise Unsupported(f"conv input {x.dtype_name} rank {len(x.shape)} (expects uint8 of the weight's rank)")
     x = _as_nhwc(b, x)
-    if sum_with is None and not is_nhwc(out):  # compute channels-last, then copy into the layout wanted
-        t = b.temp(out.shape, nhwc_strides(out.shape), out.dtype_name)
+    if sum_with is None and not base.is_nhwc(out):  # compute channels-last, then copy into the layout wanted
+        t = b.temp(out.shape, base.nhwc_strides(out.shape), out.dtype_name)
         _emit_conv(b, c, [x], t)
         b.reorder(t, out, src_q=None, dst_q=None)
         return
     k = tuple(a.weight.shape[2:])
     stride, padding, dilation = tuple(a.stride), tuple(a.padding), tuple(a.dilation)
-    pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], stride[i], dilation[i], padding[i]) for i in range(len(k))]
+    pad_r = base.pads_right(x, out, k, stride, dilation, padding)
     if sum_with is None:
-        eltwise, out_q = eltwise_of(post_op_of(a)), out_qparams(a)
+        eltwise, out_q = base.eltwise_of(base.post_op_of(a)), base.out_qparams(a)
     else:  # qconv_add: post_op is none or relu, the output uint8
-        eltwise, out_q = ([("relu", 0.0, 0.0)] if a.post_op == "relu" else []), out_qparams(a)
+        eltwise, out_q = ([("relu", 0.0, 0.0)] if a.post_op == "relu" else []), base.out_qparams(a)
     b.conv(
         x,
         out,
@@ -73,9 +56,9 @@ def _emit_conv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val |
         pad_l=padding,
         pad_r=pad_r,
         groups=a.groups,
-        src_q=qp(x_qparams(a)),
-        dst_q=qp(out_q),
-        sum_q=None if sum_with is None else qp(qparams(a.other_scale, a.other_zero_point)),
+        src_q=base.qp(base.x_qparams(a)),
+        dst_q=base.qp(out_q),
+        sum_q=None if sum_with is None else base.qp(base.qparams(a.other_scale, a.other_zero_point)),
         eltwise=eltwise,
     )
 
@@ -105,12 +88,9 @@ def _emit_fconv(
     if x.dtype_name != dtype or len(x.shape) != mod.weight.dim() or (dtype == "bf16" and len(x.shape) != 4):
         raise Unsupported(f"{dtype} conv input {x.dtype_name} rank {len(x.shape)}")
     k = tuple(mod.weight.shape[2:])
-    pad_r = [
-        pad_right(spatial(x)[i], spatial(out)[i], k[i], mod.stride[i], mod.dilation[i], mod.padding[i])
-        for i in range(len(k))
-    ]
+    pad_r = base.pads_right(x, out, k, mod.stride, mod.dilation, mod.padding)
     relu: Eltwise = [("relu", 0.0, 0.0)] if getattr(mod, "relu", False) else []
-    eltwise = eltwise_of(mod.post_op) if sum_with is None else relu
+    eltwise = base.eltwise_of(mod.post_op) if sum_with is None else relu
     b.conv(
         x,
         out,
@@ -136,13 +116,13 @@ def _emit_fconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 
 def _emit_bconv(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    _emit_fconv(b, c, [bf16_src(b, ins[0])], out, dtype="bf16")
+    _emit_fconv(b, c, [base.bf16_src(b, ins[0])], out, dtype="bf16")
 
 
 def _emit_bconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if ins[1].dtype_name != "bf16":
         raise Unsupported(f"bf16 conv + add of a {ins[1].dtype_name} tensor")
-    x = bf16_src(b, ins[0])
+    x = base.bf16_src(b, ins[0])
     b.share(out, ins[1], also_read=x)
     _emit_fconv(b, c, [x], out, sum_with=ins[1], dtype="bf16")
 

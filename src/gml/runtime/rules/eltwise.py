@@ -14,29 +14,11 @@ from typing import Any
 from torch import nn
 
 from gml import nn as gnn
-from gml.ir.values import PostOp
+from gml.ir.values import PostOp, QParams
 from gml.kernels import bf16
 from gml.kernels.backend import clamp_bounds
-from gml.runtime.rules.base import (
-    FLOATS,
-    Builder,
-    Call,
-    Eltwise,
-    TranslationRule,
-    Unsupported,
-    Val,
-    always,
-    as_rows,
-    broadcast_view,
-    contiguous_strides,
-    eltwise_of,
-    meta_dtype,
-    out_qparams,
-    qp,
-    qparams,
-    requant_eltwise,
-    x_qparams,
-)
+from gml.runtime.rules import base
+from gml.runtime.rules.base import Builder, Call, Eltwise, TranslationRule, Unsupported, Val
 from gml.runtime.rules.linear import extend_linear, fuse_into_dynamic_linear, fuse_into_linear
 
 
@@ -44,8 +26,14 @@ def _check_add(c: Call) -> str | None:
     return None if c.a.post_op in ("none", "relu") else f"INT8 add with post-op {c.a.post_op}"
 
 
+def _operand_qparams(c: Call) -> tuple[QParams, QParams, QParams | None]:
+    """A binary INT8 op's operand ``a`` / ``b`` and output qparams."""
+    a = c.a
+    return base.qparams(a.a_scale, a.a_zero_point), base.qparams(a.b_scale, a.b_zero_point), base.out_qparams(a)
+
+
 def _emit_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    qa, qb, o = qparams(c.a.a_scale, c.a.a_zero_point), qparams(c.a.b_scale, c.a.b_zero_point), out_qparams(c.a)
+    qa, qb, o = _operand_qparams(c)
     if ins[0].shape != ins[1].shape:
         raise Unsupported("broadcasting INT8 add")
     # binary computes s_a*a + s_b*b; the zero points and the output quantization are a linear
@@ -65,7 +53,7 @@ def _check_activation(c: Call) -> str | None:
     if c.a.op in ("relu", "hardtanh"):
         return None
     try:
-        eltwise_of(_activation_post_op(c))
+        base.eltwise_of(_activation_post_op(c))
     except (Unsupported, ValueError) as e:
         return f"INT8 {c.a.op}: {e}"
     return None
@@ -73,18 +61,18 @@ def _check_activation(c: Call) -> str | None:
 
 def _emit_activation(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     # All as post-ops of max(x, x), the one primitive that takes any rank and layout.
-    in_q, out_q = x_qparams(c.a), out_qparams(c.a)
+    in_q, out_q = base.x_qparams(c.a), base.out_qparams(c.a)
     if c.a.op in ("relu", "hardtanh"):
         # a clamp of the integers (exact: quantization is monotone, see
         # gml.kernels.backend.clamp_bounds), then the requantization
         lo, hi = (in_q.zero_point, 255) if c.a.op == "relu" else clamp_bounds(in_q, *c.a.scalars)
-        eltwise: Eltwise = [("clip", float(lo), float(hi)), *requant_eltwise(in_q, out_q)]
+        eltwise: Eltwise = [("clip", float(lo), float(hi)), *base.requant_eltwise(in_q, out_q)]
     else:
         # hardswish, sigmoid, hardsigmoid, ...: dequantize (s * (q - z)), the function on real
         # values, quantize (y / s_out + z_out; the u8 destination rounds to nearest and saturates)
         eltwise = [
             ("linear", in_q.scale, -in_q.scale * in_q.zero_point),
-            *eltwise_of(_activation_post_op(c)),
+            *base.eltwise_of(_activation_post_op(c)),
             ("linear", 1.0 / out_q.scale, float(out_q.zero_point)),
         ]
     b.binary(ins[0], ins[0], out, "max", scale0=None, scale1=None, eltwise=eltwise)
@@ -94,12 +82,12 @@ def _emit_mul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     # s_a (a - z_a) * s_b (b - z_b) / s_out + z_out. The binary primitive scales its sources but
     # takes no zero points: an operand with one is dequantized to fp32 first (a zero-point-free
     # operand, e.g. a ReLU output or a sigmoid gate, is read as uint8 directly).
-    a, bq, o = qparams(c.a.a_scale, c.a.a_zero_point), qparams(c.a.b_scale, c.a.b_zero_point), out_qparams(c.a)
+    a, bq, o = _operand_qparams(c)
     srcs: list[tuple[Val, float | None]] = []
     for v, q in zip(ins, (a, bq)):
         if q.zero_point:
             t = b.temp(v.shape, v.stride, "f32")
-            b.reorder(v, t, src_q=qp(q), dst_q=None)
+            b.reorder(v, t, src_q=base.qp(q), dst_q=None)
             srcs.append((t, None))
         else:
             srcs.append((v, q.scale))
@@ -119,15 +107,15 @@ def _emit_mul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 def _emit_quantize(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if ins[0].dtype_name != "f32":
         raise Unsupported(f"quantize of a {ins[0].dtype_name} tensor")
-    b.reorder(ins[0], out, src_q=None, dst_q=qp(out_qparams(c.a)))
+    b.reorder(ins[0], out, src_q=None, dst_q=base.qp(base.out_qparams(c.a)))
 
 
 def _emit_dequantize(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    b.reorder(ins[0], out, src_q=qp(x_qparams(c.a)), dst_q=None)
+    b.reorder(ins[0], out, src_q=base.qp(base.x_qparams(c.a)), dst_q=None)
 
 
 def _emit_requantize(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    b.reorder(ins[0], out, src_q=qp(x_qparams(c.a)), dst_q=qp(out_qparams(c.a)))
+    b.reorder(ins[0], out, src_q=base.qp(base.x_qparams(c.a)), dst_q=base.qp(base.out_qparams(c.a)))
 
 
 #: gml.kernels.bf16's dtype conversions (call_function nodes of a bf16 graph)
@@ -143,8 +131,8 @@ def check_float_add(c: Call) -> str | None:
         return f"{type(c.a).__name__} with alpha {c.a.alpha}"
     if any(n.op == "get_attr" for n in c.inputs):
         return "add of a constant (the engine adds two computed values)"
-    dtypes = [meta_dtype(n) for n in c.inputs]
-    if len(dtypes) != 2 or any(d is not None and d not in FLOATS for d in dtypes):
+    dtypes = [base.meta_dtype(n) for n in c.inputs]
+    if len(dtypes) != 2 or any(d is not None and d not in base.FLOATS for d in dtypes):
         return f"add of {', '.join(str(d) for d in dtypes)} tensors (the engine adds fp32 / bf16)"
     return None
 
@@ -167,7 +155,7 @@ def emit_float_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         x = _converted(b, x, out.dtype_name)
     if y.dtype_name != out.dtype_name:
         y = _converted(b, y, out.dtype_name)
-    y = broadcast_view(b, y, len(out.shape))
+    y = base.broadcast_view(b, y, len(out.shape))
     b.binary(x, y, out, "add", scale0=None, scale1=None, eltwise=[])
 
 
@@ -188,8 +176,8 @@ _ELTWISE: dict[type[nn.Module], Callable[[Any], tuple[str, float, float]]] = {
 
 
 def check_eltwise(c: Call) -> str | None:
-    dtype = meta_dtype(c.inputs[0])
-    if dtype is not None and dtype not in FLOATS:
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in base.FLOATS:
         return f"{type(c.a).__name__} of a {dtype} tensor"
     return None
 
@@ -210,8 +198,8 @@ def check_layer_norm(c: Call) -> str | None:
     mod = c.a
     if len(mod.normalized_shape) != 1:
         return f"LayerNorm over {len(mod.normalized_shape)} dims (the engine normalizes the last dim)"
-    dtype = meta_dtype(c.inputs[0])
-    if dtype is not None and dtype not in FLOATS:
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in base.FLOATS:
         return f"LayerNorm of a {dtype} tensor"
     return None
 
@@ -219,10 +207,10 @@ def check_layer_norm(c: Call) -> str | None:
 def _dense_rows(b: Builder, v: Val) -> Val:
     """``v`` as ``[rows, features]`` with unit feature stride: a view, or a contiguous copy."""
     if v.stride[-1] != 1 and v.shape[-1] != 1:
-        t = b.temp(v.shape, contiguous_strides(v.shape), v.dtype_name)
+        t = b.temp(v.shape, base.contiguous_strides(v.shape), v.dtype_name)
         b.reorder(v, t, src_q=None, dst_q=None)
         v = t
-    return as_rows(b, v) if len(v.shape) != 2 else v
+    return base.as_rows(b, v) if len(v.shape) != 2 else v
 
 
 def emit_layer_norm(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
@@ -237,18 +225,18 @@ def emit_layer_norm(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x = _dense_rows(b, x)
     if out.stride[-1] != 1 and out.shape[-1] != 1:
         raise Unsupported(f"LayerNorm output layout {out.stride}")
-    out = as_rows(b, out, output=True) if len(out.shape) != 2 else out
+    out = base.as_rows(b, out, output=True) if len(out.shape) != 2 else out
     b.layer_norm(x, out, gamma=mod.weight, beta=mod.bias, eps=float(mod.eps))
 
 
 RULES: dict[object, TranslationRule] = {
     "qadd": TranslationRule(_check_add, _emit_add, 2),
     "qactivation": TranslationRule(_check_activation, _emit_activation),
-    "qmul": TranslationRule(always, _emit_mul, 2),
-    "quantize": TranslationRule(always, _emit_quantize),
-    "dequantize": TranslationRule(always, _emit_dequantize),
-    "requantize": TranslationRule(always, _emit_requantize),
-    **{cast: TranslationRule(always, _emit_cast) for cast in CASTS},
+    "qmul": TranslationRule(base.always, _emit_mul, 2),
+    "quantize": TranslationRule(base.always, _emit_quantize),
+    "dequantize": TranslationRule(base.always, _emit_dequantize),
+    "requantize": TranslationRule(base.always, _emit_requantize),
+    **{cast: TranslationRule(base.always, _emit_cast) for cast in CASTS},
     gnn.Add: TranslationRule(check_float_add, emit_float_add, 2),
     **{kind: TranslationRule(check_eltwise, emit_eltwise) for kind in _ELTWISE},
     nn.LayerNorm: TranslationRule(check_layer_norm, emit_layer_norm),

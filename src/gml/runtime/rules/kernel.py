@@ -24,16 +24,8 @@ import torch
 from torch import fx
 
 from gml.ir.library import op_def
-from gml.runtime.rules.base import (
-    Builder,
-    Call,
-    TranslationRule,
-    Unsupported,
-    Val,
-    contiguous_strides,
-    dense,
-    meta_dtype,
-)
+from gml.runtime.rules import base
+from gml.runtime.rules.base import Builder, Call, TranslationRule, Unsupported, Val
 
 _SCALARS = (bool, int, float, str)
 
@@ -47,8 +39,8 @@ def _scalar(v: Any) -> bool:
 def _check(c: Call) -> str | None:
     for name, v in vars(c.a).items():
         if isinstance(v, fx.Node):
-            if meta_dtype(v) not in (None, torch.float32):
-                return f"{c.name} reads {name} as {meta_dtype(v)} (the engine step takes fp32)"
+            if base.meta_dtype(v) not in (None, torch.float32):
+                return f"{c.name} reads {name} as {base.meta_dtype(v)} (the engine step takes fp32)"
         elif isinstance(v, torch.Tensor):
             if v.dtype != torch.float32:
                 return f"{c.name}'s constant {name} is {v.dtype} (the engine step takes fp32)"
@@ -63,7 +55,7 @@ def _emit(step: str, b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     activations = iter(ins)
     for name, v in vars(c.a).items():
         if isinstance(v, fx.Node):
-            reads[name] = dense(b, next(activations))
+            reads[name] = base.dense(b, next(activations))
         elif isinstance(v, torch.Tensor):
             reads[name] = b.constant(v.detach())
         elif v is not None:
@@ -73,7 +65,7 @@ def _emit(step: str, b: Builder, c: Call, ins: list[Val], out: Val) -> None:
             raise Unsupported(f"{c.name} reads {name} as {v.dtype_name} (the engine step takes fp32)")
     if out.dtype_name != "f32":
         raise Unsupported(f"{c.name} writes {out.dtype_name} (the engine step writes fp32)")
-    plain = contiguous_strides(out.shape)
+    plain = base.contiguous_strides(out.shape)
     dst = out if out.stride == plain else b.temp(out.shape, plain, "f32")
     b.kernel(step, reads, {"dst": dst}, **fields)
     if dst is not out:

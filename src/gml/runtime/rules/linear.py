@@ -16,23 +16,8 @@ from torch import nn
 
 from gml.kernels import bf16, fp32
 from gml.kernels.dynamic_int8 import POST_OPS, QMAX
-from gml.runtime.rules.base import (
-    FLOATS,
-    Builder,
-    Call,
-    TranslationRule,
-    Unsupported,
-    Val,
-    always,
-    as_rows,
-    bf16_src,
-    contiguous_strides,
-    eltwise_of,
-    out_qparams,
-    post_op_of,
-    rows_strides,
-    x_qparams,
-)
+from gml.runtime.rules import base
+from gml.runtime.rules.base import Builder, Call, TranslationRule, Unsupported, Val
 
 
 def _emit_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
@@ -40,11 +25,11 @@ def _emit_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if len(ins[0].shape) < 2:
         raise Unsupported(f"INT8 linear on a rank-{len(ins[0].shape)} input")
     # rank > 2 ([batch, tokens, features]): the same inner product over the rows
-    x, out = as_rows(b, ins[0]), as_rows(b, out, output=True)
+    x, out = base.as_rows(b, ins[0]), base.as_rows(b, out, output=True)
     # oneDNN 3.2's inner product takes no source zero point: fold it into the bias,
     # s_x * s_w[o] * sum_i (x_i - z) w[o, i] = s_x * s_w[o] * sum_i x_i w[o, i] - s_x * s_w[o] * z * sum_i w[o, i].
-    in_q, out_q = x_qparams(a), out_qparams(a)
-    eltwise = eltwise_of(post_op_of(a))
+    in_q, out_q = base.x_qparams(a), base.out_qparams(a)
+    eltwise = base.eltwise_of(base.post_op_of(a))
     if out_q is not None and out_q.zero_point:  # nor a destination one: add z * s_out before the division
         eltwise.append(("linear", 1.0, out_q.zero_point * out_q.scale))
     bias = a.bias.double() if a.bias is not None else torch.zeros(a.weight.shape[0], dtype=torch.float64)
@@ -78,9 +63,9 @@ def _emit_dynamic_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     a, x = c.a, ins[0]
     if len(x.shape) < 2 or x.dtype_name != "f32":
         raise Unsupported(f"dynamic INT8 linear on a rank-{len(x.shape)} {x.dtype_name} input")
-    x, out = as_rows(b, x), as_rows(b, out, output=True)
+    x, out = base.as_rows(b, x), base.as_rows(b, out, output=True)
     if x.stride[1] != 1 and x.shape[1] > 1:  # the row quantization reads dense rows
-        t = b.temp(x.shape, contiguous_strides(x.shape), "f32")
+        t = b.temp(x.shape, base.contiguous_strides(x.shape), "f32")
         b.reorder(x, t, src_q=None, dst_q=None)
         x = t
     b.dynamic_linear(
@@ -90,7 +75,7 @@ def _emit_dynamic_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         w_scales=(a.weight_scale.float() / QMAX).contiguous(),  # exactly the Python kernel's s_w / 127
         bias=None if a.bias is None else a.bias.detach().float().contiguous(),
         smooth_inv=None if a.smooth_inv is None else a.smooth_inv.detach().float(),
-        eltwise=eltwise_of(post_op_of(a)),
+        eltwise=base.eltwise_of(base.post_op_of(a)),
     )
 
 
@@ -98,7 +83,7 @@ def _emit_flinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     mod = c.a
     if len(ins[0].shape) < 2 or ins[0].dtype_name != "f32":
         raise Unsupported(f"fp32 linear on a rank-{len(ins[0].shape)} {ins[0].dtype_name} input")
-    x, out = as_rows(b, ins[0]), as_rows(b, out, output=True)
+    x, out = base.as_rows(b, ins[0]), base.as_rows(b, out, output=True)
     b.inner_product(
         x,
         out,
@@ -107,7 +92,7 @@ def _emit_flinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         bias=mod.bias,
         src_q=None,
         dst_q=None,
-        eltwise=eltwise_of(mod.post_op) if hasattr(mod, "post_op") else [],  # a plain nn.Linear: none
+        eltwise=base.eltwise_of(mod.post_op) if hasattr(mod, "post_op") else [],  # a plain nn.Linear: none
     )
 
 
@@ -119,16 +104,16 @@ def _emit_blinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     mod = c.a
     # any layout: a view where the leading dims collapse, else a dense copy (ViT's MHA out_proj
     # reads a permuted value)
-    x = as_rows(b, bf16_src(b, ins[0]))
+    x = base.as_rows(b, base.bf16_src(b, ins[0]))
     b.inner_product(
         x,
-        as_rows(b, out, output=True),
+        base.as_rows(b, out, output=True),
         weight=mod.weight.detach(),
         w_scales=torch.ones(1),
         bias=mod.bias,
         src_q=None,
         dst_q=None,
-        eltwise=eltwise_of(mod.post_op),
+        eltwise=base.eltwise_of(mod.post_op),
     )
 
 
@@ -140,9 +125,9 @@ def fuse_into_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
     """``linear(x) + other`` as one matmul with a binary ``add`` post-op (see :func:`extend_linear`):
     ``out = post_op(x Wᵀ + b) + other`` in the fp32 accumulator (a bf16 linear's output is then not
     rounded to bf16 before the add: one rounding fewer than the Python executor)."""
-    if other.free or other.shape != out.shape or rows_strides(other) is None:
+    if other.free or other.shape != out.shape or base.rows_strides(other) is None:
         return False
-    return extend_linear(b, lin, out, lambda: [("binary_add", 0.0, 0.0, as_rows(b, other))])
+    return extend_linear(b, lin, out, lambda: [("binary_add", 0.0, 0.0, base.as_rows(b, other))])
 
 
 def fuse_into_dynamic_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
@@ -161,9 +146,9 @@ def fuse_into_dynamic_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool
     if other.free or out.free or other.dtype_name != "f32" or out.dtype_name != "f32":
         return False
     # dense rows only: a strided binary post-op operand sends oneDNN 3.2's matmul to its reference kernel
-    if any(rows_strides(v) is None or rows_strides(v)[1] != 1 for v in (other, out)):
+    if any(base.rows_strides(v) is None or base.rows_strides(v)[1] != 1 for v in (other, out)):
         return False
-    rows_out, rows_other = as_rows(b, out, output=True), as_rows(b, other)
+    rows_out, rows_other = base.as_rows(b, out, output=True), base.as_rows(b, other)
     if rows_out.shape != dst.shape or rows_other.shape != dst.shape:
         return False
     b.steps.pop()
@@ -182,7 +167,7 @@ def extend_linear(b: Builder, lin: Val, out: Val, extra: Callable[[], list[Matmu
         return False
     step = b.steps[-1]
     if step.method == "inner_product":
-        if step.kwargs.get("src_q") is not None or step.kwargs["weight"].dtype not in FLOATS:
+        if step.kwargs.get("src_q") is not None or step.kwargs["weight"].dtype not in base.FLOATS:
             return False
         weight = step.kwargs["weight"].detach().t()
         post: list[MatmulPostOp] = [(a, al, be, None) for a, al, be in step.kwargs["eltwise"]]
@@ -192,20 +177,20 @@ def extend_linear(b: Builder, lin: Val, out: Val, extra: Callable[[], list[Matmu
         return False
     # the step is the linear node's own (not a view of its output in another order: a transpose)
     own = step.name.split("+")[-1] == lin.node.name and step.writes[0].group is lin.group
-    if not own or b.last_use.get(lin.node, 0) != b.pos or rows_strides(out) is None:
+    if not own or b.last_use.get(lin.node, 0) != b.pos or base.rows_strides(out) is None:
         return False
     b.steps.pop()
     post += extra()
-    b.matmul(step.reads[0], None, as_rows(b, out, output=True), weight=weight, bias=step.kwargs["bias"], post=post)
+    b.matmul(step.reads[0], None, base.as_rows(b, out, output=True), weight=weight, bias=step.kwargs["bias"], post=post)
     b.steps[-1].name = f"{step.name}+{b.node_name}"
     return True
 
 
 RULES: dict[object, TranslationRule] = {
-    "qlinear": TranslationRule(always, _emit_linear),
+    "qlinear": TranslationRule(base.always, _emit_linear),
     "dynamic_linear": TranslationRule(_check_dynamic_linear, _emit_dynamic_linear),
     # MKL's / ATen's GEMM for the same fp32 math: the engine runs it on oneDNN, equal up to rounding
-    fp32.FusedLinear: TranslationRule(always, _emit_flinear, other_backends=("mkl", "aten")),
-    nn.Linear: TranslationRule(always, _emit_flinear),  # an fp32 nn.Linear the fusion left as it was
+    fp32.FusedLinear: TranslationRule(base.always, _emit_flinear, other_backends=("mkl", "aten")),
+    nn.Linear: TranslationRule(base.always, _emit_flinear),  # an fp32 nn.Linear the fusion left as it was
     bf16.Bf16Linear: TranslationRule(_check_blinear, _emit_blinear),
 }

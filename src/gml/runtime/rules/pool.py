@@ -9,20 +9,8 @@ from typing import Any
 
 import torch
 
-from gml.runtime.rules.base import (
-    Builder,
-    Call,
-    Eltwise,
-    TranslationRule,
-    Unsupported,
-    Val,
-    always,
-    out_qparams,
-    pad_right,
-    requant_eltwise,
-    spatial,
-    x_qparams,
-)
+from gml.runtime.rules import base
+from gml.runtime.rules.base import Builder, Call, Eltwise, TranslationRule, Unsupported, Val
 
 
 def _check_maxpool(c: Call) -> str | None:
@@ -35,7 +23,7 @@ def _emit_maxpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     k, s, p, d = (tuple(v) for v in (a.kernel_size, a.stride, a.padding, a.dilation))
     if len(x.shape) != len(k) + 2:
         raise Unsupported(f"{len(k)}-D max pool of a rank-{len(x.shape)} input")
-    pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], s[i], d[i], p[i]) for i in range(len(k))]
+    pad_r = base.pads_right(x, out, k, s, d, p)
     # the output keeps x's qparams
     b.pool(x, out, alg="max", kernel=k, stride=s, dilation=tuple(v - 1 for v in d), pad_l=p, pad_r=pad_r, eltwise=[])
 
@@ -54,14 +42,14 @@ def _check_avgpool(c: Call) -> str | None:
 def _emit_avgpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x, a = ins[0], c.a
     k, s, p = (tuple(v) for v in (a.kernel_size, a.stride, a.padding))
-    pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], s[i], 1, p[i]) for i in range(2)]
+    pad_r = base.pads_right(x, out, k, s, (1, 1), p)
     alg = "avg_include" if a.count_include_pad else "avg_exclude"
-    eltwise = requant_eltwise(x_qparams(a), out_qparams(a))
+    eltwise = base.requant_eltwise(base.x_qparams(a), base.out_qparams(a))
     b.pool(x, out, alg=alg, kernel=k, stride=s, dilation=(0, 0), pad_l=p, pad_r=pad_r, eltwise=eltwise)
 
 
 def _emit_adaptive(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    _emit_adaptive_pool(b, ins[0], out, requant_eltwise(x_qparams(c.a), out_qparams(c.a)))
+    _emit_adaptive_pool(b, ins[0], out, base.requant_eltwise(base.x_qparams(c.a), base.out_qparams(c.a)))
 
 
 def _check_qmean(c: Call) -> str | None:
@@ -82,7 +70,7 @@ def _emit_qmean(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         raise Unsupported(f"qmean of a rank-{len(x.shape)} tensor")
     if len(out.shape) == 2:  # keepdim=False: the pool writes [N, C, 1, 1] into out's bytes
         out = b.view(out, (*out.shape, 1, 1), (*out.stride, 1, 1))
-    _emit_adaptive_pool(b, x, out, requant_eltwise(x_qparams(c.a), out_qparams(c.a)))
+    _emit_adaptive_pool(b, x, out, base.requant_eltwise(base.x_qparams(c.a), base.out_qparams(c.a)))
 
 
 def _check_fpool(c: Call) -> str | None:
@@ -112,14 +100,14 @@ def _emit_fpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     k, s = _pair(mod.kernel_size), _pair(mod.stride if mod.stride is not None else mod.kernel_size)
     p = _pair(mod.padding)
     d = _pair(getattr(mod, "dilation", 1))
-    pad_r = [pad_right(spatial(x)[i], spatial(out)[i], k[i], s[i], d[i], p[i]) for i in range(2)]
+    pad_r = base.pads_right(x, out, k, s, d, p)
     max_pool = isinstance(mod, torch.nn.MaxPool2d)
     alg = "max" if max_pool else "avg_include" if mod.count_include_pad else "avg_exclude"
     b.pool(x, out, alg=alg, kernel=k, stride=s, dilation=tuple(v - 1 for v in d), pad_l=p, pad_r=pad_r, eltwise=[])
 
 
 def _emit_adaptive_pool(b: Builder, x: Val, out: Val, eltwise: Eltwise) -> None:
-    size, osize = spatial(x), spatial(out)
+    size, osize = base.spatial(x), base.spatial(out)
     if not 1 <= len(size) <= 3 or len(osize) != len(size) or any(i % o for i, o in zip(size, osize)):
         raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)} is not a regular pooling window")
     k = tuple(i // o for i, o in zip(size, osize))
@@ -131,7 +119,7 @@ def _emit_adaptive_pool(b: Builder, x: Val, out: Val, eltwise: Eltwise) -> None:
 RULES: dict[object, TranslationRule] = {
     "qmax_pool": TranslationRule(_check_maxpool, _emit_maxpool),
     "qavg_pool2d": TranslationRule(_check_avgpool, _emit_avgpool),
-    "qadaptive_avg_pool": TranslationRule(always, _emit_adaptive),
+    "qadaptive_avg_pool": TranslationRule(base.always, _emit_adaptive),
     "qmean": TranslationRule(_check_qmean, _emit_qmean),
     torch.nn.MaxPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
     torch.nn.AvgPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),

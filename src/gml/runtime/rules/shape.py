@@ -15,20 +15,8 @@ from torch import fx, nn
 
 from gml.ir.library import gml_op_name
 from gml.runtime.plan import dtype_name
-from gml.runtime.rules.base import (
-    FLOATS,
-    Builder,
-    Call,
-    TranslationRule,
-    Unsupported,
-    Val,
-    always,
-    contiguous_strides,
-    meta_dtype,
-    out_qparams,
-    qp,
-    qparams,
-)
+from gml.runtime.rules import base
+from gml.runtime.rules.base import Builder, Call, TranslationRule, Unsupported, Val
 
 FLATTENS = (torch.flatten, torch.ops.aten.flatten.using_ints)
 
@@ -142,9 +130,9 @@ def _emit_move(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         b.alias(out, x)  # the executor made a view (permute, squeeze, ...): no step at all
     elif out.shape == x.shape:  # contiguous(): the same elements in another layout
         b.reorder(x, out, src_q=None, dst_q=None)
-    elif c.op != "permute" and c.op != "transpose" and out.stride == contiguous_strides(out.shape):
+    elif c.op != "permute" and c.op != "transpose" and out.stride == base.contiguous_strides(out.shape):
         # a reshape that copied: x's elements in their logical order into out's contiguous memory
-        b.reorder(x, b.view(out, x.shape, contiguous_strides(x.shape)), src_q=None, dst_q=None)
+        b.reorder(x, b.view(out, x.shape, base.contiguous_strides(x.shape)), src_q=None, dst_q=None)
     else:
         raise Unsupported(f"{c.op} copying into layout {out.stride}")
 
@@ -156,20 +144,20 @@ def emit_flatten(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if b.is_view_of(out, x) and b.settle(x):
         b.alias(out, x)
         return
-    if out.stride != contiguous_strides(out.shape):
+    if out.stride != base.contiguous_strides(out.shape):
         raise Unsupported(f"flatten to a non-contiguous {out.shape} (strides {out.stride})")
     # a copy in the flattened order: reorder x into out's memory seen with x's dims
-    b.reorder(x, b.view(out, x.shape, contiguous_strides(x.shape)), src_q=None, dst_q=None)
+    b.reorder(x, b.view(out, x.shape, base.contiguous_strides(x.shape)), src_q=None, dst_q=None)
 
 
 def _emit_cat(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    o = out_qparams(c.a)
+    o = base.out_qparams(c.a)
     srcs = []
     for v, s, z in zip(ins, c.a.x_scales, c.a.x_zero_points):
-        q = qparams(s, z)
+        q = base.qparams(s, z)
         if not q.close_to(o):  # requantize onto the output grid first
             t = b.temp(v.shape, v.stride, v.dtype_name)
-            b.reorder(v, t, src_q=qp(q), dst_q=qp(o))
+            b.reorder(v, t, src_q=base.qp(q), dst_q=base.qp(o))
             v = t
         srcs.append(v)
     b.concat(srcs, out, c.a.dim % len(out.shape))
@@ -179,9 +167,9 @@ def check_embedding(c: Call) -> str | None:
     mod = c.a
     if mod.max_norm is not None:
         return "Embedding with max_norm (it renormalizes the table in place on every lookup)"
-    if mod.weight.dim() != 2 or mod.weight.dtype not in FLOATS:
+    if mod.weight.dim() != 2 or mod.weight.dtype not in base.FLOATS:
         return f"Embedding of a {mod.weight.dtype} table"
-    dtype = meta_dtype(c.inputs[0])
+    dtype = base.meta_dtype(c.inputs[0])
     if dtype is not None and dtype != torch.int64:
         return f"Embedding of {dtype} ids (the engine reads int64 ids)"
     return None
@@ -194,7 +182,7 @@ def emit_embedding(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if ids.dtype_name != "s64":
         raise Unsupported(f"Embedding of {ids.dtype_name} ids")
     want = (*ids.shape, w.shape[1])
-    if out.dtype_name != dtype_name(w.dtype) or out.shape != want or out.stride != contiguous_strides(want):
+    if out.dtype_name != dtype_name(w.dtype) or out.shape != want or out.stride != base.contiguous_strides(want):
         raise Unsupported(f"Embedding output {out.dtype_name} {out.shape} / {out.stride} for ids {ids.shape}")
     if w.stride(1) != 1:
         raise Unsupported(f"an Embedding table with strides {w.stride()}")
@@ -205,10 +193,10 @@ RULES: dict[object, TranslationRule] = {
     **{name: TranslationRule(check_move, _emit_move) for name in sorted(MOVES - {"contiguous"})},
     # a fused conv module's output made contiguous (a view, or one reordered copy), else as any move
     "contiguous": TranslationRule(_check_contiguous, emit_flatten, reads_free=True),
-    "flatten": TranslationRule(always, emit_flatten, reads_free=True),  # torch.flatten of an INT8 value
-    nn.Flatten: TranslationRule(always, emit_flatten, reads_free=True),
-    "split": TranslationRule(check_split, always, tuple_out=True),
+    "flatten": TranslationRule(base.always, emit_flatten, reads_free=True),  # torch.flatten of an INT8 value
+    nn.Flatten: TranslationRule(base.always, emit_flatten, reads_free=True),
+    "split": TranslationRule(check_split, base.always, tuple_out=True),
     "split_item": TranslationRule(check_split_item, emit_split_item),
-    "qcat": TranslationRule(always, _emit_cat, None),
+    "qcat": TranslationRule(base.always, _emit_cat, None),
     nn.Embedding: TranslationRule(check_embedding, emit_embedding),
 }
