@@ -22,7 +22,7 @@ from gml.ir.llm_ops import INT4_GROUP_SIZES, INT8_GROUP_SIZES
 from gml.kernels.woq import KERNEL_ISAS, detect_kernel, native_kernel_runs
 from gml.llm.decode import DecodeStep, native_glue
 from gml.llm.gguf import is_gguf_source, load_gguf, load_gguf_tokenizer
-from gml.llm.model import KV_DTYPES, Decoder, KVCache
+from gml.llm.model import KV_DTYPES, Decoder, KVCache, MatrixFormat
 from gml.llm.sampling import Sampling, next_token
 from gml.llm.spec import capture_lm
 
@@ -423,14 +423,6 @@ def llm(
             _check_group(f"layer {i} {name}", getattr(layer, name).weight.shape[1], groups.get(weights))
     _check_group("lm_head", captured.lm_head.weight.shape[1], groups.get(lm_head_weights or weights))
     _check_group("embedding table", captured.embed.shape[1], groups.get(embed_weights or "fp32"))
-    decoder = Decoder.build(
-        captured,
-        weights,
-        group_size=group_size,
-        symmetric=symmetric,
-        lm_head_weights=lm_head_weights,
-        embed_weights=embed_weights,
-        kernel=chosen,
-        activations=activations,
-    )
+    fmt = MatrixFormat(weights, group_size, symmetric, chosen, activations)
+    decoder = Decoder.build(captured, fmt, lm_head_weights=lm_head_weights, embed_weights=embed_weights)
     return LLM(decoder, max_length, KV_DTYPES[kv_cache], tokenizer)

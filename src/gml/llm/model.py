@@ -23,6 +23,7 @@ The LM head runs on the last position only when the caller asks for it (decode).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,23 @@ from gml.ir.attention import attention_op
 from gml.ir.llm_ops import QuantizedWeight, embedding_rows, quantize_weight, woq_linear
 from gml.kernels.woq import GEMM_MIN_ROWS, native_supports, woq_linear_bound, woq_linear_native
 from gml.llm.spec import CapturedLM, LayerWeights, Linear, ModelSpec, Norm
+
+
+@dataclass(frozen=True)
+class MatrixFormat:
+    """How the decoder's matrices are stored and multiplied: one value passed from :func:`gml.llm`
+    down to every :class:`LinearOp` (options as values, issue #25).
+
+    ``weights``: ``fp32 | bf16 | int8 | int4``; ``group_size``: INT8 / INT4 scales per that many
+    weights along K (``None``: INT8 per output channel); ``symmetric``: INT4 without zero points;
+    ``kernel``: the native woq kernel's ISA (``None``: the op's reference kernel); ``activations``:
+    ``int8`` quantizes a decode call's activations per block of 32."""
+
+    weights: str
+    group_size: int | None = 32
+    symmetric: bool = True
+    kernel: str | None = None
+    activations: str = "fp32"
 
 
 class LinearOp:
@@ -61,18 +79,10 @@ class LinearOp:
         self.act_bits = 8 if activations == "int8" and qweight is not None else 0
 
     @classmethod
-    def build(
-        cls,
-        lin: Linear,
-        weights: str,
-        group_size: int | None = 32,
-        symmetric: bool = True,
-        kernel: str | None = None,
-        activations: str = "fp32",
-    ) -> LinearOp:
-        """``lin`` stored as ``weights`` (``fp32 | bf16 | int8 | int4``), INT8 / INT4 in groups of
-        ``group_size`` along K (``None``: INT8 per output channel)."""
-        run = {"bias": lin.bias, "kernel": kernel, "activations": activations}
+    def build(cls, lin: Linear, fmt: MatrixFormat) -> LinearOp:
+        """``lin`` stored and run as ``fmt`` says."""
+        weights, group_size = fmt.weights, fmt.group_size
+        run = {"bias": lin.bias, "kernel": fmt.kernel, "activations": fmt.activations}
         if weights == "fp32":
             return cls(weight=lin.weight, **run)
         if weights == "bf16":
@@ -80,7 +90,7 @@ class LinearOp:
         if weights == "int8":
             return cls(qweight=quantize_weight(lin.weight, 8, group_size), **run)
         if weights == "int4":
-            return cls(qweight=quantize_weight(lin.weight, 4, group_size, symmetric), **run)
+            return cls(qweight=quantize_weight(lin.weight, 4, group_size, fmt.symmetric), **run)
         raise ValueError(f"weights={weights!r}")
 
     def act_bits_for(self, rows: int) -> int:
@@ -191,17 +201,8 @@ class Layer:
         self.qkv, self.o, self.up, self.down = qkv, o, up, down
 
     @classmethod
-    def build(
-        cls,
-        w: LayerWeights,
-        weights: str,
-        group_size: int | None,
-        symmetric: bool,
-        kernel: str | None,
-        activations: str,
-    ) -> Layer:
-        names = ("qkv", "o", "up", "down")
-        ops = [LinearOp.build(getattr(w, n), weights, group_size, symmetric, kernel, activations) for n in names]
+    def build(cls, w: LayerWeights, fmt: MatrixFormat) -> Layer:
+        ops = [LinearOp.build(getattr(w, n), fmt) for n in ("qkv", "o", "up", "down")]
         # Keep the norms, drop the fp32 matrices now held by the LinearOps.
         w.qkv = w.o = w.up = w.down = None  # type: ignore[assignment]
         return cls(w, *ops)
@@ -227,8 +228,6 @@ class Decoder:
         weights: str,
         lm_head_weights: str | None = None,
         embed_weights: str | None = None,
-        kernel: str | None = None,
-        activations: str = "fp32",
     ) -> None:
         self.spec = spec
         self.embed = embed  # fp32 / bf16 [V, H], or a QuantizedWeight (rows dequantized when looked up)
@@ -240,27 +239,16 @@ class Decoder:
         self.rope = rope
         self.weights = weights
         self.lm_head_weights = lm_head_weights or weights
-        self.kernel = kernel
-        self.activations = activations
         self.layer_types = [
             "sliding_attention" if win is not None else "full_attention" for win in self.spec.sliding_windows
         ]
 
     @classmethod
     def build(
-        cls,
-        lm: CapturedLM,
-        weights: str,
-        *,
-        group_size: int | None = 32,
-        symmetric: bool = True,
-        lm_head_weights: str | None = None,
-        embed_weights: str | None = None,
-        kernel: str | None = None,
-        activations: str = "fp32",
+        cls, lm: CapturedLM, fmt: MatrixFormat, *, lm_head_weights: str | None = None, embed_weights: str | None = None
     ) -> Decoder:
-        """A :class:`CapturedLM` with its matrices stored as ``weights`` (``fp32 | bf16 | int8 | int4``),
-        the LM head as ``lm_head_weights`` and the embedding table as ``embed_weights``.
+        """A :class:`CapturedLM` with its matrices stored as ``fmt`` says (``fmt.weights``: ``fp32 |
+        bf16 | int8 | int4``), the LM head as ``lm_head_weights`` and the embedding table as ``embed_weights``.
 
         The table is quantized like a matrix (a row per token). Default ``embed_weights``: the LM
         head's format when the model ties the head to the table — then one tensor serves both (the
@@ -268,6 +256,7 @@ class Decoder:
         ``weights``."""
         # an INT4 model keeps its LM head INT8 unless told otherwise, as llama.cpp's Q4_0 does: the
         # logits are the most error-sensitive matrix (measured on Gemma-3-270M, docs/llm.md)
+        weights = fmt.weights
         head_w = lm_head_weights or ("int8" if weights == "int4" else weights)
         tied = (
             lm.lm_head.bias is None
@@ -275,24 +264,19 @@ class Decoder:
             and lm.lm_head.weight.data_ptr() == lm.embed.data_ptr()
         )
         embed_w = embed_weights or (head_w if tied else weights)
-        table = LinearOp.build(Linear(lm.embed), embed_w, group_size, symmetric, kernel, activations)
-        if tied and embed_w == head_w:
-            lm_head = table
-        else:
-            lm_head = LinearOp.build(lm.lm_head, head_w, group_size, symmetric, kernel, activations)
+        table = LinearOp.build(Linear(lm.embed), replace(fmt, weights=embed_w))
+        lm_head = table if tied and embed_w == head_w else LinearOp.build(lm.lm_head, replace(fmt, weights=head_w))
         return cls(
             lm.spec,
             embed=table.weight if table.weight is not None else table.qweight,
             positions=lm.positions,
-            layers=[Layer.build(w, weights, group_size, symmetric, kernel, activations) for w in lm.layers],
+            layers=[Layer.build(w, fmt) for w in lm.layers],
             final_norm=lm.final_norm,
             lm_head=lm_head,
             rope=lm.rope,
             weights=weights,
             lm_head_weights=head_w,
             embed_weights=embed_w,
-            kernel=kernel,
-            activations=activations,
         )
 
     def weight_bytes(self) -> int:

@@ -177,29 +177,19 @@ def _gpt2_layer(block: nn.Module) -> LayerWeights:
 
 @dataclass(frozen=True)
 class Family:
-    """How to read one ``model_type``'s modules: its decoder body, layers and final norm."""
+    """How to read one ``model_type``'s modules: the attribute names of its decoder body (on the
+    model), and of the layer list, final norm and token embedding (on the body); ``layer`` reads one
+    layer's weights."""
 
-    body: Callable[[nn.Module], nn.Module]
-    layers: Callable[[nn.Module], list[nn.Module]]
+    body: str
+    layers: str
+    final_norm: str
+    embed: str
     layer: Callable[[nn.Module], LayerWeights]
-    final_norm: Callable[[nn.Module], nn.Module]
-    embed: Callable[[nn.Module], nn.Module]
 
 
-_LLAMA_LIKE = Family(
-    body=lambda m: m.model,
-    layers=lambda b: list(b.layers),
-    layer=_llama_layer,
-    final_norm=lambda b: b.norm,
-    embed=lambda b: b.embed_tokens,
-)
-_GPT2 = Family(
-    body=lambda m: m.transformer,
-    layers=lambda b: list(b.h),
-    layer=_gpt2_layer,
-    final_norm=lambda b: b.ln_f,
-    embed=lambda b: b.wte,
-)
+_LLAMA_LIKE = Family("model", "layers", "norm", "embed_tokens", _llama_layer)
+_GPT2 = Family("transformer", "h", "ln_f", "wte", _gpt2_layer)
 
 #: model_type -> Family. The families GML captures.
 FAMILIES: dict[str, Family] = {
@@ -290,7 +280,7 @@ def capture_lm(model: nn.Module, max_length: int) -> CapturedLM:
         )
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise _unsupported("attention logit soft-capping (Gemma-2 style) is not supported", "use Gemma/Gemma-3")
-    body = family.body(model)
+    body = getattr(model, family.body)
     gpt2 = model_type == "gpt2"
     heads = config.num_attention_heads if not gpt2 else config.n_head
     hidden = config.hidden_size
@@ -309,7 +299,7 @@ def capture_lm(model: nn.Module, max_length: int) -> CapturedLM:
     else:
         attn_scale = head_dim**-0.5 if (not gpt2 or config.scale_attn_weights) else 1.0
         embed_scale = hidden**0.5 if model_type == "gemma" else 1.0
-    layers_m = family.layers(body)
+    layers_m = list(getattr(body, family.layers))
     layers = [family.layer(m) for m in layers_m]
     spec = ModelSpec(
         family=model_type,
@@ -338,10 +328,10 @@ def capture_lm(model: nn.Module, max_length: int) -> CapturedLM:
     lm_head = Linear(_t(out_emb.weight), _t(getattr(out_emb, "bias", None)))
     return CapturedLM(
         spec=spec,
-        embed=_t(family.embed(body).weight),
+        embed=_t(getattr(body, family.embed).weight),
         positions=_t(body.wpe.weight) if gpt2 else None,
         layers=layers,
-        final_norm=_norm(family.final_norm(body)),
+        final_norm=_norm(getattr(body, family.final_norm)),
         lm_head=lm_head,
         rope=rope,
     )

@@ -534,7 +534,5 @@ def read_llm(
         weights=m["weights"],
         lm_head_weights=m["lm_head_weights"],
         embed_weights=m["embed_weights"],
-        kernel=chosen,
-        activations=activations,
     )
     return decoder, max_length, kv_cache
