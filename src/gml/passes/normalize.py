@@ -248,8 +248,16 @@ class Normalize(GraphPass):
     def __init__(self, *, remove_dropout: bool = True) -> None:
         self.remove_dropout = remove_dropout
 
-    # ------------------------------------------------------------------ driver
     def call(self, gm: fx.GraphModule) -> PassResult:
+        return _NormalizeRun(gm, remove_dropout=self.remove_dropout).run()
+
+
+class _NormalizeRun:
+    """One run of :class:`Normalize` over one graph: the per-run state (modules, node order, the
+    tensor-ness cache, skips and counts) lives here, never on the pass."""
+
+    def __init__(self, gm: fx.GraphModule, *, remove_dropout: bool) -> None:
+        self.remove_dropout = remove_dropout
         self._gm = gm
         self._modules = modules_of(gm)
         self._order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -259,6 +267,9 @@ class Normalize(GraphPass):
         self._rewritten: Counter[str] = Counter()
         self._exposed: Counter[str] = Counter()
 
+    # ------------------------------------------------------------------ driver
+    def run(self) -> PassResult:
+        gm = self._gm
         self._expose_opaque_mutations()  # first: it finds nodes by the names shape propagation saw
         self._uninplace_modules()
         for node in list(gm.graph.nodes):
