@@ -100,17 +100,18 @@ NB_MODULE(_engine, m) {
   m.def(
       "decode_attention",
       [](uintptr_t qkv, int64_t heads, int64_t kv, int64_t d, uintptr_t kc, uintptr_t vc, int64_t max_len, int64_t lo,
-         int64_t pos, float scale, int kv_type, bool vector, int nthreads, uintptr_t out) {
+         int64_t pos, float scale, int kv_type, int tier, int nthreads, uintptr_t out) {
         nb::gil_scoped_release nogil;
         gml_decode::attention_row(reinterpret_cast<const float*>(qkv), heads, kv, d, reinterpret_cast<void*>(kc),
-                                  reinterpret_cast<void*>(vc), max_len, lo, pos, scale, kv_type, vector, nthreads,
+                                  reinterpret_cast<void*>(vc), max_len, lo, pos, scale, kv_type, tier, nthreads,
                                   reinterpret_cast<float*>(out));
       },
       nb::arg("qkv"), nb::arg("heads"), nb::arg("kv"), nb::arg("d"), nb::arg("kc"), nb::arg("vc"), nb::arg("max_len"),
-      nb::arg("lo"), nb::arg("pos"), nb::arg("scale"), nb::arg("kv_type"), nb::arg("vector"), nb::arg("nthreads"),
+      nb::arg("lo"), nb::arg("pos"), nb::arg("scale"), nb::arg("kv_type"), nb::arg("tier"), nb::arg("nthreads"),
       nb::arg("out"),
       "One position's attention over a KV cache (kv_type 0 fp32, 1 bf16, 2 fp16), its k / v written at pos "
-      "first; positions split over nthreads (the decode pool); native/decode.h.");
+      "first; tier 0 scalar, 1 AVX2, 2 AVX-512; positions split over nthreads (the decode pool); "
+      "native/decode_attention.h.");
   m.def("woq_isa_supported", &gml_woq::cpu_has, "Whether this CPU runs woq_linear's kernel for `isa`.");
   nb::class_<Plan> plan(m, "Plan", nb::dynamic_attr());  // dynamic attributes: ``keep`` (embedding tables)
   plan.def(nb::init<>())

@@ -118,17 +118,19 @@ def test_native_glue_matches_torch():
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _native_attention(eng, qkv, cache, heads, kv, d, lo, pos, vector, threads, scale=0.3):
+def _native_attention(eng, qkv, cache, heads, kv, d, lo, pos, tier, threads, scale=0.3):
     out = torch.empty(1, heads * d)
     eng.decode_attention(
         qkv.data_ptr(), heads, kv, d, cache[0].data_ptr(), cache[1].data_ptr(), cache.shape[2], lo, pos, scale,
-        KV_TYPES[cache.dtype], vector, threads, out.data_ptr(),
+        KV_TYPES[cache.dtype], tier, threads, out.data_ptr(),
     )  # fmt: skip
     return out
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("vector", [True, False])
+# the kernels' tiers (native/decode_attention.h): 2 AVX-512 (head sizes a multiple of 16; a CPU without it
+# runs 1), 1 AVX2 + FMA + F16C, 0 scalar
+@pytest.mark.parametrize("tier", [2, 1, 0])
 @pytest.mark.parametrize(
     "heads, kv, d, pos, lo",
     [
@@ -139,10 +141,12 @@ def _native_attention(eng, qkv, cache, heads, kv, d, lo, pos, vector, threads, s
         (8, 4, 64, 140, 0),  # TinyLlama's group of 8, 2 items per KV head
         (8, 1, 20, 40, 0),  # a group of 8 (the 8-sum hadd tree) with a 4-lane tail
         (8, 2, 20, 40, 0),  # a group of 4 (the 4-sum hadd tree) with a 4-lane tail
+        (7, 1, 32, 150, 0),  # a group of 7: its scores rows are 7 of 8 lanes (masked loads / stores)
+        (4, 4, 48, 130, 3),  # multi-head (a group of 1), 16-lane head size
     ],
 )
-def test_native_attention_matches_sdpa(dtype, vector, heads, kv, d, pos, lo):
-    """decode_attention (native/decode.h) writes the new k / v at pos (rounded to the cache type as torch
+def test_native_attention_matches_sdpa(dtype, tier, heads, kv, d, pos, lo):
+    """decode_attention (native/decode_attention.h) writes the new k / v at pos (rounded to the cache type as torch
     rounds) and equals SDPA over [lo, pos] of the cache; split over 2 threads, bit for bit the 1-thread
     result (the items do not depend on the thread count)."""
     eng = native_glue()
@@ -152,13 +156,13 @@ def test_native_attention_matches_sdpa(dtype, vector, heads, kv, d, pos, lo):
     qkv = torch.randn(1, (heads + 2 * kv) * d)
     q = qkv[0, : heads * d].view(kv, heads // kv, d)
     k_new, v_new = qkv[0, heads * d : (heads + kv) * d].view(kv, d), qkv[0, (heads + kv) * d :].view(kv, d)
-    out = _native_attention(eng, qkv, cache, heads, kv, d, lo, pos, vector, 1)
+    out = _native_attention(eng, qkv, cache, heads, kv, d, lo, pos, tier, 1)
     assert torch.equal(cache[0, :, pos], k_new.to(dtype)) and torch.equal(cache[1, :, pos], v_new.to(dtype))
     c = cache.float()
     ref = torch.nn.functional.scaled_dot_product_attention(q, c[0, :, lo : pos + 1], c[1, :, lo : pos + 1], scale=0.3)
     # fp32 sums in another order than SDPA's (a 256-long scalar dot product: ~1e-6 of a score of ~5)
     torch.testing.assert_close(out.view(kv, heads // kv, d), ref, rtol=1e-4, atol=1e-5)
-    assert torch.equal(_native_attention(eng, qkv, cache, heads, kv, d, lo, pos, vector, 2), out)
+    assert torch.equal(_native_attention(eng, qkv, cache, heads, kv, d, lo, pos, tier, 2), out)
 
 
 def test_native_attention_kv_rounding_and_bad_arguments():
@@ -171,7 +175,7 @@ def test_native_attention_kv_rounding_and_bad_arguments():
         row = torch.tensor(special + extra + [0.1 * i for i in range(d - len(special) - len(extra))])
         qkv = torch.cat([torch.zeros(d), row, row]).view(1, -1)
         cache = torch.zeros(2, kv, 4, d, dtype=dtype)
-        _native_attention(eng, qkv, cache, heads, kv, d, 0, 2, False, 1)
+        _native_attention(eng, qkv, cache, heads, kv, d, 0, 2, 0, 1)
         want = row.to(dtype)
         got = cache[0, 0, 2]
         assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
@@ -180,14 +184,17 @@ def test_native_attention_kv_rounding_and_bad_arguments():
         qkv = torch.cat([torch.zeros(d), torch.full((d,), big), torch.zeros(d)]).view(1, -1)
         cache = torch.zeros(2, kv, 4, d, dtype=torch.float16)
         with pytest.raises(OverflowError, match="fp16"):
-            _native_attention(eng, qkv, cache, heads, kv, d, 0, 2, True, 1)
+            _native_attention(eng, qkv, cache, heads, kv, d, 0, 2, 1, 1)
         assert not cache.any()  # nothing written
     cache = torch.zeros(2, kv, 4, d)
     with pytest.raises(ValueError, match="lo <= pos"):
-        eng.decode_attention(qkv.data_ptr(), heads, kv, d, 0, 0, 4, 0, 4, 0.3, 0, True, 1, 0)
+        eng.decode_attention(qkv.data_ptr(), heads, kv, d, 0, 0, 4, 0, 4, 0.3, 0, 1, 1, 0)
     with pytest.raises(ValueError, match="kv_type"):
         eng.decode_attention(qkv.data_ptr(), heads, kv, d, cache[0].data_ptr(), cache[1].data_ptr(), 4, 0, 1, 0.3, 3,
-                             True, 1, 0)  # fmt: skip
+                             1, 1, 0)  # fmt: skip
+    with pytest.raises(ValueError, match="tier"):
+        eng.decode_attention(qkv.data_ptr(), heads, kv, d, cache[0].data_ptr(), cache[1].data_ptr(), 4, 0, 1, 0.3, 0,
+                             3, 1, 0)  # fmt: skip
 
 
 def test_greedy_argmax_is_torch_argmax():

@@ -57,6 +57,11 @@ def detect_kernel(target: Target | None = None) -> str | None:
     return kernel_isa(resolve(target))
 
 
+#: the decode attention kernels (native/decode_attention.h: 0 scalar, 1 AVX2 + FMA + F16C, 2 AVX-512F) a
+#: woq kernel tier's CPU runs (``None``: no native engine)
+ATTENTION_TIERS = {"vnni": 2, "avx512": 2, "avxvnni": 1, "avx2": 1, "scalar": 0, None: 0}
+
+
 def native_kernel_runs(isa: str) -> bool:
     """Whether the native engine is built with woq_linear and this CPU runs its ``isa`` kernel."""
     from gml.runtime.native import _load

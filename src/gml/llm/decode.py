@@ -9,7 +9,7 @@ about as long as the 18 layers' matrix kernels themselves (docs/llm.md, "Where a
 * one row buffer per intermediate (``h``, the normed row, the fused QKV row, the attention output, the
   MLP rows, the logits), allocated once; each matrix is a call bound once to its input and output
   buffers (:meth:`LinearOp.bind`: the native kernel's arguments are a fixed tuple);
-* the glue between the matrices in native calls (native/decode.h): a norm; the residual add fused with
+* the glue between the matrices in native calls (native/decode_attention.h): a norm; the residual add fused with
   the next norm (the sandwich norm of Gemma 3 first); the q/k norm + RoPE of the fused QKV row in place;
 * attention as one native call per layer that also writes the new k / v rows (native/decode.h: an
   fp32, bf16 or fp16 cache read in place, each K / V row once for all the query heads of its KV head;
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from gml.ir.attention import attention_op
-from gml.kernels.woq import detect_kernel
+from gml.kernels.woq import ATTENTION_TIERS, detect_kernel
 from gml.llm.model import KV_NATIVE_TYPES, Decoder, KVCache, _act, check_kv_range, kv_overflow
 from gml.llm.spec import Norm
 
@@ -37,7 +37,7 @@ _KINDS = {"rms": 0, "layer": 1}
 
 
 def native_glue():
-    """The engine module when it has the decode glue (native/decode.h), else ``None``."""
+    """The engine module when it has the decode glue (native/decode_attention.h), else ``None``."""
     from gml.runtime.native import _load
 
     engine, _ = _load()
@@ -101,11 +101,11 @@ class DecodeStep:
         self.final = self._norm_args(decoder.final_norm)
         self.lm_head = decoder.lm_head.bind(self.a, self.logits)
         self.attend = attention_op()
-        # the native attention (any cache type of KV_NATIVE_TYPES) and its tier: AVX2 + FMA unless GML's CPU
-        # description says scalar; long contexts split their positions over the torch thread count
+        # the native attention (any cache type of KV_NATIVE_TYPES) and its tier from GML's CPU description
+        # (AVX-512, AVX2 or scalar); long contexts split their positions over the torch thread count
         self.kv_type = KV_NATIVE_TYPES.get(cache.data.dtype)
         self.native_attention = self.kv_type is not None and hasattr(engine, "decode_attention")
-        self.vector = detect_kernel() not in (None, "scalar")
+        self.attention_tier = ATTENTION_TIERS[detect_kernel()]
 
     # ------------------------------------------------------------------ build helpers
     def _hold(self, t: torch.Tensor) -> torch.Tensor:
@@ -162,9 +162,9 @@ class DecodeStep:
                 try:
                     eng.decode_attention(
                         qkvp, heads, kv, d, lay["kp"], lay["vp"], cache.max_length, lo, pos, spec.attn_scale,
-                        self.kv_type, self.vector, self.threads, self.attn.data_ptr(),
+                        self.kv_type, self.attention_tier, self.threads, self.attn.data_ptr(),
                     )  # fmt: skip
-                except OverflowError:  # an fp16 cache and a k / v beyond 65504 (native/decode.h)
+                except OverflowError:  # an fp16 cache and a k / v beyond 65504 (native/decode_attention.h)
                     raise kv_overflow(i) from None
             else:
                 check_kv_range(cache, i, self.k, self.v)
