@@ -15,8 +15,11 @@ from runtime.test_dynamic_linear import dyn_graph, gemm, rows, step_impls  # noq
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
 
-def residual_graph(k: int, n: int, *, read_again: bool = False, post_op: str = "none") -> fx.GraphModule:
-    """``x, r -> dynamic_linear(x) + r`` (and, with ``read_again``, the linear's output returned too)."""
+def residual_graph(
+    k: int, n: int, *, read_again: bool = False, post_op: str = "none", itself: bool = False
+) -> fx.GraphModule:
+    """``x, r -> dynamic_linear(x) + r`` (and, with ``read_again``, the linear's output returned too;
+    with ``itself``, ``dynamic_linear(x) + dynamic_linear(x)``: the same node twice, ``r`` unused)."""
     gm = dyn_graph(k, n, post_op=post_op)
     g = gm.graph
     (x,) = [p for p in g.nodes if p.op == "placeholder"]
@@ -26,7 +29,7 @@ def residual_graph(k: int, n: int, *, read_again: bool = False, post_op: str = "
         r = g.placeholder("r")
     gm.add_module("add", gnn.Add())
     with g.inserting_before(out):
-        s = g.call_module("add", (lin, r))
+        s = g.call_module("add", (lin, lin if itself else r))
     out.args = ((s, lin),) if read_again else (s,)
     gm.recompile()
     return gm
@@ -60,6 +63,16 @@ def test_a_linear_output_read_again_keeps_its_own_add():
     assert len(step_impls(eng)) == 3  # quantize, matmul, binary add
     for g, w in zip(got, ref):
         assert torch.equal(g, w)
+
+
+def test_a_linear_output_added_to_itself_keeps_its_own_add():
+    """``y + y`` reads the linear's own output: fused, the residual would be memory the matmul no longer
+    writes (gml.runtime.rules.linear._reads_itself)."""
+    gm = residual_graph(24, 16, itself=True)
+    x, r = rows(3, 24), rows(3, 16, seed=3)
+    ref, eng, got = run_both(gm, x, r)
+    assert len(step_impls(eng)) == 3  # quantize, matmul, binary add
+    assert torch.equal(got, ref)
 
 
 def test_a_residual_read_from_a_strided_view_is_added_with_its_strides():

@@ -129,6 +129,15 @@ def test_a_linear_read_again_after_the_add_is_not_fused():
     assert _names(eng) == ["m0", "m1", "m2"]
 
 
+def test_a_linear_added_to_itself_is_not_fused():
+    """``y = linear(x); y + y``: the add reads the linear's own output, which a fused matmul would no longer
+    write (the binary post-op read uninitialized memory: a fuzzed graph was off by 0.77 on some runs)."""
+    torch.manual_seed(0)
+    lin = FusedLinear.from_linear(nn.Linear(6, 9, bias=False), PostOp())
+    eng = check(graph_of(lin, gnn.Add(), n_inputs=1, wiring=[(0,), (1, 1)]), torch.randn(2, 28, 1, 6))
+    assert _names(eng) == ["m0", "m1"]
+
+
 def test_a_residual_add_of_a_transposed_linear_output_is_not_fused():
     """nn.TransformerEncoderLayer's ``x + out_proj(...).view(...).transpose(0, 1)``: the add reads the
     linear's bytes in another order, so it cannot be the linear's post-op (a fuzzed-block bug)."""

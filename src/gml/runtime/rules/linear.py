@@ -121,11 +121,18 @@ def _emit_blinear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 MatmulPostOp = tuple[str, float, float, "Val | None"]
 
 
+def _reads_itself(lin: Val, other: Val) -> bool:
+    """Whether the add's other operand is the linear's own output (``y + y``) or a view of it: fused, the
+    post-op would read the buffer the re-recorded matmul no longer writes (uninitialized memory: a
+    fuzzed ``linear(x) + linear(x)`` was off by 0.77, on some runs only)."""
+    return other is lin or (lin.group is not None and other.group is lin.group)
+
+
 def fuse_into_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
     """``linear(x) + other`` as one matmul with a binary ``add`` post-op (see :func:`extend_linear`):
     ``out = post_op(x Wᵀ + b) + other`` in the fp32 accumulator (a bf16 linear's output is then not
     rounded to bf16 before the add: one rounding fewer than the Python executor)."""
-    if other.free or other.shape != out.shape or base.rows_strides(other) is None:
+    if other.free or other.shape != out.shape or base.rows_strides(other) is None or _reads_itself(lin, other):
         return False
     return extend_linear(b, lin, out, lambda: [("binary_add", 0.0, 0.0, base.as_rows(b, other))])
 
@@ -143,7 +150,7 @@ def fuse_into_dynamic_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool
         return False
     if b.last_use.get(lin.node, 0) != b.pos or lin.shape != out.shape or other.shape != out.shape:
         return False
-    if other.free or out.free or other.dtype_name != "f32" or out.dtype_name != "f32":
+    if other.free or out.free or other.dtype_name != "f32" or out.dtype_name != "f32" or _reads_itself(lin, other):
         return False
     # dense rows only: a strided binary post-op operand sends oneDNN 3.2's matmul to its reference kernel
     if any(base.rows_strides(v) is None or base.rows_strides(v)[1] != 1 for v in (other, out)):
