@@ -104,8 +104,6 @@ inline f16_t from_f32<f16_t>(float f) {  // nearest, ties to even; beyond 65504 
   return {static_cast<uint16_t>(sign | (r >> 13))};
 }
 
-// The kernels below are not inlined into attention_item (noinline): inlined there, GCC kept the loop
-// counters and row pointers of the value loop on the stack (a store-forwarding chain per key).
 #define GML_DECODE_F16C __attribute__((target("avx2,fma,f16c")))
 
 // 8 cache entries as fp32.
@@ -198,7 +196,7 @@ GML_DECODE_AVX2 __attribute__((always_inline)) inline void store_sums(const __m2
 
 // s[j * NH + h] = scale * q[h] . K[j] for NH heads (q[h] = q + h * d), j < n: each K row loaded once.
 template <int NH, class T>
-GML_DECODE_F16C __attribute__((noinline)) void scores_avx2(const float* q, const T* K, const T* V, int64_t n, int64_t d, float scale, float* s) {
+GML_DECODE_F16C void scores_avx2(const float* q, const T* K, const T* V, int64_t n, int64_t d, float scale, float* s) {
   const int64_t dv = d / 8 * 8;
   for (int64_t j = 0; j < n; ++j) {
     const T* k = K + j * d;
@@ -229,7 +227,7 @@ GML_DECODE_F16C __attribute__((noinline)) void scores_avx2(const float* q, const
 // The AVX-512 twins of scores_avx2 / pv_avx2 for d a multiple of 16: the same loops on 16 lanes, half
 // the FMAs and loads per key (each 16-lane sum is folded to 8 lanes, then summed as above).
 template <int NH, class T>
-GML_DECODE_AVX512 __attribute__((noinline)) void scores_avx512(const float* q, const T* K, const T* V, int64_t n, int64_t d, float scale,
+GML_DECODE_AVX512 void scores_avx512(const float* q, const T* K, const T* V, int64_t n, int64_t d, float scale,
                                      float* s) {
   for (int64_t j = 0; j < n; ++j) {
     const T* k = K + j * d;
@@ -262,7 +260,7 @@ GML_DECODE_AVX2 __attribute__((always_inline)) inline __m256 load_row(const floa
 // Per head h < NH (a column of the rows p[j * NH + h], j < n): p = exp(p - max) in place, and
 // ml[h * stride] = max, ml[h * stride + 1] = sum. The NH columns are the lanes of one vector.
 template <int NH>
-GML_DECODE_AVX2 __attribute__((noinline)) void exp_rows_avx2(float* p, int64_t n, float* ml, int64_t stride) {
+GML_DECODE_AVX2 void exp_rows_avx2(float* p, int64_t n, float* ml, int64_t stride) {
   const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(NH), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256 mv = _mm256_set1_ps(-INFINITY);
   for (int64_t j = 0; j < n; ++j) mv = _mm256_max_ps(mv, load_row<NH>(p + j * NH, lanes));
@@ -288,7 +286,7 @@ GML_DECODE_AVX2 __attribute__((noinline)) void exp_rows_avx2(float* p, int64_t n
 // a[h * lda + i] = sum_j p[j * NH + h] V[j][i] for NH heads: per block of kBlock positions, each 8-float
 // slice of the NH outputs in registers while the block's V rows stream by (each V entry loaded once).
 template <int NH, class T>
-GML_DECODE_F16C __attribute__((noinline)) void pv_avx2(const float* p, int64_t n, const T* V, int64_t d, float* a, int64_t lda) {
+GML_DECODE_F16C void pv_avx2(const float* p, int64_t n, const T* V, int64_t d, float* a, int64_t lda) {
   const int64_t dv = d / 8 * 8;
   for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
     const int64_t b1 = std::min(n, b0 + kBlock);
@@ -315,7 +313,7 @@ GML_DECODE_F16C __attribute__((noinline)) void pv_avx2(const float* p, int64_t n
 }
 
 template <int NH, class T>
-GML_DECODE_AVX512 __attribute__((noinline)) void pv_avx512(const float* p, int64_t n, const T* V, int64_t d, float* a, int64_t lda) {
+GML_DECODE_AVX512 void pv_avx512(const float* p, int64_t n, const T* V, int64_t d, float* a, int64_t lda) {
   for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
     const int64_t b1 = std::min(n, b0 + kBlock);
     for (int64_t i = 0; i < d; i += 16) {
