@@ -250,3 +250,20 @@ def test_conv_refusal_names_only_the_one_frame_padded_conv3d():
     no_depth_pad = k32.FusedConv.from_conv(nn.Conv3d(2, 2, (1, 3, 3), padding=(0, 1, 1)))
     assert kb.conv_refusal(no_depth_pad, (1, 2, 1, 4, 4)) is None
     assert kb.conv_refusal(k32.FusedConv.from_conv(nn.Conv2d(2, 2, 3, padding=1)), (1, 2, 1, 4)) is None
+
+
+def test_conv2d_refusal_names_only_one_column_shapes_with_a_width_stride():
+    """oneDNN's AMX bf16 Conv2d is wrong over a one-column input with width padding and on a one-column
+    output, both with a width stride > 1 (kernels/bf16._conv2d_refusal); ordinary strided convs pass."""
+
+    def conv(**kw):
+        return k32.FusedConv.from_conv(nn.Conv2d(3, 4, **kw))
+
+    dilated = conv(kernel_size=2, stride=2, padding=1, dilation=2)
+    assert "one-column output" in kb.conv_refusal(dilated, (1, 3, 9, 2))  # output width 1 (the fuzz case)
+    assert kb.conv_refusal(dilated, (1, 3, 9, 6)) is None  # output width 3
+    padded = conv(kernel_size=2, stride=2, padding=1)
+    assert "one-column input" in kb.conv_refusal(padded, (1, 3, 8, 1))
+    assert kb.conv_refusal(conv(kernel_size=3, stride=1, padding=1), (1, 3, 8, 1)) is None  # width stride 1
+    assert kb.conv_refusal(conv(kernel_size=3, stride=2, padding=1), (1, 3, 56, 56)) is None  # ResNet's
+    assert kb.conv_refusal(conv(kernel_size=(3, 1), stride=(2, 1)), (1, 3, 9, 1)) is None  # no width stride

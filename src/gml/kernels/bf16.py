@@ -147,21 +147,31 @@ def conv_refusal(m: nn.Module, input_shape: Sequence[int] | None) -> str | None:
 
 
 def _conv2d_refusal(m: nn.Module, input_shape: Sequence[int] | None) -> str | None:
-    """A Conv2d over a one-column input (width 1) with a width stride > 1 and width padding: oneDNN's
-    AMX bf16 kernel (torch's build too) returns relative errors 0.7-1.8 once the input has 8+ rows;
-    exact under ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, and with stride 1, no width padding, or the
-    same shape transposed (height 1). Measured 2026-11-28 on Sapphire Rapids, found by the 10,000-graph
-    bf16 fuzz run (``(1, 5, 8, 1)``, k=2, stride 2, pad 1). Declined on every CPU and row count: one
-    rule everywhere, and such convs are rare."""
-    if input_shape is None or len(input_shape) != 4 or input_shape[3] != 1:
+    """Two Conv2d shapes oneDNN's AMX bf16 kernel (torch's build too) computes wrong, both with a width
+    stride > 1; exact under ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``, with width stride 1, and for the
+    same shapes transposed (height). Declined on every CPU: one rule everywhere, and such convs are rare.
+
+    * a one-column input (width 1) with width padding: relative errors 0.7-1.8 once the input has 8+
+      rows, and with a dilated 1-wide kernel a segmentation fault (`make fuzz` of 2026-11-28, ``(1, 5,
+      8, 1)``, k=2, stride 2, pad 1);
+    * a one-column output (width 1): relative errors 0.65-3.4, or 2e36 (`make fuzz` of 2026-11-28 s8,
+      ``(1, 3, 9, 2)``, k=2, stride 2, pad 1, dilation 2; 47 of 405 width configurations mapped, every
+      failure one of the two).
+
+    Measured on Sapphire Rapids."""
+    if input_shape is None or len(input_shape) != 4:
         return None
     stride, padding = getattr(m, "stride", (1, 1)), getattr(m, "padding", (0, 0))
-    if isinstance(padding, str) or stride[1] <= 1 or padding[1] <= 0:
+    if isinstance(padding, str) or stride[1] <= 1:
         return None
-    return (
-        "Conv2d over a one-column input with width stride and padding: "
-        "oneDNN's AMX bf16 kernel computes it wrong (kept fp32)"
-    )
+    width, kernel, dilation = input_shape[3], m.weight.shape[-1], getattr(m, "dilation", (1, 1))[1]
+    if width == 1 and padding[1] > 0:
+        what = "a one-column input with width stride and padding"
+    elif (width + 2 * padding[1] - dilation * (kernel - 1) - 1) // stride[1] + 1 == 1:
+        what = "a one-column output with width stride"
+    else:
+        return None
+    return f"Conv2d over {what}: oneDNN's AMX bf16 kernel computes it wrong (kept fp32)"
 
 
 class _Bf16Twin:
