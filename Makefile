@@ -47,8 +47,16 @@ test-tiers: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
+# The properties run as two processes, one per core (~1 h instead of 2 on 2 cores); each writes its
+# log under build/ and both are printed at the end.
+FUZZ_A = tests/fuzz/test_fuzz_bf16.py tests/fuzz/test_fuzz_fp32.py tests/fuzz/test_fuzz_transformer.py
+FUZZ_B = $(filter-out $(FUZZ_A),$(wildcard tests/fuzz/test_*.py))
 fuzz: $(STAMP)
-	GML_FUZZ_EXAMPLES=10000 $(BIN)/python -m pytest -q tests/fuzz
+	@mkdir -p build; \
+	GML_FUZZ_EXAMPLES=10000 $(BIN)/python -m pytest -q -p no:cacheprovider $(FUZZ_A) > build/fuzz-a.log 2>&1 & a=$$!; \
+	GML_FUZZ_EXAMPLES=10000 $(BIN)/python -m pytest -q -p no:cacheprovider $(FUZZ_B) > build/fuzz-b.log 2>&1; b=$$?; \
+	wait $$a; a=$$?; cat build/fuzz-a.log build/fuzz-b.log; \
+	test $$a -eq 0 && test $$b -eq 0
 
 # The native engine built with AddressSanitizer + UndefinedBehaviorSanitizer (build/sanitize/), then
 # the engine tests and a few whole models (ResNet18 INT8, ResNet18/50 and MobileNetV2 fp32, HF Dinov2,
