@@ -22,7 +22,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_gguf(model: torch.nn.Module, path, qtype: str = "F32", drop: str | None = None) -> None:
     """Write ``model`` (a tiny ``LlamaForCausalLM`` / ``Gemma3ForCausalLM``) to ``path``.
 
-    ``qtype``: ``F32`` | ``F16`` | ``Q8_0`` for the 2-D matrices (norms stay F32, as llama.cpp keeps them).
+    ``qtype``: ``F32`` | ``F16`` | ``Q8_0`` | ``Q4_0`` for the 2-D matrices (norms stay F32, as llama.cpp keeps them).
     ``drop``: a GGUF tensor name to leave out (a broken file).
     """
     import gguf

@@ -28,6 +28,15 @@ def test_int4_packing_low_nibble_first():
     assert float(qw.scales[0, 0]) == 1.0
 
 
+def test_int4_symmetric_rounds_ties_up_as_q4_0():
+    # ggml's quantize_row_q4_0_ref: q = min(15, (int)(x / s + 8.5)) - 8, a tie goes up. Weights that
+    # already lie on a 4-bit grid (a Q4_K GGUF requantized) are full of ties; rounding them to even
+    # would merge neighbouring levels: here -1.5, -0.5, 0.5, 1.5, 2.5 must stay five distinct values.
+    w = torch.tensor([[-8.0, -1.5, -0.5, 0.5, 1.5, 2.5, 6.5] + [0.0] * 25])  # scale 1 (the -8)
+    q = integer_weight(quantize_weight(w, 4, 32).qweight, None, 4, 32)[0, :7].tolist()
+    assert q == [-8, -1, 0, 1, 2, 3, 7]  # ties to even would give [-8, -2, 0, 0, 2, 2, 6]
+
+
 @pytest.mark.parametrize(
     ("bits", "group", "symmetric"),
     [(8, None, True), (8, 32, True), (8, 128, True), (4, 32, True), (4, 64, False), (4, 128, True)],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,3 +154,33 @@ def test_gguf_missing_a_tensor(tmp_path):
     write_gguf(tiny("llama"), path, drop="blk.1.ffn_up.weight")
     with pytest.raises(ModelLoadError, match=r"does not provide 1 of the model's parameters \(e\.g\. model\.layers\.1"):
         gml.llm(str(path))
+
+
+def test_int4_symmetric_levels_equal_q4_0():
+    # GML's symmetric INT4 is llama.cpp's Q4_0 rule: the same 4-bit level for every weight as the gguf
+    # package's Q4_0 quantizer (an independent copy of ggml's), ties included — half the weights here
+    # sit exactly between two levels, as a Q4_K GGUF requantized does.
+    from gml.ir.llm_ops import integer_weight, quantize_weight
+
+    torch.manual_seed(3)
+    n, k = 8, 256
+    grid = torch.randint(-15, 16, (n, k)).float() / 2  # ±7.5 in half steps: ties for a scale of 1
+    grid[:, ::32] = -8.0  # each block's extreme: the scale is exactly 1
+    w = grid * torch.rand(n, 1).add(0.5)  # a scale per row
+    ours = integer_weight(quantize_weight(w, 4, 32).qweight, None, 4, 32)
+    blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0).reshape(n, k // 32, 18)
+    nibbles = blocks[..., 2:]
+    theirs = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(n, k).astype(np.int32) - 8
+    assert torch.equal(ours, torch.from_numpy(theirs))
+
+
+def test_q4_0_gguf_to_int4_keeps_its_weights(tmp_path):
+    # A Q4_0 file read with weights="int4" is requantized without loss: each block's extreme is already
+    # at -8 steps, so the scale and every level come back — the logits equal the fp32 read of the file.
+    model = tiny("llama")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(model, path, "Q4_0")
+    ref = gml.llm(str(path), max_length=32).logits(PROMPT)
+    int4 = dict(weights="int4", lm_head_weights="int4", embed_weights="int4", kv_cache="fp32")  # fp32: as `ref`
+    got = gml.llm(str(path), max_length=32, **int4).logits(PROMPT)
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()

@@ -25,7 +25,7 @@ def fake_quant(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> torch
         m = g.gather(-1, g.abs().argmax(-1, keepdim=True))
         s = m / -8
         s[s == 0] = 1.0
-        return (torch.round(g / s).clamp(-8, 7) * s).reshape(n, k)
+        return (torch.floor(g / s + 0.5).clamp(-8, 7) * s).reshape(n, k)  # ties up, as Q4_0
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         s = g.abs().amax(-1, keepdim=True) / qmax
