@@ -27,7 +27,7 @@ from torch import fx, nn
 DEFAULT_SHAPES = "11x384x384,11x384x1536,128x384x384,128x384x1536,128x1536x384"
 
 
-def _graph(k: int, n: int, post_op: str) -> fx.GraphModule:
+def _graph(k: int, n: int, post_op: str, weight_qmax: int = 127) -> fx.GraphModule:
     from gml.ir.library import op
     from gml.kernels.int8_ops import register
     from gml.quant.transformer import DynamicQuantLinear
@@ -35,7 +35,7 @@ def _graph(k: int, n: int, post_op: str) -> fx.GraphModule:
     register()
     torch.manual_seed(0)
     lin = nn.Linear(k, n)
-    q = DynamicQuantLinear(lin)
+    q = DynamicQuantLinear(lin, weight_qmax=weight_qmax)
     root, g = nn.Module(), fx.Graph()
     x = g.placeholder("x")
     for name in ("weight", "weight_scale", "bias"):
@@ -82,6 +82,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--post-op", default="none", choices=("none", "relu", "gelu"))
+    ap.add_argument(
+        "--weight-qmax", type=int, default=127, choices=(127, 64),
+        help="int8 weights in [-q, q]: 64 (7 bits) takes the AVX2 kernel's u8 path (native/int8_gemm_avx2.h)",
+    )
     args = ap.parse_args()
     warnings.simplefilter("ignore")
 
@@ -110,7 +114,7 @@ def _time_shape(m: int, k: int, n: int, args: argparse.Namespace, tmp: str) -> d
     from gml.runtime import compile_engine
     from gml.runtime.compile import EngineSegment
 
-    gm, lin = _graph(k, n, args.post_op)
+    gm, lin = _graph(k, n, args.post_op, args.weight_qmax)
     x = torch.randn(m, k)
     eng = compile_engine(gm, [x])
     assert eng.report.path == "engine", str(eng.report)

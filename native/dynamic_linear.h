@@ -91,7 +91,7 @@ inline void gemm_step(Plan& p, int q, int amax, int dst, int sum_src, uintptr_t 
   // the epilogue's ReLU is exact in the kernel; other activations are oneDNN eltwise primitives
   bool relu = false;
   std::vector<dnnl::eltwise_forward> acts;
-  std::string impl = "gml:int8_gemm_avx2";
+  std::string impl = gemm->seven_bit() ? "gml:int8_gemm_avx2_u8s7" : "gml:int8_gemm_avx2";
   const memory::desc rows({m, n}, dt::f32, memory::format_tag::ab);
   for (const auto& [alg, alpha, beta] : eltwise) {
     if (alg == "relu" && alpha == 0.0f && acts.empty() && !relu) {

@@ -17,6 +17,17 @@
 // (the dot product llama.cpp's AVX2 Q8_0 kernels use). An accumulator lane adds 4 products per 4-deep
 // step of K, |acc| <= K * 127^2: exact in int32 for K <= 133,143 (checked by the caller).
 //
+// 7-bit weights (every |w| <= 64, e.g. gml.dynamic_linear's weights quantized to [-64, 64]) take a
+// shorter path, chosen when the weights are packed: the activations are shifted to u8, x + 128 in
+// [1, 255], and fed to vpmaddubsw directly, with no per-row sign step:
+//
+//   vpmaddubsw(x + 128, w): |.| <= 2 * 255 * 64 = 32,640 < 32,767: exact in int16
+//   sum_k (x + 128) w = sum_k x w + 128 * colsum(w)   -> the epilogue subtracts 128 * colsum(w) (int32)
+//
+// Two multiply-port instructions per 32 products instead of three (vpsignb, vpmaddubsw, vpmaddwd all
+// issue on the same two ports on Intel cores), and one broadcast per row instead of two; the integer
+// sums are the same, so the outputs are bit for bit those of the sign path.
+//
 // Layout. The weights ([N, K] int8, the caller's rows) are packed once into blocks of kCols = 16
 // output columns: block b, K-quad j holds w[16b + c][4j + t] at byte 64 j + 4 c + t (two 32-byte
 // vectors per quad, columns 0-7 and 8-15), K zero-padded to a multiple of 4 and N to 16. The
@@ -80,17 +91,31 @@ class Gemm {
     // per-column constants padded to whole blocks (padding columns are never stored)
     scale_.assign(static_cast<size_t>(nb_ * kCols), 0.0f);
     bias_.assign(static_cast<size_t>(nb_ * kCols), 0.0f);
+    shift_.assign(static_cast<size_t>(nb_ * kCols), 0);
+    seven_bit_ = true;
     for (int64_t c = 0; c < n; ++c) {
       scale_[c] = w_scale.size() == 1 ? w_scale[0] : w_scale[c];
       if (bias) bias_[c] = bias[c];
+      int64_t colsum = 0;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const int8_t v = w[c * ldw + kk];
+        colsum += v;
+        seven_bit_ = seven_bit_ && v >= -64 && v <= 64;
+      }
+      // |128 colsum| <= 128 * 64 * K < 2^31 for K <= kMaxK. The accumulator itself (<= 255 * 64 * K) may
+      // wrap near kMaxK; vpaddd / vpsubd are modular and the result |sum x w| <= 127 * 64 * K fits, so
+      // acc - shift is still exact.
+      shift_[c] = static_cast<int32_t>(128 * colsum);
     }
     has_bias_ = bias != nullptr;
   }
 
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
+  // Whether every weight lies in [-64, 64], so run() takes the u8 path (the file comment).
+  bool seven_bit() const { return seven_bit_; }
 
-  // Scratch bytes run() needs for ``m`` rows (q and |q| rows, K4-padded).
+  // Scratch bytes run() needs for ``m`` rows (q and |q| rows, K4-padded; the 7-bit path uses the first).
   size_t scratch_bytes(int64_t m) const { return static_cast<size_t>(2 * m * k4_); }
 
   // y[r, c] (``ldy`` floats apart) for r < m, c < n: the file comment's epilogue of q[r, :] . w[c, :].
@@ -99,11 +124,18 @@ class Gemm {
   // OpenMP team.
   GML_AVX2 void run(const int8_t* q, int64_t m, int64_t ldq, const float* amax, float* y, int64_t ldy, bool relu,
                     const float* residual, int64_t ldr, void* scratch, bool parallel) const {
-    int8_t* xs = static_cast<int8_t*>(scratch);  // m rows of q, then m rows of |q|, K4 bytes each
+    int8_t* xs = static_cast<int8_t*>(scratch);  // m rows of q (7-bit path: q + 128), then m rows of |q|
     int8_t* xa = xs + m * k4_;
     for (int64_t r = 0; r < m; ++r) {
       int8_t* dst = xs + r * k4_;
-      std::memcpy(dst, q + r * ldq, static_cast<size_t>(k_));
+      const int8_t* src = q + r * ldq;
+      if (seven_bit_) {  // u8 x + 128 (the bit pattern of x with its sign bit flipped); padding meets zero weights
+        uint8_t* u = reinterpret_cast<uint8_t*>(dst);
+        for (int64_t i = 0; i < k_; ++i) u[i] = static_cast<uint8_t>(src[i] ^ 0x80);
+        std::memset(dst + k_, 0, static_cast<size_t>(k4_ - k_));
+        continue;
+      }
+      std::memcpy(dst, src, static_cast<size_t>(k_));
       std::memset(dst + k_, 0, static_cast<size_t>(k4_ - k_));
       for (int64_t i = 0; i < k4_; ++i) xa[r * k4_ + i] = static_cast<int8_t>(dst[i] < 0 ? -dst[i] : dst[i]);
     }
@@ -127,13 +159,26 @@ class Gemm {
   GML_AVX2 void tile(int64_t b, int64_t r0, int rows, const int8_t* xs, const int8_t* xa, const float* amax, float* y,
                      int64_t ldy, bool relu, const float* residual, int64_t ldr) const {
     __m256i acc[kRows][2];
-    switch (rows) {
-      case 4: dot<4>(b, r0, xs, xa, acc); break;
-      case 3: dot<3>(b, r0, xs, xa, acc); break;
-      case 2: dot<2>(b, r0, xs, xa, acc); break;
-      default: dot<1>(b, r0, xs, xa, acc); break;
-    }
     const int64_t c0 = b * kCols;
+    if (seven_bit_) {
+      switch (rows) {
+        case 4: dot_u8<4>(b, r0, xs, acc); break;
+        case 3: dot_u8<3>(b, r0, xs, acc); break;
+        case 2: dot_u8<2>(b, r0, xs, acc); break;
+        default: dot_u8<1>(b, r0, xs, acc); break;
+      }
+      for (int h = 0; h < 2; ++h) {  // sum (x + 128) w - 128 colsum(w) = sum x w, exactly
+        const __m256i sh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift_.data() + c0 + 8 * h));
+        for (int r = 0; r < rows; ++r) acc[r][h] = _mm256_sub_epi32(acc[r][h], sh);
+      }
+    } else {
+      switch (rows) {
+        case 4: dot<4>(b, r0, xs, xa, acc); break;
+        case 3: dot<3>(b, r0, xs, xa, acc); break;
+        case 2: dot<2>(b, r0, xs, xa, acc); break;
+        default: dot<1>(b, r0, xs, xa, acc); break;
+      }
+    }
     const int64_t valid = std::min<int64_t>(kCols, n_ - c0);
     for (int r = 0; r < rows; ++r) {
       const __m256 am = _mm256_set1_ps(amax[r0 + r]);
@@ -184,10 +229,38 @@ class Gemm {
     for (int r = 0; r < R; ++r) acc[r][0] = s[r][0], acc[r][1] = s[r][1];
   }
 
+  // The 7-bit path's dot products: per K-quad each row's 4 bytes of x + 128 broadcast, then
+  // acc[r][h] += vpmaddwd(vpmaddubsw(x + 128, w), 1) (pairs <= 32,640: exact in int16).
+  template <int R>
+  GML_AVX2 void dot_u8(int64_t b, int64_t r0, const int8_t* xs, __m256i (&acc)[kRows][2]) const {
+    __m256i s[R][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* wb = packed_.get() + b * k4_ * kCols;
+    const int8_t* x = xs + r0 * k4_;
+    for (int64_t j = 0; j < k4_; j += 4) {
+      const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j));
+      const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j + 32));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t xv;
+        std::memcpy(&xv, x + r * k4_ + j, 4);
+        const __m256i xb = _mm256_set1_epi32(xv);
+        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w0), ones));
+        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w1), ones));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[r][0] = s[r][0], acc[r][1] = s[r][1];
+  }
+
   int64_t n_, k_, k4_, nb_;
   std::unique_ptr<int8_t, Free> packed_;
   std::vector<float> scale_, bias_;
+  std::vector<int32_t> shift_;  // 128 * colsum(w) per column (the 7-bit path's zero-point compensation)
   bool has_bias_ = false;
+  bool seven_bit_ = false;
 };
 
 }  // namespace gml_int8_gemm

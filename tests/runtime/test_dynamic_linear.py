@@ -117,14 +117,15 @@ def test_shapes(shape, n, gemm):
     assert impls[1].startswith("gml:int8_gemm_avx2") == (gemm == "gml"), impls
 
 
-def hostile_graph(k: int, n: int, post_op: str = "none") -> tuple[fx.GraphModule, torch.Tensor]:
+def hostile_graph(k: int, n: int, post_op: str = "none", qmax: int = 127) -> tuple[fx.GraphModule, torch.Tensor]:
     """Operands that saturate ``vpmaddubsw``'s int16 pair sums under oneDNN's u8 shift
-    ((127 + 128) * 127 * 2 > 32767): weights quantized to +-127 (one value per row), and rows of
-    +-1 (quantized to +-127) with signs that make adjacent products add up."""
+    ((127 + 128) * 127 * 2 > 32767): weights quantized to +-``qmax`` (one value per row), and rows of
+    +-1 (quantized to +-127) with signs that make adjacent products add up. ``qmax=64``: the largest
+    7-bit weights, the edge of the AVX2 kernel's u8 path ((127 + 128) * 64 * 2 = 32,640)."""
     gm = dyn_graph(k, n, post_op=post_op)
     gen = torch.Generator().manual_seed(5)
     sign = torch.where(torch.rand(n, k, generator=gen) < 0.5, -1, 1).to(torch.int8)
-    gm.weight.copy_(sign * 127)
+    gm.weight.copy_(sign * qmax)
     x = torch.where(torch.rand(9, k, generator=gen) < 0.5, -1.0, 1.0)
     r = min(4, n)
     x[:r] = sign[:r].float()  # rows equal to a weight row: every product +127^2, the largest sum
@@ -147,6 +148,22 @@ def test_saturating_operands_are_exact(k, n):
     want = exact_reference(gm, x)
     assert torch.equal(gm(x), want)  # the Python kernel
     check(gm, x)  # the engine, bit-identical to it
+
+
+@pytest.mark.parametrize("k,n", [(384, 40), (1, 3), (5, 17), (1031, 33), (133_143, 1)])
+def test_seven_bit_weights_are_exact(k, n, gemm):
+    """Weights in [-64, 64] (``Target.dynamic_weight_qmax`` without VNNI) take the AVX2 kernel's u8
+    path (x + 128 into ``vpmaddubsw``, 128 * colsum(w) subtracted): exact at its edge (+127 rows
+    against +64 weights, pair sums 32,640), and at K = 133,143 where its int32 accumulator wraps
+    (255 * 64 * K > 2^31) but the result does not."""
+    gm, x = hostile_graph(k, n, qmax=64)
+    x[0] = 1.0  # one row of +127 everywhere: x + 128 = 255 in every byte
+    if k == 133_143:
+        gm.weight.fill_(64)
+    want = exact_reference(gm, x)
+    assert torch.equal(gm(x), want)
+    eng = check(gm, x)
+    assert step_impls(eng)[1].startswith("gml:int8_gemm_avx2_u8s7") == (gemm == "gml"), step_impls(eng)
 
 
 def test_python_int8_matmul_is_exact_beyond_fp32_integers():

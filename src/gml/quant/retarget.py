@@ -4,8 +4,8 @@ A model quantized where u8×s8 dot products accumulate in int32 (VNNI, AMX) has 
 target without VNNI (AVX2, AVX-512 without VNNI) the same kernels add pairs of products in a
 saturating int16 (``255·127·2 > 32,767``: docs/adr/011-int8-on-every-isa.md), so the weights of
 every ``qconv`` / ``qconv_add`` / ``qlinear`` output channel outside the target's range are
-requantized to 7 bits (``dynamic_linear`` keeps 8 bits wherever its GEMM is exact: GML's AVX2
-kernel without VNNI, ``Target.dynamic_weight_qmax``)::
+requantized to 7 bits (``dynamic_linear``'s too, ``Target.dynamic_weight_qmax``: its AVX2 kernel
+is exact with 8 bits but faster with 7)::
 
     w7[o, :] = round_half_even(w8[o, :] / 2)      (|w7| <= 64: 2·255·64 = 32,640 fits in int16)
     s7[o]    = 2 · s8[o]                          (w7 · s7 ≈ w8 · s8: the same float weights)
@@ -95,7 +95,7 @@ def retarget_weights(gm: fx.GraphModule, target: Target) -> list[str]:
         weight, scale = _fetch(gm, key), _fetch(gm, str(s_node.target))
         if weight.dtype != torch.int8:
             continue
-        # dynamic_linear's GEMM has its own exact kernels (Target.dynamic_weight_qmax)
+        # dynamic_linear's range is its own fact (Target.dynamic_weight_qmax), equal to the static one today
         qmin, qmax = (
             (-target.dynamic_weight_qmax, target.dynamic_weight_qmax)
             if name == "dynamic_linear"

@@ -232,7 +232,7 @@ class QuantizeLinearsDynamic(GraphPass):
     numbers, is in ``node.meta[PRECISION]`` (:func:`precisions` reads it).
 
     ``weight_qmax``: the int8 weights' range ``[-weight_qmax, weight_qmax]``: the target's
-    ``Target.dynamic_weight_qmax`` (127 wherever the GEMM is exact with 8-bit weights; ADR 011).
+    ``Target.dynamic_weight_qmax`` (127 with VNNI / AMX, 64 without: ADR 011).
 
     Skipped, with the reason: non-fp32 weights; inputs that are not floating point; SQNR below
     ``min_sqnr_db``.
