@@ -32,9 +32,25 @@ def test_int4_symmetric_rounds_ties_up_as_q4_0():
     # ggml's quantize_row_q4_0_ref: q = min(15, (int)(x / s + 8.5)) - 8, a tie goes up. Weights that
     # already lie on a 4-bit grid (a Q4_K GGUF requantized) are full of ties; rounding them to even
     # would merge neighbouring levels: here -1.5, -0.5, 0.5, 1.5, 2.5 must stay five distinct values.
-    w = torch.tensor([[-8.0, -1.5, -0.5, 0.5, 1.5, 2.5, 6.5] + [0.0] * 25])  # scale 1 (the -8)
-    q = integer_weight(quantize_weight(w, 4, 32).qweight, None, 4, 32)[0, :7].tolist()
+    # The other 25 values are whole steps, so Q4_0's scale (1: the -8 on -8) beats m / 7.
+    rest = [float(v) for v in [*range(-7, 8), *range(-7, 3)]]
+    w = torch.tensor([[-8.0, -1.5, -0.5, 0.5, 1.5, 2.5, 6.5, *rest]])
+    qw = quantize_weight(w, 4, 32)
+    assert float(qw.scales[0, 0]) == 1.0
+    q = integer_weight(qw.qweight, None, 4, 32)[0, :7].tolist()
     assert q == [-8, -1, 0, 1, 2, 3, 7]  # ties to even would give [-8, -2, 0, 0, 2, 2, 6]
+
+
+def test_int4_symmetric_takes_the_scale_with_the_smaller_error():
+    # A group whose positive side reaches past 7/8 of the extreme -1: Q4_0's s = 1/8 clips 0.99 to
+    # 7/8; s = -1/7 puts -1 on +7 and 0.99 near -7, so it is taken, and every group's squared error is
+    # at most Q4_0's alone.
+    w = torch.tensor([[-1.0, 0.99] + [0.0] * 30, [-1.0, 0.5] + [0.25] * 30])
+    qw = quantize_weight(w, 4, 32)
+    assert torch.allclose(qw.scales[:, 0], torch.tensor([-1 / 7, 1 / 8]))
+    err = (dequantize_weight(*qw) - w).square().sum(-1)
+    q4_0 = (torch.floor(w * 8 + 8.5).clamp(0, 15) - 8) / 8  # Q4_0 at s = 1/8 (the -1 on -8)
+    assert (err <= (q4_0 - w).square().sum(-1)).all()
 
 
 @pytest.mark.parametrize(
@@ -68,15 +84,16 @@ def test_quantization_error_is_half_a_step(bits, group, symmetric):
     step = qw.scales.abs().repeat_interleave(qw.group_size, dim=1)
     err = (dequantize_weight(*qw) - w).abs()
     if bits == 4 and symmetric:
-        # llama.cpp's Q4_0 rule: the group's extreme lands exactly on -8 steps; a value of the other
-        # sign beyond +7 steps clips to +7 (an error under one step), every other value rounds
+        # the group's extreme lands exactly on -8 steps (Q4_0's scale) or +7 (m / 7); with Q4_0's a
+        # value of the other sign beyond +7 steps clips to +7 (an error under one step), every other
+        # value rounds
         signed = w.reshape(16, -1, group) / qw.scales[..., None]
         clipped = (signed > 7.5).reshape(16, -1)
         assert (err[~clipped] <= step[~clipped] / 2 + 1e-7).all()
         assert (err[clipped] <= step[clipped] + 1e-7).all()
         extreme = w.reshape(16, -1, group).abs().argmax(-1, keepdim=True)
         deq = dequantize_weight(*qw).reshape(16, -1, group)
-        assert torch.equal(deq.gather(-1, extreme), w.reshape(16, -1, group).gather(-1, extreme))
+        torch.testing.assert_close(deq.gather(-1, extreme), w.reshape(16, -1, group).gather(-1, extreme))
         return
     assert (err <= step / 2 + 1e-7).all()
 

@@ -156,22 +156,30 @@ def test_gguf_missing_a_tensor(tmp_path):
         gml.llm(str(path))
 
 
-def test_int4_symmetric_levels_equal_q4_0():
-    # GML's symmetric INT4 is llama.cpp's Q4_0 rule: the same 4-bit level for every weight as the gguf
-    # package's Q4_0 quantizer (an independent copy of ggml's), ties included — half the weights here
-    # sit exactly between two levels, as a Q4_K GGUF requantized does.
-    from gml.ir.llm_ops import integer_weight, quantize_weight
+def test_int4_symmetric_is_q4_0_or_better():
+    # Against the gguf package's Q4_0 quantizer (an independent copy of ggml's), ties included — half
+    # the weights sit exactly between two levels, as in a Q4_K GGUF requantized: where GML keeps Q4_0's
+    # scale its levels are Q4_0's, bit for bit; every group's squared error is at most Q4_0's.
+    from gml.ir.llm_ops import dequantize_weight, integer_weight, quantize_weight
 
     torch.manual_seed(3)
     n, k = 8, 256
     grid = torch.randint(-15, 16, (n, k)).float() / 2  # ±7.5 in half steps: ties for a scale of 1
-    grid[:, ::32] = -8.0  # each block's extreme: the scale is exactly 1
+    grid[:, ::32] = -8.0  # each block's extreme: Q4_0's scale is exactly 1
+    grid[:2, 1::32] = 7.5  # in rows 0-1 Q4_0 clips a value (to 7)
     w = grid * torch.rand(n, 1).add(0.5)  # a scale per row
-    ours = integer_weight(quantize_weight(w, 4, 32).qweight, None, 4, 32)
+    qw = quantize_weight(w, 4, 32)
+    ours = integer_weight(qw.qweight, None, 4, 32).reshape(n, k // 32, 32)
     blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0).reshape(n, k // 32, 18)
     nibbles = blocks[..., 2:]
-    theirs = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(n, k).astype(np.int32) - 8
-    assert torch.equal(ours, torch.from_numpy(theirs))
+    theirs = torch.from_numpy(np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).astype(np.int32) - 8)
+    s_q4_0 = w.reshape(n, k // 32, 32)[..., 0] / -8  # the extreme, on -8 (fp32, not the file's fp16)
+    kept = qw.scales == s_q4_0
+    assert kept.any() and not kept.all()  # both choices are exercised
+    assert torch.equal(ours[kept], theirs[kept])
+    err = (dequantize_weight(*qw) - w).reshape(n, k // 32, 32).square().sum(-1)
+    err_q4_0 = (theirs * s_q4_0[..., None] - w.reshape(n, k // 32, 32)).square().sum(-1)
+    assert (err <= err_q4_0).all() and (err[~kept] < err_q4_0[~kept]).all()
 
 
 def test_q4_0_gguf_to_int4_keeps_its_weights(tmp_path):

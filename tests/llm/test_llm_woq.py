@@ -21,11 +21,15 @@ def fake_quant(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> torch
     """``w [N, K]`` rounded to ``bits`` per group of ``group`` input columns."""
     n, k = w.shape
     g = w.reshape(n, k // group, group)
-    if symmetric and bits == 4:  # llama.cpp's Q4_0: the largest-magnitude value maps to -8
+    if symmetric and bits == 4:  # the largest-magnitude value m on -8 (Q4_0) or on +7, the better
         m = g.gather(-1, g.abs().argmax(-1, keepdim=True))
-        s = m / -8
-        s[s == 0] = 1.0
-        return (torch.floor(g / s + 0.5).clamp(-8, 7) * s).reshape(n, k)  # ties up, as Q4_0
+        best = None
+        for s in (m / -8, m / 7):
+            s = torch.where(s == 0, torch.ones_like(s), s)
+            fq = (torch.floor(g * (1 / s) + 8.5).clamp(0, 15) - 8) * s  # ties up, as Q4_0
+            err = (fq - g).square().sum(-1, keepdim=True)
+            best = (fq, err) if best is None else (torch.where(err < best[1], fq, best[0]), torch.minimum(err, best[1]))
+        return best[0].reshape(n, k)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         s = g.abs().amax(-1, keepdim=True) / qmax

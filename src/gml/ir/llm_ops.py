@@ -35,10 +35,10 @@ Faster executors must match the reference to fp32 rounding (summation order only
 operands and power-of-two scales every partial sum is exact and they agree bit for bit.
 
 :func:`quantize_weight` is the one quantizer of this format (round to nearest, ties to even as
-``torch.round``, except symmetric 4-bit, which is Q4_0's rounding bit for bit: ties up): symmetric
-8-bit ``s = amax / 127`` per group (Q8_0's rule); symmetric 4-bit llama.cpp's
-Q4_0 rule ``s = (the group's value of largest magnitude) / -8`` (that value lands exactly on -8; the
-scale may be negative); asymmetric (4-bit)
+``torch.round``, except symmetric 4-bit, which rounds as Q4_0 does, ties up): symmetric
+8-bit ``s = amax / 127`` per group (Q8_0's rule); symmetric 4-bit, per group, the better of llama.cpp's
+Q4_0 rule ``s = m / -8`` (``m`` the group's value of largest magnitude, which lands exactly on -8; the
+scale may be negative) and ``s = m / 7`` (:func:`_int4_symmetric`); asymmetric (4-bit)
 ``s = (max - min) / 15``, ``z = round(-min / s)``.
 
 Declared in its own ``torch.library`` fragment of the ``gml`` namespace (as
@@ -110,6 +110,37 @@ def check_format(bits: int, group_size: int, in_features: int) -> str | None:
     return None
 
 
+def _q4_levels(g: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """ggml's Q4_0 rounding of groups ``g [..., G]`` at ``scales [...]``, bit for bit: ``floor(x * (1/s)
+    + 8.5) - 8`` clamped to -8..7 — a tie goes *up*, and adding 8.5 (not 0.5) rounds a near-tie's fp32
+    sum as ggml's ``(int8_t)(x * id + 8.5f)`` does."""
+    inverse = torch.where(scales != 0, 1.0 / scales, torch.zeros_like(scales))
+    return torch.floor(g * inverse[..., None] + 8.5).clamp(0, 15) - 8
+
+
+def _int4_symmetric(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT4 levels ``-8..7`` and a signed scale per group of ``g [N, G, size]``.
+
+    Two candidate scales, each putting the group's value of largest magnitude ``m`` (signed) exactly on
+    a level: llama.cpp's Q4_0 ``s = m / -8`` (``m`` on -8; values of the other sign clip at +7 steps,
+    7/8 of ``|m|``) and ``s = m / 7`` (``m`` on +7; the other sign reaches -8 steps, 8/7 of ``|m|``, at a
+    step 8/7 coarser). Each group takes the one with the smaller squared error, Q4_0's on a tie, so no
+    group is worse than Q4_0's and a Q4_0 file's groups come back unchanged (error 0). Both keep the
+    extreme exact; a finer scale search (ggml's ``make_qx_quants``) was measured worse on a GGUF's
+    grid-aligned weights (docs/llm.md). Rounding is Q4_0's (:func:`_q4_levels`): on weights that already
+    lie on a 4-bit grid (a Q4_K / Q5_0 GGUF requantized) a quarter are exact ties, and ties to even
+    would merge neighbouring grid points on one level."""
+    signed_max = g.gather(-1, g.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    s8, s7 = signed_max / -8.0, signed_max / 7.0
+    q8, q7 = _q4_levels(g, s8), _q4_levels(g, s7)
+    err8 = (q8 * s8[..., None] - g).square().sum(-1)
+    err7 = (q7 * s7[..., None] - g).square().sum(-1)
+    seven = err7 < err8
+    q = torch.where(seven[..., None], q7, q8)
+    scales = torch.where(seven, s7, s8)
+    return q, torch.where(scales != 0, scales, torch.ones_like(scales))
+
+
 def quantize_weight(
     w: torch.Tensor, bits: int, group_size: int | None = None, symmetric: bool = True
 ) -> QuantizedWeight:
@@ -125,19 +156,7 @@ def quantize_weight(
     g = w.detach().float().reshape(n, k // group_size, group_size)
     qmax = 2 ** (bits - 1) - 1
     if symmetric and bits == 4:
-        # llama.cpp's Q4_0 rule, bit for bit (ggml's quantize_row_q4_0_ref): the group's value of
-        # largest magnitude maps exactly to -8, so all 16 levels are used (amax / 7 leaves -8 unused);
-        # the scale's sign follows that value; q = floor(x * (1/s) + 8.5) - 8 (ties *up*; adding 8.5,
-        # not 0.5, rounds a near-tie's fp32 sum as ggml does, so the levels are Q4_0's). The tie rule
-        # matters for weights that already lie on a 4-bit grid (a GGUF's Q4_K weights requantized):
-        # 24% of Gemma-3-270M's values are exact ties there, and round-half-to-even sends two
-        # neighbouring grid points to one even level, rounding-up keeps them apart — mean KL 0.275
-        # with ties to even vs 0.230 with ties up (docs/llm.md). For weights off any grid it is moot.
-        signed_max = g.gather(-1, g.abs().argmax(-1, keepdim=True)).squeeze(-1)
-        scales = signed_max / -8.0
-        inverse = torch.where(scales != 0, 1.0 / scales, torch.zeros_like(scales))
-        q = torch.floor(g * inverse[..., None] + 8.5).clamp(max=15) - 8
-        scales = torch.where(scales != 0, scales, torch.ones_like(scales))
+        q, scales = _int4_symmetric(g)
         zeros = None
         offset = 8
     elif symmetric:
