@@ -149,3 +149,37 @@ def test_a_model_saved_with_8bit_weights_is_rebuilt_for_a_cpu_without_vnni(tmp_p
         assert f"target: {target.describe()}" in str(m.runtime)
     gm = gml.load(str(path), runtime="torch", target=Target("avx2"))
     assert retarget_weights(gm, Target("avx2")) == []  # already in range: nothing changes twice
+
+
+@needs_engine
+def test_a_transformer_saved_with_8bit_dynamic_weights_is_rebuilt_without_vnni(tmp_path) -> None:
+    """The transformer scheme's ``gml.dynamic_linear`` weights follow the same rule: 8-bit where saved
+    (VNNI), requantized to 7 bits for a target without VNNI (``Target.dynamic_weight_qmax``), where
+    GML's AVX2 GEMM runs them on its u8 path — and the result stays as close to fp32."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=1000
+    )
+    model = transformers.BertModel(cfg).eval()
+    ids = torch.randint(1, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
+    inputs = (ids, torch.ones(2, 16, dtype=torch.long))
+    q = gml.quantize(model, 2, example_inputs=inputs, scheme="transformer", target=Target("avx512_core_vnni"))
+    assert q.scheme == "transformer" and q.precision == "int8", q.precision_reason
+    path = tmp_path / "bert.pt2"
+    q.save(str(path))
+    with torch.no_grad():
+        y = model(*inputs).last_hidden_state
+    m8 = gml.load(str(path), target=Target("avx512_core_vnni"))
+    m7 = gml.load(str(path), target=Target("avx2", threads=1))
+    assert m8.runtime.changes == []
+    changed = m7.runtime.changes
+    assert len(changed) == 9 and all("requantized to [-64, 64]" in c for c in changed), changed
+    with torch.no_grad():
+        out8, out7 = m8(*inputs)["last_hidden_state"], m7(*inputs)["last_hidden_state"]
+    from gml.runtime.compile import EngineModule
+
+    impls = [i for e in m7.modules() if isinstance(e, EngineModule) for _, i in e.step_impls()]
+    gemms = [i for i in impls if "int8_gemm" in i]
+    assert gemms and all(i.startswith("gml:int8_gemm_avx2_u8s7") for i in gemms), impls
+    assert _cos(out7, y) > 0.999 and 1 - _cos(out7, y) < 5 * (1 - _cos(out8, y)) + 1e-5
