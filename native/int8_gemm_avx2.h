@@ -161,23 +161,13 @@ class Gemm {
     __m256i acc[kRows][2];
     const int64_t c0 = b * kCols;
     if (seven_bit_) {
-      switch (rows) {
-        case 4: dot_u8<4>(b, r0, xs, acc); break;
-        case 3: dot_u8<3>(b, r0, xs, acc); break;
-        case 2: dot_u8<2>(b, r0, xs, acc); break;
-        default: dot_u8<1>(b, r0, xs, acc); break;
-      }
+      dots<true>(b, r0, rows, xs, xa, acc);
       for (int h = 0; h < 2; ++h) {  // sum (x + 128) w - 128 colsum(w) = sum x w, exactly
         const __m256i sh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift_.data() + c0 + 8 * h));
         for (int r = 0; r < rows; ++r) acc[r][h] = _mm256_sub_epi32(acc[r][h], sh);
       }
     } else {
-      switch (rows) {
-        case 4: dot<4>(b, r0, xs, xa, acc); break;
-        case 3: dot<3>(b, r0, xs, xa, acc); break;
-        case 2: dot<2>(b, r0, xs, xa, acc); break;
-        default: dot<1>(b, r0, xs, xa, acc); break;
-      }
+      dots<false>(b, r0, rows, xs, xa, acc);
     }
     const int64_t valid = std::min<int64_t>(kCols, n_ - c0);
     for (int r = 0; r < rows; ++r) {
@@ -201,9 +191,24 @@ class Gemm {
     }
   }
 
-  // The int32 dot products of R rows (from r0) with block b's 16 columns, over all of K: per K-quad,
-  // each row's 4 bytes of q and of |q| broadcast, then acc[r][h] += vpmaddwd(vpmaddubsw(|q|, w * sign(q)), 1).
-  template <int R>
+  // dot<R, U8> for a tile of ``rows`` (1-4) rows: the row count a compile-time constant.
+  template <bool U8>
+  GML_AVX2 void dots(int64_t b, int64_t r0, int rows, const int8_t* xs, const int8_t* xa,
+                     __m256i (&acc)[kRows][2]) const {
+    switch (rows) {
+      case 4: dot<4, U8>(b, r0, xs, xa, acc); break;
+      case 3: dot<3, U8>(b, r0, xs, xa, acc); break;
+      case 2: dot<2, U8>(b, r0, xs, xa, acc); break;
+      default: dot<1, U8>(b, r0, xs, xa, acc); break;
+    }
+  }
+
+  // The int32 dot products of R rows (from r0) with block b's 16 columns, over all of K. Per K-quad:
+  //   8-bit weights (U8 false): each row's 4 bytes of q and of |q| broadcast, then
+  //     acc[r][h] += vpmaddwd(vpmaddubsw(|q|, w * sign(q)), 1)       (pairs <= 32,258)
+  //   7-bit weights (U8 true): each row's 4 bytes of q + 128 broadcast, then
+  //     acc[r][h] += vpmaddwd(vpmaddubsw(q + 128, w), 1)              (pairs <= 32,640)
+  template <int R, bool U8>
   GML_AVX2 void dot(int64_t b, int64_t r0, const int8_t* xs, const int8_t* xa, __m256i (&acc)[kRows][2]) const {
     __m256i s[R][2];  // the accumulators, kept in registers (the row loops unrolled)
 #pragma GCC unroll 4
@@ -217,38 +222,22 @@ class Gemm {
       const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j + 32));
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        int32_t xv, av;
-        std::memcpy(&xv, x + r * k4_ + j, 4);
-        std::memcpy(&av, a + r * k4_ + j, 4);
-        const __m256i xb = _mm256_set1_epi32(xv), ab = _mm256_set1_epi32(av);
-        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(w0, xb)), ones));
-        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(ab, _mm256_sign_epi8(w1, xb)), ones));
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r][0] = s[r][0], acc[r][1] = s[r][1];
-  }
-
-  // The 7-bit path's dot products: per K-quad each row's 4 bytes of x + 128 broadcast, then
-  // acc[r][h] += vpmaddwd(vpmaddubsw(x + 128, w), 1) (pairs <= 32,640: exact in int16).
-  template <int R>
-  GML_AVX2 void dot_u8(int64_t b, int64_t r0, const int8_t* xs, __m256i (&acc)[kRows][2]) const {
-    __m256i s[R][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t* wb = packed_.get() + b * k4_ * kCols;
-    const int8_t* x = xs + r0 * k4_;
-    for (int64_t j = 0; j < k4_; j += 4) {
-      const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j));
-      const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j + 32));
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
         int32_t xv;
         std::memcpy(&xv, x + r * k4_ + j, 4);
         const __m256i xb = _mm256_set1_epi32(xv);
-        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w0), ones));
-        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w1), ones));
+        __m256i p0, p1;
+        if constexpr (U8) {
+          p0 = _mm256_maddubs_epi16(xb, w0);
+          p1 = _mm256_maddubs_epi16(xb, w1);
+        } else {
+          int32_t av;
+          std::memcpy(&av, a + r * k4_ + j, 4);
+          const __m256i ab = _mm256_set1_epi32(av);
+          p0 = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(w0, xb));
+          p1 = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(w1, xb));
+        }
+        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(p0, ones));
+        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(p1, ones));
       }
     }
 #pragma GCC unroll 4
