@@ -28,6 +28,12 @@ def test_generate_prints_tokens_and_rates(folder, capsys):
     assert main([*args, "--max-new-tokens", "6"]) == 0
     expected = gml.llm(model, weights="int4", activations="int8", max_length=9).generate([5, 17, 3], 6)
     assert capsys.readouterr().out.splitlines()[0] == " ".join(map(str, expected))
+    args = ["generate", str(path), "--weights", "int4", "--zero-points", "--prompt-ids", "5,17,3"]
+    assert main([*args, "--max-new-tokens", "6"]) == 0  # int4 with zero points
+    expected = gml.llm(model, weights="int4", symmetric=False, max_length=9).generate([5, 17, 3], 6)
+    assert capsys.readouterr().out.splitlines()[0] == " ".join(map(str, expected))
+    assert main(["generate", str(path), "--zero-points", "--prompt-ids", "5,17,3"]) == 5  # not int4
+    assert "--zero-points applies to int4 weights" in capsys.readouterr().out
     args = ["generate", str(path), "--weights", "int8", "--group-size", "channel", "--prompt-ids", "5,17,3"]
     assert main([*args, "--max-new-tokens", "6"]) == 0  # int8 per output channel
     expected = gml.llm(model, weights="int8", group_size=None, max_length=9).generate([5, 17, 3], 6)
