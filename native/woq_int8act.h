@@ -289,7 +289,8 @@ GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, con
                             const float* lane, const float* sx, const float* scales, const uint8_t* zeros, int64_t ldg,
                             int64_t group, int64_t kv, float* out) {
   const __m512i zero = _mm512_setzero_si512();
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i nibble = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);  // 128-bit lanes: low, high, low, high
   const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m512 acc[R];
 #pragma GCC unroll 8
@@ -312,11 +313,14 @@ GML_WOQ_VNNI void dot4_vnni(const uint8_t* q, int64_t ldq, const int8_t* qx, con
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         if (k % 128 == 0) prefetch_row_ahead(q + r * ldq + k / 2, ldq);
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * ldq + k / 2));
-        const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-        // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]: block b's [even k, odd k], then b + 1's
-        const __m512i w4 = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        const __m512i w = _mm512_shuffle_i64x2(w4, w4, _MM_SHUFFLE(3, 1, 2, 0));
+        // block b's 16 bytes in 128-bit lanes 0-1, block b + 1's in 2-3 (broadcast loads: no shuffle-port
+        // instruction), then lanes 1 and 3 shifted by 4 bits: [lo b, hi b, lo b+1, hi b+1] = block b's
+        // [even k, odd k], then b + 1's, as qx is stored
+        const uint8_t* qb = q + r * ldq + k / 2;
+        const __m512i both = _mm512_mask_broadcast_i32x4(
+            _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb))), 0xFF00,
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + 16)));
+        const __m512i w = _mm512_and_si512(_mm512_srlv_epi64(both, nibble), low);
         __m512i isum = _mm512_dpbusd_epi32(c, w, x);  // q.qx (+ corr: -8.qx)
         if (zeros) {  // + z.(-qx)
           const __m512i z = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(zeros[r * ldg + g0])),
