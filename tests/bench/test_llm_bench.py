@@ -20,7 +20,8 @@ def folder(tmp_path_factory):
 
 def test_bench_llm_times_hf_and_every_weight_format(folder):
     result = bench_llm(str(folder), weights=["fp32", "int4"], prompt_tokens=8, new_tokens=3, rounds=1)
-    assert [r.name for r in result.rows] == ["HF eager fp32", "GML fp32", "GML int4"]
+    # gml.llm's own activations by default: int8 for int4 weights
+    assert [r.name for r in result.rows] == ["HF eager fp32", "GML fp32", "GML int4, int8 activations"]
     assert all(r.prefill > 0 and r.decode > 0 for r in result.rows)
     fp32, int4 = result.rows[1], result.rows[2]
     assert result.rows[0].weight_bytes == fp32.weight_bytes > int4.weight_bytes

@@ -93,7 +93,7 @@ def test_missing_peer_or_model_is_listed_not_an_error(folder):
     no_model = dataclasses.replace(FAKE, name="Idle peer")
     peers = [PeerRequest(absent, sys.executable, []), PeerRequest(no_model, sys.executable, [])]
     result = bench_llm(str(folder), weights=["int4"], prompt_tokens=4, new_tokens=2, rounds=1, peers=peers)
-    assert [r.name for r in result.rows] == ["HF eager fp32", "GML int4"]
+    assert [r.name for r in result.rows] == ["HF eager fp32", "GML int4, int8 activations"]
     why = dict(result.skipped)
     assert "not installed" in why["Absent peer"] and "pip install x" in why["Absent peer"]
     assert "--openvino-python" in why["Absent peer"]

@@ -145,3 +145,21 @@ def test_a_tied_table_and_head_share_one_quantized_tensor():
     assert rel_err(lm.logits(PROMPT), ref) <= 1e-4
     untied = gml.llm(model, weights="int8", embed_weights="fp32", max_length=32)
     assert untied.decoder.lm_head.qweight is not None and untied.decoder.embed.dtype == torch.float32
+
+
+def test_default_activations_follow_the_weights(tmp_path):
+    # int4 weights decode with int8 activations unless told otherwise (their weights' error dominates:
+    # docs/llm.md), int8 and float weights with fp32; a saved file gets its weights' default too.
+    model = tiny("llama")
+
+    def act_bits(lm) -> set[int]:
+        layer = lm.decoder.layers[0]
+        return {op.act_bits for op in (layer.qkv, layer.o, layer.up, layer.down)}
+
+    assert act_bits(gml.llm(model, weights="int4", max_length=16)) == {8}
+    assert act_bits(gml.llm(model, weights="int4", max_length=16, activations="fp32")) == {0}
+    assert act_bits(gml.llm(model, weights="int8", max_length=16)) == {0}
+    assert act_bits(gml.llm(model, weights="int8", max_length=16, activations="int8")) == {8}
+    path = gml.llm(model, weights="int4", max_length=16, activations="fp32").save(tmp_path / "m.gml")
+    assert act_bits(gml.llm(path)) == {8} and act_bits(gml.load(path)) == {8}  # not stored: the default
+    assert act_bits(gml.llm(path, activations="fp32")) == {0}

@@ -84,10 +84,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--llm-activations",
-        default="fp32",
+        default="default",
         metavar="A[,A...]",
-        help="activations of the int8 / int4 rows: fp32, int8 (decode steps on integer dot products), or both "
-        "(default: fp32)",
+        help="activations of the int8 / int4 rows: fp32, int8 (decode steps on integer dot products), default "
+        "(gml.llm's: int8 for int4 weights, fp32 for int8), or several (default: default)",
     )
     g.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length (default: 128)")
     g.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated (default: 32)")
@@ -218,8 +218,10 @@ def _bench_llm(args: argparse.Namespace, console: Console) -> int:
     if bad or not weights:
         raise InputError(f"--llm-weights {args.llm_weights!r}: {bad or 'empty'}", f"pick from {', '.join(WEIGHTS)}")
     acts = tuple(a.strip() for a in args.llm_activations.split(",") if a.strip())
-    if not acts or any(a not in ("fp32", "int8") for a in acts):
-        raise InputError(f"--llm-activations {args.llm_activations!r}", "pick from fp32, int8 (e.g. fp32,int8)")
+    if not acts or any(a not in ("fp32", "int8", "default") for a in acts):
+        raise InputError(
+            f"--llm-activations {args.llm_activations!r}", "pick from fp32, int8, default (e.g. fp32,int8)"
+        )
     result = bench_llm(
         args.model,
         weights=weights,

@@ -28,6 +28,7 @@ import torch
 
 from gml.bench.llm_peers import PEERS, PeerError, PeerRequest, PeerRow, check_requests, start_peers
 from gml.errors import InputError
+from gml.llm.model import default_activations
 
 #: Random-weight models by name (nothing is downloaded): TinyLlama-1.1B's shapes.
 RANDOM_LLMS = {
@@ -177,7 +178,7 @@ def bench_llm(
     seed: int = 0,
     threads: int | None = None,
     kernel: str = "auto",
-    activations: tuple[str, ...] = ("fp32",),
+    activations: tuple[str, ...] = ("default",),
     peers: list[PeerRequest] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> LLMBench:
@@ -222,18 +223,23 @@ def _bench(source, weights, prompt_tokens, new_tokens, rounds, seed, kernel, act
     runs: dict[str, Callable[[list[int]], tuple[float, float]]] = {}
     rows: dict[str, LLMRow] = {}
     lms = {}
+    def acts_of(w: str) -> list[str]:
+        """The activations to time for weights ``w`` ("default": gml.llm's own choice for them); int8
+        activations apply to int8 / int4 weights only (decode steps; prefill stays fp32)."""
+        if w not in ("int8", "int4"):
+            return ["fp32"]
+        return list(dict.fromkeys(default_activations(w) if a == "default" else a for a in activations))
+
     if hf is None:  # a saved LLM: the weights it holds
-        lm = gml.llm(source, max_length=max_length, kernel=kernel)
-        w = lm.decoder.weights
-        lms[f"GML {w}"] = lm
-        if "int8" in activations and w in ("int8", "int4"):
-            lms[f"GML {w}, int8 activations"] = gml.llm(
-                source, max_length=max_length, kernel=kernel, activations="int8"
-            )
+        base = gml.llm(source, max_length=max_length, kernel=kernel, activations="fp32")
+        w = base.decoder.weights
+        for act in acts_of(w):
+            name = f"GML {w}" + (", int8 activations" if act == "int8" else "")
+            again = act != "fp32"
+            lms[name] = gml.llm(source, max_length=max_length, kernel=kernel, activations=act) if again else base
     else:
         for w in weights:
-            # int8 activations apply to int8 / int4 weights only (decode steps; prefill stays fp32)
-            for act in activations if w in ("int8", "int4") else ("fp32",):
+            for act in acts_of(w):
                 name = f"GML {w}" + (", int8 activations" if act == "int8" else "")
                 say(f"building {name}")
                 lms[name] = gml.llm(hf, weights=w, max_length=max_length, kernel=kernel, activations=act)

@@ -22,7 +22,7 @@ from gml.ir.llm_ops import INT4_GROUP_SIZES, INT8_GROUP_SIZES
 from gml.kernels.woq import KERNEL_ISAS, detect_kernel, native_kernel_runs
 from gml.llm.decode import DecodeStep, native_glue
 from gml.llm.gguf import is_gguf_source, load_gguf, load_gguf_tokenizer
-from gml.llm.model import KV_DTYPES, Decoder, KVCache, MatrixFormat
+from gml.llm.model import KV_DTYPES, Decoder, KVCache, MatrixFormat, default_activations
 from gml.llm.sampling import Sampling, next_token
 from gml.llm.spec import capture_lm
 
@@ -271,7 +271,7 @@ def load_llm(
     max_length: int | None = None,
     kv_cache: str | None = None,
     kernel: str = "auto",
-    activations: str = "fp32",
+    activations: str | None = None,
     sealed=None,
     target=None,
 ) -> LLM:
@@ -327,7 +327,7 @@ def llm(
     lm_head_weights: str | None = None,
     embed_weights: str | None = None,
     kernel: str = "auto",
-    activations: str = "fp32",
+    activations: str | None = None,
 ) -> LLM:
     """Capture a decoder-only causal LM for generation on CPU.
 
@@ -348,11 +348,12 @@ def llm(
     preallocated to it. ``kernel`` runs the int8 / int4 matrices: ``auto`` (the native kernel for
     this CPU, :func:`gml.kernels.woq.detect_kernel`; it honours ``ONEDNN_MAX_CPU_ISA``), ``vnni`` |
     ``avx512`` | ``avxvnni`` | ``avx2`` | ``scalar`` (that native kernel) or ``reference`` (the op's
-    Python kernel). ``activations``: ``fp32`` (default) or ``int8`` (int8 / int4 weights only: decode
-    steps quantize the activations per block of 32 and run integer dot products, as llama.cpp's Q8_0;
-    prefill stays fp32); a run-time choice, also for a saved file.
+    Python kernel). ``activations``: ``fp32`` or ``int8`` (int8 / int4 weights only: decode steps
+    quantize the activations per block of 32 and run integer dot products, as llama.cpp's Q8_0;
+    prefill stays fp32); default :func:`~gml.llm.model.default_activations` — ``int8`` for int4
+    weights, ``fp32`` otherwise (measured, docs/llm.md); a run-time choice, also for a saved file.
     """
-    if activations not in ACTIVATIONS:
+    if activations is not None and activations not in ACTIVATIONS:
         raise InputError(f"activations={activations!r} is not one of {ACTIVATIONS}", "use fp32 or int8")
     if isinstance(source, (str, os.PathLike)):
         saved = _saved_llm(os.fspath(source))
@@ -423,6 +424,6 @@ def llm(
             _check_group(f"layer {i} {name}", getattr(layer, name).weight.shape[1], groups.get(weights))
     _check_group("lm_head", captured.lm_head.weight.shape[1], groups.get(lm_head_weights or weights))
     _check_group("embedding table", captured.embed.shape[1], groups.get(embed_weights or "fp32"))
-    fmt = MatrixFormat(weights, group_size, symmetric, chosen, activations)
+    fmt = MatrixFormat(weights, group_size, symmetric, chosen, activations or default_activations(weights))
     decoder = Decoder.build(captured, fmt, lm_head_weights=lm_head_weights, embed_weights=embed_weights)
     return LLM(decoder, max_length, KV_DTYPES[kv_cache], tokenizer)

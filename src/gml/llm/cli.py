@@ -45,8 +45,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--activations",
         choices=("fp32", "int8"),
-        default="fp32",
-        help="int8: int8/int4 decode steps quantize activations per block of 32 (default: fp32)",
+        default=None,
+        help="int8: int8/int4 decode steps quantize activations per block of 32 (default: int8 for int4 "
+        "weights, fp32 otherwise)",
     )
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text (needs the folder's tokenizer)")

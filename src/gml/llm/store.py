@@ -38,7 +38,7 @@ from gml import archive
 from gml.errors import InputError, ModelLoadError
 from gml.files import write_atomically
 from gml.ir.llm_ops import INT4_GROUP_SIZES, INT8_GROUP_SIZES, QuantizedWeight, check_format
-from gml.llm.model import KV_DTYPES, Decoder, Layer, LinearOp
+from gml.llm.model import KV_DTYPES, Decoder, Layer, LinearOp, default_activations
 from gml.llm.spec import FAMILIES, LayerWeights, ModelSpec, Norm
 
 FORMAT = "gml-llm-1"  # the manifest's format, which gml.io.load dispatches on
@@ -459,15 +459,16 @@ def read_llm(
     max_length: int | None = None,
     kv_cache: str | None = None,
     kernel: str | None = None,
-    activations: str = "fp32",
+    activations: str | None = None,
 ) -> tuple[Decoder, int, str]:
     """``(decoder, max_length, kv_cache)`` of an LLM file written by :func:`save_llm` whose seal
     ``sealed`` was checked; see the module docstring. :func:`gml.llm.api.load_llm` wraps it.
 
     ``max_length`` (default: the saved one) may not exceed the positions the file's RoPE / learned
     position tables cover. ``kv_cache`` defaults to the saved one; ``kernel`` is the woq kernel ISA
-    chosen for this CPU (``None``: the reference kernel); ``activations`` (``fp32`` | ``int8``) as
-    :func:`gml.llm`: a run-time choice, not stored.
+    chosen for this CPU (``None``: the reference kernel); ``activations`` (``fp32`` | ``int8``; ``None``:
+    :func:`~gml.llm.model.default_activations` of the file's weights) as :func:`gml.llm`: a run-time
+    choice, not stored.
     """
     path = Path(path)
     if not is_llm_file(sealed):
@@ -493,6 +494,7 @@ def read_llm(
             f"use max_length <= {limit}, or build the LLM again from its source with a larger max_length",
         )
     kv_cache = m["kv_cache"] if kv_cache is None else kv_cache
+    activations = activations or default_activations(m["weights"])
     if kv_cache not in _KV:
         raise InputError(f"kv_cache={kv_cache!r} is not one of {_KV}", "use one of " + ", ".join(_KV))
 
