@@ -219,7 +219,8 @@ def test_llm_int8_activations(monkeypatch, weights):
 
 def test_saved_llm_takes_int8_activations_at_load(tmp_path):
     """``activations`` is a run-time choice, not stored: a saved INT4 model loaded with
-    activations="int8" generates what the in-memory one with the same option does."""
+    activations="int8" generates what the in-memory one with the same option does; loaded with
+    "fp32" it has fp32 activations (without the option: INT4's default, int8)."""
     import gml
     from assets.llm_models import tiny
 
@@ -228,7 +229,8 @@ def test_saved_llm_takes_int8_activations_at_load(tmp_path):
     back = gml.llm(path, activations="int8")
     assert all(op.act_bits == 8 for layer in back.decoder.layers for op in layer.linears())
     assert back.generate([5, 17, 3, 99], 8) == lm.generate([5, 17, 3, 99], 8)
-    assert all(op.act_bits == 0 for layer in gml.llm(path).decoder.layers for op in layer.linears())
+    assert all(op.act_bits == 0 for layer in gml.llm(path, activations="fp32").decoder.layers for op in layer.linears())
+    assert all(op.act_bits == 8 for layer in gml.llm(path).decoder.layers for op in layer.linears())
 
 
 _CAPPED = """
