@@ -8,6 +8,7 @@
 #include "bind.h"
 #include "plan.h"
 #include "winograd.h"
+#include "winograd_int8.h"
 
 namespace gml_engine {
 
@@ -29,6 +30,10 @@ struct ConvStep {
   int nthreads = 0;                // the OpenMP team the Winograd choice is timed with (0: the current)
   int winograd = 0;                // 0 never, 1 always (if eligible), 2 when timed faster (GML_WINOGRAD)
   bool native_bf16 = false;        // the CPU has bf16 dot products (Winograd's bf16 matmul)
+  // INT8 convs may take GML's INT8 Winograd (winograd_int8.h) when winograd == 2: the target has no
+  // VNNI-class dot product (gml.ir.target.Target.int8_winograd); winograd == 1 forces it on any CPU
+  // with AVX2
+  bool int8_winograd = false;
 };
 
 
@@ -64,9 +69,21 @@ inline void check_conv_geometry(const memory::desc& src, const memory::desc& dst
   }
 }
 
-// Times ``direct`` and ``conv`` alternately on zero-filled dummy buffers (one warm-up call each,
-// then the best of 3): whether Winograd takes at most 0.9x the direct conv's time.
-inline bool winograd_faster(const gml_winograd::Conv& conv, const memory::desc& s, const memory::desc& d,
+// The measured choice's cache: problem key -> Winograd measured faster (per process).
+struct WinogradChoices {
+  std::mutex mu;
+  std::unordered_map<std::string, bool> faster;
+  static WinogradChoices& get() {
+    static WinogradChoices c;
+    return c;
+  }
+};
+
+// Times ``direct`` and ``conv`` (gml_winograd::Conv or Int8Conv) alternately on zero-filled dummy
+// buffers (one warm-up call each, then the best of 3): whether Winograd takes at most 0.9x the direct
+// conv's time.
+template <typename WinogradConv>
+inline bool winograd_faster(const WinogradConv& conv, const memory::desc& s, const memory::desc& d,
                             const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
                             const memory::desc& direct_scratch, int nthreads) {
   if (nthreads > 0) omp_set_num_threads(nthreads);
@@ -135,12 +152,11 @@ inline bool try_winograd(Plan& p, int src, int dst, uintptr_t weight, const Dims
                     ":t" + std::to_string(nthreads > 0 ? nthreads : omp_get_max_threads());
   for (const auto& [alg, alpha, beta] : eltwise)
     key += ":" + alg + std::to_string(alpha) + "," + std::to_string(beta);
-  static std::mutex cache_mu;
-  static std::unordered_map<std::string, bool> cache;  // problem -> Winograd measured faster
+  auto& choices = WinogradChoices::get();
   if (!force) {
-    std::lock_guard<std::mutex> lock(cache_mu);
-    auto it = cache.find(key);
-    if (it != cache.end() && !it->second) return false;
+    std::lock_guard<std::mutex> lock(choices.mu);
+    auto it = choices.faster.find(key);
+    if (it != choices.faster.end() && !it->second) return false;
   }
   std::shared_ptr<const gml_winograd::Conv> conv;
   try {
@@ -153,14 +169,14 @@ inline bool try_winograd(Plan& p, int src, int dst, uintptr_t weight, const Dims
   if (!force) {
     bool known = false, faster = false;
     {
-      std::lock_guard<std::mutex> lock(cache_mu);
-      auto it = cache.find(key);
-      if ((known = it != cache.end())) faster = it->second;
+      std::lock_guard<std::mutex> lock(choices.mu);
+      auto it = choices.faster.find(key);
+      if ((known = it != choices.faster.end())) faster = it->second;
     }
     if (!known) {
       faster = winograd_faster(*conv, s, d, direct, direct_consts(), direct_scratch, nthreads);
-      std::lock_guard<std::mutex> lock(cache_mu);
-      cache.emplace(key, faster);
+      std::lock_guard<std::mutex> lock(choices.mu);
+      choices.faster.emplace(key, faster);
     }
     if (!faster) return false;
   }
@@ -171,6 +187,74 @@ inline bool try_winograd(Plan& p, int src, int dst, uintptr_t weight, const Dims
   // the scratchpad holds V, M and the matmul's own scratchpad (per Context: concurrent runs never share it)
   p.push_kernel(std::move(kernel), {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}},
                 memory::desc({static_cast<int64_t>(conv->scratch_bytes())}, dt::u8, memory::format_tag::a), name,
+                conv->impl());
+  return true;
+}
+
+// An INT8 conv as GML's INT8 Winograd (native/winograd_int8.h: exact integer arithmetic in int16 /
+// int32, for CPUs without VNNI): the same eligibility as try_winograd's (2-D 3x3, stride 1, dilation 1,
+// groups 1, padding 1, NHWC dense, post-ops within Epilogue) with a u8 / s8 source, a u8 / s8 / f32
+// destination and at most kMaxChannels input channels, on a CPU with AVX2. ``force`` skips the timing
+// (GML_WINOGRAD=1); otherwise it is timed against ``direct`` as try_winograd does, cached per problem.
+inline bool try_winograd_int8(Plan& p, const ConvStep& desc, bool force, const dnnl::primitive& direct,
+                              const std::function<Consts()>& direct_consts, const memory::desc& direct_scratch) {
+  const memory::desc s = p.md_in(desc.src), d = p.md_in(desc.dst);
+  const dt st = s.get_data_type(), dtp = d.get_data_type();
+  const Dims& wdims = desc.wdims;
+  if (!gml_winograd::int8_winograd_cpu() || desc.wdtype != "s8" || !desc.src_q) return false;
+  if ((st != dt::u8 && st != dt::s8) || (dtp != dt::u8 && dtp != dt::s8 && dtp != dt::f32)) return false;
+  if ((dtp == dt::f32) == static_cast<bool>(desc.dst_q)) return false;  // an INT8 dst has qparams, an f32 one none
+  if (wdims.size() != 4 || wdims[2] != 3 || wdims[3] != 3 || desc.groups != 1) return false;
+  if (desc.strides != Dims{1, 1} || desc.dilation != Dims{0, 0} || desc.pad_l != Dims{1, 1} || desc.pad_r != Dims{1, 1})
+    return false;
+  gml_winograd::Epilogue epi;
+  if (!gml_winograd::parse_eltwise(desc.eltwise, epi)) return false;
+  const memory::dims sd = s.get_dims(), dd = d.get_dims();
+  if (sd.size() != 4 || std::any_of(sd.begin(), sd.end(), [](int64_t v) { return v <= 0; })) return false;
+  const int64_t n = sd[0], c = sd[1], h = sd[2], w = sd[3], k = wdims[0];
+  if (dd != memory::dims{n, k, h, w} || wdims[1] != c || c > gml_winograd::kMaxChannels) return false;
+  if (!nhwc_dense(s) || !nhwc_dense(d)) return false;
+  gml_winograd::QuantOut q;
+  q.dst_type = dtp;
+  if (desc.dst_q) q.dst_inv_scale = 1.0f / desc.dst_q->first, q.dst_zp = static_cast<float>(desc.dst_q->second);
+  if (desc.sum) epi.sum = true, epi.sum_scale = desc.sum->first, q.sum_zp = static_cast<float>(desc.sum->second);
+
+  std::string key = "int8:" + std::to_string(n) + "x" + std::to_string(c) + "x" + std::to_string(h) + "x" +
+                    std::to_string(w) + ">" + std::to_string(k) + ":" + std::to_string(static_cast<int>(st)) + ">" +
+                    std::to_string(static_cast<int>(dtp)) + (desc.bias ? ":bias" : "") + (desc.sum ? ":sum" : "") +
+                    ":" + isa_name() + ":t" + std::to_string(desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
+  for (const auto& [alg, alpha, beta] : desc.eltwise) key += ":" + alg;
+  auto& choices = WinogradChoices::get();
+  if (!force) {
+    std::lock_guard<std::mutex> lock(choices.mu);
+    auto it = choices.faster.find(key);
+    if (it != choices.faster.end() && !it->second) return false;
+  }
+  auto conv = std::make_shared<const gml_winograd::Int8Conv>(
+      n, c, h, w, k, st, desc.src_q->first, desc.src_q->second, reinterpret_cast<const int8_t*>(desc.weight),
+      desc.w_scales, reinterpret_cast<const float*>(desc.bias), epi, q,
+      desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
+  if (!force) {
+    bool known = false, faster = false;
+    {
+      std::lock_guard<std::mutex> lock(choices.mu);
+      auto it = choices.faster.find(key);
+      if ((known = it != choices.faster.end())) faster = it->second;
+    }
+    if (!known) {
+      faster = winograd_faster(*conv, s, d, direct, direct_consts(), direct_scratch, desc.nthreads);
+      std::lock_guard<std::mutex> lock(choices.mu);
+      choices.faster.emplace(key, faster);
+    }
+    if (!faster) return false;
+  }
+  Kernel kernel = [conv](const std::unordered_map<int, memory>& args) {
+    conv->run(args.at(DNNL_ARG_SRC).get_data_handle(), args.at(DNNL_ARG_DST).get_data_handle(),
+              args.at(DNNL_ARG_SCRATCHPAD).get_data_handle());
+  };
+  // the scratchpad holds V and M (per Context: concurrent runs never share it)
+  p.push_kernel(std::move(kernel), {{DNNL_ARG_SRC, desc.src}, {DNNL_ARG_DST, desc.dst}},
+                memory::desc({static_cast<int64_t>(conv->scratch_bytes())}, dt::u8, memory::format_tag::a), desc.name,
                 conv->impl());
   return true;
 }
@@ -239,6 +323,14 @@ inline void build(Plan& p, const ConvStep& desc) {
                      eltwise, name, nthreads, winograd == 1, native_bf16, prim, direct_consts, pd.scratchpad_desc()))
       return;
   }
+  if (quant && (winograd == 1 || (winograd == 2 && desc.int8_winograd))) {
+    auto direct_consts = [&]() {
+      Consts c = consts;
+      add_weights(c);
+      return c;
+    };
+    if (try_winograd_int8(p, desc, winograd == 1, prim, direct_consts, pd.scratchpad_desc())) return;
+  }
   add_weights(consts);
   p.push(prim, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts), pd.scratchpad_desc(), name);
 }
@@ -246,6 +338,6 @@ inline void build(Plan& p, const ConvStep& desc) {
 // Python bindings of this family's step descriptions (native/bind.h).
 GML_STEP(ConvStep,
         src, dst, weight, wdims, wdtype, w_scales, bias, strides, dilation, pad_l, pad_r, groups, src_q, dst_q, sum,
-        eltwise, name, nthreads, winograd, native_bf16)
+        eltwise, name, nthreads, winograd, native_bf16, int8_winograd)
 
 }  // namespace gml_engine

@@ -140,6 +140,16 @@ class Target:
         return not self.exact_u8s8 and "avx2" in self.features
 
     @property
+    def int8_winograd(self) -> bool:
+        """Whether stride-1 3×3 INT8 convs may run as GML's INT8 Winograd F(2×2, 3×3)
+        (native/winograd_int8.h: int16 transforms, ``vpmaddwd``, exact integer arithmetic), timed
+        against the direct conv at plan build (ADR 010). Only without a VNNI-class dot product and with
+        AVX2: there the direct conv multiplies 32 bytes per two multiply-port instructions, as
+        ``vpmaddwd`` multiplies 16 int16 per one, and Winograd needs 2.25× fewer products; with VNNI
+        the direct conv does 4× the products per instruction and Winograd cannot win (not timed)."""
+        return not self.exact_u8s8 and "avx2" in self.features
+
+    @property
     def dynamic_weight_qmax(self) -> int:
         """``gml.dynamic_linear``'s int8 weight range ``[-q, q]``: 127 with VNNI / AMX, 64 without —
         the same 7-bit rule as the static scheme's (:func:`int8_arithmetic`). GML's AVX2 kernel is

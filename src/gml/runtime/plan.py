@@ -585,6 +585,13 @@ class Builder:
 
     def _emit_steps(self, plan: Any, ids: dict[Val, int], native: Any) -> None:
         """Each step as its family's typed description (gml.runtime.plan_steps, native/*.h)."""
-        cx = EmitContext(native, ids, self.options.winograd_mode, exact_int8_gemm(self.target), self.target.native_bf16)
+        cx = EmitContext(
+            native,
+            ids,
+            self.options.winograd_mode,
+            exact_int8_gemm(self.target),
+            self.target.native_bf16,
+            self.target.int8_winograd,
+        )
         for s in self.steps:
             EMITTERS[s.method](plan, cx, s)

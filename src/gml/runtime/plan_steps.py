@@ -54,6 +54,7 @@ class EmitContext:
     winograd: int  # EngineOptions.winograd_mode (gml.runtime.options)
     exact_gemm: bool  # gml.runtime.plan.exact_int8_gemm(target)
     native_bf16: bool  # target.native_bf16
+    int8_winograd: bool  # target.int8_winograd
 
 
 def describe(cls: Any, **fields: Any) -> Any:
@@ -113,6 +114,7 @@ def conv(plan: Any, cx: EmitContext, s: Any) -> None:
             nthreads=torch.get_num_threads(),  # the team the Winograd choice is timed with
             winograd=cx.winograd,
             native_bf16=cx.native_bf16,
+            int8_winograd=cx.int8_winograd,
             **fields,
         )
     )
