@@ -34,7 +34,7 @@ from gml.kernels import bf16 as kb
 from gml.kernels.fp32 import FusedConv, FusedConvAdd, PostOp
 from gml.runtime import compile_engine, unavailable_reason
 from gml.runtime.options import EngineOptions
-from runtime.helpers import graph_of, qconv, rand_u8
+from runtime.helpers import graph_of
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 needs_bf16 = pytest.mark.skipif(not kb.bf16_available(), reason=f"no native bf16: {kb.bf16_unavailable_reason()}")
@@ -252,15 +252,6 @@ def test_1x1_conv_and_other_post_ops_never_take_winograd(monkeypatch, dtype):
     for mod in (kb.Bf16Conv.from_fused(one) if dtype == "bf16" else one, swish):
         eng, _ = _run(monkeypatch, "1", mod, _inputs(dtype, mod, 1, 6, 6))
         assert not _winograd_steps(eng), eng.step_impls()
-
-
-def test_int8_convs_never_take_winograd(monkeypatch):
-    monkeypatch.setenv("GML_WINOGRAD", "1")
-    x = rand_u8(1, 16, 8, 8)
-    with torch.no_grad():
-        eng = compile_engine(graph_of(qconv(16, 16, 3, padding=(1, 1))), [x])
-    assert eng.report.path == "engine"
-    assert not _winograd_steps(eng), eng.step_impls()
 
 
 def test_a_bad_setting_is_an_input_error(monkeypatch):

@@ -1,0 +1,213 @@
+"""GML's INT8 Winograd F(2x2, 3x3) (native/winograd_int8.h, docs/adr/010-winograd-conv.md, issue #23).
+
+Its arithmetic is exact: every output equals the direct conv's int32 sum before the output stage.
+So the tests hold it to exact integer arithmetic, not to a bound:
+
+* with an fp32 output and no post-op, ``float32(S) * float32(src_scale * w_scale) + bias`` bit for
+  bit, S the exact integer sum (float64 conv of integers, exact at these sizes), at the extremes of
+  the int16 / int32 ranges too;
+* with INT8 outputs (ReLU, ReLU6, a residual with its zero point, a source zero point), the Python
+  executor (oneDNN through torch) and the direct engine conv within one rounding step on few
+  elements, as every INT8 kernel pair is compared (runtime.helpers.assert_close_int).
+
+``GML_WINOGRAD=1`` forces it on any CPU with AVX2; ``auto`` considers it only on targets without
+VNNI (``Target.int8_winograd``), timed against the direct conv. ``make test`` runs this file again
+under ``ONEDNN_MAX_CPU_ISA=AVX2`` and ``AVX512_CORE``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gml.ir.target import Target
+from gml.ir.values import ConvSpec, PostOp, QParams
+from gml.quant import modules as qm
+from gml.runtime import compile_engine, unavailable_reason
+from gml.runtime.target import detect_target
+from runtime.helpers import assert_close_int, graph_of, int8_weight, rand_u8
+
+pytestmark = [
+    pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
+    pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="the kernels need AVX2"),
+]
+
+IN = QParams(0.05, 0)
+IN_ZP = QParams(0.04, 37)
+OUT = QParams(0.5, 3)
+OTHER = QParams(0.3, 101)
+
+
+def _winograd_steps(eng) -> list[str]:
+    return [impl for _, impl in eng.step_impls() if impl.startswith("gml:winograd_f2x3+s16")]
+
+
+def _engine(monkeypatch, mode: str, mod, xs: list[torch.Tensor], n_inputs: int = 1):
+    monkeypatch.setenv("GML_WINOGRAD", mode)
+    gm = graph_of(mod, n_inputs=n_inputs, wiring=[tuple(range(n_inputs))])
+    with torch.no_grad():
+        eng = compile_engine(gm, [t.clone() for t in xs])
+        got = eng(*[t.clone() for t in xs])
+    assert eng.report.path == "engine", str(eng.report)
+    return eng, got
+
+
+def _qconv(cin: int, cout: int, in_qp: QParams, out_qp: QParams | None, post: PostOp | None = None, seed: int = 0):
+    w, s = int8_weight((cout, cin, 3, 3), seed)
+    b = torch.randn(cout, generator=torch.Generator().manual_seed(seed))
+    return qm.QConv2d(w, s, b, ConvSpec(padding=(1, 1)), in_qp, out_qp, post_op=post)
+
+
+def _exact_sum(x: torch.Tensor, zp: int, w: torch.Tensor) -> torch.Tensor:
+    """S = sum over (c, 3, 3) of (x - zp) * w, zero padding in the shifted domain (float64: exact)."""
+    return F.conv2d(x.double() - zp, w.double(), padding=1)
+
+
+SHAPES = [  # (batch, Cin, Cout, H, W): odd channels (a zero channel pair), outputs off 8 / 16, odd sizes,
+    (1, 16, 24, 7, 7),  # one-pixel rows, batch > 1, a channel tail past 16
+    (3, 21, 13, 5, 9),
+    (2, 5, 7, 1, 4),
+    (1, 35, 40, 30, 34),  # 255 tiles: several chunks, each thread its own
+    (2, 64, 16, 2, 3),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("in_qp", [IN, IN_ZP], ids=["zp0", "zp37"])
+def test_fp32_output_is_the_exact_integer_sum_scaled(monkeypatch, shape, in_qp):
+    n, cin, cout, h, w = shape
+    mod = _qconv(cin, cout, in_qp, None)
+    x = rand_u8(n, cin, h, w)
+    eng, got = _engine(monkeypatch, "1", mod, [x])
+    assert _winograd_steps(eng), eng.step_impls()
+    s = _exact_sum(x, in_qp.zero_point, mod.weight)
+    scale = torch.tensor(in_qp.scale, dtype=torch.float32) * mod.weight_scale.float()
+    want = s.float() * scale.view(1, -1, 1, 1) + mod.bias.float().view(1, -1, 1, 1)
+    assert torch.equal(got, want), float((got - want).abs().max())
+
+
+def test_exact_at_the_range_limits(monkeypatch):
+    # |d| = 255 everywhere (u8 255 against a zero point of 0, and 0 against 255), |w| = 128 / 127,
+    # 1,000 channels: |4 S| ~ 1.2e9 of int32's 2.1e9, U' = 1,152 and V = 1,020 at their bounds
+    cin, cout = 1000, 8
+    w = torch.full((cout, cin, 3, 3), -128, dtype=torch.int8)
+    w[1::2] = 127
+    w[2, :, 1, 1] = 5  # not all alike
+    scales = torch.full((cout,), 1e-6)
+    for x, zp in (
+        (torch.full((1, cin, 4, 5), 255, dtype=torch.uint8), 0),
+        (torch.zeros(1, cin, 4, 5, dtype=torch.uint8), 255),
+    ):
+        x = x.contiguous(memory_format=torch.channels_last)
+        mod = qm.QConv2d(w, scales, None, ConvSpec(padding=(1, 1)), QParams(1.0, zp), None)
+        eng, got = _engine(monkeypatch, "1", mod, [x])
+        assert _winograd_steps(eng), eng.step_impls()
+        s = _exact_sum(x, zp, w)
+        assert float(s.abs().max()) > 2.5e8  # the test reaches the range it claims
+        assert torch.equal(got, s.float() * 1e-6), float((got - s.float() * 1e-6).abs().max())
+
+
+POSTS = {
+    "relu": (IN, OUT, PostOp("relu")),
+    "relu6": (IN_ZP, QParams(0.03, 0), PostOp("hardtanh", (0.0, 6.0))),
+    "none": (IN_ZP, OUT, None),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("post", list(POSTS))
+def test_int8_outputs_match_the_executor_and_the_direct_conv(monkeypatch, shape, post):
+    n, cin, cout, h, w = shape
+    in_qp, out_qp, post_op = POSTS[post]
+    mod = _qconv(cin, cout, in_qp, out_qp, post_op, seed=3)
+    x = rand_u8(n, cin, h, w, seed=2)
+    with torch.no_grad():
+        ref = mod(x)
+    eng, got = _engine(monkeypatch, "1", mod, [x])
+    assert _winograd_steps(eng), eng.step_impls()
+    assert_close_int(ref, got)
+    eng0, direct = _engine(monkeypatch, "0", mod, [x])
+    assert not _winograd_steps(eng0)
+    assert_close_int(direct, got)
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_residual_sum_with_its_zero_point(monkeypatch, relu):
+    n, cin, cout, h, w = 2, 12, 20, 9, 6
+    wq, s = int8_weight((cout, cin, 3, 3), 5)
+    mod = qm.QConv2dAdd(
+        wq, s, torch.randn(cout), ConvSpec(padding=(1, 1)), IN, OTHER, QParams(0.4, 0 if relu else 90), relu=relu
+    )
+    x, other = rand_u8(n, cin, h, w, seed=6), rand_u8(n, cout, h, w, seed=7)
+    with torch.no_grad():
+        ref = mod(x, other.clone())
+    eng, got = _engine(monkeypatch, "1", mod, [x, other], n_inputs=2)
+    assert _winograd_steps(eng), eng.step_impls()
+    assert_close_int(ref, got)
+
+
+@pytest.mark.parametrize(
+    "spec,k",
+    [
+        (ConvSpec(stride=(2, 2), padding=(1, 1)), 3),
+        (ConvSpec(padding=(0, 0)), 3),
+        (ConvSpec(padding=(2, 2), dilation=(2, 2)), 3),
+        (ConvSpec(padding=(1, 1), groups=2), 3),
+        (ConvSpec(), 1),
+    ],
+    ids=["stride2", "pad0", "dilated", "grouped", "1x1"],
+)
+def test_ineligible_convs_stay_direct_even_when_forced(monkeypatch, spec, k):
+    w, s = int8_weight((8, 8 // spec.groups, k, k), 1)
+    mod = qm.QConv2d(w, s, None, spec, IN, OUT)
+    x = rand_u8(1, 8, 8, 8)
+    with torch.no_grad():
+        ref = mod(x)
+    eng, got = _engine(monkeypatch, "1", mod, [x])
+    assert not _winograd_steps(eng), eng.step_impls()
+    assert_close_int(ref, got)
+
+
+def test_too_many_channels_for_int32_stay_direct(monkeypatch):
+    # past 1,827 input channels |4 S| could leave int32: the direct conv, even when forced
+    mod = _qconv(1840, 8, IN, OUT)
+    eng, _ = _engine(monkeypatch, "1", mod, [rand_u8(1, 1840, 3, 3)])
+    assert not _winograd_steps(eng), eng.step_impls()
+
+
+def test_auto_considers_it_only_without_vnni(monkeypatch):
+    mod = _qconv(64, 64, IN, OUT, PostOp("relu"))
+    x = rand_u8(1, 64, 28, 28)
+    with torch.no_grad():
+        ref = mod(x)
+    eng, got = _engine(monkeypatch, "auto", mod, [x])
+    if not detect_target().int8_winograd:
+        assert not _winograd_steps(eng), eng.step_impls()  # VNNI / AMX: not even timed
+    assert_close_int(ref, got)  # whichever kernel the timing chose
+
+
+@pytest.mark.parametrize(
+    "isa,expect",
+    [
+        ("avx2", True),
+        ("avx512_core", True),
+        ("avx2_vnni", False),
+        ("avx512_core_vnni", False),
+        ("avx512_core_amx", False),
+        ("sse41", False),
+    ],
+)
+def test_the_target_says_where_int8_winograd_is_considered(isa, expect):
+    assert Target(isa).int8_winograd is expect
+
+
+def test_weights_beyond_seven_bits_are_exact_too(monkeypatch):
+    # the tier's weight range does not bound Winograd: full 8-bit weights on any CPU
+    w = torch.randint(-128, 128, (16, 24, 3, 3), dtype=torch.int8, generator=torch.Generator().manual_seed(9))
+    mod = qm.QConv2d(w, torch.full((16,), 0.01), None, ConvSpec(padding=(1, 1)), IN_ZP, None)
+    x = rand_u8(1, 24, 10, 10, seed=4)
+    eng, got = _engine(monkeypatch, "1", mod, [x])
+    assert _winograd_steps(eng), eng.step_impls()
+    want = _exact_sum(x, IN_ZP.zero_point, w).float() * (torch.tensor(IN_ZP.scale) * torch.tensor(0.01))
+    assert torch.equal(got, want)
