@@ -1,14 +1,18 @@
 """Winograd F(2x2, 3x3) in the engine (ADR 010): direct-only vs the measured choice, in one process.
 
-    python benchmarks/winograd.py [--threads 1] [--rounds 15] [--batch 1 8] [--skip-convs] [--skip-resnet18]
+    python benchmarks/winograd.py [--threads 1] [--rounds 15] [--batch 1 8] [--precisions bf16 fp32 int8]
+                                  [--skip-convs] [--skip-resnet18]
 
 * Per conv: ResNet18's four stride-1 3x3 shapes (64@56², 128@28², 256@14², 512@7², ReLU fused),
-  bf16 and fp32, as one-conv engine plans built with ``winograd="0"`` (oneDNN's direct conv) and
-  ``winograd="1"`` (Winograd), timed alternately; minimum over the rounds.
-* ResNet18 (random init, 224²) through ``gml.optimize`` for bf16 and fp32, engine built with
-  ``winograd="0"`` and ``auto`` (the default: per conv, Winograd when timed >= 10% faster at plan
-  build), timed interleaved; medians. Also the ``gml.optimize`` time of each (plan build included)
-  and how many convs took Winograd.
+  bf16, fp32 and INT8 (u8 in and out, s8 weights: native/winograd_int8.h), as one-conv engine plans
+  built with ``winograd="0"`` (oneDNN's direct conv) and ``winograd="1"`` (Winograd), timed
+  alternately; minimum over the rounds. The INT8 rows also say whether both outputs are equal.
+* ResNet18 (random init, 224²) through ``gml.optimize`` for bf16 and fp32 and ``gml.quantize`` for
+  INT8, engine built with ``winograd="0"`` and ``auto`` (the default: per conv, Winograd when timed
+  >= 10% faster at plan build; INT8 only on targets without VNNI, ``Target.int8_winograd``), timed
+  interleaved; medians. Also the build time of each (plan build included) and how many convs took
+  Winograd. INT8 Winograd is meant for CPUs without VNNI: run with ``ONEDNN_MAX_CPU_ISA=AVX2`` on a
+  bigger one.
 
 Prints the CPU and oneDNN's ISA; other processes share the cores: read ratios within one run.
 """
@@ -40,25 +44,43 @@ def _winograd_convs(engine) -> int:
     return sum(impl.startswith("gml:winograd_f2x3") for _, impl in engine.step_impls())
 
 
-def per_conv(batches: list[int], rounds: int) -> None:
+def _conv_module(precision: str, c: int) -> nn.Module:
+    from gml.ir.values import PostOp as QPostOp
+    from gml.ir.values import QParams
     from gml.kernels import bf16 as kb
     from gml.kernels.fp32 import FusedConv, PostOp
+    from runtime.helpers import qconv
+
+    if precision == "int8":
+        return qconv(c, c, 3, padding=(1, 1), in_qp=QParams(0.05, 0), out_qp=QParams(0.2, 0), post_op=QPostOp("relu"))
+    mod = FusedConv.from_conv(nn.Conv2d(c, c, 3, padding=1).eval(), PostOp("relu"))
+    return kb.Bf16Conv.from_fused(mod) if precision == "bf16" else mod
+
+
+def _conv_input(precision: str, n: int, c: int, hw: int) -> torch.Tensor:
+    if precision == "int8":
+        x = torch.randint(0, 256, (n, c, hw, hw), dtype=torch.uint8)
+    else:
+        x = torch.randn(n, c, hw, hw).to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    return x.contiguous(memory_format=torch.channels_last)
+
+
+def per_conv(batches: list[int], rounds: int, precisions: list[str]) -> None:
+    from gml.kernels import bf16 as kb
     from gml.runtime import compile_engine
     from runtime.helpers import graph_of
 
-    print("\n| dtype | batch | conv | direct µs | Winograd µs | Winograd / direct |")
-    print("|---|---:|---|---:|---:|---:|")
-    for dtype in ("bf16", "f32"):
-        if dtype == "bf16" and not kb.bf16_available():
-            print(f"| bf16 | - | skipped: {kb.bf16_unavailable_reason()} | | | |")
+    print("\n| precision | batch | conv | direct µs | Winograd µs | Winograd / direct | kernel |")
+    print("|---|---:|---|---:|---:|---:|---|")
+    for precision in precisions:
+        if precision == "bf16" and not kb.bf16_available():
+            print(f"| bf16 | - | skipped: {kb.bf16_unavailable_reason()} | | | | |")
             continue
         for n in batches:
             for c, hw in ((64, 56), (128, 28), (256, 14), (512, 7)):
                 torch.manual_seed(0)
-                mod = FusedConv.from_conv(nn.Conv2d(c, c, 3, padding=1).eval(), PostOp("relu"))
-                mod = kb.Bf16Conv.from_fused(mod) if dtype == "bf16" else mod
-                x = torch.randn(n, c, hw, hw).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
-                x = x.contiguous(memory_format=torch.channels_last)
+                mod = _conv_module(precision, c)
+                x = _conv_input(precision, n, c, hw)
                 with torch.no_grad():
                     eng = {}
                     for m in ("0", "1"):
@@ -69,27 +91,43 @@ def per_conv(batches: list[int], rounds: int) -> None:
                             t0 = time.perf_counter()
                             e(x)
                             times[m].append(time.perf_counter() - t0)
+                    same = ""
+                    if precision == "int8":
+                        same = ", equal outputs" if torch.equal(eng["0"](x), eng["1"](x)) else ", outputs DIFFER"
                 a, b = min(times["0"]) * 1e6, min(times["1"]) * 1e6
-                print(f"| {dtype} | {n} | {c}→{c} @ {hw}² | {a:.0f} | {b:.0f} | {b / a:.2f} |", flush=True)
+                kernel = eng["1"].step_impls()[0][1] + same
+                print(
+                    f"| {precision} | {n} | {c}→{c} @ {hw}² | {a:.0f} | {b:.0f} | {b / a:.2f} | {kernel} |", flush=True
+                )
 
 
-def resnet18(batches: list[int], rounds: int) -> None:
+def resnet18(batches: list[int], rounds: int, precisions: list[str]) -> None:
     import torchvision
 
     import gml
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval()
-    print("\n| precision | batch | direct only ms | auto ms | auto / direct | optimize s (direct / auto) | Winograd |")
+    print("\n| precision | batch | direct only ms | auto ms | auto / direct | build s (direct / auto) | Winograd |")
     print("|---|---:|---:|---:|---:|---|---:|")
     for n in batches:
         x = torch.randn(n, 3, 224, 224)
-        for precision in ("bf16", "fp32"):
+        for precision in precisions:
             engines, build = {}, {}
             for mode in ("0", "auto"):
                 t0 = time.perf_counter()
-                engines[mode] = gml.optimize(model, x, precision=precision, options=winograd(mode)).engine
+                if precision == "int8":
+                    calib = [torch.randn(n, 3, 224, 224) for _ in range(4)]
+                    q = gml.quantize(model, calib, example_inputs=(x,), options=winograd(mode))
+                    if q.precision != "int8":
+                        print(f"| int8 | {n} | gml.quantize returned {q.precision} | | | | |")
+                        break
+                    engines[mode] = q.engine
+                else:
+                    engines[mode] = gml.optimize(model, x, precision=precision, options=winograd(mode)).engine
                 build[mode] = time.perf_counter() - t0
+            if len(engines) < 2:
+                continue
             times: dict[str, list[float]] = {m: [] for m in engines}
             with torch.no_grad():
                 for e in engines.values():
@@ -112,17 +150,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp32", "int8"], choices=["bf16", "fp32", "int8"])
     ap.add_argument("--skip-convs", action="store_true")
     ap.add_argument("--skip-resnet18", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from gml.kernels.bf16 import cpu_description
+    from gml.runtime.target import detect_target
 
-    print(f"{cpu_description()}; {args.threads} thread(s); load average {os.getloadavg()[0]:.2f}")
+    target = detect_target()
+    print(f"{cpu_description()}; target {target.describe()}; load average {os.getloadavg()[0]:.2f}")
     if not args.skip_convs:
-        per_conv(args.batch, args.rounds)
+        per_conv(args.batch, args.rounds, args.precisions)
     if not args.skip_resnet18:
-        resnet18(args.batch, args.rounds)
+        resnet18(args.batch, args.rounds, args.precisions)
 
 
 if __name__ == "__main__":
