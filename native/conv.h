@@ -1,5 +1,6 @@
 // GML engine, the convolution step family: oneDNN's direct convolution (INT8, fp32, bf16) and, for
-// eligible fp32 / bf16 3x3 convs, GML's Winograd F(2x2, 3x3) (winograd.h) when it is measured faster.
+// eligible 3x3 convs, GML's Winograd F(2x2, 3x3) when it is measured faster: fp32 / bf16
+// (winograd.h) and INT8 on targets without VNNI (winograd_int8.h).
 // Python fills a ConvStep (gml/runtime/plan_steps.py, conv_step) and calls Plan.add(step).
 #pragma once
 
