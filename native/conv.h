@@ -70,13 +70,28 @@ inline void check_conv_geometry(const memory::desc& src, const memory::desc& dst
   }
 }
 
-// The measured choice's cache: problem key -> Winograd measured faster (per process).
+// The measured choices, per process: problem key -> Winograd measured faster than the direct conv.
 struct WinogradChoices {
   std::mutex mu;
   std::unordered_map<std::string, bool> faster;
   static WinogradChoices& get() {
     static WinogradChoices c;
     return c;
+  }
+  // The cached answer for ``key``: 1 faster, 0 not, -1 not measured yet.
+  int known(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = faster.find(key);
+    return it == faster.end() ? -1 : it->second;
+  }
+  // The answer for ``key``, from ``measure()`` the first time (two plans built at once may both
+  // measure; the first answer stays).
+  bool choose(const std::string& key, const std::function<bool()>& measure) {
+    const int k = known(key);
+    if (k >= 0) return k == 1;
+    const bool answer = measure();
+    std::lock_guard<std::mutex> lock(mu);
+    return faster.emplace(key, answer).first->second;
   }
 };
 
@@ -154,11 +169,7 @@ inline bool try_winograd(Plan& p, int src, int dst, uintptr_t weight, const Dims
   for (const auto& [alg, alpha, beta] : eltwise)
     key += ":" + alg + std::to_string(alpha) + "," + std::to_string(beta);
   auto& choices = WinogradChoices::get();
-  if (!force) {
-    std::lock_guard<std::mutex> lock(choices.mu);
-    auto it = choices.faster.find(key);
-    if (it != choices.faster.end() && !it->second) return false;
-  }
+  if (!force && choices.known(key) == 0) return false;
   std::shared_ptr<const gml_winograd::Conv> conv;
   try {
     conv = std::make_shared<const gml_winograd::Conv>(cpu_engine(), n, c, h, w, k, type,
@@ -167,20 +178,10 @@ inline bool try_winograd(Plan& p, int src, int dst, uintptr_t weight, const Dims
   } catch (const dnnl::error&) {
     return false;  // no matmul for this problem: the direct conv
   }
-  if (!force) {
-    bool known = false, faster = false;
-    {
-      std::lock_guard<std::mutex> lock(choices.mu);
-      auto it = choices.faster.find(key);
-      if ((known = it != choices.faster.end())) faster = it->second;
-    }
-    if (!known) {
-      faster = winograd_faster(*conv, s, d, direct, direct_consts(), direct_scratch, nthreads);
-      std::lock_guard<std::mutex> lock(choices.mu);
-      choices.faster.emplace(key, faster);
-    }
-    if (!faster) return false;
-  }
+  if (!force && !choices.choose(key, [&] {
+        return winograd_faster(*conv, s, d, direct, direct_consts(), direct_scratch, nthreads);
+      }))
+    return false;
   Kernel kernel = [conv](const std::unordered_map<int, memory>& args) {
     conv->run(args.at(DNNL_ARG_SRC).get_data_handle(), args.at(DNNL_ARG_DST).get_data_handle(),
               args.at(DNNL_ARG_SCRATCHPAD).get_data_handle());
@@ -226,29 +227,15 @@ inline bool try_winograd_int8(Plan& p, const ConvStep& desc, bool force, const d
                     ":" + isa_name() + ":t" + std::to_string(desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
   for (const auto& [alg, alpha, beta] : desc.eltwise) key += ":" + alg;
   auto& choices = WinogradChoices::get();
-  if (!force) {
-    std::lock_guard<std::mutex> lock(choices.mu);
-    auto it = choices.faster.find(key);
-    if (it != choices.faster.end() && !it->second) return false;
-  }
+  if (!force && choices.known(key) == 0) return false;
   auto conv = std::make_shared<const gml_winograd::Int8Conv>(
       n, c, h, w, k, st, desc.src_q->first, desc.src_q->second, reinterpret_cast<const int8_t*>(desc.weight),
       desc.w_scales, reinterpret_cast<const float*>(desc.bias), epi, q,
       desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
-  if (!force) {
-    bool known = false, faster = false;
-    {
-      std::lock_guard<std::mutex> lock(choices.mu);
-      auto it = choices.faster.find(key);
-      if ((known = it != choices.faster.end())) faster = it->second;
-    }
-    if (!known) {
-      faster = winograd_faster(*conv, s, d, direct, direct_consts(), direct_scratch, desc.nthreads);
-      std::lock_guard<std::mutex> lock(choices.mu);
-      choices.faster.emplace(key, faster);
-    }
-    if (!faster) return false;
-  }
+  if (!force && !choices.choose(key, [&] {
+        return winograd_faster(*conv, s, d, direct, direct_consts(), direct_scratch, desc.nthreads);
+      }))
+    return false;
   Kernel kernel = [conv](const std::unordered_map<int, memory>& args) {
     conv->run(args.at(DNNL_ARG_SRC).get_data_handle(), args.at(DNNL_ARG_DST).get_data_handle(),
               args.at(DNNL_ARG_SCRATCHPAD).get_data_handle());

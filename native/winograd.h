@@ -136,6 +136,32 @@ inline bool native_bf16_cpu() {
 #endif
 }
 
+// ---------------------------------------------------------------- tile geometry (both convs)
+// Tile ``t`` of the batch's 2x2 output tiles (``tw`` per row, ``th`` per column; image t / (th tw)):
+// the 16 pixel rows (``c`` elements each, NHWC ``src`` of [N, H, W]) of its 4x4 input patch, ``zero``
+// for a pixel outside the image (the conv's padding).
+template <typename T>
+inline void patch_rows(const T* src, const T* zero, int64_t t, int64_t th, int64_t tw, int64_t h, int64_t w,
+                       int64_t c, const T** p) {
+  const int64_t img = t / (th * tw), ty = (t % (th * tw)) / tw, tx = t % tw;
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) {
+      const int64_t y = 2 * ty - 1 + i, x = 2 * tx - 1 + j;
+      const bool in = y >= 0 && y < h && x >= 0 && x < w;
+      p[i * 4 + j] = in ? src + ((img * h + y) * w + x) * c : zero;
+    }
+}
+
+// ... and its up-to-4 output pixel rows (``row`` elements of T apart in NHWC ``dst``), null past an
+// odd edge (never written).
+template <typename T>
+inline void tile_outputs(T* dst, int64_t t, int64_t th, int64_t tw, int64_t h, int64_t w, int64_t row, T** o) {
+  const int64_t img = t / (th * tw), y = 2 * ((t % (th * tw)) / tw), x = 2 * (t % tw);
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 2; ++j)
+      o[i * 2 + j] = y + i < h && x + j < w ? dst + ((img * h + y + i) * w + x + j) * row : nullptr;
+}
+
 // ---------------------------------------------------------------- the convolution
 // One chunk's V + M take about this many bytes (a chunk is at least kMinChunkTiles tiles, so that
 // each pass over U, up to 16 x 512 x 512 bf16 = 8 MB, serves enough GEMM rows): cache-resident on
@@ -254,20 +280,13 @@ class Conv {
 
   template <typename T>
   void input_transform_t(const T* src, T* v, int64_t t0, int64_t count) const {
-    const int64_t per_image = th_ * tw_;
     const T* zero = reinterpret_cast<const T*>(zeros_.data());
     for (int xi = 0; xi < 16 && count < tiles_; ++xi)
       std::memset(v + (xi * tiles_ + count) * c_, 0, static_cast<size_t>((tiles_ - count) * c_) * sizeof(T));
 #pragma omp parallel for schedule(static) if (count * c_ >= kParallelWork)
     for (int64_t t = 0; t < count; ++t) {
-      const int64_t img = (t0 + t) / per_image, ty = ((t0 + t) % per_image) / tw_, tx = (t0 + t) % tw_;
       const T* p[16];
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) {
-          const int64_t y = 2 * ty - 1 + i, x = 2 * tx - 1 + j;
-          const bool in = y >= 0 && y < h_ && x >= 0 && x < w_;
-          p[i * 4 + j] = in ? src + ((img * h_ + y) * w_ + x) * c_ : zero;
-        }
+      patch_rows(src, zero, t0 + t, th_, tw_, h_, w_, c_, p);
       if constexpr (std::is_same_v<T, float>) portable::input_tile_f32(p, v + t * c_, tiles_ * c_, c_);
       else if (native_) native_bf16::input_tile_bf16(p, v + t * c_, tiles_ * c_, c_);
       else portable::input_tile_bf16(p, v + t * c_, tiles_ * c_, c_);
@@ -282,18 +301,11 @@ class Conv {
 
   template <typename T>
   void output_transform_t(const float* m, T* dst, int64_t t0, int64_t count) const {
-    const int64_t per_image = th_ * tw_;
 #pragma omp parallel for schedule(static) if (count * k_ >= kParallelWork)
     for (int64_t t = 0; t < count; ++t) {
-      const int64_t img = (t0 + t) / per_image, ty = ((t0 + t) % per_image) / tw_, tx = (t0 + t) % tw_;
-      const int64_t y = 2 * ty, x = 2 * tx;
-      const bool right = x + 1 < w_, bottom = y + 1 < h_;
       T* o[4];
-      for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 2; ++j) {
-          const bool in = y + i < h_ && x + j < w_;  // a pixel past an odd edge is never written
-          o[i * 2 + j] = in ? dst + ((img * h_ + y + i) * w_ + x + j) * k_ : nullptr;
-        }
+      tile_outputs(dst, t0 + t, th_, tw_, h_, w_, k_, o);
+      const bool right = o[1] != nullptr, bottom = o[2] != nullptr;
       if constexpr (std::is_same_v<T, float>)
         portable::output_tile_f32(m + t * k_, tiles_ * k_, o, right, bottom, bias_.data(), epi_, k_);
       else if (native_)

@@ -216,7 +216,7 @@ inline void finish1(int32_t acc, const float* scale4, const float* bias, const E
 
 // Y = A^T M A for one tile and its up-to-4 output pixels (``o[i]`` null past an odd edge), every
 // output channel: ``m`` the tile's row of M (position xi at m + xi * stride).
-GML_AVX2 inline void output_tile(const int32_t* m, int64_t stride, void* const* o, const float* scale4,
+GML_AVX2 inline void output_tile(const int32_t* m, int64_t stride, char* const* o, const float* scale4,
                                  const float* bias, const Epilogue& e, const QuantOut& q, int64_t kc) {
   int64_t k = 0;
   for (; k + 8 <= kc; k += 8) {
@@ -364,20 +364,14 @@ class Int8Conv {
 
   template <typename T>
   void input_transform(const T* src, int16_t* v, int64_t t0, int64_t count, bool team) const {
-    const int64_t per_image = th_ * tw_, stride = tiles_ * cp_;
+    const int64_t stride = tiles_ * cp_;
     const T* zero = reinterpret_cast<const T*>(zp_row_.data());
     for (int xi = 0; xi < 16 && count < tiles_; ++xi)  // the padded last chunk's tiles: V = 0
       std::memset(v + xi * stride + count * cp_, 0, static_cast<size_t>((tiles_ - count) * cp_) * 2);
 #pragma omp parallel for schedule(static) if (team && count * c_ >= kParallelWork)
     for (int64_t t = 0; t < count; ++t) {
-      const int64_t img = (t0 + t) / per_image, ty = ((t0 + t) % per_image) / tw_, tx = (t0 + t) % tw_;
       const T* p[16];
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) {
-          const int64_t y = 2 * ty - 1 + i, x = 2 * tx - 1 + j;
-          const bool in = y >= 0 && y < h_ && x >= 0 && x < w_;
-          p[i * 4 + j] = in ? src + ((img * h_ + y) * w_ + x) * c_ : zero;
-        }
+      patch_rows(src, zero, t0 + t, th_, tw_, h_, w_, c_, p);
       int8_avx2::input_tile(p, v + t * cp_, stride, c_, src_zp_);
     }
   }
@@ -396,17 +390,11 @@ class Int8Conv {
   }
 
   void output_transform(const int32_t* m, char* dst, int64_t t0, int64_t count, bool team) const {
-    const int64_t per_image = th_ * tw_, es = q_.dst_type == dt::f32 ? 4 : 1;
+    const int64_t es = q_.dst_type == dt::f32 ? 4 : 1;
 #pragma omp parallel for schedule(static) if (team && count * k_ >= kParallelWork)
     for (int64_t t = 0; t < count; ++t) {
-      const int64_t img = (t0 + t) / per_image, ty = ((t0 + t) % per_image) / tw_, tx = (t0 + t) % tw_;
-      const int64_t y = 2 * ty, x = 2 * tx;
-      void* o[4];
-      for (int i = 0; i < 2; ++i)
-        for (int j = 0; j < 2; ++j) {
-          const bool in = y + i < h_ && x + j < w_;  // a pixel past an odd edge is never written
-          o[i * 2 + j] = in ? dst + ((img * h_ + y + i) * w_ + x + j) * k_ * es : nullptr;
-        }
+      char* o[4];
+      tile_outputs(dst, t0 + t, th_, tw_, h_, w_, k_ * es, o);
       int8_avx2::output_tile(m + t * kp_, tiles_ * kp_, o, scale4_.data(), bias_.data(), epi_, q_, k_);
     }
   }

@@ -161,3 +161,29 @@ def strided_heads_graph(batch: int, length: int, heads: int, head_size: int) -> 
         )
     g.output(g.call_function(attention_op(), (*views, None, None, False)))
     return fx.GraphModule(nn.Module(), g)
+
+
+def assert_concurrent_calls_agree(eng, calls: list[list[torch.Tensor]], *, threads: int = 2, rounds: int = 4) -> None:
+    """``threads`` Python threads each run every call of ``calls`` (argument lists) ``rounds`` times on
+    one engine at once: each result equals, bit for bit, the same call made alone (per-call state in
+    the Context, never shared)."""
+    import threading
+
+    with torch.no_grad():
+        alone = [eng(*xs) for xs in calls]
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def worker(k: int) -> None:
+        with torch.no_grad():
+            results[k] = [eng(*xs) for _ in range(rounds) for xs in calls]
+
+    workers = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    for k in range(threads):
+        assert len(results[k]) == rounds * len(calls)
+        for i, got in enumerate(results[k]):
+            assert torch.equal(got, alone[i % len(calls)])
+

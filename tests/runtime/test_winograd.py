@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -34,7 +33,7 @@ from gml.kernels import bf16 as kb
 from gml.kernels.fp32 import FusedConv, FusedConvAdd, PostOp
 from gml.runtime import compile_engine, unavailable_reason
 from gml.runtime.options import EngineOptions
-from runtime.helpers import graph_of
+from runtime.helpers import assert_concurrent_calls_agree, graph_of
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 needs_bf16 = pytest.mark.skipif(not kb.bf16_available(), reason=f"no native bf16: {kb.bf16_unavailable_reason()}")
@@ -285,22 +284,7 @@ def test_two_threads_running_one_winograd_plan(monkeypatch, dtype):
     calls = [_inputs(dtype, mod, 2, 9, 11, seed=s) for s in range(8)]
     eng, _ = _run(monkeypatch, "1", mod, calls[0])
     assert len(_winograd_steps(eng)) == 1
-    with torch.no_grad():
-        alone = [eng(*xs) for xs in calls]
-    results: dict[int, list[torch.Tensor]] = {}
-
-    def worker(k: int) -> None:
-        with torch.no_grad():
-            results[k] = [eng(*xs) for _ in range(5) for xs in calls]
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for k in range(2):
-        for i, got in enumerate(results[k]):
-            assert torch.equal(got, alone[i % len(calls)])
+    assert_concurrent_calls_agree(eng, calls, rounds=5)
 
 
 PORTABLE_CHECK = """

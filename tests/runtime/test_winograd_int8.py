@@ -17,8 +17,6 @@ under ``ONEDNN_MAX_CPU_ISA=AVX2`` and ``AVX512_CORE``.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,7 +26,7 @@ from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.quant import modules as qm
 from gml.runtime import compile_engine, unavailable_reason
 from gml.runtime.target import detect_target
-from runtime.helpers import assert_close_int, graph_of, int8_weight, rand_u8
+from runtime.helpers import assert_close_int, assert_concurrent_calls_agree, graph_of, int8_weight, rand_u8
 
 pytestmark = [
     pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
@@ -219,22 +217,7 @@ def test_two_threads_running_one_plan(monkeypatch):
     """V and M live in the call's scratchpad (one slot per OpenMP thread when each thread takes whole
     chunks): concurrent calls of one plan agree bit for bit with the same calls made one at a time."""
     mod = _qconv(24, 40, IN_ZP, OUT, PostOp("relu"), seed=4)
-    calls = [rand_u8(2, 24, 17, 19, seed=s) for s in range(6)]  # 180 tiles: chunks per thread
-    eng, _ = _engine(monkeypatch, "1", mod, [calls[0]])
+    calls = [[rand_u8(2, 24, 17, 19, seed=s)] for s in range(6)]  # 180 tiles: chunks per thread
+    eng, _ = _engine(monkeypatch, "1", mod, calls[0])
     assert _winograd_steps(eng), eng.step_impls()
-    with torch.no_grad():
-        alone = [eng(x) for x in calls]
-    results: dict[int, list[torch.Tensor]] = {}
-
-    def worker(k: int) -> None:
-        with torch.no_grad():
-            results[k] = [eng(x) for _ in range(4) for x in calls]
-
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for k in range(2):
-        for i, got in enumerate(results[k]):
-            assert torch.equal(got, alone[i % len(calls)])
+    assert_concurrent_calls_agree(eng, calls)
