@@ -129,13 +129,16 @@ GML_AVX2 inline void input_tile(const T* const* p, int16_t* v, int64_t stride, i
   _mm256_zeroupper();  // GCC emits no vzeroupper at the end of target("avx2") functions
 }
 
-// M[t, 0..15] = sum over channel pairs of V[t, pair] . U'[pair, 0..15] for kTileRows tiles: ``v`` the
-// first tile's row (``vstride`` int16 apart), ``u`` the 16-output block's [pairs][16][2] slab, ``m``
-// the first tile's 16 outputs (``mstride`` int32 apart).
+// M[t, 0..15] = sum over channel pairs of V[t, pair] . U'[pair, 0..15] for R <= kTileRows tiles:
+// ``v`` the first tile's row (``vstride`` int16 apart), ``u`` the 16-output block's [pairs][16][2]
+// slab, ``m`` the first tile's 16 outputs (``mstride`` int32 apart). R < kTileRows serves a chunk's
+// last tiles, so that no chunk multiplies padding (a 7x7 map has 16 tiles: 6 + 6 + 4, not 18).
+template <int R>
 GML_AVX2 inline void gemm_tile(const int16_t* v, int64_t vstride, const int16_t* u, int64_t pairs, int32_t* m,
                                int64_t mstride) {
-  // twelve named accumulators: in an array GCC kept most of them on the stack (a load and a store
-  // per vpmaddwd)
+  static_assert(R >= 1 && R <= kTileRows);
+  // twelve named accumulators (those of rows >= R are never used, and compiled away): in an array
+  // GCC kept most of them on the stack (a load and a store per vpmaddwd)
   __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
           a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
   const int32_t* v0 = reinterpret_cast<const int32_t*>(v);  // channel pairs as 32-bit words
@@ -143,9 +146,9 @@ GML_AVX2 inline void gemm_tile(const int16_t* v, int64_t vstride, const int16_t*
   for (int64_t p = 0; p < pairs; ++p) {
     const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(u + 32 * p));
     const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(u + 32 * p + 16));
-#define GML_WINO_ROW(r)                                          \
-  {                                                              \
-    const __m256i b = _mm256_set1_epi32(v0[(r) * vs + p]);       \
+#define GML_WINO_ROW(r)                                            \
+  if constexpr (R > (r)) {                                         \
+    const __m256i b = _mm256_set1_epi32(v0[(r) * vs + p]);         \
     a##r##0 = _mm256_add_epi32(a##r##0, _mm256_madd_epi16(b, w0)); \
     a##r##1 = _mm256_add_epi32(a##r##1, _mm256_madd_epi16(b, w1)); \
   }
@@ -153,11 +156,24 @@ GML_AVX2 inline void gemm_tile(const int16_t* v, int64_t vstride, const int16_t*
 #undef GML_WINO_ROW
   }
   const __m256i out[kTileRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
-  for (int r = 0; r < kTileRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(m + r * mstride), out[r][0]);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(m + r * mstride + 8), out[r][1]);
   }
   _mm256_zeroupper();
+}
+
+// gemm_tile for ``rows`` (1..kTileRows) tiles.
+inline void gemm_rows(int rows, const int16_t* v, int64_t vstride, const int16_t* u, int64_t pairs, int32_t* m,
+                      int64_t mstride) {
+  switch (rows) {
+    case 6: return gemm_tile<6>(v, vstride, u, pairs, m, mstride);
+    case 5: return gemm_tile<5>(v, vstride, u, pairs, m, mstride);
+    case 4: return gemm_tile<4>(v, vstride, u, pairs, m, mstride);
+    case 3: return gemm_tile<3>(v, vstride, u, pairs, m, mstride);
+    case 2: return gemm_tile<2>(v, vstride, u, pairs, m, mstride);
+    default: return gemm_tile<1>(v, vstride, u, pairs, m, mstride);
+  }
 }
 
 // The output stage (file comment) on 8 outputs of one pixel: ``acc`` = Y (= 4 S), ``k`` the first
@@ -174,10 +190,15 @@ GML_AVX2 inline void finish8(__m256i acc, const float* scale4, const float* bias
     }
     f = _mm256_add_ps(f, _mm256_mul_ps(_mm256_set1_ps(e.sum_scale), _mm256_sub_ps(old, _mm256_set1_ps(q.sum_zp))));
   }
-  f = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(e.lin_a)), _mm256_set1_ps(e.lin_b));
-  const __m256 neg = _mm256_mul_ps(f, _mm256_set1_ps(e.slope));
-  f = _mm256_blendv_ps(f, neg, _mm256_cmp_ps(f, _mm256_setzero_ps(), _CMP_LT_OQ));
-  f = _mm256_min_ps(_mm256_max_ps(f, _mm256_set1_ps(e.lo)), _mm256_set1_ps(e.hi));
+  // each eltwise stage only where the plan has it (the branches are the same on every call)
+  if (e.lin_a != 1.0f || e.lin_b != 0.0f)
+    f = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(e.lin_a)), _mm256_set1_ps(e.lin_b));
+  if (e.slope != 1.0f) {
+    const __m256 neg = _mm256_mul_ps(f, _mm256_set1_ps(e.slope));
+    f = _mm256_blendv_ps(f, neg, _mm256_cmp_ps(f, _mm256_setzero_ps(), _CMP_LT_OQ));
+  }
+  if (e.lo != -std::numeric_limits<float>::infinity() || e.hi != std::numeric_limits<float>::infinity())
+    f = _mm256_min_ps(_mm256_max_ps(f, _mm256_set1_ps(e.lo)), _mm256_set1_ps(e.hi));
   if (q.dst_type == dt::f32) {
     _mm256_storeu_ps(static_cast<float*>(o) + k, f);
     return;
@@ -200,9 +221,10 @@ inline void finish1(int32_t acc, const float* scale4, const float* bias, const E
                                              : static_cast<float>(static_cast<const int8_t*>(o)[k]);
     f = f + e.sum_scale * (old - q.sum_zp);
   }
-  f = f * e.lin_a + e.lin_b;
-  if (f < 0.0f) f = f * e.slope;
-  f = std::min(std::max(f, e.lo), e.hi);
+  if (e.lin_a != 1.0f || e.lin_b != 0.0f) f = f * e.lin_a + e.lin_b;
+  if (e.slope != 1.0f && f < 0.0f) f = f * e.slope;
+  if (e.lo != -std::numeric_limits<float>::infinity() || e.hi != std::numeric_limits<float>::infinity())
+    f = std::min(std::max(f, e.lo), e.hi);
   if (q.dst_type == dt::f32) {
     static_cast<float*>(o)[k] = f;
     return;
@@ -292,7 +314,7 @@ class Int8Conv {
     if (chunks < threads_ && total_ >= threads_ * std::max(kMinChunkTiles, k)) chunks = threads_;
     per_thread_ = threads_ > 1 && chunks >= threads_;
     if (per_thread_) chunks = (chunks + threads_ - 1) / threads_ * threads_;  // as many per thread
-    tiles_ = ((total_ + chunks - 1) / chunks + kTileRows - 1) / kTileRows * kTileRows;
+    tiles_ = (total_ + chunks - 1) / chunks;
 
     // U' = G' g G'^T (integers), packed [16][Kp/16][Cp/2][16][2]; padded channels 0
     const int64_t pairs = cp_ / 2, kb = kp_ / 16;
@@ -350,7 +372,7 @@ class Int8Conv {
   }
 
  private:
-  // Tiles [t0, t0 + tiles_) (past total_: zero tiles, not written): input transform, the 16 GEMMs,
+  // Tiles [t0, min(t0 + tiles_, total_)): input transform, the 16 GEMMs,
   // output transform, with ``slot``'s V and M; each phase on the OpenMP team when ``team``.
   void chunk(const void* src, void* dst, char* slot, int64_t t0, bool team) const {
     auto* v = reinterpret_cast<int16_t*>(slot);
@@ -358,7 +380,7 @@ class Int8Conv {
     const int64_t count = std::min(tiles_, total_ - t0);
     if (src_type_ == dt::u8) input_transform(static_cast<const uint8_t*>(src), v, t0, count, team);
     else input_transform(static_cast<const int8_t*>(src), v, t0, count, team);
-    gemm(v, m, team);
+    gemm(v, m, count, team);
     output_transform(m, static_cast<char*>(dst), t0, count, team);
   }
 
@@ -366,8 +388,6 @@ class Int8Conv {
   void input_transform(const T* src, int16_t* v, int64_t t0, int64_t count, bool team) const {
     const int64_t stride = tiles_ * cp_;
     const T* zero = reinterpret_cast<const T*>(zp_row_.data());
-    for (int xi = 0; xi < 16 && count < tiles_; ++xi)  // the padded last chunk's tiles: V = 0
-      std::memset(v + xi * stride + count * cp_, 0, static_cast<size_t>((tiles_ - count) * cp_) * 2);
 #pragma omp parallel for schedule(static) if (team && count * c_ >= kParallelWork)
     for (int64_t t = 0; t < count; ++t) {
       const T* p[16];
@@ -378,14 +398,15 @@ class Int8Conv {
 
   // The 16 GEMMs of one chunk: (position, 16-output block) pairs on the OpenMP team, each over the
   // chunk's tiles kTileRows at a time with the block's U' slab (Cp x 16 int16) hot in L1.
-  void gemm(const int16_t* v, int32_t* m, bool team) const {
+  void gemm(const int16_t* v, int32_t* m, int64_t count, bool team) const {
     const int64_t kb = kp_ / 16, pairs = cp_ / 2;
 #pragma omp parallel for schedule(static) collapse(2) if (team)
     for (int64_t xi = 0; xi < 16; ++xi)
       for (int64_t b = 0; b < kb; ++b) {
         const int16_t* u = static_cast<const int16_t*>(u_buf_.get()) + (xi * kb + b) * pairs * 32;
-        for (int64_t t = 0; t < tiles_; t += kTileRows)
-          int8_avx2::gemm_tile(v + (xi * tiles_ + t) * cp_, cp_, u, pairs, m + (xi * tiles_ + t) * kp_ + 16 * b, kp_);
+        for (int64_t t = 0; t < count; t += kTileRows)
+          int8_avx2::gemm_rows(static_cast<int>(std::min<int64_t>(kTileRows, count - t)), v + (xi * tiles_ + t) * cp_,
+                               cp_, u, pairs, m + (xi * tiles_ + t) * kp_ + 16 * b, kp_);
       }
   }
 

@@ -70,6 +70,9 @@ SHAPES = [  # (batch, Cin, Cout, H, W): odd channels (a zero channel pair), outp
     (2, 5, 7, 1, 4),
     (1, 35, 40, 30, 34),  # 255 tiles: several chunks, each thread its own
     (2, 64, 16, 2, 3),
+    (5, 8, 17, 2, 2),  # 5 tiles, 1 tile, 2 tiles: every micro-kernel height (a chunk's tail rows;
+    (1, 6, 16, 2, 2),  # 16 and 45 tiles above take 4 and 3)
+    (1, 10, 16, 4, 2),
 ]
 
 
