@@ -295,14 +295,8 @@ def _print_transformer_result(args: argparse.Namespace, res, model, inputs, eval
         console.print(res.frontend.summary())
     from rich.markup import escape
 
-    from gml.models_hf import token_range
-    from gml.quant.calibrate import describe_generated
-
     if eval_desc is not None:  # --eval-data
         console.print(f"[dim]accuracy below: on {escape(eval_desc)}[/]")
-        return
-    held_out = escape(describe_generated(inputs, token_range(model)))
-    console.print(f"[dim]accuracy below: on 2 held-out {held_out} the calibration did not see[/]")
 
 
 def _print_returned_fp32(args: argparse.Namespace, res) -> None:

@@ -24,6 +24,7 @@ from gml.memory import release, returns_memory, shared_copy, trim_malloc
 from gml.optimizing import _as_tuple, _bf16_refusal, _inputs_of_batch, check_precision, optimize_graph
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, run_outputs
+from gml.quant.calibrate import KeepLast
 from gml.quant.transformer import DEFAULT_MIN_SQNR_DB as _DEFAULT_MIN_SQNR_DB
 from gml.results import OptimizeResult, QuantizeResult
 from gml.runtime.options import EngineOptions, resolve_options
@@ -139,8 +140,11 @@ def quantize(
         example_inputs: one input tuple; defaults to the first calibration batch.
         backend: ``onednn`` (oneDNN INT8 kernels, VNNI) or ``fbgemm`` (``quantized::*`` ops).
         observer: ``minmax`` | ``moving_average`` | ``histogram`` | ``percentile``.
-        eval_data / eval_labels: held-out batches for the accuracy report (default: 2 generated
-            batches that the calibration did not see); ``eval_data`` may be a
+        eval_data / eval_labels: held-out batches for the accuracy report. Default: the last 2
+            batches of the given ``calib_data`` (the user's own data, seen by the calibration:
+            generated N(0, 1) inputs would misjudge a model fed e.g. [0, 1] pixels), or 2 generated
+            batches the calibration did not see when ``calib_data`` is generated too; the report's
+            ``source`` says which. ``eval_data`` may be a
             :class:`gml.data.DataSource`, whose labels (an ImageFolder's class folders) then give
             fp32 and INT8 top-1 / top-5 accuracy.
         max_accuracy_drop: raise :class:`~gml.errors.AccuracyDropError` when INT8's top-1 accuracy
@@ -213,6 +217,9 @@ def quantize(
         example_inputs = _inputs_of_batch(model, calib_data[0])
     inputs = _as_tuple(example_inputs)
     check_deterministic(model, inputs, what="INT8 quantization")
+    if eval_data is None and calib_data is not None and not isinstance(calib_data, int | torch.Tensor):
+        # the accuracy report measures on the user's own data, not on generated N(0, 1) batches
+        calib_data = KeepLast(calib_data)
     from gml.models_hf import token_range as vocab_range
 
     token_range = vocab_range(model)  # generated token ids come from the vocabulary (#15)
@@ -301,16 +308,21 @@ def _accuracy(
     import time
 
     from gml.quant.accuracy import accuracy_report
-    from gml.quant.calibrate import generate_batches
+    from gml.quant.calibrate import _as_args, describe_generated, generate_batches
 
-    eval_data = job.eval_data
-    if eval_data is None:
+    eval_data, source = job.eval_data, "the given eval_data"
+    if eval_data is None and isinstance(job.calib_data, KeepLast) and job.calib_data.last:
+        eval_data = [_as_args(b, len(job.inputs)) for b in job.calib_data.last]
+        source = f"the last {len(eval_data)} calibration batch(es) (no eval_data given: not held out)"
+    elif eval_data is None:
         eval_data = generate_batches(job.inputs, 2, seed=12345, token_range=job.token_range)
+        source = f"2 held-out {describe_generated(job.inputs, job.token_range)}"
     t0 = time.perf_counter()
     acc = accuracy_report(
         copy.deepcopy(job.model), returned, eval_data, labels=job.eval_labels, fp32_graph=fp32_graph,
         per_layer=per_layer, exact_model=exact_model,
     )  # fmt: skip
+    acc.source = source
     seconds["accuracy report"] = time.perf_counter() - t0
     if job.min_cosine is not None:
         check_min_cosine(acc, job.min_cosine)

@@ -93,6 +93,9 @@ class AccuracyReport:
     exact_cosine: float | None = None
     exact_top1_agreement: float | None = None
     classified: int = 0  # samples counted in the top-1 agreements
+    #: what the report measured on (gml.quantize: the given eval_data, the user's last calibration
+    #: batches, or generated batches); "" when the caller did not say
+    source: str = ""
 
     @property
     def far_from_exact(self) -> str | None:
@@ -171,6 +174,8 @@ class AccuracyReport:
             parts.append(f"top-1 accuracy fp32 {100 * self.fp32_top1:.2f}% / int8 {100 * self.int8_top1:.2f}%")
         if self.fp32_top5 is not None and self.int8_top5 is not None:
             parts.append(f"top-5 accuracy fp32 {100 * self.fp32_top5:.2f}% / int8 {100 * self.int8_top5:.2f}%")
+        if self.source:
+            parts.append(f"on {self.source}")
         return ", ".join(parts)
 
     def _why_no_cosine(self) -> str:
