@@ -318,11 +318,11 @@ def calibrate(
 
 __all__ = [
     "EXTREME_ABS",
-    "KeepLast",
     "MIN_SAMPLES",
     "OUTLIER_RATIO",
     "CalibrationStats",
     "CalibrationWarning",
+    "KeepLast",
     "calibrate",
     "describe_generated",
     "generate_batches",
