@@ -1,6 +1,7 @@
 // GML engine, the convolution step family: oneDNN's direct convolution (INT8, fp32, bf16) and, for
 // eligible 3x3 convs, GML's Winograd F(2x2, 3x3) when it is measured faster: fp32 / bf16
-// (winograd.h) and INT8 on targets without VNNI (winograd_int8.h).
+// (winograd.h) and INT8 on targets without VNNI (winograd_int8.h); on those targets also GML's patch
+// GEMM for INT8 convs with few input channels (im2col_int8.h), when measured faster.
 // Python fills a ConvStep (gml/runtime/plan_steps.py, conv_step) and calls Plan.add(step).
 #pragma once
 
@@ -9,6 +10,7 @@
 #include "bind.h"
 #include "plan.h"
 #include "winograd.h"
+#include "im2col_int8.h"
 #include "winograd_int8.h"
 
 namespace gml_engine {
@@ -31,9 +33,9 @@ struct ConvStep {
   int nthreads = 0;                // the OpenMP team the Winograd choice is timed with (0: the current)
   int winograd = 0;                // 0 never, 1 always (if eligible), 2 when timed faster (GML_WINOGRAD)
   bool native_bf16 = false;        // the CPU has bf16 dot products (Winograd's bf16 matmul)
-  // INT8 convs may take GML's INT8 Winograd (winograd_int8.h) when winograd == 2: the target has no
-  // VNNI-class dot product (gml.ir.target.Target.int8_winograd); winograd == 1 forces it on any CPU
-  // with AVX2
+  // INT8 convs may take GML's own INT8 convs (winograd_int8.h for 3x3 stride 1, im2col_int8.h for
+  // few input channels) when winograd == 2: the target has no VNNI-class dot product
+  // (gml.ir.target.Target.int8_winograd); winograd == 1 forces them on any CPU with AVX2
   bool int8_winograd = false;
 };
 
@@ -193,46 +195,50 @@ inline bool try_winograd(Plan& p, int src, int dst, uintptr_t weight, const Dims
   return true;
 }
 
-// An INT8 conv as GML's INT8 Winograd (native/winograd_int8.h: exact integer arithmetic in int16 /
-// int32, for CPUs without VNNI): the same eligibility as try_winograd's (2-D 3x3, stride 1, dilation 1,
-// groups 1, padding 1, NHWC dense, post-ops within Epilogue) with a u8 / s8 source, a u8 / s8 / f32
-// destination and at most kMaxChannels input channels, on a CPU with AVX2. ``force`` skips the timing
-// (GML_WINOGRAD=1); otherwise it is timed against ``direct`` as try_winograd does, cached per problem.
-inline bool try_winograd_int8(Plan& p, const ConvStep& desc, bool force, const dnnl::primitive& direct,
-                              const std::function<Consts()>& direct_consts, const memory::desc& direct_scratch) {
+// The part of an INT8 conv's eligibility that GML's own INT8 conv kernels share (winograd_int8.h,
+// im2col_int8.h): a CPU with AVX2, s8 weights, groups 1, 2-D, dilation 1, a u8 / s8 source and a
+// u8 / s8 / f32 destination (with qparams exactly when INT8), both NHWC dense, post-ops within
+// Epilogue. Fills the output stage (``epi``, ``q``) and the problem's cache key prefix.
+inline bool own_int8_conv_io(Plan& p, const ConvStep& desc, gml_winograd::Epilogue& epi, gml_winograd::QuantOut& q,
+                             std::string& key) {
   const memory::desc s = p.md_in(desc.src), d = p.md_in(desc.dst);
   const dt st = s.get_data_type(), dtp = d.get_data_type();
-  const Dims& wdims = desc.wdims;
   if (!gml_winograd::int8_winograd_cpu() || desc.wdtype != "s8" || !desc.src_q) return false;
   if ((st != dt::u8 && st != dt::s8) || (dtp != dt::u8 && dtp != dt::s8 && dtp != dt::f32)) return false;
   if ((dtp == dt::f32) == static_cast<bool>(desc.dst_q)) return false;  // an INT8 dst has qparams, an f32 one none
-  if (wdims.size() != 4 || wdims[2] != 3 || wdims[3] != 3 || desc.groups != 1) return false;
-  if (desc.strides != Dims{1, 1} || desc.dilation != Dims{0, 0} || desc.pad_l != Dims{1, 1} || desc.pad_r != Dims{1, 1})
-    return false;
-  gml_winograd::Epilogue epi;
+  if (desc.wdims.size() != 4 || desc.groups != 1 || desc.dilation != Dims{0, 0}) return false;
   if (!gml_winograd::parse_eltwise(desc.eltwise, epi)) return false;
-  const memory::dims sd = s.get_dims(), dd = d.get_dims();
+  const memory::dims sd = s.get_dims();
   if (sd.size() != 4 || std::any_of(sd.begin(), sd.end(), [](int64_t v) { return v <= 0; })) return false;
-  const int64_t n = sd[0], c = sd[1], h = sd[2], w = sd[3], k = wdims[0];
-  if (dd != memory::dims{n, k, h, w} || wdims[1] != c || c > gml_winograd::kMaxChannels) return false;
   if (!nhwc_dense(s) || !nhwc_dense(d)) return false;
-  gml_winograd::QuantOut q;
   q.dst_type = dtp;
   if (desc.dst_q) q.dst_inv_scale = 1.0f / desc.dst_q->first, q.dst_zp = static_cast<float>(desc.dst_q->second);
   if (desc.sum) epi.sum = true, epi.sum_scale = desc.sum->first, q.sum_zp = static_cast<float>(desc.sum->second);
-
-  std::string key = "int8:" + std::to_string(n) + "x" + std::to_string(c) + "x" + std::to_string(h) + "x" +
-                    std::to_string(w) + ">" + std::to_string(k) + ":" + std::to_string(static_cast<int>(st)) + ">" +
-                    std::to_string(static_cast<int>(dtp)) + (desc.bias ? ":bias" : "") + (desc.sum ? ":sum" : "") +
-                    ":" + isa_name() + ":t" + std::to_string(desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
+  const memory::dims dd = d.get_dims();
+  key = "int8:";
+  for (int64_t v : sd) key += std::to_string(v) + "x";
+  key += ">";
+  for (int64_t v : desc.wdims) key += std::to_string(v) + "x";
+  key += ">";
+  for (int64_t v : dd) key += std::to_string(v) + "x";
+  for (const Dims* g : {&desc.strides, &desc.pad_l, &desc.pad_r})
+    for (int64_t v : *g) key += ":" + std::to_string(v);
+  key += ":" + std::to_string(static_cast<int>(st)) + ">" + std::to_string(static_cast<int>(dtp)) +
+         (desc.bias ? ":bias" : "") + (desc.sum ? ":sum" : "") + ":" + isa_name() + ":t" +
+         std::to_string(desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
   for (const auto& [alg, alpha, beta] : desc.eltwise) key += ":" + alg;
-  auto& choices = WinogradChoices::get();
-  if (!force && choices.known(key) == 0) return false;
-  auto conv = std::make_shared<const gml_winograd::Int8Conv>(
-      n, c, h, w, k, st, desc.src_q->first, desc.src_q->second, reinterpret_cast<const int8_t*>(desc.weight),
-      desc.w_scales, reinterpret_cast<const float*>(desc.bias), epi, q,
-      desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
-  if (!force && !choices.choose(key, [&] {
+  return true;
+}
+
+// Pushes ``conv`` (an Int8Conv of winograd_int8.h or im2col_int8.h) as the step, unless timing says
+// otherwise: ``force`` (GML_WINOGRAD=1) takes it untimed; else it is timed against ``direct`` on
+// dummy buffers and taken at <= 0.9x (winograd_faster), the answer cached per ``key``.
+template <typename Int8Conv>
+inline bool take_own_int8_conv(Plan& p, const ConvStep& desc, bool force, const std::string& key,
+                               const std::shared_ptr<const Int8Conv>& conv, const dnnl::primitive& direct,
+                               const std::function<Consts()>& direct_consts, const memory::desc& direct_scratch) {
+  const memory::desc s = p.md_in(desc.src), d = p.md_in(desc.dst);
+  if (!force && !WinogradChoices::get().choose(key, [&] {
         return winograd_faster(*conv, s, d, direct, direct_consts(), direct_scratch, desc.nthreads);
       }))
     return false;
@@ -240,11 +246,68 @@ inline bool try_winograd_int8(Plan& p, const ConvStep& desc, bool force, const d
     conv->run(args.at(DNNL_ARG_SRC).get_data_handle(), args.at(DNNL_ARG_DST).get_data_handle(),
               args.at(DNNL_ARG_SCRATCHPAD).get_data_handle());
   };
-  // the scratchpad holds V and M (per Context: concurrent runs never share it)
+  // the scratchpad holds the kernel's per-call buffers (per Context: concurrent runs never share it)
   p.push_kernel(std::move(kernel), {{DNNL_ARG_SRC, desc.src}, {DNNL_ARG_DST, desc.dst}},
                 memory::desc({static_cast<int64_t>(conv->scratch_bytes())}, dt::u8, memory::format_tag::a), desc.name,
                 conv->impl());
   return true;
+}
+
+// An INT8 conv as GML's INT8 Winograd (native/winograd_int8.h: exact integer arithmetic in int16 /
+// int32, for CPUs without VNNI): own_int8_conv_io's eligibility, 3x3, stride 1, padding 1, at most
+// kMaxChannels input channels. ``force`` skips the timing (GML_WINOGRAD=1).
+inline bool try_winograd_int8(Plan& p, const ConvStep& desc, bool force, const dnnl::primitive& direct,
+                              const std::function<Consts()>& direct_consts, const memory::desc& direct_scratch) {
+  gml_winograd::Epilogue epi;
+  gml_winograd::QuantOut q;
+  std::string key;
+  if (!own_int8_conv_io(p, desc, epi, q, key)) return false;
+  const Dims& wdims = desc.wdims;
+  if (wdims[2] != 3 || wdims[3] != 3 || desc.strides != Dims{1, 1} || desc.pad_l != Dims{1, 1} ||
+      desc.pad_r != Dims{1, 1})
+    return false;
+  const memory::dims sd = p.md_in(desc.src).get_dims();
+  const int64_t n = sd[0], c = sd[1], h = sd[2], w = sd[3], k = wdims[0];
+  if (p.md_in(desc.dst).get_dims() != memory::dims{n, k, h, w} || c > gml_winograd::kMaxChannels) return false;
+  key = "winograd:" + key;
+  if (!force && WinogradChoices::get().known(key) == 0) return false;
+  auto conv = std::make_shared<const gml_winograd::Int8Conv>(
+      n, c, h, w, k, p.md_in(desc.src).get_data_type(), desc.src_q->first, desc.src_q->second,
+      reinterpret_cast<const int8_t*>(desc.weight), desc.w_scales, reinterpret_cast<const float*>(desc.bias), epi, q,
+      desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
+  return take_own_int8_conv(p, desc, force, key, conv, direct, direct_consts, direct_scratch);
+}
+
+// An INT8 conv with few input channels (an RGB stem) as GML's patch GEMM (native/im2col_int8.h:
+// exact with weights in [-64, 64], for CPUs without VNNI): own_int8_conv_io's eligibility, a u8 source, at most
+// kIm2colMaxChannels input channels, a window of more than one tap, weights within 7 bits (else the
+// direct conv). ``force`` skips the timing (GML_WINOGRAD=1, which forces GML's own INT8 convs).
+constexpr int64_t kIm2colMaxChannels = 8;  // oneDNN's AVX2 INT8 conv blocks channels by 4 and more
+inline bool try_im2col_int8(Plan& p, const ConvStep& desc, bool force, const dnnl::primitive& direct,
+                            const std::function<Consts()>& direct_consts, const memory::desc& direct_scratch) {
+  gml_winograd::Epilogue epi;
+  gml_winograd::QuantOut q;
+  std::string key;
+  if (!own_int8_conv_io(p, desc, epi, q, key)) return false;
+  const Dims& wd = desc.wdims;
+  const memory::dims sd = p.md_in(desc.src).get_dims(), dd = p.md_in(desc.dst).get_dims();
+  if (p.md_in(desc.src).get_data_type() != dt::u8 || sd[1] > kIm2colMaxChannels || wd[2] * wd[3] < 2) return false;
+  const int64_t count = wd[0] * wd[1] * wd[2] * wd[3];
+  const int8_t* w = reinterpret_cast<const int8_t*>(desc.weight);
+  if (std::any_of(w, w + count, [](int8_t v) { return v < -64 || v > 64; })) return false;
+  key = "im2col:" + key;
+  if (!force && WinogradChoices::get().known(key) == 0) return false;
+  std::shared_ptr<const gml_im2col::Int8Conv> conv;
+  try {
+    conv = std::make_shared<const gml_im2col::Int8Conv>(
+        sd[0], sd[1], sd[2], sd[3], wd[0], wd[2], wd[3], desc.strides[0], desc.strides[1], desc.pad_l[0],
+        desc.pad_l[1], dd[2], dd[3], desc.src_q->first, desc.src_q->second, w,
+        desc.w_scales, reinterpret_cast<const float*>(desc.bias), epi, q,
+        desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
+  } catch (const std::invalid_argument&) {
+    return false;  // outside what the kernel computes exactly: the direct conv
+  }
+  return take_own_int8_conv(p, desc, force, key, conv, direct, direct_consts, direct_scratch);
 }
 
 // Convolution, INT8 (u8 src, s8 weights, per-channel or per-tensor weight scales) or fp32.
@@ -318,6 +381,7 @@ inline void build(Plan& p, const ConvStep& desc) {
       return c;
     };
     if (try_winograd_int8(p, desc, winograd == 1, prim, direct_consts, pd.scratchpad_desc())) return;
+    if (try_im2col_int8(p, desc, winograd == 1, prim, direct_consts, pd.scratchpad_desc())) return;
   }
   add_weights(consts);
   p.push(prim, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts), pd.scratchpad_desc(), name);

@@ -193,7 +193,10 @@ GML_AVX2 inline void finish8(__m256i acc, const float* scale4, const float* bias
   // each eltwise stage only where the plan has it (the branches are the same on every call)
   if (e.lin_a != 1.0f || e.lin_b != 0.0f)
     f = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(e.lin_a)), _mm256_set1_ps(e.lin_b));
-  if (e.slope != 1.0f) {
+  if (e.slope == 0.0f && q.dst_type != dt::f32) {
+    // ReLU before an INT8 store: max(f, 0) (one op for three; -0 or +0 store the same integer)
+    f = _mm256_max_ps(f, _mm256_setzero_ps());
+  } else if (e.slope != 1.0f) {
     const __m256 neg = _mm256_mul_ps(f, _mm256_set1_ps(e.slope));
     f = _mm256_blendv_ps(f, neg, _mm256_cmp_ps(f, _mm256_setzero_ps(), _CMP_LT_OQ));
   }
@@ -205,7 +208,10 @@ GML_AVX2 inline void finish8(__m256i acc, const float* scale4, const float* bias
   }
   const bool u8 = q.dst_type == dt::u8;
   f = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(q.dst_inv_scale)), _mm256_set1_ps(q.dst_zp));
-  f = _mm256_min_ps(_mm256_max_ps(f, _mm256_set1_ps(u8 ? 0.0f : -128.0f)), _mm256_set1_ps(u8 ? 255.0f : 127.0f));
+  // Only the top needs a clamp: below the type's range the int32 (INT_MIN past -2^31) saturates to
+  // its minimum in the packs below, above it the conversion would give INT_MIN (and NaN, kept by
+  // min(hi, f), goes to the minimum too, as the lower clamp did).
+  f = _mm256_min_ps(_mm256_set1_ps(u8 ? 255.0f : 127.0f), f);
   const __m256i i32 = _mm256_cvtps_epi32(f);  // round half to even (MXCSR default)
   const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<int8_t*>(o) + k), u8 ? _mm_packus_epi16(i16, i16) : _mm_packs_epi16(i16, i16));

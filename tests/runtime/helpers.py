@@ -187,3 +187,14 @@ def assert_concurrent_calls_agree(eng, calls: list[list[torch.Tensor]], *, threa
         for i, got in enumerate(results[k]):
             assert torch.equal(got, alone[i % len(calls)])
 
+
+def engine_in_mode(monkeypatch, mode: str, mod: nn.Module, xs: list[torch.Tensor], n_inputs: int = 1):
+    """``(engine, its output on xs)`` for the IR of ``mod`` planned with ``GML_WINOGRAD=mode`` (``1``
+    forces GML's own convs where eligible, ``0`` never, ``auto`` times them); the engine must run it."""
+    monkeypatch.setenv("GML_WINOGRAD", mode)
+    gm = graph_of(mod, n_inputs=n_inputs, wiring=[tuple(range(n_inputs))])
+    with torch.no_grad():
+        eng = compile_engine(gm, [t.clone() for t in xs])
+        got = eng(*[t.clone() for t in xs])
+    assert eng.report.path == "engine", str(eng.report)
+    return eng, got

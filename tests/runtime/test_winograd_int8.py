@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from gml.ir.target import Target
 from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.quant import modules as qm
-from gml.runtime import compile_engine, unavailable_reason
+from gml.runtime import unavailable_reason
 from gml.runtime.target import detect_target
-from runtime.helpers import assert_close_int, assert_concurrent_calls_agree, graph_of, int8_weight, rand_u8
+from runtime.helpers import assert_close_int, assert_concurrent_calls_agree, engine_in_mode, int8_weight, rand_u8
 
 pytestmark = [
     pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
@@ -41,16 +41,6 @@ OTHER = QParams(0.3, 101)
 
 def _winograd_steps(eng) -> list[str]:
     return [impl for _, impl in eng.step_impls() if impl.startswith("gml:winograd_f2x3+s16")]
-
-
-def _engine(monkeypatch, mode: str, mod, xs: list[torch.Tensor], n_inputs: int = 1):
-    monkeypatch.setenv("GML_WINOGRAD", mode)
-    gm = graph_of(mod, n_inputs=n_inputs, wiring=[tuple(range(n_inputs))])
-    with torch.no_grad():
-        eng = compile_engine(gm, [t.clone() for t in xs])
-        got = eng(*[t.clone() for t in xs])
-    assert eng.report.path == "engine", str(eng.report)
-    return eng, got
 
 
 def _qconv(cin: int, cout: int, in_qp: QParams, out_qp: QParams | None, post: PostOp | None = None, seed: int = 0):
@@ -82,7 +72,7 @@ def test_fp32_output_is_the_exact_integer_sum_scaled(monkeypatch, shape, in_qp):
     n, cin, cout, h, w = shape
     mod = _qconv(cin, cout, in_qp, None)
     x = rand_u8(n, cin, h, w)
-    eng, got = _engine(monkeypatch, "1", mod, [x])
+    eng, got = engine_in_mode(monkeypatch, "1", mod, [x])
     assert _winograd_steps(eng), eng.step_impls()
     s = _exact_sum(x, in_qp.zero_point, mod.weight)
     scale = torch.tensor(in_qp.scale, dtype=torch.float32) * mod.weight_scale.float()
@@ -104,7 +94,7 @@ def test_exact_at_the_range_limits(monkeypatch):
     ):
         x = x.contiguous(memory_format=torch.channels_last)
         mod = qm.QConv2d(w, scales, None, ConvSpec(padding=(1, 1)), QParams(1.0, zp), None)
-        eng, got = _engine(monkeypatch, "1", mod, [x])
+        eng, got = engine_in_mode(monkeypatch, "1", mod, [x])
         assert _winograd_steps(eng), eng.step_impls()
         s = _exact_sum(x, zp, w)
         assert float(s.abs().max()) > 2.5e8  # the test reaches the range it claims
@@ -127,10 +117,10 @@ def test_int8_outputs_match_the_executor_and_the_direct_conv(monkeypatch, shape,
     x = rand_u8(n, cin, h, w, seed=2)
     with torch.no_grad():
         ref = mod(x)
-    eng, got = _engine(monkeypatch, "1", mod, [x])
+    eng, got = engine_in_mode(monkeypatch, "1", mod, [x])
     assert _winograd_steps(eng), eng.step_impls()
     assert_close_int(ref, got)
-    eng0, direct = _engine(monkeypatch, "0", mod, [x])
+    eng0, direct = engine_in_mode(monkeypatch, "0", mod, [x])
     assert not _winograd_steps(eng0)
     assert_close_int(direct, got)
 
@@ -145,7 +135,7 @@ def test_residual_sum_with_its_zero_point(monkeypatch, relu):
     x, other = rand_u8(n, cin, h, w, seed=6), rand_u8(n, cout, h, w, seed=7)
     with torch.no_grad():
         ref = mod(x, other.clone())
-    eng, got = _engine(monkeypatch, "1", mod, [x, other], n_inputs=2)
+    eng, got = engine_in_mode(monkeypatch, "1", mod, [x, other], n_inputs=2)
     assert _winograd_steps(eng), eng.step_impls()
     assert_close_int(ref, got)
 
@@ -167,7 +157,7 @@ def test_ineligible_convs_stay_direct_even_when_forced(monkeypatch, spec, k):
     x = rand_u8(1, 8, 8, 8)
     with torch.no_grad():
         ref = mod(x)
-    eng, got = _engine(monkeypatch, "1", mod, [x])
+    eng, got = engine_in_mode(monkeypatch, "1", mod, [x])
     assert not _winograd_steps(eng), eng.step_impls()
     assert_close_int(ref, got)
 
@@ -175,7 +165,7 @@ def test_ineligible_convs_stay_direct_even_when_forced(monkeypatch, spec, k):
 def test_too_many_channels_for_int32_stay_direct(monkeypatch):
     # past 1,827 input channels |4 S| could leave int32: the direct conv, even when forced
     mod = _qconv(1840, 8, IN, OUT)
-    eng, _ = _engine(monkeypatch, "1", mod, [rand_u8(1, 1840, 3, 3)])
+    eng, _ = engine_in_mode(monkeypatch, "1", mod, [rand_u8(1, 1840, 3, 3)])
     assert not _winograd_steps(eng), eng.step_impls()
 
 
@@ -184,7 +174,7 @@ def test_auto_considers_it_only_without_vnni(monkeypatch):
     x = rand_u8(1, 64, 28, 28)
     with torch.no_grad():
         ref = mod(x)
-    eng, got = _engine(monkeypatch, "auto", mod, [x])
+    eng, got = engine_in_mode(monkeypatch, "auto", mod, [x])
     if not detect_target().int8_winograd:
         assert not _winograd_steps(eng), eng.step_impls()  # VNNI / AMX: not even timed
     assert_close_int(ref, got)  # whichever kernel the timing chose
@@ -210,7 +200,7 @@ def test_weights_beyond_seven_bits_are_exact_too(monkeypatch):
     w = torch.randint(-128, 128, (16, 24, 3, 3), dtype=torch.int8, generator=torch.Generator().manual_seed(9))
     mod = qm.QConv2d(w, torch.full((16,), 0.01), None, ConvSpec(padding=(1, 1)), IN_ZP, None)
     x = rand_u8(1, 24, 10, 10, seed=4)
-    eng, got = _engine(monkeypatch, "1", mod, [x])
+    eng, got = engine_in_mode(monkeypatch, "1", mod, [x])
     assert _winograd_steps(eng), eng.step_impls()
     want = _exact_sum(x, IN_ZP.zero_point, w).float() * (torch.tensor(IN_ZP.scale) * torch.tensor(0.01))
     assert torch.equal(got, want)
@@ -221,6 +211,6 @@ def test_two_threads_running_one_plan(monkeypatch):
     chunks): concurrent calls of one plan agree bit for bit with the same calls made one at a time."""
     mod = _qconv(24, 40, IN_ZP, OUT, PostOp("relu"), seed=4)
     calls = [[rand_u8(2, 24, 17, 19, seed=s)] for s in range(6)]  # 180 tiles: chunks per thread
-    eng, _ = _engine(monkeypatch, "1", mod, calls[0])
+    eng, _ = engine_in_mode(monkeypatch, "1", mod, calls[0])
     assert _winograd_steps(eng), eng.step_impls()
     assert_concurrent_calls_agree(eng, calls)
