@@ -34,6 +34,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <immintrin.h>
@@ -132,6 +133,8 @@ class Int8Conv {
   }
 
   size_t scratch_bytes() const { return slot_bytes_ * static_cast<size_t>(threads_); }
+  // the packed weights, the bytes every call reads (conv.h times calls with them out of the caches)
+  std::pair<const void*, size_t> weights() const { return {w_buf_.get(), static_cast<size_t>(kb_ * k4_ * 16)}; }
   static std::string impl() { return "gml:im2col+u8s7:avx2"; }
 
   // One call: src / dst as described at construction; ``scratch``: scratch_bytes() (64-byte aligned).

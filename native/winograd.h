@@ -34,6 +34,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <immintrin.h>
@@ -247,6 +248,8 @@ class Conv {
   }
 
   size_t scratch_bytes() const { return scratch_bytes_; }
+  // U in the matmul's layout, the bytes every call reads (conv.h may time calls with them uncached)
+  std::pair<const void*, size_t> weights() const { return {u_.get_data_handle(), u_.get_desc().get_size()}; }
   std::string impl() const {
     const char* s = nullptr;
     dnnl::error::wrap_c_api(dnnl_primitive_desc_query(pd_.get(), dnnl_query_impl_info_str, 0, &s), "no impl");

@@ -50,6 +50,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <immintrin.h>
@@ -359,6 +360,8 @@ class Int8Conv {
   }
 
   size_t scratch_bytes() const { return scratch_bytes_; }
+  // U', the bytes every call reads (conv.h times calls with them out of the caches)
+  std::pair<const void*, size_t> weights() const { return {u_buf_.get(), static_cast<size_t>(16 * kp_ * cp_) * 2}; }
   static std::string impl() { return "gml:winograd_f2x3+s16:avx2"; }
 
   // One call: src / dst as described at construction; ``scratch``: scratch_bytes() (64-byte aligned).
