@@ -6,7 +6,9 @@
 * Per conv: ResNet18's four stride-1 3x3 shapes (64@56², 128@28², 256@14², 512@7², ReLU fused),
   bf16, fp32 and INT8 (u8 in and out, s8 weights: native/winograd_int8.h), as one-conv engine plans
   built with ``winograd="0"`` (oneDNN's direct conv) and ``winograd="1"`` (Winograd), timed
-  alternately; minimum over the rounds. The INT8 rows also say whether both outputs are equal.
+  alternately; minimum over the rounds. The INT8 rows also say whether both outputs are equal, and
+  add ResNet18's 7x7 / 2 RGB stem (3→64 @ 224², GML's patch GEMM with ``winograd="1"``:
+  native/im2col_int8.h).
 * ResNet18 (random init, 224²) through ``gml.optimize`` for bf16 and fp32 and ``gml.quantize`` for
   INT8, engine built with ``winograd="0"`` and ``auto`` (the default: per conv, Winograd when timed
   >= 10% faster at plan build; INT8 only on targets without VNNI, ``Target.int8_winograd``), timed
@@ -41,10 +43,11 @@ def winograd(mode: str) -> Any:
 
 
 def _winograd_convs(engine) -> int:
-    return sum(impl.startswith("gml:winograd_f2x3") for _, impl in engine.step_impls())
+    """Convs run by GML's own kernels: Winograd, and the INT8 patch GEMM (an RGB stem)."""
+    return sum(impl.startswith(("gml:winograd_f2x3", "gml:im2col")) for _, impl in engine.step_impls())
 
 
-def _conv_module(precision: str, c: int) -> nn.Module:
+def _conv_module(precision: str, c: int, stem: bool = False) -> nn.Module:
     from gml.ir.values import PostOp as QPostOp
     from gml.ir.values import QParams
     from gml.kernels import bf16 as kb
@@ -52,7 +55,10 @@ def _conv_module(precision: str, c: int) -> nn.Module:
     from runtime.helpers import qconv
 
     if precision == "int8":
-        return qconv(c, c, 3, padding=(1, 1), in_qp=QParams(0.05, 0), out_qp=QParams(0.2, 0), post_op=QPostOp("relu"))
+        qp = {"in_qp": QParams(0.05, 0), "out_qp": QParams(0.2, 0), "post_op": QPostOp("relu")}
+        if stem:  # ResNet's 7x7 / 2 on RGB (weights in the target's INT8 range: 7 bits on AVX2)
+            return qconv(3, 64, 7, stride=(2, 2), padding=(3, 3), **qp)
+        return qconv(c, c, 3, padding=(1, 1), **qp)
     mod = FusedConv.from_conv(nn.Conv2d(c, c, 3, padding=1).eval(), PostOp("relu"))
     return kb.Bf16Conv.from_fused(mod) if precision == "bf16" else mod
 
@@ -77,9 +83,11 @@ def per_conv(batches: list[int], rounds: int, precisions: list[str]) -> None:
             print(f"| bf16 | - | skipped: {kb.bf16_unavailable_reason()} | | | | |")
             continue
         for n in batches:
-            for c, hw in ((64, 56), (128, 28), (256, 14), (512, 7)):
+            shapes = [(64, 56), (128, 28), (256, 14), (512, 7)] + ([(3, 224)] if precision == "int8" else [])
+            for c, hw in shapes:
                 torch.manual_seed(0)
-                mod = _conv_module(precision, c)
+                stem = c == 3
+                mod = _conv_module(precision, c, stem)
                 x = _conv_input(precision, n, c, hw)
                 with torch.no_grad():
                     eng = {}
@@ -96,9 +104,8 @@ def per_conv(batches: list[int], rounds: int, precisions: list[str]) -> None:
                         same = ", equal outputs" if torch.equal(eng["0"](x), eng["1"](x)) else ", outputs DIFFER"
                 a, b = min(times["0"]) * 1e6, min(times["1"]) * 1e6
                 kernel = eng["1"].step_impls()[0][1] + same
-                print(
-                    f"| {precision} | {n} | {c}→{c} @ {hw}² | {a:.0f} | {b:.0f} | {b / a:.2f} | {kernel} |", flush=True
-                )
+                conv = "3→64 7×7/2 @ 224² (stem)" if stem else f"{c}→{c} @ {hw}²"
+                print(f"| {precision} | {n} | {conv} | {a:.0f} | {b:.0f} | {b / a:.2f} | {kernel} |", flush=True)
 
 
 def resnet18(batches: list[int], rounds: int, precisions: list[str]) -> None:
@@ -108,7 +115,7 @@ def resnet18(batches: list[int], rounds: int, precisions: list[str]) -> None:
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval()
-    print("\n| precision | batch | direct only ms | auto ms | auto / direct | build s (direct / auto) | Winograd |")
+    print("\n| precision | batch | direct only ms | auto ms | auto / direct | build s (direct / auto) | GML convs |")
     print("|---|---:|---:|---:|---:|---|---:|")
     for n in batches:
         x = torch.randn(n, 3, 224, 224)

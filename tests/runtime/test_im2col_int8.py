@@ -173,3 +173,11 @@ def test_auto_considers_it_only_without_vnni(monkeypatch):
     if not detect_target().int8_winograd:
         assert not _im2col_steps(eng), eng.step_impls()  # VNNI / AMX: not even timed
     assert_close_int(ref, got)  # whichever kernel the timing chose
+
+
+def test_the_runtime_report_counts_them(monkeypatch):
+    mod = _qconv(3, 16, (7, 7), ConvSpec(stride=(2, 2), padding=(3, 3)), IN, OUT, PostOp("relu"))
+    eng, _ = engine_in_mode(monkeypatch, "1", mod, [rand_u8(1, 3, 20, 20)])
+    assert eng.report.im2col_convs == 1 and "1 INT8 conv(s) with few input channels" in str(eng.report)
+    eng0, _ = engine_in_mode(monkeypatch, "0", mod, [rand_u8(1, 3, 20, 20)])
+    assert eng0.report.im2col_convs == 0 and "patch GEMM" not in str(eng0.report)

@@ -146,7 +146,9 @@ class Target:
         against the direct conv at plan build (ADR 010). Only without a VNNI-class dot product and with
         AVX2: there the direct conv multiplies 32 bytes per two multiply-port instructions, as
         ``vpmaddwd`` multiplies 16 int16 per one, and Winograd needs 2.25× fewer products; with VNNI
-        the direct conv does 4× the products per instruction and Winograd cannot win (not timed)."""
+        the direct conv does 4× the products per instruction and Winograd cannot win (not timed).
+        The same condition admits GML's patch GEMM for INT8 convs with few input channels
+        (native/im2col_int8.h: an RGB stem, where oneDNN's AVX2 INT8 conv runs at half its rate)."""
         return not self.exact_u8s8 and "avx2" in self.features
 
     @property

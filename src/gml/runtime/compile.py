@@ -75,6 +75,8 @@ class RuntimeReport:
     shape_fallbacks: dict[str, str] = field(default_factory=dict)
     #: convs the example input's plans run as Winograd F(2x2, 3x3) (docs/adr/010-winograd-conv.md)
     winograd_convs: int = 0
+    #: INT8 convs with few input channels the plans run as GML's patch GEMM (native/im2col_int8.h)
+    im2col_convs: int = 0
     #: the CPU the plans are built for (gml.ir.target; detected once at the API boundary)
     target: Target | None = None
     #: the engine's switches the plans are built with (gml.runtime.options; set at the API boundary)
@@ -114,6 +116,11 @@ class RuntimeReport:
             n = self.winograd_convs
             lines.append(
                 f"  {n} 3x3 conv(s) run as Winograd F(2x2, 3x3) (winograd='0', GML_WINOGRAD=0: direct convs only)"
+            )
+        if self.im2col_convs:
+            lines.append(
+                f"  {self.im2col_convs} INT8 conv(s) with few input channels run as GML's exact patch GEMM "
+                "(winograd='0', GML_WINOGRAD=0: oneDNN's direct convs only)"
             )
         if self.reference_steps:
             steps = ", ".join(f"{name} ({impl})" for name, impl in self.reference_steps.items())
@@ -590,7 +597,9 @@ def compile_engine(
     module = EngineModule(part, report, list(example_inputs))
     with torch.no_grad():
         module(*example_inputs)  # compiles the plans for these shapes
-    report.winograd_convs = sum(impl.startswith("gml:winograd_f2x3") for _, impl in module.step_impls())
+    impls = [impl for _, impl in module.step_impls()]
+    report.winograd_convs = sum(impl.startswith("gml:winograd_f2x3") for impl in impls)
+    report.im2col_convs = sum(impl.startswith("gml:im2col") for impl in impls)
     if report.engine_nodes == 0:
         report.note = "no node of this graph has an engine kernel"
     return module
