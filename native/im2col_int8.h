@@ -21,9 +21,11 @@
 // scale src_scale * w_scale[k].
 //
 // Layout. Weights packed once as [K/16 blocks][K4/4 quads][16][4] (K4 = C kh kw rounded up to 4,
-// column (i kw + j) C + c: the patch's order; padding columns and channels 0). Per call, chunks of
-// kChunkRows output pixels on the OpenMP team, each thread gathering its chunk's patches into its own
-// scratch slot (kChunkRows x K4 bytes) and multiplying them kRows rows x 16 outputs at a time.
+// column (i kw + j) C + c: the patch's order; padding columns and channels 0): the blocks of the
+// exact AVX2 GEMM (int8_gemm_avx2.h), whose micro-kernel (dot_block, u8 path) multiplies them.
+// Per call, chunks of kChunkRows output pixels on the OpenMP team, each thread gathering its chunk's
+// patches into its own scratch slot (kChunkRows x K4 bytes) and multiplying them kRows rows x 16
+// outputs at a time.
 #pragma once
 
 #include <omp.h>
@@ -39,6 +41,7 @@
 
 #include <immintrin.h>
 
+#include "int8_gemm_avx2.h"
 #include "winograd_int8.h"
 
 namespace gml_im2col {
@@ -47,36 +50,12 @@ using gml_winograd::Epilogue;
 using gml_winograd::QuantOut;
 using dt = dnnl::memory::data_type;
 
-constexpr int kRows = 4;              // output pixels per micro-kernel tile (8 accumulators)
+using gml_int8_gemm::kRows;           // output pixels per micro-kernel tile (int8_gemm_avx2.h dot_block)
 constexpr int64_t kChunkRows = 64;    // output pixels per gathered chunk
 constexpr int64_t kMaxK4 = (int64_t{1} << 31) / (255 * 64) - 1;  // |acc| < 2^31
 constexpr int64_t kMaxKh = 16;        // kernel rows (gather's table of input rows)
 
 #define GML_AVX2 __attribute__((target("avx2,fma")))
-
-// acc[r][h] (r < R, h = columns 0-7 / 8-15) = sum over K4 of patch row r . the block's 16 columns:
-// per quad, each row's 4 bytes broadcast against two vectors of (column, 4 taps) weights.
-template <int R>
-GML_AVX2 inline void dot(const uint8_t* x, int64_t k4, const int8_t* wb, __m256i (&acc)[kRows][2]) {
-  __m256i s[R][2];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t j = 0; j < k4; j += 4) {
-    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j));
-    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j + 32));
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      int32_t xv;
-      std::memcpy(&xv, x + r * k4 + j, 4);
-      const __m256i xb = _mm256_set1_epi32(xv);
-      s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w0), ones));
-      s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w1), ones));
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) acc[r][0] = s[r][0], acc[r][1] = s[r][1];
-}  // (inlined into Int8Conv::multiply, whose end has the vzeroupper)
 
 class Int8Conv {
  public:
@@ -213,11 +192,13 @@ class Int8Conv {
       for (int64_t b = 0; b < kb_; ++b) {
         __m256i acc[kRows][2];
         const int8_t* wb = static_cast<const int8_t*>(w_buf_.get()) + b * k4_ * 16;
+        // the exact AVX2 GEMM's micro-kernel on its u8 path (the weights are packed as its blocks)
+        const int8_t* xr = reinterpret_cast<const int8_t*>(x + t * k4_);
         switch (rr) {
-          case 4: dot<4>(x + t * k4_, k4_, wb, acc); break;
-          case 3: dot<3>(x + t * k4_, k4_, wb, acc); break;
-          case 2: dot<2>(x + t * k4_, k4_, wb, acc); break;
-          default: dot<1>(x + t * k4_, k4_, wb, acc); break;
+          case 4: gml_int8_gemm::dot_block<4, true>(xr, nullptr, k4_, k4_, wb, acc); break;
+          case 3: gml_int8_gemm::dot_block<3, true>(xr, nullptr, k4_, k4_, wb, acc); break;
+          case 2: gml_int8_gemm::dot_block<2, true>(xr, nullptr, k4_, k4_, wb, acc); break;
+          default: gml_int8_gemm::dot_block<1, true>(xr, nullptr, k4_, k4_, wb, acc); break;
         }
         for (int r = 0; r < rr; ++r) finish(acc[r], dst + (r0 + t + r) * k_ * es, b * 16, e, q);
       }

@@ -64,6 +64,48 @@ inline bool cpu_supported() { return __builtin_cpu_supports("avx2"); }
 
 inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
+// The micro-kernel: acc[r][h] (r < R, h = columns 0-7 / 8-15) = the int32 dot products of R rows
+// (``ldx`` bytes apart, K4 bytes each) with one packed block's 16 columns (``wb``: K4 / 4 quads of
+// [16 columns][4 bytes]). Per K-quad:
+//   8-bit weights (U8 false): each row's 4 bytes of q and of |q| (``a``, the same layout) broadcast,
+//     acc[r][h] += vpmaddwd(vpmaddubsw(|q|, w * sign(q)), 1)       (pairs <= 32,258)
+//   7-bit weights (U8 true): each row's 4 bytes of u8 x broadcast (``a`` unused), then
+//     acc[r][h] += vpmaddwd(vpmaddubsw(x, w), 1)                    (pairs <= 2 * 255 * 64 = 32,640)
+// Also the patch GEMM's kernel (im2col_int8.h: u8 patches against 7-bit conv weights).
+template <int R, bool U8>
+GML_AVX2 inline void dot_block(const int8_t* x, const int8_t* a, int64_t ldx, int64_t k4, const int8_t* wb,
+                               __m256i (&acc)[kRows][2]) {
+  __m256i s[R][2];  // the accumulators, kept in registers (the row loops unrolled)
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t j = 0; j < k4; j += 4) {
+    const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j));
+    const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j + 32));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      int32_t xv;
+      std::memcpy(&xv, x + r * ldx + j, 4);
+      const __m256i xb = _mm256_set1_epi32(xv);
+      __m256i p0, p1;
+      if constexpr (U8) {
+        p0 = _mm256_maddubs_epi16(xb, w0);
+        p1 = _mm256_maddubs_epi16(xb, w1);
+      } else {
+        int32_t av;
+        std::memcpy(&av, a + r * ldx + j, 4);
+        const __m256i ab = _mm256_set1_epi32(av);
+        p0 = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(w0, xb));
+        p1 = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(w1, xb));
+      }
+      s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(p0, ones));
+      s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(p1, ones));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = s[r][0], acc[r][1] = s[r][1];
+}
+
 // Weights packed for the micro-kernel (see the file comment), with the epilogue's per-column constants.
 class Gemm {
  public:
@@ -203,45 +245,10 @@ class Gemm {
     }
   }
 
-  // The int32 dot products of R rows (from r0) with block b's 16 columns, over all of K. Per K-quad:
-  //   8-bit weights (U8 false): each row's 4 bytes of q and of |q| broadcast, then
-  //     acc[r][h] += vpmaddwd(vpmaddubsw(|q|, w * sign(q)), 1)       (pairs <= 32,258)
-  //   7-bit weights (U8 true): each row's 4 bytes of q + 128 broadcast, then
-  //     acc[r][h] += vpmaddwd(vpmaddubsw(q + 128, w), 1)              (pairs <= 32,640)
+  // The int32 dot products of R rows (from r0) with block b's 16 columns, over all of K (dot_block).
   template <int R, bool U8>
   GML_AVX2 void dot(int64_t b, int64_t r0, const int8_t* xs, const int8_t* xa, __m256i (&acc)[kRows][2]) const {
-    __m256i s[R][2];  // the accumulators, kept in registers (the row loops unrolled)
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t* wb = packed_.get() + b * k4_ * kCols;
-    const int8_t* x = xs + r0 * k4_;
-    const int8_t* a = xa + r0 * k4_;
-    for (int64_t j = 0; j < k4_; j += 4) {
-      const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j));
-      const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wb + 16 * j + 32));
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        int32_t xv;
-        std::memcpy(&xv, x + r * k4_ + j, 4);
-        const __m256i xb = _mm256_set1_epi32(xv);
-        __m256i p0, p1;
-        if constexpr (U8) {
-          p0 = _mm256_maddubs_epi16(xb, w0);
-          p1 = _mm256_maddubs_epi16(xb, w1);
-        } else {
-          int32_t av;
-          std::memcpy(&av, a + r * k4_ + j, 4);
-          const __m256i ab = _mm256_set1_epi32(av);
-          p0 = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(w0, xb));
-          p1 = _mm256_maddubs_epi16(ab, _mm256_sign_epi8(w1, xb));
-        }
-        s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(p0, ones));
-        s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(p1, ones));
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) acc[r][0] = s[r][0], acc[r][1] = s[r][1];
+    dot_block<R, U8>(xs + r0 * k4_, xa + r0 * k4_, k4_, k4_, packed_.get() + b * k4_ * kCols, acc);
   }
 
   int64_t n_, k_, k4_, nb_;
@@ -253,3 +260,5 @@ class Gemm {
 };
 
 }  // namespace gml_int8_gemm
+
+#undef GML_AVX2

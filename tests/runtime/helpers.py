@@ -198,3 +198,33 @@ def engine_in_mode(monkeypatch, mode: str, mod: nn.Module, xs: list[torch.Tensor
         got = eng(*[t.clone() for t in xs])
     assert eng.report.path == "engine", str(eng.report)
     return eng, got
+
+
+def own_conv_steps(eng, prefix: str) -> list[str]:
+    """The engine's steps whose implementation starts with ``prefix`` (one of GML's own conv kernels)."""
+    return [impl for _, impl in eng.step_impls() if impl.startswith(prefix)]
+
+
+def check_forced_conv(
+    monkeypatch,
+    mod: nn.Module,
+    xs: list[torch.Tensor],
+    prefix: str,
+    *,
+    taken: bool = True,
+    n_inputs: int = 1,
+    against_direct: bool = False,
+):
+    """``mod`` planned with GML's own convs forced (``GML_WINOGRAD=1``): its conv step is (``taken``) or
+    is not GML's kernel ``prefix``, and the output matches the Python executor within one rounding step
+    (and, ``against_direct``, the plan of oneDNN's direct conv). Returns the forced engine."""
+    with torch.no_grad():
+        ref = mod(*[t.clone() for t in xs])
+    eng, got = engine_in_mode(monkeypatch, "1", mod, xs, n_inputs)
+    assert bool(own_conv_steps(eng, prefix)) is taken, eng.step_impls()
+    assert_close_int(ref, got)
+    if against_direct:
+        eng0, direct = engine_in_mode(monkeypatch, "0", mod, xs, n_inputs)
+        assert not own_conv_steps(eng0, prefix), eng0.step_impls()
+        assert_close_int(direct, got)
+    return eng

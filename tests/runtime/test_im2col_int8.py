@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.quant import modules as qm
 from gml.runtime import unavailable_reason
-from runtime.helpers import assert_close_int, assert_concurrent_calls_agree, engine_in_mode, rand_u8
+from runtime.helpers import (
+    assert_close_int,
+    assert_concurrent_calls_agree,
+    check_forced_conv,
+    engine_in_mode,
+    own_conv_steps,
+    rand_u8,
+)
 
 pytestmark = [
     pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
@@ -30,8 +37,11 @@ IN_ZP = QParams(0.04, 37)
 OUT = QParams(0.5, 3)
 
 
+KERNEL = "gml:im2col"
+
+
 def _im2col_steps(eng) -> list[str]:
-    return [impl for _, impl in eng.step_impls() if impl.startswith("gml:im2col")]
+    return own_conv_steps(eng, KERNEL)
 
 
 def _weight7(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -104,15 +114,7 @@ def test_int8_outputs_match_the_executor_and_the_direct_conv(monkeypatch, case, 
     n, cin, cout, h, w, k, stride, pad = CASES[case]
     in_qp, out_qp, post_op = POSTS[post]
     mod = _qconv(cin, cout, k, ConvSpec(stride=stride, padding=pad), in_qp, out_qp, post_op, seed=3)
-    x = rand_u8(n, cin, h, w, seed=2)
-    with torch.no_grad():
-        ref = mod(x)
-    eng, got = engine_in_mode(monkeypatch, "1", mod, [x])
-    assert _im2col_steps(eng), eng.step_impls()
-    assert_close_int(ref, got)
-    eng0, direct = engine_in_mode(monkeypatch, "0", mod, [x])
-    assert not _im2col_steps(eng0)
-    assert_close_int(direct, got)
+    check_forced_conv(monkeypatch, mod, [rand_u8(n, cin, h, w, seed=2)], KERNEL, against_direct=True)
 
 
 def test_residual_sum_with_its_zero_point(monkeypatch):
@@ -120,12 +122,8 @@ def test_residual_sum_with_its_zero_point(monkeypatch):
     spec = ConvSpec(stride=(1, 1), padding=(2, 2))
     wq = _weight7((cout, cin, 5, 5), 5)
     mod = qm.QConv2dAdd(wq, torch.full((cout,), 4e-3), torch.randn(cout), spec, IN, QParams(0.3, 101), QParams(0.4, 90))
-    x, other = rand_u8(n, cin, h, w, seed=6), rand_u8(n, cout, h, w, seed=7)
-    with torch.no_grad():
-        ref = mod(x, other.clone())
-    eng, got = engine_in_mode(monkeypatch, "1", mod, [x, other], n_inputs=2)
-    assert _im2col_steps(eng), eng.step_impls()
-    assert_close_int(ref, got)
+    xs = [rand_u8(n, cin, h, w, seed=6), rand_u8(n, cout, h, w, seed=7)]
+    check_forced_conv(monkeypatch, mod, xs, KERNEL, n_inputs=2)
 
 
 @pytest.mark.parametrize(
@@ -144,12 +142,7 @@ def test_ineligible_convs_stay_direct_even_when_forced(monkeypatch, cin, k, spec
     w = torch.randint(-wmax, wmax + 1, (8, cin // spec.groups, *k), dtype=torch.int8, generator=gen)
     w[0, 0, 0, 0] = wmax
     mod = qm.QConv2d(w, torch.full((8,), 0.01), None, spec, IN, OUT)
-    x = rand_u8(1, cin, 12, 12)
-    with torch.no_grad():
-        ref = mod(x)
-    eng, got = engine_in_mode(monkeypatch, "1", mod, [x])
-    assert not _im2col_steps(eng), eng.step_impls()
-    assert_close_int(ref, got)
+    check_forced_conv(monkeypatch, mod, [rand_u8(1, cin, 12, 12)], KERNEL, taken=False)
 
 
 def test_two_threads_running_one_plan(monkeypatch):

@@ -26,7 +26,15 @@ from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.quant import modules as qm
 from gml.runtime import unavailable_reason
 from gml.runtime.target import detect_target
-from runtime.helpers import assert_close_int, assert_concurrent_calls_agree, engine_in_mode, int8_weight, rand_u8
+from runtime.helpers import (
+    assert_close_int,
+    assert_concurrent_calls_agree,
+    check_forced_conv,
+    engine_in_mode,
+    int8_weight,
+    own_conv_steps,
+    rand_u8,
+)
 
 pytestmark = [
     pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
@@ -39,8 +47,11 @@ OUT = QParams(0.5, 3)
 OTHER = QParams(0.3, 101)
 
 
+KERNEL = "gml:winograd_f2x3+s16"
+
+
 def _winograd_steps(eng) -> list[str]:
-    return [impl for _, impl in eng.step_impls() if impl.startswith("gml:winograd_f2x3+s16")]
+    return own_conv_steps(eng, KERNEL)
 
 
 def _qconv(cin: int, cout: int, in_qp: QParams, out_qp: QParams | None, post: PostOp | None = None, seed: int = 0):
@@ -114,15 +125,7 @@ def test_int8_outputs_match_the_executor_and_the_direct_conv(monkeypatch, shape,
     n, cin, cout, h, w = shape
     in_qp, out_qp, post_op = POSTS[post]
     mod = _qconv(cin, cout, in_qp, out_qp, post_op, seed=3)
-    x = rand_u8(n, cin, h, w, seed=2)
-    with torch.no_grad():
-        ref = mod(x)
-    eng, got = engine_in_mode(monkeypatch, "1", mod, [x])
-    assert _winograd_steps(eng), eng.step_impls()
-    assert_close_int(ref, got)
-    eng0, direct = engine_in_mode(monkeypatch, "0", mod, [x])
-    assert not _winograd_steps(eng0)
-    assert_close_int(direct, got)
+    check_forced_conv(monkeypatch, mod, [rand_u8(n, cin, h, w, seed=2)], KERNEL, against_direct=True)
 
 
 @pytest.mark.parametrize("relu", [True, False])
@@ -132,12 +135,8 @@ def test_residual_sum_with_its_zero_point(monkeypatch, relu):
     mod = qm.QConv2dAdd(
         wq, s, torch.randn(cout), ConvSpec(padding=(1, 1)), IN, OTHER, QParams(0.4, 0 if relu else 90), relu=relu
     )
-    x, other = rand_u8(n, cin, h, w, seed=6), rand_u8(n, cout, h, w, seed=7)
-    with torch.no_grad():
-        ref = mod(x, other.clone())
-    eng, got = engine_in_mode(monkeypatch, "1", mod, [x, other], n_inputs=2)
-    assert _winograd_steps(eng), eng.step_impls()
-    assert_close_int(ref, got)
+    xs = [rand_u8(n, cin, h, w, seed=6), rand_u8(n, cout, h, w, seed=7)]
+    check_forced_conv(monkeypatch, mod, xs, KERNEL, n_inputs=2)
 
 
 @pytest.mark.parametrize(
@@ -154,12 +153,7 @@ def test_residual_sum_with_its_zero_point(monkeypatch, relu):
 def test_ineligible_convs_stay_direct_even_when_forced(monkeypatch, spec, k):
     w, s = int8_weight((8, 8 // spec.groups, k, k), 1)
     mod = qm.QConv2d(w, s, None, spec, IN, OUT)
-    x = rand_u8(1, 8, 8, 8)
-    with torch.no_grad():
-        ref = mod(x)
-    eng, got = engine_in_mode(monkeypatch, "1", mod, [x])
-    assert not _winograd_steps(eng), eng.step_impls()
-    assert_close_int(ref, got)
+    check_forced_conv(monkeypatch, mod, [rand_u8(1, 8, 8, 8)], KERNEL, taken=False)
 
 
 def test_too_many_channels_for_int32_stay_direct(monkeypatch):
