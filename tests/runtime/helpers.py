@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx, nn
 
@@ -228,3 +229,16 @@ def check_forced_conv(
         assert not own_conv_steps(eng0, prefix), eng0.step_impls()
         assert_close_int(direct, got)
     return eng
+
+
+def _own_kernel_marks() -> list:
+    from gml.runtime import unavailable_reason
+
+    return [
+        pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
+        pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="the kernels need AVX2"),
+    ]
+
+
+#: skip marks of the tests of GML's own AVX2 kernels: the native engine, and a CPU with AVX2
+OWN_KERNEL_MARKS = _own_kernel_marks()

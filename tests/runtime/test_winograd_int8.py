@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from gml.ir.target import Target
 from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.quant import modules as qm
-from gml.runtime import unavailable_reason
 from gml.runtime.target import detect_target
 from runtime.helpers import (
+    OWN_KERNEL_MARKS,
     assert_close_int,
     assert_concurrent_calls_agree,
     check_forced_conv,
@@ -36,10 +36,7 @@ from runtime.helpers import (
     rand_u8,
 )
 
-pytestmark = [
-    pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason())),
-    pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="the kernels need AVX2"),
-]
+pytestmark = OWN_KERNEL_MARKS
 
 IN = QParams(0.05, 0)
 IN_ZP = QParams(0.04, 37)
