@@ -86,11 +86,15 @@ def test_hostile_layers_are_exact_on_this_target(name: str) -> None:
 
 
 def test_weights_follow_the_target_not_the_cpu() -> None:
-    """The quantizer's weight range comes from the Target value it is given."""
+    """The quantizer's weight range comes from the Target value it is given. (keep_broken: a VNNI
+    target's 8-bit weights saturate on a CPU without VNNI, the next test's case, and this one is
+    about the weights only; its report measures on the calibration batch, where they do.)"""
     model = _uniform(nn.Sequential(nn.Linear(64, 32)))
     x = _u(8, 64, seed=2)
     for target, lo, hi in ((Target("avx2"), -64, 64), (Target("avx512_core_vnni"), -128, 127)):
-        q = gml.quantize(model, [x], example_inputs=(x,), cost_policy="off", per_layer=False, target=target)
+        q = gml.quantize(
+            model, [x], example_inputs=(x,), cost_policy="off", per_layer=False, target=target, keep_broken=True
+        )
         ws = [t for name, t in q.module.named_buffers() if t.dtype == torch.int8]
         ws += [getattr(q.module, n.target) for n in q.module.graph.nodes if n.op == "get_attr"]
         ws = [w for w in ws if isinstance(w, torch.Tensor) and w.dtype == torch.int8]
