@@ -6,13 +6,13 @@
 // (ResNet18's stem under the AVX2 cap: 0.92 ms of a 7.9 ms model, 61 GMAC/s per core where those
 // reach ~120). A 7x7x3 window is 147 contiguous-in-rows bytes of an NHWC image: gathered into one
 // row per output pixel, the conv is a [pixels, 148] x [148, K] GEMM with a long reduction, which the
-// vpmaddubsw / vpmaddwd micro-kernel below runs near its rate.
+// exact AVX2 GEMM's vpmaddubsw / vpmaddwd micro-kernel runs near its rate.
 //
 // The arithmetic is exact. Patches hold the u8 source, and padding holds its zero point zp: padding
 // is real 0, as oneDNN's and torch's INT8 convs pad. With weights in [-64, 64] (the 7-bit rule of
 // docs/adr/011-int8-on-every-isa.md; 8-bit weights are refused and stay direct):
 //
-//   vpmaddubsw(u, w): u0 w0 + u1 w1, |.| <= 2 * 255 * 64 = 32,640 < 32,767: exact in int16
+//   vpmaddubsw(x, w): x0 w0 + x1 w1, |.| <= 2 * 255 * 64 = 32,640 < 32,767: exact in int16
 //   vpmaddwd(., 1):   pairs summed into int32, added into int32 accumulators (exact)
 //   acc = sum_k x w  =  sum_k (x - zp) w + zp * colsum(w)   ->   S = acc - zp * colsum(w)
 //
