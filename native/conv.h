@@ -10,6 +10,7 @@
 #include "bind.h"
 #include "plan.h"
 #include "winograd.h"
+#include "dw_int8.h"
 #include "im2col_int8.h"
 #include "winograd_int8.h"
 
@@ -221,19 +222,23 @@ inline bool try_winograd(Plan& p, int src, int dst, uintptr_t weight, const Dims
 }
 
 // The part of an INT8 conv's eligibility that GML's own INT8 conv kernels share (winograd_int8.h,
-// im2col_int8.h): a CPU with AVX2, s8 weights, groups 1, 2-D, dilation 1, a u8 / s8 source and a
-// u8 / s8 / f32 destination (with qparams exactly when INT8), both NHWC dense, post-ops within
-// Epilogue. Fills the output stage (``epi``, ``q``) and the problem's cache key prefix.
+// im2col_int8.h, dw_int8.h): a CPU with AVX2, s8 weights, groups 1 (``depthwise``: one filter per
+// channel instead, groups = channels), 2-D, dilation 1, a u8 / s8 source and a u8 / s8 / f32
+// destination (with qparams exactly when INT8), both NHWC dense, post-ops within Epilogue. Fills the
+// output stage (``epi``, ``q``) and the problem's cache key prefix.
 inline bool own_int8_conv_io(Plan& p, const ConvStep& desc, gml_winograd::Epilogue& epi, gml_winograd::QuantOut& q,
-                             std::string& key) {
+                             std::string& key, bool depthwise = false) {
   const memory::desc s = p.md_in(desc.src), d = p.md_in(desc.dst);
   const dt st = s.get_data_type(), dtp = d.get_data_type();
   if (!gml_winograd::int8_winograd_cpu() || desc.wdtype != "s8" || !desc.src_q) return false;
   if ((st != dt::u8 && st != dt::s8) || (dtp != dt::u8 && dtp != dt::s8 && dtp != dt::f32)) return false;
   if ((dtp == dt::f32) == static_cast<bool>(desc.dst_q)) return false;  // an INT8 dst has qparams, an f32 one none
-  if (desc.wdims.size() != 4 || desc.groups != 1 || desc.dilation != Dims{0, 0}) return false;
+  if (desc.wdims.size() != 4 || desc.dilation != Dims{0, 0}) return false;
   if (!gml_winograd::parse_eltwise(desc.eltwise, epi)) return false;
   const memory::dims sd = s.get_dims();
+  if (sd.size() == 4 && (depthwise ? desc.groups != sd[1] || desc.wdims[0] != sd[1] || desc.wdims[1] != 1
+                                   : desc.groups != 1))
+    return false;
   if (sd.size() != 4 || std::any_of(sd.begin(), sd.end(), [](int64_t v) { return v <= 0; })) return false;
   if (!nhwc_dense(s) || !nhwc_dense(d)) return false;
   q.dst_type = dtp;
@@ -340,6 +345,34 @@ inline bool try_im2col_int8(Plan& p, const ConvStep& desc, bool force, const dnn
   return take_own_int8_conv(p, desc, force, key, conv, direct, direct_consts, direct_scratch);
 }
 
+// A depthwise INT8 conv (groups = channels, one filter each) as GML's tap-pair kernel
+// (native/dw_int8.h: exact for any s8 weights, for CPUs without VNNI): own_int8_conv_io's depthwise
+// eligibility and a square 3x3, 5x5 or 7x7 window (else the direct conv). ``force`` skips the timing
+// (GML_WINOGRAD=1, which forces GML's own INT8 convs).
+inline bool try_dw_int8(Plan& p, const ConvStep& desc, bool force, const dnnl::primitive& direct,
+                        const std::function<Consts()>& direct_consts, const memory::desc& direct_scratch) {
+  gml_winograd::Epilogue epi;
+  gml_winograd::QuantOut q;
+  std::string key;
+  if (!own_int8_conv_io(p, desc, epi, q, key, true)) return false;
+  const Dims& wd = desc.wdims;
+  if (!gml_dw::supported(wd[2], wd[3], desc.strides[0], desc.strides[1])) return false;
+  const memory::dims sd = p.md_in(desc.src).get_dims(), dd = p.md_in(desc.dst).get_dims();
+  key = "dw:" + key;
+  if (!force && WinogradChoices::get().known(key) == 0) return false;
+  std::shared_ptr<const gml_dw::Int8Conv> conv;
+  try {
+    conv = std::make_shared<const gml_dw::Int8Conv>(
+        sd[0], sd[1], sd[2], sd[3], wd[2], wd[3], desc.strides[0], desc.strides[1], desc.pad_l[0], desc.pad_l[1],
+        dd[2], dd[3], p.md_in(desc.src).get_data_type(), desc.src_q->first, desc.src_q->second,
+        reinterpret_cast<const int8_t*>(desc.weight), desc.w_scales, reinterpret_cast<const float*>(desc.bias), epi,
+        q, desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
+  } catch (const std::invalid_argument&) {
+    return false;  // outside what the kernel computes: the direct conv
+  }
+  return take_own_int8_conv(p, desc, force, key, conv, direct, direct_consts, direct_scratch);
+}
+
 // Convolution, INT8 (u8 src, s8 weights, per-channel or per-tensor weight scales) or fp32.
 // ``weight`` points at a contiguous [O, I/groups, k...] tensor copied (reordered) here, never kept.
 inline void build(Plan& p, const ConvStep& desc) {
@@ -412,6 +445,7 @@ inline void build(Plan& p, const ConvStep& desc) {
     };
     if (try_winograd_int8(p, desc, winograd == 1, prim, direct_consts, pd.scratchpad_desc())) return;
     if (try_im2col_int8(p, desc, winograd == 1, prim, direct_consts, pd.scratchpad_desc())) return;
+    if (try_dw_int8(p, desc, winograd == 1, prim, direct_consts, pd.scratchpad_desc())) return;
   }
   add_weights(consts);
   p.push(prim, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts), pd.scratchpad_desc(), name);

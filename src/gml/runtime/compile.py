@@ -77,6 +77,8 @@ class RuntimeReport:
     winograd_convs: int = 0
     #: INT8 convs with few input channels the plans run as GML's patch GEMM (native/im2col_int8.h)
     im2col_convs: int = 0
+    #: depthwise INT8 convs the plans run as GML's tap-pair kernel (native/dw_int8.h)
+    dw_convs: int = 0
     #: the CPU the plans are built for (gml.ir.target; detected once at the API boundary)
     target: Target | None = None
     #: the engine's switches the plans are built with (gml.runtime.options; set at the API boundary)
@@ -120,6 +122,11 @@ class RuntimeReport:
         if self.im2col_convs:
             lines.append(
                 f"  {self.im2col_convs} INT8 conv(s) with few input channels run as GML's exact patch GEMM "
+                "(winograd='0', GML_WINOGRAD=0: oneDNN's direct convs only)"
+            )
+        if self.dw_convs:
+            lines.append(
+                f"  {self.dw_convs} depthwise INT8 conv(s) run as GML's exact tap-pair kernel "
                 "(winograd='0', GML_WINOGRAD=0: oneDNN's direct convs only)"
             )
         if self.reference_steps:
@@ -600,6 +607,7 @@ def compile_engine(
     impls = [impl for _, impl in module.step_impls()]
     report.winograd_convs = sum(impl.startswith("gml:winograd_f2x3") for impl in impls)
     report.im2col_convs = sum(impl.startswith("gml:im2col") for impl in impls)
+    report.dw_convs = sum(impl.startswith("gml:dw") for impl in impls)
     if report.engine_nodes == 0:
         report.note = "no node of this graph has an engine kernel"
     return module
