@@ -1,7 +1,8 @@
 // GML engine, the convolution step family: oneDNN's direct convolution (INT8, fp32, bf16) and, for
 // eligible 3x3 convs, GML's Winograd F(2x2, 3x3) when it is measured faster: fp32 / bf16
 // (winograd.h) and INT8 on targets without VNNI (winograd_int8.h); on those targets also GML's patch
-// GEMM for INT8 convs with few input channels (im2col_int8.h), when measured faster.
+// GEMM for INT8 convs with few input channels (im2col_int8.h) and its depthwise INT8 conv
+// (dw_int8.h), when measured faster.
 // Python fills a ConvStep (gml/runtime/plan_steps.py, conv_step) and calls Plan.add(step).
 #pragma once
 

@@ -248,10 +248,11 @@ class Int8Conv {
     const __m256i b = U8 ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23);  // dwords: a b c d | a b c d
     const __m256i cols = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     const __m128i lo = _mm256_castsi256_si128(cols), hi = _mm256_extracti128_si256(cols, 1);
+    // (the high halves stored through memcpy: movhps through a double* is a misaligned access in C++)
     _mm_storel_epi64(reinterpret_cast<__m128i*>(o), lo);
-    _mm_storeh_pd(reinterpret_cast<double*>(o + pix_bytes), _mm_castsi128_pd(lo));
+    std::memcpy(o + pix_bytes, reinterpret_cast<const char*>(&lo) + 8, 8);
     _mm_storel_epi64(reinterpret_cast<__m128i*>(o + 2 * pix_bytes), hi);
-    _mm_storeh_pd(reinterpret_cast<double*>(o + 3 * pix_bytes), _mm_castsi128_pd(hi));
+    std::memcpy(o + 3 * pix_bytes, reinterpret_cast<const char*>(&hi) + 8, 8);
   }
 
   // Stride 1 stores every pair position, stride 2 every other one (pstep_): either way the next column

@@ -148,7 +148,9 @@ class Target:
         ``vpmaddwd`` multiplies 16 int16 per one, and Winograd needs 2.25× fewer products; with VNNI
         the direct conv does 4× the products per instruction and Winograd cannot win (not timed).
         The same condition admits GML's patch GEMM for INT8 convs with few input channels
-        (native/im2col_int8.h: an RGB stem, where oneDNN's AVX2 INT8 conv runs at half its rate)."""
+        (native/im2col_int8.h: an RGB stem, where oneDNN's AVX2 INT8 conv runs at half its rate) and
+        its depthwise INT8 conv (native/dw_int8.h: two taps per ``vpmaddwd`` lane pair, exact for
+        8-bit weights)."""
         return not self.exact_u8s8 and "avx2" in self.features
 
     @property

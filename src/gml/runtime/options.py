@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from gml.errors import InputError
 
 #: ``winograd`` values and what the engine gets for them (native/conv.h ``try_winograd``,
-#: ``try_winograd_int8``, ``try_im2col_int8``): Winograd F(2x2, 3x3) for eligible fp32 / bf16 3x3
-#: stride-1 convs, and on targets without VNNI (``Target.int8_winograd``; ``1`` forces them on any AVX2
-#: CPU) GML's own INT8 convs: Winograd for 3x3 stride-1 ones, a patch GEMM for few-channel ones
-#: (an RGB stem); never, always, or when timed faster than the direct conv at plan build (the
-#: default; docs/adr/010-winograd-conv.md).
+#: ``try_winograd_int8``, ``try_im2col_int8``, ``try_dw_int8``): Winograd F(2x2, 3x3) for eligible
+#: fp32 / bf16 3x3 stride-1 convs, and on targets without VNNI (``Target.int8_winograd``; ``1`` forces
+#: them on any AVX2 CPU) GML's own INT8 convs: Winograd for 3x3 stride-1 ones, a patch GEMM for
+#: few-channel ones (an RGB stem), a tap-pair kernel for depthwise ones; never, always, or when timed
+#: faster than the direct conv at plan build (the default; docs/adr/010-winograd-conv.md).
 WINOGRAD_MODES = {"0": 0, "1": 1, "auto": 2}
 #: ``attention`` values: which bf16 attention path the engine plans (docs/adr/009-fused-bf16-attention.md)
 ATTENTION_PATHS = ("auto", "fused", "primitives")
