@@ -235,7 +235,7 @@ inline bool own_int8_conv_io(Plan& p, const ConvStep& desc, gml_winograd::Epilog
   if ((st != dt::u8 && st != dt::s8) || (dtp != dt::u8 && dtp != dt::s8 && dtp != dt::f32)) return false;
   if ((dtp == dt::f32) == static_cast<bool>(desc.dst_q)) return false;  // an INT8 dst has qparams, an f32 one none
   if (desc.wdims.size() != 4 || desc.dilation != Dims{0, 0}) return false;
-  if (!gml_winograd::parse_eltwise(desc.eltwise, epi)) return false;
+  if (!gml_winograd::parse_eltwise(desc.eltwise, epi, true)) return false;
   const memory::dims sd = s.get_dims();
   if (sd.size() == 4 && (depthwise ? desc.groups != sd[1] || desc.wdims[0] != sd[1] || desc.wdims[1] != 1
                                    : desc.groups != 1))

@@ -209,12 +209,15 @@ class Int8Conv {
     _mm256_zeroupper();
   }
 
-  // The output stage of one channel block for INT8 destinations whose post-ops are at most a ReLU and
-  // a clip (the depthwise convs of MobileNets: ReLU6, or none), hoisted out of the column loop:
-  // finish8's operations in its order, ReLU's max(f, 0) and the clip merged into one max / min
-  // (max is associative: max(max(f, 0), lo) = max(f, max(lo, 0))). Other output stages take finish8.
+  // The output stage of one channel block for INT8 destinations whose post-ops are at most a ReLU, a
+  // clip and an act (MobileNetV2's ReLU6, EfficientNet's SiLU, MobileNetV3's hardswish, or none),
+  // hoisted out of the column loop: finish8's operations in its order, ReLU's max(f, 0) and the clip
+  // merged into one max / min (max is associative: max(max(f, 0), lo) = max(f, max(lo, 0))). Other
+  // output stages (a residual, linear, leaky ReLU, an fp32 destination) take finish8.
   struct Out8 {
     __m256 scale, bias, lo, hi, inv, zp, top;
+    int act;  // Epilogue's act stage (after the clip): 0 none, 1 hardswish, 2 swish
+    float act_alpha, act_beta;
   };
   static bool fast_stage(const Epilogue& e, const QuantOut& q) {
     return q.dst_type != dt::f32 && !e.sum && e.lin_a == 1.0f && e.lin_b == 0.0f && (e.slope == 0.0f || e.slope == 1.0f);
@@ -222,6 +225,7 @@ class Int8Conv {
   GML_AVX2 static inline __m256 stage(__m256i acc, const Out8& s) {
     __m256 f = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), s.scale), s.bias);
     f = _mm256_min_ps(_mm256_max_ps(f, s.lo), s.hi);
+    if (s.act) f = gml_winograd::int8_avx2::act8(f, s.act, s.act_alpha, s.act_beta);
     f = _mm256_add_ps(_mm256_mul_ps(f, s.inv), s.zp);
     return _mm256_min_ps(s.top, f);  // only the top needs a clamp (finish8)
   }
@@ -327,7 +331,8 @@ class Int8Conv {
       Out8 block_stage;
       if (fast)
         block_stage = {_mm256_loadu_ps(scale + k), _mm256_loadu_ps(bias + k), _mm256_set1_ps(lo), _mm256_set1_ps(e.hi),
-                       _mm256_set1_ps(q.dst_inv_scale), _mm256_set1_ps(q.dst_zp), _mm256_set1_ps(U8 ? 255.0f : 127.0f)};
+                       _mm256_set1_ps(q.dst_inv_scale), _mm256_set1_ps(q.dst_zp), _mm256_set1_ps(U8 ? 255.0f : 127.0f),
+                       e.act, e.act_alpha, e.act_beta};
       const Out8* f = fast ? &block_stage : nullptr;
       char* o = row + k * es;
       int64_t ox = 0;

@@ -66,23 +66,33 @@ inline __attribute__((always_inline)) void store(uint16_t* p, float x) {
 
 // The post-ops the output transform applies exactly, in oneDNN's order after the bias:
 // y = acc + bias; y += sum_scale * old_dst (if sum); then y = lin_a * y + lin_b; y = y >= 0 ? y :
-// slope * y; y = min(max(y, lo), hi). An eltwise chain fits when it is a subsequence of
-// (linear, relu, clip) (identity parameters for the stages it does not use).
+// slope * y; y = min(max(y, lo), hi); then (GML's own INT8 convs only: winograd_int8.h finish8 /
+// finish1) act 1, hardswish: y = y * min(max(act_alpha * y + act_beta, 0), 1), or act 2, swish:
+// y = y * 1 / (1 + exp(-act_alpha * y)) (EfficientNet's SiLU, MobileNetV3's hardswish). An eltwise
+// chain fits when it is a subsequence of (linear, relu, clip, act) (identity parameters for the
+// stages it does not use).
 struct Epilogue {
   bool sum = false;
   float sum_scale = 1.0f;
   float lin_a = 1.0f, lin_b = 0.0f, slope = 1.0f;
   float lo = -std::numeric_limits<float>::infinity(), hi = std::numeric_limits<float>::infinity();
+  int act = 0;  // 0 none, 1 hardswish, 2 swish
+  float act_alpha = 0.0f, act_beta = 0.0f;
 };
 
-// Whether ``eltwise`` ((algorithm, alpha, beta) each, as the engine receives them) fits Epilogue.
-inline bool parse_eltwise(const std::vector<std::tuple<std::string, float, float>>& eltwise, Epilogue& e) {
-  int stage = 0;  // 1 linear, 2 relu, 3 clip: each at most once, in this order
+// Whether ``eltwise`` ((algorithm, alpha, beta) each, as the engine receives them) fits Epilogue;
+// the act stage only where the caller applies it (``act_ok``: the INT8 output stage; the fp32 /
+// bf16 Winograd has no such stage).
+inline bool parse_eltwise(const std::vector<std::tuple<std::string, float, float>>& eltwise, Epilogue& e,
+                          bool act_ok = false) {
+  int stage = 0;  // 1 linear, 2 relu, 3 clip, 4 act: each at most once, in this order
   for (const auto& [alg, alpha, beta] : eltwise) {
     int s;
     if (alg == "linear") s = 1, e.lin_a = alpha, e.lin_b = beta;
     else if (alg == "relu") s = 2, e.slope = alpha;
     else if (alg == "clip") s = 3, e.lo = alpha, e.hi = beta;
+    else if (act_ok && alg == "hardswish") s = 4, e.act = 1, e.act_alpha = alpha, e.act_beta = beta;
+    else if (act_ok && alg == "swish") s = 4, e.act = 2, e.act_alpha = alpha;
     else return false;
     if (s <= stage) return false;
     stage = s;

@@ -177,6 +177,59 @@ inline void gemm_rows(int rows, const int16_t* v, int64_t vstride, const int16_t
   }
 }
 
+// The act stage of Epilogue (hardswish, swish), 8 values and one, with the same fp32 operations in
+// the same order (the engine is built with -ffp-contract=off): finish8 and finish1 agree bit for bit.
+// exp is Cephes' expf (a degree-7 polynomial on [-ln2 / 2, ln2 / 2] after x = n ln2 + r, within 2 ulp),
+// x clamped to [-87.3, 88] so that 2^n stays a normal float; swish is y / (1 + exp(-alpha y)) as
+// oneDNN's logistic, so it is 0 (not NaN) for large negative y.
+namespace act_consts {
+constexpr float kLo = -87.3f, kHi = 88.0f, kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace act_consts
+
+GML_AVX2 inline __m256 exp8(__m256 x) {
+  using namespace act_consts;
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kLo)), _mm256_set1_ps(kHi));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kC1)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(kC2)));
+  __m256 p = _mm256_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP[i]));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float exp1(float x) {
+  using namespace act_consts;
+  x = std::min(std::max(x, kLo), kHi);
+  const float n = std::nearbyint(x * kLog2e);  // round half to even, as _MM_FROUND_TO_NEAREST_INT
+  float r = x - n * kC1;
+  r = r - n * kC2;
+  float p = kP[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kP[i];
+  p = (p * (r * r) + r) + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+GML_AVX2 inline __m256 act8(__m256 f, int act, float alpha, float beta) {
+  if (act == 1) {
+    const __m256 t = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(alpha)), _mm256_set1_ps(beta));
+    return _mm256_mul_ps(f, _mm256_min_ps(_mm256_max_ps(t, _mm256_setzero_ps()), _mm256_set1_ps(1.0f)));
+  }
+  const __m256 e = exp8(_mm256_mul_ps(f, _mm256_set1_ps(-alpha)));
+  return _mm256_mul_ps(f, _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+}
+
+inline float act1(float f, int act, float alpha, float beta) {
+  if (act == 1) return f * std::min(std::max(f * alpha + beta, 0.0f), 1.0f);
+  return f * (1.0f / (1.0f + exp1(f * -alpha)));
+}
+
 // The output stage (file comment) on 8 outputs of one pixel: ``acc`` = Y (= 4 S), ``k`` the first
 // output channel; ``o`` the pixel's destination row of K channels (old dst for the sum read there).
 GML_AVX2 inline void finish8(__m256i acc, const float* scale4, const float* bias, const Epilogue& e, const QuantOut& q,
@@ -203,6 +256,7 @@ GML_AVX2 inline void finish8(__m256i acc, const float* scale4, const float* bias
   }
   if (e.lo != -std::numeric_limits<float>::infinity() || e.hi != std::numeric_limits<float>::infinity())
     f = _mm256_min_ps(_mm256_max_ps(f, _mm256_set1_ps(e.lo)), _mm256_set1_ps(e.hi));
+  if (e.act) f = act8(f, e.act, e.act_alpha, e.act_beta);
   if (q.dst_type == dt::f32) {
     _mm256_storeu_ps(static_cast<float*>(o) + k, f);
     return;
@@ -232,6 +286,7 @@ inline void finish1(int32_t acc, const float* scale4, const float* bias, const E
   if (e.slope != 1.0f && f < 0.0f) f = f * e.slope;
   if (e.lo != -std::numeric_limits<float>::infinity() || e.hi != std::numeric_limits<float>::infinity())
     f = std::min(std::max(f, e.lo), e.hi);
+  if (e.act) f = act1(f, e.act, e.act_alpha, e.act_beta);
   if (q.dst_type == dt::f32) {
     static_cast<float*>(o)[k] = f;
     return;

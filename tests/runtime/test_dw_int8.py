@@ -105,6 +105,8 @@ POSTS = {
     "relu6": (IN_ZP, QParams(0.03, 0), PostOp("hardtanh", (0.0, 6.0))),  # MobileNetV2's
     "relu": (IN, OUT, PostOp("relu")),
     "none": (IN_ZP, OUT, None),
+    "swish": (IN_ZP, QParams(0.05, 12), PostOp("swish")),  # EfficientNet's SiLU
+    "hardswish": (IN, QParams(0.05, 12), PostOp("hardswish")),  # MobileNetV3's
 }
 
 
@@ -115,6 +117,23 @@ def test_int8_outputs_match_the_executor_and_the_direct_conv(monkeypatch, case, 
     in_qp, out_qp, post_op = POSTS[post]
     mod = _dwconv(c, k, spec, in_qp, out_qp, post_op, seed=3)
     check_forced_conv(monkeypatch, mod, [rand_u8(n, c, h, w, seed=2)], KERNEL, against_direct=True)
+
+
+@pytest.mark.parametrize("act", ["swish", "hardswish"])
+@pytest.mark.parametrize("case", ["c13", "5x5s2"])
+def test_act_stages_on_the_exact_sum(monkeypatch, act, case):
+    # an fp32 output: the act of float32(S) * scale + bias, as torch computes it, within float
+    # rounding (the kernel's exp is a polynomial, the 5 channels past the 8-block go through finish1)
+    n, c, h, w, k, spec = _case(case)
+    mod = _dwconv(c, k, spec, IN_ZP, None, PostOp(act), seed=11)
+    x = rand_u8(n, c, h, w, seed=12)
+    eng, got = engine_in_mode(monkeypatch, "1", mod, [x])
+    assert own_conv_steps(eng, KERNEL), eng.step_impls()
+    scale = torch.tensor(IN_ZP.scale, dtype=torch.float32) * mod.weight_scale.float()
+    pre = _exact(x, IN_ZP.zero_point, mod.weight, spec).float() * scale.view(1, -1, 1, 1) + mod.bias.view(1, -1, 1, 1)
+    want = F.silu(pre) if act == "swish" else F.hardswish(pre)
+    assert float(pre.min()) < -4 and float(pre.max()) > 4  # both tails of the act
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
 
 
 def test_residual_sum_with_its_zero_point(monkeypatch):

@@ -113,6 +113,8 @@ POSTS = {
     "relu": (IN, OUT, PostOp("relu")),
     "relu6": (IN_ZP, QParams(0.03, 0), PostOp("hardtanh", (0.0, 6.0))),
     "none": (IN_ZP, OUT, None),
+    "swish": (IN_ZP, OUT, PostOp("swish")),  # the act stage of the output stage (shared by GML's INT8 convs)
+    "hardswish": (IN, OUT, PostOp("hardswish")),
 }
 
 
