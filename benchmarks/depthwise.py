@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
-from winograd import winograd as engine_options  # benchmarks/winograd.py: EngineOptions with winograd=mode
+from winograd import interleaved  # benchmarks/winograd.py: engines timed in turn
+from winograd import winograd as engine_options  # EngineOptions with winograd=mode
 
 #: (channels, side, kernel, stride, model it is from)
 CONVS = [
@@ -63,12 +63,7 @@ def per_conv(rounds: int) -> None:
         x = torch.randint(0, 256, (1, c, hw, hw), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
         with torch.no_grad():
             eng = {m: compile_engine(graph_of(mod), [x], options=engine_options(m)) for m in ("0", "1")}
-            times: dict[str, list[float]] = {m: [] for m in eng}
-            for _ in range(rounds):
-                for m, e in eng.items():
-                    t0 = time.perf_counter()
-                    e(x)
-                    times[m].append(time.perf_counter() - t0)
+            times = interleaved(eng, x, rounds)
             same = "equal outputs" if torch.equal(eng["0"](x), eng["1"](x)) else "outputs DIFFER"
         a, b = min(times["0"]) * 1e6, min(times["1"]) * 1e6
         conv = f"{c} ch {k}×{k}/{s} @ {hw}²"
@@ -108,15 +103,7 @@ def models(names: list[str], rounds: int) -> None:
             engines[mode] = q.engine
         if len(engines) < 2:
             continue
-        times: dict[str, list[float]] = {m: [] for m in engines}
-        with torch.no_grad():
-            for e in engines.values():
-                e(x)
-            for _ in range(rounds):
-                for m, e in engines.items():
-                    t0 = time.perf_counter()
-                    e(x)
-                    times[m].append(time.perf_counter() - t0)
+        times = interleaved(engines, x, rounds)
         a, b = (statistics.median(times[m]) * 1e3 for m in ("0", "auto"))
         dw = sum(impl.startswith("gml:dw") for _, impl in engines["auto"].step_impls())
         print(f"| {name} | {a:.2f} | {b:.2f} | {b / a:.3f} | {dw} |", flush=True)

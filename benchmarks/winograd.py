@@ -42,6 +42,21 @@ def winograd(mode: str) -> Any:
     return dataclasses.replace(EngineOptions.from_env(), winograd=mode)
 
 
+def interleaved(engines: dict[str, Any], x: torch.Tensor, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each engine on ``x``, the engines called in turn each round (one warm-up
+    call each first): ratios between them share the machine's state at each moment."""
+    times: dict[str, list[float]] = {m: [] for m in engines}
+    with torch.no_grad():
+        for e in engines.values():
+            e(x)
+        for _ in range(rounds):
+            for m, e in engines.items():
+                t0 = time.perf_counter()
+                e(x)
+                times[m].append(time.perf_counter() - t0)
+    return times
+
+
 def _winograd_convs(engine) -> int:
     """Convs run by GML's own kernels: Winograd, and the INT8 patch GEMM (an RGB stem)."""
     return sum(impl.startswith(("gml:winograd_f2x3", "gml:im2col")) for _, impl in engine.step_impls())
@@ -93,12 +108,7 @@ def per_conv(batches: list[int], rounds: int, precisions: list[str]) -> None:
                     eng = {}
                     for m in ("0", "1"):
                         eng[m] = compile_engine(graph_of(mod), [x], options=winograd(m))
-                    times: dict[str, list[float]] = {m: [] for m in eng}
-                    for _ in range(rounds):
-                        for m, e in eng.items():
-                            t0 = time.perf_counter()
-                            e(x)
-                            times[m].append(time.perf_counter() - t0)
+                    times = interleaved(eng, x, rounds)
                     same = ""
                     if precision == "int8":
                         same = ", equal outputs" if torch.equal(eng["0"](x), eng["1"](x)) else ", outputs DIFFER"
@@ -135,15 +145,7 @@ def resnet18(batches: list[int], rounds: int, precisions: list[str]) -> None:
                 build[mode] = time.perf_counter() - t0
             if len(engines) < 2:
                 continue
-            times: dict[str, list[float]] = {m: [] for m in engines}
-            with torch.no_grad():
-                for e in engines.values():
-                    e(x)
-                for _ in range(rounds if n == 1 else max(3, rounds // 2)):
-                    for m, e in engines.items():
-                        t0 = time.perf_counter()
-                        e(x)
-                        times[m].append(time.perf_counter() - t0)
+            times = interleaved(engines, x, rounds if n == 1 else max(3, rounds // 2))
             a, b = (statistics.median(times[m]) * 1e3 for m in ("0", "auto"))
             print(
                 f"| {precision} | {n} | {a:.2f} | {b:.2f} | {b / a:.3f} | {build['0']:.2f} / {build['auto']:.2f} "

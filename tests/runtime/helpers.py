@@ -240,5 +240,8 @@ def _own_kernel_marks() -> list:
     ]
 
 
+#: the qparams the tests of GML's own INT8 convs share: a source without and with a zero point, an INT8 output
+OWN_IN, OWN_IN_ZP, OWN_OUT = QParams(0.05, 0), QParams(0.04, 37), QParams(0.5, 3)
+
 #: skip marks of the tests of GML's own AVX2 kernels: the native engine, and a CPU with AVX2
 OWN_KERNEL_MARKS = _own_kernel_marks()

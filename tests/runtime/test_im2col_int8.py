@@ -18,7 +18,10 @@ import torch.nn.functional as F
 from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.quant import modules as qm
 from runtime.helpers import (
+    OWN_IN,
+    OWN_IN_ZP,
     OWN_KERNEL_MARKS,
+    OWN_OUT,
     assert_close_int,
     assert_concurrent_calls_agree,
     check_forced_conv,
@@ -29,9 +32,7 @@ from runtime.helpers import (
 
 pytestmark = OWN_KERNEL_MARKS
 
-IN = QParams(0.05, 0)
-IN_ZP = QParams(0.04, 37)
-OUT = QParams(0.5, 3)
+IN, IN_ZP, OUT = OWN_IN, OWN_IN_ZP, OWN_OUT
 
 
 KERNEL = "gml:im2col"

@@ -26,7 +26,10 @@ from gml.ir.values import ConvSpec, PostOp, QParams
 from gml.quant import modules as qm
 from gml.runtime.target import detect_target
 from runtime.helpers import (
+    OWN_IN,
+    OWN_IN_ZP,
     OWN_KERNEL_MARKS,
+    OWN_OUT,
     assert_close_int,
     assert_concurrent_calls_agree,
     check_forced_conv,
@@ -38,9 +41,7 @@ from runtime.helpers import (
 
 pytestmark = OWN_KERNEL_MARKS
 
-IN = QParams(0.05, 0)
-IN_ZP = QParams(0.04, 37)
-OUT = QParams(0.5, 3)
+IN, IN_ZP, OUT = OWN_IN, OWN_IN_ZP, OWN_OUT
 OTHER = QParams(0.3, 101)
 
 
