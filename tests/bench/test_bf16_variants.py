@@ -10,6 +10,7 @@ from torch import nn
 
 from gml.bench import variants as v
 from gml.errors import InputError
+from gml.ir.target import Target
 from gml.kernels import bf16 as kb
 
 
@@ -43,3 +44,13 @@ def test_gml_bf16_builds_and_notes_its_precision(tmp_path):
     assert any("precision: bf16" in n for n in built.notes)
     out = built.run(built.native(_ctx(tmp_path).example))
     assert out.dtype == torch.float32
+
+
+def test_openvino_bf16_is_skipped_not_mislabelled_without_bf16(tmp_path):
+    # OpenVINO reads bf16 from CPUID: on an AVX2 target its "bf16" row would be f32 (or, under
+    # ONEDNN_MAX_CPU_ISA on a bf16 CPU, fail to build); the row is skipped with the reason first,
+    # before OpenVINO is imported, so this holds without the [bench] extra
+    ctx = _ctx(tmp_path)
+    ctx.target = Target("avx2")
+    with pytest.raises(v.VariantSkipped, match=r"no native bf16 on this target \(avx2\).*ov-fp32"):
+        v.VARIANTS["ov-bf16"].build(ctx)

@@ -412,6 +412,16 @@ def _ov_built(compiled: Any, notes: list[str], shared_s: float) -> Built:
 
 def _ov_precision_variant(precision: str) -> Callable[[BuildContext], Built]:
     def build(ctx: BuildContext) -> Built:
+        if precision == "bf16":
+            from gml.runtime.target import resolve
+
+            target = resolve(ctx.target)
+            if not target.native_bf16:
+                # OpenVINO reads bf16 from CPUID: on a CPU without it the row would be f32 under a
+                # bf16 label, and under ONEDNN_MAX_CPU_ISA on a bf16 CPU its Softmax fails to build
+                raise VariantSkipped(
+                    f"no native bf16 on this target ({target.isa}): OpenVINO's default here is f32 (ov-fp32)"
+                )
         require("openvino")
         model, convert_s = _ov_model(ctx)
         compiled = _ov_compile(model, ctx.threads, precision)
