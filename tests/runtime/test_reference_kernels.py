@@ -115,3 +115,72 @@ def test_transformers(kind, precision):
     model, x = _hf(kind)
     r = gml.optimize(model, x) if precision == "fp32" else gml.quantize(model, 8, example_inputs=x)
     assert_no_reference_steps(r)
+
+
+def _rel_logits_1d(q: torch.Tensor, rel_k: torch.Tensor, permute_mask: tuple[int, ...]) -> torch.Tensor:
+    """timm's relative-position logits (bottleneck_attn.rel_logits_1d): a padded, sliced and expanded
+    view of ``q @ rel_k^T``, permuted."""
+    b, h, w, _ = q.shape
+    rel_size = rel_k.shape[0]
+    win = (rel_size + 1) // 2
+    x = (q @ rel_k.transpose(-1, -2)).reshape(-1, w, rel_size)
+    x = nn.functional.pad(nn.functional.pad(x, [0, 1]).flatten(1), [0, rel_size - w]).reshape(-1, w + 1, rel_size)
+    x = x[:, :w, win - 1 :].reshape(b, h, 1, w, win).expand(-1, -1, win, -1, -1)
+    return x.permute(permute_mask)
+
+
+class _RelPosAttention(nn.Module):
+    """BotNet's attention logits (timm botnet26t: PosEmbedRel), between two convs: the add of two
+    permuted views with a broadcast, for which oneDNN has only its reference binary under AVX2
+    (16 ms per call at 16x16 in botnet26t_256; GML's strided loop runs it, native/strided_binary.h)."""
+
+    def __init__(self, c: int = 16, size: int = 8) -> None:
+        super().__init__()
+        self.size = size
+        self.conv_in = nn.Conv2d(c, c, 1)
+        self.height_rel = nn.Parameter(torch.randn(2 * size - 1, c) * 0.1)
+        self.width_rel = nn.Parameter(torch.randn(2 * size - 1, c) * 0.1)
+        self.conv_out = nn.Conv2d(1, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        q = self.conv_in(x).permute(0, 2, 3, 1)  # [B, H, W, C]
+        logits_w = _rel_logits_1d(q, self.width_rel, (0, 1, 3, 2, 4))
+        logits_h = _rel_logits_1d(q.transpose(1, 2), self.height_rel, (0, 3, 1, 4, 2))
+        logits = (logits_h + logits_w).reshape(b, 1, h * w, h * w)
+        return self.conv_out(logits)
+
+
+def test_relative_position_logits_of_permuted_views():
+    torch.manual_seed(0)
+    model, x = _RelPosAttention().eval(), torch.randn(2, 16, 8, 8)
+    r = gml.optimize(model, x)
+    assert_no_reference_steps(r)
+    with torch.no_grad():
+        torch.testing.assert_close(r.executable(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class _BroadcastAdds(nn.Module):
+    """fp32 adds whose second operand is a broadcast slice of the first (along channels, along the
+    innermost dim, of strided rows): oneDNN 3.2 has only its reference binary for these on every ISA
+    tried (AVX2, AVX-512); GML's strided add runs them (native/strided_add.h)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.c1(x)
+        a = z + z[:, :1]
+        b = a + a[..., :1]
+        c = b[:, :, ::2] + b[:, :1, 1::2]
+        return self.c2(c)
+
+
+def test_adds_of_broadcast_slices():
+    torch.manual_seed(0)
+    model, x = _BroadcastAdds().eval(), torch.randn(2, 4, 6, 6)
+    r = gml.optimize(model, x, runtime="engine")  # a model this small would otherwise stay in torch
+    assert_no_reference_steps(r)
+    with torch.no_grad():
+        torch.testing.assert_close(r.executable(x), model(x), rtol=1e-5, atol=1e-5)
