@@ -256,6 +256,7 @@ def run_one(
         # what gml.optimize says to call (the engine where it covers the graph), as for INT8 below
         fns["gml_fp32"] = opt.executable
         row["fp32_runtime"] = opt.runtime.path if opt.runtime is not None else "torch"
+        row["ref_steps"] = _ref_steps(opt.runtime, "fp32")
     except Exception as e:  # the row says what failed
         row["optimize_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     try:
@@ -298,12 +299,20 @@ def run_one(
             worst = min(acc.layers, key=lambda layer: layer.sqnr_db, default=None)
             row["worst_layer"] = f"{worst.node} ({worst.op}, SQNR {worst.sqnr_db:.1f} dB)" if worst else "?"
         row["runtime"] = q.runtime.path if q.runtime is not None else "torch"
+        row["ref_steps"] = row.get("ref_steps", []) + _ref_steps(q.runtime, "int8")
         fns["gml_int8"] = q.executable  # what gml.quantize says to call: the engine where it covers the graph
     except Exception as e:
         row["quantize_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
     row.update({f"ms_{k}": v for k, v in latency_ms(fns, x, rounds, inner).items()})
     row["seconds"] = time.perf_counter() - t0
     return row
+
+
+def _ref_steps(runtime: Any, label: str) -> list[str]:
+    """The engine steps that ran oneDNN's reference kernel (``RuntimeReport.reference_steps``): #23
+    asks for none on any tier."""
+    steps = getattr(runtime, "reference_steps", None) or {}
+    return [f"{label} {name} ({impl})" for name, impl in steps.items()]
 
 
 def _child(args: argparse.Namespace) -> None:
@@ -410,6 +419,8 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             notes.append(f"measured on commit {r['commit']}")
         if r.get("lower_rolled_back"):
             notes.append("lowering rolled back: " + "; ".join(r["lower_rolled_back"])[:200])
+        if r.get("ref_steps"):
+            notes.append("**reference kernel steps**: " + ", ".join(r["ref_steps"])[:300])
         if r.get("rolled_back"):
             notes.append("fp32 passes rolled back: " + ", ".join(r["rolled_back"]))
         if r.get("bn_left") and r.get("bn_skips"):
@@ -454,6 +465,9 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "- cosine vs torch.ao reference < 0.99 (flagged with the layer): "
         + (", ".join(r["model"] for r in flagged) or "none")
         + ".",
+        "- engine steps on oneDNN's reference kernel (`ref:`): "
+        + (", ".join(f"{r['model']} ({len(r['ref_steps'])})" for r in rows if r.get("ref_steps")) or "none")
+        + f" (recorded for {sum('ref_steps' in r for r in rows)} of {len(rows)} models).",
         "- report disagrees with the module: "
         + (", ".join(r["model"] for r in done if not r.get("coverage_agrees")) or "none")
         + ".",
