@@ -6,7 +6,7 @@
 
 #include "bind.h"
 #include "plan.h"
-#include "strided_add.h"
+#include "strided.h"
 
 namespace gml_engine {
 
@@ -22,7 +22,7 @@ struct BinaryStep {
 
 // Element-wise binary op: dst = post_ops(scale0 * src0 <alg> scale1 * src1). An fp32 add without
 // scales or post-ops for whose layouts oneDNN has only its reference kernel runs as GML's strided
-// loop instead (strided_add.h, "gml:strided_add").
+// loop instead (strided.h, "gml:strided_add").
 inline void build(Plan& p, const BinaryStep& desc) {
   const int src0 = desc.src0, src1 = desc.src1, dst = desc.dst;
   const std::string &alg = desc.alg, &name = desc.name;
@@ -38,8 +38,8 @@ inline void build(Plan& p, const BinaryStep& desc) {
   p.resolve(dst, pd.dst_desc());
   const std::string impl = pd.impl_info_str();
   if (impl.rfind("ref", 0) == 0 && a == A::binary_add && !scale0 && !scale1 && eltwise.empty()) {
-    // oneDNN has only its reference binary for these layouts (strided_add.h): GML's strided add
-    if (auto k = gml_strided_add::Add::make(p.md_in(src0), p.md_in(src1), p.md_in(dst))) {
+    // oneDNN has only its reference binary for these layouts (strided.h): GML's strided add
+    if (auto k = gml_strided::Add::make(p.md_in(src0), p.md_in(src1), p.md_in(dst))) {
       Kernel kernel = [k = *k](const std::unordered_map<int, memory>& args) {
         k.run(static_cast<const float*>(args.at(DNNL_ARG_SRC_0).get_data_handle()),
               static_cast<const float*>(args.at(DNNL_ARG_SRC_1).get_data_handle()),

@@ -132,7 +132,7 @@ def _rel_logits_1d(q: torch.Tensor, rel_k: torch.Tensor, permute_mask: tuple[int
 class _RelPosAttention(nn.Module):
     """BotNet's attention logits (timm botnet26t: PosEmbedRel), between two convs: the add of two
     permuted views with a broadcast, for which oneDNN has only its reference binary under AVX2
-    (16 ms per call at 16x16 in botnet26t_256; GML's strided loop runs it, native/strided_binary.h)."""
+    (16 ms per call at 16x16 in botnet26t_256; GML's strided loop runs it, native/strided.h)."""
 
     def __init__(self, c: int = 16, size: int = 8) -> None:
         super().__init__()
@@ -163,7 +163,7 @@ def test_relative_position_logits_of_permuted_views():
 class _BroadcastAdds(nn.Module):
     """fp32 adds whose second operand is a broadcast slice of the first (along channels, along the
     innermost dim, of strided rows): oneDNN 3.2 has only its reference binary for these on every ISA
-    tried (AVX2, AVX-512); GML's strided add runs them (native/strided_add.h)."""
+    tried (AVX2, AVX-512); GML's strided add runs them (native/strided.h)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -184,3 +184,34 @@ def test_adds_of_broadcast_slices():
     assert_no_reference_steps(r)
     with torch.no_grad():
         torch.testing.assert_close(r.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class _ECA(nn.Module):
+    """ECA channel attention (timm's ecaresnet): a Conv1d(1, 1, k) over the pooled channels, for which
+    oneDNN 3.2 has only its reference kernel on every ISA: it stays in torch, with the reason."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(8, 16, 3, padding=1)
+        self.conv = nn.Conv1d(1, 1, 3, padding=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.c1(x)
+        y = self.conv(x.mean((2, 3)).view(x.shape[0], 1, -1))
+        return x * y.view(x.shape[0], -1, 1, 1).sigmoid()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_eca_channel_conv_stays_in_torch(precision):
+    torch.manual_seed(0)
+    model, x = _ECA().eval(), torch.randn(2, 8, 8, 8)
+    if precision == "fp32":
+        r = gml.optimize(model, x, runtime="engine")
+    else:
+        r = gml.quantize(model, 8, example_inputs=x, runtime="engine")
+    assert_no_reference_steps(r)
+    reasons = [n.reason for n in r.runtime.torch_nodes]
+    assert any("one input and one output channel" in why for why in reasons), str(r.runtime)
+    if precision == "fp32":
+        with torch.no_grad():
+            torch.testing.assert_close(r.executable(x), model(x), rtol=1e-5, atol=1e-5)

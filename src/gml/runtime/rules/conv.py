@@ -11,10 +11,19 @@ from gml.runtime.rules import base
 from gml.runtime.rules.base import Builder, Call, Eltwise, TranslationRule, Unsupported, Val
 
 
+def _single_channel(weight: torch.Tensor) -> str | None:
+    """Why a conv with one input and one output channel (ECA's channel attention: a Conv1d(1, 1, k)
+    over the pooled channels) stays in torch: oneDNN 3.2 has only its reference kernel for it on every
+    ISA (its jitted convs block channels by 8 or 16), fp32 and INT8 alike."""
+    if weight.shape[0] == 1 and weight.shape[1] == 1:
+        return "a conv with one input and one output channel (oneDNN has only its reference kernel for it)"
+    return None
+
+
 def _check_conv(c: Call) -> str | None:
     if c.a.weight.dim() not in (3, 4, 5):
         return f"INT8 conv with a {c.a.weight.dim()}-D weight (the engine plans 1-D, 2-D and 3-D convs)"
-    return None
+    return _single_channel(c.a.weight)
 
 
 def _as_nhwc(b: Builder, v: Val) -> Val:
@@ -77,7 +86,7 @@ def _check_fconv(c: Call) -> str | None:
         return f"fp32 conv with a {mod.weight.dim()}-D weight (the engine plans 1-D, 2-D and 3-D convs)"
     if not mod.fused:
         return "the fp32 kernels are unavailable (the module runs its ATen fallback)"
-    return None
+    return _single_channel(mod.weight)
 
 
 def _emit_fconv(

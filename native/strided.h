@@ -1,5 +1,5 @@
-// GML engine: an fp32 add over arbitrary strided layouts (with broadcasting), for the layouts oneDNN
-// has only its reference binary for (issue #23, item 6: no reference kernel in any plan).
+// GML engine: an fp32 add over arbitrary strided plain layouts (with broadcasting), for the layouts
+// oneDNN has only its reference binary for (issue #23, item 6: no reference kernel in any plan).
 //
 // Why. oneDNN's jitted binary kernels want src0 and dst in one layout and src1 in it or in one of a
 // few broadcast patterns. Anything else gets "ref:any": plain C++ that recomputes every element's
@@ -26,14 +26,13 @@
 
 #include <dnnl.hpp>
 
-namespace gml_strided_add {
+namespace gml_strided {
 
 using memory = dnnl::memory;
 
-// A plain strided fp32 layout (no inner blocks, no offset) of ``md``'s strides, or nullopt.
-inline std::optional<memory::dims> plain_f32_strides(const memory::desc& md) {
-  if (md.get_data_type() != memory::data_type::f32 || md.get_format_kind() != memory::format_kind::blocked)
-    return std::nullopt;
+// ``md``'s strides if it is a plain strided layout (no inner blocks, no offset), else nullopt.
+inline std::optional<memory::dims> plain_strides(const memory::desc& md) {
+  if (md.get_format_kind() != memory::format_kind::blocked) return std::nullopt;
   int nblks = 0;
   int64_t offset0 = 0;
   dnnl::error::wrap_c_api(dnnl_memory_desc_query(md.get(), dnnl_query_inner_nblks_s32, &nblks), "layout");
@@ -47,8 +46,10 @@ class Add {
   // dst = src0 + src1 for these layouts, if plain strided f32 everywhere with the sources' dims equal
   // to dst's or 1 (a broadcast); nullopt otherwise (the caller keeps oneDNN's binary).
   static std::optional<Add> make(const memory::desc& src0, const memory::desc& src1, const memory::desc& dst) {
-    const auto s0 = plain_f32_strides(src0), s1 = plain_f32_strides(src1), sd = plain_f32_strides(dst);
+    const auto s0 = plain_strides(src0), s1 = plain_strides(src1), sd = plain_strides(dst);
     if (!s0 || !s1 || !sd) return std::nullopt;
+    for (const auto* md : {&src0, &src1, &dst})
+      if (md->get_data_type() != memory::data_type::f32) return std::nullopt;
     const memory::dims d0 = src0.get_dims(), d1 = src1.get_dims(), dd = dst.get_dims();
     const size_t n = dd.size();
     if (n == 0 || d0.size() != n || d1.size() != n) return std::nullopt;
@@ -108,4 +109,4 @@ class Add {
   std::vector<int64_t> strides_[3];  // src0, src1, dst, per ordered dim (elements; 0: broadcast)
 };
 
-}  // namespace gml_strided_add
+}  // namespace gml_strided
