@@ -216,12 +216,18 @@ def test_flatten_view_after_pool_is_free():
     assert plan.step_names() == ["qadaptive_avg_pool_default"]  # the flatten is a view of the pool's output
 
 
+@pytest.mark.parametrize("mixed_layouts", [False, True])
 @pytest.mark.parametrize("same_qp", [True, False])
-def test_cat(same_qp):
+def test_cat(same_qp, mixed_layouts):
+    """One concat step; with an NCHW source beside NHWC ones (ShuffleNetV2), a reorder per source
+    into its slice of the output (no ``ref:any`` concat), requantized first where its qparams differ."""
     a, b = rand_u8(1, 3, 4, 5), rand_u8(1, 5, 4, 5, seed=2)
+    if mixed_layouts:
+        a = a.contiguous()  # NCHW beside the NHWC b
     qps = [IN, IN] if same_qp else [IN, QParams(0.08, 10)]
     cat = qm.QCat(1, qps, IN)
-    check_engine(graph_of(cat, n_inputs=2, wiring=[(0, 1)]), a, b)
+    eng = check_engine(graph_of(cat, n_inputs=2, wiring=[(0, 1)]), a, b)
+    assert not [impl for _, impl in eng.step_impls() if impl.startswith("ref")], eng.step_impls()
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5, 4), (3, 17)])

@@ -215,3 +215,39 @@ def test_eca_channel_conv_stays_in_torch(precision):
     if precision == "fp32":
         with torch.no_grad():
             torch.testing.assert_close(r.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class _ShuffleBlocks(nn.Module):
+    """ShuffleNetV2's stride-1 units (torchvision's ``InvertedResidual``): ``cat(x1, branch(x2))``
+    then the channel shuffle (``view → transpose → contiguous → view``) and ``chunk``. The shuffle's
+    copy is NCHW, so the next unit concatenates an NCHW half with the branch conv's NHWC output: a
+    mix oneDNN 3.2's concat runs only on its reference kernel (``ref:any``), INT8 and on every ISA.
+    GML reorders each source into its slice of the output instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchvision.models.shufflenetv2 import InvertedResidual
+
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU())
+        self.units = nn.Sequential(*(InvertedResidual(32, 32, 1) for _ in range(3)))
+        self.head = nn.Conv2d(32, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.units(self.stem(x)))
+
+
+def test_concat_of_mixed_layouts():
+    torch.manual_seed(0)
+    model, x = _ShuffleBlocks().eval(), torch.randn(1, 3, 16, 16)
+    for m in model.modules():  # BN statistics away from identity, so the fold is exercised
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    r = gml.quantize(model, 8, example_inputs=x, runtime="engine", cost_policy="off")
+    assert r.precision == "int8", r.precision_reason
+    assert_no_reference_steps(r)
+    cats = [impl for name, impl in r.engine.step_impls() if name.startswith("qcat")]
+    assert len(cats) >= 3, r.engine.step_impls()
+    with torch.no_grad():
+        got, want = r.executable(x), model(x)
+    assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999

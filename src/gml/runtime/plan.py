@@ -162,10 +162,14 @@ class Val:
     layout_bytes: int | None = None
 
     @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE.get(self.dtype_name, 1)
+
+    @property
     def nbytes(self) -> int:
         if self.layout_bytes is not None:
             return self.layout_bytes
-        return _span(self.shape, self.stride, _ITEMSIZE.get(self.dtype_name, 1))
+        return _span(self.shape, self.stride, self.itemsize)
 
 
 @dataclass(eq=False)
@@ -260,10 +264,11 @@ class Builder:
         delta = (out.ref.storage_offset() - src.ref.storage_offset()) * out.ref.element_size()
         self._join(out, src, delta)
 
-    def view(self, base: Val, shape: Any, stride: Any) -> Val:
-        """A new value over ``base``'s bytes with another shape / strides (for copies in a new order)."""
+    def view(self, base: Val, shape: Any, stride: Any, *, offset: int = 0) -> Val:
+        """A new value over ``base``'s bytes with another shape / strides (for copies in a new order),
+        ``offset`` bytes in (a slice: one source's part of a concatenation)."""
         v = self._new(shape, stride, base.dtype_name)
-        self._join(v, base, 0)
+        self._join(v, base, offset)
         return v
 
     def share(self, out: Val, other: Val, *, also_read: Val | None = None) -> None:

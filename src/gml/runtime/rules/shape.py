@@ -151,7 +151,19 @@ def emit_flatten(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 
 def _emit_cat(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``gml.qcat``: sources off the output's grid are requantized into a temp first; then one
+    oneDNN concat where every source is laid out in the output's dim order, else a plain reorder of
+    each source straight into its slice of ``out``.
+
+    oneDNN 3.2 has a fast concat (``simple:any``: one parallel copy) only when the sources and the
+    destination share one layout; a mix (ShuffleNetV2: the channel shuffle's NCHW half beside the
+    branch conv's NHWC output) found its reference concat (``ref:any``, reorders through a scratchpad),
+    which the runtime reports as a bug. A reorder into a view of the slice is a jit reorder for any
+    pair of plain / blocked layouts. The requantization stays a separate step into a dense temp:
+    oneDNN 3.2's jit reorder drops the zero points when it writes a strided slice (``tests/runtime/
+    test_ops.py::test_cat``: every element 104 off)."""
     o = base.out_qparams(c.a)
+    axis = c.a.dim % len(out.shape)
     srcs = []
     for v, s, z in zip(ins, c.a.x_scales, c.a.x_zero_points):
         q = base.qparams(s, z)
@@ -160,7 +172,26 @@ def _emit_cat(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
             b.reorder(v, t, src_q=base.qp(q), dst_q=base.qp(o))
             v = t
         srcs.append(v)
-    b.concat(srcs, out, c.a.dim % len(out.shape))
+    if out.free or all(_same_order(v, out) for v in srcs):
+        b.concat(srcs, out, axis)
+        return
+    start = 0
+    for v in srcs:
+        piece = b.view(out, v.shape, out.stride, offset=start * out.stride[axis] * out.itemsize)
+        b.reorder(v, piece, src_q=None, dst_q=None)
+        start += v.shape[axis]
+
+
+def _same_order(v: Val, out: Val) -> bool:
+    """Whether ``v`` lays its dims out in ``out``'s order (size-1 dims aside); a free value (its
+    writer picks the layout) counts as the same: oneDNN's concat sees it first."""
+    if v.free:
+        return True
+
+    def order(x: Val) -> list[int]:
+        return sorted((d for d in range(len(x.shape)) if x.shape[d] != 1), key=lambda d: -x.stride[d])
+
+    return order(v) == order(out)
 
 
 def check_embedding(c: Call) -> str | None:
