@@ -200,9 +200,11 @@ def _export(model: nn.Module, inputs: tuple, dynamic: bool) -> torch.export.Expo
         return torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
 
 
-def _serves(ep: torch.export.ExportedProgram, inputs: tuple) -> bool:
-    """Whether every dimension ``ep`` fixed equals the example's own size (a graph exported on a
-    doubled batch that specialised the batch to 2 would refuse the example)."""
+def _serves(ep: torch.export.ExportedProgram, inputs: tuple) -> str | None:
+    """Why ``ep`` cannot run the example (``None``: it can). A graph exported on a doubled batch may
+    have specialised the batch to 2 (a loop over the batch unrolls), or kept a guard that ties the
+    batch to other dims and fails at batch 1 (HF MobileViT / Swin / SigLIP: ``4 * N != h * w`` where a
+    reshape folds the batch into the patches); the example itself is then exported."""
     user = torch.export.graph_signature.InputKind.USER_INPUT
     names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == user]
     vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
@@ -212,8 +214,14 @@ def _serves(ep: torch.export.ExportedProgram, inputs: tuple) -> bool:
             continue
         for d, size in zip(val.shape, x.shape):
             if not isinstance(d, torch.SymInt) and int(d) != size:
-                return False
-    return True
+                return "the batch dimension is specialised (forward() depends on its size)"
+    try:
+        with torch.no_grad():
+            ep.module()(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+    except Exception as exc:  # a guard of the doubled batch's graph (or any failure on the example)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"the graph exported on a doubled batch refuses the example ({first[:160]})"
+    return None
 
 
 def _bound(value: Any) -> str:
@@ -268,11 +276,11 @@ def export_capture(model: nn.Module, example_inputs: Sequence[Any], *, reason: s
         except Exception as exc:  # the next attempt fixes more; the first error is the one to show
             first_error = first_error or exc
             continue
-        if args is inputs or _serves(candidate, inputs):
+        refused = None if args is inputs else _serves(candidate, inputs)
+        if refused is None:
             ep = candidate
             break
-        # the doubled batch got specialised (a loop over the batch unrolls): export the example itself
-        notes.append("the batch dimension is specialised (forward() depends on its size)")
+        notes.append(f"{refused}; exported on the example itself")  # the next attempt
     if ep is None:
         assert first_error is not None
         text = str(first_error).strip().splitlines()[0] if str(first_error).strip() else ""

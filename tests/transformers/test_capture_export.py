@@ -252,3 +252,30 @@ def test_raise_aten_keeps_a_scaled_addmm_and_says_why() -> None:
     res = RaiseATen()(_exported(model, torch.randn(3, 8)))
     assert "aten.addmm" in res.graph_module.code
     assert [s.reason for s in res.skips] == ["addmm with alpha or beta other than 1"]
+
+
+class _BatchTiedBranch(nn.Module):
+    """A branch on an equation between the batch and another dim (as HF MobileViT / Swin / SigLIP
+    have when they fold the batch into patches): the graph exported on a doubled batch keeps a guard
+    that the example's batch of 1 fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] * 4 == x.shape[1]:
+            return self.lin(x) * 2
+        return self.lin(x)
+
+
+def test_export_whose_doubled_batch_guard_refuses_the_example_is_redone_on_the_example() -> None:
+    from gml.capture_export import export_capture
+
+    torch.manual_seed(0)
+    model, x = _BatchTiedBranch().eval(), torch.randn(1, 4, 8)
+    gm = export_capture(model, (x,), reason="test")
+    info = capture_info(gm)
+    assert any("refuses the example" in note for note in info.notes), info.notes
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
