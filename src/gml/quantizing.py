@@ -615,6 +615,7 @@ class TransformerScheme:
             from types import SimpleNamespace
 
             from gml.quant.cost_policy import WHOLE_MARGIN, CostReport, guard_whole_model
+            from gml.runtime.compile import python_executor
 
             t0 = time.perf_counter()
             # gml.optimize's pipeline continued from the graph the GEMMs were quantized from (#25, #28)
@@ -622,7 +623,7 @@ class TransformerScheme:
             shapes = " ".join("x".join(map(str, x.shape)) for x in job.inputs if isinstance(x, torch.Tensor))
             cost = CostReport("measure", shapes=shapes)
             cost.whole = guard_whole_model(
-                engine if engine is not None else res.module, lambda: opt.executable, job.inputs
+                engine if engine is not None else python_executor(res.module), lambda: opt.executable, job.inputs
             )
             seconds["whole-model guard"] = time.perf_counter() - t0
             i8, f32 = cost.whole

@@ -32,8 +32,11 @@ class OptimizeResult:
 
     @property
     def executable(self) -> Any:
-        """What to call for inference: the engine where it covers the graph, else ``module``."""
-        return self.engine if self.engine is not None else self.module
+        """What to call for inference: the engine where it covers the graph, else ``module``'s Python
+        executor (``gml.runtime.compile.python_executor``: its size-only glue runs once per shape)."""
+        from gml.runtime.compile import python_executor
+
+        return self.engine if self.engine is not None else python_executor(self.module)
 
     @property
     def rel_err(self) -> float:
@@ -108,8 +111,11 @@ class QuantizeResult:
 
     @property
     def executable(self) -> Any:
-        """What to call for inference: the engine where it covers the graph, else ``module``."""
-        return self.engine if self.engine is not None else self.module
+        """What to call for inference: the engine where it covers the graph, else ``module``'s Python
+        executor (``gml.runtime.compile.python_executor``: its size-only glue runs once per shape)."""
+        from gml.runtime.compile import python_executor
+
+        return self.engine if self.engine is not None else python_executor(self.module)
 
     def save(self, path: str) -> None:
         """Save the INT8 model as a ``torch.export`` program of ``torch.ops.gml`` calls (no pickle);

@@ -154,3 +154,41 @@ def test_the_export_guards_still_refuse_a_sequence_longer_than_the_position_tabl
     with torch.no_grad():
         got, want = res.executable(*_tokens(1, 32)), model(*_tokens(1, 32))
     torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["fp32", "int8"])
+def test_the_python_executor_caches_the_glue_too(scheme: str) -> None:
+    """Where torch runs the graph (``runtime="torch"``, or the runtime choice picked it), the result's
+    executable runs the size-only values and the export guards once per shape as the engine path
+    does (HF Swin's guard function read 5,700 sizes per call), on a copy of ``module`` that shares its
+    weights and forward pre-hooks; ``module`` stays the graph that is saved."""
+    import gml
+    from gml.errors import InputError
+    from gml.runtime.shape_values import ShapeGuards
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    example = _tokens(2, 12, 7)
+    if scheme == "fp32":
+        res = gml.optimize(model, example, runtime="torch")
+    else:
+        res = gml.quantize(model, 2, example_inputs=example, runtime="torch", cost_policy="off")
+    run = res.executable
+    assert res.engine is None and run is not res.module and res.executable is run
+    assert isinstance(run._guards_fn, ShapeGuards) and isinstance(run.shape_values, ShapeValues)
+    assert not any(n.op == "call_module" and n.target == "shape_values" for n in res.module.graph.nodes)
+    for batch, seq, pad in ((2, 12, 7), (3, 20, 11)):
+        ids, mask = _tokens(batch, seq, pad)
+        with torch.no_grad():
+            got, want = run(ids, mask), res.module(ids, mask)
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state)
+    with pytest.raises(AssertionError, match="Guard failed"):  # longer than the position table
+        run(*_tokens(1, 600))
+    seen: list[int] = []
+    res.module.register_forward_pre_hook(lambda mod, args: seen.append(len(args)))
+    with torch.no_grad():
+        run(*example)
+    assert seen == [2]
+    if scheme == "int8":  # the INT8 model's refusal of autograd inputs holds on the copy too
+        with pytest.raises(InputError, match="for inference"):
+            run(example[0], example[1].float().requires_grad_())

