@@ -263,3 +263,58 @@ def test_torchvision_vit_runs_its_encoder_on_the_engine(precision):
         ref, got = m(x), res.executable(x)
     tol = 1e-5 if precision == "fp32" else 2.0**-4
     assert float((got - ref).abs().max()) <= tol * float(ref.abs().max())
+
+
+# ---------------------------------------------------------------- binary ops with a constant operand
+class _NoNorm(nn.Module):
+    """MobileBERT's NoNorm after a linear: ``x * w + b`` with constant vectors (HF's
+    ``NoNorm``). Both are binary steps with a plan-owned constant operand; before, each stayed in
+    torch ("no engine kernel for Mul", "add of a constant") and cut the plan into segments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.weight = nn.Parameter(torch.randn(8))
+        self.bias = nn.Parameter(torch.randn(8))
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lin(x) * self.weight + self.bias)
+
+
+def test_mul_and_add_of_a_constant_vector_run_in_the_plan():
+    import gml
+
+    torch.manual_seed(0)
+    model, x = _NoNorm().eval(), torch.randn(2, 5, 8)
+    r = gml.optimize(model, x, runtime="engine")
+    assert r.runtime.path == "engine" and r.runtime.segments == 1, str(r.runtime)
+    assert [impl for _, impl in r.engine.step_impls() if "ref" in impl] == []
+    with torch.no_grad():
+        torch.testing.assert_close(r.executable(x), model(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # another shape: the constants broadcast the same way
+        y = torch.randn(3, 7, 8)
+        torch.testing.assert_close(r.executable(y), model(y), rtol=1e-5, atol=1e-5)
+
+
+def test_a_mul_of_two_computed_values_stays_in_torch_with_its_reason():
+    gm = graph_of(gnn.Mul(), n_inputs=2, wiring=[(0, 1)])
+    eng = check(gm, torch.randn(2, 5, 8), torch.randn(8), expect="torch")
+    assert [n.reason for n in eng.report.torch_nodes] == [
+        "mul of two computed values (the engine multiplies by a constant only)"
+    ]
+
+
+def test_a_mul_of_two_constants_stays_in_torch_with_its_reason():
+    g = fx.Graph()
+    root = nn.Module()
+    root.mul, root.c0, root.c1 = gnn.Mul(), nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+    x = g.placeholder("x")
+    prod = g.call_module("mul", (g.get_attr("c0"), g.get_attr("c1")))
+    g.output(g.call_function(torch.add, (x, prod)))
+    gm = fx.GraphModule(root, g)
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    ShapeProp(gm).propagate(torch.randn(2, 4))
+    eng = compile_engine(gm, (torch.randn(2, 4),))
+    assert "mul of two constants" in [n.reason for n in eng.report.torch_nodes], str(eng.report)

@@ -129,12 +129,27 @@ def _emit_cast(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 def check_float_add(c: Call) -> str | None:
     if c.a.alpha != 1:
         return f"{type(c.a).__name__} with alpha {c.a.alpha}"
-    if any(n.op == "get_attr" for n in c.inputs):
-        return "add of a constant (the engine adds two computed values)"
+    return _check_float_binary(c, "add")
+
+
+def _check_float_binary(c: Call, op: str) -> str | None:
+    consts = [n for n in c.inputs if n.op == "get_attr"]
+    if len(consts) > 1:
+        return f"{op} of two constants"
     dtypes = [base.meta_dtype(n) for n in c.inputs]
     if len(dtypes) != 2 or any(d is not None and d not in base.FLOATS for d in dtypes):
-        return f"add of {', '.join(str(d) for d in dtypes)} tensors (the engine adds fp32 / bf16)"
+        verb = "adds" if op == "add" else "multiplies"
+        return f"{op} of {', '.join(str(d) for d in dtypes)} tensors (the engine {verb} fp32 / bf16)"
     return None
+
+
+def check_float_mul(c: Call) -> str | None:
+    # by a constant only (MobileBERT's NoNorm): a product of two computed values (squeeze-excite's
+    # gate) stays in torch until the zoo is swept with it in the plan (strided broadcasts may find
+    # only oneDNN's reference binary, which GML's strided kernel covers for add only)
+    if not any(n.op == "get_attr" for n in c.inputs):
+        return "mul of two computed values (the engine multiplies by a constant only)"
+    return _check_float_binary(c, "mul")
 
 
 def emit_float_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
@@ -145,18 +160,34 @@ def emit_float_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         return
     if fuse_into_dynamic_linear(b, x, y, out) or fuse_into_dynamic_linear(b, y, x, out):
         return
+    _float_binary(b, x, y, out, "add")
+
+
+def emit_float_mul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    _float_binary(b, ins[0], ins[1], out, "mul")
+
+
+def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str) -> None:
+    """One oneDNN binary ``x <alg> y`` (commutative: add, mul); the operand that broadcasts (a
+    constant vector: MobileBERT's NoNorm ``x * w + b``) is the second source."""
+    if {x.dtype_name, y.dtype_name, out.dtype_name} - {"f32", "bf16"}:
+        raise Unsupported(f"{alg} of {x.dtype_name} and {y.dtype_name}")
     if x.shape != out.shape:  # oneDNN broadcasts the second source only
         x, y = y, x
     if x.shape != out.shape or len(y.shape) > len(out.shape):
-        raise Unsupported(f"add of {x.shape} and {y.shape} broadcasting both operands")
+        raise Unsupported(f"{alg} of {x.shape} and {y.shape} broadcasting both operands")
     # oneDNN 3.2's binary has no jitted kernel for mixed bf16 / f32 sources (measured: ref:any,
     # 2-6 ms for a 128 x 384 add): such operands are converted to the output's dtype first
     if x.dtype_name != out.dtype_name:
         x = _converted(b, x, out.dtype_name)
     if y.dtype_name != out.dtype_name:
         y = _converted(b, y, out.dtype_name)
-    y = base.broadcast_view(b, y, len(out.shape))
-    b.binary(x, y, out, "add", scale0=None, scale1=None, eltwise=[])
+    if y.group is not None and y.group.where == "const" and y.ref is not None:  # a constant operand:
+        # the plan owns a copy (a view of it cannot be planned), with out's rank
+        y = b.constant(y.ref.reshape((1,) * (len(out.shape) - y.ref.dim()) + tuple(y.ref.shape)))
+    else:
+        y = base.broadcast_view(b, y, len(out.shape))
+    b.binary(x, y, out, alg, scale0=None, scale1=None, eltwise=[])
 
 
 def _converted(b: Builder, v: Val, dtype: str) -> Val:
@@ -238,6 +269,7 @@ RULES: dict[object, TranslationRule] = {
     "requantize": TranslationRule(base.always, _emit_requantize),
     **{cast: TranslationRule(base.always, _emit_cast) for cast in CASTS},
     gnn.Add: TranslationRule(check_float_add, emit_float_add, 2),
+    gnn.Mul: TranslationRule(check_float_mul, emit_float_mul, 2),
     **{kind: TranslationRule(check_eltwise, emit_eltwise) for kind in _ELTWISE},
     nn.LayerNorm: TranslationRule(check_layer_norm, emit_layer_norm),
 }
