@@ -441,3 +441,69 @@ def test_identity_modules_are_removed_but_not_subclasses():
     x = torch.randn(1, 2, 3, 3)
     calls = Tap.calls
     assert torch.equal(gm(x), model(x)) and Tap.calls == calls + 2
+
+
+class _SqueezeExcite(nn.Module):
+    """timm's SqueezeExcite: the squeeze a spatial mean, the reduce conv's activation in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+        self.reduce, self.act = nn.Conv2d(8, 2, 1), nn.SiLU(inplace=True)
+        self.expand = nn.Conv2d(2, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        s = self.act(self.reduce(y.mean((2, 3), keepdim=True)))
+        return y * self.expand(s).sigmoid()
+
+
+def test_spatial_mean_becomes_an_adaptive_pool_bit_exactly():
+    model, x = _SqueezeExcite().eval(), torch.randn(2, 8, 7, 9)
+    gm = capture(model, (x,))
+    result = Normalize()(gm)
+    assert module_types(gm)["AdaptiveAvgPool2d"] == 1 and not [n for n in op_nodes(gm) if n.target == "mean"]
+    assert not [s for s in result.skips if "mean" in s.pattern]
+    (pool,) = [m for m in gm.modules() if isinstance(m, nn.AdaptiveAvgPool2d)]
+    assert pool.output_size == 1
+    for x in (torch.randn(2, 8, 7, 9), torch.randn(1, 8, 5, 5).contiguous(memory_format=torch.channels_last)):
+        assert torch.equal(gm(x), model(x))
+
+
+@pytest.mark.parametrize(
+    ("call", "reason"),
+    [
+        (lambda x: x.mean((2, 3)), "mean over dim=(2, 3) keepdim=False dtype=None"),
+        (lambda x: x.mean(1, keepdim=True), "mean over dim=1 keepdim=True dtype=None"),
+        (lambda x: x.flatten(2).mean(-1, keepdim=True), "mean of a 3-D tensor"),
+        (lambda x: x.mean(), "mean over dim=None keepdim=False dtype=None"),
+    ],
+)
+def test_other_means_keep_their_call_with_the_reason(call, reason):
+    class M(nn.Module):
+        def forward(self, x):
+            return call(x)
+
+    x = torch.randn(2, 3, 4, 5)
+    gm = capture(M(), (x,))
+    result = Normalize()(gm)
+    (skip,) = [s for s in result.skips if "mean" in s.pattern]
+    assert skip.reason.startswith(reason), skip.reason
+    assert torch.equal(gm(x), call(x))
+
+
+def test_an_activation_made_out_of_place_no_longer_records_its_write():
+    """Shape propagation records that ``SiLU(inplace=True)`` overwrote the reduce conv's output
+    (``MUTATES``); once Normalize makes the module out of place that record is stale, and the conv
+    fusion read it as "its output is overwritten in place" and left every squeeze-excite reduce
+    conv of timm's EfficientNets unfused (and so in torch)."""
+    model, x = _SqueezeExcite().eval(), torch.randn(2, 8, 7, 9)
+    gm = capture(model, (x,))
+    (act,) = [n for n in gm.graph.nodes if n.target == "act"]
+    assert act.meta.get(MUTATES) == ("reduce",)  # the capture saw the write
+    Normalize()(gm)
+    assert not [n.name for n in gm.graph.nodes if n.meta.get(MUTATES)]
+    import gml
+
+    fused = gml.optimize(model, x, runtime="torch").report.record("fuse_conv")
+    assert fused.skips == [] and fused.matches == 2  # reduce + SiLU and expand + sigmoid, one kernel each

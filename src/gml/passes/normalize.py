@@ -12,6 +12,8 @@ Before → after (``%m`` is a fresh submodule, placed in the scope the call came
     x * y, torch.mul, x.mul(y), x.mul_(y), x *= y / x * 0.5         →  gml.nn.Mul()(x, y) / gml.nn.MulScalar(0.5)(x)
     torch.flatten(x, s, e), x.flatten(s, e)                         →  nn.Flatten(s, e)
     F.adaptive_avg_pool{1,2,3}d(x, size)                            →  nn.AdaptiveAvgPool{1,2,3}d(size)
+    x.mean((2, 3), keepdim=True), torch.mean (a 4-D x)              →  nn.AdaptiveAvgPool2d(1) (squeeze-excite's
+        squeeze in timm; ATen computes that pool as this very mean)      rank from shape metadata)
     F.max_pool{1,2,3}d / torch.max_pool{1,2,3}d (all arguments)     →  nn.MaxPool{1,2,3}d(...)
     F.avg_pool{1,2,3}d (all arguments)                              →  nn.AvgPool{1,2,3}d(...)
     F.dropout(x, p, training=False), nn.Dropout in eval mode        →  removed (it is the identity)
@@ -137,6 +139,7 @@ _SIG_BY_KIND: dict[str, _Sig] = {
     "mul": _BINARY,
     "flatten": _Sig(("input", "start_dim", "end_dim"), {"start_dim": 0, "end_dim": -1}),
     "adaptive_avg_pool": _Sig(("input", "output_size")),
+    "mean": _Sig(("input", "dim", "keepdim", "dtype"), {"dim": None, "keepdim": False, "dtype": None}),
     "max_pool": _Sig(
         ("input", "kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
         {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False},
@@ -229,6 +232,24 @@ def _constant(bound: dict[str, Any], key: str) -> Any:
     if found:
         raise _Decline(f"argument {key} is computed at run time ({found[0].name}), so it cannot be stored on a module")
     return value
+
+
+def _spatial_mean_module(bound: dict[str, Any]) -> nn.Module:
+    """``x.mean((2, 3), keepdim=True)`` of a 4-D ``x`` → ``nn.AdaptiveAvgPool2d(1)``: ATen computes an
+    adaptive average pool to 1 × 1 as exactly this mean (bit-exact), and the pool has an engine step
+    and an INT8 lowering. Other means keep their call (no module computes them as they are)."""
+    dim, keepdim, dtype = _constant(bound, "dim"), _constant(bound, "keepdim"), _constant(bound, "dtype")
+    meta = bound["input"].meta.get("tensor_meta") if isinstance(bound["input"], fx.Node) else None
+    rank = len(meta.shape) if isinstance(meta, TensorMetadata) else None
+    if rank != 4:
+        raise _Decline(f"mean of a {rank}-D tensor (only a 4-D tensor's spatial mean has a module form)")
+    dims = dim if isinstance(dim, (list, tuple)) else (dim,)
+    if dtype is not None or not keepdim or not all(isinstance(d, int) for d in dims) or {d % 4 for d in dims} != {2, 3}:
+        raise _Decline(
+            f"mean over dim={dim!r} keepdim={keepdim!r} dtype={dtype!r} "
+            "(only mean((2, 3), keepdim=True) of a 4-D tensor is nn.AdaptiveAvgPool2d(1))"
+        )
+    return nn.AdaptiveAvgPool2d(1)
 
 
 def _dims(target: Any) -> int:
@@ -442,6 +463,7 @@ class _NormalizeRun:
             setattr(self._gm.get_submodule(parent) if parent else self._gm, attr, clone)
             self._modules[target] = clone
             for n in nodes:
+                n.meta.pop(MUTATES, None)  # shape propagation saw the write; there is none now
                 self._redirect_later_readers(n, n.args[0], n)
                 self._rewritten[f"{type(clone).__name__}(inplace=True)"] += 1
 
@@ -564,6 +586,7 @@ class _NormalizeRun:
         with self._gm.graph.inserting_before(node):
             new = self._gm.graph.call_module(target, tuple(inputs))
         new.meta = dict(node.meta)
+        new.meta.pop(MUTATES, None)  # the module runs out of place (an in-place spelling's readers move below)
         self._order[new] = self._order[node]
         node.replace_all_uses_with(new)
         self._gm.graph.erase_node(node)
@@ -649,6 +672,8 @@ class _NormalizeRun:
             if not (isinstance(start, int) and isinstance(end, int)):
                 raise _Decline("flatten over named dimensions has no module form")
             return nn.Flatten(start, end)
+        if kind == "mean":
+            return _spatial_mean_module(bound)
         if kind == "adaptive_avg_pool":
             cls = {1: nn.AdaptiveAvgPool1d, 2: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool3d}[_dims(node.target)]
             return cls(c("output_size"))

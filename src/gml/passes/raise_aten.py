@@ -16,7 +16,7 @@ of the module that made the call, taken from export's ``nn_module_stack``, e.g.
     aten.embedding(W, ids, padding_idx)                   →  nn.Embedding(ids)
     aten.batch_norm(x, W, b, mean, var, False, m, eps)    →  nn.BatchNorm{1,2,3}d(x)  (running statistics)
     aten.relu / gelu / tanh / sigmoid / silu / hardswish  →  torch.relu / F.gelu / ... (Normalize makes modules)
-    aten.add.Tensor / mul / sub / div / matmul / bmm / softmax / dropout / flatten / SDPA  →  torch.* / F.*
+    aten.add.Tensor / mul / sub / div / matmul / bmm / softmax / dropout / flatten / mean.dim / SDPA  →  torch.* / F.*
     aten.view / reshape / permute / transpose / unsqueeze / expand / contiguous  →  x.view(...) etc.
     aten._assert_tensor_metadata(...)                     →  removed (a check with no result; it would
                                                              count as a reader of its input and block fusions)
@@ -67,6 +67,7 @@ FUNCTIONS: dict[Any, Callable] = {
     aten.cat.default: torch.cat,
     aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
     aten.adaptive_avg_pool2d.default: F.adaptive_avg_pool2d,
+    aten.mean.dim: torch.mean,  # squeeze-excite's spatial mean: Normalize makes it a pool
     aten.max_pool2d.default: torch.max_pool2d,
 }
 
