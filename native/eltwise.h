@@ -20,9 +20,9 @@ struct BinaryStep {
   std::string name;
 };
 
-// Element-wise binary op: dst = post_ops(scale0 * src0 <alg> scale1 * src1). An fp32 add without
-// scales or post-ops for whose layouts oneDNN has only its reference kernel runs as GML's strided
-// loop instead (strided.h, "gml:strided_add").
+// Element-wise binary op: dst = post_ops(scale0 * src0 <alg> scale1 * src1). An fp32 add or mul
+// without scales or post-ops for whose layouts oneDNN has only its reference kernel runs as GML's
+// strided loop instead (strided.h, "gml:strided_add" / "gml:strided_mul").
 inline void build(Plan& p, const BinaryStep& desc) {
   const int src0 = desc.src0, src1 = desc.src1, dst = desc.dst;
   const std::string &alg = desc.alg, &name = desc.name;
@@ -37,16 +37,18 @@ inline void build(Plan& p, const BinaryStep& desc) {
   auto pd = dnnl::binary::primitive_desc(cpu_engine(), a, p.md_in(src0), p.md_in(src1), p.md_out(dst), attr);
   p.resolve(dst, pd.dst_desc());
   const std::string impl = pd.impl_info_str();
-  if (impl.rfind("ref", 0) == 0 && a == A::binary_add && !scale0 && !scale1 && eltwise.empty()) {
-    // oneDNN has only its reference binary for these layouts (strided.h): GML's strided add
-    if (auto k = gml_strided::Add::make(p.md_in(src0), p.md_in(src1), p.md_in(dst))) {
+  const bool add_or_mul = a == A::binary_add || a == A::binary_mul;
+  if (impl.rfind("ref", 0) == 0 && add_or_mul && !scale0 && !scale1 && eltwise.empty()) {
+    // oneDNN has only its reference binary for these layouts (strided.h): GML's strided loop
+    const auto op = a == A::binary_add ? gml_strided::Op::add : gml_strided::Op::mul;
+    if (auto k = gml_strided::Binary::make(op, p.md_in(src0), p.md_in(src1), p.md_in(dst))) {
       Kernel kernel = [k = *k](const std::unordered_map<int, memory>& args) {
         k.run(static_cast<const float*>(args.at(DNNL_ARG_SRC_0).get_data_handle()),
               static_cast<const float*>(args.at(DNNL_ARG_SRC_1).get_data_handle()),
               static_cast<float*>(args.at(DNNL_ARG_DST).get_data_handle()));
       };
       p.push_kernel(std::move(kernel), {{DNNL_ARG_SRC_0, src0}, {DNNL_ARG_SRC_1, src1}, {DNNL_ARG_DST, dst}},
-                    memory::desc(), name, "gml:strided_add");
+                    memory::desc(), name, op == gml_strided::Op::add ? "gml:strided_add" : "gml:strided_mul");
       return;
     }
   }

@@ -1,5 +1,5 @@
-// GML engine: an fp32 add over arbitrary strided plain layouts (with broadcasting), for the layouts
-// oneDNN has only its reference binary for (issue #23, item 6: no reference kernel in any plan).
+// GML engine: an fp32 add or mul over arbitrary strided plain layouts (with broadcasting), for the
+// layouts oneDNN has only its reference binary for (issue #23, item 6: no reference kernel in any plan).
 //
 // Why. oneDNN's jitted binary kernels want src0 and dst in one layout and src1 in it or in one of a
 // few broadcast patterns. Anything else gets "ref:any": plain C++ that recomputes every element's
@@ -11,9 +11,11 @@
 // How. The dims are ordered by the destination's strides (outermost first, a dim of size 1 dropped);
 // each source's stride in a broadcast dim is 0. The innermost dim is one loop with three constant
 // strides, specialised for the dense cases (dst and src0 stride 1, src1 stride 1 or 0: loops GCC
-// vectorises; the engine's adds put the full-shape operand first); the outer dims are a flat index split over the OpenMP team. Every element is one
-// fp32 add, as oneDNN's. Only what the engine's fp32 adds use: no input scales, no post-ops (the
-// caller keeps oneDNN's binary otherwise; its INT8 adds and muls have u8 / s8 sources).
+// vectorises; the engine's binaries put the full-shape operand first); the outer dims are a flat
+// index split over the OpenMP team. Every element is one fp32 add or multiply, as oneDNN's. Only what
+// the engine's fp32 binaries use: no input scales, no post-ops (the caller keeps oneDNN's binary
+// otherwise; its INT8 adds and muls have u8 / s8 sources). The mul is a squeeze-excite gate
+// (x * sigmoid(...), a per-channel broadcast) whose operands' layouts oneDNN has no jit kernel for.
 #pragma once
 
 #include <omp.h>
@@ -41,11 +43,14 @@ inline std::optional<memory::dims> plain_strides(const memory::desc& md) {
   return md.get_strides();
 }
 
-class Add {
+enum class Op { add, mul };
+
+class Binary {
  public:
-  // dst = src0 + src1 for these layouts, if plain strided f32 everywhere with the sources' dims equal
-  // to dst's or 1 (a broadcast); nullopt otherwise (the caller keeps oneDNN's binary).
-  static std::optional<Add> make(const memory::desc& src0, const memory::desc& src1, const memory::desc& dst) {
+  // dst = src0 <op> src1 for these layouts, if plain strided f32 everywhere with the sources' dims
+  // equal to dst's or 1 (a broadcast); nullopt otherwise (the caller keeps oneDNN's binary).
+  static std::optional<Binary> make(Op op, const memory::desc& src0, const memory::desc& src1,
+                                    const memory::desc& dst) {
     const auto s0 = plain_strides(src0), s1 = plain_strides(src1), sd = plain_strides(dst);
     if (!s0 || !s1 || !sd) return std::nullopt;
     for (const auto* md : {&src0, &src1, &dst})
@@ -53,7 +58,8 @@ class Add {
     const memory::dims d0 = src0.get_dims(), d1 = src1.get_dims(), dd = dst.get_dims();
     const size_t n = dd.size();
     if (n == 0 || d0.size() != n || d1.size() != n) return std::nullopt;
-    Add b;
+    Binary b;
+    b.op_ = op;
     std::vector<size_t> order;
     for (size_t i = 0; i < n; ++i) {
       if (dd[i] <= 0) return std::nullopt;  // an empty tensor: oneDNN's primitive (a no-op) stays
@@ -92,19 +98,28 @@ class Add {
   }
 
  private:
-  // One innermost row: the dense cases as loops with constant unit strides (vectorised).
   void row(const float* a, const float* c, float* d, int64_t len) const {
+    if (op_ == Op::add)
+      row_of(a, c, d, len, [](float x, float y) { return x + y; });
+    else
+      row_of(a, c, d, len, [](float x, float y) { return x * y; });
+  }
+
+  // One innermost row: the dense cases as loops with constant unit strides (vectorised).
+  template <class F>
+  void row_of(const float* a, const float* c, float* d, int64_t len, F f) const {
     const int64_t sa = strides_[0].back(), sc = strides_[1].back(), sd = strides_[2].back();
     if (sd == 1 && sa == 1 && sc == 1) {
-      for (int64_t i = 0; i < len; ++i) d[i] = a[i] + c[i];
+      for (int64_t i = 0; i < len; ++i) d[i] = f(a[i], c[i]);
     } else if (sd == 1 && sa == 1 && sc == 0) {
       const float y = c[0];
-      for (int64_t i = 0; i < len; ++i) d[i] = a[i] + y;
+      for (int64_t i = 0; i < len; ++i) d[i] = f(a[i], y);
     } else {
-      for (int64_t i = 0; i < len; ++i) d[i * sd] = a[i * sa] + c[i * sc];
+      for (int64_t i = 0; i < len; ++i) d[i * sd] = f(a[i * sa], c[i * sc]);
     }
   }
 
+  Op op_ = Op::add;
   std::vector<int64_t> dims_;
   std::vector<int64_t> strides_[3];  // src0, src1, dst, per ordered dim (elements; 0: broadcast)
 };

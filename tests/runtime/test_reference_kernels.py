@@ -160,30 +160,65 @@ def test_relative_position_logits_of_permuted_views():
         torch.testing.assert_close(r.executable(x), model(x), rtol=1e-4, atol=1e-4)
 
 
-class _BroadcastAdds(nn.Module):
-    """fp32 adds whose second operand is a broadcast slice of the first (along channels, along the
-    innermost dim, of strided rows): oneDNN 3.2 has only its reference binary for these on every ISA
-    tried (AVX2, AVX-512); GML's strided add runs them (native/strided.h)."""
+class _BroadcastBinaries(nn.Module):
+    """fp32 adds (or muls) whose second operand is a broadcast slice of the first (along channels,
+    along the innermost dim, of strided rows): oneDNN 3.2 has only its reference binary for these on
+    every ISA tried (AVX2, AVX-512); GML's strided loop runs them (native/strided.h)."""
 
-    def __init__(self) -> None:
+    def __init__(self, op: str) -> None:
         super().__init__()
+        self.op = op
         self.c1, self.c2 = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.add if self.op == "add" else torch.mul
         z = self.c1(x)
-        a = z + z[:, :1]
-        b = a + a[..., :1]
-        c = b[:, :, ::2] + b[:, :1, 1::2]
+        a = f(z, z[:, :1])
+        b = f(a, a[..., :1])
+        c = f(b[:, :, ::2], b[:, :1, 1::2])
         return self.c2(c)
 
 
-def test_adds_of_broadcast_slices():
+@pytest.mark.parametrize("op", ["add", "mul"])
+def test_binaries_of_broadcast_slices(op):
     torch.manual_seed(0)
-    model, x = _BroadcastAdds().eval(), torch.randn(2, 4, 6, 6)
+    model, x = _BroadcastBinaries(op).eval(), torch.randn(2, 4, 6, 6)
     r = gml.optimize(model, x, runtime="engine")  # a model this small would otherwise stay in torch
     assert_no_reference_steps(r)
+    assert f"gml:strided_{op}" in {impl for _, impl in r.engine.step_impls()}
     with torch.no_grad():
         torch.testing.assert_close(r.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class _SqueezeExcite(nn.Module):
+    """An inverted-residual block with timm's squeeze-excite: a spatial mean, a reduce conv with its
+    activation in place, an expand conv, a sigmoid gate multiplied into the block's activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pw, self.dw = nn.Conv2d(8, 32, 1), nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.reduce, self.act = nn.Conv2d(32, 8, 1), nn.SiLU(inplace=True)
+        self.expand, self.proj = nn.Conv2d(8, 32, 1), nn.Conv2d(32, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.silu(self.dw(torch.nn.functional.silu(self.pw(x))))
+        gate = self.expand(self.act(self.reduce(y.mean((2, 3), keepdim=True)))).sigmoid()
+        return x + self.proj(y * gate)
+
+
+def test_squeeze_excite_is_one_engine_segment():
+    """The mean, the reduce conv and the gate's product used to stay in torch (a stale in-place
+    record, no module form for the mean, no engine mul of two computed values): timm's
+    EfficientNet-B0 ran as 17 engine segments with 33 torch nodes between them, now as one."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_SqueezeExcite(), _SqueezeExcite()).eval(), torch.randn(2, 8, 12, 12)
+    r = gml.optimize(model, x, runtime="engine")
+    assert_no_reference_steps(r)
+    assert r.runtime.segments == 1 and r.runtime.torch_nodes == [], str(r.runtime)
+    with torch.no_grad():
+        for shape in ((2, 8, 12, 12), (1, 8, 7, 9)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(r.executable(x), model(x), rtol=1e-4, atol=1e-4)
 
 
 class _ECA(nn.Module):

@@ -46,7 +46,7 @@ class MixBlock(nn.Module):
         y = F.silu(self.mixed(self.pw, x))
         y = F.silu(self.mixed(self.dw, y))
         s = self.se_expand(F.silu(self.se_reduce(y.mean((2, 3), keepdim=True))))
-        y = y * torch.sigmoid(s)  # a torch op: the next split's source
+        y = torch.erf(y * torch.sigmoid(s))  # erf: a torch op (no engine step), the next split's source
         return self.mixed(self.pwl, y)
 
 

@@ -297,12 +297,25 @@ def test_mul_and_add_of_a_constant_vector_run_in_the_plan():
         torch.testing.assert_close(r.executable(y), model(y), rtol=1e-5, atol=1e-5)
 
 
-def test_a_mul_of_two_computed_values_stays_in_torch_with_its_reason():
+@pytest.mark.parametrize(
+    "shapes",
+    [((2, 5, 8), (8,)), ((2, 5, 8), (2, 5, 8)), ((2, 1, 8), (2, 5, 8)), ((2, 8, 3, 3), (2, 8, 1, 1))],
+    ids=["row", "same", "first-broadcasts", "gate"],
+)
+def test_a_mul_of_two_computed_values(shapes):
+    # a squeeze-excite gate (x * sigmoid(...) of shape N x C x 1 x 1) and the broadcasts around it
     gm = graph_of(gnn.Mul(), n_inputs=2, wiring=[(0, 1)])
-    eng = check(gm, torch.randn(2, 5, 8), torch.randn(8), expect="torch")
-    assert [n.reason for n in eng.report.torch_nodes] == [
-        "mul of two computed values (the engine multiplies by a constant only)"
-    ]
+    check(gm, *(torch.randn(s) for s in shapes))
+
+
+def test_a_mul_broadcasting_both_operands_stays_in_torch_with_its_reason():
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    gm = graph_of(gnn.Mul(), n_inputs=2, wiring=[(0, 1)])
+    x, y = torch.randn(2, 1, 8), torch.randn(1, 5, 8)
+    ShapeProp(gm).propagate(x, y)
+    eng = check(gm, x, y, expect="torch")
+    assert [n.reason for n in eng.report.torch_nodes] == ["mul broadcasting both operands ([2, 1, 8] and [1, 5, 8])"]
 
 
 def test_a_mul_of_two_constants_stays_in_torch_with_its_reason():

@@ -322,15 +322,25 @@ class Builder:
         channels-last): reordered to NHWC first. A primitive mixing NCHW in and NHWC out finds only
         oneDNN's reference kernel (shufflenet_v2's conv5 after the channel shuffle: 1.5 s instead of
         ~0.2 ms); OpenVINO does the same reorder. Any rank with spatial dims: a Conv1d's NCW source
-        with an NWC destination (Whisper's first conv, 39 s per call on ``ref:any`` under AVX2)."""
+        with an NWC destination (Whisper's first conv, 39 s per call on ``ref:any`` under AVX2). The
+        converse, an NHWC source with a plain NCHW destination, is reordered to NCHW."""
         rank = len(src.shape)
-        writes_nhwc = _fixed_free_layout(dst) or (not dst.free and len(dst.shape) == rank and is_nhwc(dst))
-        if not writes_nhwc or src.free or rank < 3 or len(dst.shape) != rank or is_nhwc(src):
+        if src.free or rank < 3 or len(dst.shape) != rank:
             return src
-        t = self.temp(src.shape, nhwc_strides(src.shape), src.dtype_name)
-        t.free = True
-        self.reorder(src, t, src_q=None, dst_q=None)
-        return t
+        writes_nhwc = _fixed_free_layout(dst) or (not dst.free and is_nhwc(dst))
+        if writes_nhwc and not is_nhwc(src):
+            t = self.temp(src.shape, nhwc_strides(src.shape), src.dtype_name)
+            t.free = True
+            self.reorder(src, t, src_q=None, dst_q=None)
+            return t
+        # the converse: an NHWC source (a squeeze-excite product torch strides channels-last) into a
+        # plain NCHW destination (a residual sum into the caller's NCHW input) is reordered to NCHW
+        writes_nchw = not dst.free and _dense_in(dst, _contiguous(dst.shape)) and not is_nhwc(dst)
+        if writes_nchw and is_nhwc(src) and not _dense_in(src, _contiguous(src.shape)):
+            t = self.temp(src.shape, _contiguous(src.shape), src.dtype_name)
+            self.reorder(src, t, src_q=None, dst_q=None)
+            return t
+        return src
 
     def _one_order(self, src: Val, dst: Val) -> tuple[Val, Val]:
         """``src`` and ``dst`` described in one dimension order where their strides leave the order

@@ -154,6 +154,17 @@ def always(c: Call) -> str | None:
     return None
 
 
+def meta_shape(node: Any) -> tuple[int, ...] | None:
+    """The static shape shape propagation / export recorded for ``node`` (None when unknown or
+    symbolic)."""
+    if not isinstance(node, fx.Node):
+        return None
+    shape = getattr(node.meta.get("val", node.meta.get("tensor_meta")), "shape", None)
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return tuple(shape)
+
+
 def meta_dtype(node: Any) -> torch.dtype | None:
     """The dtype shape propagation / export recorded for ``node`` (None when unknown: a segment's
     own placeholders; the emit functions check the values' actual dtypes again)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from gml import nn as gnn
@@ -140,15 +141,15 @@ def _check_float_binary(c: Call, op: str) -> str | None:
     if len(dtypes) != 2 or any(d is not None and d not in base.FLOATS for d in dtypes):
         verb = "adds" if op == "add" else "multiplies"
         return f"{op} of {', '.join(str(d) for d in dtypes)} tensors (the engine {verb} fp32 / bf16)"
+    shapes = [base.meta_shape(n) for n in c.inputs]
+    if shapes[0] is not None and shapes[1] is not None:
+        full = tuple(torch.broadcast_shapes(shapes[0], shapes[1]))
+        if full not in shapes:  # oneDNN's binary broadcasts its second source only
+            return f"{op} broadcasting both operands ({list(shapes[0])} and {list(shapes[1])})"
     return None
 
 
 def check_float_mul(c: Call) -> str | None:
-    # by a constant only (MobileBERT's NoNorm): a product of two computed values (squeeze-excite's
-    # gate) stays in torch until the zoo is swept with it in the plan (strided broadcasts may find
-    # only oneDNN's reference binary, which GML's strided kernel covers for add only)
-    if not any(n.op == "get_attr" for n in c.inputs):
-        return "mul of two computed values (the engine multiplies by a constant only)"
     return _check_float_binary(c, "mul")
 
 
@@ -169,7 +170,9 @@ def emit_float_mul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str) -> None:
     """One oneDNN binary ``x <alg> y`` (commutative: add, mul); the operand that broadcasts (a
-    constant vector: MobileBERT's NoNorm ``x * w + b``) is the second source."""
+    constant vector: MobileBERT's NoNorm ``x * w + b``; a squeeze-excite gate ``x * g`` with ``g``
+    of shape N×C×1×1) is the second source. Layouts oneDNN has only its reference binary for run as
+    GML's strided loop (native/strided.h)."""
     if {x.dtype_name, y.dtype_name, out.dtype_name} - {"f32", "bf16"}:
         raise Unsupported(f"{alg} of {x.dtype_name} and {y.dtype_name}")
     if x.shape != out.shape:  # oneDNN broadcasts the second source only
