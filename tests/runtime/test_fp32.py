@@ -207,3 +207,57 @@ def test_a_segment_whose_only_node_is_dead_code():
     res = gml.optimize(model, (x,))
     with torch.no_grad():
         torch.testing.assert_close(res.executable(x), model(x))
+
+
+class _SliceAndCat(nn.Module):
+    """GhostNet / ReXNet / Inception shapes between convs: channel concatenations (of a conv's NHWC
+    output with the caller's NCHW input too), basic-index slices of them (channels, a strided
+    spatial slice, an int index with None) — views and copies the engine now plans instead of
+    cutting the plan at each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(4, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.c, self.d = nn.Conv2d(12, 6, 1), nn.Conv2d(10, 6, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.a(x)
+        z = torch.cat([y, self.b(y)], dim=1)[:, :12]  # GhostNet's primary + cheap features, cut to size
+        w = z[:, :, 1:, ::2]
+        out = self.c(torch.cat([w[:, 6:], w[:, :6]], 1))
+        mixed = self.d(torch.cat((x, y[:, 2:]), 1))  # an NCHW input beside an NHWC conv output
+        return out, mixed + mixed[:, 0, None]
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 9, 10), (1, 4, 7, 8)])
+def test_slices_and_concatenations_between_convs_run_in_the_plan(shape):
+    torch.manual_seed(0)
+    model, x = _SliceAndCat().eval(), torch.randn(shape)
+    res = gml.optimize(model, x, runtime="engine")
+    assert res.runtime.segments == 1, str(res.runtime)
+    assert not [n for n in res.runtime.torch_nodes if n.op in ("cat", "getitem")], str(res.runtime)
+    assert res.runtime.reference_steps == {} and not res.runtime.shape_fallbacks, str(res.runtime)
+    with torch.no_grad():
+        for got, want in zip(res.executable(x), model(x)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_advanced_index_and_an_int_cat_stay_in_torch_with_their_reasons():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Conv2d(4, 4, 1)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.a(x)
+            ids = torch.cat([y.argmax(1), y.argmin(1)], 0)
+            return self.a(y[:, [2, 0, 1, 3]]), ids
+
+    model, x = M().eval(), torch.randn(1, 4, 5, 5)
+    res = gml.optimize(model, x, runtime="engine")
+    reasons = {n.op: n.reason for n in res.runtime.torch_nodes}
+    assert reasons["getitem"] == "not a lowered GML op (runs in torch)", reasons
+    assert reasons["cat"].startswith("cat of torch.int64 tensors"), reasons
+    with torch.no_grad():
+        for got, want in zip(res.executable(x), model(x)):
+            torch.testing.assert_close(got, want)

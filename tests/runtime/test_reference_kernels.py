@@ -117,6 +117,29 @@ def test_transformers(kind, precision):
     assert_no_reference_steps(r)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_a_classifier_head_on_the_class_tokens_of_a_batch(precision):
+    """A ViT head reads ``x[:, 0]``: at batch 2 its rows are strided (one token of each image), for
+    which oneDNN 3.2 has only its reference inner product (fp32 and bf16): copied dense first."""
+    import torchvision
+
+    torch.manual_seed(0)
+    m = torchvision.models.VisionTransformer(32, 8, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32).eval()
+    with torch.no_grad():
+        m.heads.head.weight.normal_()  # zero-initialised: the output would be 0
+    x = torch.randn(2, 3, 32, 32)
+    if precision == "fp32":
+        r = gml.optimize(m, x, runtime="engine")
+    else:
+        r = gml.quantize(m, 8, example_inputs=x, runtime="engine", cost_policy="off")
+    assert_no_reference_steps(r)
+    assert "heads_head" in {name for name, _ in r.engine.step_impls()}
+    with torch.no_grad():
+        ref, got = m(x), r.executable(x)
+    tol = 1e-4 if precision == "fp32" else 0.1
+    assert float((got - ref).abs().max()) <= tol * float(ref.abs().max())
+
+
 def _rel_logits_1d(q: torch.Tensor, rel_k: torch.Tensor, permute_mask: tuple[int, ...]) -> torch.Tensor:
     """timm's relative-position logits (bottleneck_attn.rel_logits_1d): a padded, sliced and expanded
     view of ``q @ rel_k^T``, permuted."""

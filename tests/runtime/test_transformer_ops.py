@@ -153,7 +153,12 @@ def test_a_residual_add_of_a_transposed_linear_output_is_not_fused():
     assert "lin+add" not in _names(eng)
 
 
-@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU(), nn.Tanh(), nn.SiLU()], ids=str)
+ACTIVATIONS = [nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU(), nn.Tanh(), nn.SiLU(), nn.Sigmoid()]
+# standalone after a conv that could not take them (rexnet's ReLU6, mobilenet_v3's classifier Hardswish)
+ACTIVATIONS += [nn.ReLU6(), nn.Hardtanh(-2.0, 3.0), nn.Hardswish(), nn.Hardsigmoid(), nn.LeakyReLU(0.2)]
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS, ids=str)
 def test_activation_module_on_its_own_and_after_a_linear(act):
     check(graph_of(act), torch.randn(2, 3, 10) * 3)
     torch.manual_seed(0)
@@ -161,6 +166,16 @@ def test_activation_module_on_its_own_and_after_a_linear(act):
     # linear -> activation -> + residual: one matmul with two post-ops
     eng = check(graph_of(lin, act, gnn.Add(), n_inputs=1, wiring=[(0,), (1,), (2, 0)]), torch.randn(2, 3, 10))
     assert _names(eng) == ["m0+m1+m2"]
+
+
+@pytest.mark.parametrize("act", [nn.ELU(), nn.Mish(), nn.GELU(approximate="none")], ids=str)
+def test_an_activation_without_a_onednn_form_stays_in_torch_with_its_reason(act):
+    if isinstance(act, nn.GELU):  # the control: it runs
+        check(graph_of(act), torch.randn(2, 3, 10))
+        return
+    eng = check(graph_of(act), torch.randn(2, 3, 10), expect="torch")
+    (reason,) = [n.reason for n in eng.report.torch_nodes]
+    assert reason.startswith(f"{type(act).__name__} has no oneDNN post-op"), reason
 
 
 @needs_bf16

@@ -95,6 +95,9 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     split = shape.read_split(node)  # torch.split's pieces (the QKV merge's q, k, v): views
     if split is not None:
         return _with_table(split)
+    cat = shape.read_cat(node)  # torch.cat of float values (the INT8 graph's is gml.qcat)
+    if cat is not None:
+        return _with_table(cat)
     mask = attention.read_mask_op(node)  # a padding mask's arithmetic (transformers' mask builder)
     if mask is not None:
         return _with_table(mask)

@@ -154,6 +154,13 @@ def always(c: Call) -> str | None:
     return None
 
 
+def converted(b: Builder, v: Val, dtype: str) -> Val:
+    """``v`` in ``dtype`` (f32 <-> bf16), a reorder into a temp of ``v``'s layout."""
+    t = b.temp(v.shape, v.stride, dtype)
+    b.reorder(v, t, src_q=None, dst_q=None)
+    return t
+
+
 def meta_shape(node: Any) -> tuple[int, ...] | None:
     """The static shape shape propagation / export recorded for ``node`` (None when unknown or
     symbolic)."""
@@ -207,11 +214,19 @@ def as_rows(b: Builder, v: Val, *, output: bool = False) -> Val:
         b.reorder(v, t, src_q=None, dst_q=None)
         v = t
     if len(v.shape) == 2:
-        if v.shape[0] == 1 and v.stride[0] != v.shape[1] * v.stride[1]:
+        if v.stride[0] == v.shape[1] * v.stride[1]:
+            return v
+        if v.shape[0] == 1:
             # one row picked out of a bigger tensor (BERT's pooler: hidden[:, 0]): its row stride
             # is irrelevant, but oneDNN reads it and falls to its reference inner product
             return b.view(v, v.shape, (v.shape[1] * v.stride[1], v.stride[1]))
-        return v
+        if output:
+            return v
+        # rows picked out of a bigger tensor (a ViT head on x[:, 0] at batch 2): oneDNN 3.2's inner
+        # product has only its reference kernel for strided rows (fp32 and bf16): a dense copy
+        t = b.temp(v.shape, contiguous_strides(v.shape), v.dtype_name)
+        b.reorder(v, t, src_q=None, dst_q=None)
+        return t
     rows = 1
     for d in v.shape[:-1]:
         rows *= d
@@ -222,7 +237,7 @@ def as_rows(b: Builder, v: Val, *, output: bool = False) -> Val:
         t = b.temp(v.shape, contiguous_strides(v.shape), v.dtype_name)
         b.reorder(v, t, src_q=None, dst_q=None)
         v, strides = t, (v.shape[-1], 1)
-    return b.view(v, (rows, v.shape[-1]), strides)
+    return as_rows(b, b.view(v, (rows, v.shape[-1]), strides), output=output)  # strided rows: as above
 
 
 def bf16_src(b: Builder, x: Val) -> Val:

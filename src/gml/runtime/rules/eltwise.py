@@ -8,15 +8,14 @@ linear that made its operand becomes that linear's post-op (gml.runtime.rules.li
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import nn
 
 from gml import nn as gnn
+from gml.ir.ops import modules_tagged
 from gml.ir.values import PostOp, QParams
 from gml.kernels import bf16
+from gml.kernels import fp32 as k32
 from gml.kernels.backend import clamp_bounds
 from gml.runtime.rules import base
 from gml.runtime.rules.base import Builder, Call, Eltwise, TranslationRule, Unsupported, Val
@@ -182,9 +181,9 @@ def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str) -> None:
     # oneDNN 3.2's binary has no jitted kernel for mixed bf16 / f32 sources (measured: ref:any,
     # 2-6 ms for a 128 x 384 add): such operands are converted to the output's dtype first
     if x.dtype_name != out.dtype_name:
-        x = _converted(b, x, out.dtype_name)
+        x = base.converted(b, x, out.dtype_name)
     if y.dtype_name != out.dtype_name:
-        y = _converted(b, y, out.dtype_name)
+        y = base.converted(b, y, out.dtype_name)
     if y.group is not None and y.group.where == "const" and y.ref is not None:  # a constant operand:
         # the plan owns a copy (a view of it cannot be planned), with out's rank
         y = b.constant(y.ref.reshape((1,) * (len(out.shape) - y.ref.dim()) + tuple(y.ref.shape)))
@@ -193,27 +192,22 @@ def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str) -> None:
     b.binary(x, y, out, alg, scale0=None, scale1=None, eltwise=[])
 
 
-def _converted(b: Builder, v: Val, dtype: str) -> Val:
-    t = b.temp(v.shape, v.stride, dtype)
-    b.reorder(v, t, src_q=None, dst_q=None)
-    return t
+#: float activation modules: every one the op vocabulary tags an activation; those with a oneDNN
+#: eltwise form (kernels.fp32.post_op_of_module, the fusions' own table) run, the rest keep the reason
+_ACTIVATIONS = modules_tagged("activation")
 
 
-#: float activation modules → oneDNN eltwise (algorithm, alpha, beta)
-_ELTWISE: dict[type[nn.Module], Callable[[Any], tuple[str, float, float]]] = {
-    nn.GELU: lambda m: ("gelu_tanh" if m.approximate == "tanh" else "gelu_erf", 0.0, 0.0),
-    nn.ReLU: lambda m: ("relu", 0.0, 0.0),
-    nn.Tanh: lambda m: ("tanh", 0.0, 0.0),
-    nn.Sigmoid: lambda m: ("logistic", 0.0, 0.0),
-    nn.SiLU: lambda m: ("swish", 1.0, 0.0),
-}
+def _activation_eltwise(mod: nn.Module) -> Eltwise | str:
+    post_op = k32.post_op_of_module(mod)
+    return post_op if isinstance(post_op, str) else base.eltwise_of(post_op)
 
 
 def check_eltwise(c: Call) -> str | None:
     dtype = base.meta_dtype(c.inputs[0])
     if dtype is not None and dtype not in base.FLOATS:
         return f"{type(c.a).__name__} of a {dtype} tensor"
-    return None
+    eltwise = _activation_eltwise(c.a)
+    return eltwise if isinstance(eltwise, str) else None
 
 
 def emit_eltwise(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
@@ -222,10 +216,12 @@ def emit_eltwise(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x = ins[0]
     if x.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name or x.shape != out.shape:
         raise Unsupported(f"{type(c.a).__name__} of {x.dtype_name} {x.shape} -> {out.dtype_name} {out.shape}")
-    alg, alpha, beta = _ELTWISE[type(c.a)](c.a)
-    if extend_linear(b, x, out, lambda: [(alg, alpha, beta, None)]):
+    eltwise = _activation_eltwise(c.a)
+    if isinstance(eltwise, str):
+        raise Unsupported(eltwise)
+    if extend_linear(b, x, out, lambda: [(alg, alpha, beta, None) for alg, alpha, beta in eltwise]):
         return
-    b.binary(x, x, out, "max", scale0=None, scale1=None, eltwise=[(alg, alpha, beta)])
+    b.binary(x, x, out, "max", scale0=None, scale1=None, eltwise=eltwise)
 
 
 def check_layer_norm(c: Call) -> str | None:
@@ -273,6 +269,6 @@ RULES: dict[object, TranslationRule] = {
     **{cast: TranslationRule(base.always, _emit_cast) for cast in CASTS},
     gnn.Add: TranslationRule(check_float_add, emit_float_add, 2),
     gnn.Mul: TranslationRule(check_float_mul, emit_float_mul, 2),
-    **{kind: TranslationRule(check_eltwise, emit_eltwise) for kind in _ELTWISE},
+    **{kind: TranslationRule(check_eltwise, emit_eltwise) for kind in _ACTIVATIONS},
     nn.LayerNorm: TranslationRule(check_layer_norm, emit_layer_norm),
 }

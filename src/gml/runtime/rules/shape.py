@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import fx, nn
+from torch.fx.passes.shape_prop import TensorMetadata
 
 from gml.ir.library import gml_op_name
 from gml.runtime.plan import dtype_name
@@ -23,8 +24,38 @@ FLATTENS = (torch.flatten, torch.ops.aten.flatten.using_ints)
 
 #: shape-only ops (Tensor methods, their torch functions and aten overloads) the engine runs as views
 MOVES = frozenset(
-    {"reshape", "view", "_unsafe_view", "squeeze", "unsqueeze", "permute", "transpose", "contiguous", "select", "slice"}
+    {
+        "reshape",
+        "view",
+        "_unsafe_view",
+        "squeeze",
+        "unsqueeze",
+        "permute",
+        "transpose",
+        "contiguous",
+        "select",
+        "slice",
+        "getitem",  # x[:, :c] in a traced graph (basic indexing: a view; ghostnet, rexnet)
+    }
 )
+
+
+def _basic_index(node: fx.Node) -> bool:
+    """Whether ``node`` is ``x[idx]`` of a tensor with slices, ints, ``None`` and ``...`` only (a
+    view of ``x``; an index tensor or a bool gathers, and a tuple's item is a split piece)."""
+    if len(node.args) != 2 or not isinstance(node.args[0], fx.Node):
+        return False
+    meta = node.args[0].meta.get("val", node.args[0].meta.get("tensor_meta"))
+    if not isinstance(meta, torch.Tensor | TensorMetadata):
+        return False
+    items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+
+    def basic(i: object) -> bool:
+        if isinstance(i, slice):
+            return all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (i.start, i.stop, i.step))
+        return i is None or i is Ellipsis or (isinstance(i, int) and not isinstance(i, bool))
+
+    return all(basic(i) for i in items)
 
 
 def move_name(node: fx.Node) -> str | None:
@@ -33,6 +64,8 @@ def move_name(node: fx.Node) -> str | None:
         name = str(node.target)
     elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         name = node.target.overloadpacket.__name__ if node.target.namespace == "aten" else ""
+    elif node.op == "call_function" and node.target is operator.getitem:
+        name = "getitem" if _basic_index(node) else ""
     elif node.op == "call_function":  # torch.reshape, torch.permute, ...
         fn = str(getattr(node.target, "__name__", ""))
         name = fn if fn and getattr(torch, fn, None) is node.target else ""
@@ -163,7 +196,6 @@ def _emit_cat(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     oneDNN 3.2's jit reorder drops the zero points when it writes a strided slice (``tests/runtime/
     test_ops.py::test_cat``: every element 104 off)."""
     o = base.out_qparams(c.a)
-    axis = c.a.dim % len(out.shape)
     srcs = []
     for v, s, z in zip(ins, c.a.x_scales, c.a.x_zero_points):
         q = base.qparams(s, z)
@@ -172,6 +204,50 @@ def _emit_cat(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
             b.reorder(v, t, src_q=base.qp(q), dst_q=base.qp(o))
             v = t
         srcs.append(v)
+    _concat(b, srcs, out, c.a.dim % len(out.shape))
+
+
+#: torch.cat's spellings in a traced graph and in a torch.export program
+CATS = (torch.cat, torch.concat, torch.ops.aten.cat.default)
+
+
+def read_cat(node: fx.Node) -> Call | None:
+    """``torch.cat(tensors, dim)`` of float values (an fp32 / bf16 graph) as a :class:`Call`."""
+    if node.op != "call_function" or node.target not in CATS:
+        return None
+    tensors = node.args[0] if node.args else node.kwargs.get("tensors")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    parts = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
+    return Call("cat", SimpleNamespace(dim=dim, parts=parts), tuple(t for t in parts if isinstance(t, fx.Node)))
+
+
+def check_float_cat(c: Call) -> str | None:
+    if not isinstance(c.a.dim, int):
+        return "cat along a dim computed at run time"
+    if not c.a.parts or len(c.inputs) != len(c.a.parts):
+        return "cat of an operand that is not a tensor value"
+    if any(n.op == "get_attr" for n in c.inputs):
+        return "cat of a constant"
+    dtypes = {base.meta_dtype(n) for n in c.inputs}
+    if None not in dtypes and (len(dtypes) != 1 or not dtypes <= set(base.FLOATS)):
+        kinds = ", ".join(sorted(map(str, dtypes)))
+        return f"cat of {kinds} tensors (the engine concatenates fp32 / bf16 of one dtype)"
+    return None
+
+
+def emit_float_cat(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    if not {v.dtype_name for v in ins} | {out.dtype_name} <= {"f32", "bf16"}:
+        raise Unsupported(f"cat of {sorted({v.dtype_name for v in ins})} into {out.dtype_name}")
+    if any(0 in v.shape or len(v.shape) != len(out.shape) for v in ins):
+        raise Unsupported("cat of an empty tensor")
+    # torch.cat promotes to the widest dtype (a ViT's fp32 class token before bf16 patches): exact
+    srcs = [v if v.dtype_name == out.dtype_name else base.converted(b, v, out.dtype_name) for v in ins]
+    _concat(b, srcs, out, c.a.dim % len(out.shape))
+
+
+def _concat(b: Builder, srcs: list[Val], out: Val, axis: int) -> None:
+    """``out = cat(srcs, axis)``: one oneDNN concat where every source is laid out in the output's dim
+    order (its fast ``simple:any`` copy), else a reorder of each source into its slice of ``out``."""
     if out.free or all(_same_order(v, out) for v in srcs):
         b.concat(srcs, out, axis)
         return
@@ -229,5 +305,6 @@ RULES: dict[object, TranslationRule] = {
     "split": TranslationRule(check_split, base.always, tuple_out=True),
     "split_item": TranslationRule(check_split_item, emit_split_item),
     "qcat": TranslationRule(base.always, _emit_cat, None),
+    "cat": TranslationRule(check_float_cat, emit_float_cat, None),  # torch.cat of an fp32 / bf16 graph
     nn.Embedding: TranslationRule(check_embedding, emit_embedding),
 }
