@@ -92,6 +92,11 @@ def _fconv(cin: int, cout: int, *, seed: int = 0, **kw) -> FusedConv:
         nn.MaxPool2d(3, 1, 1, dilation=2),
         nn.AvgPool2d(3, 2, 1),
         nn.AvgPool2d(3, 2, 1, count_include_pad=False),
+        # ceil_mode: the last window at the edge divides by the input elements in it (timm ResNet-D's
+        # shortcut pool; 9 x 11 leaves a partial window in both dims)
+        nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False),
+        nn.AvgPool2d(2, 2, ceil_mode=True),
+        nn.AvgPool2d(3, 2, 1, ceil_mode=True, count_include_pad=False),
         nn.AdaptiveAvgPool2d(1),
         nn.AdaptiveAvgPool2d((3, 1)),
     ],
@@ -261,3 +266,56 @@ def test_an_advanced_index_and_an_int_cat_stay_in_torch_with_their_reasons():
     with torch.no_grad():
         for got, want in zip(res.executable(x), model(x)):
             torch.testing.assert_close(got, want)
+
+
+class _DenseLayer(nn.Module):
+    """DenseNet's pre-activation layer: BatchNorm → ReLU → conv over the concatenation of the
+    features so far. The norm reads a concat, so no conv takes it (FoldBatchNorm keeps it)."""
+
+    def __init__(self, track_running_stats: bool = True) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(16, track_running_stats=track_running_stats)
+        self.conv = nn.Conv2d(16, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        y = torch.cat([y, torch.relu(y)], 1)
+        return torch.cat([y, self.conv(torch.relu(self.norm(y)))], 1)
+
+
+def test_a_batch_norm_no_conv_took_is_a_depthwise_conv_in_the_plan():
+    torch.manual_seed(0)
+    model = _DenseLayer()
+    with torch.no_grad():
+        model.norm.running_mean.normal_()
+        model.norm.running_var.uniform_(0.5, 2.0)
+        model.norm.weight.normal_()
+        model.norm.bias.normal_()
+    model.eval()
+    x = torch.randn(2, 3, 10, 10)
+    res = gml.optimize(model, x, runtime="engine")
+    assert res.runtime.segments == 1 and not res.runtime.torch_nodes, str(res.runtime)
+    assert "norm" in {name for name, _ in res.engine.step_impls()}
+    assert res.runtime.reference_steps == {}, str(res.runtime)
+    with torch.no_grad():
+        for shape in ((2, 3, 10, 10), (1, 3, 7, 9)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_norm_with_batch_statistics_stays_in_torch_with_its_reason():
+    model, x = _DenseLayer(track_running_stats=False).eval(), torch.randn(2, 3, 10, 10)
+    res = gml.optimize(model, x, runtime="engine")
+    reasons = {n.name: n.reason for n in res.runtime.torch_nodes}
+    assert reasons == {"norm": "BatchNorm with batch statistics (training mode or no running statistics)"}, reasons
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_avg_pool_whose_ceil_mode_window_may_pass_its_counted_padding_stays_in_torch():
+    x = torch.randn(2, 3, 8, 8)
+    gm = graph_of(_fconv(3, 16), nn.AvgPool2d(3, 2, 1, ceil_mode=True), _fconv(16, 8, seed=1))
+    eng = compile_engine(gm, (x,))
+    assert [n.reason for n in eng.report.torch_nodes] == ["avg pool with ceil_mode counting its padding"]
+    torch.testing.assert_close(eng(x), gm(x))

@@ -15,7 +15,7 @@ from torch import fx, nn
 from gml import nn as gnn
 from gml.ir.attention import attention_op
 from gml.kernels import bf16 as kb
-from gml.kernels.fp32 import FusedLinear, PostOp
+from gml.kernels.fp32 import AddReLU, FusedLinear, PostOp
 from gml.runtime import compile_engine, unavailable_reason
 from runtime.helpers import attention_graph, graph_of, run_both, strided_heads_graph
 
@@ -321,6 +321,14 @@ def test_a_mul_of_two_computed_values(shapes):
     # a squeeze-excite gate (x * sigmoid(...) of shape N x C x 1 x 1) and the broadcasts around it
     gm = graph_of(gnn.Mul(), n_inputs=2, wiring=[(0, 1)])
     check(gm, *(torch.randn(s) for s in shapes))
+
+
+@pytest.mark.parametrize("shapes", [((2, 8, 3, 3), (2, 8, 3, 3)), ((2, 8, 3, 3), (1, 8, 1, 1))], ids=["same", "bias"])
+def test_add_relu_of_two_computed_values(shapes):
+    # kernels.fp32.AddReLU: a residual sum no conv took (SE-ResNeXt's gated branch plus the shortcut)
+    gm = graph_of(AddReLU(), n_inputs=2, wiring=[(0, 1)])
+    eng = check(gm, *(torch.randn(s) for s in shapes))
+    assert [n.runs_in for n in eng.report.nodes if n.op == "AddReLU"] == ["engine"]
 
 
 def test_a_mul_broadcasting_both_operands_stays_in_torch_with_its_reason():

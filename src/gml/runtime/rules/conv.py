@@ -1,6 +1,8 @@
 """Translation rules: convolutions (INT8 ``gml.qconv`` / ``gml.qconv_add``, the fp32 and bf16 fused
 conv modules of ``gml.kernels.fp32`` / ``gml.kernels.bf16``), each one oneDNN convolution with its
-post-ops; a residual add is oneDNN's ``sum`` post-op, accumulated in the skip value's memory."""
+post-ops; a residual add is oneDNN's ``sum`` post-op, accumulated in the skip value's memory. An fp32
+eval ``nn.BatchNorm2d`` no conv took (DenseNet's pre-activation norm after a concat) is a per-channel
+affine map: a depthwise 1 × 1 convolution."""
 
 from __future__ import annotations
 
@@ -136,6 +138,49 @@ def _emit_bconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     _emit_fconv(b, c, [x], out, sum_with=ins[1], dtype="bf16")
 
 
+def _check_batch_norm(c: Call) -> str | None:
+    mod = c.a
+    if mod.training or mod.running_mean is None or mod.running_var is None:
+        return "BatchNorm with batch statistics (training mode or no running statistics)"
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype is not None and dtype != torch.float32:
+        return f"BatchNorm of a {dtype} tensor (the engine's BatchNorm is fp32)"
+    return None
+
+
+def _emit_batch_norm(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``y = (x - mean) / sqrt(var + eps) * w + b = x * s + t`` per channel, with ``s = w / sqrt(var +
+    eps)`` and ``t = b - mean * s``: a depthwise 1 × 1 conv of weight ``s`` and bias ``t`` (a jitted
+    oneDNN kernel on every ISA, in the free layout of the convs around it)."""
+    mod, x = c.a, ins[0]
+    if x.dtype_name != "f32" or len(x.shape) != 4:
+        raise Unsupported(f"BatchNorm of a rank-{len(x.shape)} {x.dtype_name} value")
+    var, mean = mod.running_var.detach().double(), mod.running_mean.detach().double()
+    scale = torch.rsqrt(var + mod.eps)
+    shift = -mean * scale
+    if mod.weight is not None:
+        scale, shift = scale * mod.weight.detach().double(), shift * mod.weight.detach().double()
+    if mod.bias is not None:
+        shift = shift + mod.bias.detach().double()
+    channels = x.shape[1]
+    b.conv(
+        x,
+        out,
+        weight=scale.float().reshape(channels, 1, 1, 1),
+        w_scales=torch.ones(1),
+        bias=shift.float(),
+        stride=(1, 1),
+        dilation=(0, 0),
+        pad_l=(0, 0),
+        pad_r=(0, 0),
+        groups=channels,
+        src_q=None,
+        dst_q=None,
+        sum_q=None,
+        eltwise=[],
+    )
+
+
 #: fp32 convs write (and read) free layouts: oneDNN's fp32 conv kernels run fastest in the layout
 #: they pick; bf16 convs do not (they take NHWC bf16, :func:`bf16_src`)
 RULES: dict[object, TranslationRule] = {
@@ -145,4 +190,5 @@ RULES: dict[object, TranslationRule] = {
     fp32.FusedConvAdd: TranslationRule(_check_fconv, _emit_fconv_add, 2, writes_free=True, reads_free=True),
     bf16.Bf16Conv: TranslationRule(_check_fconv, _emit_bconv),
     bf16.Bf16ConvAdd: TranslationRule(_check_fconv, _emit_bconv_add, 2),
+    torch.nn.BatchNorm2d: TranslationRule(_check_batch_norm, _emit_batch_norm, writes_free=True, reads_free=True),
 }

@@ -167,7 +167,16 @@ def emit_float_mul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     _float_binary(b, ins[0], ins[1], out, "mul")
 
 
-def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str) -> None:
+def check_add_relu(c: Call) -> str | None:
+    return _check_float_binary(c, "add")
+
+
+def emit_add_relu(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    # kernels.fp32.AddReLU: relu(a + b) (a residual sum no conv took: SE-ResNeXt's gated branch)
+    _float_binary(b, ins[0], ins[1], out, "add", eltwise=[("relu", 0.0, 0.0)])
+
+
+def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str, *, eltwise: Eltwise | None = None) -> None:
     """One oneDNN binary ``x <alg> y`` (commutative: add, mul); the operand that broadcasts (a
     constant vector: MobileBERT's NoNorm ``x * w + b``; a squeeze-excite gate ``x * g`` with ``g``
     of shape N×C×1×1) is the second source. Layouts oneDNN has only its reference binary for run as
@@ -189,7 +198,7 @@ def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str) -> None:
         y = b.constant(y.ref.reshape((1,) * (len(out.shape) - y.ref.dim()) + tuple(y.ref.shape)))
     else:
         y = base.broadcast_view(b, y, len(out.shape))
-    b.binary(x, y, out, alg, scale0=None, scale1=None, eltwise=[])
+    b.binary(x, y, out, alg, scale0=None, scale1=None, eltwise=eltwise or [])
 
 
 #: float activation modules: every one the op vocabulary tags an activation; those with a oneDNN
@@ -269,6 +278,7 @@ RULES: dict[object, TranslationRule] = {
     **{cast: TranslationRule(base.always, _emit_cast) for cast in CASTS},
     gnn.Add: TranslationRule(check_float_add, emit_float_add, 2),
     gnn.Mul: TranslationRule(check_float_mul, emit_float_mul, 2),
+    k32.AddReLU: TranslationRule(check_add_relu, emit_add_relu, 2),
     **{kind: TranslationRule(check_eltwise, emit_eltwise) for kind in _ACTIVATIONS},
     nn.LayerNorm: TranslationRule(check_layer_norm, emit_layer_norm),
 }

@@ -80,8 +80,9 @@ def _check_fpool(c: Call) -> str | None:
     if isinstance(mod, torch.nn.AvgPool2d):
         if mod.divisor_override is not None:
             return "avg pool with divisor_override"
-        if mod.ceil_mode:
-            return "avg pool with ceil_mode"
+        if mod.ceil_mode and mod.count_include_pad and any(_pair(mod.padding)):
+            # the last window may pass the padding: torch divides it by its clipped size (emit checks)
+            return "avg pool with ceil_mode counting its padding"
     return None
 
 
@@ -101,8 +102,19 @@ def _emit_fpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     p = _pair(mod.padding)
     d = _pair(getattr(mod, "dilation", 1))
     pad_r = base.pads_right(x, out, k, s, d, p)
-    max_pool = isinstance(mod, torch.nn.MaxPool2d)
-    alg = "max" if max_pool else "avg_include" if mod.count_include_pad else "avg_exclude"
+    if isinstance(mod, torch.nn.MaxPool2d):
+        alg = "max"
+    elif mod.count_include_pad and any(p):
+        # torch divides by the window clipped to the padded input: a ceil_mode window that passes the
+        # padding (oneDNN's pad_r > the padding) counts fewer elements than oneDNN's whole kernel
+        if any(r > left for r, left in zip(pad_r, p)):
+            raise Unsupported("avg pool counting its padding whose ceil_mode window passes the padding")
+        alg = "avg_include"
+    else:
+        # no padding to count (timm ResNet-D's AvgPool2d(2, 2, ceil_mode=True) shortcut, or
+        # count_include_pad=False): torch divides by the input elements in the window, as oneDNN's
+        # avg_exclude does, the ceil_mode window at the edge included
+        alg = "avg_exclude"
     b.pool(x, out, alg=alg, kernel=k, stride=s, dilation=tuple(v - 1 for v in d), pad_l=p, pad_r=pad_r, eltwise=[])
 
 
