@@ -23,6 +23,8 @@ from gml.ir.target import ISA_FEATURES, Target, capped_isa
 def test_capabilities_follow_the_isa(isa: str, vnni: bool, bf16: bool, amx: bool, avx512: bool) -> None:
     t = Target(isa)
     assert (t.exact_u8s8, t.native_bf16, t.amx, t.avx512) == (vnni, bf16, amx, avx512)
+    # oneDNN 3.2's f32 matmul has brgemm kernels from avx512_core only (AVX2: gemm:jit)
+    assert t.f32_matmul_brgemm == avx512
 
 
 def test_int8_arithmetic_cannot_saturate_an_int16_pair_on_any_isa() -> None:

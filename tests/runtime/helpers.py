@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import fx, nn
 
+from gml.ir.target import Target
 from gml.ir.values import ConvSpec, QParams
 from gml.quant import modules as qm
 from gml.quant.lower import emit_op_calls
@@ -73,13 +74,13 @@ def assert_close_int(ref: torch.Tensor, got: torch.Tensor, *, frac: float = 0.02
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * max(1.0, float(ref.abs().max())))
 
 
-def run_both(gm: fx.GraphModule, *inputs: torch.Tensor):
-    """``(Python executor's output, EngineModule, engine's output)`` on ``inputs``; the engine must
-    leave the caller's inputs as they were."""
+def run_both(gm: fx.GraphModule, *inputs: torch.Tensor, target: Target | None = None):
+    """``(Python executor's output, EngineModule, engine's output)`` on ``inputs``, the plan made
+    for ``target`` (default: this CPU's); the engine must leave the caller's inputs as they were."""
     with torch.no_grad():
         ref = gm(*[t.clone() for t in inputs])
         saved = [t.clone() for t in inputs]
-        eng = compile_engine(gm, inputs)
+        eng = compile_engine(gm, inputs, target=target)
         got = eng(*inputs)
     for t, s in zip(inputs, saved):
         assert torch.equal(t, s), "the engine wrote into a caller's input"

@@ -14,6 +14,7 @@ from torch import fx, nn
 
 from gml import nn as gnn
 from gml.ir.attention import attention_op
+from gml.ir.target import Target
 from gml.kernels import bf16 as kb
 from gml.kernels.fp32 import AddReLU, FusedLinear, PostOp
 from gml.runtime import compile_engine, unavailable_reason
@@ -26,8 +27,8 @@ FP32_RTOL = 1e-5
 BF16_RTOL = 2.0**-6
 
 
-def check(gm: fx.GraphModule, *inputs: torch.Tensor, rtol: float = FP32_RTOL, expect: str = "engine"):
-    ref, eng, got = run_both(gm, *inputs)
+def check(gm: fx.GraphModule, *inputs: torch.Tensor, rtol: float = FP32_RTOL, expect: str = "engine", target=None):
+    ref, eng, got = run_both(gm, *inputs, target=target)
     assert eng.report.path == expect, str(eng.report)
     assert got.dtype == ref.dtype and got.shape == ref.shape, (got.dtype, got.shape, ref.dtype, ref.shape)
     assert torch.isfinite(got).all()
@@ -110,14 +111,21 @@ def test_an_int_add_stays_in_torch_with_its_reason():
     ]
 
 
+#: a target whose f32 matmul has brgemm kernels (AVX-512) and one where it has not (AVX2): the
+#: plans differ (Target.f32_matmul_brgemm) and both run, and agree, on any CPU
+MATMUL_TARGETS = [Target("avx512_core"), Target("avx2")]
+
+
+@pytest.mark.parametrize("target", MATMUL_TARGETS, ids=lambda t: t.isa)
 @pytest.mark.parametrize("post_op", [PostOp(), PostOp("gelu", (), "none"), PostOp("gelu", (), "tanh")], ids=str)
-def test_linear_then_residual_add_is_one_matmul(post_op):
-    """``linear(x) + r``: the add is a binary post-op of the linear's matmul (one step)."""
+def test_linear_then_residual_add_is_one_matmul(post_op, target):
+    """``linear(x) + r``: the add is a binary post-op of the linear's matmul (one step) where that
+    matmul has a brgemm kernel; on AVX2 the linear stays an inner product and the add is a step."""
     torch.manual_seed(0)
     lin = FusedLinear.from_linear(nn.Linear(16, 12), post_op)
     gm = graph_of(lin, gnn.Add(), n_inputs=2, wiring=[(0,), (2, 1)])
-    eng = check(gm, torch.randn(2, 5, 16), torch.randn(2, 5, 12))
-    assert _names(eng) == ["m0+m1"]
+    eng = check(gm, torch.randn(2, 5, 16), torch.randn(2, 5, 12), target=target)
+    assert _names(eng) == (["m0+m1"] if target.f32_matmul_brgemm else ["m0", "m1"])
 
 
 def test_a_linear_read_again_after_the_add_is_not_fused():
@@ -158,14 +166,17 @@ ACTIVATIONS = [nn.GELU(), nn.GELU(approximate="tanh"), nn.ReLU(), nn.Tanh(), nn.
 ACTIVATIONS += [nn.ReLU6(), nn.Hardtanh(-2.0, 3.0), nn.Hardswish(), nn.Hardsigmoid(), nn.LeakyReLU(0.2)]
 
 
+@pytest.mark.parametrize("target", MATMUL_TARGETS, ids=lambda t: t.isa)
 @pytest.mark.parametrize("act", ACTIVATIONS, ids=str)
-def test_activation_module_on_its_own_and_after_a_linear(act):
-    check(graph_of(act), torch.randn(2, 3, 10) * 3)
+def test_activation_module_on_its_own_and_after_a_linear(act, target):
+    check(graph_of(act), torch.randn(2, 3, 10) * 3, target=target)
     torch.manual_seed(0)
     lin = FusedLinear.from_linear(nn.Linear(10, 10), PostOp())
-    # linear -> activation -> + residual: one matmul with two post-ops
-    eng = check(graph_of(lin, act, gnn.Add(), n_inputs=1, wiring=[(0,), (1,), (2, 0)]), torch.randn(2, 3, 10))
-    assert _names(eng) == ["m0+m1+m2"]
+    # linear -> activation -> + residual: one matmul with two post-ops (AVX-512), else the inner
+    # product with the activation as its post-op, then the add
+    gm = graph_of(lin, act, gnn.Add(), n_inputs=1, wiring=[(0,), (1,), (2, 0)])
+    eng = check(gm, torch.randn(2, 3, 10), target=target)
+    assert _names(eng) == (["m0+m1+m2"] if target.f32_matmul_brgemm else ["m0+m1", "m2"])
 
 
 @pytest.mark.parametrize("act", [nn.ELU(), nn.Mish(), nn.GELU(approximate="none")], ids=str)
@@ -354,3 +365,32 @@ def test_a_mul_of_two_constants_stays_in_torch_with_its_reason():
     ShapeProp(gm).propagate(torch.randn(2, 4))
     eng = compile_engine(gm, (torch.randn(2, 4),))
     assert "mul of two constants" in [n.reason for n in eng.report.torch_nodes], str(eng.report)
+
+
+class _UnbindChunk(nn.Module):
+    """timm's ViT attention takes q, k, v apart with ``qkv.unbind(0)``; other blocks ``chunk``. Both
+    return views of their source: split pieces the engine aliases (they cut the plan before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, 16)
+        left, right = self.proj(a).chunk(2, dim=-1)
+        return torch.cat([right, left], -1) + x
+
+
+def test_unbind_and_chunk_pieces_are_views_in_the_plan():
+    import gml
+
+    torch.manual_seed(0)
+    model, x = _UnbindChunk().eval(), torch.randn(2, 5, 16)
+    res = gml.optimize(model, x, runtime="engine")
+    ops = {n.op for n in res.runtime.torch_nodes}
+    assert not ops & {"unbind", "chunk", "split", "split_item"}, str(res.runtime)  # getitem: x.shape[0]
+    assert res.runtime.segments == 1 and not res.runtime.shape_fallbacks, str(res.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)

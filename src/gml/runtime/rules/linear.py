@@ -134,6 +134,8 @@ def fuse_into_linear(b: Builder, lin: Val, other: Val, out: Val) -> bool:
     rounded to bf16 before the add: one rounding fewer than the Python executor)."""
     if other.free or other.shape != out.shape or base.rows_strides(other) is None or _reads_itself(lin, other):
         return False
+    if not b.target.f32_matmul_brgemm:  # the add needs a matmul, which has no brgemm kernel here
+        return False
     return extend_linear(b, lin, out, lambda: [("binary_add", 0.0, 0.0, base.as_rows(b, other))])
 
 
@@ -169,7 +171,8 @@ def extend_linear(b: Builder, lin: Val, out: Val, extra: Callable[[], list[Matmu
     """Append post-ops to the float linear that just wrote ``lin`` and write ``out`` instead, when
     the step just recorded is that linear node's own (an inner product, or a matmul this function
     made) and nothing else reads ``lin``. The step is re-recorded as one matmul with constant
-    weights (oneDNN's inner product takes no binary post-op)."""
+    weights (oneDNN's inner product takes no binary post-op) — or, on a target whose f32 matmul has
+    no brgemm kernel (AVX2), as the inner product with the element-wise post-ops appended."""
     if not b.steps or lin.node is None or lin.free or out.free or lin.shape != out.shape:
         return False
     step = b.steps[-1]
@@ -186,6 +189,18 @@ def extend_linear(b: Builder, lin: Val, out: Val, extra: Callable[[], list[Matmu
     own = step.name.split("+")[-1] == lin.node.name and step.writes[0].group is lin.group
     if not own or b.last_use.get(lin.node, 0) != b.pos or base.rows_strides(out) is None:
         return False
+    if step.method == "inner_product" and not b.target.f32_matmul_brgemm:
+        # no brgemm matmul on this ISA (Target.f32_matmul_brgemm): element-wise post-ops join the
+        # inner product's own; a binary operand cannot (oneDNN's inner product takes none)
+        more = extra()
+        if any(operand is not None for *_, operand in more):
+            return False
+        b.steps.pop()
+        eltwise = [*step.kwargs["eltwise"], *((a, al, be) for a, al, be, _ in more)]
+        kwargs = {**step.kwargs, "eltwise": eltwise}
+        b.inner_product(step.reads[0], base.as_rows(b, out, output=True), **kwargs)
+        b.steps[-1].name = f"{step.name}+{b.node_name}"
+        return True
     b.steps.pop()
     post += extra()
     b.matmul(step.reads[0], None, base.as_rows(b, out, output=True), weight=weight, bias=step.kwargs["bias"], post=post)
