@@ -507,3 +507,36 @@ def test_an_activation_made_out_of_place_no_longer_records_its_write():
 
     fused = gml.optimize(model, x, runtime="torch").report.record("fuse_conv")
     assert fused.skips == [] and fused.matches == 2  # reduce + SiLU and expand + sigmoid, one kernel each
+
+
+class _TimmLayerNorm(nn.LayerNorm):
+    """timm's LayerNorm: a subclass whose own forward calls F.layer_norm (traced through)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+def test_functional_layer_norm_with_stored_parameters_becomes_the_module():
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.bare = _TimmLayerNorm(8, eps=1e-6), _TimmLayerNorm(8, elementwise_affine=False)
+            self.scale = nn.Parameter(torch.randn(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            computed = F.layer_norm(x, (8,), self.scale * 2)  # a weight computed at run time
+            return self.norm(x) + self.bare(x) + computed
+
+    model = M().eval()
+    with torch.no_grad():
+        model.norm.weight.normal_()
+        model.norm.bias.normal_()
+    x = torch.randn(2, 5, 8)
+    gm = capture(model, (x,))
+    result = Normalize()(gm)
+    norms = [m for m in gm.modules() if type(m) is nn.LayerNorm]
+    assert sorted((m.eps, m.elementwise_affine) for m in norms) == [(1e-6, True), (1e-5, False)]
+    assert any(m.weight is model.norm.weight for m in norms)  # shared, not copied
+    (skip,) = [s for s in result.skips if "layer_norm" in s.pattern]
+    assert skip.reason == "weight is computed at run time, not a stored parameter or buffer"
+    assert torch.equal(gm(x), model(x))

@@ -38,3 +38,25 @@ def test_an_op_in_two_families_is_refused():
     one = TranslationRule(always, lambda *a: None)
     with pytest.raises(AssertionError, match=r"\['qconv'\] given twice"):
         _table({"qconv": one}, {"qconv": one})
+
+
+def test_basic_indexing_is_a_view_and_other_indexing_is_not():
+    """``x[..., ::2]`` (RoPE's even half), ``x[:, :c]``, ``x[0, None]`` are views the engine aliases,
+    also of a segment's own placeholder (no metadata: the partition vetted it); an index tensor,
+    a list or a bool gathers, and a tuple's item is a split piece."""
+    import operator
+
+    from gml.runtime.rules import read_call
+
+    g = fx.Graph()
+    x = g.placeholder("x")  # a segment input: no metadata
+    tup = g.call_function(torch.split, (x, 2))
+    ids = g.placeholder("ids")
+    basic = [(Ellipsis, slice(None, None, 2)), (slice(None), slice(None, 3)), (0, None), slice(1, None)]
+    other = [[0, 2], (slice(None), ids), True]
+    nodes = [g.call_function(operator.getitem, (x, i)) for i in [*basic, *other]]
+    piece = g.call_function(operator.getitem, (tup, 0))
+    gm = fx.GraphModule(nn.Module(), g)
+    ops = [(c.op if (c := read_call(gm, n)) is not None else None) for n in nodes]
+    assert ops == ["getitem"] * len(basic) + [None] * len(other)
+    assert read_call(gm, piece).op == "split_item"

@@ -23,6 +23,8 @@ Before → after (``%m`` is a fresh submodule, placed in the scope the call came
         (timm's BatchNormAct2d calls it on its own buffers)              get_attr tensors; rank from shape metadata)
     F.conv{1,2,3}d(x, weight, bias, ...) with a stored weight       →  nn.Conv{1,2,3}d(...) sharing that weight
     F.linear(x, weight, bias) with a stored weight                  →  nn.Linear(...) sharing that weight
+    F.layer_norm(x, shape, weight, bias, eps), stored weight / bias  →  nn.LayerNorm(...) sharing them (timm's
+        LayerNorm subclasses, whose own forward calls it)
     nn.ReLU(inplace=True) and other in-place activation modules     →  same module with inplace=False
 
 Every replacement module runs the very op it replaces, so the rewrite is bit-exact (tolerance 0).
@@ -154,6 +156,9 @@ _SIG_BY_KIND: dict[str, _Sig] = {
         {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
     ),
     "linear": _Sig(("input", "weight", "bias"), {"bias": None}),
+    "layernorm": _Sig(
+        ("input", "normalized_shape", "weight", "bias", "eps"), {"weight": None, "bias": None, "eps": 1e-5}
+    ),
     "conv": _Sig(
         ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
         {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
@@ -573,7 +578,7 @@ class _NormalizeRun:
             if hazard is not None:
                 raise _Decline(f"in-place op kept: {hazard}")
         new = self._insert_module(node, kind, module, inputs)
-        if kind in ("batchnorm", "conv", "linear"):
+        if kind in ("batchnorm", "conv", "linear", "layernorm"):
             remove_unused_nodes(self._gm.graph, stored)
         if inplace:
             self._redirect_later_readers(node, mutated, new)
@@ -651,6 +656,8 @@ class _NormalizeRun:
             return self._conv_module(node, bound)
         if kind == "linear":
             return self._linear_module(bound)
+        if kind == "layernorm":
+            return self._layer_norm_module(bound)
         if kind == "relu":
             return nn.ReLU()
         if kind == "relu6":
@@ -784,6 +791,30 @@ class _NormalizeRun:
         if bias is not None:
             lin.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), False)
         return lin.eval()
+
+    def _layer_norm_module(self, bound: dict[str, Any]) -> nn.Module:
+        """``F.layer_norm`` with stored weight / bias (timm's ``LayerNorm`` subclasses call it from
+        their own forward) → the ``nn.LayerNorm`` whose forward makes this very call."""
+        shape, eps = _constant(bound, "normalized_shape"), _constant(bound, "eps")
+        weight, bias = self._stored_tensor(bound, "weight"), self._stored_tensor(bound, "bias")
+        if weight is None and bias is not None:
+            raise _Decline("layer_norm with a bias but no weight has no module form")
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        ln = nn.LayerNorm(
+            shape,
+            eps=float(eps),
+            elementwise_affine=weight is not None,
+            bias=bias is not None,
+            device=None if weight is None else weight.device,
+            dtype=None if weight is None else weight.dtype,
+        )
+        if weight is not None:
+            if tuple(weight.shape) != shape or (bias is not None and tuple(bias.shape) != shape):
+                raise _Decline(f"layer_norm weight / bias of shape {tuple(weight.shape)} for normalized_shape {shape}")
+            ln.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight.detach(), False)
+            if bias is not None:
+                ln.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias.detach(), False)
+        return ln.eval()
 
     # ------------------------------------------------------------------ report
     def _coverage(self) -> list[str]:

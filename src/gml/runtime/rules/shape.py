@@ -45,8 +45,10 @@ def _basic_index(node: fx.Node) -> bool:
     view of ``x``; an index tensor or a bool gathers, and a tuple's item is a split piece)."""
     if len(node.args) != 2 or not isinstance(node.args[0], fx.Node):
         return False
-    meta = node.args[0].meta.get("val", node.args[0].meta.get("tensor_meta"))
-    if not isinstance(meta, torch.Tensor | TensorMetadata):
+    src = node.args[0]
+    meta = src.meta.get("val", src.meta.get("tensor_meta"))
+    # a segment's own placeholder has no metadata: the partition vetted it (a tensor, never a tuple)
+    if not isinstance(meta, torch.Tensor | TensorMetadata) and not (meta is None and src.op == "placeholder"):
         return False
     items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
 
@@ -74,12 +76,23 @@ def move_name(node: fx.Node) -> str | None:
     return name if name in MOVES and node.args and isinstance(node.args[0], fx.Node) else None
 
 
-_SPLITS = (torch.split, torch.functional.split, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default)
+#: ops returning a tuple of views of their source, taken apart by getitem: torch.split, and
+#: unbind / chunk (a ViT's ``q, k, v = qkv.unbind(0)``)
+_SPLITS = (
+    torch.split,
+    torch.functional.split,
+    torch.unbind,
+    torch.chunk,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.split_with_sizes.default,
+    torch.ops.aten.unbind.int,
+    torch.ops.aten.chunk.default,
+)
 
 
 def is_split(node: fx.Node) -> bool:
     if node.op == "call_method":
-        return node.target == "split"
+        return node.target in ("split", "unbind", "chunk")
     return node.op == "call_function" and node.target in _SPLITS
 
 
