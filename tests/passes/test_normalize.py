@@ -540,3 +540,64 @@ def test_functional_layer_norm_with_stored_parameters_becomes_the_module():
     (skip,) = [s for s in result.skips if "layer_norm" in s.pattern]
     assert skip.reason == "weight is computed at run time, not a stored parameter or buffer"
     assert torch.equal(gm(x), model(x))
+
+
+class _SignsAndCasts(nn.Module):
+    """timm's rotary embedding: ``-x[..., 1::2]``, a product cast back with ``.to(dtype=x.dtype)``,
+    ``type_as``; and the subtractions a model writes."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = torch.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)
+        b = (a * 0.5).to(dtype=x.dtype).type_as(y).float()
+        c = torch.sub(x, y, alpha=2) - 3.0
+        d = x.neg() + torch.neg(y)
+        d -= y
+        return a + b + c + d
+
+
+def test_signs_subtractions_and_casts_that_change_nothing_normalize_bit_exactly():
+    model = _SignsAndCasts().eval()
+    x, y = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    gm = capture(model, (x, y))
+    result = Normalize()(gm)
+    mods = dict(gm.named_modules())
+    scalars = sorted(
+        (type(m).__name__, m.other, getattr(m, "alpha", 1))
+        for n in gm.graph.nodes
+        if n.op == "call_module" and isinstance(m := mods[n.target], gnn.MulScalar | gnn.AddScalar)
+    )
+    # -x[..., 1::2], x.neg(), torch.neg(y); a * 0.5; (...) - 3.0
+    assert scalars == [("AddScalar", 3.0, -1), *[("MulScalar", -1, 1)] * 3, ("MulScalar", 0.5, 1)]
+    adds = sorted(
+        mods[n.target].alpha for n in gm.graph.nodes if n.op == "call_module" and type(mods[n.target]) is gnn.Add
+    )
+    assert adds == [-2, -1, 1, 1, 1, 1]  # sub(x, y, alpha=2), d -= y, and the four sums
+    assert not [n for n in op_nodes(gm) if n.target in ("to", "type_as", "float", "neg", "sub", operator.sub)]
+    assert not [n for n in gm.graph.nodes if n.target is getattr and n.args[1] == "dtype"]  # x.dtype went too
+    assert "rewritten" in " ".join(result.notes) and ".to() (no change) ×1" in " ".join(result.notes)
+    assert torch.equal(gm(x, y), model(x, y))
+
+
+@pytest.mark.parametrize(
+    ("call", "kept"),
+    [
+        (lambda x: x.to(torch.float64), "to"),  # a real conversion
+        (lambda x: x.to(torch.float32, copy=True), "to"),  # a copy on request
+        (lambda x: x.to(dtype=torch.bfloat16).float(), "to"),
+        (lambda x: 2.0 - x, operator.sub),  # a number minus a tensor: no module form
+    ],
+    ids=["float64", "copy", "bf16-roundtrip", "rsub"],
+)
+def test_casts_that_convert_or_copy_and_a_number_minus_a_tensor_keep_their_call(call, kept):
+    class M(nn.Module):
+        def forward(self, x):
+            return call(x)
+
+    x = torch.randn(2, 8)
+    gm = capture(M(), (x,))
+    result = Normalize()(gm)
+    assert [n for n in op_nodes(gm) if n.target == kept]
+    if kept is operator.sub:
+        (skip,) = [s for s in result.skips if "sub" in s.pattern]
+        assert skip.reason == "a number minus a tensor has no module form"
+    assert torch.equal(gm(x), call(x))

@@ -84,6 +84,15 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("add", (), (operator.add, operator.iadd, torch.add), ("add", "add_"), _t("elementwise", "int8")),
     OpSpec("mul", (), (operator.mul, operator.imul, torch.mul), ("mul", "mul_"), _t("elementwise", "int8")),
     OpSpec("sub", (), (operator.sub, operator.isub, torch.sub), ("sub", "sub_"), _t("elementwise")),
+    OpSpec(
+        "neg",
+        (),
+        (operator.neg, torch.neg, torch.negative),
+        ("neg", "neg_", "negative", "negative_"),
+        _t("elementwise"),
+    ),
+    # a dtype conversion: the tensor itself when it has the dtype already (``x.to(x.dtype)``)
+    OpSpec("cast", (), (), ("to", "type_as", "float", "type")),
     OpSpec("cat", (), (torch.cat, torch.concat), (), _t("int8")),
     OpSpec("flatten", (nn.Flatten,), (torch.flatten,), ("flatten",), _VIEW8),
     OpSpec(

@@ -10,6 +10,11 @@ Before → after (``%m`` is a fresh submodule, placed in the scope the call came
     x + y, torch.add(x, y, alpha=a), x.add(y), x.add_(y), x += y    →  gml.nn.Add(a)(x, y)
     x + 2.0, 1 + x, torch.add(x, 2, alpha=a)                        →  gml.nn.AddScalar(2.0, a)(x)
     x * y, torch.mul, x.mul(y), x.mul_(y), x *= y / x * 0.5         →  gml.nn.Mul()(x, y) / gml.nn.MulScalar(0.5)(x)
+    x - y, torch.sub(x, y, alpha=a), x -= y / x - 2.0               →  gml.nn.Add(-a)(x, y) / AddScalar(2.0, -1)(x)
+        (ATen computes a - b as a + (-1)·b: the same kernel)            (2.0 - x keeps its call: no module form)
+    -x, torch.neg(x), x.neg()                                       →  gml.nn.MulScalar(-1)(x) (a sign flip either way)
+    x.to(dtype), x.type_as(y), x.float(), x.type(dtype) that return  →  removed (shape metadata shows the same dtype
+        x itself (timm's RoPE: ``out.to(dtype=x.dtype)``)                and strides; torch returns the tensor itself)
     torch.flatten(x, s, e), x.flatten(s, e)                         →  nn.Flatten(s, e)
     F.adaptive_avg_pool{1,2,3}d(x, size)                            →  nn.AdaptiveAvgPool{1,2,3}d(size)
     x.mean((2, 3), keepdim=True), torch.mean (a 4-D x)              →  nn.AdaptiveAvgPool2d(1) (squeeze-excite's
@@ -139,6 +144,8 @@ _SIG_BY_KIND: dict[str, _Sig] = {
     "elu": _Sig(("input", "alpha", "inplace"), {"alpha": 1.0, "inplace": False}),
     "add": _Sig(("input", "other", "alpha"), {"alpha": 1}),
     "mul": _BINARY,
+    "sub": _Sig(("input", "other", "alpha"), {"alpha": 1}),
+    "neg": _UNARY,
     "flatten": _Sig(("input", "start_dim", "end_dim"), {"start_dim": 0, "end_dim": -1}),
     "adaptive_avg_pool": _Sig(("input", "output_size")),
     "mean": _Sig(("input", "dim", "keepdim", "dtype"), {"dim": None, "keepdim": False, "dtype": None}),
@@ -175,6 +182,8 @@ _SIG_BY_TARGET: dict[Any, _Sig] = {
     operator.iadd: _BINARY,
     operator.mul: _BINARY,
     operator.imul: _BINARY,
+    operator.sub: _BINARY,
+    operator.isub: _BINARY,
     torch.dropout: _Sig(("input", "p", "training")),  # aten spells it `train`; renamed in _bind
     F.alpha_dropout: _Sig(("input", "p", "training", "inplace"), {"p": 0.5, "training": False, "inplace": False}),
     F.feature_alpha_dropout: _Sig(
@@ -554,6 +563,9 @@ class _NormalizeRun:
 
     def _rewrite(self, node: fx.Node) -> None:
         kind = self._kind(node)
+        if kind == "cast":
+            self._maybe_drop_identity_cast(node)
+            return
         if kind not in _SIG_BY_KIND:
             return  # no module form; counted in _coverage
         sig = _SIG_BY_TARGET.get(node.target, _SIG_BY_KIND[kind]) if node.op == "call_function" else _SIG_BY_KIND[kind]
@@ -561,7 +573,7 @@ class _NormalizeRun:
         if kind == "dropout":
             self._drop_dropout_call(node, bound)
             return
-        if kind in ("add", "mul"):
+        if kind in ("add", "mul", "sub"):
             built = self._binary(kind, bound)
             if built is None:
                 return  # arithmetic on Python numbers, not a tensor op
@@ -634,6 +646,15 @@ class _NormalizeRun:
         alpha = _constant(bound, "alpha") if "alpha" in bound else 1
         ta, tb = self._is_tensor(a), self._is_tensor(b)
         number = (int, float, bool)
+        if kind == "sub":
+            if not ta:  # 2.0 - x (rsub): no module computes it as torch does
+                if tb:
+                    raise _Decline("a number minus a tensor has no module form")
+                return None
+            if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+                raise _Decline(f"sub with alpha={alpha!r}")
+            # ATen's sub is its add kernel with -alpha: a - alpha·b, bit for bit
+            kind, alpha = "add", -alpha
         if ta and tb:
             return (gnn.Add(alpha) if kind == "add" else gnn.Mul()), (a, b)
         if ta and isinstance(b, number):
@@ -658,6 +679,8 @@ class _NormalizeRun:
             return self._linear_module(bound)
         if kind == "layernorm":
             return self._layer_norm_module(bound)
+        if kind == "neg":
+            return gnn.MulScalar(-1)  # x * -1 flips the sign bit as -x does (zeros and infinities too)
         if kind == "relu":
             return nn.ReLU()
         if kind == "relu6":
@@ -711,6 +734,30 @@ class _NormalizeRun:
                 **kwargs,
             )
         raise _Decline(f"no module builder for {kind}")  # pragma: no cover - table and builders agree
+
+    # ------------------------------------------------------------------ casts that change nothing
+    def _maybe_drop_identity_cast(self, node: fx.Node) -> None:
+        """``x.to(dtype)`` / ``x.type_as(y)`` / ``x.float()`` / ``x.type(dtype)`` whose result has
+        ``x``'s dtype and strides (shape propagation's metadata): torch returns ``x`` itself then, so
+        readers read ``x``. ``copy=True`` and a device other than the CPU keep the call."""
+        src = node.args[0] if node.args else None
+        if not isinstance(src, fx.Node):
+            return
+        before, after = src.meta.get("tensor_meta"), node.meta.get("tensor_meta")
+        if not (isinstance(before, TensorMetadata) and isinstance(after, TensorMetadata)):
+            return  # no metadata: the call stays (reported as having no module form)
+        if (before.dtype, before.shape, before.stride) != (after.dtype, after.shape, after.stride):
+            return  # a real conversion
+        if node.kwargs.get("copy") is True or any(a is True for a in node.args[1:]):
+            return  # x.to(dtype, copy=True) (or its positional non_blocking / copy flags) copies
+        devices = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, str | torch.device)]
+        if any(str(d).split(":")[0] != "cpu" for d in devices):
+            return
+        label, reads = node_label(node, self._modules), [a for a in node.all_input_nodes if a is not src]
+        node.replace_all_uses_with(src)
+        self._gm.graph.erase_node(node)
+        remove_unused_nodes(self._gm.graph, reads)  # the getattr(x, "dtype") it read
+        self._rewritten[f"{label} (no change)"] += 1
 
     def _stored_tensor(self, bound: dict[str, Any], key: str) -> torch.Tensor | None:
         """A tensor argument that is a parameter/buffer of the model (a ``get_attr``), or None."""
