@@ -10,7 +10,7 @@
 
 namespace gml_engine {
 
-// dst = eltwise(scale0 * src0 <alg> scale1 * src1), alg "add", "mul" or "max" (a source of size 1 in a
+// dst = eltwise(scale0 * src0 <alg> scale1 * src1), alg "add", "sub", "mul" or "max" (a source of size 1 in a
 // dim broadcasts); a scale left empty is 1.
 struct BinaryStep {
   int src0 = -1, src1 = -1, dst = -1;
@@ -20,16 +20,18 @@ struct BinaryStep {
   std::string name;
 };
 
-// Element-wise binary op: dst = post_ops(scale0 * src0 <alg> scale1 * src1). An fp32 add or mul
+// Element-wise binary op: dst = post_ops(scale0 * src0 <alg> scale1 * src1). An fp32 add, sub or mul
 // without scales or post-ops for whose layouts oneDNN has only its reference kernel runs as GML's
-// strided loop instead (strided.h, "gml:strided_add" / "gml:strided_mul").
+// strided loop instead (strided.h, "gml:strided_add" / "gml:strided_sub" / "gml:strided_mul").
 inline void build(Plan& p, const BinaryStep& desc) {
   const int src0 = desc.src0, src1 = desc.src1, dst = desc.dst;
   const std::string &alg = desc.alg, &name = desc.name;
   const std::optional<float> &scale0 = desc.scale0, &scale1 = desc.scale1;
   const Eltwise& eltwise = desc.eltwise;
   using A = dnnl::algorithm;
-  const A a = algorithm_of(alg, {{"add", A::binary_add}, {"mul", A::binary_mul}, {"max", A::binary_max}}, "binary op");
+  const A a = algorithm_of(
+      alg, {{"add", A::binary_add}, {"sub", A::binary_sub}, {"mul", A::binary_mul}, {"max", A::binary_max}},
+      "binary op");
   dnnl::primitive_attr attr = eltwise_attr(eltwise);
   std::vector<std::pair<int, memory>> consts;
   if (scale0) add_scale(attr, consts, DNNL_ARG_SRC_0, *scale0);
@@ -37,10 +39,12 @@ inline void build(Plan& p, const BinaryStep& desc) {
   auto pd = dnnl::binary::primitive_desc(cpu_engine(), a, p.md_in(src0), p.md_in(src1), p.md_out(dst), attr);
   p.resolve(dst, pd.dst_desc());
   const std::string impl = pd.impl_info_str();
-  const bool add_or_mul = a == A::binary_add || a == A::binary_mul;
-  if (impl.rfind("ref", 0) == 0 && add_or_mul && !scale0 && !scale1 && eltwise.empty()) {
+  const bool arithmetic = a == A::binary_add || a == A::binary_sub || a == A::binary_mul;
+  if (impl.rfind("ref", 0) == 0 && arithmetic && !scale0 && !scale1 && eltwise.empty()) {
     // oneDNN has only its reference binary for these layouts (strided.h): GML's strided loop
-    const auto op = a == A::binary_add ? gml_strided::Op::add : gml_strided::Op::mul;
+    const auto op = a == A::binary_add   ? gml_strided::Op::add
+                    : a == A::binary_sub ? gml_strided::Op::sub
+                                         : gml_strided::Op::mul;
     if (auto k = gml_strided::Binary::make(op, p.md_in(src0), p.md_in(src1), p.md_in(dst))) {
       Kernel kernel = [k = *k](const std::unordered_map<int, memory>& args) {
         k.run(static_cast<const float*>(args.at(DNNL_ARG_SRC_0).get_data_handle()),
@@ -48,7 +52,7 @@ inline void build(Plan& p, const BinaryStep& desc) {
               static_cast<float*>(args.at(DNNL_ARG_DST).get_data_handle()));
       };
       p.push_kernel(std::move(kernel), {{DNNL_ARG_SRC_0, src0}, {DNNL_ARG_SRC_1, src1}, {DNNL_ARG_DST, dst}},
-                    memory::desc(), name, op == gml_strided::Op::add ? "gml:strided_add" : "gml:strided_mul");
+                    memory::desc(), name, gml_strided::impl_name(op));
       return;
     }
   }

@@ -43,7 +43,11 @@ inline std::optional<memory::dims> plain_strides(const memory::desc& md) {
   return md.get_strides();
 }
 
-enum class Op { add, mul };
+enum class Op { add, sub, mul };
+
+inline const char* impl_name(Op op) {
+  return op == Op::add ? "gml:strided_add" : op == Op::sub ? "gml:strided_sub" : "gml:strided_mul";
+}
 
 class Binary {
  public:
@@ -101,6 +105,8 @@ class Binary {
   void row(const float* a, const float* c, float* d, int64_t len) const {
     if (op_ == Op::add)
       row_of(a, c, d, len, [](float x, float y) { return x + y; });
+    else if (op_ == Op::sub)
+      row_of(a, c, d, len, [](float x, float y) { return x - y; });
     else
       row_of(a, c, d, len, [](float x, float y) { return x * y; });
   }

@@ -184,7 +184,7 @@ def test_relative_position_logits_of_permuted_views():
 
 
 class _BroadcastBinaries(nn.Module):
-    """fp32 adds (or muls) whose second operand is a broadcast slice of the first (along channels,
+    """fp32 adds (subs, muls) whose second operand is a broadcast slice of the first (along channels,
     along the innermost dim, of strided rows): oneDNN 3.2 has only its reference binary for these on
     every ISA tried (AVX2, AVX-512); GML's strided loop runs them (native/strided.h)."""
 
@@ -194,7 +194,7 @@ class _BroadcastBinaries(nn.Module):
         self.c1, self.c2 = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        f = torch.add if self.op == "add" else torch.mul
+        f = {"add": torch.add, "sub": torch.sub, "mul": torch.mul}[self.op]
         z = self.c1(x)
         a = f(z, z[:, :1])
         b = f(a, a[..., :1])
@@ -202,7 +202,7 @@ class _BroadcastBinaries(nn.Module):
         return self.c2(c)
 
 
-@pytest.mark.parametrize("op", ["add", "mul"])
+@pytest.mark.parametrize("op", ["add", "sub", "mul"])
 def test_binaries_of_broadcast_slices(op):
     torch.manual_seed(0)
     model, x = _BroadcastBinaries(op).eval(), torch.randn(2, 4, 6, 6)

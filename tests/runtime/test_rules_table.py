@@ -12,7 +12,19 @@ from gml.runtime.rules.shape import MOVES
 
 #: ops the reader names that are neither gml library ops nor view methods: gml.attention (its schema
 #: is gml.ir.attention's), torch.flatten, split pieces, the padding mask's arithmetic
-READER_OPS = {"attention", "flatten", "split", "split_item", "cat", "to_bool", "index", "and", "expand_mask"}
+READER_OPS = {
+    "attention",
+    "flatten",
+    "split",
+    "split_item",
+    "cat",
+    "stack",
+    "size",
+    "to_bool",
+    "index",
+    "and",
+    "expand_mask",
+}
 
 
 def test_every_key_is_an_op_not_a_class_name():

@@ -394,3 +394,140 @@ def test_unbind_and_chunk_pieces_are_views_in_the_plan():
     assert res.runtime.segments == 1 and not res.runtime.shape_fallbacks, str(res.runtime)
     with torch.no_grad():
         torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- scalars, subtraction, rotary embedding, sizes
+SCALARS = [gnn.MulScalar(0.5), gnn.MulScalar(-1), gnn.AddScalar(1.5), gnn.AddScalar(3.0, alpha=-1)]
+
+
+@pytest.mark.parametrize("target", MATMUL_TARGETS, ids=lambda t: t.isa)
+@pytest.mark.parametrize("op", SCALARS, ids=lambda m: f"{type(m).__name__}({m.extra_repr()})")
+def test_a_scalar_op_on_its_own_and_after_a_linear(op, target):
+    # x * 0.5, -x (Normalize: MulScalar(-1)), x + 1.5, x - 3.0: one eltwise linear, or the linear's post-op
+    torch.manual_seed(0)
+    eng = check(graph_of(op), torch.randn(2, 5, 8), target=target)
+    assert [n.runs_in for n in eng.report.nodes] == ["engine"]
+    eng = check(graph_of(nn.Linear(8, 6), op), torch.randn(2, 5, 8), target=target)
+    assert len(eng.step_impls()) == 1, eng.step_impls()  # folded into the linear's step
+
+
+@pytest.mark.parametrize(
+    "shapes", [((2, 5, 8), (2, 5, 8)), ((2, 5, 8), (8,)), ((2, 8, 3, 3), (2, 8, 1, 1))], ids=["same", "row", "gate"]
+)
+def test_a_subtraction_of_two_computed_values(shapes):
+    # Normalize writes x - y as gml.nn.Add(alpha=-1) (ATen's own formulation): a binary sub
+    gm = graph_of(gnn.Add(-1), n_inputs=2, wiring=[(0, 1)])
+    eng = check(gm, *(torch.randn(s) for s in shapes))
+    assert [n.runs_in for n in eng.report.nodes] == ["engine"]
+
+
+def test_a_subtraction_whose_first_operand_broadcasts_stays_in_torch_with_its_reason():
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    gm = graph_of(gnn.Add(-1), n_inputs=2, wiring=[(0, 1)])
+    x, y = torch.randn(8), torch.randn(2, 5, 8)
+    ShapeProp(gm).propagate(x, y)
+    eng = check(gm, x, y, expect="torch")
+    assert [n.reason for n in eng.report.torch_nodes] == ["sub of [8] minus [2, 5, 8] (its first operand broadcasts)"]
+
+
+class _RotaryAttention(nn.Module):
+    """EVA-02's attention (timm ``EvaAttention`` with ``apply_rot_embed_cat``): a class token, rotary
+    sin / cos tables, ``rot(x) = stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)``, the
+    casts back (``.to(dtype=x.dtype)``, ``type_as``) and ``B, N, C = x.shape``. Each of them was a
+    torch node that cut the plan (111 segments in EVA-02-tiny; and ``reshape(x.shape)`` took a
+    ``Size`` into the next segment, which then ran in torch for every shape)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, tokens: int = 6) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        angle = torch.randn(tokens, dim // heads // 2).repeat_interleave(2, -1)
+        self.register_buffer("rope", torch.cat([angle.sin(), angle.cos()], -1))
+
+    @staticmethod
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([-x[..., 1::2], x[..., ::2]], -1).reshape(x.shape)
+
+    def rope_of(self, x: torch.Tensor) -> torch.Tensor:
+        sin, cos = self.rope.chunk(2, -1)
+        return (x * cos + self.rot(x) * sin).to(dtype=x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        q = torch.cat([q[:, :, :1, :], self.rope_of(q[:, :, 1:, :])], dim=2).type_as(v)
+        k = torch.cat([k[:, :, :1, :], self.rope_of(k[:, :, 1:, :])], dim=2).type_as(v)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(a.transpose(1, 2).reshape(b, n, c))
+
+
+def test_rotary_embedding_attention_is_one_plan():
+    import gml
+
+    torch.manual_seed(0)
+    model = _RotaryAttention().eval()
+    x = torch.randn(2, 7, 16)  # a class token and 6 rotated tokens
+    res = gml.optimize(model, x, runtime="engine")
+    assert res.runtime.segments == 1 and not res.runtime.shape_fallbacks, str(res.runtime)
+    # in torch: the model input's sizes only (x.shape, its items, cached per input shape)
+    assert {n.op for n in res.runtime.torch_nodes} <= {"size", "ShapeValues", "getitem"}, str(res.runtime)
+    assert [impl for _, impl in res.engine.step_impls() if "ref" in impl] == []
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+        y = torch.randn(3, 7, 16)  # another batch: another plan, its own sizes
+        torch.testing.assert_close(res.executable(y), model(y), rtol=1e-5, atol=1e-5)
+
+
+class _SizeReadAfter(nn.Module):
+    """A size of an engine value read by torch after the segment (``cumsum`` has no engine rule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        rows = y.shape[0] * y.shape[1]
+        return torch.cumsum(y, -1).reshape(rows, -1)
+
+
+def test_a_size_made_in_a_segment_and_read_by_torch_is_the_segments_output():
+    import gml
+
+    torch.manual_seed(0)
+    model = _SizeReadAfter().eval()
+    res = gml.optimize(model, torch.randn(2, 3, 8), runtime="engine")
+    size_nodes = [n for n in res.runtime.nodes if n.op == "size"]
+    assert size_nodes and all(n.runs_in == "engine" for n in size_nodes), str(res.runtime)
+    assert res.runtime.segments == 1 and not res.runtime.shape_fallbacks, str(res.runtime)
+    with torch.no_grad():
+        for shape in [(2, 3, 8), (4, 1, 8)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+    assert not res.runtime.shape_fallbacks, str(res.runtime)
+
+
+class _ScalarScale(nn.Module):
+    """DeBERTa's attention scale: ``sqrt(tensor(size) * factor)``, a 0-d tensor (oneDNN has no 0-d
+    memory: a 0-d step read garbage, and the engine's output was off or NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.sqrt(torch.tensor(x.size(-1), dtype=torch.float) * 3.0)
+        return self.lin(x) / scale
+
+
+def test_a_0d_tensor_stays_in_torch_with_its_reason():
+    import gml
+
+    torch.manual_seed(0)
+    model, x = _ScalarScale().eval(), torch.randn(2, 5, 8)
+    res = gml.optimize(model, x, runtime="engine")
+    reasons = {n.op: n.reason for n in res.runtime.torch_nodes}
+    assert reasons.get("MulScalar") == "a 0-d tensor (a scalar: torch computes it)", str(res.runtime)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)

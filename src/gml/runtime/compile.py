@@ -35,6 +35,7 @@ from gml.runtime import native
 from gml.runtime.options import EngineOptions, resolve_options
 from gml.runtime.plan import Builder
 from gml.runtime.rules import Unsupported, read_call, rule_for
+from gml.runtime.rules.shape import SIZE_INPUT, is_size, read_size
 from gml.runtime.shape_values import cache_guards, cache_shape_values, schedule_for_engine
 
 #: Plans a segment keeps (one per input layout seen; the oldest goes first beyond this).
@@ -259,12 +260,13 @@ class EngineSegment(nn.Module):
         b = Builder(_last_use(graph), self._report.target, self._report.options)
         free = free_values(self.reference, env)
         vals: dict[fx.Node, Any] = {}
+        sizes: set[fx.Node] = set()
         inputs, outputs, metas = [], [], []
         for pos, node in enumerate(graph.nodes):
             b.pos, b.node_name = pos, node.name
             if node.op == "placeholder":
                 if not isinstance(env[node], torch.Tensor):  # a size computed outside (sym_size)
-                    if isinstance(env[node], int | float | bool):
+                    if _is_size_value(env[node]):  # in the plan's key: the plan is for this value
                         continue
                     raise Unsupported(f"segment input {node.name} is a {type(env[node]).__name__}")
                 vals[node] = b.value_for(node, env[node])
@@ -272,6 +274,9 @@ class EngineSegment(nn.Module):
                 b.place_inputs(inputs)  # now: a later in-place step must see it is the caller's
             elif node.op == "output":
                 for a in node.args[0]:
+                    if a in sizes:  # fixed for this plan's inputs: returned as it is
+                        metas.append(_Size(env[a]))
+                        continue
                     if not isinstance(env[a], torch.Tensor):
                         raise Unsupported(f"segment output {a.name} is a {type(env[a]).__name__}")
                     outputs.append(vals[a])
@@ -282,16 +287,23 @@ class EngineSegment(nn.Module):
                 if rule is None:
                     raise Unsupported(reason)
                 t = env[node]
+                if rule.size_out:  # x.shape, n // 2: no step (the plan is for these sizes)
+                    if not _is_size_value(t):
+                        raise Unsupported(f"{node.name} returns {type(t).__name__}")
+                    sizes.add(node)
+                    continue
                 if rule.tuple_out:  # split: its getitem readers alias pieces of its input
                     vals[node] = vals[call.inputs[0]]
                     continue
                 if not isinstance(t, torch.Tensor):
                     raise Unsupported(f"{node.name} returns {type(t).__name__}")
+                if t.dim() == 0:  # a oneDNN memory descriptor has at least one dim
+                    raise Unsupported(f"{node.name} returns a 0-d tensor")
                 vals[node] = b.value_for(node, t, free=node in free)
                 rule.emit(b, call, [_input_val(b, vals, env, a) for a in call.inputs], vals[node])
-        b.place_outputs(outputs, metas)
+        b.place_outputs(outputs, [t for t in metas if isinstance(t, torch.Tensor)])
         plan = b.build(native.load())
-        return plan, [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in metas]
+        return plan, [t if isinstance(t, _Size) else (tuple(t.shape), tuple(t.stride()), t.dtype) for t in metas]
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not _finite_inputs(inputs):
@@ -302,14 +314,15 @@ class EngineSegment(nn.Module):
         plan, outs = self.plan_for(inputs)
         if plan is None:
             return tuple(self.reference(*inputs))
-        results = [torch.empty_strided(s, st, dtype=dt) for s, st, dt in outs]
+        results = [o.value if isinstance(o, _Size) else torch.empty_strided(*o[:2], dtype=o[2]) for o in outs]
         tensors = [t.data_ptr() for t in inputs if isinstance(t, torch.Tensor)]  # sizes are in the plan's key
+        written = [r.data_ptr() for r in results if isinstance(r, torch.Tensor)]
         record = _PROFILE.get()
         try:
             if record is None:
-                plan.run(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
+                plan.run(tensors, written, torch.get_num_threads())
             else:
-                times = plan.run_timed(tensors, [r.data_ptr() for r in results], torch.get_num_threads())
+                times = plan.run_timed(tensors, written, torch.get_num_threads())
                 record.append((self, plan, times))
         except RuntimeError as e:
             # oneDNN created the primitives but one will not execute (fuzz seed 20261127: "could not
@@ -358,6 +371,21 @@ class Recorder(fx.Interpreter):
         if self.keep is None or n in self.keep:
             self.values[n] = out
         return out
+
+
+@dataclass(frozen=True)
+class _Size:
+    """A segment output that is a size (``x.shape`` read by torch after the segment): fixed for the
+    plan's input shapes, returned as the plan was made with it."""
+
+    value: Any
+
+
+def _is_size_value(v: Any) -> bool:
+    """A number or a shape (``x.shape`` read by ``reshape(x.shape)``: timm's RoPE) a segment takes."""
+    if isinstance(v, list | tuple):
+        return all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+    return isinstance(v, int | float | bool)
 
 
 def _input_key(t: Any) -> tuple:
@@ -419,6 +447,13 @@ def partition(
             current = []
     if current:
         runs.append(current)
+    # a run of sizes alone (``x.shape`` between two torch ops) has no step to join: torch reads them
+    sizes_only = [r for r in runs if all(read_size(n) is not None for n in r)]
+    runs = [r for r in runs if r not in sizes_only]
+    alone = {n.name for r in sizes_only for n in r}
+    for i, rep in enumerate(report.nodes):
+        if rep.name in alone:
+            report.nodes[i] = NodeReport(rep.name, rep.op, "torch", "a size read between torch ops (no engine step)")
 
     new = fx.GraphModule(gm, _copy_graph(graph))
     name_map = {n.name: n for n in new.graph.nodes}
@@ -505,6 +540,9 @@ def _engine_node(gm: fx.GraphModule, node: fx.Node) -> tuple[bool, str | None]:
     rule, reason = rule_for(call)
     if rule is None:
         return False, reason
+    meta = node.meta.get("val", node.meta.get("tensor_meta"))
+    if getattr(meta, "shape", None) == ():  # DeBERTa's attention scale, sqrt(size * factor)
+        return False, "a 0-d tensor (a scalar: torch computes it)"
     if node.op == "call_module" and (node.kwargs or not all(isinstance(a, fx.Node) for a in node.args)):
         return False, "non-tensor arguments"
     if rule.arity is not None and len(call.inputs) != rule.arity:
@@ -524,6 +562,9 @@ def _replace_run(gm: fx.GraphModule, run: list[fx.Node], name: str, report: Runt
     outputs = [n for n in run if any(u not in inside for u in n.users)]
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in inputs}
+    for a in inputs:  # a size made outside: the segment's size nodes may read it
+        if is_size(a):
+            env[a].meta[SIZE_INPUT] = True
     for w in weights:  # constants stay constants of the segment (its reference module holds them)
         env[w] = sub.get_attr(str(w.target))
     for n in run:
@@ -535,6 +576,8 @@ def _replace_run(gm: fx.GraphModule, run: list[fx.Node], name: str, report: Runt
         call = gm.graph.call_module(name, tuple(inputs))
         for i, o in enumerate(outputs):
             item = gm.graph.call_function(operator.getitem, (call, i))
+            if is_size(o):  # the next segment's size nodes may read it
+                item.meta[SIZE_INPUT] = True
             o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
     for n in reversed(run):
         gm.graph.erase_node(n)

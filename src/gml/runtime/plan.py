@@ -118,7 +118,7 @@ def _span(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int
     if any(d == 0 for d in shape):
         return 0
     last = sum((d - 1) * s for d, s in zip(shape, stride)) + 1
-    return max(last, *(d * s for d, s in zip(shape, stride))) * itemsize
+    return max([last, *(d * s for d, s in zip(shape, stride))]) * itemsize  # a 0-d value: one element
 
 
 def _extent(shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:

@@ -87,6 +87,9 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
         return _with_table(Call(type(mod), mod, tuple(a for a in node.args if isinstance(a, fx.Node))))
+    size = shape.read_size(node)  # x.shape, x.size(1), n // 2: fixed for a plan's input shapes
+    if size is not None:
+        return _with_table(size)
     move = shape.move_name(node)
     if move is not None:
         # sizes computed at run time (a dynamic batch in an exported program) are graph values

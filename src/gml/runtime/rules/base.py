@@ -75,6 +75,9 @@ class TranslationRule:
     reads_free: bool = False
     #: its value is a tuple of views of its input (split) that getitem readers take apart: no step
     tuple_out: bool = False
+    #: its value is a size (``x.shape``, ``x.size(1)``, ``n // 2``), fixed for the plan's input
+    #: shapes: no step; the segment returns it as it was when the plan was made
+    size_out: bool = False
     #: the ``backend`` values the node may name besides oneDNN: another library for the same fp32
     #: math (MKL's GEMM for a ``FusedLinear``), which the engine runs on oneDNN, equal up to rounding
     other_backends: tuple[str, ...] = ()

@@ -127,9 +127,9 @@ def _emit_cast(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 
 def check_float_add(c: Call) -> str | None:
-    if c.a.alpha != 1:
+    if c.a.alpha not in (1, -1):  # -1: ``x - y`` (Normalize spells a sub as ATen computes it)
         return f"{type(c.a).__name__} with alpha {c.a.alpha}"
-    return _check_float_binary(c, "add")
+    return _check_float_binary(c, "add" if c.a.alpha == 1 else "sub")
 
 
 def _check_float_binary(c: Call, op: str) -> str | None:
@@ -145,6 +145,8 @@ def _check_float_binary(c: Call, op: str) -> str | None:
         full = tuple(torch.broadcast_shapes(shapes[0], shapes[1]))
         if full not in shapes:  # oneDNN's binary broadcasts its second source only
             return f"{op} broadcasting both operands ({list(shapes[0])} and {list(shapes[1])})"
+        if op == "sub" and tuple(shapes[0]) != full:  # not commutative: x must be the full one
+            return f"sub of {list(shapes[0])} minus {list(shapes[1])} (its first operand broadcasts)"
     return None
 
 
@@ -156,6 +158,9 @@ def emit_float_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x, y = ins
     if {x.dtype_name, y.dtype_name, out.dtype_name} - {"f32", "bf16"}:
         raise Unsupported(f"add of {x.dtype_name} and {y.dtype_name}")
+    if c.a.alpha == -1:
+        _float_binary(b, x, y, out, "sub")
+        return
     if fuse_into_linear(b, x, y, out) or fuse_into_linear(b, y, x, out):
         return
     if fuse_into_dynamic_linear(b, x, y, out) or fuse_into_dynamic_linear(b, y, x, out):
@@ -177,13 +182,13 @@ def emit_add_relu(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 
 def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str, *, eltwise: Eltwise | None = None) -> None:
-    """One oneDNN binary ``x <alg> y`` (commutative: add, mul); the operand that broadcasts (a
-    constant vector: MobileBERT's NoNorm ``x * w + b``; a squeeze-excite gate ``x * g`` with ``g``
-    of shape N×C×1×1) is the second source. Layouts oneDNN has only its reference binary for run as
-    GML's strided loop (native/strided.h)."""
+    """One oneDNN binary ``x <alg> y`` (add, mul, sub); the operand that broadcasts (a constant
+    vector: MobileBERT's NoNorm ``x * w + b``; a squeeze-excite gate ``x * g`` with ``g`` of shape
+    N×C×1×1) is the second source (add and mul commute; a sub's first operand must be the full one).
+    Layouts oneDNN has only its reference binary for run as GML's strided loop (native/strided.h)."""
     if {x.dtype_name, y.dtype_name, out.dtype_name} - {"f32", "bf16"}:
         raise Unsupported(f"{alg} of {x.dtype_name} and {y.dtype_name}")
-    if x.shape != out.shape:  # oneDNN broadcasts the second source only
+    if x.shape != out.shape and alg != "sub":  # oneDNN broadcasts the second source only
         x, y = y, x
     if x.shape != out.shape or len(y.shape) > len(out.shape):
         raise Unsupported(f"{alg} of {x.shape} and {y.shape} broadcasting both operands")
@@ -220,17 +225,43 @@ def check_eltwise(c: Call) -> str | None:
 
 
 def emit_eltwise(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    """A post-op of the linear before it when nothing else reads that linear's output; else one
-    ``max(x, x)`` binary with the activation as its post-op (the primitive that takes any rank)."""
-    x = ins[0]
-    if x.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name or x.shape != out.shape:
-        raise Unsupported(f"{type(c.a).__name__} of {x.dtype_name} {x.shape} -> {out.dtype_name} {out.shape}")
     eltwise = _activation_eltwise(c.a)
     if isinstance(eltwise, str):
         raise Unsupported(eltwise)
+    _unary(b, c, ins[0], out, eltwise)
+
+
+def _unary(b: Builder, c: Call, x: Val, out: Val, eltwise: Eltwise) -> None:
+    """A post-op of the linear before it when nothing else reads that linear's output; else one
+    ``max(x, x)`` binary with ``eltwise`` as its post-ops (the primitive that takes any rank)."""
+    if x.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name or x.shape != out.shape:
+        raise Unsupported(f"{type(c.a).__name__} of {x.dtype_name} {x.shape} -> {out.dtype_name} {out.shape}")
     if extend_linear(b, x, out, lambda: [(alg, alpha, beta, None) for alg, alpha, beta in eltwise]):
         return
     b.binary(x, x, out, "max", scale0=None, scale1=None, eltwise=eltwise)
+
+
+def _scalar_eltwise(mod: gnn.MulScalar | gnn.AddScalar) -> Eltwise:
+    """``x * s`` is ``linear(s, 0)``; ``x + alpha * s`` is ``linear(1, alpha * s)`` (one rounding,
+    as torch's: the scalar product is exact for the alpha of 1 and -1 Normalize writes)."""
+    if isinstance(mod, gnn.MulScalar):
+        return [("linear", float(mod.other), 0.0)]
+    return [("linear", 1.0, float(mod.alpha * mod.other))]
+
+
+def check_scalar(c: Call) -> str | None:
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in base.FLOATS:
+        return f"{type(c.a).__name__} of a {dtype} tensor"
+    numbers = [c.a.other, getattr(c.a, "alpha", 1)]
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in numbers):
+        return f"{type(c.a).__name__} by {c.a.other!r}"
+    return None
+
+
+def emit_scalar(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``x * 0.5``, ``x + 1``, ``-x``: one eltwise ``linear`` (a post-op of the linear before it)."""
+    _unary(b, c, ins[0], out, _scalar_eltwise(c.a))
 
 
 def check_layer_norm(c: Call) -> str | None:
@@ -278,6 +309,8 @@ RULES: dict[object, TranslationRule] = {
     **{cast: TranslationRule(base.always, _emit_cast) for cast in CASTS},
     gnn.Add: TranslationRule(check_float_add, emit_float_add, 2),
     gnn.Mul: TranslationRule(check_float_mul, emit_float_mul, 2),
+    gnn.MulScalar: TranslationRule(check_scalar, emit_scalar),
+    gnn.AddScalar: TranslationRule(check_scalar, emit_scalar),
     k32.AddReLU: TranslationRule(check_add_relu, emit_add_relu, 2),
     **{kind: TranslationRule(check_eltwise, emit_eltwise) for kind in _ACTIVATIONS},
     nn.LayerNorm: TranslationRule(check_layer_norm, emit_layer_norm),

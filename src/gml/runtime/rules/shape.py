@@ -139,6 +139,60 @@ def emit_split_item(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     b.alias(out, x)
 
 
+#: arithmetic on sizes (``C // self.num_heads``, ``N - 1``)
+_SIZE_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg)
+
+
+#: meta key of a node whose value is a size made by a :func:`read_size` node elsewhere: a segment's
+#: input, or the item of a segment's outputs that returns one (gml.runtime.compile)
+SIZE_INPUT = "gml_size_input"
+
+
+def is_size(node: fx.Node) -> bool:
+    """Whether ``node``'s value is a size: a :func:`read_size` node, or a value one made."""
+    return read_size(node) is not None or bool(node.meta.get(SIZE_INPUT))
+
+
+def read_size(node: fx.Node) -> Call | None:
+    """A size of a tensor (``x.shape``, ``x.size()``, ``x.size(d)``, ``x.dim()``, aten's
+    ``sym_size``), an item or slice of one, or integer arithmetic on such sizes, as a
+    ``"size"`` :class:`Call` reading the tensors whose sizes it takes.
+
+    Every size inside a segment is fixed by the shapes its plan is made for (a plan is per input
+    shape), so it needs no step; but as a torch node (timm's ``B, N, C = x.shape`` in every
+    attention block) it made the tensor a segment output, cut the segment there, and a ``Size``
+    entering the next segment made that segment run in torch."""
+    if node.op == "call_method" and node.target in ("size", "dim") and node.args:
+        src, rest = node.args[0], [*node.args[1:], *node.kwargs.values()]
+        ok = isinstance(src, fx.Node) and all(isinstance(d, int) for d in rest)
+        return Call("size", SimpleNamespace(), (src,)) if ok else None
+    if node.op != "call_function":
+        return None
+    if node.target is getattr and node.args[1:] == ("shape",) and isinstance(node.args[0], fx.Node):
+        return Call("size", SimpleNamespace(), (node.args[0],))
+    if node.target is torch.ops.aten.sym_size.int and isinstance(node.args[0], fx.Node):
+        return Call("size", SimpleNamespace(), (node.args[0],))
+    if node.target is operator.getitem and len(node.args) == 2 and isinstance(node.args[0], fx.Node):
+        index = node.args[1]
+        if isinstance(index, int | slice) and is_size(node.args[0]):
+            return Call("size", SimpleNamespace(), (node.args[0],))
+        return None
+    if node.target in _SIZE_ARITHMETIC and not node.kwargs:
+        operands = [a for a in node.args if isinstance(a, fx.Node)]
+        numbers = all(isinstance(a, int) for a in node.args if not isinstance(a, fx.Node))
+        if operands and numbers and all(is_size(a) for a in operands):
+            return Call("size", SimpleNamespace(), tuple(operands))
+    return None
+
+
+def check_size(c: Call) -> str | None:
+    src = c.inputs[0]
+    meta = src.meta.get("val", src.meta.get("tensor_meta"))
+    if not is_size(src) and meta is not None and not isinstance(meta, torch.Tensor | TensorMetadata):
+        return "a size of a value that is not a tensor"
+    return None
+
+
 def check_move(c: Call) -> str | None:
     # sizes computed at run time (sym_size of a dynamic dim) are ints the segment takes as inputs
     return check_move_source(c.inputs[0], c.name, c.engine_runs)
@@ -220,42 +274,59 @@ def _emit_cat(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     _concat(b, srcs, out, c.a.dim % len(out.shape))
 
 
-#: torch.cat's spellings in a traced graph and in a torch.export program
+#: torch.cat's spellings in a traced graph and in a torch.export program; torch.stack's
 CATS = (torch.cat, torch.concat, torch.ops.aten.cat.default)
+STACKS = (torch.stack, torch.ops.aten.stack.default)
 
 
 def read_cat(node: fx.Node) -> Call | None:
-    """``torch.cat(tensors, dim)`` of float values (an fp32 / bf16 graph) as a :class:`Call`."""
-    if node.op != "call_function" or node.target not in CATS:
+    """``torch.cat(tensors, dim)`` / ``torch.stack(tensors, dim)`` of float values (an fp32 / bf16
+    graph) as a :class:`Call` (``"cat"`` / ``"stack"``)."""
+    if node.op != "call_function" or node.target not in (*CATS, *STACKS):
         return None
     tensors = node.args[0] if node.args else node.kwargs.get("tensors")
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     parts = list(tensors) if isinstance(tensors, list | tuple) else [tensors]
-    return Call("cat", SimpleNamespace(dim=dim, parts=parts), tuple(t for t in parts if isinstance(t, fx.Node)))
+    op = "cat" if node.target in CATS else "stack"
+    return Call(op, SimpleNamespace(dim=dim, parts=parts), tuple(t for t in parts if isinstance(t, fx.Node)))
 
 
 def check_float_cat(c: Call) -> str | None:
     if not isinstance(c.a.dim, int):
-        return "cat along a dim computed at run time"
+        return f"{c.op} along a dim computed at run time"
     if not c.a.parts or len(c.inputs) != len(c.a.parts):
-        return "cat of an operand that is not a tensor value"
+        return f"{c.op} of an operand that is not a tensor value"
     if any(n.op == "get_attr" for n in c.inputs):
-        return "cat of a constant"
+        return f"{c.op} of a constant"
     dtypes = {base.meta_dtype(n) for n in c.inputs}
     if None not in dtypes and (len(dtypes) != 1 or not dtypes <= set(base.FLOATS)):
         kinds = ", ".join(sorted(map(str, dtypes)))
-        return f"cat of {kinds} tensors (the engine concatenates fp32 / bf16 of one dtype)"
+        return f"{c.op} of {kinds} tensors (the engine concatenates fp32 / bf16 of one dtype)"
     return None
 
 
 def emit_float_cat(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``torch.cat``; ``torch.stack`` is the cat of its sources each seen with a size-1 dim at
+    ``dim`` (a view: ``rot(x) = stack([-x[..., 1::2], x[..., ::2]], -1)`` interleaves the halves)."""
     if not {v.dtype_name for v in ins} | {out.dtype_name} <= {"f32", "bf16"}:
-        raise Unsupported(f"cat of {sorted({v.dtype_name for v in ins})} into {out.dtype_name}")
-    if any(0 in v.shape or len(v.shape) != len(out.shape) for v in ins):
-        raise Unsupported("cat of an empty tensor")
+        raise Unsupported(f"{c.op} of {sorted({v.dtype_name for v in ins})} into {out.dtype_name}")
+    rank = len(out.shape) - (c.op == "stack")
+    if any(0 in v.shape or len(v.shape) != rank for v in ins):
+        raise Unsupported(f"{c.op} of an empty tensor")
+    axis = c.a.dim % len(out.shape)
+    if c.op == "stack":
+        if any(v.free and not b.settle(v) for v in ins):  # a view needs the source's strides
+            raise Unsupported("stack of a value whose layout its writer picks")
+        ins = [b.view(v, (*v.shape[:axis], 1, *v.shape[axis:]), _inserted_stride(v, axis)) for v in ins]
     # torch.cat promotes to the widest dtype (a ViT's fp32 class token before bf16 patches): exact
     srcs = [v if v.dtype_name == out.dtype_name else base.converted(b, v, out.dtype_name) for v in ins]
-    _concat(b, srcs, out, c.a.dim % len(out.shape))
+    _concat(b, srcs, out, axis)
+
+
+def _inserted_stride(v: Val, axis: int) -> tuple[int, ...]:
+    """``v``'s strides with a size-1 dim inserted at ``axis`` (its stride: the span of the dims after)."""
+    inner = v.stride[axis] * v.shape[axis] if axis < len(v.shape) else 1
+    return (*v.stride[:axis], inner, *v.stride[axis:])
 
 
 def _concat(b: Builder, srcs: list[Val], out: Val, axis: int) -> None:
@@ -316,8 +387,10 @@ RULES: dict[object, TranslationRule] = {
     "flatten": TranslationRule(base.always, emit_flatten, reads_free=True),  # torch.flatten of an INT8 value
     nn.Flatten: TranslationRule(base.always, emit_flatten, reads_free=True),
     "split": TranslationRule(check_split, base.always, tuple_out=True),
+    "size": TranslationRule(check_size, base.always, None, size_out=True),
     "split_item": TranslationRule(check_split_item, emit_split_item),
     "qcat": TranslationRule(base.always, _emit_cat, None),
     "cat": TranslationRule(check_float_cat, emit_float_cat, None),  # torch.cat of an fp32 / bf16 graph
+    "stack": TranslationRule(check_float_cat, emit_float_cat, None),
     nn.Embedding: TranslationRule(check_embedding, emit_embedding),
 }
