@@ -341,3 +341,37 @@ def test_conv1d_over_one_channel_of_raw_audio(precision):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     else:
         assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+
+
+class _BiasedWindowAttention(nn.Module):
+    """MaxViT's / Swin's window attention: a relative-position bias [heads, N, N] added to the scores
+    of every window (a float mask that broadcasts over the batch of windows), and the other mask
+    shapes. oneDNN 3.2's f32 matmul takes such a mask as a binary post-op with a jitted kernel for
+    some broadcasts only (rules/attention.py ``_mask_post_op_ok``); the others made the matmul ref:any
+    (maxvit_rmlp_nano under the AVX2 cap: 100 ms per attention; a causal [L, S] mask on AVX-512)."""
+
+    def __init__(self, mask: tuple[int, ...], dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.bias = nn.Parameter(torch.randn(mask))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        return self.proj(a.transpose(1, 2).reshape(b, n, c))
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [(2, 9, 9), (1, 1, 9, 9), (9, 9), (4, 2, 9, 9), (4, 1, 1, 9), (4, 2, 1, 9), (1, 2, 1, 9), (9,)],
+    ids=lambda m: "x".join(map(str, m)),
+)
+def test_attention_masks_of_every_broadcast(mask):
+    torch.manual_seed(0)
+    model, x = _BiasedWindowAttention(mask).eval(), torch.randn(4, 9, 16)  # 4 windows of 3 x 3 tokens
+    r = gml.optimize(model, x, runtime="engine")
+    assert "attention" in {n.op for n in r.runtime.nodes if n.runs_in == "engine"}, str(r.runtime)
+    assert_no_reference_steps(r)
+    with torch.no_grad():
+        torch.testing.assert_close(r.executable(x), model(x), rtol=1e-5, atol=1e-5)

@@ -136,13 +136,36 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     q, k, v = (base.dense(b, t) for t in (q, k, v))
     kt = b.view(k, (*k.shape[:-2], E, S), (*k.stride[:-2], k.stride[-1], k.stride[-2]))
     post: list[tuple[str, float, float, Val | None]] = [("linear", scale, 0.0, None)]
-    post += [("binary_add", 0.0, 0.0, m) for m in masks]
     scores_shape = (*batch, L, S)
     scores = b.temp(scores_shape, base.contiguous_strides(scores_shape), "f32")
-    b.matmul(q, kt, scores, post=post)
+    # a mask is the matmul's binary post-op where oneDNN has a jitted kernel for its broadcast, else
+    # a binary add step after it (a post-op it has none for made the whole matmul ref:any: MaxViT's
+    # relative-position bias, 100 ms per attention under the AVX2 cap)
+    fused = [m for m in masks if _mask_post_op_ok(m.shape, scores_shape, b.target)]
+    b.matmul(q, kt, scores, post=[*post, *(("binary_add", 0.0, 0.0, m) for m in fused)])
+    for m in masks:
+        if not any(m is f for f in fused):
+            summed = b.temp(scores_shape, base.contiguous_strides(scores_shape), "f32")
+            b.binary(scores, m, summed, "add", scale0=None, scale1=None, eltwise=[])
+            scores = summed
     probs = b.temp(scores_shape, base.contiguous_strides(scores_shape), q.dtype_name)
     b.softmax(scores, probs, rank - 1)
     b.matmul(probs, v, out)
+
+
+def _mask_post_op_ok(mask: tuple[int, ...], scores: tuple[int, ...], target: Target) -> bool:
+    """Whether oneDNN 3.2's f32 matmul adds an additive ``mask`` (its rank, leading 1s) to
+    ``scores`` ``[*batch, L, S]`` as a binary post-op with a jitted kernel. Measured
+    (``brg:avx512_core``): the full shape, a per-column mask ``[1, .., 1, S]`` and masks per batch
+    item ``[B, 1, .., 1, L or 1, S]`` (a padding mask, transformers' expanded masks) are jitted;
+    a mask shared by the batch ``[1, H, L, S]`` / ``[L, S]`` (a relative-position bias, a causal
+    mask) or per head ``[B, H, 1, S]`` is ``ref:any``. Below AVX-512 the matmul is ``gemm:jit``,
+    which takes none (``Target.f32_matmul_brgemm``)."""
+    if not target.f32_matmul_brgemm or len(mask) != len(scores) or mask[-1] != scores[-1]:
+        return False
+    if mask == scores or all(d == 1 for d in mask[:-1]):
+        return True
+    return len(scores) > 2 and mask[0] == scores[0] and all(d == 1 for d in mask[1:-2]) and mask[-2] in (1, scores[-2])
 
 
 def fused_attention_cpu(target: Target) -> bool:
