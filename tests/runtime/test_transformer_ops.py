@@ -531,3 +531,89 @@ def test_a_0d_tensor_stays_in_torch_with_its_reason():
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class _ShiftedWindows(nn.Module):
+    """Swin's window plumbing (timm ``SwinTransformerBlock``): pad the token grid to whole windows
+    with widths computed from its size (``(ws - H % ws) % ws``), roll it by half a window, take the
+    windows apart with views, attend within each, and undo it all. F.pad and torch.roll ran in torch
+    and cut each block into several segments (HF / timm Swin 39 segments)."""
+
+    def __init__(self, dim: int = 8, ws: int = 3, shift: int = 1, value: float | None = None) -> None:
+        super().__init__()
+        self.ws, self.shift, self.value = ws, shift, value
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        ph, pw = (self.ws - h % self.ws) % self.ws, (self.ws - w % self.ws) % self.ws
+        y = torch.nn.functional.pad(self.proj(x), (0, 0, 0, pw, 0, ph), value=self.value)
+        y = torch.roll(y, shifts=(-self.shift, -self.shift), dims=(1, 2))
+        hp, wp = h + ph, w + pw
+        win = y.view(b, hp // self.ws, self.ws, wp // self.ws, self.ws, c).permute(0, 1, 3, 2, 4, 5)
+        win = win.reshape(-1, self.ws * self.ws, c)
+        q, k, v = self.qkv(win).reshape(win.shape[0], -1, 3, 1, c).permute(2, 0, 3, 1, 4).unbind(0)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, self.ws, self.ws, c)
+        y = a.view(b, hp // self.ws, wp // self.ws, self.ws, self.ws, c).permute(0, 1, 3, 2, 4, 5).reshape(b, hp, wp, c)
+        y = y.roll((self.shift, self.shift), (1, 2))
+        return x + y[:, :h, :w, :]
+
+
+@pytest.mark.parametrize(
+    ("size", "value"), [((6, 6), None), ((5, 7), None), ((5, 4), 1.5)], ids=["whole", "padded", "padded-value"]
+)
+def test_shifted_windows_pad_and_roll_run_in_the_plan(size, value):
+    import gml
+
+    torch.manual_seed(0)
+    model, x = _ShiftedWindows(value=value).eval(), torch.randn(2, *size, 8)
+    res = gml.optimize(model, x, runtime="engine")
+    assert {"pad", "roll"} <= {n.op for n in res.runtime.nodes if n.runs_in == "engine"}, str(res.runtime)
+    # in torch: the input's sizes and the pad widths computed from them (once per shape)
+    assert {n.op for n in res.runtime.torch_nodes} <= {"size", "ShapeValues", "getitem"}, str(res.runtime)
+    assert not res.runtime.shape_fallbacks, str(res.runtime)
+    assert [impl for _, impl in res.engine.step_impls() if "ref" in impl] == []
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+        y = torch.randn(1, size[0], size[1] + 2, 8)  # another grid: other pad widths, another plan
+        torch.testing.assert_close(res.executable(y), model(y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("shifts", "dims"), [(2, 1), ((-1, 3), (0, 2)), ((5, -7, 1), (1, 2, 1))], ids=["one", "two", "repeated-dim"]
+)
+def test_roll_of_an_engine_value(shifts, dims):
+    import gml
+
+    class Roll(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.roll(self.lin(x), shifts, dims) * 2.0
+
+    torch.manual_seed(0)
+    model, x = Roll().eval(), torch.randn(3, 4, 6)
+    res = gml.optimize(model, x, runtime="engine")
+    assert res.runtime.path == "engine", str(res.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_roll_of_the_flattened_tensor_stays_in_torch_with_its_reason():
+    import gml
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.roll(self.lin(x), 5)
+
+    model, x = Flat().eval(), torch.randn(3, 6)
+    res = gml.optimize(model, x, runtime="engine")
+    assert [n.reason for n in res.runtime.torch_nodes if n.op == "roll"] == ["a roll of the flattened tensor (no dims)"]
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -222,6 +223,23 @@ def op_kind(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
             return None
     if node.op == "call_method":
         return _BY_METHOD.get(str(node.target))
+    return None
+
+
+def pad_of(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[list[Any], str, Any] | None:
+    """``(pads, mode, value)`` of a pad node (``F.pad`` or a constant / zero pad module), else None.
+    ``pads`` lists the last dim first, as ``F.pad`` does; an entry may be a graph value (a size
+    computed at run time: Swin's pad to whole windows)."""
+    if node.op == "call_function" and node.target is F.pad:
+        args = list(node.args) + [None] * 4
+        pads = node.kwargs.get("pad", args[1])
+        mode = node.kwargs.get("mode", args[2] if len(node.args) > 2 else "constant")
+        value = node.kwargs.get("value", args[3] if len(node.args) > 3 else None)
+        return list(pads) if isinstance(pads, list | tuple) else [pads], mode, value
+    if node.op == "call_module":
+        mod = modules.get(str(node.target))
+        if type(mod) in (nn.ConstantPad2d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ZeroPad1d):
+            return list(mod.padding), "constant", float(mod.value)
     return None
 
 

@@ -28,27 +28,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import torch.nn.functional as F
 from torch import fx, nn
 
 from gml.ir.layers import behaves_as
+from gml.ir.ops import pad_of
 from gml.passes.base import GraphPass, PassResult, Skip, Tolerance
 from gml.passes.utils import modules_of, replace_module
-
-
-def pad_of(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[list[Any], str, Any] | None:
-    """``(pads, mode, value)`` of a pad node (``F.pad`` or a constant/zero pad module), else None."""
-    if node.op == "call_function" and node.target is F.pad:
-        args = list(node.args) + [None] * 4
-        pads = node.kwargs.get("pad", args[1])
-        mode = node.kwargs.get("mode", args[2] if len(node.args) > 2 else "constant")
-        value = node.kwargs.get("value", args[3] if len(node.args) > 3 else None)
-        return list(pads) if isinstance(pads, list | tuple) else [pads], mode, value
-    if node.op == "call_module":
-        mod = modules.get(str(node.target))
-        if type(mod) in (nn.ConstantPad2d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ZeroPad1d):
-            return list(mod.padding), "constant", float(mod.value)
-    return None
 
 
 class FoldPadIntoConv(GraphPass):

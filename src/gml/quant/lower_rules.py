@@ -617,7 +617,7 @@ def _rule_move(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None
 def _rule_pad(ctx: _Ctx, node: fx.Node, out_qp: QParams | None) -> _Plan | None:
     """A constant zero pad (``F.pad``, ``nn.ZeroPad2d``, ``nn.ConstantPad2d(p, 0)``) on the integers,
     padding with the zero point (a symmetric one before a conv was folded into its padding)."""
-    from gml.passes.fold_pad import pad_of
+    from gml.ir.ops import pad_of
 
     spec = pad_of(node, ctx.modules) if out_qp is not None else None
     if spec is None:

@@ -267,6 +267,7 @@ class EngineSegment(nn.Module):
             if node.op == "placeholder":
                 if not isinstance(env[node], torch.Tensor):  # a size computed outside (sym_size)
                     if _is_size_value(env[node]):  # in the plan's key: the plan is for this value
+                        vals[node] = env[node]  # a rule reading it gets the number (a pad's width)
                         continue
                     raise Unsupported(f"segment input {node.name} is a {type(env[node]).__name__}")
                 vals[node] = b.value_for(node, env[node])
@@ -291,6 +292,7 @@ class EngineSegment(nn.Module):
                     if not _is_size_value(t):
                         raise Unsupported(f"{node.name} returns {type(t).__name__}")
                     sizes.add(node)
+                    vals[node] = t
                     continue
                 if rule.tuple_out:  # split: its getitem readers alias pieces of its input
                     vals[node] = vals[call.inputs[0]]

@@ -101,6 +101,9 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     cat = shape.read_cat(node)  # torch.cat of float values (the INT8 graph's is gml.qcat)
     if cat is not None:
         return _with_table(cat)
+    moved = shape.read_pad(node) or shape.read_roll(node)  # F.pad / torch.roll of float values
+    if moved is not None:
+        return _with_table(moved)
     mask = attention.read_mask_op(node)  # a padding mask's arithmetic (transformers' mask builder)
     if mask is not None:
         return _with_table(mask)

@@ -5,6 +5,7 @@ is an alias (no step at all); one that copied is a reorder."""
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,6 +16,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from gml.ir.library import gml_op_name
+from gml.ir.ops import pad_of
 from gml.runtime.plan import dtype_name
 from gml.runtime.rules import base
 from gml.runtime.rules.base import Builder, Call, TranslationRule, Unsupported, Val
@@ -354,6 +356,106 @@ def _same_order(v: Val, out: Val) -> bool:
     return order(v) == order(out)
 
 
+def read_pad(node: fx.Node) -> Call | None:
+    """``F.pad(x, pads, mode, value)`` as a ``"pad"`` :class:`Call` reading ``x`` and the pads that
+    are sizes computed at run time (Swin pads its tokens to whole windows: ``(ws - H % ws) % ws``)."""
+    spec = pad_of(node, {}) if node.op == "call_function" else None
+    if spec is None or not isinstance(node.args[0], fx.Node):
+        return None
+    pads, mode, value = spec
+    widths = tuple(p for p in pads if isinstance(p, fx.Node))
+    return Call("pad", SimpleNamespace(pads=pads, mode=mode, value=value), (node.args[0], *widths))
+
+
+def check_pad(c: Call) -> str | None:
+    if c.a.mode != "constant":
+        return f"a {c.a.mode} pad (the engine pads with a constant)"
+    if c.a.value is not None and (isinstance(c.a.value, bool) or not isinstance(c.a.value, int | float)):
+        return f"a pad with value {c.a.value!r}"
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in base.FLOATS:
+        return f"a pad of a {dtype} tensor"
+    return check_move_source(c.inputs[0], "pad", c.engine_runs)
+
+
+def emit_pad(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """The constant into ``out`` (a plan-owned tensor of ``out``'s shape) unless the pads are all
+    zero, then ``x`` into its window of ``out`` (a view: one reorder)."""
+    x, known = ins[0], dict(zip(c.inputs[1:], ins[1:]))
+    pads = [known[p] if isinstance(p, fx.Node) else p for p in c.a.pads]
+    if len(pads) % 2 or len(pads) // 2 > len(x.shape) or any(not isinstance(p, int) or p < 0 for p in pads):
+        raise Unsupported(f"pad widths {pads}")
+    if out.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name or out.free:
+        raise Unsupported(f"pad of {x.dtype_name} into {out.dtype_name}")
+    offset = 0
+    for i in range(len(pads) // 2):  # F.pad lists the last dim first
+        offset += pads[2 * i] * out.stride[len(out.shape) - 1 - i]
+    if any(pads):
+        dtype = torch.float32 if out.dtype_name == "f32" else torch.bfloat16
+        fill = torch.full(out.shape, float(c.a.value or 0.0), dtype=dtype)
+        b.reorder(b.constant(fill), out, src_q=None, dst_q=None)
+    if 0 not in x.shape:
+        b.reorder(x, b.view(out, x.shape, out.stride, offset=offset * out.itemsize), src_q=None, dst_q=None)
+
+
+#: torch.roll's spellings (``x.roll(...)`` is the method)
+ROLLS = (torch.roll, torch.ops.aten.roll.default)
+
+
+def read_roll(node: fx.Node) -> Call | None:
+    method = node.op == "call_method" and node.target == "roll"
+    if not (method or (node.op == "call_function" and node.target in ROLLS)):
+        return None
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    shifts = node.args[1] if len(node.args) > 1 else node.kwargs.get("shifts")
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dims", ())
+    return Call("roll", SimpleNamespace(shifts=shifts, dims=dims), (node.args[0],))
+
+
+def check_roll(c: Call) -> str | None:
+    shifts = c.a.shifts if isinstance(c.a.shifts, list | tuple) else [c.a.shifts]
+    dims = c.a.dims if isinstance(c.a.dims, list | tuple) else [c.a.dims]
+    if not dims or len(dims) != len(shifts):
+        return "a roll of the flattened tensor (no dims)"
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (*shifts, *dims)):
+        return "a roll by shifts computed at run time"
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in base.FLOATS:
+        return f"a roll of a {dtype} tensor"
+    return check_move_source(c.inputs[0], "roll", c.engine_runs)
+
+
+def emit_roll(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``torch.roll``: along each rolled dim the tensor is two blocks that trade places, so
+    ``2^dims`` block copies (reorders between views of ``x`` and ``out``); Swin's shifted windows."""
+    x = ins[0]
+    if out.free or x.shape != out.shape or out.dtype_name != x.dtype_name:
+        raise Unsupported(f"roll of {x.shape} into {out.shape}")
+    shifts = c.a.shifts if isinstance(c.a.shifts, list | tuple) else [c.a.shifts]
+    dims = c.a.dims if isinstance(c.a.dims, list | tuple) else [c.a.dims]
+    shift = [0] * len(x.shape)
+    for s, d in zip(shifts, dims):
+        shift[d % len(x.shape)] += s
+    # blocks: (source start, destination start, size) per dim; a rolled dim has two
+    per_dim: list[list[tuple[int, int, int]]] = []
+    for n, s in zip(x.shape, shift):
+        k = s % n if n else 0
+        per_dim.append([(0, 0, n)] if k == 0 else [(0, k, n - k), (n - k, 0, k)])
+    for blocks in itertools.product(*per_dim):
+        shape = tuple(size for _, _, size in blocks)
+        if 0 in shape:
+            continue
+        src = sum(start * st for (start, _, _), st in zip(blocks, x.stride))
+        dst = sum(start * st for (_, start, _), st in zip(blocks, out.stride))
+        b.reorder(
+            b.view(x, shape, x.stride, offset=src * x.itemsize),
+            b.view(out, shape, out.stride, offset=dst * out.itemsize),
+            src_q=None,
+            dst_q=None,
+        )
+
+
 def check_embedding(c: Call) -> str | None:
     mod = c.a
     if mod.max_norm is not None:
@@ -392,5 +494,7 @@ RULES: dict[object, TranslationRule] = {
     "qcat": TranslationRule(base.always, _emit_cat, None),
     "cat": TranslationRule(check_float_cat, emit_float_cat, None),  # torch.cat of an fp32 / bf16 graph
     "stack": TranslationRule(check_float_cat, emit_float_cat, None),
+    "pad": TranslationRule(check_pad, emit_pad, None),  # F.pad of a float value (Swin's whole windows)
+    "roll": TranslationRule(check_roll, emit_roll),  # torch.roll (Swin's shifted windows)
     nn.Embedding: TranslationRule(check_embedding, emit_embedding),
 }
