@@ -617,3 +617,54 @@ def test_a_roll_of_the_flattened_tensor_stays_in_torch_with_its_reason():
     assert [n.reason for n in res.runtime.torch_nodes if n.op == "roll"] == ["a roll of the flattened tensor (no dims)"]
     with torch.no_grad():
         torch.testing.assert_close(res.executable(x), model(x))
+
+
+class _WrittenOutWindowAttention(nn.Module):
+    """Attention written out, as timm's Swin does in its shifted-window blocks: ``q * scale @ kᵀ``,
+    a relative-position bias, the shift mask added through a 5-D view, ``nn.Softmax(dim=-1)``,
+    ``@ v``. The attention pass does not match it (the mask's view); its matmuls and softmax ran in
+    torch and cut each block into several segments."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, n: int = 9, windows: int = 2) -> None:
+        super().__init__()
+        self.heads, self.windows, self.scale = heads, windows, (dim // heads) ** -0.5
+        self.qkv, self.proj, self.softmax = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), nn.Softmax(dim=-1)
+        self.bias = nn.Parameter(torch.randn(heads, n, n))
+        self.register_buffer("mask", torch.randn(windows, n, n).clamp(max=0) * 100)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q * self.scale) @ k.transpose(-2, -1) + self.bias
+        attn = attn.view(-1, self.windows, self.heads, n, n) + self.mask.unsqueeze(1).unsqueeze(0)
+        attn = self.softmax(attn.view(-1, self.heads, n, n))
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_attention_written_out_runs_its_matmuls_and_softmax_in_the_plan():
+    import gml
+
+    torch.manual_seed(0)
+    model, x = _WrittenOutWindowAttention().eval(), torch.randn(4, 9, 16)  # 2 images x 2 windows
+    res = gml.optimize(model, x, runtime="engine")
+    ops = {n.op for n in res.runtime.nodes if n.runs_in == "engine"}
+    assert {"matmul", "Softmax"} <= ops, str(res.runtime)
+    assert res.runtime.segments == 1 and not res.runtime.shape_fallbacks, str(res.runtime)
+    assert [impl for _, impl in res.engine.step_impls() if "ref" in impl] == []
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_matmul_with_a_vector_stays_in_torch_with_its_reason():
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    g = fx.Graph()
+    a, v = g.placeholder("a"), g.placeholder("v")
+    g.output(g.call_function(torch.matmul, (a, v)))
+    gm = fx.GraphModule(nn.Module(), g)
+    x, y = torch.randn(3, 4), torch.randn(4)
+    ShapeProp(gm).propagate(x, y)
+    eng = compile_engine(gm, (x, y))
+    reasons = [n.reason for n in eng.report.torch_nodes]
+    assert reasons == ["matmul of a vector (the engine multiplies matrices and batches of them)"], str(eng.report)
+    torch.testing.assert_close(eng(x, y), x @ y)

@@ -104,6 +104,9 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     moved = shape.read_pad(node) or shape.read_roll(node)  # F.pad / torch.roll of float values
     if moved is not None:
         return _with_table(moved)
+    product = linear.read_matmul(node)  # q @ k.transpose(-2, -1) of attention written out
+    if product is not None:
+        return _with_table(product)
     mask = attention.read_mask_op(node)  # a padding mask's arithmetic (transformers' mask builder)
     if mask is not None:
         return _with_table(mask)

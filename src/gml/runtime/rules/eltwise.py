@@ -264,6 +264,26 @@ def emit_scalar(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     _unary(b, c, ins[0], out, _scalar_eltwise(c.a))
 
 
+def check_softmax(c: Call) -> str | None:
+    if not isinstance(c.a.dim, int):
+        return f"Softmax over dim={c.a.dim!r} (the engine takes one given dim)"
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in base.FLOATS:
+        return f"Softmax of a {dtype} tensor"
+    return None
+
+
+def emit_softmax(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """One oneDNN softmax (``softmax_accurate``: the max subtracted, fp32 math) on a dense copy of a
+    strided source: attention written out (``attn.softmax(dim=-1)``) beside its matmuls."""
+    x = ins[0]
+    if x.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name or x.shape != out.shape or not x.shape:
+        raise Unsupported(f"Softmax of {x.dtype_name} {x.shape} into {out.dtype_name} {out.shape}")
+    if out.stride != base.contiguous_strides(out.shape):
+        raise Unsupported(f"Softmax into a strided {out.shape}")
+    b.softmax(base.dense(b, x), out, c.a.dim % len(x.shape))
+
+
 def check_layer_norm(c: Call) -> str | None:
     mod = c.a
     if len(mod.normalized_shape) != 1:
@@ -314,4 +334,5 @@ RULES: dict[object, TranslationRule] = {
     k32.AddReLU: TranslationRule(check_add_relu, emit_add_relu, 2),
     **{kind: TranslationRule(check_eltwise, emit_eltwise) for kind in _ACTIVATIONS},
     nn.LayerNorm: TranslationRule(check_layer_norm, emit_layer_norm),
+    nn.Softmax: TranslationRule(check_softmax, emit_softmax),
 }

@@ -9,10 +9,12 @@ becomes a post-op of its matmul (the element-wise rules call these)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from gml.kernels import bf16, fp32
 from gml.kernels.dynamic_int8 import POST_OPS, QMAX
@@ -208,6 +210,44 @@ def extend_linear(b: Builder, lin: Val, out: Val, extra: Callable[[], list[Matmu
     return True
 
 
+#: a product of two computed float tensors in any spelling (attention written out: ``q @ k.transpose(-2, -1)``)
+MATMULS = (torch.matmul, operator.matmul, torch.bmm, torch.ops.aten.matmul.default, torch.ops.aten.bmm.default)
+
+
+def read_matmul(node: fx.Node) -> Call | None:
+    method = node.op == "call_method" and node.target in ("matmul", "bmm", "__matmul__")
+    if not (method or (node.op == "call_function" and node.target in MATMULS)):
+        return None
+    if len(node.args) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    return Call("matmul", SimpleNamespace(), tuple(node.args))
+
+
+def check_matmul(c: Call) -> str | None:
+    dtypes = [base.meta_dtype(n) for n in c.inputs]
+    if any(d is not None and d not in base.FLOATS for d in dtypes) or (None not in dtypes and len(set(dtypes)) != 1):
+        return f"matmul of {', '.join(map(str, dtypes))} tensors (the engine multiplies fp32 / bf16 of one dtype)"
+    shapes = [base.meta_shape(n) for n in c.inputs]
+    if any(s is not None and len(s) < 2 for s in shapes):
+        return "matmul of a vector (the engine multiplies matrices and batches of them)"
+    return None
+
+
+def emit_matmul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``out = x @ w`` of two computed values (batch dims broadcast as torch's): one oneDNN matmul
+    on dense copies where they are strided (its brgemm kernel takes dense operands only)."""
+    x, w = ins
+    if {x.dtype_name, w.dtype_name, out.dtype_name} - {"f32", "bf16"} or x.dtype_name != w.dtype_name:
+        raise Unsupported(f"matmul of {x.dtype_name} and {w.dtype_name} into {out.dtype_name}")
+    rank = len(out.shape)
+    if min(len(x.shape), len(w.shape)) < 2 or rank < 2 or out.free:
+        raise Unsupported(f"matmul of {x.shape} and {w.shape}")
+    if out.stride != base.contiguous_strides(out.shape):
+        raise Unsupported(f"matmul into a strided {out.shape} (strides {out.stride})")
+    x, w = (base.broadcast_view(b, base.dense(b, v), rank) for v in (x, w))
+    b.matmul(x, w, out)
+
+
 RULES: dict[object, TranslationRule] = {
     "qlinear": TranslationRule(base.always, _emit_linear),
     "dynamic_linear": TranslationRule(_check_dynamic_linear, _emit_dynamic_linear),
@@ -215,4 +255,5 @@ RULES: dict[object, TranslationRule] = {
     fp32.FusedLinear: TranslationRule(base.always, _emit_flinear, other_backends=("mkl", "aten")),
     nn.Linear: TranslationRule(base.always, _emit_flinear),  # an fp32 nn.Linear the fusion left as it was
     bf16.Bf16Linear: TranslationRule(_check_blinear, _emit_blinear),
+    "matmul": TranslationRule(check_matmul, emit_matmul, 2),
 }

@@ -42,6 +42,10 @@ MOVES = frozenset(
 )
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _basic_index(node: fx.Node) -> bool:
     """Whether ``node`` is ``x[idx]`` of a tensor with slices, ints, ``None`` and ``...`` only (a
     view of ``x``; an index tensor or a bool gathers, and a tuple's item is a split piece)."""
@@ -55,9 +59,10 @@ def _basic_index(node: fx.Node) -> bool:
     items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
 
     def basic(i: object) -> bool:
-        if isinstance(i, slice):
-            return all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (i.start, i.stop, i.step))
-        return i is None or i is Ellipsis or (isinstance(i, int) and not isinstance(i, bool))
+        if isinstance(i, slice):  # a bound may be a size computed at run time (Swin's x[:, :H, :W])
+            bounds = (i.start, i.stop, i.step)
+            return all(v is None or isinstance(v, fx.Node) or _is_int(v) for v in bounds)
+        return i is None or i is Ellipsis or _is_int(i)
 
     return all(basic(i) for i in items)
 
