@@ -6,6 +6,7 @@ Each test failed before its fix; docs/bad-inputs.md lists the user-facing messag
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -195,6 +196,7 @@ def test_a_broken_int8_result_is_flagged_with_its_worst_layer(monkeypatch):
     BROKEN and name the layer; min_cosine turns it into an AccuracyError."""
     import gml.kernels.onednn_int8 as od
     from gml.kernels.backend import has_padding_only_window
+    from gml.runtime.target import detect_target
 
     def old_rule(self, shape):
         s, k = self.spec, self.weight.shape[2:]
@@ -208,12 +210,14 @@ def test_a_broken_int8_result_is_flagged_with_its_worst_layer(monkeypatch):
     good = gml.quantize(model, 8, example_inputs=(x,))
     assert good.accuracy.broken is None and good.accuracy.cosine > 0.99  # the fix
     monkeypatch.setattr(od.OneDNNPackedConv, "needs_explicit_padding", old_rule)
+    bad = gml.quantize(model, 8, example_inputs=(x,), keep_broken=True)
+    if bad.accuracy.cosine >= 0.9:  # the defect is a property of some oneDNN kernels, not of every ISA
+        pytest.skip(f"oneDNN's INT8 conv on {detect_target().isa} computes padding-only windows right")
     # by default a BROKEN INT8 result is not returned: gml.optimize's fp32 model, with the reason
     fallback = gml.quantize(model, 8, example_inputs=(x,))
     assert fallback.precision == "fp32" and fallback.accuracy.broken is None
     assert fallback.precision_reason.startswith("the INT8 model is BROKEN (output cosine")
     assert fallback.rejected_int8_accuracy.cosine < 0.9
-    bad = gml.quantize(model, 8, example_inputs=(x,), keep_broken=True)
     assert bad.precision == "int8" and bad.accuracy.cosine < 0.9
     assert bad.accuracy.broken.startswith("output cosine")
     assert "worst layer _0 (gml.qconv.default)" in bad.accuracy.broken

@@ -226,8 +226,13 @@ def op_kind(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
     return None
 
 
+#: ``torch.constant_pad_nd``'s spellings (what ``F.pad`` calls; the lowered INT8 pad)
+CONSTANT_PADS = (torch.constant_pad_nd, torch.ops.aten.constant_pad_nd.default)
+
+
 def pad_of(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[list[Any], str, Any] | None:
-    """``(pads, mode, value)`` of a pad node (``F.pad`` or a constant / zero pad module), else None.
+    """``(pads, mode, value)`` of a pad node (``F.pad``, ``torch.constant_pad_nd`` — the lowered INT8
+    graph's pad of the integers with the zero point — or a constant / zero pad module), else None.
     ``pads`` lists the last dim first, as ``F.pad`` does; an entry may be a graph value (a size
     computed at run time: Swin's pad to whole windows)."""
     if node.op == "call_function" and node.target is F.pad:
@@ -236,6 +241,11 @@ def pad_of(node: fx.Node, modules: dict[str, nn.Module]) -> tuple[list[Any], str
         mode = node.kwargs.get("mode", args[2] if len(node.args) > 2 else "constant")
         value = node.kwargs.get("value", args[3] if len(node.args) > 3 else None)
         return list(pads) if isinstance(pads, list | tuple) else [pads], mode, value
+    if node.op == "call_function" and node.target in CONSTANT_PADS:
+        args = list(node.args) + [None] * 3
+        pads = node.kwargs.get("pad", args[1])
+        value = node.kwargs.get("value", args[2] if len(node.args) > 2 else 0)
+        return list(pads) if isinstance(pads, list | tuple) else [pads], "constant", value
     if node.op == "call_module":
         mod = modules.get(str(node.target))
         if type(mod) in (nn.ConstantPad2d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ZeroPad1d):

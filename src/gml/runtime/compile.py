@@ -422,7 +422,7 @@ def partition(
     # torch glue first (gml.runtime.shape_values): values of the input sizes alone are computed once
     # per shape, and torch nodes independent of an engine run move before it (fewer segments)
     gm = fx.GraphModule(gm, _copy_graph(gm.graph))  # a copy to reorder; the caller's graph is untouched
-    shape_values = cache_shape_values(gm)
+    shape_values = cache_shape_values(gm, on_output=_keep_size)
     cache_guards(gm)
     if schedule_for_engine(gm.graph, lambda n: _engine_node(gm, n)[0]):
         gm.recompile()
@@ -441,6 +441,9 @@ def partition(
         elif node.op in ("call_module", "call_function", "call_method"):
             call = read_call(gm, node)
             op = call.name if call is not None else str(getattr(node.target, "__name__", node.target))
+            item = node.target is operator.getitem and getattr(node.args[0], "target", None) == "shape_values"
+            if item and shape_values is not None:  # a plan reads it as a number: nothing runs per call
+                reason = "an item of the ShapeValues results (computed once per input shape)"
             report.nodes.append(NodeReport(node.name, op, "engine" if ok else "torch", reason or ""))
         if ok:
             current.append(node)
@@ -550,6 +553,13 @@ def _engine_node(gm: fx.GraphModule, node: fx.Node) -> tuple[bool, str | None]:
     if rule.arity is not None and len(call.inputs) != rule.arity:
         return False, f"{len(call.inputs)} inputs (expects {rule.arity})"
     return True, None
+
+
+def _keep_size(node: fx.Node, item: fx.Node) -> None:
+    """A size computed once per input shape (timm's "same" padding of a stride-2 conv: ``(k - 1) *
+    d``) stays a size when a ShapeValues item replaces it: a segment's size nodes may read it."""
+    if read_size(node) is not None:
+        item.meta[SIZE_INPUT] = True
 
 
 def _replace_run(gm: fx.GraphModule, run: list[fx.Node], name: str, report: RuntimeReport) -> None:

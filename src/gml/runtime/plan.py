@@ -29,7 +29,7 @@ docs/adr/006-native-engine.md, "Layouts").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +181,21 @@ class Step:
     name: str
 
 
+@dataclass(eq=False)
+class PendingPad:
+    """A constant pad not written yet (:meth:`Builder.defer_pad`): ``out`` is ``src`` padded by
+    ``pads`` (``(before, after)`` per dim of ``src``, first dim first) with ``value``; ``write``
+    records its steps. A conv reading ``out`` may take the widths as its own padding instead
+    (timm's "same" padding before a stride-2 conv), and then nothing writes ``out`` at all."""
+
+    out: Val
+    src: Val
+    pads: tuple[tuple[int, int], ...]
+    value: float
+    write: Callable[[], None]
+    name: str
+
+
 class Builder:
     """Records the steps of one plan (see the module docstring). ``node_pos`` / ``last_use`` come
     from the segment graph: a value read by a later node or returned must not be overwritten."""
@@ -204,6 +219,8 @@ class Builder:
         #: bytes of the caller's input / output tensors (first to last element), for the native plan's
         #: bounds check (Plan.external_bytes)
         self.extents: dict[tuple[int, int], int] = {}
+        #: pads whose steps wait for their first reader (defer_pad)
+        self.pending_pads: list[PendingPad] = []
 
     # ------------------------------------------------------------ values
     def _new(self, shape: Any, stride: Any, dtype: str, node: fx.Node | None = None) -> Val:
@@ -296,8 +313,36 @@ class Builder:
             other = t
         self._join(out, other, 0)
 
+    # ------------------------------------------------------------ deferred pads
+    def defer_pad(self, pad: PendingPad) -> None:
+        """Record ``pad``'s steps only when a step touches its output (or overwrites its source, or
+        the output is returned): a conv that reads it through :meth:`pending_pad` takes the widths
+        as its own zero padding and no step writes the padded copy."""
+        self.pending_pads.append(pad)
+
+    def pending_pad(self, v: Val) -> PendingPad | None:
+        """The pad not written yet whose output is ``v`` itself (not a view of it), or None."""
+        return next((p for p in self.pending_pads if p.out is v), None)
+
+    def _write_pending(self, reads: Sequence[Val], writes: Sequence[Val]) -> None:
+        """Record the pending pads a step reading ``reads`` and writing ``writes`` depends on, before
+        it: those whose output it touches, and those whose source it overwrites (an in-place sum
+        into the pad's source must come after the pad read it)."""
+        due = [
+            p
+            for p in self.pending_pads
+            if any(v.group is p.out.group for v in (*reads, *writes)) or any(v.group is p.src.group for v in writes)
+        ]
+        for p in due:
+            if p in self.pending_pads:  # a pad written for an earlier one (a pad of a pad) is gone
+                self.pending_pads.remove(p)
+                name, self.node_name = self.node_name, p.name
+                p.write()
+                self.node_name = name
+
     # ------------------------------------------------------------ steps (native plan: gml.runtime.plan_steps)
     def _step(self, method: str, reads: list[Val], writes: list[Val], **kwargs: Any) -> None:
+        self._write_pending(reads, writes)
         self.steps.append(Step(method, reads, writes, kwargs, self.node_name))
 
     def _free_edge(self, src: Val, dst: Val) -> Val:
@@ -514,6 +559,7 @@ class Builder:
         the whole ``B*T*C`` LayerNorm in oneDNN's count but is allocated ``(B-1)*T*C + C`` elements;
         placing the LayerNorm in it wrote past the caller's tensor (HF Dinov2's pooler output, issue
         #24: heap corruption)."""
+        self._write_pending(outputs, [])  # a returned pad is written, whoever else reads it
         placed: list[Val] = []
         for k, (v, t) in enumerate(zip(outputs, metas)):
             g = v.group

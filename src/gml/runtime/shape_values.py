@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,9 +126,15 @@ class ShapeValues(nn.Module):
         return out
 
 
-def cache_shape_values(gm: fx.GraphModule, name: str = "shape_values") -> ShapeValues | None:
+def cache_shape_values(
+    gm: fx.GraphModule,
+    name: str = "shape_values",
+    on_output: Callable[[fx.Node, fx.Node], None] | None = None,
+) -> ShapeValues | None:
     """Move ``gm``'s static nodes (see :func:`static_nodes`) into one :class:`ShapeValues` call, in
-    place; returns the module (None when there is nothing worth caching: fewer than 2 nodes)."""
+    place; returns the module (None when there is nothing worth caching: fewer than 2 nodes).
+    ``on_output(node, item)`` is called for each static node read outside with the ``getitem`` of
+    the call that replaces it (the caller keeps what it knows of the node: that it is a size)."""
     graph = gm.graph
     roots, static = static_nodes(gm)
     if len(static) < 2:
@@ -161,6 +168,8 @@ def cache_shape_values(gm: fx.GraphModule, name: str = "shape_values") -> ShapeV
     for i, o in enumerate(outputs):
         with graph.inserting_after(anchor):
             item = graph.call_function(operator.getitem, (call, i))
+        if on_output is not None:
+            on_output(o, item)
         o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
         anchor = item
     for n in reversed(static):

@@ -43,22 +43,20 @@ def _emit_conv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val |
     a, x = c.a, ins[0]
     if x.dtype_name != "u8" or len(x.shape) != a.weight.dim():
         raise Unsupported(f"conv input {x.dtype_name} rank {len(x.shape)} (expects uint8 of the weight's rank)")
-    x = _as_nhwc(b, x)
-    if sum_with is None and not base.is_nhwc(out):  # compute channels-last, then copy into the layout wanted
-        t = b.temp(out.shape, base.nhwc_strides(out.shape), out.dtype_name)
-        _emit_conv(b, c, [x], t)
-        b.reorder(t, out, src_q=None, dst_q=None)
-        return
     k = tuple(a.weight.shape[2:])
     stride, padding, dilation = tuple(a.stride), tuple(a.padding), tuple(a.dilation)
-    pad_r = base.pads_right(x, out, k, stride, dilation, padding)
+    x, padding, pad_r = _absorb_pad(b, x, out, k, stride, dilation, padding, float(base.x_qparams(a).zero_point))
+    x = _as_nhwc(b, x)
+    dst = out
+    if sum_with is None and not base.is_nhwc(out):  # compute channels-last, then copy into the layout wanted
+        dst = b.temp(out.shape, base.nhwc_strides(out.shape), out.dtype_name)
     if sum_with is None:
         eltwise, out_q = base.eltwise_of(base.post_op_of(a)), base.out_qparams(a)
     else:  # qconv_add: post_op is none or relu, the output uint8
         eltwise, out_q = ([("relu", 0.0, 0.0)] if a.post_op == "relu" else []), base.out_qparams(a)
     b.conv(
         x,
-        out,
+        dst,
         weight=a.weight,
         w_scales=a.weight_scale,
         bias=a.bias,
@@ -72,6 +70,8 @@ def _emit_conv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val |
         sum_q=None if sum_with is None else base.qp(base.qparams(a.other_scale, a.other_zero_point)),
         eltwise=eltwise,
     )
+    if dst is not out:
+        b.reorder(dst, out, src_q=None, dst_q=None)
 
 
 def _emit_conv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
@@ -91,15 +91,38 @@ def _check_fconv(c: Call) -> str | None:
     return _single_channel(mod.weight)
 
 
+def _absorb_pad(
+    b: Builder, x: Val, out: Val, k: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...],
+    padding: tuple[int, ...], zero: float = 0.0,
+) -> tuple[Val, tuple[int, ...], list[int]]:
+    """``(source, pad_l, pad_r)`` of a conv: when ``x`` is a pad of the spatial dims with the conv's
+    zero (0.0; an INT8 conv's source zero point) not written yet (:meth:`Builder.pending_pad`), its
+    source with the pad's widths added to the conv's own: ``conv(pad(s, p), pad=q) = conv(s, pad=p +
+    q)``, the same sums (both pad with the value that stands for 0). Kept only while every window
+    still overlaps the source (padding within the window's extent, as oneDNN's jitted convs take
+    it); else ``x`` as it is."""
+    pad_r = base.pads_right(x, out, k, stride, dilation, padding)
+    p = b.pending_pad(x)
+    if p is None or p.value != zero or len(p.pads) != len(padding) + 2 or any(sum(d) for d in p.pads[:2]):
+        return x, tuple(padding), pad_r
+    pad_l = tuple(q + before for q, (before, _) in zip(padding, p.pads[2:], strict=True))
+    new_r = base.pads_right(p.src, out, k, stride, dilation, pad_l)
+    extent = [(kk - 1) * d for kk, d in zip(k, dilation, strict=True)]
+    if any(v > e for v, e in zip((*pad_l, *new_r), extent * 2, strict=True)):
+        return x, tuple(padding), pad_r
+    return p.src, pad_l, new_r
+
+
 def _emit_fconv(
     b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val | None = None, dtype: str = "f32"
 ) -> None:
-    """A float conv (fp32, or bf16 with fp32 accumulation): weights reordered once, bias fp32."""
+    """A float conv (fp32, or bf16 with fp32 accumulation): weights reordered once, bias fp32; a
+    zero pad before it is its own padding (:func:`_absorb_pad`)."""
     mod, x = c.a, ins[0]
     if x.dtype_name != dtype or len(x.shape) != mod.weight.dim() or (dtype == "bf16" and len(x.shape) != 4):
         raise Unsupported(f"{dtype} conv input {x.dtype_name} rank {len(x.shape)}")
     k = tuple(mod.weight.shape[2:])
-    pad_r = base.pads_right(x, out, k, mod.stride, mod.dilation, mod.padding)
+    x, padding, pad_r = _absorb_pad(b, x, out, k, tuple(mod.stride), tuple(mod.dilation), tuple(mod.padding))
     relu: Eltwise = [("relu", 0.0, 0.0)] if getattr(mod, "relu", False) else []
     eltwise = base.eltwise_of(mod.post_op) if sum_with is None else relu
     b.conv(
@@ -110,7 +133,7 @@ def _emit_fconv(
         bias=mod.bias,
         stride=mod.stride,
         dilation=tuple(d - 1 for d in mod.dilation),
-        pad_l=mod.padding,
+        pad_l=padding,
         pad_r=pad_r,
         groups=mod.groups,
         src_q=None,

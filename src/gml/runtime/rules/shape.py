@@ -6,6 +6,7 @@ is an alias (no step at all); one that copied is a reorder."""
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,7 +18,7 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from gml.ir.library import gml_op_name
 from gml.ir.ops import pad_of
-from gml.runtime.plan import dtype_name
+from gml.runtime.plan import PendingPad, dtype_name
 from gml.runtime.rules import base
 from gml.runtime.rules.base import Builder, Call, TranslationRule, Unsupported, Val
 
@@ -146,8 +147,19 @@ def emit_split_item(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     b.alias(out, x)
 
 
-#: arithmetic on sizes (``C // self.num_heads``, ``N - 1``)
-_SIZE_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg)
+#: arithmetic on sizes (``C // self.num_heads``, ``N - 1``; timm's "same" padding
+#: ``(math.ceil(ih / s) - 1) * s + k - ih``): numbers fixed per plan like the sizes themselves
+_SIZE_ARITHMETIC = (
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.floordiv,
+    operator.truediv,
+    operator.mod,
+    operator.neg,
+    math.ceil,
+    math.floor,
+)
 
 
 #: meta key of a node whose value is a size made by a :func:`read_size` node elsewhere: a segment's
@@ -162,7 +174,7 @@ def is_size(node: fx.Node) -> bool:
 
 def read_size(node: fx.Node) -> Call | None:
     """A size of a tensor (``x.shape``, ``x.size()``, ``x.size(d)``, ``x.dim()``, aten's
-    ``sym_size``), an item or slice of one, or integer arithmetic on such sizes, as a
+    ``sym_size``), an item or slice of one, or arithmetic on such sizes (``_SIZE_ARITHMETIC``), as a
     ``"size"`` :class:`Call` reading the tensors whose sizes it takes.
 
     Every size inside a segment is fixed by the shapes its plan is made for (a plan is per input
@@ -186,7 +198,7 @@ def read_size(node: fx.Node) -> Call | None:
         return None
     if node.target in _SIZE_ARITHMETIC and not node.kwargs:
         operands = [a for a in node.args if isinstance(a, fx.Node)]
-        numbers = all(isinstance(a, int) for a in node.args if not isinstance(a, fx.Node))
+        numbers = all(isinstance(a, int | float) for a in node.args if not isinstance(a, fx.Node))
         if operands and numbers and all(is_size(a) for a in operands):
             return Call("size", SimpleNamespace(), tuple(operands))
     return None
@@ -378,29 +390,41 @@ def check_pad(c: Call) -> str | None:
     if c.a.value is not None and (isinstance(c.a.value, bool) or not isinstance(c.a.value, int | float)):
         return f"a pad with value {c.a.value!r}"
     dtype = base.meta_dtype(c.inputs[0])
-    if dtype is not None and dtype not in base.FLOATS:
+    if dtype == torch.uint8:  # the lowered INT8 pad: the integers with the zero point
+        if c.a.value is not None and (c.a.value != int(c.a.value) or not 0 <= c.a.value <= 255):
+            return f"a pad of a uint8 tensor with value {c.a.value!r}"
+    elif dtype is not None and dtype not in base.FLOATS:
         return f"a pad of a {dtype} tensor"
     return check_move_source(c.inputs[0], "pad", c.engine_runs)
 
 
 def emit_pad(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     """The constant into ``out`` (a plan-owned tensor of ``out``'s shape) unless the pads are all
-    zero, then ``x`` into its window of ``out`` (a view: one reorder)."""
+    zero, then ``x`` into its window of ``out`` (a view: one reorder) — deferred to ``out``'s first
+    reader (:meth:`Builder.defer_pad`): a conv reading it takes zero widths as its own padding
+    (gml.runtime.rules.conv), and then neither step exists (tf_efficientnet_lite0's eight "same"
+    pads were 20% of its fp32 plan, AMD EPYC Zen 4)."""
     x, known = ins[0], dict(zip(c.inputs[1:], ins[1:]))
     pads = [known[p] if isinstance(p, fx.Node) else p for p in c.a.pads]
     if len(pads) % 2 or len(pads) // 2 > len(x.shape) or any(not isinstance(p, int) or p < 0 for p in pads):
         raise Unsupported(f"pad widths {pads}")
-    if out.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name or out.free:
+    if out.dtype_name not in ("f32", "bf16", "u8") or out.dtype_name != x.dtype_name or out.free:
         raise Unsupported(f"pad of {x.dtype_name} into {out.dtype_name}")
-    offset = 0
-    for i in range(len(pads) // 2):  # F.pad lists the last dim first
-        offset += pads[2 * i] * out.stride[len(out.shape) - 1 - i]
-    if any(pads):
-        dtype = torch.float32 if out.dtype_name == "f32" else torch.bfloat16
-        fill = torch.full(out.shape, float(c.a.value or 0.0), dtype=dtype)
-        b.reorder(b.constant(fill), out, src_q=None, dst_q=None)
-    if 0 not in x.shape:
-        b.reorder(x, b.view(out, x.shape, out.stride, offset=offset * out.itemsize), src_q=None, dst_q=None)
+    n = len(pads) // 2
+    value = float(c.a.value or 0.0)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "u8": torch.uint8}[out.dtype_name]
+
+    def write() -> None:
+        offset = 0
+        for i in range(n):  # F.pad lists the last dim first
+            offset += pads[2 * i] * out.stride[len(out.shape) - 1 - i]
+        if any(pads):
+            b.reorder(b.constant(torch.full(out.shape, value, dtype=dtype)), out, src_q=None, dst_q=None)
+        if 0 not in x.shape:
+            b.reorder(x, b.view(out, x.shape, out.stride, offset=offset * out.itemsize), src_q=None, dst_q=None)
+
+    per_dim = [(0, 0)] * (len(x.shape) - n) + [(pads[2 * i], pads[2 * i + 1]) for i in reversed(range(n))]
+    b.defer_pad(PendingPad(out, x, tuple(per_dim), value, write, b.node_name))
 
 
 #: torch.roll's spellings (``x.roll(...)`` is the method)
@@ -499,7 +523,7 @@ RULES: dict[object, TranslationRule] = {
     "qcat": TranslationRule(base.always, _emit_cat, None),
     "cat": TranslationRule(check_float_cat, emit_float_cat, None),  # torch.cat of an fp32 / bf16 graph
     "stack": TranslationRule(check_float_cat, emit_float_cat, None),
-    "pad": TranslationRule(check_pad, emit_pad, None),  # F.pad of a float value (Swin's whole windows)
+    "pad": TranslationRule(check_pad, emit_pad, None),  # F.pad of a float value (Swin's whole windows), a lowered INT8 pad
     "roll": TranslationRule(check_roll, emit_roll),  # torch.roll (Swin's shifted windows)
     nn.Embedding: TranslationRule(check_embedding, emit_embedding),
 }
