@@ -274,9 +274,12 @@ def _gml_fp32_instead(
         why = reason
     else:
         i8, f32 = cost.whole if cost.whole is not None else (float("nan"), float("nan"))
+        from gml.quant.cost_policy import WHOLE_MARGIN
+
         why = (
             f"whole-model guard: the INT8 model ran {i8:.2f} ms vs {f32:.2f} ms for gml.optimize's {fallback} "
-            f"model on {cost.shapes or 'the example input'}; returning the {fallback} model"
+            f"model on {cost.shapes or 'the example input'} (INT8 must take at most {WHOLE_MARGIN:.0%} of its "
+            f"time to pay for its rounding); returning the {fallback} model"
         )
     table = precision_table(opt.module, opt.runtime, fp32_reason=why, note=refusal or "")
     coverage = LoweringCoverage(kept_fp32=[CoverageEntry([r.node], r.op, r.precision, why) for r in table])
@@ -630,7 +633,8 @@ class TransformerScheme:
             if i8 > WHOLE_MARGIN * f32:
                 cost.all_fp32 = True
                 cost.notes.append(
-                    f"whole model INT8 {i8:.2f} ms vs GML fp32 {f32:.2f} ms: INT8 cannot pay here; "
+                    f"whole model INT8 {i8:.2f} ms vs GML fp32 {f32:.2f} ms (more than {WHOLE_MARGIN:.0%}): "
+                    "INT8 cannot pay here; "
                     "gml.optimize's model is returned"
                 )
                 ref = SimpleNamespace(report=res, graph_module=res.fp32_module, float_module=res.fp32_module)

@@ -279,3 +279,40 @@ def test_export_whose_doubled_batch_guard_refuses_the_example_is_redone_on_the_e
     assert any("refuses the example" in note for note in info.notes), info.notes
     with torch.no_grad():
         torch.testing.assert_close(gm(x), model(x))
+
+
+class _TFPaddedBlock(nn.Module):
+    """HF MobileNetV2 / ResNet in an export graph: a pad computed with ``int(x.shape[-1])`` (fx
+    cannot trace it; export fixes it), ReLU6 (``aten.hardtanh``), a residual ``+=``
+    (``aten.add_``) and a LeakyReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(4, 8, 3, 2), nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = 1 if int(x.shape[-1]) % 2 == 0 else 2
+        y = nn.functional.relu6(self.a(nn.functional.pad(x, (0, pad, 0, pad))))
+        z = self.b(y)
+        z += y
+        return nn.functional.leaky_relu(z, 0.2)
+
+
+def test_raise_aten_takes_hardtanh_leaky_relu_pad_and_in_place_adds_bit_exactly() -> None:
+    """Before, these stayed ATen calls: ReLU6 and the pad cut HF MobileNetV2's fp32 plan into 53
+    segments, and the in-place residual add kept HF ResNet's adds out of INT8."""
+    torch.manual_seed(0)
+    model, x = _TFPaddedBlock().eval(), torch.randn(1, 4, 10, 10)
+    res = RaiseATen()(_exported(model, x))
+    out = res.graph_module
+    for name in ("aten.hardtanh", "aten.leaky_relu", "aten.pad", "aten.add_"):
+        assert _aten(out, name) == 0, (name, out.code)
+    assert any(n.op == "call_method" and n.target == "add_" for n in out.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(out(x), model(x))
+    # the whole pipeline: the pad is the conv's padding, ReLU6 its post-op, the add its sum: one plan
+    opt = optimize(model, x)
+    assert len(opt.engine.segments()) == 1, str(opt.runtime)
+    assert {n.op for n in opt.runtime.torch_nodes} <= {"InputGuard", "ShapeGuards"}, str(opt.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(opt.executable(x), model(x), rtol=1e-5, atol=1e-5)

@@ -395,3 +395,24 @@ def test_transformer_scheme_whole_model_guard_returns_gml_fp32_when_int8_cannot_
     q = gml.quantize(model, 2, example_inputs=(x,), cost_policy="measure", per_layer=False)
     assert q.precision == "int8" and not q.cost.all_fp32 and q.cost.whole == (1.0, 2.0)
     assert sum(library.gml_op_name(n) == "dynamic_linear" for n in q.module.graph.nodes) >= 4
+
+
+def test_a_transformers_cnn_gets_the_static_scheme_and_one_with_attention_the_transformer_scheme() -> None:
+    """An HF ResNet / MobileNet / ConvNeXt is a CNN: the transformer scheme left its convs fp32 and
+    its "INT8" ran at fp32's speed (the whole-model guard then returned fp32). A transformers model
+    with convolutions gets the transformer scheme only when its graph holds attention."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cnn = transformers.ResNetModel(transformers.ResNetConfig(hidden_sizes=[8, 16], depths=[1, 1], embedding_size=8))
+    x = torch.randn(1, 3, 32, 32)
+    assert transformer_reason(cnn.eval()) == "it is a transformers ResNetModel"  # nothing to look at
+    assert transformer_reason(cnn, (x,)) is None
+    res = gml.quantize(cnn, 2, example_inputs=(x,), cost_policy="off", keep_broken=True)
+    assert res.scheme == "static" and res.precision == "int8"
+    assert "qconv" in res.coverage.summary()
+    vit = transformers.ViTModel(
+        transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                               image_size=32, patch_size=8)  # fmt: skip
+    ).eval()
+    found = transformer_reason(vit, (x,))
+    assert found is not None and found.startswith("it is a transformers ViTModel; its graph holds")

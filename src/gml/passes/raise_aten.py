@@ -15,9 +15,12 @@ of the module that made the call, taken from export's ``nn_module_stack``, e.g.
     aten.layer_norm(x, shape, W, b, eps)                  →  nn.LayerNorm(x)
     aten.embedding(W, ids, padding_idx)                   →  nn.Embedding(ids)
     aten.batch_norm(x, W, b, mean, var, False, m, eps)    →  nn.BatchNorm{1,2,3}d(x)  (running statistics)
-    aten.relu / gelu / tanh / sigmoid / silu / hardswish  →  torch.relu / F.gelu / ... (Normalize makes modules)
+    aten.relu / gelu / tanh / sigmoid / silu / hardswish / hardtanh / leaky_relu  →  torch.relu / F.gelu / ...
+                                                             (Normalize makes modules)
+    aten.pad(x, pads, mode, value)                         →  F.pad (FoldPad folds a constant zero pad into a conv)
     aten.add.Tensor / mul / sub / div / matmul / bmm / softmax / dropout / flatten / mean.dim / SDPA  →  torch.* / F.*
     aten.view / reshape / permute / transpose / unsqueeze / expand / contiguous  →  x.view(...) etc.
+    aten.add_ / sub_ / mul_ (Tensor), aten.relu_           →  x.add_(y) etc. (Normalize makes them out of place)
     aten._assert_tensor_metadata(...)                     →  removed (a check with no result; it would
                                                              count as a reader of its input and block fusions)
     pure calls whose result nobody reads                  →  removed (export keeps nn.MultiheadAttention's
@@ -55,6 +58,9 @@ FUNCTIONS: dict[Any, Callable] = {
     aten.silu.default: F.silu,
     aten.hardswish.default: F.hardswish,
     aten.hardsigmoid.default: F.hardsigmoid,
+    aten.hardtanh.default: F.hardtanh,  # ReLU6 (HF MobileNetV2): a conv's post-op once Normalize made it a module
+    aten.leaky_relu.default: F.leaky_relu,
+    aten.pad.default: F.pad,  # HF's tf_padding, fixed by export: FoldPad makes it the conv's padding
     aten.add.Tensor: torch.add,
     aten.sub.Tensor: torch.sub,
     aten.mul.Tensor: torch.mul,
@@ -81,6 +87,12 @@ METHODS: dict[Any, str] = {
     aten.squeeze.dim: "squeeze",
     aten.expand.default: "expand",
     aten.contiguous.default: "contiguous",
+    # in-place arithmetic (HF ResNet's ``hidden_state += residual`` in an export graph): Normalize
+    # makes it out of place where it can prove no one else sees the write
+    aten.add_.Tensor: "add_",
+    aten.sub_.Tensor: "sub_",
+    aten.mul_.Tensor: "mul_",
+    aten.relu_.default: "relu_",
 }
 
 _CHECKS = (aten._assert_tensor_metadata.default,)
@@ -307,6 +319,8 @@ class RaiseATen(GraphPass):
         # them) and get_attr nodes whose only reader became a module call
         for node in reversed(list(graph.nodes)):
             if node.users or node.op not in ("call_function", "call_method", "get_attr") or node.is_impure():
+                continue
+            if node.op == "call_method" and str(node.target).endswith("_"):  # x.add_(y): its write is read
                 continue
             graph.erase_node(node)
         gm.delete_all_unused_submodules()

@@ -572,7 +572,8 @@ def run_policy(
         return result, engine, runtime_report, cost
     cost.all_fp32 = True
     cost.notes.append(
-        f"whole model INT8 {i8:.2f} ms vs GML fp32 {f32:.2f} ms: INT8 cannot pay here; gml.optimize's model is returned"
+        f"whole model INT8 {i8:.2f} ms vs GML fp32 {f32:.2f} ms (more than {whole_margin:.0%}): INT8 cannot pay here; "
+        "gml.optimize's model is returned"
     )
     return result, engine, runtime_report, cost
 

@@ -559,8 +559,10 @@ def precisions(gm: fx.GraphModule) -> list[GemmPrecision]:
 def transformer_reason(
     model: nn.Module, inputs: Sequence[Any] | None = None, *, graph: fx.GraphModule | None = None
 ) -> str | None:
-    """Why ``model`` gets the transformer scheme (``None``: it does not): a transformers model, or
-    one holding ``torch.nn`` attention/transformer layers, or a graph that calls attention. A plain
+    """Why ``model`` gets the transformer scheme (``None``: it does not): a transformers model (one
+    with convolutions only if its graph holds attention: an HF ResNet / MobileNet / ConvNeXt is a
+    CNN, for the static scheme), or one holding ``torch.nn`` attention/transformer layers, or a
+    graph that calls attention. A plain
     module (timm's ViTs, a hand-written encoder) is looked at in its captured ``graph`` (given, as
     ``gml.quantize`` captures once; or, given ``inputs``, captured here), normalized to find
     attention the way the fp32 pipeline does: an SDPA call or the hand-written
@@ -572,13 +574,19 @@ def transformer_reason(
     for name, m in model.named_modules():
         if isinstance(m, OPAQUE_TO_FX):
             return f"it holds torch.nn.{type(m).__name__} ('{name or type(model).__name__}')"
-    for c in type(model).__mro__:
-        if c.__module__.startswith("transformers."):
-            return f"it is a transformers {type(model).__name__}"
-    for name, m in model.named_modules():  # a user's module around a transformers model (issue #24)
-        if name and any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
-                        for c in type(m).__mro__):  # fmt: skip
-            return f"it holds a transformers {type(m).__name__} ('{name}')"
+    hf = None  # a transformers model (or a user's module around one, issue #24)
+    if any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        hf = f"it is a transformers {type(model).__name__}"
+    for name, m in model.named_modules():
+        if hf is None and name and any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+                                       for c in type(m).__mro__):  # fmt: skip
+            hf = f"it holds a transformers {type(m).__name__} ('{name}')"
+    convs = any(isinstance(m, nn.Conv1d | nn.Conv2d | nn.Conv3d) for m in model.modules())
+    if hf is not None and (not convs or (graph is None and inputs is None)):
+        return hf
+    # a transformers model with convolutions is a CNN (ResNet, MobileNet, ConvNeXt, PoolFormer: the
+    # static scheme quantizes its convs; the transformer scheme left them fp32 and its INT8 was fp32's
+    # speed) unless its graph holds attention (Wav2Vec2, Whisper, MobileViT, SegFormer)
     if graph is None and inputs is None:
         return None
     import copy
@@ -594,9 +602,10 @@ def transformer_reason(
         gm = Normalize().call(gm).graph_module
         gm = FuseAttention().call(gm).graph_module
     except GMLError:  # the static path reports why the model does not capture
-        return None
+        return hf
     try:
-        return _graph_attention(gm) or _softmax_between_matmuls(gm)
+        found = _graph_attention(gm) or _softmax_between_matmuls(gm)
+        return found if hf is None or found is None else f"{hf}; {found}"
     finally:  # an fx graph is a reference cycle: emptied now, it pins none of the weights the
         release(gm)  # scheme's passes replace until the next full garbage collection (#28)
 
