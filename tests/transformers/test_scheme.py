@@ -410,9 +410,9 @@ def test_a_transformers_cnn_gets_the_static_scheme_and_one_with_attention_the_tr
     res = gml.quantize(cnn, 2, example_inputs=(x,), cost_policy="off", keep_broken=True)
     assert res.scheme == "static" and res.precision == "int8"
     assert "qconv" in res.coverage.summary()
-    vit = transformers.ViTModel(
-        transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                               image_size=32, patch_size=8)  # fmt: skip
-    ).eval()
+    config = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=8
+    )
+    vit = transformers.ViTModel(config).eval()
     found = transformer_reason(vit, (x,))
     assert found is not None and found.startswith("it is a transformers ViTModel; its graph holds")

@@ -92,8 +92,14 @@ def _check_fconv(c: Call) -> str | None:
 
 
 def _absorb_pad(
-    b: Builder, x: Val, out: Val, k: tuple[int, ...], stride: tuple[int, ...], dilation: tuple[int, ...],
-    padding: tuple[int, ...], zero: float = 0.0,
+    b: Builder,
+    x: Val,
+    out: Val,
+    k: tuple[int, ...],
+    stride: tuple[int, ...],
+    dilation: tuple[int, ...],
+    padding: tuple[int, ...],
+    zero: float = 0.0,
 ) -> tuple[Val, tuple[int, ...], list[int]]:
     """``(source, pad_l, pad_r)`` of a conv: when ``x`` is a pad of the spatial dims with the conv's
     zero (0.0; an INT8 conv's source zero point) not written yet (:meth:`Builder.pending_pad`), its

@@ -523,7 +523,8 @@ RULES: dict[object, TranslationRule] = {
     "qcat": TranslationRule(base.always, _emit_cat, None),
     "cat": TranslationRule(check_float_cat, emit_float_cat, None),  # torch.cat of an fp32 / bf16 graph
     "stack": TranslationRule(check_float_cat, emit_float_cat, None),
-    "pad": TranslationRule(check_pad, emit_pad, None),  # F.pad of a float value (Swin's whole windows), a lowered INT8 pad
+    # F.pad of a float value (Swin's whole windows, timm's "same" padding), a lowered INT8 pad
+    "pad": TranslationRule(check_pad, emit_pad, None),
     "roll": TranslationRule(check_roll, emit_roll),  # torch.roll (Swin's shifted windows)
     nn.Embedding: TranslationRule(check_embedding, emit_embedding),
 }
