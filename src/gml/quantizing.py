@@ -418,15 +418,17 @@ def choose_scheme(
     """``(scheme, why)``: the INT8 scheme :func:`quantize` uses for ``model`` and the reason; a plain
     module is looked at in its captured ``graph`` (or, given ``inputs``, captured here) for attention."""
     from gml.errors import InputError
-    from gml.quant.transformer import WHY_SCHEME, transformer_reason
+    from gml.quant.transformer import WHY_SCHEME, auto_scheme
 
     if scheme not in SCHEME_CHOICES:
         raise InputError(f"unknown INT8 scheme {scheme!r}.", hint=f"use one of {', '.join(SCHEME_CHOICES)}.")
     if scheme != "auto":
         return scheme, f"scheme={scheme!r} requested"
-    found = transformer_reason(model, inputs, graph=graph)
+    found, static_why = auto_scheme(model, inputs, graph=graph)
     if found is not None:
         return "transformer", f"transformer scheme: {found}; {WHY_SCHEME}"
+    if static_why is not None:
+        return "static", f"static scheme: {static_why} (calibrated per-tensor activation ranges)"
     return "static", "static scheme: no transformer layers found (calibrated per-tensor activation ranges)"
 
 

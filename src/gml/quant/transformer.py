@@ -559,10 +559,26 @@ def precisions(gm: fx.GraphModule) -> list[GemmPrecision]:
 def transformer_reason(
     model: nn.Module, inputs: Sequence[Any] | None = None, *, graph: fx.GraphModule | None = None
 ) -> str | None:
-    """Why ``model`` gets the transformer scheme (``None``: it does not): a transformers model (one
-    with convolutions only if its graph holds attention: an HF ResNet / MobileNet / ConvNeXt is a
-    CNN, for the static scheme), or one holding ``torch.nn`` attention/transformer layers, or a
-    graph that calls attention. A plain
+    """Why ``model`` gets the transformer scheme, or ``None`` (:func:`auto_scheme`'s first item)."""
+    return auto_scheme(model, inputs, graph=graph)[0]
+
+
+#: convolutions holding at least this share of a graph's multiply-adds make it a CNN for the scheme
+#: choice, attention or not: the transformer scheme quantizes GEMMs only, so its INT8 ran at fp32's
+#: speed on timm botnet26t / shvit_s1 / efficientformerv2_s0 (conv shares 0.99-1.00; the static
+#: scheme's INT8 took 0.41-0.71x of GML fp32's time there), while the hybrids it pays on have 0.10-0.66
+#: (ViT 0.03, LeViT 0.17, MaxViT 0.33, MobileViT 0.66)
+CONV_DOMINATED = 0.9
+
+
+def auto_scheme(
+    model: nn.Module, inputs: Sequence[Any] | None = None, *, graph: fx.GraphModule | None = None
+) -> tuple[str | None, str | None]:
+    """``(why transformer, why static)`` for ``scheme="auto"``, one of them None. The transformer
+    scheme: a transformers model (one with convolutions only if its graph holds attention: an HF
+    ResNet / MobileNet / ConvNeXt is a CNN), or one holding ``torch.nn`` attention/transformer
+    layers, or a graph that calls attention — unless convolutions hold :data:`CONV_DOMINATED` of the
+    graph's multiply-adds. A plain
     module (timm's ViTs, a hand-written encoder) is looked at in its captured ``graph`` (given, as
     ``gml.quantize`` captures once; or, given ``inputs``, captured here), normalized to find
     attention the way the fp32 pipeline does: an SDPA call or the hand-written
@@ -570,10 +586,10 @@ def transformer_reason(
     from gml.capture_export import OPAQUE_TO_FX
 
     if isinstance(model, fx.GraphModule):
-        return _graph_attention(model)
+        return _graph_attention(model), None
     for name, m in model.named_modules():
         if isinstance(m, OPAQUE_TO_FX):
-            return f"it holds torch.nn.{type(m).__name__} ('{name or type(model).__name__}')"
+            return f"it holds torch.nn.{type(m).__name__} ('{name or type(model).__name__}')", None
     hf = None  # a transformers model (or a user's module around one, issue #24)
     if any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
         hf = f"it is a transformers {type(model).__name__}"
@@ -583,12 +599,12 @@ def transformer_reason(
             hf = f"it holds a transformers {type(m).__name__} ('{name}')"
     convs = any(isinstance(m, nn.Conv1d | nn.Conv2d | nn.Conv3d) for m in model.modules())
     if hf is not None and (not convs or (graph is None and inputs is None)):
-        return hf
+        return hf, None
     # a transformers model with convolutions is a CNN (ResNet, MobileNet, ConvNeXt, PoolFormer: the
     # static scheme quantizes its convs; the transformer scheme left them fp32 and its INT8 was fp32's
     # speed) unless its graph holds attention (Wav2Vec2, Whisper, MobileViT, SegFormer)
     if graph is None and inputs is None:
-        return None
+        return None, None
     import copy
 
     from gml.errors import GMLError
@@ -602,12 +618,35 @@ def transformer_reason(
         gm = Normalize().call(gm).graph_module
         gm = FuseAttention().call(gm).graph_module
     except GMLError:  # the static path reports why the model does not capture
-        return hf
+        return hf, None
     try:
         found = _graph_attention(gm) or _softmax_between_matmuls(gm)
-        return found if hf is None or found is None else f"{hf}; {found}"
+        if found is None:
+            return None, (f"{hf} with convolutions and no attention in its graph" if hf else None)
+        share = _conv_share(gm)
+        if share >= CONV_DOMINATED:
+            why = f"{found}, but convolutions hold {share:.0%} of its multiply-adds"
+            return None, f"{why} (the transformer scheme quantizes GEMMs only)"
+        return (found if hf is None else f"{hf}; {found}"), None
     finally:  # an fx graph is a reference cycle: emptied now, it pins none of the weights the
         release(gm)  # scheme's passes replace until the next full garbage collection (#28)
+
+
+def _conv_share(gm: fx.GraphModule) -> float:
+    """The convolutions' share of the multiply-adds of ``gm``'s convs and linears (output elements
+    times the products each sums, from the capture's shape metadata; nodes without it count 0)."""
+    modules = dict(gm.named_modules())
+    conv = gemm = 0
+    for node in gm.graph.nodes:
+        meta = node.meta.get("tensor_meta")
+        mod = modules.get(str(node.target)) if node.op == "call_module" else None
+        if mod is None or not hasattr(meta, "shape"):
+            continue
+        if isinstance(mod, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+            conv += meta.shape.numel() * mod.weight[0].numel()
+        elif isinstance(mod, nn.Linear):
+            gemm += meta.shape.numel() * mod.in_features
+    return conv / (conv + gemm) if conv + gemm else 0.0
 
 
 def _softmax_between_matmuls(gm: fx.GraphModule, hops: int = 6) -> str | None:
