@@ -375,3 +375,32 @@ def test_attention_masks_of_every_broadcast(mask):
     assert_no_reference_steps(r)
     with torch.no_grad():
         torch.testing.assert_close(r.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class _PooledTokens(nn.Module):
+    """timm botnet26t's attention tail: tokens ``[B, HW, C]`` viewed back as an NCHW map (a plain,
+    not channels-last, INT8 value) and pooled 2 x 2 (avg, and max for good measure). oneDNN 3.2
+    runs INT8 pools of that layout on ``ref:any``; the plan reorders to NHWC first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.lin = nn.Conv2d(3, 16, 3, padding=1), nn.Linear(16, 16)
+        self.avg, self.max = nn.AvgPool2d(2, 2), nn.MaxPool2d(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        b, c, h, w = y.shape
+        t = self.lin(y.flatten(2).transpose(1, 2))  # [B, HW, C]
+        m = t.transpose(1, 2).reshape(b, c, h, w)
+        return self.avg(m) + self.max(m)
+
+
+def test_int8_pools_of_a_plain_layout():
+    torch.manual_seed(0)
+    model, x = _PooledTokens().eval(), torch.randn(1, 3, 8, 8)
+    r = gml.quantize(model, 8, example_inputs=(x,), scheme="static", cost_policy="off", keep_broken=True)
+    assert r.precision == "int8" and r.engine is not None
+    assert {"qavg_pool2d", "qmax_pool"} <= set(r.coverage.summary().replace(",", " ").split()), r.coverage.summary()
+    assert_no_reference_steps(r)
+    with torch.no_grad():
+        torch.testing.assert_close(r.executable(x), r.module(x), rtol=0, atol=1e-5)

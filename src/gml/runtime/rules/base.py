@@ -243,6 +243,18 @@ def as_rows(b: Builder, v: Val, *, output: bool = False) -> Val:
     return as_rows(b, b.view(v, (rows, v.shape[-1]), strides), output=output)  # strided rows: as above
 
 
+def as_nhwc(b: Builder, v: Val) -> Val:
+    """``v``, or a channels-last copy of it: oneDNN's INT8 convs and pools are jitted for NHWC only;
+    any other layout (a quantized permute of LayerNorm's output in ConvNeXt, timm botnet26t's
+    attention output pooled 2 x 2) falls to its reference kernel, hundreds of times slower (issue
+    #16: convnext_atto, resnest14d)."""
+    if is_nhwc(v):
+        return v
+    t = b.temp(v.shape, nhwc_strides(v.shape), v.dtype_name)
+    b.reorder(v, t, src_q=None, dst_q=None)
+    return t
+
+
 def bf16_src(b: Builder, x: Val) -> Val:
     """``x`` as bf16, and NHWC when it is 4-D: oneDNN's fast bf16 convs (brgconv) take NHWC; an
     NCHW bf16 source gets its reference kernel (measured: 17 s for ResNet18's stem)."""

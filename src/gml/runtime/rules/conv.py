@@ -28,17 +28,6 @@ def _check_conv(c: Call) -> str | None:
     return _single_channel(c.a.weight)
 
 
-def _as_nhwc(b: Builder, v: Val) -> Val:
-    """``v``, or a channels-last copy of it: oneDNN's INT8 convs are jitted for NHWC only; any other
-    layout (e.g. a quantized permute of LayerNorm's output in ConvNeXt) falls to its reference
-    kernel, hundreds of times slower (issue #16: convnext_atto, resnest14d)."""
-    if base.is_nhwc(v):
-        return v
-    t = b.temp(v.shape, base.nhwc_strides(v.shape), v.dtype_name)
-    b.reorder(v, t, src_q=None, dst_q=None)
-    return t
-
-
 def _emit_conv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val | None = None) -> None:
     a, x = c.a, ins[0]
     if x.dtype_name != "u8" or len(x.shape) != a.weight.dim():
@@ -46,7 +35,7 @@ def _emit_conv(b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val |
     k = tuple(a.weight.shape[2:])
     stride, padding, dilation = tuple(a.stride), tuple(a.padding), tuple(a.dilation)
     x, padding, pad_r = _absorb_pad(b, x, out, k, stride, dilation, padding, float(base.x_qparams(a).zero_point))
-    x = _as_nhwc(b, x)
+    x = base.as_nhwc(b, x)
     dst = out
     if sum_with is None and not base.is_nhwc(out):  # compute channels-last, then copy into the layout wanted
         dst = b.temp(out.shape, base.nhwc_strides(out.shape), out.dtype_name)

@@ -13,6 +13,18 @@ from gml.runtime.rules import base
 from gml.runtime.rules.base import Builder, Call, Eltwise, TranslationRule, Unsupported, Val
 
 
+def _int8_pool(b: Builder, x: Val, out: Val, **kw: Any) -> None:
+    """An INT8 pool from and into channels-last (:func:`base.as_nhwc`; a plain NCHW destination is
+    written NHWC first, then copied): oneDNN 3.2 runs INT8 pools of other layouts on ``ref:any``."""
+    x = base.as_nhwc(b, x)
+    if base.is_nhwc(out):
+        b.pool(x, out, **kw)
+        return
+    t = b.temp(out.shape, base.nhwc_strides(out.shape), out.dtype_name)
+    b.pool(x, t, **kw)
+    b.reorder(t, out, src_q=None, dst_q=None)
+
+
 def _check_maxpool(c: Call) -> str | None:
     n = len(c.a.kernel_size)
     return None if n in (1, 2, 3) else f"{n}-D max pool (the engine plans 1-D to 3-D pools)"
@@ -25,7 +37,8 @@ def _emit_maxpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         raise Unsupported(f"{len(k)}-D max pool of a rank-{len(x.shape)} input")
     pad_r = base.pads_right(x, out, k, s, d, p)
     # the output keeps x's qparams
-    b.pool(x, out, alg="max", kernel=k, stride=s, dilation=tuple(v - 1 for v in d), pad_l=p, pad_r=pad_r, eltwise=[])
+    dil = tuple(v - 1 for v in d)
+    _int8_pool(b, x, out, alg="max", kernel=k, stride=s, dilation=dil, pad_l=p, pad_r=pad_r, eltwise=[])
 
 
 def _check_avgpool(c: Call) -> str | None:
@@ -45,7 +58,7 @@ def _emit_avgpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     pad_r = base.pads_right(x, out, k, s, (1, 1), p)
     alg = "avg_include" if a.count_include_pad else "avg_exclude"
     eltwise = base.requant_eltwise(base.x_qparams(a), base.out_qparams(a))
-    b.pool(x, out, alg=alg, kernel=k, stride=s, dilation=(0, 0), pad_l=p, pad_r=pad_r, eltwise=eltwise)
+    _int8_pool(b, x, out, alg=alg, kernel=k, stride=s, dilation=(0, 0), pad_l=p, pad_r=pad_r, eltwise=eltwise)
 
 
 def _emit_adaptive(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
