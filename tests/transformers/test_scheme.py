@@ -416,6 +416,15 @@ def test_a_transformers_cnn_gets_the_static_scheme_and_one_with_attention_the_tr
     vit = transformers.ViTModel(config).eval()
     found = transformer_reason(vit, (x,))
     assert found is not None and found.startswith("it is a transformers ViTModel; its graph holds")
+    # an audio transformer's conv front-end holds most of its multiply-adds: still the transformer
+    # scheme (WavLM's attention reads integer position buckets the static scheme refused, raw)
+    config = transformers.WavLMConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, conv_dim=(32, 32),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
+    )  # fmt: skip
+    wavlm = transformers.WavLMModel(config).eval()
+    found = transformer_reason(wavlm, (torch.randn(1, 1600),))
+    assert found is not None and found.startswith("it is a transformers WavLMModel; it holds 1 WavLMAttention"), found
 
 
 class _BotNetStyle(nn.Module):

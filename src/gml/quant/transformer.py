@@ -563,8 +563,11 @@ def transformer_reason(
     return auto_scheme(model, inputs, graph=graph)[0]
 
 
-#: convolutions holding at least this share of a graph's multiply-adds make it a CNN for the scheme
-#: choice, attention or not: the transformer scheme quantizes GEMMs only, so its INT8 ran at fp32's
+#: convolutions holding at least this share of a plain module's multiply-adds make it a CNN for the
+#: scheme choice, attention or not (a transformers model with attention keeps the transformer
+#: scheme: the audio models' conv front-ends hold most of their multiply-adds, and WavLM's attention
+#: reads integer position buckets the static scheme does not take): the transformer scheme quantizes
+#: GEMMs only, so its INT8 ran at fp32's
 #: speed on timm botnet26t / shvit_s1 / efficientformerv2_s0 (conv shares 0.99-1.00; the static
 #: scheme's INT8 took 0.41-0.71x of GML fp32's time there), while the hybrids it pays on have 0.10-0.66
 #: (ViT 0.03, LeViT 0.17, MaxViT 0.33, MobileViT 0.66)
@@ -621,15 +624,26 @@ def auto_scheme(
         return hf, None
     try:
         found = _graph_attention(gm) or _softmax_between_matmuls(gm)
+        if found is None and hf is not None and _attention_modules(model):
+            found = f"it holds {_attention_modules(model)} (an attention its graph does not spell out: WavLM's)"
         if found is None:
-            return None, (f"{hf} with convolutions and no attention in its graph" if hf else None)
+            return None, (f"{hf} with convolutions and no attention in its graph or modules" if hf else None)
+        if hf is not None:  # a transformers model with attention (Wav2Vec2, WavLM, Whisper: conv front-ends)
+            return f"{hf}; {found}", None
         share = _conv_share(gm)
         if share >= CONV_DOMINATED:
             why = f"{found}, but convolutions hold {share:.0%} of its multiply-adds"
             return None, f"{why} (the transformer scheme quantizes GEMMs only)"
-        return (found if hf is None else f"{hf}; {found}"), None
+        return found, None
     finally:  # an fx graph is a reference cycle: emptied now, it pins none of the weights the
         release(gm)  # scheme's passes replace until the next full garbage collection (#28)
+
+
+def _attention_modules(model: nn.Module) -> str | None:
+    """The attention layers of a transformers model by their class names (``WavLMAttention``,
+    ``ViTSelfAttention``: every transformers attention class says so), e.g. "4 WavLMAttention"."""
+    names = [type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Attention")]
+    return f"{len(names)} {names[0]}" if names else None
 
 
 def _conv_share(gm: fx.GraphModule) -> float:
