@@ -23,6 +23,7 @@ READER_OPS = {
     "pad",
     "roll",
     "matmul",
+    "mean",
     "to_bool",
     "index",
     "and",

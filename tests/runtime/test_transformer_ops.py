@@ -79,13 +79,8 @@ def test_layer_norm_bf16_in_and_out():
 )
 def test_float_add_same_shape_and_broadcast(shapes):
     gm = graph_of(gnn.Add(), n_inputs=2, wiring=[(0, 1)])
-    # both operands broadcasting: oneDNN's binary broadcasts its second source only (torch runs it)
-    check(
-        gm,
-        torch.randn(*shapes[0]),
-        torch.randn(*shapes[1]),
-        expect="mixed" if shapes == ((4, 1, 8), (3, 8)) else "engine",
-    )
+    # both operands broadcasting ((4, 1, 8) + (3, 8)): the first is spread over the output first
+    check(gm, torch.randn(*shapes[0]), torch.randn(*shapes[1]))
 
 
 @needs_bf16
@@ -342,14 +337,26 @@ def test_add_relu_of_two_computed_values(shapes):
     assert [n.runs_in for n in eng.report.nodes if n.op == "AddReLU"] == ["engine"]
 
 
-def test_a_mul_broadcasting_both_operands_stays_in_torch_with_its_reason():
+@pytest.mark.parametrize(
+    ("op", "xs", "ys"),
+    [
+        ("mul", (2, 1, 8), (1, 5, 8)),
+        ("mul", (1, 1, 4, 4), (1, 6, 1, 1)),
+        ("sub", (8,), (2, 5, 8)),
+        ("sub", (2, 1, 3), (4, 1)),
+    ],
+    ids=["mul-3d", "mul-focalnet", "sub-first-broadcasts", "sub-both"],
+)
+def test_a_binary_broadcasting_both_operands_runs_in_the_plan(op, xs, ys):
+    """oneDNN's binary broadcasts its second source only: the first is spread over a zero tensor of
+    the output's shape first (HF FocalNet's ``(1, 1, H, W)`` gate times a ``(1, C, 1, 1)`` context
+    sent its whole segment to torch at plan build)."""
     from torch.fx.passes.shape_prop import ShapeProp
 
-    gm = graph_of(gnn.Mul(), n_inputs=2, wiring=[(0, 1)])
-    x, y = torch.randn(2, 1, 8), torch.randn(1, 5, 8)
+    gm = graph_of(gnn.Mul() if op == "mul" else gnn.Add(-1), n_inputs=2, wiring=[(0, 1)])
+    x, y = torch.randn(xs), torch.randn(ys)
     ShapeProp(gm).propagate(x, y)
-    eng = check(gm, x, y, expect="torch")
-    assert [n.reason for n in eng.report.torch_nodes] == ["mul broadcasting both operands ([2, 1, 8] and [1, 5, 8])"]
+    check(gm, x, y)
 
 
 def test_a_mul_of_two_constants_stays_in_torch_with_its_reason():
@@ -419,16 +426,6 @@ def test_a_subtraction_of_two_computed_values(shapes):
     gm = graph_of(gnn.Add(-1), n_inputs=2, wiring=[(0, 1)])
     eng = check(gm, *(torch.randn(s) for s in shapes))
     assert [n.runs_in for n in eng.report.nodes] == ["engine"]
-
-
-def test_a_subtraction_whose_first_operand_broadcasts_stays_in_torch_with_its_reason():
-    from torch.fx.passes.shape_prop import ShapeProp
-
-    gm = graph_of(gnn.Add(-1), n_inputs=2, wiring=[(0, 1)])
-    x, y = torch.randn(8), torch.randn(2, 5, 8)
-    ShapeProp(gm).propagate(x, y)
-    eng = check(gm, x, y, expect="torch")
-    assert [n.reason for n in eng.report.torch_nodes] == ["sub of [8] minus [2, 5, 8] (its first operand broadcasts)"]
 
 
 class _RotaryAttention(nn.Module):
@@ -668,3 +665,48 @@ def test_a_matmul_with_a_vector_stays_in_torch_with_its_reason():
     reasons = [n.reason for n in eng.report.torch_nodes]
     assert reasons == ["matmul of a vector (the engine multiplies matrices and batches of them)"], str(eng.report)
     torch.testing.assert_close(eng(x, y), x @ y)
+
+
+class _FocalContext(nn.Module):
+    """HF FocalNet's global context: ``ctx.mean(2, keepdim=True).mean(3, keepdim=True)``, two means
+    of one spatial dim each, gated back onto the map (both operands of the product broadcast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.gate = nn.Conv2d(6, 6, 3, padding=1), nn.Conv2d(6, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = torch.nn.functional.gelu(self.conv(x))
+        glob = ctx.mean(2, keepdim=True).mean(3, keepdim=True)
+        return ctx + glob * self.gate(x) + x.mean(-1, keepdim=True)
+
+
+def test_spatial_means_and_a_both_broadcast_product_run_in_the_plan():
+    import gml
+
+    torch.manual_seed(0)
+    model, x = _FocalContext().eval(), torch.randn(1, 6, 7, 9)
+    res = gml.optimize(model, x, runtime="engine")
+    assert res.runtime.path == "engine" and len(res.engine.segments()) == 1, str(res.runtime)
+    assert not res.runtime.shape_fallbacks, str(res.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_mean_without_keepdim_stays_in_torch_with_its_reason():
+    import gml
+
+    class Mean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x).mean(2) * 2.0
+
+    model, x = Mean().eval(), torch.randn(1, 3, 5, 5)
+    res = gml.optimize(model, x, runtime="engine")
+    reasons = {n.op: n.reason for n in res.runtime.torch_nodes}
+    assert reasons.get("mean") == "a mean without keepdim (the engine's pool keeps the dims)", str(res.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)

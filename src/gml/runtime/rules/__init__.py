@@ -101,7 +101,7 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     cat = shape.read_cat(node)  # torch.cat of float values (the INT8 graph's is gml.qcat)
     if cat is not None:
         return _with_table(cat)
-    moved = shape.read_pad(node) or shape.read_roll(node)  # F.pad / torch.roll of float values
+    moved = shape.read_pad(node) or shape.read_roll(node) or pool.read_mean(node)  # float F.pad / roll / mean
     if moved is not None:
         return _with_table(moved)
     product = linear.read_matmul(node)  # q @ k.transpose(-2, -1) of attention written out

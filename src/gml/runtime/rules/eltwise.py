@@ -140,13 +140,6 @@ def _check_float_binary(c: Call, op: str) -> str | None:
     if len(dtypes) != 2 or any(d is not None and d not in base.FLOATS for d in dtypes):
         verb = "adds" if op == "add" else "multiplies"
         return f"{op} of {', '.join(str(d) for d in dtypes)} tensors (the engine {verb} fp32 / bf16)"
-    shapes = [base.meta_shape(n) for n in c.inputs]
-    if shapes[0] is not None and shapes[1] is not None:
-        full = tuple(torch.broadcast_shapes(shapes[0], shapes[1]))
-        if full not in shapes:  # oneDNN's binary broadcasts its second source only
-            return f"{op} broadcasting both operands ({list(shapes[0])} and {list(shapes[1])})"
-        if op == "sub" and tuple(shapes[0]) != full:  # not commutative: x must be the full one
-            return f"sub of {list(shapes[0])} minus {list(shapes[1])} (its first operand broadcasts)"
     return None
 
 
@@ -190,8 +183,16 @@ def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str, *, eltwise: El
         raise Unsupported(f"{alg} of {x.dtype_name} and {y.dtype_name}")
     if x.shape != out.shape and alg != "sub":  # oneDNN broadcasts the second source only
         x, y = y, x
-    if x.shape != out.shape or len(y.shape) > len(out.shape):
-        raise Unsupported(f"{alg} of {x.shape} and {y.shape} broadcasting both operands")
+    if len(x.shape) > len(out.shape) or len(y.shape) > len(out.shape):
+        raise Unsupported(f"{alg} of {x.shape} and {y.shape} into {out.shape}")
+    if x.shape != out.shape:  # both operands broadcast (HF FocalNet's (1, 1, H, W) gate times (1, C, 1, 1)):
+        # x spread over a plan-owned zero tensor of out's shape first (one binary add), then the op
+        dtype = torch.float32 if out.dtype_name == "f32" else torch.bfloat16
+        zeros = b.constant(torch.zeros(out.shape, dtype=dtype))
+        full = b.temp(out.shape, base.contiguous_strides(out.shape), out.dtype_name)
+        xs = base.converted(b, x, out.dtype_name) if x.dtype_name != out.dtype_name else x
+        b.binary(zeros, base.broadcast_view(b, xs, len(out.shape)), full, "add", scale0=None, scale1=None, eltwise=[])
+        x = full
     # oneDNN 3.2's binary has no jitted kernel for mixed bf16 / f32 sources (measured: ref:any,
     # 2-6 ms for a 128 x 384 add): such operands are converted to the output's dtype first
     if x.dtype_name != out.dtype_name:

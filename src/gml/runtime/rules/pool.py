@@ -5,9 +5,11 @@ torch.nn's fp32 / bf16 pool modules; each one oneDNN pooling primitive, a requan
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch import fx
 
 from gml.runtime.rules import base
 from gml.runtime.rules.base import Builder, Call, Eltwise, TranslationRule, Unsupported, Val
@@ -140,12 +142,64 @@ def _emit_adaptive_pool(b: Builder, x: Val, out: Val, eltwise: Eltwise) -> None:
     b.pool(x, out, alg="avg_exclude", kernel=k, stride=k, dilation=zero, pad_l=zero, pad_r=zero, eltwise=eltwise)
 
 
+#: ``torch.mean``'s function spellings (``x.mean(...)`` is the method)
+MEANS = (torch.mean, torch.ops.aten.mean.dim)
+
+
+def read_mean(node: fx.Node) -> Call | None:
+    """``x.mean(dims, keepdim=True)`` of a float value as a ``"mean"`` :class:`Call`. Normalize makes
+    the spatial mean over ``(2, 3)`` a global pool; HF FocalNet's ``ctx.mean(2, keepdim=True).mean(3,
+    keepdim=True)`` (two means of one dim each) stayed in torch and cut its plan into 7 segments."""
+    method = node.op == "call_method" and node.target == "mean"
+    if not (method or (node.op == "call_function" and node.target in MEANS)):
+        return None
+    if not node.args or not isinstance(node.args[0], fx.Node) or node.kwargs.get("dtype") is not None:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return Call("mean", SimpleNamespace(dim=dim, keepdim=keepdim), (node.args[0],))
+
+
+def _mean_dims(dim: Any, rank: int) -> tuple[int, ...] | None:
+    """The spatial dims (2, 3) a mean over ``dim`` averages of a rank-``rank`` value, or None."""
+    dims = dim if isinstance(dim, list | tuple) else [dim]
+    if rank != 4 or not dims or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    norm = tuple(sorted({d % 4 for d in dims}))
+    return norm if set(norm) <= {2, 3} else None
+
+
+def _check_mean(c: Call) -> str | None:
+    if c.a.keepdim is not True:
+        return "a mean without keepdim (the engine's pool keeps the dims)"
+    meta = c.inputs[0].meta.get("val", c.inputs[0].meta.get("tensor_meta"))
+    shape = getattr(meta, "shape", None)
+    if shape is not None and _mean_dims(c.a.dim, len(shape)) is None:
+        return f"a mean over dims {c.a.dim} of a rank-{len(shape)} value (the engine averages H and W of a 4-D one)"
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in base.FLOATS:
+        return f"a mean of a {dtype} value"
+    return None
+
+
+def _emit_mean(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """The mean over H and / or W as one average pool whose window is those dims: ``avg_exclude``
+    without padding divides by the window's element count, as the mean does."""
+    x = ins[0]
+    dims = _mean_dims(c.a.dim, len(x.shape))
+    if dims is None or x.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name:
+        raise Unsupported(f"mean over dims {c.a.dim} of a {x.dtype_name} rank-{len(x.shape)} value")
+    k = tuple(x.shape[d] if d in dims else 1 for d in (2, 3))
+    b.pool(x, out, alg="avg_exclude", kernel=k, stride=k, dilation=(0, 0), pad_l=(0, 0), pad_r=(0, 0), eltwise=[])
+
+
 #: fp32 pools write and read free layouts, as fp32 convs do (gml.runtime.rules.conv)
 RULES: dict[object, TranslationRule] = {
     "qmax_pool": TranslationRule(_check_maxpool, _emit_maxpool),
     "qavg_pool2d": TranslationRule(_check_avgpool, _emit_avgpool),
     "qadaptive_avg_pool": TranslationRule(base.always, _emit_adaptive),
     "qmean": TranslationRule(_check_qmean, _emit_qmean),
+    "mean": TranslationRule(_check_mean, _emit_mean),  # a float spatial mean of one or both dims
     torch.nn.MaxPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
     torch.nn.AvgPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
     torch.nn.AdaptiveAvgPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
