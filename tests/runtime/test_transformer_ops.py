@@ -710,3 +710,25 @@ def test_a_mean_without_keepdim_stays_in_torch_with_its_reason():
     assert reasons.get("mean") == "a mean without keepdim (the engine's pool keeps the dims)", str(res.runtime)
     with torch.no_grad():
         torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_both_broadcast_product_with_a_constant_first_operand():
+    """The operand spread first may be a model constant: the plan owns a copy of it (a view of a plan
+    constant cannot be planned)."""
+    import gml
+
+    class Gate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 1, 1)
+            self.register_buffer("scale", torch.randn(1, 6, 1, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.scale * torch.sigmoid(self.conv(x))
+
+    torch.manual_seed(0)
+    model, x = Gate().eval(), torch.randn(1, 3, 5, 7)
+    res = gml.optimize(model, x, runtime="engine")
+    assert res.runtime.path == "engine" and not res.runtime.shape_fallbacks, str(res.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)

@@ -191,7 +191,7 @@ def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str, *, eltwise: El
         zeros = b.constant(torch.zeros(out.shape, dtype=dtype))
         full = b.temp(out.shape, base.contiguous_strides(out.shape), out.dtype_name)
         xs = base.converted(b, x, out.dtype_name) if x.dtype_name != out.dtype_name else x
-        b.binary(zeros, base.broadcast_view(b, xs, len(out.shape)), full, "add", scale0=None, scale1=None, eltwise=[])
+        b.binary(zeros, _broadcast_source(b, xs, len(out.shape)), full, "add", scale0=None, scale1=None, eltwise=[])
         x = full
     # oneDNN 3.2's binary has no jitted kernel for mixed bf16 / f32 sources (measured: ref:any,
     # 2-6 ms for a 128 x 384 add): such operands are converted to the output's dtype first
@@ -199,12 +199,16 @@ def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str, *, eltwise: El
         x = base.converted(b, x, out.dtype_name)
     if y.dtype_name != out.dtype_name:
         y = base.converted(b, y, out.dtype_name)
-    if y.group is not None and y.group.where == "const" and y.ref is not None:  # a constant operand:
-        # the plan owns a copy (a view of it cannot be planned), with out's rank
-        y = b.constant(y.ref.reshape((1,) * (len(out.shape) - y.ref.dim()) + tuple(y.ref.shape)))
-    else:
-        y = base.broadcast_view(b, y, len(out.shape))
-    b.binary(x, y, out, alg, scale0=None, scale1=None, eltwise=eltwise or [])
+    b.binary(x, _broadcast_source(b, y, len(out.shape)), out, alg, scale0=None, scale1=None, eltwise=eltwise or [])
+
+
+def _broadcast_source(b: Builder, v: Val, rank: int) -> Val:
+    """``v`` as a binary's broadcast source of ``rank`` dims: a constant operand as a plan-owned copy
+    of that rank (a view of a plan constant cannot be planned: visformer's and botnet26t's position
+    terms), anything else as a view (:func:`base.broadcast_view`)."""
+    if v.group is not None and v.group.where == "const" and v.ref is not None:
+        return b.constant(v.ref.reshape((1,) * (rank - v.ref.dim()) + tuple(v.ref.shape)))
+    return base.broadcast_view(b, v, rank)
 
 
 #: float activation modules: every one the op vocabulary tags an activation; those with a oneDNN
