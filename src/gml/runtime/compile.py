@@ -238,8 +238,9 @@ class EngineSegment(nn.Module):
         try:
             with torch.no_grad():
                 recorder.run(*copies)
-        except (RuntimeError, ValueError, IndexError, TypeError) as e:
-            shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+        except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
+            # (AssertionError: the model's own shape check, ``torch._assert``, now runs here)
+            shapes = ", ".join(str(tuple(t.shape)) if isinstance(t, torch.Tensor) else repr(t) for t in inputs)
             raise InputError(
                 f"the model cannot run on inputs of shape {shapes}: {e}",
                 hint="give inputs of the shape and dtype the model was compiled with.",
@@ -289,6 +290,8 @@ class EngineSegment(nn.Module):
                     raise Unsupported(reason)
                 t = env[node]
                 if rule.size_out:  # x.shape, n // 2: no step (the plan is for these sizes)
+                    if t is None and node.target is torch._assert:  # a shape check: held when recorded
+                        continue
                     if not _is_size_value(t):
                         raise Unsupported(f"{node.name} returns {type(t).__name__}")
                     sizes.add(node)

@@ -103,6 +103,26 @@ def _fixed_free_layout(v: Val) -> bool:
     return v.free and FP32_FREE_LAYOUT == "nhwc" and v.dtype_name == "f32" and len(v.shape) == 4
 
 
+def _const_address(v: Val, written: set[Group]) -> int:
+    """Where the bytes of plan constant ``v`` start: its own tensor, or, for a view of one (a
+    matmul's transposed or broadcast view of botnet26t's relative-position table), the constant's
+    tensor plus the view's offset. The native plan copies them (``Plan::add_constant``), so the view's
+    span, as oneDNN counts it (:func:`_span`: what the copy reads), is checked against the
+    constant's bytes first; a constant no step writes (an in-place sum copies its skip value first:
+    :meth:`Builder.share`)."""
+    g = v.group
+    assert g is not None
+    if g in written:
+        raise Unsupported("a step writes a plan constant")
+    root = g.members[0]  # the constant itself (Builder.constant); views are joined after it
+    if root.ref is None or root.offset != 0:
+        raise Unsupported("a plan constant without its tensor")
+    end = v.offset + _span(tuple(v.shape), tuple(v.stride), root.ref.element_size())
+    if v.offset < 0 or end > root.ref.numel() * root.ref.element_size():
+        raise Unsupported("a view past the end of a plan constant")
+    return root.ref.data_ptr() + v.offset
+
+
 def _native_strides(v: Val) -> list[int]:
     """The strides a value is added to the native plan with; none (``format_tag::any``) for a free
     value whose writer picks its layout."""
@@ -295,13 +315,18 @@ class Builder:
         reads it; fuzz seed 424242), copy it first."""
         assert other.group is not None
         live = (
-            other.group.where == "input"
+            other.group.where in ("input", "const")  # the caller's, or a plan constant: never written
             or (also_read is not None and also_read.group is other.group)
             or any(m.node is not None and self.last_use.get(m.node, 0) > self.pos for m in other.group.members)
         )
         if out.free:  # the sum's destination takes the skip value's layout, whatever it is
             if live:
-                t = self.temp(other.shape, other.stride, other.dtype_name, like=other)
+                # a plain skip value's copy takes the layout the conv would have picked (fp32 4-D:
+                # NHWC), not the skip value's own: brgconv writes no NCHW destination (a conv + a
+                # constant NCHW position term ran 40x slower into a plain copy)
+                plain = not other.free and _fixed_free_layout(out)
+                stride = nhwc_strides(other.shape) if plain else other.stride
+                t = self.temp(other.shape, stride, other.dtype_name, like=other)
                 self.reorder(other, t, src_q=None, dst_q=None)
                 other = t
             out.tie = other
@@ -615,6 +640,7 @@ class Builder:
         ids: dict[Val, int] = {}
         where = {"arena": 0, "input": 1, "output": 2}
         used = {v for s in self.steps for v in (*s.reads, *s.writes)}
+        written = {v.group for s in self.steps for v in s.writes}
         for v in self.vals:
             g = v.group
             assert g is not None
@@ -623,9 +649,7 @@ class Builder:
             if v.free and (g.where != "arena" or (len(g.members) > 1 and v.offset)):
                 raise Unsupported("a free-layout value outside the arena or at an offset")
             if g.where == "const":
-                if len(g.members) != 1 or v.ref is None:
-                    raise Unsupported("a view of a plan constant")
-                ids[v] = plan.add_constant(list(v.shape), list(v.stride), v.dtype_name, v.ref.data_ptr())
+                ids[v] = plan.add_constant(list(v.shape), list(v.stride), v.dtype_name, _const_address(v, written))
                 continue
             ids[v] = plan.add_value(list(v.shape), _native_strides(v), v.dtype_name, where[g.where], g.index, 0)
         for v in ids:

@@ -159,6 +159,14 @@ _SIZE_ARITHMETIC = (
     operator.neg,
     math.ceil,
     math.floor,
+    # comparisons of sizes: the condition of a shape check (timm's patch embeds' ``H == 112``)
+    operator.eq,
+    operator.ne,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+    operator.not_,
 )
 
 
@@ -196,6 +204,11 @@ def read_size(node: fx.Node) -> Call | None:
         if isinstance(index, int | slice) and is_size(node.args[0]):
             return Call("size", SimpleNamespace(), (node.args[0],))
         return None
+    if node.target is torch._assert and node.args and isinstance(node.args[0], fx.Node) and is_size(node.args[0]):
+        # a check of sizes (visformer's stages: ``_assert(H == self.img_size[0], ...)``): it held when
+        # the plan was made (the segment's reference ran it on these shapes), so it holds for every
+        # input the plan runs; as a torch node it cut the plan in two at each stage
+        return Call("size", SimpleNamespace(), (node.args[0],))
     if node.target in _SIZE_ARITHMETIC and not node.kwargs:
         operands = [a for a in node.args if isinstance(a, fx.Node)]
         numbers = all(isinstance(a, int | float) for a in node.args if not isinstance(a, fx.Node))
