@@ -122,6 +122,43 @@ def test_fp32_pool_first_on_an_nchw_input(pool):
     assert plan.num_steps == 3 and not [i for i in plan.step_impls() if i.startswith("ref")], plan.step_impls()
 
 
+@pytest.mark.parametrize(
+    "size,out", [((5, 5), (7, 7)), ((9, 11), (4, 5)), ((9, 11), (7, 7)), ((6, 13), (6, 3))], ids=str
+)
+def test_fp32_adaptive_pool_with_uneven_windows_is_a_matmul(size, out):
+    """VGG's ``AdaptiveAvgPool2d(7)`` of a 5 x 5 map (a 160-pixel input): windows of 1 and 2 rows. No
+    oneDNN pooling has such windows; the pool is one matmul by a constant averaging matrix. Before,
+    the plan for this shape fell back to torch whole ("not a regular pooling window")."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, *size)
+    head = [nn.AdaptiveAvgPool2d(out), nn.Flatten(1), nn.Linear(16 * out[0] * out[1], 5).eval()]
+    for gm in (
+        graph_of(_fconv(3, 16), nn.AdaptiveAvgPool2d(out), _fconv(16, 8, seed=1)),
+        graph_of(_fconv(3, 16), *head),
+    ):
+        eng = check_engine(gm, x)
+        assert not eng.report.shape_fallbacks, eng.report.shape_fallbacks
+        assert not eng.report.reference_steps, eng.report.reference_steps
+
+
+def test_the_adaptive_pool_matrix_is_torchs_pool():
+    from gml.runtime.rules.pool import adaptive_pool_matrix
+
+    x = torch.randn(3, 4, 9, 11, dtype=torch.float64)
+    for out in [(7, 7), (4, 5), (9, 11), (1, 1), (12, 3)]:
+        k = adaptive_pool_matrix((9, 11), out).double()
+        got = (x.flatten(2) @ k).view(3, 4, *out)
+        torch.testing.assert_close(got, torch.nn.functional.adaptive_avg_pool2d(x, out), rtol=1e-6, atol=1e-6)
+
+
+def test_an_uneven_adaptive_pool_over_a_large_map_keeps_its_reason():
+    """The averaging matrix grows as ``in x out`` positions: past :data:`MAX_POOL_MATRIX` the matmul
+    would do far more work than the pool, and that shape runs in torch with the reason."""
+    x = torch.randn(1, 3, 300, 301)
+    eng = check_engine(graph_of(_fconv(3, 4), nn.AdaptiveAvgPool2d(7), _fconv(4, 4, seed=1)), x, expect_engine=False)
+    assert "uneven windows over 90300 positions" in str(eng.report.shape_fallbacks), eng.report.shape_fallbacks
+
+
 def test_fp32_pool_then_flatten_and_linear():
     torch.manual_seed(0)
     x = torch.randn(3, 4, 8, 8)

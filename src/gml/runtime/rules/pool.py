@@ -5,6 +5,7 @@ torch.nn's fp32 / bf16 pool modules; each one oneDNN pooling primitive, a requan
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -135,11 +136,62 @@ def _emit_fpool(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 def _emit_adaptive_pool(b: Builder, x: Val, out: Val, eltwise: Eltwise) -> None:
     size, osize = base.spatial(x), base.spatial(out)
-    if not 1 <= len(size) <= 3 or len(osize) != len(size) or any(i % o for i, o in zip(size, osize)):
-        raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)} is not a regular pooling window")
+    if not 1 <= len(size) <= 3 or len(osize) != len(size):
+        raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)}")
+    if any(i % o for i, o in zip(size, osize)):
+        if eltwise or x.dtype_name != "f32" or out.dtype_name != "f32":
+            raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)} is not a regular pooling window")
+        _emit_pool_as_matmul(b, x, out)
+        return
     k = tuple(i // o for i, o in zip(size, osize))
     zero = (0,) * len(k)
     b.pool(x, out, alg="avg_exclude", kernel=k, stride=k, dilation=zero, pad_l=zero, pad_r=zero, eltwise=eltwise)
+
+
+#: the largest ``prod(in) * prod(out)`` averaging matrix an irregular adaptive pool is planned with
+#: (16 MiB of fp32); beyond it the matmul does far more work than the pool it replaces
+MAX_POOL_MATRIX = 1 << 22
+
+
+def adaptive_pool_matrix(size: tuple[int, ...], osize: tuple[int, ...]) -> torch.Tensor:
+    """``[prod(size), prod(osize)]``: column ``o`` averages output element ``o``'s window. torch's
+    adaptive window for output ``i`` of ``n`` from ``m`` is ``[floor(i m / n), ceil((i + 1) m / n))``;
+    over several spatial dims the window is the product of each dim's, so the matrix is the
+    Kronecker product of the per-dim averaging matrices (row-major flattening on both sides)."""
+    mats = []
+    for m, n in zip(size, osize, strict=True):
+        a = torch.zeros(n, m, dtype=torch.float64)
+        for i in range(n):
+            lo, hi = (i * m) // n, -((-(i + 1) * m) // n)
+            a[i, lo:hi] = 1.0 / (hi - lo)
+        mats.append(a)
+    k = mats[0]
+    for a in mats[1:]:
+        k = torch.kron(k, a)
+    return k.t().contiguous().float()
+
+
+def _emit_pool_as_matmul(b: Builder, x: Val, out: Val) -> None:
+    """An adaptive average pool whose windows differ in size (VGG's ``AdaptiveAvgPool2d(7)`` of a
+    5 x 5 map, AlexNet's 6 of anything but 6 x k): no oneDNN pooling has such windows, but the pool is
+    linear in each channel's map, ``out[n, c] = x[n, c] @ K`` over the flattened spatial dims
+    (:func:`adaptive_pool_matrix`): one matmul with a constant weight, on NCHW rows. Before, the whole
+    segment ran in torch for such input sizes."""
+    size, osize = base.spatial(x), base.spatial(out)
+    n, c, p, q = x.shape[0], x.shape[1], math.prod(size), math.prod(osize)
+    if p * q > MAX_POOL_MATRIX:
+        raise Unsupported(f"adaptive pool {tuple(size)} -> {tuple(osize)} with uneven windows over {p} positions")
+    if x.free or x.stride != base.contiguous_strides(x.shape):
+        t = b.temp(x.shape, base.contiguous_strides(x.shape), x.dtype_name)
+        b.reorder(x, t, src_q=None, dst_q=None)
+        x = t
+    dst = out
+    if out.free or out.stride != base.contiguous_strides(out.shape):
+        dst = b.temp(out.shape, base.contiguous_strides(out.shape), out.dtype_name)
+    rows, cols = b.view(x, (n * c, p), (p, 1)), b.view(dst, (n * c, q), (q, 1))  # oneDNN: weight's rank
+    b.matmul(rows, None, cols, weight=adaptive_pool_matrix(tuple(size), tuple(osize)))
+    if dst is not out:
+        b.reorder(dst, out, src_q=None, dst_q=None)
 
 
 #: ``torch.mean``'s function spellings (``x.mean(...)`` is the method)
