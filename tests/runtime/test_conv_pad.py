@@ -151,3 +151,18 @@ def test_an_int8_same_pad_is_the_qconvs_padding(depthwise):
     assert not [s for s in _steps(q) if s[0].startswith("constant_pad")], _steps(q)
     with torch.no_grad():
         torch.testing.assert_close(q.executable(x), q.module(x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "pad", [nn.ConstantPad2d(1, 0.0), nn.ZeroPad2d((1, 2, 0, 1)), nn.ConstantPad2d(1, -0.5)], ids=repr
+)
+def test_a_pad_module_is_planned_like_f_pad(pad):
+    """BiT's stem: conv → ``nn.ConstantPad2d(1, 0)`` → max pool. The module had no rule, so it ended
+    the segment (resnetv2_50x1_bit: 2 segments); it is the F.pad rule's now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), pad, nn.MaxPool2d(3, 2), nn.Conv2d(8, 4, 1)).eval()
+    x = torch.randn(1, 3, 13, 12)
+    res = gml.optimize(model, x, runtime="engine")
+    assert _segments(res) == 1 and str(res.runtime).startswith("runtime: engine"), str(res.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)

@@ -86,6 +86,9 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     """The :class:`Call` of ``node``, or ``None`` for a node no rule reads."""
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
+        pad = shape.read_pad(node, mod)  # nn.ConstantPad2d / ZeroPad2d: the same rule as F.pad
+        if pad is not None:
+            return _with_table(pad)
         return _with_table(Call(type(mod), mod, tuple(a for a in node.args if isinstance(a, fx.Node))))
     size = shape.read_size(node)  # x.shape, x.size(1), n // 2: fixed for a plan's input shapes
     if size is not None:

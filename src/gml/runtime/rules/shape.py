@@ -386,10 +386,11 @@ def _same_order(v: Val, out: Val) -> bool:
     return order(v) == order(out)
 
 
-def read_pad(node: fx.Node) -> Call | None:
-    """``F.pad(x, pads, mode, value)`` as a ``"pad"`` :class:`Call` reading ``x`` and the pads that
-    are sizes computed at run time (Swin pads its tokens to whole windows: ``(ws - H % ws) % ws``)."""
-    spec = pad_of(node, {}) if node.op == "call_function" else None
+def read_pad(node: fx.Node, module: nn.Module | None = None) -> Call | None:
+    """``F.pad(x, pads, mode, value)`` (or a constant / zero pad ``module``: BiT's stem pad before its
+    max pool) as a ``"pad"`` :class:`Call` reading ``x`` and the pads that are sizes computed at run
+    time (Swin pads its tokens to whole windows: ``(ws - H % ws) % ws``)."""
+    spec = pad_of(node, {} if module is None else {str(node.target): module})
     if spec is None or not isinstance(node.args[0], fx.Node):
         return None
     pads, mode, value = spec
