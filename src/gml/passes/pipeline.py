@@ -20,6 +20,8 @@ Order matters and is fixed here, not discovered:
   matmul) and before the fusions: attention becomes one ``gml.attention`` call they leave alone.
 * ``RecognizeRMSNorm`` after Normalize and FoldConstants (it matches their modules and Gemma's folded
   ``1 + w``), fp32 only: RMSNorm becomes one ``gml.rms_norm`` op the engine runs between the linears.
+* ``RecognizeGroupNorm`` beside it, fp32 only: ``nn.GroupNorm`` and timm's ``F.group_norm`` calls
+  become one ``gml.group_norm`` op the engine runs between the convs (before, each ended a segment).
 * fusions last, since they replace modules with kernel modules that other passes do not look into;
   their own order (and why) is in :mod:`gml.passes.fuse_all`.
 * ``LeafMemoryFormat`` after them: fused convs write channels-last; an opaque leaf gets back the
@@ -35,6 +37,7 @@ from gml.passes.fold_constants import FoldConstants
 from gml.passes.fold_pad import FoldPadIntoConv
 from gml.passes.fuse_all import FUSION_PASS_CLASSES, fusion_passes
 from gml.passes.gelu import RecognizeTanhGelu
+from gml.passes.group_norm import RecognizeGroupNorm
 from gml.passes.leaf_format import LeafMemoryFormat
 from gml.passes.merge_branches import MergeBranches
 from gml.passes.normalize import Normalize
@@ -59,7 +62,14 @@ def canonical_passes() -> list[GraphPass]:
 
 def fp32_passes() -> list[GraphPass]:
     """The default fp32 pipeline of ``gml optimize`` / :func:`gml.optimize`."""
-    return [*canonical_passes(), FuseAttention(), RecognizeRMSNorm(), *fusion_passes(), LeafMemoryFormat()]
+    return [
+        *canonical_passes(),
+        FuseAttention(),
+        RecognizeRMSNorm(),
+        RecognizeGroupNorm(),
+        *fusion_passes(),
+        LeafMemoryFormat(),
+    ]
 
 
 def available_passes() -> dict[str, type[GraphPass]]:
@@ -67,7 +77,7 @@ def available_passes() -> dict[str, type[GraphPass]]:
     classes: list[type[GraphPass]] = [FoldConstants, Normalize, RecognizeTanhGelu, UntieSharedModules, FoldBatchNorm]
     classes += [MergeBranches]
     classes += [FoldPadIntoConv]
-    classes += [FuseAttention, RecognizeRMSNorm]
+    classes += [FuseAttention, RecognizeRMSNorm, RecognizeGroupNorm]
     classes += [*FUSION_PASS_CLASSES, LeafMemoryFormat]
     return {cls.name: cls for cls in classes}
 

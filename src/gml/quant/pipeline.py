@@ -26,6 +26,7 @@ from gml.ir.target import Target
 from gml.passes.base import FunctionPass, GraphPass, Tolerance
 from gml.passes.bf16 import LowerToBf16
 from gml.passes.fuse_all import fusion_passes
+from gml.passes.group_norm import RecognizeGroupNorm
 from gml.passes.leaf_format import LeafMemoryFormat
 from gml.passes.lift_combine_quant import LiftCombineQuant
 from gml.passes.pipeline import canonical_passes
@@ -75,5 +76,6 @@ def fp32_remainder_passes() -> list[GraphPass]:
     ``gml.optimize``'s rewriting: torch.ao's containers and reference modules become plain modules
     (:mod:`gml.quant.float_remainder`), then the same fusion passes (and leaf layout) as
     :func:`gml.passes.pipeline.fp32_passes` turn them into GML's fused fp32 kernels, which the
-    native engine runs."""
-    return [FloatFromReference(), UnfuseFloatModules(), *fusion_passes(), LeafMemoryFormat()]
+    native engine runs; a GroupNorm (no INT8 kernel) becomes ``gml.group_norm`` there too, so it
+    runs inside the INT8 plan rather than splitting it (BiT: 50 segments)."""
+    return [FloatFromReference(), UnfuseFloatModules(), RecognizeGroupNorm(), *fusion_passes(), LeafMemoryFormat()]
