@@ -33,7 +33,8 @@ READER_OPS = {
 
 def test_every_key_is_an_op_not_a_class_name():
     names = {k for k in TRANSLATION_RULES if isinstance(k, str)}
-    assert names <= set(library.SCHEMAS) | MOVES | READER_OPS, sorted(names - set(library.SCHEMAS) - MOVES - READER_OPS)
+    ops = set(library.vocabulary())  # the INT8 table and every op declared in its own module (gml.group_norm)
+    assert names <= ops | MOVES | READER_OPS, sorted(names - ops - MOVES - READER_OPS)
     others = [k for k in TRANSLATION_RULES if not isinstance(k, str)]
     assert others and all(isinstance(k, type) or callable(k) for k in others)
 

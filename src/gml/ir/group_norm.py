@@ -11,8 +11,9 @@ Semantics, for ``x: [N, C, *S]``, ``G = num_groups`` dividing ``C``, ``weight`` 
 in BiT / PoolFormer / ConvNeXt-style nets; HF Wav2Vec2's first feature conv). The Python kernel is
 ``F.group_norm``; the engine runs it as ``GroupNormStep`` (native/group_norm.h, one GML kernel step:
 oneDNN 3.2 has no group normalization, and its layer normalization cannot give a scale per channel
-across the group's positions) through its own translation rule (gml.runtime.rules.eltwise: unlike
-the generic rule's dense rows, the step reads and writes the convs' channels-last layout too).
+across the group's positions). The generic translation rule of such an op (gml.runtime.rules.kernel)
+could build the step on dense rows; the engine's table has a rule of its own for it first
+(gml.runtime.rules.eltwise), which also passes the convs' channels-last layout as it is.
 ``gml.passes.group_norm`` writes it.
 
 Part of the op vocabulary: imports no other gml package.
@@ -38,7 +39,7 @@ def _fake_group_norm(x, num_groups, weight, bias, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-GROUP_NORM = register(OpDef("group_norm", SCHEMA, _group_norm, _fake_group_norm))
+GROUP_NORM = register(OpDef("group_norm", SCHEMA, _group_norm, _fake_group_norm, engine_step="GroupNormStep"))
 
 
 def group_norm_op() -> torch._ops.OpOverload:
