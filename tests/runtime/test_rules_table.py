@@ -14,6 +14,7 @@ from gml.runtime.rules.shape import MOVES
 #: is gml.ir.attention's), torch.flatten, split pieces, the padding mask's arithmetic
 READER_OPS = {
     "attention",
+    "softmax",
     "flatten",
     "split",
     "split_item",

@@ -104,7 +104,8 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     cat = shape.read_cat(node)  # torch.cat of float values (the INT8 graph's is gml.qcat)
     if cat is not None:
         return _with_table(cat)
-    moved = shape.read_pad(node) or shape.read_roll(node) or pool.read_mean(node)  # float F.pad / roll / mean
+    # float F.pad / roll / mean / softmax
+    moved = shape.read_pad(node) or shape.read_roll(node) or pool.read_mean(node) or eltwise.read_softmax(node)
     if moved is not None:
         return _with_table(moved)
     product = linear.read_matmul(node)  # q @ k.transpose(-2, -1) of attention written out
@@ -134,7 +135,7 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
 def _engine_runs(node: fx.Node) -> bool:
     """Whether the engine runs ``node`` (an fp32 / bf16 kernel module, a cast, LayerNorm, ...)."""
     gm = node.graph.owning_module
-    if gm is None or node.op not in ("call_module", "call_function"):
+    if gm is None or node.op not in ("call_module", "call_function", "call_method"):  # x.softmax(-1) too
         return False
     return rule_for(read_call(gm, node))[0] is not None
 

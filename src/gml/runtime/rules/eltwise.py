@@ -8,8 +8,11 @@ linear that made its operand becomes that linear's post-op (gml.runtime.rules.li
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import fx, nn
 
 from gml import nn as gnn
 from gml.ir.ops import modules_tagged
@@ -269,8 +272,30 @@ def emit_scalar(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     _unary(b, c, ins[0], out, _scalar_eltwise(c.a))
 
 
+#: the function spellings of softmax (``x.softmax(dim)`` is the method; ``nn.Softmax`` the module)
+SOFTMAXES = (F.softmax, torch.softmax, torch.ops.aten.softmax.int)
+
+
+def read_softmax(node: fx.Node) -> Call | None:
+    """``F.softmax(x, dim)``, ``torch.softmax(x, dim)`` or ``x.softmax(dim)`` as a ``"softmax"``
+    :class:`Call` (the ``nn.Softmax`` module's rule). Attention written out by hand (EfficientViT,
+    SHViT, LeViT, GCNet, ResNeSt's split attention) calls it so; each one ended an engine segment."""
+    method = node.op == "call_method" and node.target == "softmax"
+    if not (method or (node.op == "call_function" and node.target in SOFTMAXES)):
+        return None
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dtype = node.kwargs.get("dtype")
+    if node.target is not F.softmax and len(node.args) > 2:  # F.softmax's third is _stacklevel
+        dtype = node.args[2]
+    return Call("softmax", SimpleNamespace(dim=dim, dtype=dtype), (node.args[0],))
+
+
 def check_softmax(c: Call) -> str | None:
-    if not isinstance(c.a.dim, int):
+    if getattr(c.a, "dtype", None) is not None:
+        return f"Softmax to {c.a.dtype} (the engine keeps its input's dtype)"
+    if not isinstance(c.a.dim, int) or isinstance(c.a.dim, bool):
         return f"Softmax over dim={c.a.dim!r} (the engine takes one given dim)"
     dtype = base.meta_dtype(c.inputs[0])
     if dtype is not None and dtype not in base.FLOATS:
@@ -377,5 +402,6 @@ RULES: dict[object, TranslationRule] = {
     **{kind: TranslationRule(check_eltwise, emit_eltwise) for kind in _ACTIVATIONS},
     nn.LayerNorm: TranslationRule(check_layer_norm, emit_layer_norm),
     nn.Softmax: TranslationRule(check_softmax, emit_softmax),
+    "softmax": TranslationRule(check_softmax, emit_softmax),  # F.softmax / x.softmax (read_softmax)
     "group_norm": TranslationRule(check_group_norm, emit_group_norm, writes_free=True, reads_free=True),
 }
