@@ -404,3 +404,32 @@ def test_int8_pools_of_a_plain_layout():
     assert_no_reference_steps(r)
     with torch.no_grad():
         torch.testing.assert_close(r.executable(x), r.module(x), rtol=0, atol=1e-5)
+
+
+class _SplitAttention(nn.Module):
+    """SKNet / ResNeSt split attention: a softmax over the radix dim (1) of ``[B, radix, C, ...]``."""
+
+    def __init__(self, radix: int, spelling: str) -> None:
+        super().__init__()
+        self.radix, self.spelling = radix, spelling
+        self.conv = nn.Conv2d(8, 8 * radix, 1)
+        self.softmax = nn.Softmax(dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.conv(x).mean((2, 3), keepdim=True)  # [B, radix * C, 1, 1]
+        a = a.view(x.shape[0], self.radix, 8, 1, 1) if self.spelling != "3d" else a.view(x.shape[0], self.radix, 8)
+        return self.softmax(a) if self.spelling == "module" else a.softmax(dim=1)
+
+
+@pytest.mark.parametrize("spelling", ["module", "method", "3d"])
+@pytest.mark.parametrize("radix", [2, 4])
+def test_a_softmax_over_a_dim_other_than_the_last(radix, spelling):
+    """oneDNN 3.2's softmax over an axis that is not innermost in memory is ``ref:any`` on every ISA:
+    the engine makes the axis innermost first (skresnet18 / resnest14d under AVX2)."""
+    torch.manual_seed(0)
+    model, x = _SplitAttention(radix, spelling).eval(), torch.randn(2, 8, 5, 5)
+    res = gml.optimize(model, x, runtime="engine")
+    assert_no_reference_steps(res)
+    assert not res.runtime.shape_fallbacks, str(res.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-6)

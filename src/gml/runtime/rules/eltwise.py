@@ -309,9 +309,31 @@ def emit_softmax(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x = ins[0]
     if x.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name or x.shape != out.shape or not x.shape:
         raise Unsupported(f"Softmax of {x.dtype_name} {x.shape} into {out.dtype_name} {out.shape}")
+    axis = c.a.dim % len(x.shape)
+    if any(d != 1 for d in x.shape[axis + 1 :]):
+        _softmax_not_last(b, x, out, axis)
+        return
     if out.stride != base.contiguous_strides(out.shape):
         raise Unsupported(f"Softmax into a strided {out.shape}")
-    b.softmax(base.dense(b, x), out, c.a.dim % len(x.shape))
+    b.softmax(base.dense(b, x), out, axis)
+
+
+def _softmax_not_last(b: Builder, x: Val, out: Val, axis: int) -> None:
+    """A softmax over another dim than the last (SKNet's and ResNeSt's split attention over the
+    radix dim): oneDNN 3.2 runs it on its reference kernel (``ref:any``, on AVX2 and AVX-512 alike)
+    unless the axis is innermost in memory. So the source is copied into the dense layout with
+    ``axis`` innermost, the softmax runs there (jitted), and its result is copied into ``out``."""
+    order = [d for d in range(len(x.shape)) if d != axis] + [axis]  # outermost first
+    strides = [0] * len(x.shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= x.shape[d]
+    t = b.temp(x.shape, tuple(strides), x.dtype_name)
+    b.reorder(x, t, src_q=None, dst_q=None)
+    y = b.temp(out.shape, tuple(strides), out.dtype_name)
+    b.softmax(t, y, axis)
+    b.reorder(y, out, src_q=None, dst_q=None)
 
 
 def check_layer_norm(c: Call) -> str | None:
