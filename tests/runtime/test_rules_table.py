@@ -15,6 +15,7 @@ from gml.runtime.rules.shape import MOVES
 READER_OPS = {
     "attention",
     "softmax",
+    "interpolate",
     "flatten",
     "split",
     "split_item",

@@ -86,9 +86,10 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     """The :class:`Call` of ``node``, or ``None`` for a node no rule reads."""
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
-        pad = shape.read_pad(node, mod)  # nn.ConstantPad2d / ZeroPad2d: the same rule as F.pad
-        if pad is not None:
-            return _with_table(pad)
+        # nn.ConstantPad2d / ZeroPad2d and nn.Upsample: the rules of F.pad and F.interpolate
+        moved = shape.read_pad(node, mod) or shape.read_interpolate(node, mod)
+        if moved is not None:
+            return _with_table(moved)
         return _with_table(Call(type(mod), mod, tuple(a for a in node.args if isinstance(a, fx.Node))))
     size = shape.read_size(node)  # x.shape, x.size(1), n // 2: fixed for a plan's input shapes
     if size is not None:
@@ -104,8 +105,14 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     cat = shape.read_cat(node)  # torch.cat of float values (the INT8 graph's is gml.qcat)
     if cat is not None:
         return _with_table(cat)
-    # float F.pad / roll / mean / softmax
-    moved = shape.read_pad(node) or shape.read_roll(node) or pool.read_mean(node) or eltwise.read_softmax(node)
+    # float F.pad / roll / interpolate / mean / softmax
+    moved = (
+        shape.read_pad(node)
+        or shape.read_roll(node)
+        or shape.read_interpolate(node)
+        or pool.read_mean(node)
+        or eltwise.read_softmax(node)
+    )
     if moved is not None:
         return _with_table(moved)
     product = linear.read_matmul(node)  # q @ k.transpose(-2, -1) of attention written out

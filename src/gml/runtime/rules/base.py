@@ -197,6 +197,13 @@ def rows_strides(v: Val) -> tuple[int, int] | None:
     return (dims[-1][1] if dims else v.shape[-1] * v.stride[-1]), v.stride[-1]
 
 
+def plain_or_channels_last(v: Val) -> bool:
+    """Whether ``v``'s layout is one GML's gather-style kernel steps (``GroupNormStep``,
+    ``ResizeStep``) read and write as it is: free (the fp32 convs' fixed NHWC), dense plain, or dense
+    channels-last."""
+    return v.free or v.stride == contiguous_strides(v.shape) or (len(v.shape) >= 3 and is_nhwc(v))
+
+
 def dense(b: Builder, v: Val) -> Val:
     """``v``, or a dense row-major copy of it (for a step that reads plain rows)."""
     if v.stride == contiguous_strides(v.shape):

@@ -382,12 +382,6 @@ def check_group_norm(c: Call) -> str | None:
     return None
 
 
-def _plain_or_channels_last(v: Val) -> bool:
-    """Whether ``v``'s layout is one ``GroupNormStep`` reads and writes: free (the fp32 convs' fixed
-    NHWC), or dense plain, or dense channels-last."""
-    return v.free or v.stride == base.contiguous_strides(v.shape) or (len(v.shape) >= 3 and base.is_nhwc(v))
-
-
 def emit_group_norm(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     """``gml.group_norm`` as one ``GroupNormStep`` (native/group_norm.h) in the layout it is given: the
     channels-last one of the convs around it (a copy to plain rows and back cost as much as the
@@ -395,9 +389,9 @@ def emit_group_norm(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     x = ins[0]
     if x.dtype_name != "f32" or out.dtype_name != "f32":
         raise Unsupported(f"group_norm {x.dtype_name} -> {out.dtype_name} (the engine step takes fp32)")
-    if not _plain_or_channels_last(x):
+    if not base.plain_or_channels_last(x):
         x = base.dense(b, x)
-    dst = out if _plain_or_channels_last(out) else b.temp(out.shape, base.contiguous_strides(out.shape), "f32")
+    dst = out if base.plain_or_channels_last(out) else b.temp(out.shape, base.contiguous_strides(out.shape), "f32")
     reads = {"x": x}
     for name in ("weight", "bias"):
         t = getattr(c.a, name)

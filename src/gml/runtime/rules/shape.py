@@ -11,8 +11,10 @@ import operator
 from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 from torch.fx.passes.shape_prop import TensorMetadata
 
@@ -398,6 +400,95 @@ def read_pad(node: fx.Node, module: nn.Module | None = None) -> Call | None:
     return Call("pad", SimpleNamespace(pads=pads, mode=mode, value=value), (node.args[0], *widths))
 
 
+#: ``F.interpolate``'s nearest modes, the ones a gather computes (``ResizeStep``, native/resize.h)
+NEAREST_MODES = ("nearest", "nearest-exact")
+_UPSAMPLE_MODULES = (nn.Upsample, nn.UpsamplingNearest2d)
+
+
+def read_interpolate(node: fx.Node, module: nn.Module | None = None) -> Call | None:
+    """``F.interpolate(x, size, scale_factor, mode, ...)`` or an ``nn.Upsample`` module as an
+    ``"interpolate"`` :class:`Call` reading ``x`` and the sizes computed at run time (GhostNetV2's
+    ``F.interpolate(gate, size=(H, W))``: ``x.shape`` items)."""
+    if module is not None:
+        if not isinstance(module, _UPSAMPLE_MODULES) or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        a = SimpleNamespace(
+            size=module.size,
+            scale_factor=module.scale_factor,
+            mode=module.mode,
+            align_corners=module.align_corners,
+            recompute_scale_factor=getattr(module, "recompute_scale_factor", None),
+            antialias=False,
+        )
+        return Call("interpolate", a, (node.args[0],))
+    if node.op != "call_function" or node.target is not F.interpolate:
+        return None
+    names = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
+    defaults = {"size": None, "scale_factor": None, "mode": "nearest", "align_corners": None}
+    got = {**defaults, "recompute_scale_factor": None, "antialias": False}
+    got.update(zip(names, node.args, strict=False))
+    got.update(node.kwargs)
+    x = got.pop("input", None)
+    if not isinstance(x, fx.Node):
+        return None
+    sizes = tuple(v for v in _flat_args(got["size"]) if isinstance(v, fx.Node))
+    return Call("interpolate", SimpleNamespace(**got), (x, *sizes))
+
+
+def _flat_args(v: Any) -> list[Any]:
+    return [w for item in v for w in _flat_args(item)] if isinstance(v, list | tuple) else [v]
+
+
+def check_interpolate(c: Call) -> str | None:
+    a = c.a
+    if a.mode not in NEAREST_MODES:
+        return f"interpolate mode {a.mode!r} (the engine resizes by nearest neighbour)"
+    if a.antialias or a.align_corners:
+        return "interpolate with antialias / align_corners"
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype not in (None, torch.float32):
+        return f"interpolate of a {dtype} tensor (the engine step takes fp32)"
+    return None
+
+
+def nearest_index(n_in: int, n_out: int, scale_factor: float | None, mode: str) -> list[int]:
+    """The source position of each of ``n_out`` output positions along one dim, as torch computes it:
+    torch's own 1-D interpolation of the positions ``0 .. n_in - 1`` (exact in float64), so the
+    engine gathers what eager reads, rounding and clamping included, for every factor."""
+    pos = torch.arange(n_in, dtype=torch.float64).view(1, 1, n_in)
+    if scale_factor is None:
+        out = F.interpolate(pos, size=n_out, mode=mode)
+    else:
+        out = F.interpolate(pos, scale_factor=scale_factor, mode=mode)
+    if out.shape[-1] != n_out:
+        raise Unsupported(f"interpolate by {scale_factor} gives {out.shape[-1]} positions, not {n_out}")
+    return [int(v) for v in out.flatten().tolist()]
+
+
+def emit_interpolate(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """A nearest-neighbour resize as one gather step (``ResizeStep``, native/resize.h) in the layout it
+    is given (the convs' channels-last one, or plain; another is copied first). Each spatial dim's
+    source positions come from :func:`nearest_index`."""
+    x, a = ins[0], c.a
+    rank = len(x.shape)
+    if x.dtype_name != "f32" or out.dtype_name != "f32" or rank not in (3, 4, 5) or len(out.shape) != rank:
+        raise Unsupported(f"interpolate {x.dtype_name} rank {rank} -> {out.dtype_name}")
+    factors = a.scale_factor if isinstance(a.scale_factor, list | tuple) else [a.scale_factor] * (rank - 2)
+    if len(factors) != rank - 2:
+        raise Unsupported(f"interpolate with {len(factors)} scale factors for {rank - 2} spatial dims")
+    by_size = a.size is not None or a.recompute_scale_factor
+    index = [
+        nearest_index(i, o, None if by_size else float(f), a.mode)
+        for i, o, f in zip(x.shape[2:], out.shape[2:], factors, strict=True)
+    ]
+    if not base.plain_or_channels_last(x):
+        x = base.dense(b, x)
+    dst = out if base.plain_or_channels_last(out) else b.temp(out.shape, base.contiguous_strides(out.shape), "f32")
+    b.kernel("ResizeStep", {"src": x}, {"dst": dst}, index=index)
+    if dst is not out:
+        b.reorder(dst, out, src_q=None, dst_q=None)
+
+
 def check_pad(c: Call) -> str | None:
     if c.a.mode != "constant":
         return f"a {c.a.mode} pad (the engine pads with a constant)"
@@ -539,6 +630,7 @@ RULES: dict[object, TranslationRule] = {
     "stack": TranslationRule(check_float_cat, emit_float_cat, None),
     # F.pad of a float value (Swin's whole windows, timm's "same" padding), a lowered INT8 pad
     "pad": TranslationRule(check_pad, emit_pad, None),
+    "interpolate": TranslationRule(check_interpolate, emit_interpolate, None, writes_free=True, reads_free=True),
     "roll": TranslationRule(check_roll, emit_roll),  # torch.roll (Swin's shifted windows)
     nn.Embedding: TranslationRule(check_embedding, emit_embedding),
 }
