@@ -16,6 +16,7 @@ READER_OPS = {
     "attention",
     "softmax",
     "interpolate",
+    "sum",
     "flatten",
     "split",
     "split_item",

@@ -105,12 +105,13 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     cat = shape.read_cat(node)  # torch.cat of float values (the INT8 graph's is gml.qcat)
     if cat is not None:
         return _with_table(cat)
-    # float F.pad / roll / interpolate / mean / softmax
+    # float F.pad / roll / interpolate / mean / sum / softmax
     moved = (
         shape.read_pad(node)
         or shape.read_roll(node)
         or shape.read_interpolate(node)
         or pool.read_mean(node)
+        or pool.read_sum(node)
         or eltwise.read_softmax(node)
     )
     if moved is not None:

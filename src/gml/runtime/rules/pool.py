@@ -245,6 +245,77 @@ def _emit_mean(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     b.pool(x, out, alg="avg_exclude", kernel=k, stride=k, dilation=(0, 0), pad_l=(0, 0), pad_r=(0, 0), eltwise=[])
 
 
+#: the most slices a sum over one dim adds (the radix of split attention is 2 to 4)
+MAX_SUM_SLICES = 8
+
+
+def read_sum(node: fx.Node) -> Call | None:
+    """``x.sum(dim)`` / ``torch.sum(x, dim)`` of one dim as a ``"sum"`` :class:`Call` (SKNet's and
+    ResNeSt's sum of the radix paths, ``x.sum(dim=1)`` of ``[B, radix, C, H, W]``)."""
+    method = node.op == "call_method" and node.target == "sum"
+    if not (method or (node.op == "call_function" and node.target is torch.sum)):
+        return None
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return Call("sum", SimpleNamespace(dim=dim, keepdim=keepdim, dtype=node.kwargs.get("dtype")), (node.args[0],))
+
+
+def _sum_dim(dim: Any) -> int | None:
+    if isinstance(dim, list | tuple) and len(dim) == 1:
+        dim = dim[0]
+    return dim if isinstance(dim, int) and not isinstance(dim, bool) else None
+
+
+def _check_sum(c: Call) -> str | None:
+    if c.a.dtype is not None:
+        return f"a sum to {c.a.dtype}"
+    if _sum_dim(c.a.dim) is None:
+        return f"a sum over dims {c.a.dim!r} (the engine adds the slices of one dim)"
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype is not None and dtype not in base.FLOATS:
+        return f"a sum of a {dtype} value"
+    return None
+
+
+def _emit_sum(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """A sum over one dim of up to :data:`MAX_SUM_SLICES` values as binary adds of its slices (views
+    of ``x``), into ``out``: ``out = x[:, 0] + x[:, 1]``, then ``out += x[:, i]``, in index order as
+    torch's sum of so few does. A slice's size-1 dims take the output's strides (they address
+    nothing), so a batch-1 slice is as dense as the output and needs no copy before the add."""
+    x = ins[0]
+    d = _sum_dim(c.a.dim)
+    if d is None or x.dtype_name not in ("f32", "bf16") or out.dtype_name != x.dtype_name or not x.shape:
+        raise Unsupported(f"sum over {c.a.dim!r} of a {x.dtype_name} rank-{len(x.shape)} value")
+    d %= len(x.shape)
+    r = x.shape[d]
+    if r > MAX_SUM_SLICES:
+        raise Unsupported(f"a sum over {r} values (the engine adds up to {MAX_SUM_SLICES} slices)")
+    shape = x.shape[:d] + x.shape[d + 1 :]
+    if len(shape) == 0:
+        raise Unsupported("a sum to a 0-d value")
+    o_stride = out.stride[:d] + out.stride[d + 1 :] if c.a.keepdim else out.stride
+    acc = b.view(out, shape, o_stride) if c.a.keepdim else out
+    x_stride = x.stride[:d] + x.stride[d + 1 :]
+    item = 2 if x.dtype_name == "bf16" else 4
+    slices = [
+        b.view(
+            x,
+            shape,
+            tuple(o if n == 1 else s for n, s, o in zip(shape, x_stride, o_stride)),
+            offset=i * x.stride[d] * item,
+        )
+        for i in range(r)
+    ]
+    if r == 1:
+        b.reorder(slices[0], acc, src_q=None, dst_q=None)
+        return
+    b.binary(slices[0], slices[1], acc, "add", scale0=None, scale1=None, eltwise=[])
+    for v in slices[2:]:
+        b.binary(acc, v, acc, "add", scale0=None, scale1=None, eltwise=[])
+
+
 #: fp32 pools write and read free layouts, as fp32 convs do (gml.runtime.rules.conv)
 RULES: dict[object, TranslationRule] = {
     "qmax_pool": TranslationRule(_check_maxpool, _emit_maxpool),
@@ -252,6 +323,7 @@ RULES: dict[object, TranslationRule] = {
     "qadaptive_avg_pool": TranslationRule(base.always, _emit_adaptive),
     "qmean": TranslationRule(_check_qmean, _emit_qmean),
     "mean": TranslationRule(_check_mean, _emit_mean),  # a float spatial mean of one or both dims
+    "sum": TranslationRule(_check_sum, _emit_sum),  # a float sum over one short dim
     torch.nn.MaxPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
     torch.nn.AvgPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
     torch.nn.AdaptiveAvgPool2d: TranslationRule(_check_fpool, _emit_fpool, writes_free=True, reads_free=True),
