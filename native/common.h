@@ -110,6 +110,34 @@ inline bool nhwc_dense(const memory::desc& md) {
   return true;
 }
 
+// Dense channels-last strides of [N, C, *S] (NWC / NHWC / NDHWC): channels innermost.
+inline memory::dims channels_last_strides(const memory::dims& d) {
+  memory::dims st(d.size(), 1);
+  int64_t inner = d.size() > 1 ? d[1] : 1;
+  for (size_t i = d.size(); i-- > 2;) {
+    st[i] = inner;
+    inner *= d[i];
+  }
+  if (!d.empty()) st[0] = inner;
+  return st;
+}
+
+// Whether md (plain strides) is dense channels-last (true) or dense row-major (false), the strides
+// of size-1 dims aside; any other layout throws, naming `what` (GML's gather-style kernel steps:
+// group_norm.h, resize.h).
+inline bool channels_last_or_plain(const memory::desc& md, const std::string& what) {
+  const memory::dims d = md.get_dims(), st = md.get_strides();
+  auto matches = [&](const memory::dims& want) {
+    if (st.size() != d.size()) return false;
+    for (size_t i = 0; i < d.size(); ++i)
+      if (d[i] != 1 && st[i] != want[i]) return false;
+    return true;
+  };
+  if (matches(plain_strides(d))) return false;
+  if (d.size() >= 3 && matches(channels_last_strides(d))) return true;
+  throw std::invalid_argument("gml engine: " + what + " is neither plain nor channels-last");
+}
+
 inline void append_eltwise(dnnl::post_ops& po, const Eltwise& eltwise) {
   for (const auto& [alg, alpha, beta] : eltwise) po.append_eltwise(parse_eltwise(alg), alpha, beta);
 }

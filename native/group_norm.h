@@ -26,34 +26,6 @@ struct GroupNormStep {
   std::string name;
 };
 
-// Dense channels-last strides of [N, C, *S]: channels innermost, then the last spatial dim, ...
-inline memory::dims channels_last_strides(const memory::dims& d) {
-  memory::dims st(d.size());
-  int64_t inner = d[1];
-  st[1] = 1;
-  for (size_t i = d.size() - 1; i >= 2; --i) {
-    st[i] = inner;
-    inner *= d[i];
-  }
-  st[0] = inner;
-  return st;
-}
-
-// Whether strides `st` address dims `d` as `want` does (a size-1 dim's stride never matters).
-inline bool strides_match(const memory::dims& d, const memory::dims& st, const memory::dims& want) {
-  for (size_t i = 0; i < d.size(); ++i)
-    if (d[i] != 1 && st[i] != want[i]) return false;
-  return true;
-}
-
-// Whether md is dense channels-last (true) or plain (false); throws for any other layout.
-inline bool group_norm_layout(const memory::desc& md, const char* what) {
-  const memory::dims dims = md.get_dims(), st = md.get_strides();
-  if (strides_match(dims, st, plain_strides(dims))) return false;
-  if (strides_match(dims, st, channels_last_strides(dims))) return true;
-  throw std::invalid_argument(std::string("gml engine: group_norm's ") + what + " is neither plain nor channels-last");
-}
-
 // Per-channel shifted sums over `len` values at `x` spaced `step` floats apart, added into
 // s[c], q[c] for `ch` channels spaced `cstep` apart: d = x - k[c], s += d, q += d * d (in double;
 // the shift by the channel's first value keeps a large mean from cancelling the variance).
@@ -95,7 +67,8 @@ inline void build(Plan& p, const GroupNormStep& desc) {
   if (dims.size() < 2 || x_md.get_data_type() != dt::f32 || dst_md.get_data_type() != dt::f32 ||
       dst_md.get_dims() != dims)
     throw std::invalid_argument("gml engine: group_norm takes and writes fp32 [N, C, ...] of one shape");
-  const bool x_cl = group_norm_layout(x_md, "source"), y_cl = group_norm_layout(dst_md, "destination");
+  const bool x_cl = channels_last_or_plain(x_md, "group_norm's source");
+  const bool y_cl = channels_last_or_plain(dst_md, "group_norm's destination");
   const int64_t n = dims[0], c = dims[1], g = desc.num_groups;
   if (g <= 0 || c % g != 0)
     throw std::invalid_argument("gml engine: group_norm's " + std::to_string(g) + " groups do not divide " +

@@ -23,32 +23,6 @@ struct ResizeStep {
   std::string name;
 };
 
-// Strides of [N, C, *S] with channels innermost (dense channels-last).
-inline memory::dims resize_channels_last(const memory::dims& d) {
-  memory::dims st(d.size());
-  int64_t inner = d[1];
-  st[1] = 1;
-  for (size_t i = d.size() - 1; i >= 2; --i) {
-    st[i] = inner;
-    inner *= d[i];
-  }
-  st[0] = inner;
-  return st;
-}
-
-// Whether md is dense channels-last (true) or plain (false), size-1 dims' strides aside; throws else.
-inline bool resize_layout(const memory::desc& md, const char* what) {
-  const memory::dims d = md.get_dims(), st = md.get_strides();
-  auto matches = [&](const memory::dims& want) {
-    for (size_t i = 0; i < d.size(); ++i)
-      if (d[i] != 1 && st[i] != want[i]) return false;
-    return true;
-  };
-  if (matches(plain_strides(d))) return false;
-  if (matches(resize_channels_last(d))) return true;
-  throw std::invalid_argument(std::string("gml engine: resize's ") + what + " is neither plain nor channels-last");
-}
-
 inline void build(Plan& p, const ResizeStep& desc) {
   const memory::desc s_md = p.md_in(desc.src), d_md = p.md_out(desc.dst);
   const memory::dims sd = s_md.get_dims(), dd = d_md.get_dims();
@@ -63,7 +37,8 @@ inline void build(Plan& p, const ResizeStep& desc) {
     for (int64_t v : desc.index[i])
       if (v < 0 || v >= sd[i + 2]) throw std::invalid_argument("gml engine: resize index out of the source");
   }
-  const bool s_cl = resize_layout(s_md, "source"), d_cl = resize_layout(d_md, "destination");
+  const bool s_cl = channels_last_or_plain(s_md, "resize's source");
+  const bool d_cl = channels_last_or_plain(d_md, "resize's destination");
   const memory::dims s_st = s_md.get_strides(), d_st = d_md.get_strides();
   // each output position's spatial offset in the source and in the destination (last dim fastest)
   int64_t positions = 1;

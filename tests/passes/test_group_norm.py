@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import fx, nn
+from torch import nn
 
 from gml.capture import capture
 from gml.ir.library import gml_op_name
@@ -14,6 +14,7 @@ from gml.passes.fold_constants import FoldConstants
 from gml.passes.group_norm import RecognizeGroupNorm
 from gml.passes.manager import PassManager
 from gml.passes.normalize import Normalize
+from passes.helpers import op_names
 
 
 class GroupNormAct(nn.GroupNorm):
@@ -47,16 +48,6 @@ def _run(model: nn.Module, x: torch.Tensor):
     return PassManager([FoldConstants(), Normalize(), RecognizeGroupNorm()]).run(gm, [(x,)])
 
 
-def _ops(gm: fx.GraphModule) -> list[str]:
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "call_module":
-            out.append(type(gm.get_submodule(str(n.target))).__name__)
-        elif n.op in ("call_function", "call_method"):
-            out.append(gml_op_name(n) or str(getattr(n.target, "__name__", n.target)))
-    return out
-
-
 @pytest.mark.parametrize(
     "norm, groups, ops",
     [
@@ -72,7 +63,7 @@ def test_golden_graph_and_numerics(norm, groups, ops):
     model, x = Block(norm).eval(), torch.randn(2, 3, 7, 9) * 3 + 1
     res = _run(model, x)
     gm = res.graph_module
-    assert _ops(gm) == ops
+    assert op_names(gm) == ops
     rec = res.report.records[-1]
     assert rec.status == "applied" and rec.matches == 1 and not rec.skips, rec
     (call,) = [n for n in gm.graph.nodes if gml_op_name(n) == "group_norm"]
@@ -83,7 +74,7 @@ def test_golden_graph_and_numerics(norm, groups, ops):
 def test_declined_with_reason():
     x = torch.randn(2, 4, 5, 5)
     res = _run(Computed(), x)
-    assert "group_norm" in _ops(res.graph_module)  # still torch's own function
+    assert "group_norm" in op_names(res.graph_module)  # still torch's own function
     assert not any(gml_op_name(n) == "group_norm" for n in res.graph_module.graph.nodes)
     reasons = [s.reason for s in res.report.records[-1].skips]
     assert any("the weight is computed in the graph" in r for r in reasons), reasons

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import fx, nn
+from torch import nn
 
 from gml.capture import capture
 from gml.ir.library import gml_op_name
 from gml.passes.manager import PassManager
 from gml.passes.normalize import Normalize
 from gml.passes.rms_norm import RecognizeRMSNorm
+from passes.helpers import op_names
 
 
 class HFRMSNorm(nn.Module):
@@ -66,16 +67,6 @@ def _run(model: nn.Module, x: torch.Tensor, *extra):
     return PassManager([FoldConstants(), Normalize(), *extra, RecognizeRMSNorm()]).run(gm, [(x,)])
 
 
-def _ops(gm: fx.GraphModule) -> list[str]:
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "call_module":
-            out.append(type(gm.get_submodule(str(n.target))).__name__)
-        elif n.op in ("call_function", "call_method"):
-            out.append(gml_op_name(n) or str(getattr(n.target, "__name__", n.target)))
-    return out
-
-
 @pytest.mark.parametrize(
     "norm",
     [HFRMSNorm(48), GemmaRMSNorm(48), nn.RMSNorm(48, eps=1e-5), nn.RMSNorm(48)],
@@ -86,7 +77,7 @@ def test_golden_graph_and_numerics(norm):
     model, x = Block(norm).eval(), torch.randn(2, 5, 48) * 3
     res = _run(model, x)
     gm = res.graph_module
-    assert _ops(gm) == ["Linear", "rms_norm", "Linear"]  # six ops and two casts (or a module) → one op
+    assert op_names(gm) == ["Linear", "rms_norm", "Linear"]  # six ops and two casts (or a module) → one op
     rec = res.report.records[-1]
     assert rec.status == "applied" and rec.matches == 1 and not rec.skips, rec
     torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
@@ -116,7 +107,7 @@ def test_no_affine_module():
 def test_declined_with_reason(norm, reason):
     model, x = Block(norm).eval(), torch.randn(2, 5, 48)
     res = _run(model, x)
-    assert "rms_norm" not in _ops(res.graph_module)
+    assert "rms_norm" not in op_names(res.graph_module)
     reasons = [s.reason for s in res.report.records[-1].skips]
     assert any(reason in r for r in reasons), reasons
     torch.testing.assert_close(res.graph_module(x), model(x), equal_nan=True)  # a cube's mean can be < 0
@@ -125,7 +116,7 @@ def test_declined_with_reason(norm, reason):
 def test_multi_dim_module_is_declined():
     norm, x = nn.RMSNorm([4, 8]), torch.randn(2, 4, 8)
     res = _run(nn.Sequential(norm), x)
-    assert "rms_norm" not in _ops(res.graph_module)
+    assert "rms_norm" not in op_names(res.graph_module)
     assert any("normalizes over 2 dims" in s.reason for s in res.report.records[-1].skips)
 
 
@@ -134,7 +125,7 @@ def test_hf_llama_rms_norm_class():
     torch.manual_seed(0)
     model, x = Block(llama.LlamaRMSNorm(48, eps=1e-5)).eval(), torch.randn(1, 7, 48)
     gm = _run(model, x).graph_module
-    assert _ops(gm) == ["Linear", "rms_norm", "Linear"]
+    assert op_names(gm) == ["Linear", "rms_norm", "Linear"]
     torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
 
 
