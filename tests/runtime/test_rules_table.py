@@ -16,6 +16,7 @@ READER_OPS = {
     "attention",
     "softmax",
     "interpolate",
+    "normalize",
     "sum",
     "flatten",
     "split",

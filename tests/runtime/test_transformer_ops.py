@@ -779,3 +779,54 @@ def test_a_softmax_to_another_dtype_stays_in_torch_with_its_reason():
     assert [n.reason for n in eng.report.torch_nodes] == [
         "Softmax to torch.float64 (the engine keeps its input's dtype)"
     ]
+
+
+class _CrossCovariance(nn.Module):
+    """XCiT's cross-covariance attention: q and k transposed to ``[B, h, d, N]``, L2-normalized over
+    the tokens (``F.normalize(q, dim=-1)``), then ``q @ kᵀ``, a softmax and ``@ v``."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 4, 1).unbind(0)
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+        attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
+        return (attn @ v).permute(0, 3, 1, 2).reshape(b, n, c)
+
+
+def test_l2_normalize_runs_in_the_plan():
+    """Before, each F.normalize ended an engine segment (xcit_nano: 20 segments, now 8)."""
+    import gml
+
+    torch.manual_seed(0)
+    model, x = _CrossCovariance().eval(), torch.randn(2, 10, 16) * 3
+    res = gml.optimize(model, x, runtime="engine")
+    assert res.runtime.segments == 1 and not res.runtime.shape_fallbacks, str(res.runtime)
+    assert not [n for n in res.runtime.torch_nodes if n.op == "normalize"], str(res.runtime)
+    assert [impl for _, impl in res.engine.step_impls()].count("gml:l2_norm") == 2
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kw, reason",
+    [
+        (dict(p=1.0, dim=-1), "F.normalize with p=1.0 (the engine divides by the Euclidean norm)"),
+        (dict(dim=1), "F.normalize over dim 1 of a rank-3 value (the engine normalizes the last dim)"),
+    ],
+)
+def test_another_normalize_stays_in_torch_with_its_reason(kw, reason):
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(torch.nn.functional.normalize, (x,), kw))
+    gm = fx.GraphModule(nn.Module(), g)
+    t = torch.randn(2, 3, 5)
+    ShapeProp(gm).propagate(t)
+    eng = compile_engine(gm, [t])
+    assert eng.report.path == "torch"
+    assert [n.reason for n in eng.report.torch_nodes] == [reason]

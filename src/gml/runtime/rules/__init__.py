@@ -105,7 +105,7 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     cat = shape.read_cat(node)  # torch.cat of float values (the INT8 graph's is gml.qcat)
     if cat is not None:
         return _with_table(cat)
-    # float F.pad / roll / interpolate / mean / sum / softmax
+    # float F.pad / roll / interpolate / mean / sum / softmax / normalize
     moved = (
         shape.read_pad(node)
         or shape.read_roll(node)
@@ -113,6 +113,7 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
         or pool.read_mean(node)
         or pool.read_sum(node)
         or eltwise.read_softmax(node)
+        or eltwise.read_normalize(node)
     )
     if moved is not None:
         return _with_table(moved)

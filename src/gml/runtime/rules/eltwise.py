@@ -9,6 +9,7 @@ linear that made its operand becomes that linear's post-op (gml.runtime.rules.li
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -336,6 +337,56 @@ def _softmax_not_last(b: Builder, x: Val, out: Val, axis: int) -> None:
     b.reorder(y, out, src_q=None, dst_q=None)
 
 
+def read_normalize(node: fx.Node) -> Call | None:
+    """``F.normalize(x, p, dim, eps)`` as a ``"normalize"`` :class:`Call` (XCiT's and EdgeNeXt's q / k)."""
+    if node.op != "call_function" or node.target is not F.normalize:
+        return None
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    names = ("input", "p", "dim", "eps", "out")
+    got: dict[str, Any] = {"p": 2.0, "dim": 1, "eps": 1e-12, "out": None}
+    got.update(zip(names[1:], node.args[1:], strict=False))
+    got.update(node.kwargs)
+    return Call(
+        "normalize", SimpleNamespace(p=got["p"], dim=got["dim"], eps=got["eps"], out=got["out"]), (node.args[0],)
+    )
+
+
+def check_normalize(c: Call) -> str | None:
+    a = c.a
+    if a.p != 2 or a.out is not None:
+        return f"F.normalize with p={a.p!r} (the engine divides by the Euclidean norm)"
+    if not isinstance(a.dim, int) or isinstance(a.dim, bool):
+        return f"F.normalize over dim={a.dim!r}"
+    if not isinstance(a.eps, int | float) or not 0 <= a.eps < float("inf"):
+        return f"F.normalize with eps={a.eps!r}"
+    meta = c.inputs[0].meta.get("val", c.inputs[0].meta.get("tensor_meta"))
+    shape = getattr(meta, "shape", None)
+    if shape is not None and a.dim % max(len(shape), 1) != len(shape) - 1:
+        return f"F.normalize over dim {a.dim} of a rank-{len(shape)} value (the engine normalizes the last dim)"
+    dtype = base.meta_dtype(c.inputs[0])
+    if dtype not in (None, torch.float32):
+        return f"F.normalize of a {dtype} tensor (the engine step takes fp32)"
+    return None
+
+
+def emit_normalize(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``x / max(‖x‖₂, eps)`` over the last dim as one ``L2NormStep`` (native/l2_norm.h) on dense rows
+    (a strided source, XCiT's transposed q, is copied first)."""
+    x = ins[0]
+    if x.dtype_name != "f32" or out.dtype_name != "f32" or not x.shape or c.a.dim % len(x.shape) != len(x.shape) - 1:
+        raise Unsupported(f"F.normalize over dim {c.a.dim} of a {x.dtype_name} rank-{len(x.shape)} value")
+    x = base.dense(b, x)
+    dst = (
+        out
+        if out.stride == base.contiguous_strides(out.shape)
+        else b.temp(out.shape, base.contiguous_strides(out.shape), "f32")
+    )
+    b.kernel("L2NormStep", {"x": x}, {"dst": dst}, eps=float(c.a.eps))
+    if dst is not out:
+        b.reorder(dst, out, src_q=None, dst_q=None)
+
+
 def check_layer_norm(c: Call) -> str | None:
     mod = c.a
     if len(mod.normalized_shape) != 1:
@@ -419,5 +470,6 @@ RULES: dict[object, TranslationRule] = {
     nn.LayerNorm: TranslationRule(check_layer_norm, emit_layer_norm),
     nn.Softmax: TranslationRule(check_softmax, emit_softmax),
     "softmax": TranslationRule(check_softmax, emit_softmax),  # F.softmax / x.softmax (read_softmax)
+    "normalize": TranslationRule(check_normalize, emit_normalize),  # F.normalize (read_normalize)
     "group_norm": TranslationRule(check_group_norm, emit_group_norm, writes_free=True, reads_free=True),
 }
