@@ -6,11 +6,13 @@
 // cross-covariance attention and EdgeNeXt normalize q and k so.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
 #include "bind.h"
 #include "plan.h"
+#include "rms_norm.h"
 
 namespace gml_engine {
 
@@ -20,32 +22,16 @@ struct L2NormStep {
   std::string name;
 };
 
-// One row: the sum of squares in 16 fp32 partial sums (a fixed order the compiler vectorizes, as
-// rms_norm.h), then one division per element.
+// One row: the sum of squares (rms_norm.h's, the same order), then one division per element.
 inline void l2_norm_row(const float* x, float eps, int64_t n, float* y) {
-  float part[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) part[j] += x[i + j] * x[i + j];
-  for (int j = 0; i < n; ++i, ++j) part[j] += x[i] * x[i];
-  float ss = 0.0f;
-  for (float v : part) ss += v;
-  const float d = std::max(std::sqrt(ss), eps);
-  for (i = 0; i < n; ++i) y[i] = x[i] / d;
+  const float d = std::max(std::sqrt(row_sum_of_squares(x, n)), eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] / d;
 }
 
 inline void build(Plan& p, const L2NormStep& desc) {
-  const memory::desc x_md = p.md_in(desc.x), dst_md = p.md_out(desc.dst);
-  const memory::dims dims = x_md.get_dims();
-  if (dims.empty() || x_md.get_data_type() != dt::f32 || dst_md.get_data_type() != dt::f32)
-    throw std::invalid_argument("gml engine: l2_norm takes and writes fp32 of rank >= 1");
-  if (x_md.get_strides() != plain_strides(dims) || dst_md.get_dims() != dims ||
-      dst_md.get_strides() != plain_strides(dims))
-    throw std::invalid_argument("gml engine: l2_norm reads and writes dense rows of the same shape");
+  const std::pair<int64_t, int64_t> shape = dense_f32_rows(p, desc.x, desc.dst, "l2_norm");
+  const int64_t rows = shape.first, n = shape.second;
   if (!(desc.eps >= 0.0f) || !std::isfinite(desc.eps)) throw std::invalid_argument("gml engine: l2_norm eps");
-  const int64_t n = dims.back();
-  int64_t rows = 1;
-  for (size_t d = 0; d + 1 < dims.size(); ++d) rows *= dims[d];
   const float eps = desc.eps;
   Kernel k = [rows, n, eps](const std::unordered_map<int, memory>& args) {
     const float* x = static_cast<const float*>(args.at(DNNL_ARG_SRC).get_data_handle());

@@ -17,9 +17,9 @@ struct RmsNormStep {
   std::string name;
 };
 
-// One row: the mean of squares in 16 fp32 partial sums (a fixed order the compiler vectorizes;
-// -ffp-contract=off keeps it free of FMA contraction), then one multiply per element.
-inline void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
+// The sum of squares of a row in 16 fp32 partial sums (a fixed order the compiler vectorizes;
+// -ffp-contract=off keeps it free of FMA contraction); l2_norm.h's row uses it too.
+inline float row_sum_of_squares(const float* x, int64_t n) {
   float part[16] = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -27,7 +27,28 @@ inline void rms_norm_row(const float* x, const float* w, float eps, int64_t n, f
   for (int j = 0; i < n; ++i, ++j) part[j] += x[i] * x[i];
   float ss = 0.0f;
   for (float v : part) ss += v;
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  return ss;
+}
+
+// The rows of a kernel step that reads x and writes dst as dense fp32 [..., D] rows of one shape:
+// (rows, D); throws naming `what` otherwise.
+inline std::pair<int64_t, int64_t> dense_f32_rows(Plan& p, int x, int dst, const std::string& what) {
+  const memory::desc x_md = p.md_in(x), dst_md = p.md_out(dst);
+  const memory::dims dims = x_md.get_dims();
+  if (dims.empty() || x_md.get_data_type() != dt::f32 || dst_md.get_data_type() != dt::f32)
+    throw std::invalid_argument("gml engine: " + what + " takes and writes fp32 of rank >= 1");
+  if (x_md.get_strides() != plain_strides(dims) || dst_md.get_dims() != dims ||
+      dst_md.get_strides() != plain_strides(dims))
+    throw std::invalid_argument("gml engine: " + what + " reads and writes dense rows of the same shape");
+  int64_t rows = 1;
+  for (size_t d = 0; d + 1 < dims.size(); ++d) rows *= dims[d];
+  return {rows, dims.back()};
+}
+
+// One row: the mean of squares, then one multiply per element.
+inline void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
+  const float inv = 1.0f / std::sqrt(row_sum_of_squares(x, n) / static_cast<float>(n) + eps);
+  int64_t i = 0;
   if (w) {
     for (i = 0; i < n; ++i) y[i] = x[i] * inv * w[i];
   } else {
@@ -38,22 +59,14 @@ inline void rms_norm_row(const float* x, const float* w, float eps, int64_t n, f
 // The kernel step: rows split over the OpenMP team. x and dst are dense [..., D] fp32 (the generic
 // rule copies another layout first), weight a dense [D] fp32 plan constant.
 inline void build(Plan& p, const RmsNormStep& desc) {
-  const memory::desc x_md = p.md_in(desc.x), dst_md = p.md_out(desc.dst);
-  const memory::dims dims = x_md.get_dims();
-  if (dims.empty() || x_md.get_data_type() != dt::f32 || dst_md.get_data_type() != dt::f32)
-    throw std::invalid_argument("gml engine: rms_norm takes and writes fp32 of rank >= 1");
-  if (x_md.get_strides() != plain_strides(dims) || dst_md.get_dims() != dims ||
-      dst_md.get_strides() != plain_strides(dims))
-    throw std::invalid_argument("gml engine: rms_norm reads and writes dense rows of the same shape");
-  const int64_t n = dims.back();
+  const std::pair<int64_t, int64_t> shape = dense_f32_rows(p, desc.x, desc.dst, "rms_norm");
+  const int64_t rows = shape.first, n = shape.second;
   if (desc.weight >= 0) {
     const memory::desc w_md = p.md_in(desc.weight);
     if (w_md.get_data_type() != dt::f32 || w_md.get_dims() != memory::dims{n})
       throw std::invalid_argument("gml engine: rms_norm's weight is fp32 [" + std::to_string(n) + "]");
   }
   if (!(desc.eps >= 0.0f) || !std::isfinite(desc.eps)) throw std::invalid_argument("gml engine: rms_norm eps");
-  int64_t rows = 1;
-  for (size_t d = 0; d + 1 < dims.size(); ++d) rows *= dims[d];
   const bool has_w = desc.weight >= 0;
   const float eps = desc.eps;
   Kernel k = [rows, n, has_w, eps](const std::unordered_map<int, memory>& args) {
