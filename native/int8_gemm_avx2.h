@@ -161,25 +161,32 @@ class Gemm {
   size_t scratch_bytes(int64_t m) const { return static_cast<size_t>(2 * m * k4_); }
 
   // y[r, c] (``ldy`` floats apart) for r < m, c < n: the file comment's epilogue of q[r, :] . w[c, :].
-  // ``q``: int8 [m, k] rows ``ldq`` bytes apart, values in [-127, 127]; ``amax``: m floats;
-  // ``residual``: null or [m, n] floats ``ldr`` apart. ``parallel``: split column blocks over the
-  // OpenMP team.
+  // ``q``: int8 [m, k] rows ``ldq`` bytes apart, values in [-128, 127] (|q| <= 128 against |w| <= 127:
+  // a pair is at most 2 * 128 * 127 = 32,512, still exact); ``amax``: m floats, or null for 1 (the
+  // multiply by 1 is exact); ``residual``: null or [m, n] floats ``ldr`` apart. ``parallel``: split
+  // column blocks over the OpenMP team.
+  // ``u8``: the rows are uint8 x instead (gml::qlinear's activations, qlinear_exact.h), read as
+  // q = x - 128 (the bit pattern of x with its top bit flipped): acc = sum_k (x - 128) w, exactly.
   GML_AVX2 void run(const int8_t* q, int64_t m, int64_t ldq, const float* amax, float* y, int64_t ldy, bool relu,
-                    const float* residual, int64_t ldr, void* scratch, bool parallel) const {
+                    const float* residual, int64_t ldr, void* scratch, bool parallel, bool u8 = false) const {
     int8_t* xs = static_cast<int8_t*>(scratch);  // m rows of q (7-bit path: q + 128), then m rows of |q|
     int8_t* xa = xs + m * k4_;
+    // q + 128 = (the s8 value's top bit flipped) for s8 rows; u8 rows are q + 128 already
+    const uint8_t to_u8 = u8 ? 0x00 : 0x80, to_s8 = u8 ? 0x80 : 0x00;
     for (int64_t r = 0; r < m; ++r) {
       int8_t* dst = xs + r * k4_;
       const int8_t* src = q + r * ldq;
-      if (seven_bit_) {  // u8 x + 128 (the bit pattern of x with its sign bit flipped); padding meets zero weights
+      if (seven_bit_) {  // u8 q + 128 (x itself for u8 rows); padding meets zero weights
         uint8_t* u = reinterpret_cast<uint8_t*>(dst);
-        for (int64_t i = 0; i < k_; ++i) u[i] = static_cast<uint8_t>(src[i] ^ 0x80);
+        for (int64_t i = 0; i < k_; ++i) u[i] = static_cast<uint8_t>(src[i] ^ to_u8);
         std::memset(dst + k_, 0, static_cast<size_t>(k4_ - k_));
         continue;
       }
-      std::memcpy(dst, src, static_cast<size_t>(k_));
+      for (int64_t i = 0; i < k_; ++i) dst[i] = static_cast<int8_t>(src[i] ^ to_s8);
       std::memset(dst + k_, 0, static_cast<size_t>(k4_ - k_));
-      for (int64_t i = 0; i < k4_; ++i) xa[r * k4_ + i] = static_cast<int8_t>(dst[i] < 0 ? -dst[i] : dst[i]);
+      // |q| as u8 (|-128| = 128 keeps its bit pattern); the sign of q flips w in the micro-kernel
+      for (int64_t i = 0; i < k4_; ++i)
+        xa[r * k4_ + i] = static_cast<int8_t>(static_cast<uint8_t>(dst[i] < 0 ? -static_cast<int>(dst[i]) : dst[i]));
     }
     const int64_t row_tiles = (m + kRows - 1) / kRows;
 #pragma omp parallel for schedule(static) if (parallel)
@@ -213,7 +220,7 @@ class Gemm {
     }
     const int64_t valid = std::min<int64_t>(kCols, n_ - c0);
     for (int r = 0; r < rows; ++r) {
-      const __m256 am = _mm256_set1_ps(amax[r0 + r]);
+      const __m256 am = _mm256_set1_ps(amax ? amax[r0 + r] : 1.0f);
       alignas(32) float out[kCols];
       for (int h = 0; h < 2; ++h) {
         __m256 v = _mm256_cvtepi32_ps(acc[r][h]);

@@ -31,6 +31,9 @@ POST_OPS = frozenset(
     }
 )
 BACKENDS = frozenset({"onednn", "fbgemm"})
+#: ``gml``: GML's own exact arithmetic (8-bit weights without VNNI, ADR 011), a ``qlinear`` with
+#: post-op ``none`` or ``relu`` only (gml.kernels.exact_int8)
+EXACT_BACKEND_OPS = {"qlinear": frozenset({"none", "relu"})}
 
 
 def _ints(lo: int, hi: int = 1 << 31, *, length: tuple[int, ...] = (1, 2, 3)) -> Rule:
@@ -125,7 +128,7 @@ RULES: dict[str, Rule] = {
     "post_op_algorithm": _choice(frozenset({"", "none", "tanh"})),
     "post_op_scalars": _finite_floats,
     "scalars": _finite_floats,
-    "backend": _choice(BACKENDS),
+    "backend": _choice(BACKENDS | {"gml"}),
     "out_dtype": lambda v: None if v in (torch.uint8, torch.float32) else f"must be uint8 or float32, not {v!r}",
 }
 
@@ -157,6 +160,8 @@ def check_call(name: str, args: dict[str, Any]) -> str | None:
         reason = rule(value) if rule is not None else None
         if reason:
             return f"gml.{name}: {arg} {reason}"
+    if args.get("backend") == "gml" and args.get("post_op", "none") not in EXACT_BACKEND_OPS.get(name, ()):
+        return f"gml.{name}: backend 'gml' runs qlinear with post-op none or relu only"
     reason = _weight_geometry(name, args)
     return f"gml.{name}: {reason}" if reason else None
 

@@ -17,7 +17,9 @@ float32 per output channel (or one for the tensor); bias fp32. ``out_dtype`` is 
 (then ``out_scale``/``out_zero_point`` apply) or ``torch.float32`` (pass 1.0, 0). ``post_op`` is a
 oneDNN eltwise attr name (``none``, ``relu``, ``hardtanh`` with ``[min, max]``, ``hardswish``,
 ``swish``, ``gelu`` with algorithm ``none``/``tanh``). ``backend`` names the Python kernel set that
-runs the op (``onednn`` or ``fbgemm``); it is not part of the math and other executors ignore it.
+runs the op (``onednn`` or ``fbgemm``); it is not part of the math and other executors ignore it —
+except ``gml``, a ``qlinear`` whose 8-bit weights run on GML's exact arithmetic on a CPU without
+VNNI (post-op ``none`` / ``relu``; defined in ``gml.kernels.exact_int8``, ADR 011).
 
 ``dynamic_linear`` is the one op with fp32 input and output: an INT8 GEMM whose activations are
 quantized per row at run time (symmetric, ``amax / 127`` per row; SmoothQuant's ``smooth_inv``

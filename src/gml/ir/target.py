@@ -80,13 +80,22 @@ class Int8Arithmetic:
     act_qmin: int
     act_qmax: int
     reason: str
+    #: linear layers keep 8-bit weights, in ``[-127, 127]``, on GML's exact AVX2 GEMM
+    #: (``gml.qlinear(..., backend="gml")``, gml.kernels.exact_int8) where the convs take 7 bits
+    exact_linear: bool = False
 
     @property
     def weight_bits(self) -> int:
         return 8 if self.weight_qmax > 64 else 7
 
+    @property
+    def linear_weight_range(self) -> tuple[int, int]:
+        """A linear layer's weight range: ``[-127, 127]`` with :attr:`exact_linear`, else the convs'."""
+        return (-127, 127) if self.exact_linear else (self.weight_qmin, self.weight_qmax)
+
     def describe(self) -> str:
-        return f"{self.name} ({self.reason})"
+        linear = "; linear layers 8-bit weights on GML's exact AVX2 GEMM" if self.exact_linear else ""
+        return f"{self.name} ({self.reason}){linear}"
 
 
 def _feature(name: str, doc: str) -> property:
@@ -198,6 +207,8 @@ def int8_arithmetic(target: Target) -> Int8Arithmetic:
         0,
         255,
         "u8×s8 pairs add in a saturating int16; weights in [-64, 64] cannot saturate it",
+        # GML's exact kernel (|x - 128| * (w * sign) pairs <= 32,512) needs AVX2: linears keep 8 bits
+        exact_linear=target.gml_int8_gemm,
     )
 
 

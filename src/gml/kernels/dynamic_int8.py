@@ -62,12 +62,13 @@ KCHUNK = 1024
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b.T`` exactly, int32 ``[M, N]``, for int8 ``a`` ``[M, K]`` and ``b`` ``[N, K]`` with
-    every value in ``[-127, 127]`` (what :func:`quantize_rows` / :func:`quantize_weight` produce).
+    """``a @ b.T`` exactly, int32 ``[M, N]``, for int8 ``a`` ``[M, K]`` (any value) and ``b`` ``[N, K]``
+    with every value in ``[-127, 127]`` (what :func:`quantize_rows` / :func:`quantize_weight` produce;
+    ``a`` may also be a static linear's ``x − 128``, :mod:`gml.kernels.exact_int8`).
 
     As fp32 matmuls over chunks of ``KCHUNK`` columns, each chunk's result converted to int32 and the
-    chunks summed in int32: a product is at most ``127**2`` and a chunk's partial sums at most
-    ``1024 * 127**2 < 2**24``, so every fp32 value on the way is an integer represented exactly,
+    chunks summed in int32: a product is at most ``128 * 127`` and a chunk's partial sums at most
+    ``1024 * 128 * 127 < 2**24``, so every fp32 value on the way is an integer represented exactly,
     whatever the summation order, FMA or blocking of the matmul kernel — and also in a reduced-precision
     matmul mode (``torch.set_float32_matmul_precision``): int8 values are exact in bf16 / tf32 inputs,
     whose products accumulate in fp32. Not ``torch._int_mm``: on CPUs without VNNI its oneDNN kernel

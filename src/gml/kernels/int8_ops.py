@@ -21,7 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from gml.ir import library
 from gml.ir.values import ConvSpec, Int8Weight, PostOp, QParams
-from gml.kernels import dynamic_int8
+from gml.kernels import dynamic_int8, exact_int8
 from gml.kernels.backend import Int8Backend
 from gml.kernels.registry import get_backend
 
@@ -201,6 +201,10 @@ def qlinear(
     x, x_scale, x_zero_point, weight, weight_scale, bias, out_scale, out_zero_point, out_dtype,
     post_op, post_op_scalars, post_op_algorithm, backend="onednn",
 ):  # fmt: skip
+    if backend == "gml":  # GML's exact arithmetic for 8-bit weights without VNNI (ADR 011): defined there
+        return exact_int8.qlinear(
+            x, x_scale, x_zero_point, weight, weight_scale, bias, out_scale, out_zero_point, out_dtype, post_op
+        )
     be = _backend(backend)
     x_qp = _qp(x_scale, x_zero_point)
     handle = _packed(

@@ -222,19 +222,60 @@ def qconfig_mapping(
     backend: str = "onednn",
     percentile: float = 99.99,
     arithmetic: Int8Arithmetic | None = None,
+    exact_linears: tuple[str, ...] | list[str] = (),
 ) -> QConfigMapping:
     """One global QConfig (the BackendConfig decides which ops actually get quantized), plus the
     fixed [0, 1] output observer of the sigmoids; ranges from ``arithmetic`` (the Target's). The
-    fbgemm backend's 7-bit activations (0..127) keep 8-bit weights: ``127·128·2`` fits in int16."""
+    fbgemm backend's 7-bit activations (0..127) keep 8-bit weights: ``127·128·2`` fits in int16.
+    ``exact_linears``: the linear modules (:func:`exact_linear_names`) that take
+    ``arithmetic.linear_weight_range`` where it has an exact linear kernel."""
     arithmetic = target_arithmetic(arithmetic)
     if backend == "fbgemm":
-        arithmetic = dataclasses.replace(arithmetic, weight_qmin=-128, weight_qmax=127, act_qmax=127)
+        arithmetic = dataclasses.replace(
+            arithmetic, weight_qmin=-128, weight_qmax=127, act_qmax=127, exact_linear=False
+        )
     act = activation_observer(observer, backend=backend, percentile=percentile, arithmetic=arithmetic)
     weight = weight_observer(per_channel, arithmetic)
     mapping = QConfigMapping().set_global(QConfig(activation=act, weight=weight))
     for op in FIXED_QPARAMS_OPS:
         mapping.set_object_type(op, QConfig(activation=FIXED_0TO1, weight=weight))
+    if arithmetic.exact_linear and exact_linears:
+        # these linears run on GML's exact kernel with 8-bit weights in [-127, 127] (ADR 011); set by
+        # module name: an nn.Linear object type would also have to be every fused module's (torch.ao
+        # refuses a LinearReLU whose ReLU has another qconfig)
+        lo, hi = arithmetic.linear_weight_range
+        wide = weight_observer(per_channel, dataclasses.replace(arithmetic, weight_qmin=lo, weight_qmax=hi))
+        for name in exact_linears:
+            mapping.set_module_name(name, QConfig(activation=act, weight=wide))
     return mapping
+
+
+#: functions that would fuse into a linear as a post-op the exact kernel lacks (the normalized IR
+#: spells activations as modules; these are the spellings it may leave)
+_NON_RELU_ACTIVATION_FUNCTIONS = (
+    torch.nn.functional.gelu, torch.nn.functional.silu, torch.nn.functional.hardswish,
+    torch.nn.functional.relu6, torch.nn.functional.hardtanh,
+)  # fmt: skip
+
+
+def exact_linear_names(gm: torch.fx.GraphModule) -> list[str]:
+    """The ``nn.Linear`` modules of ``gm`` that GML's exact INT8 linear can run (ADR 011): those not
+    followed by an activation that would fuse as a post-op other than ReLU (GELU, SiLU, ...: the
+    exact kernel's epilogue has ReLU only; such a linear keeps the convs' weight range)."""
+    modules = dict(gm.named_modules())
+    names = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or type(modules.get(str(node.target))) is not nn.Linear:
+            continue
+        fused_act = False
+        for user in node.users:
+            if user.op == "call_module":
+                fused_act |= isinstance(modules.get(str(user.target)), FUSED_LINEAR_ACTIVATIONS["onednn"])
+            elif user.op == "call_function":
+                fused_act |= user.target in _NON_RELU_ACTIVATION_FUNCTIONS
+        if not fused_act:
+            names.append(str(node.target))
+    return names
 
 
 # ---------------------------------------------------------------- conv / linear + activation

@@ -51,6 +51,7 @@ from gml.passes.manager import PassManager, PipelineReport
 from gml.quant.backend_config import (
     NORMALIZED_MODULES,
     activation_observer,
+    exact_linear_names,
     get_backend_config,
     int8_ops,
     qconfig_mapping,
@@ -287,8 +288,9 @@ def prepare(
         .set_non_traceable_module_names(leaves)
     )
     qmap = qconfig_mapping(
-        observer, per_channel=per_channel, backend=backend, percentile=percentile, arithmetic=arithmetic
-    )
+        observer, per_channel=per_channel, backend=backend, percentile=percentile, arithmetic=arithmetic,
+        exact_linears=exact_linear_names(gm),
+    )  # fmt: skip
     with quiet_torch_ao():
         prepared = prepare_fx(
             gm,

@@ -13,8 +13,17 @@ is exact with 8 bits but faster with 7)::
 One more rounding of each weight (at most half a 7-bit step); then every kernel on the target
 computes the exact integer sums, the Python executor and the engine alike. Channels already in range
 and ``backend="fbgemm"`` calls (7-bit activations: pairs of ``127·128`` cannot saturate) are kept.
-A weight shared by several calls is requantized once. The function returns one line per weight it
-changed, for the runtime report (``m.runtime``: "changed for this CPU: ...").
+A weight shared by several calls is requantized once.
+
+A ``qlinear`` (post-op ``none`` / ``relu``) keeps its 8-bit weights where the target has GML's exact
+linear (``Int8Arithmetic.exact_linear``: AVX2 without VNNI): its backend becomes ``gml``
+(gml.kernels.exact_int8), whose weights lie in ``[-127, 127]``. A ``-128`` (torch's symmetric
+observer rounds a channel's ``-127.5`` steps there) becomes ``-127``: the same half-step error as
+that rounding, to the other side. Where a ``gml`` linear lands on a VNNI / AMX target it goes back
+to ``onednn`` (the same integers, exact there); without AVX2 it is halved like the others.
+
+The function returns one line per weight or call it changed, for the runtime report (``m.runtime``:
+"changed for this CPU: ...").
 """
 
 from __future__ import annotations
@@ -22,8 +31,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from gml.ir.checks import EXACT_BACKEND_OPS
 from gml.ir.library import gml_op_name, op_args
 from gml.ir.target import Target
+
+EXACT_POST_OPS = EXACT_BACKEND_OPS["qlinear"]
 
 #: the gml ops with int8 weights (schema arguments ``weight`` / ``weight_scale``): u8 activations
 #: (qconv, qconv_add, qlinear), or per-token s8 ones that the kernels shift to u8 (dynamic_linear)
@@ -70,6 +82,39 @@ def requantize_weight(
     return q, new_scale.reshape(scale.shape).contiguous(), int(rows.sum())
 
 
+def _set_backend(node: fx.Node, backend: str) -> None:
+    """Set the ``backend`` argument of a gml op call, however the call passed it."""
+    names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
+    i = names.index("backend")
+    if i < len(node.args):
+        node.update_arg(i, backend)
+    else:
+        node.update_kwarg("backend", backend)
+
+
+def _exact_linear(gm: fx.GraphModule, node: fx.Node, key: str, weight: torch.Tensor, target: Target) -> str | None:
+    """A ``qlinear`` moved to GML's exact kernel with its 8-bit weights (module docstring); the report
+    line, or None when the call stays as it is."""
+    args = op_args(node)
+    lo, hi = target.int8.weight_qmin, target.int8.weight_qmax
+    if args.get("post_op", "none") not in EXACT_POST_OPS or weight.dim() != 2:
+        return None
+    if args.get("backend", "onednn") != "gml" and int(weight.amin()) >= lo and int(weight.amax()) <= hi:
+        return None  # in the convs' range already: oneDNN's kernel is exact on it
+    low = int((weight == -128).sum())
+    if low:
+        _store(gm, key, weight.clamp(min=-127).contiguous())
+    was = args.get("backend", "onednn")
+    _set_backend(node, "gml")
+    if was == "gml" and not low:
+        return None
+    return (
+        f"{node.name} (qlinear): runs GML's exact AVX2 GEMM with its 8-bit weights"
+        + (f", {low} weights of -128 set to -127" if low else "")
+        + " (u8×s8 pairs would saturate oneDNN's int16 here)"
+    )
+
+
 def retarget_weights(gm: fx.GraphModule, target: Target) -> list[str]:
     """Requantize ``gm``'s INT8 weights that ``target``'s kernels could saturate on (module
     docstring), in place; returns what changed, one line per weight."""
@@ -89,12 +134,23 @@ def retarget_weights(gm: fx.GraphModule, target: Target) -> list[str]:
         if not (isinstance(s_node, fx.Node) and s_node.op == "get_attr"):
             continue
         key = str(w_node.target)
-        if key in seen:
-            continue
-        seen.add(key)
         weight, scale = _fetch(gm, key), _fetch(gm, str(s_node.target))
         if weight.dtype != torch.int8:
             continue
+        gml_linear = args.get("backend") == "gml"
+        if name == "qlinear" and arith.exact_linear:
+            line = _exact_linear(gm, node, key, weight, target)
+            if line:
+                changes.append(line)
+            if args.get("post_op", "none") in EXACT_POST_OPS:
+                seen.add(key)
+                continue
+        elif gml_linear:  # back to oneDNN's kernel: exact with VNNI; halved below without it
+            _set_backend(node, "onednn")
+            changes.append(f"{node.name} (qlinear): runs oneDNN's INT8 kernel ({target.isa} has no GML exact linear)")
+        if key in seen:
+            continue
+        seen.add(key)
         # dynamic_linear's range is its own fact (Target.dynamic_weight_qmax), equal to the static one today
         qmin, qmax = (
             (-target.dynamic_weight_qmax, target.dynamic_weight_qmax)

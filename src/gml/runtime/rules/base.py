@@ -79,7 +79,8 @@ class TranslationRule:
     #: shapes: no step; the segment returns it as it was when the plan was made
     size_out: bool = False
     #: the ``backend`` values the node may name besides oneDNN: another library for the same fp32
-    #: math (MKL's GEMM for a ``FusedLinear``), which the engine runs on oneDNN, equal up to rounding
+    #: math (MKL's GEMM for a ``FusedLinear``), which the engine runs on oneDNN, equal up to rounding;
+    #: or GML's own arithmetic (a ``qlinear``'s ``gml``), which the rule runs on GML's kernel
     other_backends: tuple[str, ...] = ()
 
 

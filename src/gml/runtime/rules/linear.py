@@ -16,10 +16,36 @@ from types import SimpleNamespace
 import torch
 from torch import fx, nn
 
-from gml.kernels import bf16, fp32
+from gml.kernels import bf16, exact_int8, fp32
 from gml.kernels.dynamic_int8 import POST_OPS, QMAX
 from gml.runtime.rules import base
 from gml.runtime.rules.base import Builder, Call, TranslationRule, Unsupported, Val
+
+
+def _emit_exact_linear(b: Builder, c: Call, x: Val, out: Val) -> None:
+    """``gml.qlinear(..., backend="gml")``: 8-bit weights on GML's exact AVX2 GEMM, one kernel step
+    (native/qlinear_exact.h) with the epilogue constants of the Python kernel (gml.kernels.exact_int8)."""
+    a = c.a
+    if "avx2" not in b.target.features:
+        raise Unsupported(f"GML's exact INT8 linear needs AVX2 ({b.target.isa})")
+    w = a.weight.detach()
+    if w.dtype != torch.int8 or w.dim() != 2 or not w.is_contiguous():
+        raise Unsupported(f"exact INT8 linear with a {w.dtype} {w.dim()}-D weight that is not dense")
+    in_q, out_q = base.x_qparams(a), base.out_qparams(a)
+    scale, bias = exact_int8.epilogue(in_q.scale, in_q.zero_point, w, a.weight_scale, a.bias)
+    inv = 1.0 if out_q is None else exact_int8.out_inverse(out_q.scale)
+    b.kernel(
+        "ExactQLinearStep",
+        {"src": x},
+        {"dst": out},
+        weight=w.data_ptr(),  # the graph's own tensor: alive while the plan is built (the step packs it)
+        wdims=list(w.shape),
+        scale=scale.tolist(),
+        bias=bias.tolist(),
+        relu=a.post_op == "relu",
+        out_inv=inv,
+        out_zp=0 if out_q is None else int(out_q.zero_point),
+    )
 
 
 def _emit_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
@@ -28,6 +54,9 @@ def _emit_linear(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
         raise Unsupported(f"INT8 linear on a rank-{len(ins[0].shape)} input")
     # rank > 2 ([batch, tokens, features]): the same inner product over the rows
     x, out = base.as_rows(b, ins[0]), base.as_rows(b, out, output=True)
+    if getattr(a, "backend", "onednn") == "gml":
+        _emit_exact_linear(b, c, x, out)
+        return
     # oneDNN 3.2's inner product takes no source zero point: fold it into the bias,
     # s_x * s_w[o] * sum_i (x_i - z) w[o, i] = s_x * s_w[o] * sum_i x_i w[o, i] - s_x * s_w[o] * z * sum_i w[o, i].
     in_q, out_q = base.x_qparams(a), base.out_qparams(a)
@@ -249,7 +278,8 @@ def emit_matmul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
 
 
 RULES: dict[object, TranslationRule] = {
-    "qlinear": TranslationRule(base.always, _emit_linear),
+    # backend "gml": GML's exact arithmetic (8-bit weights without VNNI), its own step (_emit_exact_linear)
+    "qlinear": TranslationRule(base.always, _emit_linear, other_backends=("gml",)),
     "dynamic_linear": TranslationRule(_check_dynamic_linear, _emit_dynamic_linear),
     # MKL's / ATen's GEMM for the same fp32 math: the engine runs it on oneDNN, equal up to rounding
     fp32.FusedLinear: TranslationRule(base.always, _emit_flinear, other_backends=("mkl", "aten")),

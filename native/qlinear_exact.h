@@ -1,0 +1,102 @@
+// GML engine, gml::qlinear with backend "gml" (docs/adr/011-int8-on-every-isa.md, 2026-11-29): a static
+// INT8 linear layer whose 8-bit weights run on GML's exact AVX2 GEMM (int8_gemm_avx2.h) on CPUs without a
+// VNNI-class dot product, where oneDNN's u8 x s8 kernels add pairs of products into a saturating int16.
+// The math is defined once, in gml/kernels/exact_int8.py (the Python executor); this step computes the
+// same integers and the same fp32 operations in the same order:
+//
+//   acc[m, n] = sum_k (x[m, k] - 128) * w[n, k]                  exact int32 (|x - 128| <= 128, |w| <= 127)
+//   y[m, n]   = (float(acc) * scale[n]) + bias[n]                 two fp32 roundings (scale, bias: Python's)
+//   y         = max(y, 0)                                        (post-op relu only)
+//   dst       = y                                                 (fp32 output), or
+//   dst       = uint8(clamp(round_half_even(y * out_inv) + out_zp, 0, 255))   (uint8 output)
+//
+// ``scale[n] = s_x * s_w[n]`` and ``bias[n] = b[n] + s_x * s_w[n] * (128 - z_x) * sum_k w[n, k]`` (the
+// source zero point folded, in float64, then rounded to fp32 once) are computed by the Python executor's
+// helper and passed here, so both executors start from the same fp32 constants.
+// Python fills an ExactQLinearStep (gml/runtime/rules/linear.py, Builder.kernel) and calls Plan.add(step).
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "bind.h"
+#include "int8_gemm_avx2.h"
+#include "plan.h"
+
+namespace gml_engine {
+
+// |acc| <= K * 128 * 127 must fit int32 (u8 rows shifted to [-128, 127] against |w| <= 127)
+constexpr int64_t kExactQLinearMaxK = 2147483647LL / (128 * 127);
+
+struct ExactQLinearStep {
+  int src = -1, dst = -1;         // uint8 [M, K] rows (dense columns) -> uint8 or fp32 [M, N] (dense columns)
+  uintptr_t weight = 0;           // the caller's int8 [N, K] rows, every value in [-127, 127]; copied (packed)
+  Dims wdims;
+  std::vector<float> scale, bias;  // N fp32 values each: the epilogue's constants (file comment)
+  bool relu = false;
+  float out_inv = 1.0f;           // 1 / s_out as fp32 (uint8 output only)
+  int out_zp = 0;
+  std::string name;
+};
+
+// y (fp32) -> uint8 as the Python executor's torch ops: t = y * inv (fp32); r = round half to even;
+// q = clamp(r + zp, 0, 255) in fp32, then converted (an integer in [0, 255]: exact).
+inline void quantize_u8(const float* y, int64_t n, float inv, float zp, uint8_t* q) {
+  for (int64_t c = 0; c < n; ++c) {
+    const float r = std::nearbyint(y[c] * inv) + zp;  // nearbyint: round half to even (default mode)
+    q[c] = static_cast<uint8_t>(std::min(255.0f, std::max(0.0f, r)));
+  }
+}
+
+inline void build(Plan& p, const ExactQLinearStep& desc) {
+  const memory::desc s_md = p.md_in(desc.src), d_md = p.md_out(desc.dst);
+  if (s_md.get_ndims() != 2 || s_md.get_data_type() != dt::u8)
+    throw std::invalid_argument("gml engine: exact qlinear takes a 2-D uint8 source");
+  const memory::dims sd = s_md.get_dims(), ss = s_md.get_strides();
+  const int64_t m = sd[0], k = sd[1];
+  if (desc.wdims.size() != 2 || desc.wdims[1] != k) throw std::invalid_argument("gml engine: exact qlinear weight is not [N, K]");
+  const int64_t n = desc.wdims[0];
+  if (k > kExactQLinearMaxK) throw std::invalid_argument("gml engine: exact qlinear with K > 132,104 could overflow int32");
+  if (static_cast<int64_t>(desc.scale.size()) != n || static_cast<int64_t>(desc.bias.size()) != n)
+    throw std::invalid_argument("gml engine: exact qlinear needs N scales and N biases");
+  if (!desc.weight) throw std::invalid_argument("gml engine: exact qlinear without a weight");
+  if (k > 1 && ss[1] != 1) throw std::invalid_argument("gml engine: exact qlinear source columns must be dense");
+  const dt out_dt = d_md.get_data_type();
+  if (d_md.get_ndims() != 2 || d_md.get_dims() != memory::dims{m, n} || (out_dt != dt::u8 && out_dt != dt::f32))
+    throw std::invalid_argument("gml engine: exact qlinear writes a uint8 or fp32 [M, N] destination");
+  const memory::dims ds = d_md.get_strides();
+  if (n > 1 && ds[1] != 1) throw std::invalid_argument("gml engine: exact qlinear destination columns must be dense");
+  // the Gemm checks every weight is in [-127, 127] (it throws otherwise: the step goes to torch)
+  auto gemm = std::make_shared<const gml_int8_gemm::Gemm>(reinterpret_cast<const int8_t*>(desc.weight), n, k, k,
+                                                           desc.scale, desc.bias.data());
+  const int64_t ldx = m > 1 ? ss[0] : k, ldy = m > 1 ? ds[0] : n;
+  const bool to_u8 = out_dt == dt::u8, relu = desc.relu;
+  const float inv = desc.out_inv, zp = static_cast<float>(desc.out_zp);
+  const size_t gemm_bytes = (gemm->scratch_bytes(m) + kAlign - 1) / kAlign * kAlign;
+  const size_t scratch = gemm_bytes + (to_u8 ? static_cast<size_t>(m * n) * sizeof(float) : 0);
+  const bool parallel = m * n * k >= (int64_t{1} << 18);  // below: an OpenMP fork costs more than it saves
+  Kernel kernel = [gemm, m, n, ldx, ldy, to_u8, relu, inv, zp, gemm_bytes, parallel](const std::unordered_map<int, memory>& args) {
+    const int8_t* x = static_cast<const int8_t*>(args.at(DNNL_ARG_SRC).get_data_handle());
+    char* scratch = static_cast<char*>(args.at(DNNL_ARG_SCRATCHPAD).get_data_handle());
+    void* out = args.at(DNNL_ARG_DST).get_data_handle();
+    if (!to_u8) {
+      gemm->run(x, m, ldx, nullptr, static_cast<float*>(out), ldy, relu, nullptr, 0, scratch, parallel, true);
+      return;
+    }
+    float* y = reinterpret_cast<float*>(scratch + gemm_bytes);  // dense [M, N] fp32, then quantized out
+    gemm->run(x, m, ldx, nullptr, y, n, relu, nullptr, 0, scratch, parallel, true);
+    uint8_t* q = static_cast<uint8_t*>(out);
+    for (int64_t r = 0; r < m; ++r) quantize_u8(y + r * n, n, inv, zp, q + r * ldy);
+  };
+  const std::string impl = gemm->seven_bit() ? "gml:int8_gemm_avx2_u8s7" : "gml:int8_gemm_avx2";
+  p.push_kernel(std::move(kernel), {{DNNL_ARG_SRC, desc.src}, {DNNL_ARG_DST, desc.dst}},
+                memory::desc({static_cast<int64_t>(scratch)}, dt::u8, memory::format_tag::a), desc.name, impl);
+}
+
+// Python bindings of this family's step descriptions (native/bind.h).
+GML_STEP(ExactQLinearStep, src, dst, weight, wdims, scale, bias, relu, out_inv, out_zp, name)
+
+}  // namespace gml_engine
