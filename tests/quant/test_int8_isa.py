@@ -250,3 +250,37 @@ def test_a_linear_saved_with_8bit_weights_keeps_them_on_gml_exact_kernel(tmp_pat
     back = gml.load(str(saved["avx2"]), runtime="torch", target=Target("avx512_core_vnni"))
     assert [b for b, _ in linears(back)] == ["onednn", "onednn"]
     assert gml.load(str(saved["avx2"]), target=Target("avx512_core_vnni")).runtime.changes
+
+
+def test_token_linears_keep_the_fast_7bit_kernel_and_heads_take_8_bits() -> None:
+    """Where the target has GML's exact linear, the quantizer gives 8-bit weights to a linear over
+    ``[batch, features]`` rows only: a linear over tokens (rank 3) or followed by a GELU stays on
+    oneDNN's 7-bit GEMM (the speed reason is measured in exact_linear_names' docstring)."""
+    from gml.ir.library import gml_op_name, op_args
+    from gml.quant.backend_config import exact_linear_names
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens, self.mlp, self.act = nn.Linear(16, 16), nn.Linear(16, 16), nn.GELU()
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):  # x: [batch, tokens, 16]
+            t = self.tokens(x)
+            return self.head(self.act(self.mlp(t.mean(1))))
+
+    model = _uniform(Net())
+    x = _u(2, 5, 16, seed=9)
+    assert exact_linear_names(gml.capture(model, (x,))) == ["head"]
+    q = gml.quantize(
+        model, [x], example_inputs=(x,), cost_policy="off", per_layer=False, target=Target("avx2"), keep_broken=True
+    )
+    linears = {}
+    for node in q.module.graph.nodes:
+        if gml_op_name(node) == "qlinear":
+            args = op_args(node)
+            w = getattr(q.module, args["weight"].target)
+            linears[tuple(w.shape)] = (args["backend"], int(w.abs().max()))
+    assert linears[(4, 16)][0] == "gml" and linears[(4, 16)][1] > 64, linears
+    others = [v for k, v in linears.items() if k != (4, 16)]
+    assert others and all(b == "onednn" and m <= 64 for b, m in others), linears

@@ -258,14 +258,29 @@ _NON_RELU_ACTIVATION_FUNCTIONS = (
 )  # fmt: skip
 
 
+def _input_rank(node: torch.fx.Node) -> int | None:
+    arg = node.args[0] if node.args else None
+    meta = arg.meta.get("tensor_meta") if isinstance(arg, torch.fx.Node) else None
+    return len(meta.shape) if meta is not None and hasattr(meta, "shape") else None
+
+
 def exact_linear_names(gm: torch.fx.GraphModule) -> list[str]:
-    """The ``nn.Linear`` modules of ``gm`` that GML's exact INT8 linear can run (ADR 011): those not
-    followed by an activation that would fuse as a post-op other than ReLU (GELU, SiLU, ...: the
-    exact kernel's epilogue has ReLU only; such a linear keeps the convs' weight range)."""
+    """The ``nn.Linear`` modules of ``gm`` that take GML's exact INT8 linear (8-bit weights) where the
+    target has it (ADR 011, 2026-11-29): a linear over ``[batch, features]`` rows (a classifier head,
+    an MLP on vectors), not followed by an activation that would fuse as a post-op other than ReLU
+    (GELU, SiLU, ...: the exact kernel's epilogue has ReLU only).
+
+    A linear over token or pixel rows (an input of rank 3 or more: a ViT / Mixer block, ConvNeXt's
+    pointwise MLP) keeps the convs' 7-bit weights on oneDNN's GEMM: there GML's exact kernel took
+    1.4-2.0x oneDNN's time (197 tokens, 768 → 768 / 3072, Zen 4 capped to AVX2, 1 thread), while for a
+    head (1-8 rows) it is 0.7-1.25x."""
     modules = dict(gm.named_modules())
     names = []
     for node in gm.graph.nodes:
         if node.op != "call_module" or type(modules.get(str(node.target))) is not nn.Linear:
+            continue
+        rank = _input_rank(node)
+        if rank is not None and rank > 2:
             continue
         fused_act = False
         for user in node.users:

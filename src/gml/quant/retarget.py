@@ -15,8 +15,9 @@ computes the exact integer sums, the Python executor and the engine alike. Chann
 and ``backend="fbgemm"`` calls (7-bit activations: pairs of ``127·128`` cannot saturate) are kept.
 A weight shared by several calls is requantized once.
 
-A ``qlinear`` (post-op ``none`` / ``relu``) keeps its 8-bit weights where the target has GML's exact
-linear (``Int8Arithmetic.exact_linear``: AVX2 without VNNI): its backend becomes ``gml``
+A ``qlinear`` over ``[batch, features]`` rows (post-op ``none`` / ``relu``) keeps its 8-bit weights
+where the target has GML's exact linear (``Int8Arithmetic.exact_linear``: AVX2 without VNNI; a
+linear over token rows is halved like a conv, for speed: ``exact_linear_names``): its backend becomes ``gml``
 (gml.kernels.exact_int8), whose weights lie in ``[-127, 127]``. A ``-128`` (torch's symmetric
 observer rounds a channel's ``-127.5`` steps there) becomes ``-127``: the same half-step error as
 that rounding, to the other side. Where a ``gml`` linear lands on a VNNI / AMX target it goes back
@@ -92,6 +93,15 @@ def _set_backend(node: fx.Node, backend: str) -> None:
         node.update_kwarg("backend", backend)
 
 
+def _rank(value: object) -> int | None:
+    """The rank of a call's activation argument, from the graph's metadata (None where unknown)."""
+    if not isinstance(value, fx.Node):
+        return None
+    meta = value.meta.get("val", value.meta.get("tensor_meta"))
+    shape = getattr(meta, "shape", None)
+    return None if shape is None else len(shape)
+
+
 def _exact_linear(gm: fx.GraphModule, node: fx.Node, key: str, weight: torch.Tensor, target: Target) -> str | None:
     """A ``qlinear`` moved to GML's exact kernel with its 8-bit weights (module docstring); the report
     line, or None when the call stays as it is."""
@@ -99,6 +109,8 @@ def _exact_linear(gm: fx.GraphModule, node: fx.Node, key: str, weight: torch.Ten
     lo, hi = target.int8.weight_qmin, target.int8.weight_qmax
     if args.get("post_op", "none") not in EXACT_POST_OPS or weight.dim() != 2:
         return None
+    if args.get("backend", "onednn") != "gml" and (_rank(args["x"]) or 2) > 2:
+        return None  # token rows: oneDNN's 7-bit GEMM is the faster (gml.quant.backend_config.exact_linear_names)
     if args.get("backend", "onednn") != "gml" and int(weight.amin()) >= lo and int(weight.amax()) <= hi:
         return None  # in the convs' range already: oneDNN's kernel is exact on it
     low = int((weight == -128).sum())
@@ -142,7 +154,7 @@ def retarget_weights(gm: fx.GraphModule, target: Target) -> list[str]:
             line = _exact_linear(gm, node, key, weight, target)
             if line:
                 changes.append(line)
-            if args.get("post_op", "none") in EXACT_POST_OPS:
+            if op_args(node).get("backend") == "gml":  # on GML's exact kernel now (or already)
                 seen.add(key)
                 continue
         elif gml_linear:  # back to oneDNN's kernel: exact with VNNI; halved below without it
