@@ -16,6 +16,8 @@
 // Python fills an ExactQLinearStep (gml/runtime/rules/linear.py, Builder.kernel) and calls Plan.add(step).
 #pragma once
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -43,10 +45,24 @@ struct ExactQLinearStep {
 };
 
 // y (fp32) -> uint8 as the Python executor's torch ops: t = y * inv (fp32); r = round half to even;
-// q = clamp(r + zp, 0, 255) in fp32, then converted (an integer in [0, 255]: exact).
-inline void quantize_u8(const float* y, int64_t n, float inv, float zp, uint8_t* q) {
-  for (int64_t c = 0; c < n; ++c) {
-    const float r = std::nearbyint(y[c] * inv) + zp;  // nearbyint: round half to even (default mode)
+// q = clamp(r + zp, 0, 255) in fp32, then converted (an integer in [0, 255]: exact). 32 values per
+// step with AVX2 (_mm256_round_ps to nearest: half to even, as nearbyint in the default mode).
+__attribute__((target("avx2"))) inline void quantize_u8(const float* y, int64_t n, float inv, float zp, uint8_t* q) {
+  const __m256 vi = _mm256_set1_ps(inv), vz = _mm256_set1_ps(zp), lo = _mm256_setzero_ps(), hi = _mm256_set1_ps(255.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packus' 128-bit lane interleave
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i) {
+      __m256 t = _mm256_mul_ps(_mm256_loadu_ps(y + c + 8 * i), vi);
+      t = _mm256_add_ps(_mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+      v[i] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, t)));
+    }
+    const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(v[0], v[1]), _mm256_packus_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + c), _mm256_permutevar8x32_epi32(w, order));
+  }
+  for (; c < n; ++c) {
+    const float r = std::nearbyint(y[c] * inv) + zp;
     q[c] = static_cast<uint8_t>(std::min(255.0f, std::max(0.0f, r)));
   }
 }
