@@ -64,19 +64,23 @@ def int64_reference(x, x_qp, w, ws, bias, relu: bool) -> torch.Tensor:
     return y.clamp_min(0) if relu else y
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("post_op", ["none", "relu"])
-def test_python_kernel_is_exact_integer_arithmetic(post_op):
+def test_python_kernel_is_exact_integer_arithmetic(post_op, native):
+    """Both formulations of the Python kernel: exact fp32 chunks (torch), and the engine's layer code
+    (native, where the engine is built and the CPU has AVX2; else it falls back to the torch one)."""
     x, w, ws, bias = operands(37, 515, 19)
-    got = exact_int8.qlinear(x, 0.02, 3, w, ws, bias, 1.0, 0, torch.float32, post_op)
+    got = exact_int8.qlinear(x, 0.02, 3, w, ws, bias, 1.0, 0, torch.float32, post_op, native=native)
     ref = int64_reference(x, (0.02, 3), w, ws, bias, post_op == "relu")
     # only the epilogue's fp32 roundings: float(acc), the scale product and the bias add
     assert torch.allclose(got.double(), ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
 
 
-def test_python_kernel_quantizes_its_output_as_documented():
-    x, w, ws, bias = operands(8, 64, 16, seed=3)
-    y = exact_int8.qlinear(x, 0.02, 3, w, ws, bias, 1.0, 0, torch.float32, "none")
-    q = exact_int8.qlinear(x, 0.02, 3, w, ws, bias, 0.05, 9, torch.uint8, "none")
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_python_kernel_quantizes_its_output_as_documented(native):
+    x, w, ws, bias = operands(8, 64, 40, seed=3)
+    y = exact_int8.qlinear(x, 0.02, 3, w, ws, bias, 1.0, 0, torch.float32, "none", native=native)
+    q = exact_int8.qlinear(x, 0.02, 3, w, ws, bias, 0.05, 9, torch.uint8, "none", native=native)
     inv = exact_int8.out_inverse(0.05)
     assert torch.equal(q, torch.round(y * inv).add(9).clamp(0, 255).to(torch.uint8))
 
@@ -108,8 +112,27 @@ def step_impls(eng: nn.Module) -> list[str]:
     return list(entry[0].step_impls())
 
 
-def check_bit_identical(gm: fx.GraphModule, x: torch.Tensor) -> None:
+def torch_formulation(gm: fx.GraphModule, x: torch.Tensor, monkeypatch) -> torch.Tensor:
+    """The graph on the Python kernel's torch formulation (exact fp32 chunks, no native code)."""
+    from gml.kernels import int8_ops
+
+    with monkeypatch.context() as mp:
+        mp.setattr(exact_int8, "_native_layer", lambda *a: None)
+        int8_ops.clear_packs()
+        try:
+            with torch.no_grad():
+                return gm(x.clone())
+        finally:
+            int8_ops.clear_packs()
+
+
+def check_bit_identical(gm: fx.GraphModule, x: torch.Tensor, monkeypatch=None) -> None:
+    """The engine against the Python executor (which runs the engine's layer code where it can) and,
+    given ``monkeypatch``, against the torch formulation too: the same bits all three."""
     ref, eng, got = run_both(gm, x, target=AVX2)
+    if monkeypatch is not None:
+        alt = torch_formulation(gm, x, monkeypatch)
+        assert alt.dtype == got.dtype and torch.equal(alt, got), float((alt.float() - got.float()).abs().max())
     assert eng.report.path == "engine", str(eng.report)
     impls = step_impls(eng)
     seven_bit = int(gm.weight.abs().max()) <= 64  # the GEMM's u8 path, else its sign path
@@ -124,14 +147,14 @@ def check_bit_identical(gm: fx.GraphModule, x: torch.Tensor) -> None:
 @pytest.mark.parametrize("out_dtype", [torch.uint8, torch.float32], ids=["u8", "f32"])
 @pytest.mark.parametrize("post_op", ["none", "relu"])
 @pytest.mark.parametrize("m,k,n", [(1, 512, 256), (5, 33, 17), (64, 515, 19), (3, 1, 1), (130, 128, 1000)])
-def test_engine_is_bit_identical_to_the_python_kernel(m, k, n, post_op, out_dtype):
+def test_engine_is_bit_identical_to_the_python_kernel(m, k, n, post_op, out_dtype, monkeypatch):
     x, w, ws, bias = operands(m, k, n, seed=m + k + n)
     gm = qlinear_graph(w, ws, bias, out_dtype=out_dtype, post_op=post_op, out_qp=(0.05, 128))
-    check_bit_identical(gm, x)
+    check_bit_identical(gm, x, monkeypatch)
 
 
 @needs_engine
-def test_hostile_operands_are_exact():
+def test_hostile_operands_are_exact(monkeypatch):
     """Every pair ``x_i w_i + x_j w_j`` at the largest magnitude: x in {0, 255} (so x − 128 is −128 or
     127) against w = ±127 with matching signs. Under oneDNN's u8 shift these saturate int16; here each
     pair is at most 2·128·127 = 32,512."""
@@ -144,18 +167,46 @@ def test_hostile_operands_are_exact():
     gm = qlinear_graph(w, ws, bias, x_qp=(1.0, 128), out_dtype=torch.float32)
     ref, _, got = run_both(gm, x, target=AVX2)
     exact = int64_reference(x, (1.0, 128), w, ws, bias, False)
-    assert torch.equal(got, ref)
+    assert torch.equal(got, ref) and torch.equal(got, torch_formulation(gm, x, monkeypatch))
     assert torch.allclose(got.double(), exact, rtol=1e-6), float((got.double() - exact).abs().max())
 
 
 @needs_engine
-def test_seven_bit_weights_take_the_u8_path_and_agree():
+def test_seven_bit_weights_take_the_u8_path_and_agree(monkeypatch):
     x, w, ws, bias = operands(9, 200, 40, qmax=64)
-    check_bit_identical(qlinear_graph(w, ws, bias), x)
+    check_bit_identical(qlinear_graph(w, ws, bias), x, monkeypatch)
 
 
 @needs_engine
-def test_rank3_input_and_no_bias():
+def test_rank3_input_and_no_bias(monkeypatch):
     x, w, ws, _ = operands(12, 48, 24, seed=11)
     gm = qlinear_graph(w, ws, None)
-    check_bit_identical(gm, x.reshape(3, 4, 48))
+    check_bit_identical(gm, x.reshape(3, 4, 48), monkeypatch)
+
+
+def test_the_op_kernel_prepares_a_weight_once():
+    """The registered kernel caches the packed layer per weight and input qparams (int8_ops._packed):
+    a second call does not pack again, a written weight does."""
+    from gml.kernels import int8_ops
+
+    x, w, ws, bias = operands(2, 64, 16)
+    calls = []
+    real = exact_int8.prepare
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    register()
+    int8_ops.clear_packs()
+    try:
+        exact_int8.prepare = counting  # the kernel looks it up at call time
+        args = (x, 0.02, 3, w, ws, bias, 0.5, 7, torch.uint8, "none", [], "", "gml")
+        first = op("qlinear")(*args)
+        assert torch.equal(op("qlinear")(*args), first) and len(calls) == 1
+        w.add_(0)  # a write bumps the version: prepared again
+        op("qlinear")(*args)
+        assert len(calls) == 2
+    finally:
+        exact_int8.prepare = real
+        int8_ops.clear_packs()

@@ -201,12 +201,14 @@ def qlinear(
     x, x_scale, x_zero_point, weight, weight_scale, bias, out_scale, out_zero_point, out_dtype,
     post_op, post_op_scalars, post_op_algorithm, backend="onednn",
 ):  # fmt: skip
-    if backend == "gml":  # GML's exact arithmetic for 8-bit weights without VNNI (ADR 011): defined there
-        return exact_int8.qlinear(
-            x, x_scale, x_zero_point, weight, weight_scale, bias, out_scale, out_zero_point, out_dtype, post_op
-        )
-    be = _backend(backend)
     x_qp = _qp(x_scale, x_zero_point)
+    if backend == "gml":  # GML's exact arithmetic for 8-bit weights without VNNI (ADR 011): defined there
+        prep = _packed(
+            weight, ("gml", x_qp), (weight_scale, bias),
+            lambda: exact_int8.prepare(weight, weight_scale, bias, x_scale, x_zero_point),
+        )  # fmt: skip
+        return exact_int8.run(prep, weight, x, out_scale, out_zero_point, out_dtype, post_op)
+    be = _backend(backend)
     handle = _packed(
         weight,
         (be.name, x_qp),
