@@ -341,7 +341,10 @@ class Plan {
       std::unordered_map<int, memory> args;
       for (const auto& [arg, v] : s.value_args) args.emplace(arg, ctx->values[v]);
       for (const auto& [arg, m] : s.const_args) args.emplace(arg, m);
-      if (s.scratchpad_md.get_size() > 0) args.emplace(DNNL_ARG_SCRATCHPAD, memory(s.scratchpad_md, cpu_engine(), ctx->scratch.get()));
+      // a step that declared a scratchpad gets one even when it is empty (a GML kernel on an empty
+      // batch asks for 0 bytes and still looks its argument up); oneDNN's "none" has no dims
+      if (s.scratchpad_md.get_size() > 0 || s.scratchpad_md.get_ndims() > 0)
+        args.emplace(DNNL_ARG_SCRATCHPAD, memory(s.scratchpad_md, cpu_engine(), ctx->scratch.get()));
       ctx->args.push_back(std::move(args));
     }
     return ctx;

@@ -210,3 +210,14 @@ def test_the_op_kernel_prepares_a_weight_once():
     finally:
         exact_int8.prepare = real
         int8_ops.clear_packs()
+
+
+@needs_engine
+@pytest.mark.parametrize("out_dtype", [torch.uint8, torch.float32], ids=["u8", "f32"])
+def test_an_empty_batch_gives_an_empty_result(out_dtype):
+    """0 rows: the step asks for 0 scratch bytes and still runs (it used to look up an unbound
+    scratchpad: ``unordered_map::at``, found with the whole suite under a CPUID mask to AVX2)."""
+    x, w, ws, bias = operands(0, 64, 8)
+    ref, eng, got = run_both(qlinear_graph(w, ws, bias, out_dtype=out_dtype), x, target=AVX2)
+    assert eng.report.path == "engine", str(eng.report)
+    assert got.shape == ref.shape == (0, 8) and got.dtype == out_dtype
