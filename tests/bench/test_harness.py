@@ -388,6 +388,24 @@ def test_cached_peak_keeps_the_best_measurement(monkeypatch, tmp_path: Path):
     assert reset.floor_ms(120.0, "int8") == pytest.approx(400.0)
 
 
+def test_cached_peak_is_kept_per_isa(monkeypatch, tmp_path: Path):
+    """A run capped to a lower ISA on the same CPU keeps its own, lower peak."""
+    from gml.bench import roofline
+
+    measured = iter([("avx512_core_vnni", 400.0), ("avx2", 150.0), ("avx512_core_vnni", 300.0)])
+
+    def fake_measure(threads: int) -> Peak:
+        isa, int8 = next(measured)
+        return Peak(100.0, int8, threads, "cpu", torch.__version__, isa=isa)
+
+    monkeypatch.setattr(roofline, "measure_peak", fake_measure)
+    cache = tmp_path / "peak.json"
+    assert roofline.cached_peak(2, cache=cache).int8_ops == 400.0
+    capped = roofline.cached_peak(2, cache=cache)
+    assert (capped.isa, capped.int8_ops, capped.source) == ("avx2", 150.0, "measured")
+    assert roofline.cached_peak(2, cache=cache).int8_ops == 400.0  # the VNNI entry is still there
+
+
 def test_shared_step_runs_once_and_charges_reusers(tmp_path: Path):
     from gml.bench.variants import BuildContext, _shared_step
 

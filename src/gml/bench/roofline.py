@@ -115,14 +115,20 @@ def measure_engine_peak(threads: int, *, reps: int = 10, scale: float = 1.0) -> 
 
 
 def cpu_name() -> str:
+    """The CPU's model name, and the CPUID mask it runs under if any (``benchmarks/cpu_mask``)."""
+    name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                    name = line.split(":", 1)[1].strip()
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    mask = os.environ.get("GML_CPU_MASK")
+    if mask and "cpu_mask" in os.environ.get("LD_PRELOAD", ""):
+        name += f" [CPUID masked to {mask}]"
+    return name
 
 
 def count_flops(model: nn.Module, example_inputs: Sequence[Any]) -> int:
@@ -214,12 +220,14 @@ def cached_peak(threads: int, *, reset: bool = False, cache: Path | None = None)
     converge to the machine's real peak instead of freezing a bad first measurement.
     """
     path = cache or _cache_path()
-    key = f"{cpu_name()}|{threads}|{torch.__version__}"
     try:
         entries: dict[str, Any] = json.loads(path.read_text())
     except (OSError, ValueError):
         entries = {}
     peak = measure_peak(threads)
+    # the ISA oneDNN dispatched to is part of the key: a run capped to AVX2 (ONEDNN_MAX_CPU_ISA,
+    # or a CPUID mask) on this CPU must not inherit the VNNI peak of an uncapped run
+    key = f"{cpu_name()}|{peak.isa}|{threads}|{torch.__version__}"
     old = None if reset else entries.get(key)
     if old is not None:
         if old["fp32_flops"] > peak.fp32_flops:
