@@ -33,7 +33,7 @@ demo: $(STAMP)
 INT8_TIER_TESTS = tests/ir/test_target.py tests/kernels/test_onednn_int8.py tests/quant/test_int8_isa.py \
 	tests/runtime/test_dynamic_linear.py tests/runtime/test_dynamic_linear_residual.py tests/runtime/test_exact_qlinear.py tests/runtime/test_ops.py \
 	tests/runtime/test_reference_kernels.py tests/runtime/test_winograd_int8.py tests/runtime/test_im2col_int8.py tests/runtime/test_dw_int8.py \
-	tests/runtime/test_conv_pad.py tests/test_reliability.py tests/fuzz/test_regressions.py \
+	tests/runtime/test_conv_pad.py tests/test_reliability.py tests/test_reliability24.py tests/fuzz/test_regressions.py \
 	tests/fuzz/test_fuzz_int8.py
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

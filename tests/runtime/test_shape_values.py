@@ -95,6 +95,56 @@ def test_schedule_moves_independent_torch_nodes_ahead_of_an_engine_run() -> None
     assert order == [t1.name, e1.name, e2.name, t2.name, e3.name]
 
 
+def _segment(eng: nn.Module):
+    from gml.runtime.compile import EngineSegment
+
+    (seg,) = [m for m in eng.modules() if isinstance(m, EngineSegment)]
+    return seg
+
+
+@needs_engine
+def test_a_per_shape_input_is_checked_for_nan_once_per_shape(monkeypatch) -> None:
+    """The position embedding reaches the engine segment from ShapeValues: its NaN / Inf check runs
+    once per input shape, the caller's tensor's on every call (a reduction per call costs 1–3 ms
+    on a cold CPU: docs/benchmarks.md, session 20)."""
+    from gml.runtime import compile as rc
+
+    gm = _pos_graph()
+    xs = [torch.randn(2, L, 8) for L in (5, 5, 9, 5)]
+    want = [gm(x) for x in xs]
+    eng = rc.compile_engine(gm, [xs[0]])
+    seg = _segment(eng)
+    assert len(seg.per_shape) == 1  # golden: the embedding's item, not x
+    checked: list[int] = []
+    inner = rc._finite_inputs
+    monkeypatch.setattr(rc, "_finite_inputs", lambda ts: checked.append(len(ts)) or inner(ts))
+    with torch.no_grad():
+        for x, w in zip(xs, want):
+            torch.testing.assert_close(eng(x), w, rtol=1e-5, atol=1e-5)
+    # x on every call (4); the embedding once for L = 5 (its check at compile time already ran
+    # before the patch) and once for L = 9
+    assert checked.count(1) == 5, checked
+
+
+@needs_engine
+def test_a_nan_in_a_per_shape_input_still_gives_eager_numbers() -> None:
+    """The once-per-shape check is remembered as "not finite" too: every call takes the Python
+    executor, which propagates the NaN as eager does."""
+    from gml.runtime.compile import compile_engine
+
+    gm = _pos_graph()
+    with torch.no_grad():
+        gm.pos.weight[3, 0] = float("nan")
+    x = torch.randn(2, 5, 8)
+    want = gm(x)
+    assert want.isnan().any()
+    eng = compile_engine(gm, [x])
+    assert _segment(eng).per_shape
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(eng(x), want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 # ---------------------------------------------------------------- whole models on the engine
 transformers = pytest.importorskip("transformers")
 
