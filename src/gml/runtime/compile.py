@@ -340,13 +340,11 @@ class EngineSegment(nn.Module):
             # execute a primitive" on a Conv3d graph): this shape falls back to the Python executor
             # for good, with the reason in the report, instead of an internal error (issue #24)
             # (an out-of-range token id is an IndexError: the user's input, raised as it is)
-            key = tuple(_input_key(t) for t in inputs)
             with self._lock:
                 self._plans[key] = (None, [])
             self._report.shape_fallbacks[_key_str(key)] = f"the engine failed to run it: {e}"
             return tuple(self.reference(*inputs))
         return tuple(results)
-
 
     def _finite(self, inputs: Sequence[Any], key: tuple) -> bool:
         """No NaN / Inf in ``inputs``. The per-shape ones (:attr:`per_shape`) are the same values
