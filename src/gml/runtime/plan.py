@@ -312,8 +312,12 @@ class Builder:
         """``out`` is computed in place into ``other``'s memory (the residual ``sum``). If ``other``
         (or a value aliasing it) is read after this node, is the caller's, or shares memory with
         ``also_read`` (the conv's own source: ``conv(x) + x`` would overwrite x while the conv
-        reads it; fuzz seed 424242), copy it first."""
+        reads it; fuzz seed 424242), copy it first. ``other`` must have ``out``'s shape: the sum
+        adds the destination's own elements (a broadcast addend is a binary step's: the float conv
+        rules' ``_conv_then_broadcast_add``)."""
         assert other.group is not None
+        if tuple(other.shape) != tuple(out.shape):
+            raise Unsupported(f"an in-place sum of a {tuple(other.shape)} addend into {tuple(out.shape)}")
         live = (
             other.group.where in ("input", "const")  # the caller's, or a plan constant: never written
             or (also_read is not None and also_read.group is other.group)

@@ -11,6 +11,7 @@ import torch
 from gml.kernels import bf16, fp32
 from gml.runtime.rules import base
 from gml.runtime.rules.base import Builder, Call, Eltwise, TranslationRule, Unsupported, Val
+from gml.runtime.rules.eltwise import float_binary
 
 
 def _single_channel(weight: torch.Tensor) -> str | None:
@@ -109,17 +110,25 @@ def _absorb_pad(
 
 
 def _emit_fconv(
-    b: Builder, c: Call, ins: list[Val], out: Val, *, sum_with: Val | None = None, dtype: str = "f32"
+    b: Builder,
+    c: Call,
+    ins: list[Val],
+    out: Val,
+    *,
+    sum_with: Val | None = None,
+    dtype: str = "f32",
+    eltwise: Eltwise | None = None,
 ) -> None:
     """A float conv (fp32, or bf16 with fp32 accumulation): weights reordered once, bias fp32; a
-    zero pad before it is its own padding (:func:`_absorb_pad`)."""
+    zero pad before it is its own padding (:func:`_absorb_pad`). ``eltwise``: the post-ops, when not
+    the module's own."""
     mod, x = c.a, ins[0]
     if x.dtype_name != dtype or len(x.shape) != mod.weight.dim() or (dtype == "bf16" and len(x.shape) != 4):
         raise Unsupported(f"{dtype} conv input {x.dtype_name} rank {len(x.shape)}")
     k = tuple(mod.weight.shape[2:])
     x, padding, pad_r = _absorb_pad(b, x, out, k, tuple(mod.stride), tuple(mod.dilation), tuple(mod.padding))
-    relu: Eltwise = [("relu", 0.0, 0.0)] if getattr(mod, "relu", False) else []
-    eltwise = base.eltwise_of(mod.post_op) if sum_with is None else relu
+    if eltwise is None:
+        eltwise = base.eltwise_of(mod.post_op) if sum_with is None else _relu_of(mod)
     b.conv(
         x,
         out,
@@ -138,10 +147,33 @@ def _emit_fconv(
     )
 
 
+def _relu_of(mod: torch.nn.Module) -> Eltwise:
+    """A conv + add module's activation after the sum (``relu=True``), as post-ops."""
+    return [("relu", 0.0, 0.0)] if getattr(mod, "relu", False) else []
+
+
 def _emit_fconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     # conv(x) + other accumulated in other's memory (a copy if other lives on or is x itself)
+    if ins[1].shape != out.shape:
+        _conv_then_broadcast_add(b, c, ins[0], ins[1], out, "f32")
+        return
     b.share(out, ins[1], also_read=ins[0])
     _emit_fconv(b, c, ins[:1], out, sum_with=ins[1])
+
+
+def _conv_then_broadcast_add(b: Builder, c: Call, x: Val, other: Val, out: Val, dtype: str) -> None:
+    """``conv(x) + other`` where ``other`` broadcasts over the output (visformer's position
+    embedding, batch 1, added to its patch embedding's conv at a batch above 1). oneDNN's ``sum``
+    post-op adds a tensor of the destination's own shape in place: the plan had read the bytes past a
+    batch-1 addend for the other images (wrong numbers, different on every run). The conv writes a
+    temp in the output's layout, then one binary add broadcasts ``other``, with the module's ReLU."""
+    if out.free:  # the binary writes a fixed layout: the conv's own for a 4-D fp32 value (NHWC)
+        rank4 = len(out.shape) == 4
+        out.free, out.tie = False, None
+        out.stride = base.nhwc_strides(out.shape) if rank4 else base.contiguous_strides(out.shape)
+    t = b.temp(out.shape, out.stride, dtype)
+    _emit_fconv(b, c, [x], t, dtype=dtype, eltwise=[])
+    float_binary(b, t, other, out, "add", eltwise=_relu_of(c.a))
 
 
 def _emit_bconv(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
@@ -152,6 +184,9 @@ def _emit_bconv_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if ins[1].dtype_name != "bf16":
         raise Unsupported(f"bf16 conv + add of a {ins[1].dtype_name} tensor")
     x = base.bf16_src(b, ins[0])
+    if ins[1].shape != out.shape:
+        _conv_then_broadcast_add(b, c, x, ins[1], out, "bf16")
+        return
     b.share(out, ins[1], also_read=x)
     _emit_fconv(b, c, [x], out, sum_with=ins[1], dtype="bf16")
 

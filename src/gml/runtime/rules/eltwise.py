@@ -156,17 +156,17 @@ def emit_float_add(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if {x.dtype_name, y.dtype_name, out.dtype_name} - {"f32", "bf16"}:
         raise Unsupported(f"add of {x.dtype_name} and {y.dtype_name}")
     if c.a.alpha == -1:
-        _float_binary(b, x, y, out, "sub")
+        float_binary(b, x, y, out, "sub")
         return
     if fuse_into_linear(b, x, y, out) or fuse_into_linear(b, y, x, out):
         return
     if fuse_into_dynamic_linear(b, x, y, out) or fuse_into_dynamic_linear(b, y, x, out):
         return
-    _float_binary(b, x, y, out, "add")
+    float_binary(b, x, y, out, "add")
 
 
 def emit_float_mul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
-    _float_binary(b, ins[0], ins[1], out, "mul")
+    float_binary(b, ins[0], ins[1], out, "mul")
 
 
 def check_add_relu(c: Call) -> str | None:
@@ -175,10 +175,10 @@ def check_add_relu(c: Call) -> str | None:
 
 def emit_add_relu(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     # kernels.fp32.AddReLU: relu(a + b) (a residual sum no conv took: SE-ResNeXt's gated branch)
-    _float_binary(b, ins[0], ins[1], out, "add", eltwise=[("relu", 0.0, 0.0)])
+    float_binary(b, ins[0], ins[1], out, "add", eltwise=[("relu", 0.0, 0.0)])
 
 
-def _float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str, *, eltwise: Eltwise | None = None) -> None:
+def float_binary(b: Builder, x: Val, y: Val, out: Val, alg: str, *, eltwise: Eltwise | None = None) -> None:
     """One oneDNN binary ``x <alg> y`` (add, mul, sub); the operand that broadcasts (a constant
     vector: MobileBERT's NoNorm ``x * w + b``; a squeeze-excite gate ``x * g`` with ``g`` of shape
     N×C×1×1) is the second source (add and mul commute; a sub's first operand must be the full one).
