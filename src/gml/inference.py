@@ -76,5 +76,10 @@ def refuse_nonfinite_inputs(args: Any) -> None:
 
 
 def refuse_nonfinite(module: nn.Module) -> None:
-    """Make INT8 ``module`` apply :func:`refuse_nonfinite_inputs` on every call (once per module)."""
+    """Make INT8 ``module`` apply :func:`refuse_nonfinite_inputs` on every call (once per module).
+    A module with a ``refuses_nonfinite`` flag (the engine's) checks its inputs itself: a hook would
+    take every call through ``nn.Module``'s slow path."""
+    if isinstance(getattr(module, "refuses_nonfinite", None), bool):
+        module.refuses_nonfinite = True
+        return
     _check_every_call(module, refuse_nonfinite_inputs, "_gml_refuses_nonfinite")

@@ -28,10 +28,11 @@ import torch
 from torch import fx, nn
 
 from gml.errors import InputError, UnsupportedError
-from gml.inference import refuse_grad_inputs
+from gml.inference import refuse_grad_inputs, refuse_nonfinite_inputs
 from gml.ir.target import Target
 from gml.kernels.fp32 import all_finite
 from gml.runtime import native
+from gml.runtime.direct_call import DirectCall, specialise
 from gml.runtime.options import EngineOptions, resolve_options
 from gml.runtime.plan import Builder
 from gml.runtime.rules import Unsupported, read_call, rule_for
@@ -316,7 +317,16 @@ class EngineSegment(nn.Module):
         return plan, [t if isinstance(t, _Size) else (tuple(t.shape), tuple(t.stride()), t.dtype) for t in metas]
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        key = tuple(_input_key(t) for t in inputs)
+        return self.run(inputs, self.plan_key(inputs))
+
+    @staticmethod
+    def plan_key(inputs: Sequence[Any]) -> tuple:
+        """The key of the plan for ``inputs``: each one's layout, or value for a size."""
+        return tuple(_input_key(t) for t in inputs)
+
+    def run(self, inputs: Sequence[Any], key: tuple) -> tuple[torch.Tensor, ...]:
+        """``forward(*inputs)`` with its plan key given (the model's direct call computes the key
+        once per input layout where the segment's inputs are the model's or fixed by its layout)."""
         if not self._finite(inputs, key):
             # oneDNN's ReLU / clip post-ops and max pooling take a max that drops NaN (vmaxps), so
             # a NaN or Inf input would come out as finite numbers (issue #24): the segment's Python
@@ -645,11 +655,45 @@ class EngineModule(nn.Module):
         # channels (dim 1) are fixed for image / video inputs; other dims may change (a new plan),
         # and for other ranks dim 1 may be a sequence length: the plan's compile run checks those
         self._expect = [(t.dtype, t.dim(), t.shape[1] if t.dim() >= 4 else None) for t in example]
+        #: an INT8 model refuses NaN / Inf inputs (:func:`gml.inference.refuse_nonfinite` sets it:
+        #: checked here rather than by a forward pre-hook, which would slow every ``__call__``)
+        self.refuses_nonfinite = False
+        #: per input layout, the graph's call with its glue evaluated (:mod:`gml.runtime.direct_call`)
+        self._direct: dict[tuple, tuple[str, DirectCall | None]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_direct"] = {}  # generated code: rebuilt on the first call of each layout
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_direct", {})
+        self.__dict__.setdefault("refuses_nonfinite", False)
 
     def forward(self, *inputs: Any) -> Any:
+        """The model's outputs. The first call with a layout of the inputs checks them against the
+        example (:meth:`_check`), runs the partitioned graph and keeps its direct call
+        (:func:`~gml.runtime.direct_call.specialise`); later calls with that layout run it."""
         refuse_grad_inputs(inputs)  # the engine's outputs carry no autograd graph (gml.inference)
-        self._check(inputs)
-        return self.graph_module(*inputs)
+        key = tuple(_input_key(t) for t in inputs)
+        try:
+            hit = self._direct.get(key)
+        except TypeError:  # an unhashable input (a dict): _check says what the model takes
+            hit = None
+        gm = self.graph_module
+        if hit is None or hit[0] is not gm.code:  # a new layout (or a graph changed since)
+            self._check(inputs)
+            if self.refuses_nonfinite:
+                refuse_nonfinite_inputs(inputs)
+            out = gm(*inputs)
+            if len(self._direct) >= MAX_PLANS:
+                self._direct.clear()
+            self._direct[key] = (gm.code, specialise(gm, inputs))
+            return out
+        if self.refuses_nonfinite:
+            refuse_nonfinite_inputs(inputs)
+        return gm(*inputs) if hit[1] is None else hit[1](*inputs)
 
     def _check(self, inputs: Sequence[Any]) -> None:
         if len(inputs) != len(self._expect):

@@ -1,0 +1,228 @@
+"""gml.runtime.direct_call: an engine model's partitioned graph specialised to one input layout (#23:
+the glue around MiniLM's plan was a quarter of an 11-token call after 100 ms idle)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import fx, nn
+
+from gml import nn as gnn
+from gml.errors import InputError
+from gml.runtime import unavailable_reason
+from gml.runtime.compile import MAX_PLANS, EngineSegment
+from gml.runtime.direct_call import static_nodes
+
+needs_engine = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+class _PosEmb(nn.Module):
+    """``ln(x + pos_emb(arange(L)))``: position ids from the input's size only (as BERT's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos = nn.Embedding(32, 8)
+        self.add = gnn.Add()
+        self.ln = nn.LayerNorm(8)
+        self.ln2 = nn.LayerNorm(8)
+
+
+def _pos_graph(data_size: bool = False) -> fx.GraphModule:
+    """The position embedding, then (``data_size``) ``ln2(y) * count_nonzero-like size of y > 0``:
+    a size read from a tensor computed from the data, which no layout fixes."""
+    root = _PosEmb().eval()
+    g = fx.Graph()
+    x = g.placeholder("x")
+    n = g.call_function(torch.ops.aten.sym_size.int, (x, 1))
+    ids = g.call_function(torch.arange, (n,))
+    ids = g.call_method("unsqueeze", (ids, 0))
+    e = g.call_module("pos", (ids,))
+    y = g.call_module("add", (x, e))
+    y = g.call_module("ln", (y,))
+    if data_size:
+        nz = g.call_function(torch.nonzero, (g.call_method("gt", (y, 0.5)),))
+        k = g.call_function(torch.ops.aten.sym_size.int, (nz, 0))
+        y = g.call_function(torch.mul, (g.call_module("ln2", (y,)), k))
+    g.output(y)
+    return fx.GraphModule(root, g)
+
+
+def _engine(gm: fx.GraphModule, x: torch.Tensor):
+    from gml.runtime.compile import compile_engine
+
+    return compile_engine(gm, [x])
+
+
+def _direct(eng, x: torch.Tensor):
+    (entry,) = [d for k, (_, d) in eng._direct.items() if k[0][0] == tuple(x.shape)]
+    return entry
+
+
+def test_sizes_of_inputs_are_static_sizes_of_data_are_not() -> None:
+    """Golden: which nodes keep their value for one layout. The size of ``x`` (a model input) and
+    what is computed from it are static; the size of ``nonzero(y > 0.5)`` is not."""
+    gm = _pos_graph(data_size=True)
+    static = {n.name for n in static_nodes(gm)}
+    assert "sym_size_int" in static  # x.shape[1]
+    sizes = [n for n in gm.graph.nodes if n.target is torch.ops.aten.sym_size.int]
+    assert [n.name in static for n in sizes] == [True, False], static
+    # arange / the embedding read no data but are not this module's business: ShapeValues caches them
+    assert not static & {"arange", "pos", "unsqueeze"}
+
+
+@needs_engine
+def test_the_glue_runs_once_per_layout_and_the_numbers_are_the_graphs() -> None:
+    """Golden: after ShapeValues took the position ids, the direct call of one layout is the
+    segment's ``run`` with its plan key given, and the return; numbers equal to the graph's
+    (the same plan), for two layouts and again after both."""
+    gm = _pos_graph()
+    xs = [torch.randn(2, L, 8) for L in (5, 9)]
+    want = [gm(x) for x in xs]
+    eng = _engine(gm, xs[0])
+    with torch.no_grad():
+        for x, w in zip(xs + xs, want + want):
+            got = eng(x)
+            torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, eng.graph_module(x), rtol=0, atol=0)
+    direct = _direct(eng, xs[1])
+    # no sym_size, no ShapeValues call, no getitem of its tuple: the segment and its output's item
+    assert direct.nodes == ["engine_segment_0", "getitem_1"], direct.code
+    assert direct.keyed == ["engine_segment_0"], direct.code
+    assert len(eng._direct) == 2
+
+
+@needs_engine
+def test_a_size_of_data_is_read_on_every_call() -> None:
+    """Negative: ``nonzero``'s size changes with the data; two inputs of one layout give two answers."""
+    gm = _pos_graph(data_size=True)
+    x1 = torch.randn(2, 5, 8)
+    x2 = -x1
+    eng = _engine(gm, x1)
+    with torch.no_grad():
+        for x in (x1, x2, x1, x2):
+            torch.testing.assert_close(eng(x), gm(x), rtol=1e-5, atol=1e-5)
+    direct = _direct(eng, x1)
+    # the second segment reads nonzero's tensor: its key is computed on every call
+    assert direct.nodes[:4] == ["engine_segment_0", "getitem_1", "gt", "nonzero"], direct.code
+    assert direct.keyed == ["engine_segment_0"] and "engine_segment_1" in direct.nodes, direct.code
+
+
+@needs_engine
+def test_a_hook_registered_after_the_first_call_runs() -> None:
+    """A forward pre-hook on a segment (or on the graph) added after a layout's direct call was
+    written takes the graph's own path, so the hook sees the call."""
+    gm = _pos_graph()
+    x = torch.randn(2, 5, 8)
+    eng = _engine(gm, x)
+    with torch.no_grad():
+        eng(x)
+        (seg,) = [m for m in eng.modules() if isinstance(m, EngineSegment)]
+        seen: list[int] = []
+        handle = seg.register_forward_pre_hook(lambda mod, args: seen.append(len(args)))
+        torch.testing.assert_close(eng(x), gm(x), rtol=1e-5, atol=1e-5)
+        assert len(seen) == 1
+        handle.remove()
+        eng.graph_module.register_forward_hook(lambda mod, args, out: seen.append(-1))
+        eng(x)
+    assert seen == [seen[0], -1]
+
+
+@needs_engine
+def test_layouts_beyond_the_bound_are_dropped_and_still_right() -> None:
+    gm = _pos_graph()
+    xs = [torch.randn(1, L, 8) for L in range(2, 3 + MAX_PLANS)]
+    eng = _engine(gm, xs[0])
+    with torch.no_grad():
+        for x in xs + xs[:2]:
+            torch.testing.assert_close(eng(x), gm(x), rtol=1e-5, atol=1e-5)
+    assert 1 <= len(eng._direct) <= MAX_PLANS
+
+
+@needs_engine
+def test_a_copy_rebuilds_its_direct_calls() -> None:
+    gm = _pos_graph()
+    x = torch.randn(2, 5, 8)
+    eng = _engine(gm, x)
+    with torch.no_grad():
+        eng(x)
+        twin = copy.deepcopy(eng)
+        assert twin._direct == {} and twin.refuses_nonfinite is False
+        torch.testing.assert_close(twin(x), gm(x), rtol=1e-5, atol=1e-5)
+        assert len(twin._direct) == 1
+
+
+@needs_engine
+def test_a_wrong_input_is_still_refused_after_the_first_call() -> None:
+    """The direct call is for layouts that passed the model's input check: another dtype, a dict,
+    a missing input still get the check's message."""
+    gm = _pos_graph()
+    x = torch.randn(2, 5, 8)
+    eng = _engine(gm, x)
+    with torch.no_grad():
+        eng(x)
+        with pytest.raises(InputError, match="expects"):
+            eng(x.double())
+        with pytest.raises(InputError, match="input 0 is a dict"):
+            eng({"x": x})
+        with pytest.raises(InputError, match="takes 1 input"):
+            eng()
+
+
+@needs_engine
+def test_the_int8_refusal_of_nan_holds_on_the_direct_call_without_a_hook() -> None:
+    """An INT8 engine model refuses NaN / Inf itself (a flag, not a forward pre-hook that would take
+    every call through ``nn.Module``'s slow path), on the first call of a layout and later ones."""
+    import gml
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 4)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    res = gml.quantize(model, [torch.randn(2, 3, 8, 8) for _ in range(4)], example_inputs=(x,), cost_policy="off")
+    eng = res.engine
+    if eng is None:
+        pytest.skip(f"no engine model: {res.runtime}")
+    assert eng.refuses_nonfinite and not eng._forward_pre_hooks
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    with torch.no_grad():
+        res.executable(x)
+        with pytest.raises(InputError, match="NaN"):
+            res.executable(bad)
+        with pytest.raises(InputError, match="NaN"):
+            res.executable(torch.full((1, 3, 8, 8), float("inf")))  # a new layout
+
+
+class _WithDefault(nn.Module):
+    """``forward(x, mask=None)``: gml.capture traces ``mask`` as its default (a placeholder the
+    call never passes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.lin(x)
+        if mask is not None:
+            y = y + mask
+        return self.ln(y).cumsum(-1)  # cumsum: a torch node after the segment
+
+
+@needs_engine
+def test_an_argument_traced_as_its_default_is_a_kept_value() -> None:
+    import gml
+
+    torch.manual_seed(0)
+    model = _WithDefault().eval()
+    res = gml.optimize(model, torch.randn(2, 8), runtime="engine")
+    eng = res.executable
+    with torch.no_grad():
+        for rows in (2, 2, 5, 5):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(eng(x), model(x), rtol=1e-5, atol=1e-5)
+    directs = [d for _, d in eng._direct.values()]
+    assert len(directs) == 2 and all(d is not None for d in directs), eng.graph_module.code
+    assert "cumsum" in directs[0].nodes, directs[0].code
