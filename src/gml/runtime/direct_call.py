@@ -86,7 +86,8 @@ class DirectCall:
         self.nodes = nodes
         self.keyed = keyed
         exec(compile(code, "<gml direct call>", "exec"), env)  # our own text from node names, no file's
-        self._fn: Callable[..., Any] = env["_direct"]
+        # taken out of its globals: a function in its own globals would be one more reference cycle
+        self._fn: Callable[..., Any] = env.pop("_direct")
 
     def __call__(self, *inputs: Any) -> Any:
         return self._fn(*inputs)
