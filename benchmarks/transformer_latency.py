@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 import warnings
@@ -66,14 +64,12 @@ def _build_gml_int8_py(ctx):  # -> gml.bench.variants.Built
 
 
 def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or platform.machine()
-    name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
-    have = [f for f in ("avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(have) or 'no VNNI/BF16/AMX'})"
+    """The CPU's name (with the CPUID mask it runs under, if any) and the tier GML sees through
+    CPUID: the lscpu flags would name AVX-512 / AMX under ``benchmarks/cpu_mask`` too."""
+    from gml.bench.roofline import cpu_name
+    from gml.runtime.target import detect_target
+
+    return f"{cpu_name()} (oneDNN ISA {detect_target().isa})"
 
 
 def _minilm() -> tuple[torch.nn.Module, object]:
