@@ -144,6 +144,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "contiguous": {},
     "pool": {"kind": "max", "k": 2, "stride": 2, "pad": 0, "out": 1, "form": "module"},  # max / avg / adaptive
     "dropout": {"form": "module"},  # identity in eval: module / functional
+    # x + p, p a parameter of the root module (a get_attr node) that broadcasts over x: "batch" is
+    # (1, *x.shape[1:]) (a ViT's position embedding), "channel" (1, C, 1, ...) (a per-channel shift)
+    "bias": {"shape": "batch"},
     "reuse": {"of": 0},  # call the module of layer ``of`` again (a module called at several sites)
 }
 
@@ -234,6 +237,9 @@ def infer_shape(
         _need(len(x) >= 2, f"{op} needs rank ≥2")
         return (*x[:-1], kw["out"])
     if op in ("act", "dropout", "contiguous"):
+        return x
+    if op == "bias":
+        _need(len(x) >= 2, "a broadcast parameter add needs rank >= 2")
         return x
     if op == "scalar":
         return x
@@ -368,6 +374,10 @@ class GeneratedModel(nn.Module):
                     if layer["bias"]:
                         b = (torch.rand(layer["out"], generator=gen) * 2 - 1) * bound
                         self.register_parameter(f"mb{i}", nn.Parameter(b))
+                elif layer.op == "bias":
+                    shape = (1, *x[1:]) if layer["shape"] == "batch" else (1, x[1], *[1] * (len(x) - 2))
+                    p = torch.randn(shape, generator=gen) * 0.5
+                    self.register_parameter(f"p{i}", nn.Parameter(p))
                 elif layer.op in ("conv", "linear", "bn") and layer["form"] == "functional":
                     self._functional_params(i, layer, x, gen)
                 else:
@@ -525,6 +535,8 @@ class GeneratedModel(nn.Module):
             return fn3(x, kw["k"], kw["stride"], kw["pad"])
         if op == "dropout":
             return F.dropout(x, 0.5, training=False)
+        if op == "bias":
+            return x + getattr(self, f"p{i}")
         raise ValueError(f"cannot apply {layer!r}")
 
 

@@ -34,14 +34,14 @@ from gml.testing.graphgen import ACTIVATIONS, REUSABLE, L, ModelSpec, Shape, act
 _WEIGHTS = {
     "act": 3, "conv": 7, "bn": 3, "add": 3, "linear": 2, "pool": 2, "cat": 2, "convT": 2, "reuse": 2,
     "matmul": 1, "mul": 1, "scalar": 1, "flatten": 1, "merge": 1, "split": 1, "unsqueeze": 1, "permute": 1,
-    "contiguous": 1, "dropout": 1,
+    "contiguous": 1, "dropout": 1, "bias": 1,
 }  # fmt: skip
 OPS: tuple[str, ...] = tuple(op for op, w in _WEIGHTS.items() for _ in range(w))
 # ReLU is what the fused kernels take as a post-op, so it is drawn as often as all the others together.
 _ACT_KINDS: tuple[str, ...] = ("relu",) * (len(ACTIVATIONS) - 1) + tuple(k for k in ACTIVATIONS if k != "relu")
 # After these producers, the next op is often the one the fp32/INT8 passes fuse with them.
 FOLLOW: dict[str, tuple[str, ...]] = {
-    "conv": ("bn", "bn", "bn", "act", "add"),
+    "conv": ("bn", "bn", "bn", "act", "add", "bias"),
     "convT": ("bn", "act"),
     "linear": ("act", "bn", "add"),
     "matmul": ("act", "act", "add"),
@@ -370,6 +370,13 @@ class _Drawer:
         assert src is not None
         form = self.draw(st.sampled_from(["module", "functional"]))
         self.add(L("dropout", src, form=form), root=self.values[src].root)
+        return True
+
+    def op_bias(self) -> bool:
+        src = self.pick(self.live(lambda v: len(v.shape) >= 2))
+        if src is None:
+            return False
+        self.add(L("bias", src, shape=self.draw(st.sampled_from(["batch", "channel"]))))
         return True
 
     def op_reuse(self) -> bool:
