@@ -246,3 +246,41 @@ OWN_IN, OWN_IN_ZP, OWN_OUT = QParams(0.05, 0), QParams(0.04, 37), QParams(0.5, 3
 
 #: skip marks of the tests of GML's own AVX2 kernels: the native engine, and a CPU with AVX2
 OWN_KERNEL_MARKS = _own_kernel_marks()
+
+
+class _PosEmb(nn.Module):
+    """``ln(x + pos_emb(arange(L)))``: position ids from the input's size only (as BERT's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        from gml import nn as gnn
+
+        self.pos = nn.Embedding(32, 8)
+        self.add = gnn.Add()
+        self.ln = nn.LayerNorm(8)
+        self.ln2 = nn.LayerNorm(8)
+
+
+def pos_embedding_graph(in_place: bool = False, data_size: bool = False) -> fx.GraphModule:
+    """``ln(x + pos_emb(arange(x.shape[1])))`` on ``x`` of shape (N, L, 8). ``in_place``: an
+    in-place op on the position ids (a would-be cached value: nothing may be cached);
+    ``data_size``: then ``ln2(y) * nonzero(y > 0.5).shape[0]``, a size read from a tensor computed
+    from the data, which no input layout fixes."""
+    root = _PosEmb().eval()
+    g = fx.Graph()
+    x = g.placeholder("x")
+    n = g.call_function(torch.ops.aten.sym_size.int, (x, 1))
+    ids = g.call_function(torch.arange, (n,))
+    ids = g.call_method("unsqueeze", (ids, 0))
+    if in_place:
+        ids = g.call_method("add_", (ids, 0))
+    e = g.call_module("pos", (ids,))
+    y = g.call_module("add", (x, e))
+    y = g.call_module("ln", (y,))
+    if data_size:
+        nz = g.call_function(torch.nonzero, (g.call_method("gt", (y, 0.5)),))
+        k = g.call_function(torch.ops.aten.sym_size.int, (nz, 0))
+        y = g.call_function(torch.mul, (g.call_module("ln2", (y,)), k))
+    g.output(y)
+    return fx.GraphModule(root, g)

@@ -9,45 +9,17 @@ import pytest
 import torch
 from torch import fx, nn
 
-from gml import nn as gnn
 from gml.errors import InputError
 from gml.runtime import unavailable_reason
 from gml.runtime.compile import MAX_PLANS, EngineSegment
 from gml.runtime.direct_call import static_nodes
 
+from .helpers import pos_embedding_graph
+
 needs_engine = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
 
-class _PosEmb(nn.Module):
-    """``ln(x + pos_emb(arange(L)))``: position ids from the input's size only (as BERT's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.pos = nn.Embedding(32, 8)
-        self.add = gnn.Add()
-        self.ln = nn.LayerNorm(8)
-        self.ln2 = nn.LayerNorm(8)
-
-
-def _pos_graph(data_size: bool = False) -> fx.GraphModule:
-    """The position embedding, then (``data_size``) ``ln2(y) * count_nonzero-like size of y > 0``:
-    a size read from a tensor computed from the data, which no layout fixes."""
-    root = _PosEmb().eval()
-    g = fx.Graph()
-    x = g.placeholder("x")
-    n = g.call_function(torch.ops.aten.sym_size.int, (x, 1))
-    ids = g.call_function(torch.arange, (n,))
-    ids = g.call_method("unsqueeze", (ids, 0))
-    e = g.call_module("pos", (ids,))
-    y = g.call_module("add", (x, e))
-    y = g.call_module("ln", (y,))
-    if data_size:
-        nz = g.call_function(torch.nonzero, (g.call_method("gt", (y, 0.5)),))
-        k = g.call_function(torch.ops.aten.sym_size.int, (nz, 0))
-        y = g.call_function(torch.mul, (g.call_module("ln2", (y,)), k))
-    g.output(y)
-    return fx.GraphModule(root, g)
+_pos_graph = pos_embedding_graph
 
 
 def _engine(gm: fx.GraphModule, x: torch.Tensor):

@@ -9,38 +9,16 @@ import pytest
 import torch
 from torch import fx, nn
 
-from gml import nn as gnn
 from gml.runtime import unavailable_reason
 from gml.runtime.shape_values import ShapeValues, cache_shape_values, schedule_for_engine, static_nodes
 from gml.testing.tokens import padded_tokens
 
+from .helpers import pos_embedding_graph
+
 needs_engine = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
 
-class _PosEmb(nn.Module):
-    """``ln(x + pos_emb(arange(L)))``: position ids from the input's size only (as BERT's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.pos = nn.Embedding(32, 8)
-        self.add = gnn.Add()
-        self.ln = nn.LayerNorm(8)
-
-
-def _pos_graph(in_place: bool = False) -> fx.GraphModule:
-    root = _PosEmb().eval()
-    g = fx.Graph()
-    x = g.placeholder("x")
-    n = g.call_function(torch.ops.aten.sym_size.int, (x, 1))
-    ids = g.call_function(torch.arange, (n,))
-    ids = g.call_method("unsqueeze", (ids, 0))
-    if in_place:  # an in-place op on a would-be cached value: nothing may be cached
-        ids = g.call_method("add_", (ids, 0))
-    e = g.call_module("pos", (ids,))
-    y = g.call_module("add", (x, e))
-    g.output(g.call_module("ln", (y,)))
-    return fx.GraphModule(root, g)
+_pos_graph = pos_embedding_graph
 
 
 def test_size_only_nodes_are_cached_per_shape() -> None:
