@@ -374,6 +374,19 @@ inline bool try_dw_int8(Plan& p, const ConvStep& desc, bool force, const dnnl::p
   return take_own_int8_conv(p, desc, force, key, conv, direct, direct_consts, direct_scratch);
 }
 
+// oneDNN 3.2's AMX 1x1 convolution (``jit_1x1:avx512_core_amx``) writes past the end of its destination
+// for some output sizes: an INT8 64 -> 128 conv on a 6x6 map wrote 0.5-1.5 KB past the 4.6 KB u8 NHWC
+// output (33, 36, 42 or 48 output pixels did; 9, 16, 20, 40, 64, 100 and 144 did not), corrupting the
+// heap (timm resnet10t INT8 at its 176 px default crashed; found by a batch sweep, session 21). The
+// pattern is not a simple tail rule, so the kernel is never taken: the next implementation oneDNN
+// offers is (another AMX kernel). ``next_impl`` keeps the descriptor when there is no other.
+inline bool broken_impl(const std::string& impl) { return impl.rfind("jit_1x1:avx512_core_amx", 0) == 0; }
+
+inline void skip_broken_impls(dnnl::convolution_forward::primitive_desc& pd) {
+  while (broken_impl(pd.impl_info_str()) && pd.next_impl()) {
+  }
+}
+
 // Convolution, INT8 (u8 src, s8 weights, per-channel or per-tensor weight scales) or fp32.
 // ``weight`` points at a contiguous [O, I/groups, k...] tensor copied (reordered) here, never kept.
 inline void build(Plan& p, const ConvStep& desc) {
@@ -418,6 +431,7 @@ inline void build(Plan& p, const ConvStep& desc) {
   auto pd = dnnl::convolution_forward::primitive_desc(
       cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct, src_md, any_w,
       bias_md, dst_md, st, dl, pl, pr, attr);
+  skip_broken_impls(pd);
   p.resolve(dst, pd.dst_desc());
   // The direct conv's reordered weights are made only once it is known to run, or to time it against
   // Winograd: made first and dropped when Winograd won, they left their size as a hole in the heap
