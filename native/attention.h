@@ -30,6 +30,8 @@
 #include <limits>
 #include <vector>
 
+#include "attention_problem.h"  // Problem, Operand, for_each_batch
+
 #define GML_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 // gcc 12's AVX-512 headers start some intrinsics from an "undefined" register (`__Y = __Y`), which
@@ -38,23 +40,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace gml_attention {
-
-// One operand: element pointer, strides (elements) per batch dim (0 broadcast), row stride, column
-// stride (1 for Q / K / V / O; a mask may have 0: one value per row).
-struct Operand {
-  const void* data = nullptr;
-  std::vector<int64_t> batch_strides;
-  int64_t row = 0, col = 1;
-};
-
-struct Problem {
-  bool f32 = false;            // fp32 q / k / v / out (else bf16)
-  std::vector<int64_t> batch;  // batch dims (the output's)
-  int64_t L = 0, S = 0, E = 0, Ev = 0;
-  float scale = 1.0f;
-  Operand q, k, v, out;
-  std::vector<Operand> masks;  // fp32
-};
 
 // True when this CPU runs the kernel (AVX512-BF16 and the AVX-512 subsets above).
 inline bool cpu_supported() {
@@ -483,31 +468,11 @@ GML_AVX512BF16 inline void attend_one(const Problem& pb, const void* q, const vo
 
 // The whole problem: batch indices split over the OpenMP team.
 GML_AVX512BF16 inline void run(const Problem& pb) {
-  int64_t nb = 1;
-  for (int64_t d : pb.batch) nb *= d;
-  const int rank = static_cast<int>(pb.batch.size());
-  const int64_t item = pb.f32 ? 4 : 2;
-  auto offset = [&](const Operand& op, int64_t i) {  // batch index i -> element offset
-    int64_t off = 0;
-    for (int d = rank - 1; d >= 0; --d) {
-      off += (i % pb.batch[d]) * op.batch_strides[d];
-      i /= pb.batch[d];
-    }
-    return off;
-  };
-#pragma omp parallel for schedule(static) if (nb > 1 && pb.L * pb.S >= 4096)
-  for (int64_t i = 0; i < nb; ++i) {
+  for_each_batch(pb, [&](const char* q, const char* k, const char* v, char* o, const std::vector<const float*>& mb) {
     thread_local Scratch w;
-    std::vector<const float*> mb(pb.masks.size());
-    for (size_t m = 0; m < pb.masks.size(); ++m)
-      mb[m] = static_cast<const float*>(pb.masks[m].data) + offset(pb.masks[m], i);
-    const char* q = static_cast<const char*>(pb.q.data) + offset(pb.q, i) * item;
-    const char* k = static_cast<const char*>(pb.k.data) + offset(pb.k, i) * item;
-    const char* v = static_cast<const char*>(pb.v.data) + offset(pb.v, i) * item;
-    char* o = static_cast<char*>(const_cast<void*>(pb.out.data)) + offset(pb.out, i) * item;
     if (pb.f32) attend_one<true>(pb, q, k, v, o, mb, w);
     else attend_one<false>(pb, q, k, v, o, mb, w);
-  }
+  });
 }
 
 }  // namespace gml_attention

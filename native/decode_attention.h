@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2_math.h"  // exp, horizontal sums
 #include "woq_pool.h"  // the decode pool that attention_row splits its items over
 
 #define GML_DECODE_AVX2 __attribute__((target("avx2,fma")))
@@ -128,32 +129,6 @@ GML_DECODE_AVX512 inline __m512 load16(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// exp(x) for x <= 0 (softmax after the max is subtracted; below -87 it is 0): Cephes' expf — x = n ln2
-// + r, a degree-5 polynomial for e^r, n added to the exponent. Relative error ~1e-7 (std::exp: ~6e-8).
-GML_DECODE_AVX2 inline __m256 exp_neg_avx2(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-
-GML_DECODE_AVX2 inline float hsum_avx2(__m256 t) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-
 constexpr int64_t kItem = 128;  // positions per work item (one thread's share is whole items)
 constexpr int64_t kBlock = 32;  // positions per block of the weighted values (that V block stays in L1)
 constexpr int kSub = 8;         // query heads whose scores / outputs are in registers at once
@@ -190,7 +165,7 @@ GML_DECODE_AVX2 __attribute__((always_inline)) inline void store_sums(const __m2
     _mm_storeu_ps(row, _mm_mul_ps(t, _mm_set1_ps(scale)));
   } else {
 #pragma GCC unroll 8
-    for (int h = 0; h < NH; ++h) row[h] = scale * hsum_avx2(a[h]);
+    for (int h = 0; h < NH; ++h) row[h] = scale * gml_avx2::hsum(a[h]);
   }
 }
 
@@ -266,7 +241,7 @@ GML_DECODE_AVX2 void exp_rows_avx2(float* p, int64_t n, float* ml, int64_t strid
   for (int64_t j = 0; j < n; ++j) mv = _mm256_max_ps(mv, load_row<NH>(p + j * NH, lanes));
   __m256 sv = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    const __m256 e = exp_neg_avx2(_mm256_sub_ps(load_row<NH>(p + j * NH, lanes), mv));
+    const __m256 e = gml_avx2::exp_neg(_mm256_sub_ps(load_row<NH>(p + j * NH, lanes), mv));
     if constexpr (NH == 8)
       _mm256_storeu_ps(p + j * NH, e);
     else

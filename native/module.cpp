@@ -33,8 +33,9 @@ NB_MODULE(_engine, m) {
     return std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
   });
   m.def("cpu_isa", &isa_name, "The instruction set oneDNN dispatches to on this CPU.");
-  m.def("fused_attention_available", &gml_attention::cpu_supported,
-        "Whether this CPU runs the fused bf16 attention kernel (AVX512-BF16; native/attention.h).");
+  m.def("fused_attention_kernels", &gml_engine::fused_attention_kernels,
+        "The fused attention kernels this CPU runs: 'avx512' (AVX512-BF16; native/attention.h), 'avx2' "
+        "(AVX2 + FMA, fp32; native/attention_avx2.h).");
   m.def(
       "woq_linear",
       [](uintptr_t x, int64_t M, int64_t K, uintptr_t q, int bits, int64_t group, uintptr_t scales, uintptr_t zeros,

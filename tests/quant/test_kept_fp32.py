@@ -261,7 +261,7 @@ def test_transformer_scheme_mixed_mode_runs_attention_in_bf16():
         impls = {s.impl for s in q.engine.profile(x, rounds=1)}
         target = detect_target()
         if fused_attention_cpu(target) and not target.amx:
-            assert "gml:attention_avx512_bf16" in impls, impls  # fused_attention_ok's auto rule
+            assert "gml:attention_avx512_bf16" in impls, impls  # fused_attention_kernel's auto rule
 
 
 def test_transformer_scheme_mixed_mode_on_a_cpu_without_bf16_warns_and_keeps_fp32(monkeypatch):

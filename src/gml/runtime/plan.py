@@ -554,10 +554,13 @@ class Builder:
     def softmax(self, src: Val, dst: Val, axis: int) -> None:
         self._step("softmax", [src], [dst], axis=axis)
 
-    def attention(self, q: Val, k: Val, v: Val, dst: Val, *, masks: list[Val], scale: float) -> None:
-        """``dst = softmax(scale * q @ kᵀ + sum(masks)) @ v`` in one fused bf16 step
-        (native/attention.h): q / k / v / dst of one rank, unit last-dim strides; masks additive f32."""
-        self._step("attention", [q, k, v, *masks], [dst], scale=scale)
+    def attention(
+        self, q: Val, k: Val, v: Val, dst: Val, *, masks: list[Val], scale: float, kernel: str = "avx512"
+    ) -> None:
+        """``dst = softmax(scale * q @ kᵀ + sum(masks)) @ v`` in one fused step: q / k / v / dst of
+        one rank, unit last-dim strides; masks additive f32. ``kernel``: ``avx512`` (bf16 / fp32,
+        native/attention.h) or ``avx2`` (fp32, native/attention_avx2.h)."""
+        self._step("attention", [q, k, v, *masks], [dst], scale=scale, kernel=kernel)
 
     def layer_norm(
         self, src: Val, dst: Val, *, gamma: torch.Tensor | None, beta: torch.Tensor | None, eps: float

@@ -12,9 +12,10 @@ node                        engine steps
                             strides swapped, no copy) with the scale (eltwise ``linear``) and the
                             mask (binary ``add``, broadcast over heads / queries) as post-ops →
                             ``P = softmax(S)`` (fp32 math, written in Q's dtype) → ``O = P @ V``;
-                            on an AVX512-BF16 CPU: the same math as one fused step
-                            (``Builder.attention``, native/attention.h, ADR 009;
-                            :func:`fused_attention_ok` says when)
+                            or the same math as one fused step (``Builder.attention``: bf16 /
+                            fp32 on AVX512-BF16, native/attention.h; fp32 on AVX2,
+                            native/attention_avx2.h; ADR 009; :func:`fused_attention_kernel`
+                            says when)
 ``gml.nn.Add`` (float)      one binary ``add`` (oneDNN broadcasts the smaller operand); f32 / bf16,
                             mixed operands promote as torch does (the executor's output dtype)
 ``split`` + ``getitem``     views of the split tensor (no step): the QKV merge's ``q, k, v``
@@ -127,8 +128,9 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if a.is_causal:  # SDPA's: query i sees keys j <= i (top-left aligned)
         keep = torch.ones(L, S, dtype=torch.bool).tril()
         masks.append(b.constant(_additive_constant(keep, rank)))
-    if fused_attention_ok(q, k, v, out, b.target, b.options.attention):
-        b.attention(q, k, v, out, masks=[_f32(b, m) for m in masks], scale=scale)
+    kernel = fused_attention_kernel(q, k, v, out, b.target, b.options.attention)
+    if kernel is not None:
+        b.attention(q, k, v, out, masks=[_f32(b, m) for m in masks], scale=scale, kernel=kernel)
         return
     # dense copies of strided heads (pieces of the merged QKV output): oneDNN's brgemm matmul
     # takes dense operands only, else its gemm:jit fallback (measured on MiniLM bf16: Q.K^T
@@ -168,36 +170,54 @@ def _mask_post_op_ok(mask: tuple[int, ...], scores: tuple[int, ...], target: Tar
     return len(scores) > 2 and mask[0] == scores[0] and all(d == 1 for d in mask[1:-2]) and mask[-2] in (1, scores[-2])
 
 
+def fused_attention_kernels(target: Target) -> dict[str, str]:
+    """The fused attention kernel ``target`` runs per dtype (``{"bf16": "avx512", "f32": "avx2"}``):
+    ``avx512`` (native/attention.h, bf16 or fp32) with AVX-512 and native bf16, ``avx2``
+    (native/attention_avx2.h, fp32) on any other target with AVX2. The target says what oneDNN may
+    use (``ONEDNN_MAX_CPU_ISA`` honoured: under the AVX2 cap the AVX2 kernel runs); the engine says
+    which kernels the CPU has the instructions for."""
+    have = set(native.load().fused_attention_kernels())
+    if target.avx512 and target.native_bf16 and "avx512" in have:
+        return {"bf16": "avx512", "f32": "avx512"}
+    if "avx2" in target.features and "avx2" in have:
+        return {"f32": "avx2"}
+    return {}
+
+
 def fused_attention_cpu(target: Target) -> bool:
-    """Whether ``target`` runs the fused attention kernel (native/attention.h): AVX-512 with native
-    bf16 on the target (``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16 says no) and on the CPU (the
-    engine checks the instructions exist)."""
-    return target.avx512 and target.native_bf16 and bool(native.load().fused_attention_available())
+    """Whether ``target`` runs the fused bf16 attention kernel (native/attention.h)."""
+    return "bf16" in fused_attention_kernels(target)
 
 
-def fused_attention_ok(q: Val, k: Val, v: Val, out: Val, target: Target, choice: str = "auto") -> bool:
-    """Whether ``gml.attention`` runs as the engine's one fused step (native/attention.h) instead of
-    matmul → softmax → matmul: operands of one dtype with unit last-dim strides, an even head size, a
-    ``target`` with AVX-512 and native bf16 (and a CPU that has the instructions, which the engine
-    checks: ``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16 turns it off). ``auto``: bf16 only, and not
-    on an AMX target (oneDNN's AMX matmuls; the fused
-    kernel is not measured there yet). fp32 runs fused only when forced (``fused``): on Zen 4 it is
-    level with the primitives (MiniLM fp32 and INT8, ADR 009), both bound by fp32 FMA throughput.
+def fused_attention_kernel(q: Val, k: Val, v: Val, out: Val, target: Target, choice: str = "auto") -> str | None:
+    """Which fused kernel runs ``gml.attention`` as the engine's one step (``avx512`` / ``avx2``), or
+    None for matmul → softmax → matmul: operands of one dtype with unit last-dim strides, a kernel for
+    that dtype on ``target`` (:func:`fused_attention_kernels`), an even head size for bf16 pairs.
     ``choice``: the plan's ``EngineOptions.attention`` (``auto``, ``fused`` or ``primitives``).
+    ``auto`` takes
+
+    - bf16 on AVX-512, not on an AMX target (oneDNN's AMX matmuls; the fused kernel is not measured
+      there yet);
+    - fp32 on the AVX2 kernel: there oneDNN's f32 matmul is ``gemm:jit`` with no post-ops, so the
+      primitive path is five or more steps per layer (ADR 009, session-22 amendment);
+
+    not fp32 on AVX-512, where it is level with the primitives (MiniLM fp32 and INT8 on Zen 4, ADR
+    009), both bound by fp32 FMA throughput: that one runs only when forced (``fused``).
     """
     if choice == "primitives":
-        return False
-    if not fused_attention_cpu(target):
-        return False
+        return None
     tensors = (q, k, v, out)
     dtype = q.dtype_name
-    if dtype not in ("bf16", "f32") or any(t.dtype_name != dtype for t in tensors):
-        return False
-    if choice == "auto" and (dtype != "bf16" or target.amx):
-        return False
+    kernel = fused_attention_kernels(target).get(dtype)
+    if kernel is None or any(t.dtype_name != dtype for t in tensors):
+        return None
+    if choice == "auto" and (target.amx if dtype == "bf16" else kernel != "avx2"):
+        return None
     if any(t.shape[-1] > 1 and t.stride[-1] != 1 for t in tensors):
-        return False
-    return q.shape[-1] % 2 == 0 and out.shape[-1] == v.shape[-1]
+        return None
+    if out.shape[-1] != v.shape[-1] or (kernel == "avx512" and q.shape[-1] % 2):
+        return None
+    return kernel
 
 
 def _f32(b: Builder, m: Val) -> Val:
