@@ -48,3 +48,15 @@ def with_program(src: Path, dst: Path, new_program: Any, **extra: bytes) -> Path
         m.update(extra)
 
     return rewrite(src, dst, edit)
+
+
+def rewrite_header(src: Path, dst: Path, edit: Callable[[dict[str, Any]], Any]) -> Path:
+    """Copy ``src`` with ``edit(header)`` applied to its manifest's header, re-sealed (an attacker's)."""
+    prefix, found = members(src)
+    header = {k: v for k, v in json.loads(found.pop(archive.MANIFEST)).items() if k != "members"}
+    edit(header)
+    with zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as z:
+        for name, data in found.items():
+            z.writestr(prefix + name, data)
+    archive.seal(dst, header)
+    return dst

@@ -151,3 +151,56 @@ def test_dict_and_list_outputs_come_back_as_plain_containers(tmp_path):
         assert type(out) is dict and type(out["b"]) is list and type(out["b"][1]) is tuple
         out["c"] = 1  # fx's immutable_dict refused this
         assert torch.allclose(out["a"], model(x)["a"], atol=1e-5)
+
+
+# ---------------------------------------------------------------- a graph specialised to its input's size
+@pytest.fixture(scope="module")
+def specialised(tmp_path_factory):
+    """ShapeCheckNet reads heights and widths in Python (gml.capture pins them, not the batch), saved."""
+    import gml
+    from assets.timm_like import ShapeCheckNet
+
+    torch.manual_seed(0)
+    model = ShapeCheckNet().eval()
+    res = gml.optimize(model, (torch.randn(1, 3, 28, 28),))
+    path = tmp_path_factory.mktemp("specialised") / "m.pt2"
+    res.save(str(path))
+    return model, path
+
+
+def test_a_specialised_model_keeps_its_input_guard_through_save_and_load(specialised):
+    from gml.errors import InputError
+
+    model, path = specialised
+    loaded = io.load(path)
+    x = torch.randn(3, 3, 28, 28)  # another batch: the graph is not specialised to it
+    with torch.no_grad():
+        want = model(x)
+        torch.testing.assert_close(loaded(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    # another height: the graph's pads and branch were decided for 28 (it ran 11% off before the guard
+    # was saved)
+    with pytest.raises(InputError, match=r"captured for \(\*, 3, 28, 28\)"):
+        loaded(torch.randn(1, 3, 27, 27))
+
+
+@pytest.mark.parametrize(
+    "guard",
+    [
+        "(1, 3, 28, 28)",
+        {"shapes": [[None, 3, -28, 28]], "why": "x"},
+        {"shapes": [[None, 3, 28.5, 28]], "why": "x"},
+        {"shapes": [[None, 3, "28", 28]], "why": "x"},
+        {"shapes": [[None, 3, 28, 28], [1]], "why": "x"},
+        {"shapes": [], "why": "x"},
+        {"shapes": [[None, 3, 28, 28]], "why": 5},
+        {"shapes": [[None, 3, 28, 28]], "why": "x", "module": "os.system"},
+        {"shapes": [[True, 3, 28, 28]], "why": "x"},
+    ],
+)
+def test_a_tampered_input_guard_is_refused(specialised, tmp_path, guard):
+    from archive_edit import rewrite_header
+
+    _, path = specialised
+    bad = rewrite_header(path, tmp_path / "bad.pt2", lambda h: h.__setitem__("input_guard", guard))
+    with pytest.raises(ModelLoadError, match="was refused: the input guard"):
+        io.load(bad)

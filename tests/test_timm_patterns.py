@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -42,7 +43,6 @@ def _int8_counts(gm: fx.GraphModule) -> Counter[str]:
     of the INT8 region and dequantizes excluded)."""
     ops = (gml_op_name(n) for n in gm.graph.nodes)
     return Counter(op for op in ops if op is not None and op not in ("quantize", "dequantize", "requantize"))
-
 
 
 # ---------------------------------------------------------------- 1. a subclass is not its base class
@@ -214,10 +214,11 @@ def test_fold_constants_keeps_an_op_that_writes_state():
 
 # ---------------------------------------------------------------- 5. shape-only Python
 def test_shape_checks_in_forward_trace_by_specialising_to_the_example_shape():
+    """Python reads heights and widths only: the graph is specialised to them, not to the batch."""
     torch.manual_seed(0)
     model = randomize_bn(ShapeCheckNet()).eval()
     gm = gml.capture(model, (X,))
-    assert gm.meta[SPECIALIZED]["shapes"] == [tuple(X.shape)]
+    assert gm.meta[SPECIALIZED]["shapes"] == [(None, *X.shape[1:])]
     assert "timm_like.py" in gm.meta[SPECIALIZED]["why"][0]
     assert not gm.training
     r = gml.optimize(model, (X,))
@@ -225,8 +226,67 @@ def test_shape_checks_in_forward_trace_by_specialising_to_the_example_shape():
     q = gml.quantize(model, 4, example_inputs=(X,))
     assert q.accuracy.cosine > 0.99
     for module in (gm, r.module, q.module):
-        with pytest.raises(InputError, match=r"captured for \(1, 3, 28, 28\)"):
+        with pytest.raises(InputError, match=r"captured for \(\*, 3, 28, 28\)"):
             module(torch.randn(1, 3, 32, 32))
+    x3 = torch.randn(3, 3, 28, 28)
+    with torch.no_grad():
+        want = model(x3)
+        torch.testing.assert_close(gm(x3), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r.executable(x3), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        assert q.executable(x3).shape == want.shape
+
+
+class BatchReadNet(nn.Module):
+    """Python reads the batch: ``B, C, H, W = x.shape`` then a loop over the batch items, a branch on
+    B, or B as a Python number. The graph holds B: another batch is refused (with it in the message)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        b, c, h, w = y.shape
+        if self.how == "loop":  # range(B): one graph node per item of the example's batch
+            return torch.stack([y[i] * (i + 1) for i in range(b)])
+        if self.how == "branch":  # a threshold no nearby batch crosses
+            return y * 2 if b > 16 else y
+        return y.reshape(int(b), c * h * w)  # int(): the batch as a Python number
+
+
+@pytest.mark.parametrize("how", ["loop", "branch", "reshape"])
+def test_a_read_of_the_batch_pins_it(how):
+    model = BatchReadNet(how).eval()
+    gm = gml.capture(model, (X,))
+    assert gm.meta[SPECIALIZED]["shapes"] == [tuple(X.shape)]
+    with pytest.raises(InputError, match=r"captured for \(1, 3, 28, 28\)"):
+        gm(torch.randn(2, 3, 28, 28))
+    torch.testing.assert_close(gm(X), model(X))
+
+
+class HeightReadNet(nn.Module):
+    """Reads the height through an intermediate tensor (a pad computed from it, as Conv2dSame)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ih, iw = x.shape[-2:]
+        pad_h = max((math.ceil(ih / 2) - 1) * 2 + 3 - ih, 0)
+        pad_w = max((math.ceil(iw / 2) - 1) * 2 + 3 - iw, 0)
+        y = self.conv(F.pad(x, [pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2]))
+        return y.flatten(1) if y.shape[-1] > 4 else y.mean((2, 3))
+
+
+def test_heights_read_through_pads_leave_the_batch_free():
+    model = HeightReadNet().eval()
+    gm = gml.capture(model, (X,))
+    assert gm.meta[SPECIALIZED]["shapes"] == [(None, 3, 28, 28)]
+    for b in (2, 5, 1):
+        x = torch.randn(b, 3, 28, 28)
+        torch.testing.assert_close(gm(x), model(x))
 
 
 def test_rank_asserts_guard_the_rank_only():
@@ -289,3 +349,29 @@ def test_functional_conv_and_linear_on_stored_weights_get_module_forms():
     kinds = Counter(type(m).__name__ for m in gm.modules())
     assert kinds["Conv2d"] == 1 and kinds["Linear"] == 1
     assert torch.equal(gm(X), model(X))  # the very same calls: bit-exact
+
+
+class CachingLeaf(nn.Module):
+    """A user's leaf that keeps what it sees (a cache on ``self``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x
+        return x * 2
+
+
+class ReadsAfterLeafNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.leaf = CachingLeaf()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.leaf(x)
+        return y[..., :-1] if y.shape[-1] > 8 else y
+
+
+def test_the_batch_probe_never_calls_a_users_leaf():
+    """The probe would hand it fake tensors: it is not called, and what it reads counts as pinned."""
+    model = ReadsAfterLeafNet().eval()
+    gm = gml.capture(model, (X,), leaf_modules=["leaf"])
+    assert gm.meta[SPECIALIZED]["shapes"] == [tuple(X.shape)]
+    assert type(model.leaf.seen) is torch.Tensor

@@ -182,6 +182,8 @@ class _ShapeTracer(_Tracer):
         self.values: dict[fx.Node, Any] = {}
         self.n_placeholders = 0
         self.specialized: list[str] = []
+        #: each shape-only node Python read, with the example's value it got (:func:`_batch_free_inputs`)
+        self.reads: list[tuple[fx.Node, Any]] = []
         self.ranks_used = False
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
@@ -238,6 +240,7 @@ class _ShapeTracer(_Tracer):
         frame = _user_frame_now()
         where = f" at {os.path.basename(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else ""
         self.specialized.append(f"{why} on a shape{where}")
+        self.reads.append((node, value))
         return value
 
     def to_bool(self, obj: fx.Proxy) -> bool:
@@ -386,9 +389,136 @@ def trace(
         m.training = model.training
     _as_torch_layers(gm)
     if isinstance(tracer, _ShapeTracer) and (tracer.specialized or tracer.ranks_used):
+        # before the dead shape arithmetic goes: the probe evaluates the read nodes again
+        free = _batch_free_inputs(graph, tracer.root, example_inputs or (), tracer.reads) if tracer.reads else []
         _drop_dead_shape_arithmetic(gm)
-        _guard_inputs(gm, example_inputs or (), tracer.specialized)
+        _guard_inputs(gm, example_inputs or (), tracer.specialized, free)
     return gm
+
+
+def _batch_free_inputs(
+    graph: fx.Graph, root: nn.Module, example_inputs: Sequence[Any], reads: list[tuple[fx.Node, Any]]
+) -> list[int]:
+    """The inputs whose batch (dim 0) the graph is *not* specialised to: every shape-only value
+    Python read while tracing (``reads``) is the same whatever the batch. Empty when one of them
+    depends on it (``B, C, H, W = x.shape; if B > 1``, a reshape to ``x.shape``) or cannot be told.
+
+    How: the traced graph runs once more on fake tensors (``FakeTensorMode`` with a ``ShapeEnv``)
+    whose dim 0 is a symbol ``b`` wherever an example input has the first input's batch; a read is
+    batch-free when its value comes out as a plain number equal to the example's — one that holds
+    ``b`` is not, whatever ``b`` is. A proof over the graph's own arithmetic, not a test at a few
+    batches: ``if B > 16`` depends on ``b`` for every example. The symbol's hint is the example's
+    batch + 1 (never 1: a size-1 hint makes torch's broadcasting checks specialise ``b`` to 1, which
+    then reads as a plain number); a check that does specialise it (``b == k``) counts as a dependence.
+    Nodes that fail on a symbolic batch (a reshape to a size read earlier) leave their readers unknown,
+    hence pinned. timm's ``Conv2dSame`` padding, VGG's pre-logits size check and MobileViT's patch
+    arithmetic read heights and widths only: such models keep a free batch.
+    """
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+    except ImportError:  # pragma: no cover - a torch without them: every read pins the batch
+        return []
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        return []
+    batch = tensors[0].shape[0]
+    free = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch]
+    env = ShapeEnv(specialize_zero_one=False)
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+
+    def fake_input(i: int, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if i not in free:
+            return mode.from_tensor(x)
+        wider = torch.empty((batch + 1, *x.shape[1:]), dtype=x.dtype)
+        dims = [DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (x.dim() - 1)
+        return mode.from_tensor(wider, symbolic_context=StatelessSymbolicContext(dynamic_sizes=dims))
+
+    values: dict[fx.Node, Any] = {}
+    wanted = {node for node, _ in reads}
+    try:
+        n_placeholders = 0
+        for node in graph.nodes:
+            if not wanted - values.keys():
+                break
+            if node.op == "placeholder":
+                i = n_placeholders
+                n_placeholders += 1
+                if i < len(example_inputs):
+                    values[node] = fake_input(i, example_inputs[i])
+                continue
+            if node.op == "get_attr":
+                obj: Any = root
+                for part in str(node.target).split("."):
+                    obj = _plain_getattr(obj, part)
+                values[node] = obj
+                continue
+            if node.op == "output" or any(a not in values for a in node.all_input_nodes):
+                continue
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
+            try:
+                with mode, torch.no_grad():
+                    if node.op == "call_function":
+                        values[node] = _PROBE_SHAPE_FUNCS.get(node.target, node.target)(*args, **kwargs)
+                    elif node.op == "call_method":
+                        values[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+                    elif _stateless_layer(module := root.get_submodule(str(node.target))):
+                        values[node] = module(*args, **kwargs)
+                    else:  # a leaf of the user's: its forward may keep what it sees (a fake tensor)
+                        continue
+            except Exception:  # unknown on a symbolic batch: its readers count as depending on it
+                continue
+        if env.replacements:  # a check specialised the batch symbol to a number
+            return []
+        for node, value in reads:
+            if node not in values or not _plain_equal(values[node], value):
+                return []
+    except Exception:  # the probe itself failed: pin the batch as before
+        return []
+    return free
+
+
+def _stateless_layer(module: nn.Module) -> bool:
+    """A torch.nn layer in eval mode, which the batch probe may call on fake tensors: it keeps
+    nothing of its input (a user's leaf module might cache one on ``self``)."""
+    return type(module).__module__.startswith("torch.nn.") and not module.training
+
+
+def _padded_like(x: torch.Tensor, pad: Sequence[Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``F.pad``'s result shape, for the batch probe: torch's fake ``constant_pad_nd`` runs the
+    ATen kernel with ``guard_int`` on every size, which pins the batch symbol (timm's ``Conv2dSame``
+    pads before each conv)."""
+    shape = list(x.shape)
+    for i in range(len(pad) // 2):
+        shape[-1 - i] = shape[-1 - i] + pad[2 * i] + pad[2 * i + 1]
+    return x.new_empty(shape)
+
+
+#: functions the batch probe replaces by their output shape (values do not matter there)
+_PROBE_SHAPE_FUNCS: dict[Any, Any] = {torch.nn.functional.pad: _padded_like}
+
+
+def _plain_equal(probed: Any, value: Any) -> bool:
+    """Whether a probed value (ints, bools, SymInts, tuples of them) holds no symbol and equals ``value``."""
+    if isinstance(probed, (torch.SymInt, torch.SymBool, torch.SymFloat)):
+        if probed.node.expr.free_symbols:
+            return False
+        probed = probed.node.expr
+        try:
+            probed = type(value)(probed)
+        except (TypeError, ValueError):
+            return False
+    if isinstance(probed, (tuple, list)):
+        return (
+            isinstance(value, (tuple, list))
+            and len(probed) == len(value)
+            and all(_plain_equal(p, v) for p, v in zip(probed, value))
+        )
+    if isinstance(probed, torch.Tensor):
+        return False
+    return type(probed) is type(value) and probed == value
 
 
 def _drop_dead_shape_arithmetic(gm: fx.GraphModule) -> None:
@@ -409,27 +539,29 @@ def _user_frame_now() -> traceback.FrameSummary | None:
     return user[-1] if user else None
 
 
-def _guard_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], why: list[str]) -> None:
+def _guard_inputs(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], why: list[str], free_batch: Sequence[int] = ()
+) -> None:
     """Record the input shapes (or, when only ranks were read, ranks) ``gm`` is specialised to and
-    put an :class:`InputGuard` first."""
-    from gml.nn import InputGuard
+    put an :class:`InputGuard` first. Inputs in ``free_batch`` (:func:`_batch_free_inputs`) keep
+    their dim 0 free (``None``)."""
+    from gml.nn import InputGuard, install_input_guard
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if not placeholders:
         return
     tensors = list(example_inputs)[: len(placeholders)]
     if why:
-        shapes: list[Any] = [tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in tensors]
+        shapes: list[Any] = [
+            ((None, *x.shape[1:]) if i in free_batch else tuple(x.shape)) if isinstance(x, torch.Tensor) else None
+            for i, x in enumerate(tensors)
+        ]
         reason = first_few(why, 1)
     else:
         shapes = [x.dim() if isinstance(x, torch.Tensor) else None for x in tensors]
         reason = "it asserts or branches on tensor ranks (x.ndim / x.dim())"
     gm.meta[SPECIALIZED] = {"shapes": shapes, "why": list(why) or [reason]}
-    gm.add_submodule("input_guard", InputGuard(shapes, reason))
-    with gm.graph.inserting_after(placeholders[-1]):
-        gm.graph.call_module("input_guard", tuple(placeholders[: len(shapes)]))
-    gm.graph.lint()
-    gm.recompile()
+    install_input_guard(gm, InputGuard(shapes, reason))
 
 
 #: ``node.meta`` key: the memory formats of a ``call_module`` node's inputs when it was captured

@@ -51,6 +51,7 @@ from gml.ir.target import Target
 from gml.kernels import fp32 as k32
 from gml.kernels.int8_ops import register as register_int8_ops
 from gml.memory import MappedFile, returns_memory
+from gml.nn import InputGuard, install_input_guard
 from gml.passes.utils import replace_module
 from gml.runtime.options import EngineOptions, resolve_options
 
@@ -205,11 +206,13 @@ def save(
         gm.train(was_training)
     # torch pickles the example inputs into the archive; a loader could not tell them from a payload
     ep._example_inputs = None
-    _write_sealed(
-        path,
-        lambda f: torch.export.save(ep, f),
-        {"format": FORMAT_EXPORT, "torch": torch.__version__, "dynamic_batch": dynamic},
-    )
+    header = {"format": FORMAT_EXPORT, "torch": torch.__version__, "dynamic_batch": dynamic}
+    # the export traces through the capture's InputGuard (Python, no graph op): the shapes the graph
+    # is specialised to go in the header, and load() puts the guard back
+    guard = next((m for m in gm.modules() if isinstance(m, InputGuard)), None)
+    if guard is not None:
+        header["input_guard"] = guard.to_json()
+    _write_sealed(path, lambda f: torch.export.save(ep, f), header)
     return path
 
 
@@ -598,6 +601,14 @@ def _load_export(
             hint="gml.io.save never writes such an argument: the file was not written by gml, or was altered",
         )
     _plain_output_containers(gm)
+    guard = sealed.header.get("input_guard")
+    if guard is not None:  # the shapes the graph is specialised to (save): other shapes are refused again
+        try:
+            install_input_guard(gm, InputGuard.from_json(guard, sum(n.op == "placeholder" for n in gm.graph.nodes)))
+        except ValueError as e:
+            raise ModelLoadError(
+                f"{path} was refused: {e}", hint="gml.io.save never writes such a header: the file was altered"
+            ) from e
     if lift:
         try:
             lift_kernels(gm, lifters)

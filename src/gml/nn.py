@@ -108,21 +108,31 @@ class InputGuard(nn.Module):
 
     _is_impure = True
 
-    def __init__(self, shapes: list[tuple[int, ...] | int | None], why: str = "") -> None:
+    def __init__(self, shapes: list[tuple[int | None, ...] | int | None], why: str = "") -> None:
         super().__init__()
-        #: per input: its full shape, or only its rank (an int) when forward() read nothing but ranks
-        self.shapes = [s if s is None or isinstance(s, int) else tuple(int(d) for d in s) for s in shapes]
+        #: per input: its shape (``None`` for a dim the graph is not specialised to: a batch no read
+        #: depended on, gml.capture._batch_free_inputs), or only its rank (an int) when forward() read
+        #: nothing but ranks
+        self.shapes = [
+            s if s is None or isinstance(s, int) else tuple(None if d is None else int(d) for d in s) for s in shapes
+        ]
         self.why = why
 
     def forward(self, *args: Any) -> None:
         for i, (a, want) in enumerate(zip(args, self.shapes)):
             if want is None or not isinstance(a, torch.Tensor):
                 continue
-            got: Any = a.dim() if isinstance(want, int) else tuple(a.shape)
-            if got != want:
+            if isinstance(want, int):
+                ok = a.dim() == want
+            else:
+                ok = a.dim() == len(want) and all(w is None or w == g for w, g in zip(want, a.shape))
+            if not ok:
                 from gml.errors import InputError
 
-                what = f"{want}-D input" if isinstance(want, int) else str(want)
+                if isinstance(want, int):
+                    what = f"{want}-D input"
+                else:  # a free dim shows as *
+                    what = "(" + ", ".join("*" if d is None else str(d) for d in want) + ")"
                 raise InputError(
                     f"input {i} has shape {tuple(a.shape)}, but this model was captured for {what}: "
                     f"its forward() computes with the input's size in Python ({self.why}), which the graph "
@@ -133,5 +143,43 @@ class InputGuard(nn.Module):
     def extra_repr(self) -> str:
         return f"shapes={self.shapes}"
 
+    def to_json(self) -> dict[str, Any]:
+        """The guard as a saved model's header records it (:func:`gml.io.save`)."""
+        return {"shapes": [list(s) if isinstance(s, tuple) else s for s in self.shapes], "why": self.why}
 
-__all__ = ["Add", "AddScalar", "InputGuard", "Mul", "MulScalar", "ReturnOverwritten"]
+    @classmethod
+    def from_json(cls, data: Any, n_inputs: int) -> InputGuard:
+        """The guard a saved model's header records, for a graph of ``n_inputs`` inputs. The header
+        is untrusted: ValueError names the first field that is not what :meth:`to_json` writes."""
+        if not isinstance(data, dict) or set(data) != {"shapes", "why"}:
+            raise ValueError("the input guard is not {'shapes': [...], 'why': '...'}")
+        shapes, why = data["shapes"], data["why"]
+        if not isinstance(why, str) or len(why) > 2000:
+            raise ValueError("the input guard's reason is not a short string")
+        if not isinstance(shapes, list) or not 0 < len(shapes) <= n_inputs:
+            n = len(shapes) if isinstance(shapes, list) else "?"
+            raise ValueError(f"the input guard names {n} inputs, the graph has {n_inputs}")
+
+        def dim(d: Any) -> bool:
+            return d is None or (type(d) is int and 0 <= d < 2**40)
+
+        for s in shapes:
+            rank = type(s) is int and 0 <= s <= 64
+            shape = isinstance(s, list) and len(s) <= 64 and all(dim(d) for d in s)
+            if not (s is None or rank or shape):
+                raise ValueError(f"the input guard's shape {str(s)[:60]} is not a rank, a list of sizes or null")
+        return cls([tuple(s) if isinstance(s, list) else s for s in shapes], why)
+
+
+def install_input_guard(gm: Any, guard: InputGuard) -> None:
+    """Put ``guard`` first in the ``fx.GraphModule`` ``gm``: a call reading the inputs it checks,
+    right after the placeholders (impure: dead-code elimination keeps it)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    gm.add_submodule("input_guard", guard)
+    with gm.graph.inserting_after(placeholders[-1]):
+        gm.graph.call_module("input_guard", tuple(placeholders[: len(guard.shapes)]))
+    gm.graph.lint()
+    gm.recompile()
+
+
+__all__ = ["Add", "AddScalar", "InputGuard", "Mul", "MulScalar", "ReturnOverwritten", "install_input_guard"]
