@@ -203,7 +203,7 @@ def test_fp32_forced_matches_sdpa_to_fp32_accuracy(b, h, lq, s, e, ev, monkeypat
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=pad)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * float(v.abs().max()))
     _, auto = run(attention_graph(3), q, k, v, path="auto", monkeypatch=monkeypatch)
-    assert not any(i.startswith("gml:attention") for i in auto)  # auto: fp32 keeps the primitives
+    assert auto == ["gml:attention_avx512_f32"]  # auto: fp32 fused too (ADR 009, session 22)
 
 
 @needs_kernel

@@ -18,6 +18,9 @@ from gml.ir.target import Target
 from gml.kernels import bf16 as kb
 from gml.kernels.fp32 import AddReLU, FusedLinear, PostOp
 from gml.runtime import compile_engine, unavailable_reason
+from gml.runtime.options import ATTENTION_ENV
+from gml.runtime.rules.attention import fused_attention_kernels
+from gml.runtime.target import detect_target
 from runtime.helpers import attention_graph, graph_of, run_both, strided_heads_graph
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -203,9 +206,17 @@ def _padding_mask(b: int, s: int, keep: list[int]) -> torch.Tensor:
     [(1, 2, 5, 5, 8, 8), (2, 3, 7, 7, 4, 4), (1, 1, 1, 1, 3, 3), (2, 2, 1, 6, 5, 7), (1, 4, 9, 3, 16, 16)],
 )
 @pytest.mark.parametrize("scale", [None, 0.3])
-def test_attention_fp32_without_mask(b, h, lq, s, e, ev, scale):
+def test_attention_fp32_without_mask(b, h, lq, s, e, ev, scale, monkeypatch):
+    """Both paths: the primitives (Q.K^T scaled, softmax, P.V) and, by default, GML's fused step
+    wherever the target has a kernel (ADR 009: fp32 on AVX-512 and AVX2)."""
+    monkeypatch.setenv(ATTENTION_ENV, "primitives")
     eng = check(attention_graph(3, scale), *_qkv(b, h, lq, s, e, ev))
-    assert _names(eng) == ["attention_default"] * 3  # Q.K^T (scaled), softmax, P.V
+    assert _names(eng) == ["attention_default"] * 3
+    monkeypatch.setenv(ATTENTION_ENV, "auto")
+    eng = check(attention_graph(3, scale), *_qkv(b, h, lq, s, e, ev))
+    kernel = fused_attention_kernels(detect_target()).get("f32")
+    fused = kernel == "avx2" or (kernel == "avx512" and e % 2 == 0)  # attention.h reads even head sizes
+    assert _names(eng) == ["attention_default"] * (1 if fused else 3)
 
 
 @pytest.mark.parametrize("b,lq,s", [(2, 6, 6), (3, 1, 5), (1, 4, 4)])
@@ -223,8 +234,10 @@ def test_attention_with_an_expanded_bool_mask_and_a_float_mask():
     check(attention_graph(4, 0.25), q, k, v, additive)
 
 
-def test_attention_of_strided_heads():
-    """q / k / v as the QKV merge leaves them: transposed views of one [B, L, 3 * H * E] tensor."""
+def test_attention_of_strided_heads(monkeypatch):
+    """q / k / v as the QKV merge leaves them: transposed views of one [B, L, 3 * H * E] tensor
+    (the primitive path; the fused one reads them in place: tests/runtime/test_fused_attention*.py)."""
+    monkeypatch.setenv(ATTENTION_ENV, "primitives")
     eng = check(strided_heads_graph(2, 5, 2, 4), torch.randn(2, 5, 24))
     assert _names(eng).count("attention_default") == 6  # three dense copies of the strided heads, then the three steps
 

@@ -22,7 +22,7 @@ from gml.errors import InputError
 #: few-channel ones (an RGB stem), a tap-pair kernel for depthwise ones; never, always, or when timed
 #: faster than the direct conv at plan build (the default; docs/adr/010-winograd-conv.md).
 WINOGRAD_MODES = {"0": 0, "1": 1, "auto": 2}
-#: ``attention`` values: which bf16 attention path the engine plans (docs/adr/009-fused-bf16-attention.md)
+#: ``attention`` values: which attention path the engine plans (docs/adr/009-fused-bf16-attention.md)
 ATTENTION_PATHS = ("auto", "fused", "primitives")
 #: ``cost_policy`` values (gml.quant.cost_policy.POLICIES): ``off`` times nothing
 COST_POLICIES = ("measure", "off")
@@ -36,8 +36,9 @@ class EngineOptions:
     """How the engine plans and is chosen (all switches the runtime reads; defaults: the shipped ones).
 
     ``winograd``: ``"auto"`` (per conv, Winograd when timed faster at plan build), ``"1"`` (every
-    eligible 3x3 conv) or ``"0"`` (direct convs only). ``attention``: ``"auto"`` (the fused bf16
-    kernel where ADR 009 measured it faster), ``"fused"`` or ``"primitives"``. ``cost_policy``:
+    eligible 3x3 conv) or ``"0"`` (direct convs only). ``attention``: ``"auto"`` (GML's fused
+    kernels where ADR 009 measured them no slower: fp32 wherever one exists, bf16 but not on AMX),
+    ``"fused"`` or ``"primitives"``. ``cost_policy``:
     ``"measure"`` (the runtime choice times the engine against the Python executor; ``gml.quantize``
     times INT8 regions) or ``"off"`` (nothing timed: runs that must not depend on timing).
     """

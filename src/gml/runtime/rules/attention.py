@@ -194,15 +194,12 @@ def fused_attention_kernel(q: Val, k: Val, v: Val, out: Val, target: Target, cho
     None for matmul → softmax → matmul: operands of one dtype with unit last-dim strides, a kernel for
     that dtype on ``target`` (:func:`fused_attention_kernels`), an even head size for bf16 pairs.
     ``choice``: the plan's ``EngineOptions.attention`` (``auto``, ``fused`` or ``primitives``).
-    ``auto`` takes
-
-    - bf16 on AVX-512, not on an AMX target (oneDNN's AMX matmuls; the fused kernel is not measured
-      there yet);
-    - fp32 on the AVX2 kernel: there oneDNN's f32 matmul is ``gemm:jit`` with no post-ops, so the
-      primitive path is five or more steps per layer (ADR 009, session-22 amendment);
-
-    not fp32 on AVX-512, where it is level with the primitives (MiniLM fp32 and INT8 on Zen 4, ADR
-    009), both bound by fp32 FMA throughput: that one runs only when forced (``fused``).
+    ``auto`` takes every kernel there is, except bf16 on an AMX target (oneDNN's AMX matmuls; the
+    fused bf16 kernel is not measured there yet). fp32 went fused by default in session 22 (ADR 009
+    amendment): on AVX2 the primitive path is five or more steps per layer (``gemm:jit`` takes no
+    post-ops), and on an Intel Xeon with AMX (family 6 model 167) the AVX-512 fp32 kernel was never slower (MiniLM INT8
+    0.92–0.99×, fp32 0.97–1.00×, ViT 1.00×); Zen 4's "level" of session 9 was measured with GML's
+    own loops built at ``-Os``.
     """
     if choice == "primitives":
         return None
@@ -211,7 +208,7 @@ def fused_attention_kernel(q: Val, k: Val, v: Val, out: Val, target: Target, cho
     kernel = fused_attention_kernels(target).get(dtype)
     if kernel is None or any(t.dtype_name != dtype for t in tensors):
         return None
-    if choice == "auto" and (target.amx if dtype == "bf16" else kernel != "avx2"):
+    if choice == "auto" and dtype == "bf16" and target.amx:
         return None
     if any(t.shape[-1] > 1 and t.stride[-1] != 1 for t in tensors):
         return None
