@@ -163,6 +163,14 @@ def _plain_getattr(obj: Any, name: str) -> Any:
     return object.__getattribute__(obj, name)
 
 
+def _attr_of(root: nn.Module, target: str) -> Any:
+    """What a ``get_attr`` node of ``target`` reads, past the tracer's patched ``__getattr__``."""
+    obj: Any = root
+    for part in target.split("."):
+        obj = _plain_getattr(obj, part)
+    return obj
+
+
 class _ShapeTracer(_Tracer):
     """A tracer that also runs the model on the example inputs, node by node, as it records them.
 
@@ -212,10 +220,7 @@ class _ShapeTracer(_Tracer):
                 self.values[node] = x.clone() if isinstance(x, torch.Tensor) else x
             return
         if node.op == "get_attr":
-            obj: Any = self.root
-            for part in str(node.target).split("."):
-                obj = _plain_getattr(obj, part)
-            self.values[node] = obj
+            self.values[node] = _attr_of(self.root, str(node.target))
             return
         if node.op == "output" or any(a not in self.values for a in node.all_input_nodes):
             return
@@ -450,10 +455,7 @@ def _batch_free_inputs(
                     values[node] = fake_input(i, example_inputs[i])
                 continue
             if node.op == "get_attr":
-                obj: Any = root
-                for part in str(node.target).split("."):
-                    obj = _plain_getattr(obj, part)
-                values[node] = obj
+                values[node] = _attr_of(root, str(node.target))
                 continue
             if node.op == "output" or any(a not in values for a in node.all_input_nodes):
                 continue

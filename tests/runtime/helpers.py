@@ -190,6 +190,21 @@ def assert_concurrent_calls_agree(eng, calls: list[list[torch.Tensor]], *, threa
             assert torch.equal(got, alone[i % len(calls)])
 
 
+def assert_thread_counts_agree(eng, *inputs: torch.Tensor) -> None:
+    """One OpenMP thread and two give ``eng``'s result bit for bit, and so do two Python callers at once."""
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = eng(*inputs)
+            torch.set_num_threads(2)
+            two = eng(*inputs)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert_concurrent_calls_agree(eng, [list(inputs)], rounds=1)
+
+
 def engine_in_mode(monkeypatch, mode: str, mod: nn.Module, xs: list[torch.Tensor], n_inputs: int = 1):
     """``(engine, its output on xs)`` for the IR of ``mod`` planned with ``GML_WINOGRAD=mode`` (``1``
     forces GML's own convs where eligible, ``0`` never, ``auto`` times them); the engine must run it."""

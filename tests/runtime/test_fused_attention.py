@@ -11,8 +11,6 @@ that bound (BOUND) with a 1.25 margin for the fp32 sums' rounding.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +20,7 @@ from gml.runtime import compile_engine, unavailable_reason
 from gml.runtime.options import ATTENTION_ENV
 from gml.runtime.rules.attention import fused_attention_cpu
 from gml.runtime.target import detect_target
-from runtime.helpers import attention_graph, strided_heads_graph
+from runtime.helpers import assert_thread_counts_agree, attention_graph, strided_heads_graph
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 needs_kernel = pytest.mark.skipif(
@@ -170,25 +168,8 @@ def test_strided_heads_are_read_in_place(monkeypatch):
 @needs_kernel
 def test_two_threads_and_two_callers_give_the_one_thread_result(monkeypatch):
     q, k, v = qkv(2, 6, 40, 40, 32, 32, seed=6)
-    gm = attention_graph(3)
     monkeypatch.setenv(ATTENTION_ENV, "fused")
-    threads = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            eng = compile_engine(gm, (q, k, v))
-            torch.set_num_threads(1)
-            one = eng(q, k, v)
-            torch.set_num_threads(2)
-            two = eng(q, k, v)
-            outs: list[torch.Tensor] = []
-            callers = [threading.Thread(target=lambda: outs.append(eng(q, k, v))) for _ in range(2)]
-            for t in callers:
-                t.start()
-            for t in callers:
-                t.join()
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two) and all(torch.equal(one, o) for o in outs)
+    assert_thread_counts_agree(compile_engine(attention_graph(3), (q, k, v)), q, k, v)
 
 
 @needs_kernel

@@ -9,8 +9,6 @@ result is SDPA's to a few fp32 ulps of max|v|.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +17,7 @@ from gml.ir.target import Target
 from gml.runtime import compile_engine, native, unavailable_reason
 from gml.runtime.options import ATTENTION_ENV
 from gml.runtime.rules.attention import fused_attention_kernels
-from runtime.helpers import attention_graph, strided_heads_graph
+from runtime.helpers import assert_thread_counts_agree, attention_graph, strided_heads_graph
 
 pytestmark = pytest.mark.skipif(
     unavailable_reason() is not None or "avx2" not in native.load().fused_attention_kernels(),
@@ -156,23 +154,7 @@ def test_strided_heads_are_read_in_place(monkeypatch):
 def test_two_threads_and_two_callers_give_the_one_thread_result(monkeypatch):
     q, k, v = qkv(2, 6, 70, 70, 32, 32, seed=6)  # L·S >= 4096: the heads split over the team
     monkeypatch.setenv(ATTENTION_ENV, "auto")
-    threads = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            eng = compile_engine(attention_graph(3), (q, k, v), target=AVX2)
-            torch.set_num_threads(1)
-            one = eng(q, k, v)
-            torch.set_num_threads(2)
-            two = eng(q, k, v)
-            outs: list[torch.Tensor] = []
-            callers = [threading.Thread(target=lambda: outs.append(eng(q, k, v))) for _ in range(2)]
-            for t in callers:
-                t.start()
-            for t in callers:
-                t.join()
-    finally:
-        torch.set_num_threads(threads)
-    assert len(outs) == 2 and torch.equal(one, two) and all(torch.equal(one, o) for o in outs)
+    assert_thread_counts_agree(compile_engine(attention_graph(3), (q, k, v), target=AVX2), q, k, v)
 
 
 def test_when_the_rules_take_it(monkeypatch):
