@@ -50,7 +50,7 @@ inline bool cpu_supported() {
 }
 
 // The shapes the kernel takes (the caller falls back to the primitive path otherwise).
-inline bool shape_supported(int64_t E, int64_t Ev) { return E > 0 && E % 2 == 0 && Ev > 0; }
+inline bool shape_supported(int64_t E, int64_t Ev, bool f32) { return E > 0 && (f32 || E % 2 == 0) && Ev > 0; }
 
 // exp(x - m) for x <= m (a score minus its row max), given m·log2(e). bf16: accurate to 2.9e-6
 // relative, the probabilities are rounded to bf16 (2^-8 relative) next, so a degree-4 polynomial is

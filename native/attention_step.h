@@ -77,7 +77,7 @@ inline void build(Plan& plan, const AttentionStep& desc) {
   pb.L = qd[rank - 2], pb.E = qd[rank - 1], pb.S = kd[rank - 2], pb.Ev = vd[rank - 1];
   if (kd[rank - 1] != pb.E || vd[rank - 2] != pb.S || odims[rank - 2] != pb.L || odims[rank - 1] != pb.Ev)
     throw std::invalid_argument("gml engine: attention shapes do not match");
-  if (avx2 ? pb.E <= 0 || pb.Ev <= 0 : !gml_attention::shape_supported(pb.E, pb.Ev)) throw std::invalid_argument("gml engine: attention head size");
+  if (avx2 ? pb.E <= 0 || pb.Ev <= 0 : !gml_attention::shape_supported(pb.E, pb.Ev, pb.f32)) throw std::invalid_argument("gml engine: attention head size");
   if (pb.L > 1 && qo.row == 0) throw std::invalid_argument("gml engine: attention q rows");
   for (const auto* o : {&qo, &ko, &vo, &oo})
     if (o->col != 1) throw std::invalid_argument("gml engine: attention operands need unit last-dim strides");

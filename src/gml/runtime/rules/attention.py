@@ -192,7 +192,7 @@ def fused_attention_cpu(target: Target) -> bool:
 def fused_attention_kernel(q: Val, k: Val, v: Val, out: Val, target: Target, choice: str = "auto") -> str | None:
     """Which fused kernel runs ``gml.attention`` as the engine's one step (``avx512`` / ``avx2``), or
     None for matmul → softmax → matmul: operands of one dtype with unit last-dim strides, a kernel for
-    that dtype on ``target`` (:func:`fused_attention_kernels`), an even head size for bf16 pairs.
+    that dtype on ``target`` (:func:`fused_attention_kernels`), an even head size for bf16 (pairs).
     ``choice``: the plan's ``EngineOptions.attention`` (``auto``, ``fused`` or ``primitives``).
     ``auto`` takes every kernel there is, except bf16 on an AMX target (oneDNN's AMX matmuls; the
     fused bf16 kernel is not measured there yet). fp32 went fused by default in session 22 (ADR 009
@@ -212,7 +212,7 @@ def fused_attention_kernel(q: Val, k: Val, v: Val, out: Val, target: Target, cho
         return None
     if any(t.shape[-1] > 1 and t.stride[-1] != 1 for t in tensors):
         return None
-    if out.shape[-1] != v.shape[-1] or (kernel == "avx512" and q.shape[-1] % 2):
+    if out.shape[-1] != v.shape[-1] or (dtype == "bf16" and q.shape[-1] % 2):  # bf16 is read in pairs
         return None
     return kernel
 
