@@ -159,6 +159,12 @@ def test_two_threads_and_two_callers_give_the_one_thread_result(monkeypatch):
 
 def test_when_the_rules_take_it(monkeypatch):
     q, k, v = qkv(1, 2, 8, 8, 16, 16)
+    # AVX-512 without native bf16: oneDNN's brgemm matmul with post-ops on auto, the kernel if forced
+    vnni = Target("avx512_core_vnni")
+    _, auto = run(attention_graph(3), q, k, v, monkeypatch=monkeypatch, target=vnni)
+    assert FUSED not in auto and len(auto) > 1
+    _, forced = run(attention_graph(3), q, k, v, monkeypatch=monkeypatch, path="fused", target=vnni)
+    assert forced == [FUSED]
     _, prim = run(attention_graph(3), q, k, v, path="primitives", monkeypatch=monkeypatch)
     assert FUSED not in prim and len(prim) > 1
     # bf16 has no AVX2 kernel: the primitive path (oneDNN emulates bf16 there)

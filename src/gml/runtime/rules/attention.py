@@ -194,12 +194,17 @@ def fused_attention_kernel(q: Val, k: Val, v: Val, out: Val, target: Target, cho
     None for matmul → softmax → matmul: operands of one dtype with unit last-dim strides, a kernel for
     that dtype on ``target`` (:func:`fused_attention_kernels`), an even head size for bf16 (pairs).
     ``choice``: the plan's ``EngineOptions.attention`` (``auto``, ``fused`` or ``primitives``).
-    ``auto`` takes every kernel there is, except bf16 on an AMX target (oneDNN's AMX matmuls; the
-    fused bf16 kernel is not measured there yet). fp32 went fused by default in session 22 (ADR 009
-    amendment): on AVX2 the primitive path is five or more steps per layer (``gemm:jit`` takes no
-    post-ops), and on an Intel Xeon with AMX (family 6 model 167) the AVX-512 fp32 kernel was never slower (MiniLM INT8
-    0.92–0.99×, fp32 0.97–1.00×, ViT 1.00×); Zen 4's "level" of session 9 was measured with GML's
-    own loops built at ``-Os``.
+    ``auto`` takes every kernel there is (ADR 009, session-22 amendment), except
+
+    - bf16 on an AMX target: oneDNN's AMX matmuls (measured: fused 1.06× at 128 tokens);
+    - the AVX2 kernel on an AVX-512 target without native bf16 (Skylake / Cascade Lake class): there
+      oneDNN's f32 matmul is brgemm with the scale and mask as post-ops, and the AVX2 kernel measured
+      0.99–1.05× of it (MiniLM INT8 under the ``AVX512_CORE_VNNI`` cap).
+
+    Where it is taken it was never slower: on AVX2 the primitive path is five or more steps per layer
+    (``gemm:jit`` takes no post-ops); the AVX-512 fp32 kernel on an Intel Xeon with AMX (family 6
+    model 167): MiniLM INT8 0.92–0.99×, fp32 0.97–1.00×, ViT 1.00× (session 9's Zen 4 "level" was
+    measured with GML's own loops built at ``-Os``).
     """
     if choice == "primitives":
         return None
@@ -208,7 +213,7 @@ def fused_attention_kernel(q: Val, k: Val, v: Val, out: Val, target: Target, cho
     kernel = fused_attention_kernels(target).get(dtype)
     if kernel is None or any(t.dtype_name != dtype for t in tensors):
         return None
-    if choice == "auto" and dtype == "bf16" and target.amx:
+    if choice == "auto" and ((dtype == "bf16" and target.amx) or (kernel == "avx2" and target.f32_matmul_brgemm)):
         return None
     if any(t.shape[-1] > 1 and t.stride[-1] != 1 for t in tensors):
         return None
