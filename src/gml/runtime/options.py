@@ -37,7 +37,8 @@ class EngineOptions:
 
     ``winograd``: ``"auto"`` (per conv, Winograd when timed faster at plan build), ``"1"`` (every
     eligible 3x3 conv) or ``"0"`` (direct convs only). ``attention``: ``"auto"`` (GML's fused
-    kernels where ADR 009 measured them no slower: fp32 wherever one exists, bf16 but not on AMX),
+    kernels where ADR 009 measured them no slower: fp32 on AVX512-BF16 and on AVX2 without AVX-512,
+    bf16 but not on AMX),
     ``"fused"`` or ``"primitives"``. ``cost_policy``:
     ``"measure"`` (the runtime choice times the engine against the Python executor; ``gml.quantize``
     times INT8 regions) or ``"off"`` (nothing timed: runs that must not depend on timing).
