@@ -220,3 +220,33 @@ def test_the_python_executor_caches_the_glue_too(scheme: str) -> None:
     if scheme == "int8":  # the INT8 model's refusal of autograd inputs holds on the copy too
         with pytest.raises(InputError, match="for inference"):
             run(example[0], example[1].float().requires_grad_())
+
+
+def test_a_loaded_export_runs_on_its_python_executor_copy(tmp_path) -> None:
+    """A saved model loads as torch.export's module, whose forward pre-hooks take kwargs and read
+    its own attributes (``validate_inputs``): the executor's copy calls them as registered. Before,
+    every saved transformer failed to load outside the test suite — loading times the engine
+    against this copy (``cost_policy="measure"``, the default), and the copy called the hook
+    without its kwargs."""
+    import gml
+    from gml.io import load
+    from gml.runtime.compile import python_executor
+    from gml.runtime.options import EngineOptions
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(**SMALL)).eval()
+    example = _tokens(2, 12, 7)
+    path = tmp_path / "bert.pt2"
+    gml.optimize(model, example).save(str(path))
+    gm = load(path, runtime="torch")
+    run = python_executor(gm)
+    assert run is not gm  # the copy caches the glue (the export's guards), so it is the one called
+    for batch, seq, pad in ((2, 12, 7), (3, 20, 11)):
+        ids, mask = _tokens(batch, seq, pad)
+        with torch.no_grad():
+            got, want = run(ids, mask), model(ids, mask)
+        torch.testing.assert_close(got["last_hidden_state"], want.last_hidden_state, atol=1e-4, rtol=1e-4)
+    loaded = load(path, options=EngineOptions(cost_policy="measure"))  # times the engine against the copy
+    with torch.no_grad():
+        got = loaded(*example)["last_hidden_state"]
+    torch.testing.assert_close(got, model(*example).last_hidden_state, atol=1e-4, rtol=1e-4)

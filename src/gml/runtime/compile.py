@@ -533,6 +533,16 @@ def _gather_split_pieces(graph: fx.Graph) -> None:
 _EXECUTORS: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, fx.GraphModule]] = weakref.WeakKeyDictionary()
 
 
+#: A module's forward-hook state: the hooks and which of them take kwargs / always run.
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
 def python_executor(gm: fx.GraphModule) -> fx.GraphModule:
     """What runs ``gm`` where no engine does: ``gm`` itself, or a copy whose torch glue runs once
     per input shape, as it does around the engine's segments (:func:`partition`): the values of the
@@ -541,7 +551,7 @@ def python_executor(gm: fx.GraphModule) -> fx.GraphModule:
 
     Measured (HF Swin, a shrunk config, 1 thread, Zen 4 under the AVX2 cap): torch.export's guard
     function read 5,700 sizes per call; the graph as it was ran 9.30 ms against eager's 7.33, the
-    copy 6.85. The copy shares ``gm``'s weights and its forward pre-hooks (the INT8 model's
+    copy 6.85. The copy shares ``gm``'s weights and its forward hooks (the INT8 model's
     NaN / Inf and autograd refusals); ``gm`` stays the graph that is inspected and saved."""
     hit = _EXECUTORS.get(gm)
     if hit is not None and hit[0] is gm.code:
@@ -553,7 +563,15 @@ def python_executor(gm: fx.GraphModule) -> fx.GraphModule:
     if changed:
         copy.recompile()
         copy.train(gm.training)
-        copy._forward_pre_hooks = gm._forward_pre_hooks  # the same dict: hooks added later apply too
+        # the same dicts: hooks added later apply too, and a hook registered ``with_kwargs`` (an
+        # exported program's input-constraint check, gml.io.load) is still called with them
+        for hooks in _HOOK_DICTS:
+            setattr(copy, hooks, getattr(gm, hooks))
+        # ... and finds the plain attributes it reads (``validate_inputs``, ``range_constraints``, the
+        # flags of gml.inference); methods bound to ``gm`` (an export's ``train`` refusal) are not taken
+        for name, value in vars(gm).items():
+            if name not in vars(copy) and not callable(value):
+                setattr(copy, name, value)
         runner = copy
     _EXECUTORS[gm] = (gm.code, runner)
     return runner
