@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from archive_edit import rewrite
+from archive_edit import program, rewrite, with_program
 from gml import io as gio
 from gml.capture import capture
 from gml.errors import ModelLoadError
@@ -133,6 +133,18 @@ def test_a_constant_config_pointing_at_an_object_is_refused(saved, tmp_path):
 
     with pytest.raises(ModelLoadError, match="is not a plain tensor"):
         gio.load(rewrite(path, tmp_path / "bad.pt2", edit))
+
+
+def test_declared_input_shapes_too_big_to_check_are_refused_before_anything_is_allocated(saved, tmp_path):
+    """The load check runs the graph on inputs of the shapes the file declares: a width of 33,554,440
+    (found by a fuzzer) made it allocate and convolve 1.6 G elements for minutes."""
+    path, _, _ = saved
+    prog = program(path)
+    graph = prog["graph_module"]["graph"]
+    name = prog["graph_module"]["signature"]["input_specs"][-1]["user_input"]["arg"]["as_tensor"]["name"]
+    graph["tensor_values"][name]["sizes"][2] = {"as_int": 33_554_440}
+    with pytest.raises(ModelLoadError, match="more than the 134,217,728 a saved model may declare"):
+        gio.load(with_program(path, tmp_path / "huge.pt2", prog))
 
 
 def test_a_swapped_member_with_a_stale_manifest_is_damaged(saved, tmp_path):

@@ -306,6 +306,8 @@ def audit() -> _Audit:
 
 
 def test_mutating_any_field_gives_a_gml_error_or_a_model_never_code(saved, tmp_path, audit, monkeypatch):
+    """Every mutant is refused (a GMLError) or loads; one the engine runs, called at another batch,
+    runs or raises a GMLError (the first call of a shape names it: gml.runtime.compile.run_first_call)."""
     # gml.load hands memory back after each call (a full gc.collect: slow in a test process this big);
     # what is tested here is what a file can do, not what a load keeps
     monkeypatch.setattr(gml.memory, "trim_malloc", lambda: True)
@@ -327,8 +329,13 @@ def test_mutating_any_field_gives_a_gml_error_or_a_model_never_code(saved, tmp_p
             try:
                 # every 4th load also builds the native engine's plan (the slow part); the checks that
                 # keep a hostile argument from it run before either runtime sees the graph
-                gml.load(dst, runtime="engine" if i % 4 == 0 else "torch")
+                model = gml.load(dst, runtime="engine" if i % 4 == 0 else "torch")
                 outcomes["loaded"] += 1
+                # a call at another batch than the load check's, where the engine runs it (a program
+                # can fail there; the graph itself, on the torch path, raises what torch raises)
+                if i % 8 == 0 and not isinstance(model, torch.fx.GraphModule):
+                    with torch.no_grad():
+                        model(torch.randn(3, 3, 12, 12))
             except GMLError:
                 outcomes["refused"] += 1
             except Exception as e:  # a raw error: a check is missing

@@ -30,8 +30,10 @@ cannot take. Unpickling runs code from the file, so :func:`load` refuses it unle
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import math
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -79,16 +81,23 @@ class Lift:
 # --------------------------------------------------------------------------------------------------
 
 
+#: The most input elements a graph's declared shapes may add up to (512 MB of fp32): what the load
+#: check and ``gml inspect`` allocate and run on. A hostile file declaring a width of 33,554,440 made
+#: the load check allocate and convolve 1.6 G elements.
+MAX_DECLARED_ELEMENTS = 1 << 27
+
+
 def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[torch.Tensor, ...]:
     """Inputs shaped like ``gm``'s placeholders: ``meta["val"]`` (a ``torch.export`` program, where a
     dynamic dimension is symbolic and becomes 1) or ``meta["tensor_meta"]`` (a captured graph).
 
     Zeros, or with ``seed`` standard-normal floats (integers stay zero): what a load-time check of
     the engine against the Python executor runs on. Raises :class:`GMLError` for a placeholder
-    without shape metadata.
+    without shape metadata, :class:`ModelLoadError` for shapes of more than
+    :data:`MAX_DECLARED_ELEMENTS` elements in all.
     """
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    args = []
+    metas = []
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
@@ -100,7 +109,17 @@ def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[
                 f"input {node.name!r} has no shape metadata",
                 hint="pass example_inputs=(x,) to gml.io.save, or capture the model with gml.capture(model, (x,))",
             )
-        shape = tuple(d if isinstance(d, int) else 1 for d in meta.shape)
+        metas.append((meta, tuple(d if isinstance(d, int) else 1 for d in meta.shape)))
+    total = sum(math.prod(shape) for _, shape in metas)
+    if total > MAX_DECLARED_ELEMENTS:  # before a byte is allocated: a file's shapes are the author's to choose
+        shapes = ", ".join(str(shape) for _, shape in metas)
+        raise ModelLoadError(
+            f"the graph declares inputs of shape {shapes}: {total:,} elements, more than the "
+            f"{MAX_DECLARED_ELEMENTS:,} a saved model may declare",
+            hint="gml.io.save writes the example inputs' shapes: save the model again with a smaller example",
+        )
+    args = []
+    for meta, shape in metas:
         if gen is not None and meta.dtype.is_floating_point:
             args.append(torch.randn(shape, generator=gen).to(meta.dtype))
         else:
@@ -509,6 +528,8 @@ def attach_loaded_runtime(
         gm.recompile()
     try:
         inputs = placeholder_inputs(gm, seed=0)
+    except ModelLoadError:  # shapes no model is saved with
+        raise
     except GMLError as e:  # a pickled graph saved without example inputs: nothing to compile a plan for
         note = f"no input shapes to compile the engine for ({e.message}; save with example_inputs=(x,))"
         engine, report = None, RuntimeReport("torch", note=note, target=target)
@@ -601,6 +622,7 @@ def _load_export(
             hint="gml.io.save never writes such an argument: the file was not written by gml, or was altered",
         )
     _plain_output_containers(gm)
+    _check_inputs_first(gm)
     guard = sealed.header.get("input_guard")
     if guard is not None:  # the shapes the graph is specialised to (save): other shapes are refused again
         try:
@@ -617,7 +639,57 @@ def _load_export(
                 f"{path} was refused: a fused kernel call does not build: {type(e).__name__}: {str(e)[:200]}",
                 hint="gml.io.save never writes such a call: the file was not written by gml, or was altered",
             ) from e
+        try:
+            raise_exported_ops(gm)
+        except (IndexError, KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+            raise ModelLoadError(  # a call with other arguments than its op takes: written by hand
+                f"{path} was refused: a call does not read as the op it names: {type(e).__name__}: {str(e)[:200]}",
+                hint="gml.io.save never writes such a call: the file was not written by gml, or was altered",
+            ) from e
     return gm, mapped
+
+
+def raise_exported_ops(gm: fx.GraphModule) -> None:
+    """The vocabulary the engine's rules read, back in ``gm`` (in place): ``torch.export`` wrote the
+    optimized graph's modules as ATen calls (an ``nn.Linear`` the fusions left, ``nn.LayerNorm``,
+    ``gml.nn.Add``, ``nn.GELU``, views as ``aten.view``), which the engine would leave to torch — a
+    loaded BERT ran in 4 engine segments with 58 torch nodes instead of one plan. The two capture
+    passes that made that vocabulary from an exported program (:class:`RaiseATen`, then
+    :class:`Normalize`) do it again; each replacement runs the very op it replaces (bit-exact)."""
+    from gml.passes.normalize import Normalize
+    from gml.passes.raise_aten import RaiseATen
+
+    for graph_pass in (RaiseATen(), Normalize()):
+        graph_pass(gm)
+
+
+def _check_inputs_first(gm: fx.GraphModule) -> None:
+    """Wrong inputs to a loaded program are an :class:`InputError` on the torch path too: torch.export's
+    input-constraint pre-hook (a ``RuntimeError`` / ``ValueError`` naming ``*args[0].shape[2]``) is
+    replaced, in place, by one that checks the inputs as the engine does first
+    (:func:`~gml.runtime.compile.check_inputs`) and names the shapes when a constraint fails."""
+    from torch.export._unlift import _check_input_constraints_pre_hook
+
+    from gml.runtime.compile import placeholder_expectations
+
+    hooks = gm._forward_pre_hooks
+    for key, hook in list(hooks.items()):
+        if hook is _check_input_constraints_pre_hook:
+            hooks[key] = functools.partial(_checked_constraints, placeholder_expectations(gm), hook)
+
+
+def _checked_constraints(expect: Any, hook: Callable, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    from gml.runtime.compile import RUN_ERRORS, cannot_run, check_inputs
+
+    if expect is not None and not kwargs:
+        check_inputs(expect, args)
+    try:
+        return hook(module, args, kwargs)
+    except RUN_ERRORS as e:
+        guard = getattr(module, "input_guard", None)
+        if isinstance(guard, InputGuard):  # the capture's own words for shapes it specialised to
+            guard(*args)
+        raise cannot_run(args, e) from e
 
 
 def _plain(value: Any) -> Any:

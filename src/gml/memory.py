@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextvars
 import copy
 import ctypes
-import ctypes.util
 import functools
 import gc
 import os
@@ -110,12 +109,21 @@ def _grew(since: int) -> bool:
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library this process runs on: its own symbols (``dlopen(NULL)``), where CPython's libc
+    is. Not ``ctypes.util.find_library("c")``, which runs ``/sbin/ldconfig -p`` in a subprocess —
+    inside every first ``gml.load`` of a process, under the hostile-file test's audit hook."""
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+@functools.cache
 def _malloc_trim() -> Any:
     """glibc's ``malloc_trim``, or None (another C library, or no libc found)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
@@ -176,10 +184,8 @@ class MappedFile:
 
 @functools.cache
 def _madvise() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
+    fn = getattr(_libc(), "madvise", None)
+    if fn is None:
         return None
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn

@@ -98,7 +98,7 @@ def test_optimize_bf16_picks_the_engine_and_reports_it():
     assert a.dtype == b.dtype == torch.float32
     assert float((a - b).abs().max()) <= BF16_ENGINE_RTOL * float(a.abs().max())
     torch_only = gml.optimize(model, x, precision="bf16", runtime="torch")
-    assert torch_only.engine is None and torch_only.executable is torch_only.module
+    assert torch_only.engine is None and torch_only.executable.graph_module is torch_only.module
 
 
 def test_partly_covered_bf16_graph_stays_on_the_executor_and_says_why():
@@ -115,7 +115,7 @@ def test_partly_covered_bf16_graph_stays_on_the_executor_and_says_why():
 
     torch.manual_seed(0)
     res = gml.optimize(Block().eval(), torch.randn(2, 6, 16), precision="bf16")
-    assert res.engine is None and res.executable is res.module
+    assert res.engine is None and res.executable.graph_module is res.module
     assert res.runtime.path == "torch" and "covers part of this bf16 graph" in res.runtime.note
 
 

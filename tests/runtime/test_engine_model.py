@@ -139,7 +139,7 @@ def test_runtime_torch_and_unknown_runtime():
     x = torch.randn(1, 3, 8, 8)
     res = gml.quantize(model, 2, example_inputs=(x,), per_layer=False, runtime="torch")
     assert res.engine is None and res.runtime.path == "torch" and "runtime='torch'" in str(res.runtime)
-    assert res.executable is res.module
+    assert res.executable.graph_module is res.module
     with pytest.raises(InputError, match="unknown runtime"):
         gml.quantize(model, 2, example_inputs=(x,), runtime="tvm")
 

@@ -204,7 +204,7 @@ def test_optimize_runs_on_the_engine_by_default():
     with torch.no_grad():
         torch.testing.assert_close(res.executable(x), model(x), rtol=1e-4, atol=1e-4)
     torch_only = gml.optimize(model, (x,), runtime="torch")
-    assert torch_only.engine is None and torch_only.executable is torch_only.module
+    assert torch_only.engine is None and torch_only.executable.graph_module is torch_only.module
     assert torch_only.runtime.path == "torch" and "runtime='torch'" in str(torch_only.runtime)
 
 

@@ -70,6 +70,7 @@ from __future__ import annotations
 import builtins
 import copy
 import operator
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,12 +110,17 @@ _EXTRA_KINDS: dict[Callable, str] = {
     torch.tanh_: "tanh",
     F.elu_: "elu",
 }
-try:  # torchvision's stochastic depth (EfficientNet, ConvNeXt) is dropout of whole residual branches
-    from torchvision.ops import stochastic_depth as _stochastic_depth
-except ImportError:  # pragma: no cover - torchvision is optional
-    _stochastic_depth = None
-if _stochastic_depth is not None:
-    _EXTRA_KINDS[_stochastic_depth] = "dropout"
+
+
+def _know_stochastic_depth() -> None:
+    """torchvision's stochastic depth (EfficientNet, ConvNeXt) is dropout of whole residual branches.
+    Looked up where torchvision is already imported (a graph that calls it imported it), never
+    imported here: loading a saved model (gml.io) runs this pass and must not need torchvision."""
+    ops = sys.modules.get("torchvision.ops")
+    fn = getattr(ops, "stochastic_depth", None)
+    if fn is not None and fn not in _EXTRA_KINDS:
+        _EXTRA_KINDS[fn] = "dropout"
+        _SIG_BY_TARGET[fn] = _Sig(("input", "p", "mode", "training"), {"training": True})
 
 
 @dataclass(frozen=True)
@@ -189,7 +195,6 @@ _SIG_BY_TARGET: dict[Any, _Sig] = {
     F.feature_alpha_dropout: _Sig(
         ("input", "p", "training", "inplace"), {"p": 0.5, "training": False, "inplace": False}
     ),
-    _stochastic_depth: _Sig(("input", "p", "mode", "training"), {"training": True}),
     torch.max_pool1d: _ATEN_POOL,
     torch.max_pool2d: _ATEN_POOL,
     torch.max_pool3d: _ATEN_POOL,
@@ -284,6 +289,7 @@ class Normalize(GraphPass):
         self.remove_dropout = remove_dropout
 
     def call(self, gm: fx.GraphModule) -> PassResult:
+        _know_stochastic_depth()
         return _NormalizeRun(gm, remove_dropout=self.remove_dropout).run()
 
 

@@ -244,13 +244,8 @@ class EngineSegment(nn.Module):
         try:
             with torch.no_grad():
                 recorder.run(*copies)
-        except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
-            # (AssertionError: the model's own shape check, ``torch._assert``, now runs here)
-            shapes = ", ".join(str(tuple(t.shape)) if isinstance(t, torch.Tensor) else repr(t) for t in inputs)
-            raise InputError(
-                f"the model cannot run on inputs of shape {shapes}: {e}",
-                hint="give inputs of the shape and dtype the model was compiled with.",
-            ) from e
+        except RUN_ERRORS as e:  # (AssertionError: the model's own shape check, ``torch._assert``)
+            raise cannot_run(inputs, e) from e
         # 2. translate
         try:
             plan, outs = self._translate(recorder.values)
@@ -530,7 +525,7 @@ def _gather_split_pieces(graph: fx.Graph) -> None:
 
 
 #: gml.optimize / gml.quantize results' Python executors (python_executor), per graph module
-_EXECUTORS: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, fx.GraphModule]] = weakref.WeakKeyDictionary()
+_EXECUTORS: weakref.WeakKeyDictionary[fx.GraphModule, tuple[str, PythonExecutor]] = weakref.WeakKeyDictionary()
 
 
 #: A module's forward-hook state: the hooks and which of them take kwargs / always run.
@@ -543,7 +538,7 @@ _HOOK_DICTS = (
 )
 
 
-def python_executor(gm: fx.GraphModule) -> fx.GraphModule:
+def python_executor(gm: fx.GraphModule) -> PythonExecutor:
     """What runs ``gm`` where no engine does: ``gm`` itself, or a copy whose torch glue runs once
     per input shape, as it does around the engine's segments (:func:`partition`): the values of the
     input sizes alone (:func:`~gml.runtime.shape_values.cache_shape_values`) and an exported
@@ -552,7 +547,8 @@ def python_executor(gm: fx.GraphModule) -> fx.GraphModule:
     Measured (HF Swin, a shrunk config, 1 thread, Zen 4 under the AVX2 cap): torch.export's guard
     function read 5,700 sizes per call; the graph as it was ran 9.30 ms against eager's 7.33, the
     copy 6.85. The copy shares ``gm``'s weights and its forward hooks (the INT8 model's
-    NaN / Inf and autograd refusals); ``gm`` stays the graph that is inspected and saved."""
+    NaN / Inf and autograd refusals); ``gm`` stays the graph that is inspected and saved. Either
+    runs inside a :class:`PythonExecutor`: wrong inputs are an :class:`InputError`, as on the engine."""
     hit = _EXECUTORS.get(gm)
     if hit is not None and hit[0] is gm.code:
         return hit[1]
@@ -573,8 +569,9 @@ def python_executor(gm: fx.GraphModule) -> fx.GraphModule:
             if name not in vars(copy) and not callable(value):
                 setattr(copy, name, value)
         runner = copy
-    _EXECUTORS[gm] = (gm.code, runner)
-    return runner
+    executor = PythonExecutor(runner, placeholder_expectations(gm))
+    _EXECUTORS[gm] = (gm.code, executor)
+    return executor
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
@@ -658,6 +655,104 @@ def _replace_run(gm: fx.GraphModule, run: list[fx.Node], name: str, report: Runt
         gm.graph.erase_node(n)
 
 
+#: ``(dtype, rank, channels or None)`` per input: what a model compiled for an example takes.
+Expected = list[tuple[torch.dtype, int, int | None]]
+
+
+def expected_inputs(example: Sequence[torch.Tensor]) -> Expected:
+    """What a model compiled for ``example`` takes: each input's dtype and rank, and its channels
+    (dim 1) for image / video inputs; other dims may change (a new plan), and for other ranks dim 1
+    may be a sequence length: the first call with a shape checks those (:func:`run_first_call`)."""
+    return [(t.dtype, t.dim(), t.shape[1] if t.dim() >= 4 else None) for t in example]
+
+
+def check_inputs(expect: Expected, inputs: Sequence[Any]) -> None:
+    """:class:`InputError` unless ``inputs`` are what ``expect`` says (count, device, dtype, rank, channels)."""
+    if len(inputs) != len(expect):
+        raise InputError(f"the model takes {len(expect)} input(s), got {len(inputs)}.")
+    for i, (t, (dtype, rank, channels)) in enumerate(zip(inputs, expect)):
+        want = f"a {dtype} tensor of rank {rank}" + (f" with {channels} channels (dim 1)" if channels else "")
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"input {i} is a {type(t).__name__}; the model expects {want}.")
+        if t.device.type != "cpu":
+            raise InputError(f"input {i} is on {t.device}; the engine runs on the CPU.", hint="pass x.cpu().")
+        if t.dtype != dtype or t.dim() != rank or (channels is not None and t.shape[1] != channels):
+            raise InputError(f"input {i} is a {t.dtype} tensor of shape {tuple(t.shape)}; the model expects {want}.")
+
+
+def cannot_run(inputs: Sequence[Any], e: BaseException) -> InputError:
+    """The error for inputs the graph fails on (a height a linear cannot take, a guard of the model's)."""
+    shapes = ", ".join(str(tuple(t.shape)) if isinstance(t, torch.Tensor) else repr(t) for t in inputs)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = first.split(" If you meant for this dimension to be dynamic")[0]  # torch.export's advice, not ours
+    return InputError(
+        f"the model cannot run on inputs of shape {shapes}: {first}",
+        hint="give inputs of the shape and dtype the model was compiled with.",
+    )
+
+
+#: What torch raises for inputs a graph cannot take (AssertionError: the model's own shape checks,
+#: ``torch._assert``, and an exported program's guards; ValueError: a pytree of other structure).
+RUN_ERRORS = (RuntimeError, ValueError, IndexError, TypeError, AssertionError)
+
+
+def run_first_call(fn: Any, inputs: Sequence[Any]) -> Any:
+    """``fn(*inputs)`` for a layout of the inputs not run before: what torch raises there is an
+    :class:`InputError` naming the shapes (a layout that ran once is the model's own; later calls
+    run without this frame)."""
+    try:
+        return fn(*inputs)
+    except (InputError, UnsupportedError):
+        raise
+    except RUN_ERRORS as e:
+        raise cannot_run(inputs, e) from e
+
+
+class PythonExecutor(nn.Module):
+    """``graph_module`` run by torch, with the engine's input checks: the inputs against the graph's
+    placeholders (:func:`check_inputs`) and the first call of each layout (:func:`run_first_call`),
+    so a wrong input is an :class:`InputError` on either runtime, never torch's raw error."""
+
+    def __init__(self, graph_module: fx.GraphModule, expect: Expected | None) -> None:
+        super().__init__()
+        self.graph_module = graph_module
+        self._expect = expect
+        self._seen: set[tuple] = set()
+
+    def forward(self, *inputs: Any) -> Any:
+        try:
+            key: tuple | None = tuple(_input_key(t) for t in inputs)
+            seen = key in self._seen
+        except TypeError:  # an unhashable input: the checks say what the model takes
+            key, seen = None, False
+        if seen:
+            return self.graph_module(*inputs)
+        if getattr(self.graph_module, "_gml_refuses_autograd", False):  # its pre-hook's words first, as on the engine
+            refuse_grad_inputs(inputs)
+        if self._expect is not None:
+            check_inputs(self._expect, inputs)
+        out = run_first_call(self.graph_module, inputs)
+        if key is not None:
+            if len(self._seen) >= MAX_PLANS:
+                self._seen.clear()
+            self._seen.add(key)
+        return out
+
+
+def placeholder_expectations(gm: fx.GraphModule) -> Expected | None:
+    """:func:`expected_inputs` of ``gm``'s placeholders' shape metadata, or None where one has none."""
+    metas = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        meta = node.meta.get("val", node.meta.get("tensor_meta"))
+        if meta is None or not hasattr(meta, "dtype") or not hasattr(meta, "shape"):
+            return None
+        channels = meta.shape[1] if len(meta.shape) >= 4 and isinstance(meta.shape[1], int) else None
+        metas.append((meta.dtype, len(meta.shape), channels))
+    return metas
+
+
 class EngineModule(nn.Module):
     """A lowered model executed by the native engine where it covers the graph.
 
@@ -672,7 +767,7 @@ class EngineModule(nn.Module):
         self.report = report
         # channels (dim 1) are fixed for image / video inputs; other dims may change (a new plan),
         # and for other ranks dim 1 may be a sequence length: the plan's compile run checks those
-        self._expect = [(t.dtype, t.dim(), t.shape[1] if t.dim() >= 4 else None) for t in example]
+        self._expect = expected_inputs(example)
         #: an INT8 model refuses NaN / Inf inputs (:func:`gml.inference.refuse_nonfinite` sets it:
         #: checked here rather than by a forward pre-hook, which would slow every ``__call__``)
         self.refuses_nonfinite = False
@@ -704,7 +799,7 @@ class EngineModule(nn.Module):
             self._check(inputs)
             if self.refuses_nonfinite:
                 refuse_nonfinite_inputs(inputs)
-            out = gm(*inputs)
+            out = run_first_call(gm, inputs)
             if len(self._direct) >= MAX_PLANS:
                 self._direct.clear()
             self._direct[key] = (gm.code, specialise(gm, inputs))
@@ -714,18 +809,7 @@ class EngineModule(nn.Module):
         return gm(*inputs) if hit[1] is None else hit[1](*inputs)
 
     def _check(self, inputs: Sequence[Any]) -> None:
-        if len(inputs) != len(self._expect):
-            raise InputError(f"the model takes {len(self._expect)} input(s), got {len(inputs)}.")
-        for i, (t, (dtype, rank, channels)) in enumerate(zip(inputs, self._expect)):
-            want = f"a {dtype} tensor of rank {rank}" + (f" with {channels} channels (dim 1)" if channels else "")
-            if not isinstance(t, torch.Tensor):
-                raise InputError(f"input {i} is a {type(t).__name__}; the model expects {want}.")
-            if t.device.type != "cpu":
-                raise InputError(f"input {i} is on {t.device}; the engine runs on the CPU.", hint="pass x.cpu().")
-            if t.dtype != dtype or t.dim() != rank or (channels is not None and t.shape[1] != channels):
-                raise InputError(
-                    f"input {i} is a {t.dtype} tensor of shape {tuple(t.shape)}; the model expects {want}."
-                )
+        check_inputs(self._expect, inputs)
 
     def segments(self) -> list[EngineSegment]:
         return [m for m in self.graph_module.modules() if isinstance(m, EngineSegment)]
