@@ -138,6 +138,77 @@ def _input_specs(gm: nn.Module, example_inputs: Sequence[torch.Tensor] | None) -
     return [{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for t in inputs]
 
 
+#: Integer example inputs of at most this many elements are recorded in the header (token ids and
+#: attention masks; more is not needed to check a plan, and the header stays small).
+CHECK_VALUES_MAX = 1 << 16
+_CHECK_DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+#: where a loaded graph keeps the inputs its load check runs on (``GraphModule.meta``)
+CHECK_INPUTS_META = "gml_check_inputs"
+
+
+def _check_inputs_json(example_inputs: Sequence[Any] | None) -> list[dict[str, Any]] | None:
+    """The example inputs as the header records them for the load check: each input's shape and dtype,
+    and an integer input's values (token ids, attention masks). The load check ran on seeded random
+    floats and integer zeros before — an attention mask of zeros masks every key, a case the model
+    never meets, and a loaded MiniLM was refused the engine for it (the engine and torch differ there)."""
+    if example_inputs is None or not all(isinstance(t, torch.Tensor) for t in example_inputs):
+        return None
+    out: list[dict[str, Any]] = []
+    for t in example_inputs:
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _CHECK_DTYPES:
+            return None
+        entry: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype}
+        if not t.dtype.is_floating_point:
+            if t.numel() > CHECK_VALUES_MAX:
+                return None
+            entry["values"] = t.flatten().tolist()
+        out.append(entry)
+    return out
+
+
+def _check_inputs_from_json(data: Any, gm: fx.GraphModule) -> tuple[torch.Tensor, ...]:
+    """The load check's inputs from the header (:func:`_check_inputs_json`). The header is untrusted:
+    ValueError names the first field that is not what save writes (count, keys, dtypes and ranks
+    against the graph's inputs, static dims, sizes, the values' count, type and range)."""
+    metas = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if not isinstance(data, list) or len(data) != len(metas):
+        raise ValueError(f"check_inputs is not a list of {len(metas)} input(s)")
+    gen = torch.Generator().manual_seed(0)
+    total, out = 0, []
+    for i, (entry, meta) in enumerate(zip(data, metas)):
+        if not isinstance(entry, dict) or not {"shape", "dtype"} <= set(entry) <= {"shape", "dtype", "values"}:
+            raise ValueError(f"check_inputs[{i}] is not {{'shape', 'dtype'[, 'values']}}")
+        shape, dtype = entry["shape"], _CHECK_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if not isinstance(meta, torch.Tensor) or dtype != meta.dtype:
+            raise ValueError(f"check_inputs[{i}] has dtype {str(entry['dtype'])[:40]!r}, not the graph's input's")
+        if (
+            not isinstance(shape, list)
+            or len(shape) != meta.dim()
+            or not all(type(d) is int and 0 <= d < 1 << 31 for d in shape)
+            or any(isinstance(m, int) and m != d for m, d in zip(meta.shape, shape))
+        ):
+            raise ValueError(f"check_inputs[{i}]'s shape is not one the graph's input {tuple(meta.shape)} takes")
+        total += math.prod(shape)
+        if total > MAX_DECLARED_ELEMENTS:
+            raise ValueError(f"check_inputs add up to more than {MAX_DECLARED_ELEMENTS:,} elements")
+        values = entry.get("values")
+        if dtype.is_floating_point:
+            if values is not None:
+                raise ValueError(f"check_inputs[{i}] records values for a floating-point input")
+            out.append(torch.randn(shape, generator=gen).to(dtype))
+            continue
+        info = torch.iinfo(dtype)
+        if (
+            not isinstance(values, list)
+            or len(values) != math.prod(shape)
+            or not all(type(v) is int and info.min <= v <= info.max for v in values)
+        ):
+            raise ValueError(f"check_inputs[{i}]'s values are not {math.prod(shape)} {entry['dtype']} integers")
+        out.append(torch.tensor(values, dtype=dtype).reshape(shape))
+    return tuple(out)
+
+
 def _set_input_meta(gm: nn.Module, specs: Any) -> None:
     """Give a pickled graph's placeholders the input shapes its manifest records (meta tensors)."""
     if not isinstance(gm, fx.GraphModule) or not isinstance(specs, list):
@@ -204,6 +275,7 @@ def save(
         return path
     if format != "export":
         raise GMLError(f"unknown save format {format!r}", hint="use format='export' or format='pickle'")
+    given = example_inputs
     if example_inputs is None:
         if not isinstance(gm, fx.GraphModule):
             raise GMLError("cannot save: no example inputs", hint="pass example_inputs=(x,)")
@@ -231,6 +303,9 @@ def save(
     guard = next((m for m in gm.modules() if isinstance(m, InputGuard)), None)
     if guard is not None:
         header["input_guard"] = guard.to_json()
+    check = _check_inputs_json(given)  # the caller's example only: placeholders hold zeros
+    if check is not None:  # what load's check of the engine runs on: the example, not zeros
+        header["check_inputs"] = check
     _write_sealed(path, lambda f: torch.export.save(ep, f), header)
     return path
 
@@ -526,15 +601,16 @@ def attach_loaded_runtime(
     changes = retarget_weights(gm, target)
     if changes:
         gm.recompile()
-    try:
-        inputs = placeholder_inputs(gm, seed=0)
+    try:  # the example save recorded (gml.io._check_inputs_json), else the declared shapes
+        inputs = gm.meta.get(CHECK_INPUTS_META) or placeholder_inputs(gm, seed=0)
     except ModelLoadError:  # shapes no model is saved with
         raise
     except GMLError as e:  # a pickled graph saved without example inputs: nothing to compile a plan for
         note = f"no input shapes to compile the engine for ({e.message}; save with example_inputs=(x,))"
         engine, report = None, RuntimeReport("torch", note=note, target=target)
     else:
-        engine, report = attach_runtime(gm, inputs, runtime, target=target, options=options)
+        fp32 = _float_proxy(gm)
+        engine, report = attach_runtime(gm, inputs, runtime, target=target, options=options, fp32_model=fp32)
     report.changes = changes
     module: nn.Module = engine if engine is not None else gm
     refuse_autograd(gm)  # the engine applies the same rule itself (gml.inference)
@@ -544,6 +620,25 @@ def attach_loaded_runtime(
             refuse_nonfinite(engine)
     module.runtime = report
     return module
+
+
+def _float_proxy(gm: fx.GraphModule) -> fx.GraphModule | None:
+    """``gm`` with its dynamic INT8 GEMMs in float (:func:`~gml.kernels.dynamic_int8.float_linear`),
+    or None where it has none. ``gml.quantize`` lets the engine differ from the Python executor
+    beyond INT8 rounding when it is as close to the fp32 model (rounding flips after float ops that
+    round differently); a file has no fp32 model, and without one the load check refused the engine
+    for a real MiniLM (pooler output 0.016 of 0.19 apart): this graph stands in for it."""
+    from gml.kernels.dynamic_int8 import float_linear
+    from gml.runtime.compile import copy_graph
+
+    target = torch.ops.gml.dynamic_linear.default
+    if not any(n.target is target for n in gm.graph.nodes):
+        return None
+    graph = copy_graph(gm.graph)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is target:
+            node.target = float_linear
+    return fx.GraphModule(gm, graph)
 
 
 def is_saved_model(spec: str | Path) -> bool:
@@ -622,6 +717,14 @@ def _load_export(
             hint="gml.io.save never writes such an argument: the file was not written by gml, or was altered",
         )
     _plain_output_containers(gm)
+    check = sealed.header.get("check_inputs")
+    if check is not None:
+        try:
+            gm.meta[CHECK_INPUTS_META] = _check_inputs_from_json(check, gm)
+        except ValueError as e:
+            raise ModelLoadError(
+                f"{path} was refused: {e}", hint="gml.io.save never writes such a header: the file was altered"
+            ) from e
     _check_inputs_first(gm)
     guard = sealed.header.get("input_guard")
     if guard is not None:  # the shapes the graph is specialised to (save): other shapes are refused again

@@ -98,6 +98,30 @@ def apply_post_op(y: torch.Tensor, post_op: str, algorithm: str) -> torch.Tensor
 POST_OPS = ("none", "relu", "gelu")
 
 
+def float_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    smooth_inv: torch.Tensor | None,
+    post_op: str = "none",
+    post_op_scalars: list[float] | tuple[float, ...] = (),
+    post_op_algorithm: str = "",
+) -> torch.Tensor:
+    """``gml::dynamic_linear`` without its run-time rounding: the activations stay float, the int8
+    weights are dequantized (``w · s_w``). A stand-in for the fp32 model a loaded INT8 file no
+    longer has: both INT8 paths are an activation rounding away from it (gml.io.load's check)."""
+    shape = x.shape
+    n, k = weight.shape
+    rows = x.reshape(-1, k).float()
+    if smooth_inv is not None:
+        rows = rows * smooth_inv
+    y = rows @ (weight.float() * weight_scale.reshape(-1, 1)).T
+    if bias is not None:
+        y.add_(bias)
+    return apply_post_op(y, post_op, post_op_algorithm).reshape(*shape[:-1], n)
+
+
 def dynamic_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -451,7 +451,7 @@ def partition(
     report = RuntimeReport("engine", target=resolve(target), options=options or EngineOptions())
     # torch glue first (gml.runtime.shape_values): values of the input sizes alone are computed once
     # per shape, and torch nodes independent of an engine run move before it (fewer segments)
-    gm = fx.GraphModule(gm, _copy_graph(gm.graph))  # a copy to reorder; the caller's graph is untouched
+    gm = fx.GraphModule(gm, copy_graph(gm.graph))  # a copy to reorder; the caller's graph is untouched
     shape_values = cache_shape_values(gm, on_output=_keep_size)
     cache_guards(gm)
     if schedule_for_engine(gm.graph, lambda n: _engine_node(gm, n)[0]):
@@ -489,7 +489,7 @@ def partition(
         if rep.name in alone:
             report.nodes[i] = NodeReport(rep.name, rep.op, "torch", "a size read between torch ops (no engine step)")
 
-    new = fx.GraphModule(gm, _copy_graph(graph))
+    new = fx.GraphModule(gm, copy_graph(graph))
     name_map = {n.name: n for n in new.graph.nodes}
     for i, run in enumerate(runs):
         nodes = [name_map[n.name] for n in run]
@@ -552,7 +552,7 @@ def python_executor(gm: fx.GraphModule) -> PythonExecutor:
     hit = _EXECUTORS.get(gm)
     if hit is not None and hit[0] is gm.code:
         return hit[1]
-    copy = fx.GraphModule(gm, _copy_graph(gm.graph))
+    copy = fx.GraphModule(gm, copy_graph(gm.graph))
     changed = cache_shape_values(copy) is not None
     changed = cache_guards(copy) or changed
     runner = gm
@@ -574,7 +574,7 @@ def python_executor(gm: fx.GraphModule) -> PythonExecutor:
     return executor
 
 
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
+def copy_graph(graph: fx.Graph) -> fx.Graph:
     import copy
 
     g = fx.Graph()
