@@ -25,8 +25,10 @@ node                        engine steps
 **Masks.** A float mask is added as it is. A bool mask (``True`` = attend, SDPA's convention) is
 converted once per plan to an additive one, ``(m - 1) * FLT_MAX`` (one u8 → f32 reorder with a zero
 point), not ``-inf``: ``0 * inf`` would be NaN. A masked score becomes ``-FLT_MAX`` and its softmax
-weight exactly 0, as with ``-inf``; only a query row whose keys are *all* masked differs (SDPA gives
-NaN there, the engine the uniform average) — padded batches never mask every key of a row.
+weight exactly 0, as with ``-inf``; only a query row whose keys are *all* masked differs: the engine
+gives the uniform average of the values, torch 2.14's SDPA zeros for a bool mask (older torch gave
+NaN). A padded batch masks every key of a row only for a sequence that is all padding (an all-zero
+attention mask); ``gml.load`` no longer checks plans on such inputs (it uses the saved example).
 Dimensions a mask has by broadcasting (``expand``: stride 0) are described with size 1, so the
 ``[B, 1, L, S]`` boolean masks transformers builds are read without materializing them.
 
