@@ -66,6 +66,26 @@ def test_round_trip_rebuilds_fused_kernels_and_keeps_state_dict(tmp_path):
 
 
 @needs_onednn
+def test_a_conv1d_model_saves_and_loads_its_fused_kernels(tmp_path):
+    """A fused Conv1d (Whisper's and Wav2Vec2's front ends) exports as the 2-D call it runs as: the
+    oneDNN op takes no 3-D tensor, and torch.export refused the save. Load lifts it back (its weight
+    through the ``unsqueeze``), under the weight's own name, and the engine runs it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(16, 32, 3, padding=1), nn.GELU(), nn.Conv1d(32, 32, 3, stride=2, padding=1))
+    x = torch.randn(2, 16, 40)
+    gm = optimized(model.eval(), x)
+    assert kernel_types(gm)["FusedConv"] == 2
+    loaded = io.load(io.save(gm, tmp_path / "c1d.pt2"), runtime="torch")
+    assert kernel_types(loaded)["FusedConv"] == 2 and set(loaded.state_dict()) == set(gm.state_dict())
+    assert not any(n.op == "get_attr" for n in loaded.graph.nodes)  # no dense weight left beside the kernels
+    with torch.no_grad():
+        for n in (2, 3):
+            xn = torch.randn(n, 16, 40)
+            torch.testing.assert_close(loaded(xn), model(xn), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(io.load(tmp_path / "c1d.pt2")(xn), model(xn), rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
 def test_fp32_load_rebuilds_the_engine_by_default(tmp_path):
     from gml.runtime import EngineModule, unavailable_reason
 

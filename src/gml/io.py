@@ -334,12 +334,30 @@ def _write_sealed(path: Path, serialize: Callable[[Any], None], header: dict[str
 def _const(gm: fx.GraphModule, node: Any) -> torch.Tensor | None:
     if node is None:
         return None
+    if (  # a Conv1d's weight as its 2-D call takes it (FusedConv's export form): W.unsqueeze(2)
+        isinstance(node, fx.Node)
+        and node.target is torch.ops.aten.unsqueeze.default
+        and len(node.args) == 2
+        and node.args[1] == 2
+        and not node.kwargs
+    ):
+        weight = _const(gm, node.args[0])
+        if weight is None or weight.dim() != 3:
+            raise _NotConst
+        return weight.unsqueeze(2)
     if isinstance(node, fx.Node) and node.op == "get_attr":
         value = gm
         for part in str(node.target).split("."):
             value = getattr(value, part)
         return value if isinstance(value, torch.Tensor) else None
     raise _NotConst
+
+
+def _weight_target(node: fx.Node) -> str:
+    """The attribute a kernel call's weight comes from (through a Conv1d's ``unsqueeze``)."""
+    if node.target is torch.ops.aten.unsqueeze.default and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return str(node.target)
 
 
 class _NotConst(Exception):
@@ -388,7 +406,7 @@ def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
             mod = _twin(k32.FusedConv, weight)(
                 weight, bias, post_op=_post_op(attr, scalars, algo), **_conv_window(x, pad, stride, dil, groups)
             )
-            return Lift(mod, (x,), str(w.target))
+            return Lift(mod, (x,), _weight_target(w))
         if node.target == mk._convolution_pointwise.binary:
             x, other, w, b, pad, stride, dil, groups, binary, alpha, unary, _, _ = args
             weight, bias = _const(gm, w), _const(gm, b)
@@ -397,7 +415,7 @@ def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
             mod = _twin(k32.FusedConvAdd, weight)(
                 weight, bias, relu=unary == "relu", **_conv_window(x, pad, stride, dil, groups)
             )
-            return Lift(mod, (x, other), str(w.target))
+            return Lift(mod, (x, other), _weight_target(w))
         if node.target == mk._linear_pointwise.default:
             x, w, b, attr, scalars, algo = args
             weight, bias = _const(gm, w), _const(gm, b)
@@ -406,7 +424,7 @@ def lift_fp32(gm: fx.GraphModule, node: fx.Node) -> Lift | None:
             shape = _static_shape(x)
             rows = int(torch.tensor(shape[:-1]).prod()) if shape else None
             mod = _twin(k32.FusedLinear, weight)(weight, bias, post_op=_post_op(attr, scalars, algo), rows=rows)
-            return Lift(mod, (x,), str(w.target))
+            return Lift(mod, (x,), _weight_target(w))
     except _NotConst:
         return None
     return None
@@ -443,6 +461,7 @@ def lift_kernels(gm: fx.GraphModule, lifters: Sequence[Lifter] = DEFAULT_LIFTERS
         if lift is None:
             continue
         consts = [a for a in node.all_input_nodes if a.op == "get_attr"]
+        views = [a for a in node.all_input_nodes if a.target is torch.ops.aten.unsqueeze.default]  # a Conv1d's W
         name = _owner_path(lift.weight_target) or f"lifted_{lifted}"
         placeholder = f"_gml_lift_{lifted}"
         gm.add_submodule(placeholder, lift.module)
@@ -451,6 +470,10 @@ def lift_kernels(gm: fx.GraphModule, lifters: Sequence[Lifter] = DEFAULT_LIFTERS
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
+        for v in views:
+            if not v.users:
+                consts += [a for a in v.all_input_nodes if a.op == "get_attr"]
+                gm.graph.erase_node(v)
         for c in consts:
             if not c.users:
                 dead_attrs.add(str(c.target))

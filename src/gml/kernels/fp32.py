@@ -363,6 +363,11 @@ class FusedConv(_PrepackedConv):
         if not self.fused:
             return self._reference(x)
         if torch.compiler.is_compiling():  # export / compile trace: the dense weight goes in the graph
+            if self.dim == 1:  # as 2-D, as it runs (the op takes no 3-D tensor: torch.export refused it)
+                y = torch.ops.mkldnn._convolution_pointwise(
+                    x.unsqueeze(2), self.weight.unsqueeze(2), self.bias, *self._args, self.groups, *self._attr
+                )
+                return y.squeeze(2)
             pad, stride, dil = (list(self.padding), list(self.stride), list(self.dilation))
             return torch.ops.mkldnn._convolution_pointwise(
                 x, self.weight, self.bias, pad, stride, dil, self.groups, *self._attr
