@@ -785,8 +785,26 @@ def raise_exported_ops(gm: fx.GraphModule) -> None:
     from gml.passes.normalize import Normalize
     from gml.passes.raise_aten import RaiseATen
 
+    _raise_bf16_casts(gm)
     for graph_pass in (RaiseATen(), Normalize()):
         graph_pass(gm)
+
+
+def _raise_bf16_casts(gm: fx.GraphModule) -> None:
+    """``aten.to.dtype(x, bfloat16)`` of an fp32 ``x`` (and back) → the bf16 pass's casts
+    (:func:`gml.kernels.bf16.to_bf16` / ``to_fp32``, one reorder step each in the engine). A bf16 file
+    holds them as ATen calls: a loaded BERT bf16 ran as 6 engine segments instead of 1."""
+    from gml.kernels import bf16
+
+    casts = {(torch.float32, torch.bfloat16): bf16.to_bf16, (torch.bfloat16, torch.float32): bf16.to_fp32}
+    for node in gm.graph.nodes:
+        if node.target is not torch.ops.aten.to.dtype or node.kwargs or len(node.args) != 2:
+            continue
+        src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        cast = casts.get((getattr(src, "dtype", None), node.args[1]))
+        if cast is not None:
+            node.target, node.args = cast, (node.args[0],)
+    gm.recompile()
 
 
 def _check_inputs_first(gm: fx.GraphModule) -> None:

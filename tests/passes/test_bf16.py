@@ -193,6 +193,29 @@ def test_bf16_model_saves_and_loads_bit_exact(tmp_path):
         torch.testing.assert_close(on_engine(x), res.module(x), rtol=2e-2, atol=2e-2)
 
 
+@needs_bf16
+def test_a_loaded_bf16_transformer_is_one_engine_plan_as_before_saving(tmp_path):
+    """The bf16 casts are ATen ``to`` calls in the file: raised back to ``to_bf16`` / ``to_fp32`` on
+    load, the engine plans a small BERT as one segment, as it did before saving (6 before the fix)."""
+    transformers = pytest.importorskip("transformers")
+    from gml.io import load
+    from gml.runtime import unavailable_reason
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128, vocab_size=1000
+    )
+    model = transformers.BertModel(config).eval()
+    x = (torch.randint(5, 1000, (1, 9)), torch.ones(1, 9, dtype=torch.long))
+    res = gml.optimize(model, x, precision="bf16")
+    res.save(str(tmp_path / "b.pt2"))
+    loaded = load(str(tmp_path / "b.pt2"))
+    if unavailable_reason() is None and res.engine is not None:
+        assert len(loaded.segments()) == len(res.engine.segments()) == 1, str(loaded.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*x)["last_hidden_state"], res.executable(*x)["last_hidden_state"])
+
+
 class _OptionalMask(nn.Module):
     """``forward(x, mask=None)`` like timm's ViT blocks: the capture keeps ``mask`` as a placeholder
     with its default, no tensor behind it."""
