@@ -86,6 +86,27 @@ def test_a_conv1d_model_saves_and_loads_its_fused_kernels(tmp_path):
 
 
 @needs_onednn
+def test_a_dashed_module_name_and_an_average_pool_load_onto_one_plan(tmp_path):
+    """torchvision's RegNet names blocks ``block1-0``: its files were refused as "not a dotted attribute
+    path". DenseNet's ``avg_pool2d`` transitions were ATen calls the engine left to torch (4 segments)."""
+    import gml
+
+    torch.manual_seed(0)
+    body = nn.Sequential()
+    body.add_module("block1-0", nn.Conv2d(3, 8, 3, padding=1))
+    body.add_module("act", nn.ReLU())
+    body.add_module("pool", nn.AvgPool2d(2))
+    body.add_module("block1-1", nn.Conv2d(8, 8, 3, padding=1))
+    model, x = body.eval(), torch.randn(2, 3, 8, 8)
+    path = tmp_path / "dashed.pt2"
+    gml.optimize(model, (x,)).save(str(path))
+    loaded = io.load(path)
+    assert loaded.runtime.path == "engine", str(loaded.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
 def test_fp32_load_rebuilds_the_engine_by_default(tmp_path):
     from gml.runtime import EngineModule, unavailable_reason
 

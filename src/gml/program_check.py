@@ -59,7 +59,9 @@ MAX_NUMEL = 1 << 31  # elements of one tensor (a batch-1 activation of any GML m
 MAX_INT = (1 << 63) - 1
 
 _SYMBOL = re.compile(r"[a-z]{1,3}\d{1,9}")  # torch's shape symbols: s0, u12, ...
-_SEGMENT = re.compile(r"[A-Za-z0-9_]{1,256}")
+#: a module name torch.fx writes as ``getattr(self, 'name')`` when not an identifier: torchvision's
+#: RegNet names its blocks ``block1-0`` (files of it were refused); no quote, dot or space can occur
+_SEGMENT = re.compile(r"[A-Za-z0-9_-]{1,256}")
 _NUMBER = re.compile(r"-?\d{1,40}(\.\d{0,40})?(e[-+]?\d{1,4})?")
 _VERSION = re.compile(r"[0-9A-Za-z.+_-]{1,64}")
 _PAYLOAD = re.compile(r"(weight|tensor)_\d{1,9}")

@@ -19,6 +19,7 @@ of the module that made the call, taken from export's ``nn_module_stack``, e.g.
                                                              (Normalize makes modules)
     aten.pad(x, pads, mode, value)                         →  F.pad (FoldPad folds a constant zero pad into a conv)
     aten.add.Tensor / mul / sub / div / matmul / bmm / softmax / dropout / flatten / mean.dim / SDPA  →  torch.* / F.*
+    aten.max_pool2d / avg_pool2d / adaptive_avg_pool2d                →  torch.max_pool2d / F.avg_pool2d / ...
     aten.view / reshape / permute / transpose / unsqueeze / expand / contiguous  →  x.view(...) etc.
     aten.add_ / sub_ / mul_ (Tensor), aten.relu_           →  x.add_(y) etc. (Normalize makes them out of place)
     aten._assert_tensor_metadata(...)                     →  removed (a check with no result; it would
@@ -75,6 +76,7 @@ FUNCTIONS: dict[Any, Callable] = {
     aten.adaptive_avg_pool2d.default: F.adaptive_avg_pool2d,
     aten.mean.dim: torch.mean,  # squeeze-excite's spatial mean: Normalize makes it a pool
     aten.max_pool2d.default: torch.max_pool2d,
+    aten.avg_pool2d.default: F.avg_pool2d,  # DenseNet's transitions (a loaded file ran them in torch)
 }
 
 #: ATen view/shape overload → the tensor method of the same signature.
