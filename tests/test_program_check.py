@@ -146,7 +146,11 @@ def test_a_guard_is_a_shape_comparison_and_nothing_else():
     rule = program_check.STRING_RULES[("ExportedProgram", "guards_code")]
     rule("L['input_ids'].size()[1] <= 512", "g")
     rule("L['attention_mask'].size()[1] == L['input_ids'].size()[1]", "g")
-    for bad in [RUN, "L['x'].__class__", "L[x].size()[0] == 1", "(lambda: 1)() == 1", "L['x'].size()[0] == 'a'"]:
+    # timm LeViT's: torch writes torch.sym_max (the guard's namespace holds torch)
+    rule("(256 * (L['x'].size()[3] // 16)) != (128 * torch.sym_max(1, L['x'].size()[2] // 16))", "g")
+    for bad in [RUN, "L['x'].__class__", "L[x].size()[0] == 1", "(lambda: 1)() == 1", "L['x'].size()[0] == 'a'",
+                "torch.load('x') == 1", "torch.sym_max(1, x=2) == 1", "torch.sym_max(1, L['x'].__class__) == 1",
+                "os.sym_max(1, 2) == 1", "torch.sym_max.__globals__ == 1"]:  # fmt: skip
         with pytest.raises(program_check.Refused):
             rule(bad, "g")
 

@@ -147,6 +147,8 @@ _ARITH = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
 _UNARY = (ast.USub, ast.UAdd, ast.Not)
 _COMPARE = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 _SHAPE_METHODS = frozenset({"size", "stride", "storage_offset", "dim", "numel"})
+#: the functions of ``torch`` a guard may call (torch.export writes them; the guard's namespace has torch)
+_TORCH_SYM_FUNCTIONS = frozenset({"sym_max", "sym_min"})
 
 
 def _parse(s: str, path: str) -> ast.Expression:
@@ -269,6 +271,17 @@ def _guard(s: str, path: str) -> None:
             ):
                 raise ValueError("a subscript that is not an input's size or stride")
             input_ref(call.func.value)
+            return
+        if (  # torch.sym_max(1, ...) (a timm LeViT's attention-bias guard): a max of two sizes
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "torch"
+            and node.func.attr in _TORCH_SYM_FUNCTIONS
+            and not node.keywords
+        ):
+            for a in node.args:
+                walk(a)
             return
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):  # L[...].storage_offset()
             if node.func.attr not in _SHAPE_METHODS or node.args or node.keywords:

@@ -22,6 +22,7 @@ of the module that made the call, taken from export's ``nn_module_stack``, e.g.
     aten.max_pool2d / avg_pool2d / adaptive_avg_pool2d                →  torch.max_pool2d / F.avg_pool2d / ...
     aten.view / reshape / permute / transpose / unsqueeze / expand / contiguous  →  x.view(...) etc.
     aten.add_ / sub_ / mul_ (Tensor), aten.relu_           →  x.add_(y) etc. (Normalize makes them out of place)
+    aten.alias(x)                                         →  x (the same tensor: a view with x's sizes and strides)
     aten._assert_tensor_metadata(...)                     →  removed (a check with no result; it would
                                                              count as a reader of its input and block fusions)
     pure calls whose result nobody reads                  →  removed (export keeps nn.MultiheadAttention's
@@ -98,6 +99,9 @@ METHODS: dict[Any, str] = {
 }
 
 _CHECKS = (aten._assert_tensor_metadata.default,)
+#: a view with the input's own sizes and strides (export writes one for ``x[:]`` / an identity
+#: slice: a loaded GhostNet ran 32 of them in torch, splitting its plan into 33 segments)
+_ALIASES = (aten.alias.default,)
 _CONVS = {
     aten.conv1d.default: nn.Conv1d,
     aten.conv2d.default: nn.Conv2d,
@@ -292,6 +296,11 @@ class RaiseATen(GraphPass):
                 continue
             target = node.target
             if target in _CHECKS:
+                graph.erase_node(node)
+                matches += 1
+                continue
+            if target in _ALIASES and node.args and isinstance(node.args[0], fx.Node):
+                node.replace_all_uses_with(node.args[0])  # the same tensor (storage, sizes, strides)
                 graph.erase_node(node)
                 matches += 1
                 continue
