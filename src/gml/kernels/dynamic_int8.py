@@ -23,6 +23,8 @@ its ``q_x`` is 0 and its output the bias.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -98,28 +100,11 @@ def apply_post_op(y: torch.Tensor, post_op: str, algorithm: str) -> torch.Tensor
 POST_OPS = ("none", "relu", "gelu")
 
 
-def float_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    smooth_inv: torch.Tensor | None,
-    post_op: str = "none",
-    post_op_scalars: list[float] | tuple[float, ...] = (),
-    post_op_algorithm: str = "",
-) -> torch.Tensor:
-    """``gml::dynamic_linear`` without its run-time rounding: the activations stay float, the int8
-    weights are dequantized (``w · s_w``). A stand-in for the fp32 model a loaded INT8 file no
-    longer has: both INT8 paths are an activation rounding away from it (gml.io.load's check)."""
-    shape = x.shape
-    n, k = weight.shape
-    rows = x.reshape(-1, k).float()
-    if smooth_inv is not None:
-        rows = rows * smooth_inv
-    y = rows @ (weight.float() * weight_scale.reshape(-1, 1)).T
-    if bias is not None:
-        y.add_(bias)
-    return apply_post_op(y, post_op, post_op_algorithm).reshape(*shape[:-1], n)
+def float_linear(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """``gml::dynamic_linear`` without its run-time rounding (:func:`dynamic_linear` with float
+    activations): the int8 weights dequantized (``w · s_w``). A stand-in for the fp32 model a loaded
+    INT8 file no longer has: both INT8 paths are an activation rounding away from it (gml.io.load)."""
+    return dynamic_linear(*args, **kwargs, round_activations=False)
 
 
 def dynamic_linear(
@@ -131,15 +116,23 @@ def dynamic_linear(
     post_op: str = "none",
     post_op_scalars: list[float] | tuple[float, ...] = (),
     post_op_algorithm: str = "",
+    *,
+    round_activations: bool = True,
 ) -> torch.Tensor:
-    """The Python kernel of ``gml::dynamic_linear`` (module docstring): :func:`int8_matmul` on the int8 rows."""
+    """The Python kernel of ``gml::dynamic_linear`` (module docstring): :func:`int8_matmul` on the int8
+    rows. ``round_activations=False``: the rows stay float (:func:`float_linear`)."""
     shape = x.shape
     n, k = weight.shape
     if shape[-1] != k:
         raise ValueError(f"dynamic_linear: input has {shape[-1]} features, the weight {k}")
-    q_x, amax = quantize_rows(x.reshape(-1, k).float(), smooth_inv)
-    acc = int8_matmul(q_x, weight)
-    y = torch.mul(acc, weight_scale / QMAX).mul_(amax)  # float(acc) * (s_w / 127), then * amax: two roundings
+    if round_activations:
+        q_x, amax = quantize_rows(x.reshape(-1, k).float(), smooth_inv)
+        acc = int8_matmul(q_x, weight)
+        y = torch.mul(acc, weight_scale / QMAX).mul_(amax)  # float(acc) * (s_w / 127), then * amax: two roundings
+    else:
+        rows = x.reshape(-1, k).float()
+        rows = rows * smooth_inv if smooth_inv is not None else rows
+        y = rows @ (weight.float() * weight_scale.reshape(-1, 1)).T
     if bias is not None:
         y.add_(bias)
     return apply_post_op(y, post_op, post_op_algorithm).reshape(*shape[:-1], n)
