@@ -30,7 +30,7 @@ demo: $(STAMP)
 # Then the INT8 tests again under each lower ISA tier this CPU can run (ONEDNN_MAX_CPU_ISA=AVX2: no
 # AVX-512, no VNNI; AVX512_CORE: AVX-512 without VNNI), as `python -m gml.runtime.target` lists
 # them (docs/adr/011-int8-on-every-isa.md): the correctness of INT8 on every tier from one machine.
-INT8_TIER_TESTS = tests/ir/test_target.py tests/kernels/test_onednn_int8.py tests/quant/test_int8_isa.py \
+INT8_TIER_TESTS = tests/ir/test_target.py tests/kernels/test_onednn_int8.py tests/kernels/test_float_int8.py tests/quant/test_int8_isa.py \
 	tests/runtime/test_dynamic_linear.py tests/runtime/test_dynamic_linear_residual.py tests/runtime/test_exact_qlinear.py tests/runtime/test_ops.py \
 	tests/runtime/test_reference_kernels.py tests/runtime/test_winograd_int8.py tests/runtime/test_im2col_int8.py tests/runtime/test_dw_int8.py \
 	tests/runtime/test_conv_pad.py tests/test_reliability.py tests/test_reliability24.py tests/fuzz/test_regressions.py \

@@ -646,21 +646,22 @@ def attach_loaded_runtime(
 
 
 def _float_proxy(gm: fx.GraphModule) -> fx.GraphModule | None:
-    """``gm`` with its dynamic INT8 GEMMs in float (:func:`~gml.kernels.dynamic_int8.float_linear`),
-    or None where it has none. ``gml.quantize`` lets the engine differ from the Python executor
-    beyond INT8 rounding when it is as close to the fp32 model (rounding flips after float ops that
-    round differently); a file has no fp32 model, and without one the load check refused the engine
-    for a real MiniLM (pooler output 0.016 of 0.19 apart): this graph stands in for it."""
-    from gml.kernels.dynamic_int8 import float_linear
+    """``gm`` with every INT8 op in float (:mod:`gml.kernels.float_int8`: weights dequantized, no
+    activation rounding), or None where it has none. ``gml.quantize`` lets the engine differ from
+    the Python executor beyond INT8 rounding when it is as close to the fp32 model (rounding flips
+    after float ops that round differently); a file has no fp32 model, and without one the load
+    check refused the engine for a real MiniLM (pooler output 0.016 of 0.19 apart) and for a timm
+    efficientnet_b1 (0.09 of the range): this graph stands in for it."""
+    from gml.kernels.float_int8 import FLOAT
     from gml.runtime.compile import copy_graph
 
-    target = torch.ops.gml.dynamic_linear.default
-    if not any(n.target is target for n in gm.graph.nodes):
+    if not any(gml_op_name(n) in FLOAT for n in gm.graph.nodes):
         return None
     graph = copy_graph(gm.graph)
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is target:
-            node.target = float_linear
+        name = gml_op_name(node)
+        if name in FLOAT:
+            node.target = FLOAT[name]
     return fx.GraphModule(gm, graph)
 
 
