@@ -305,13 +305,12 @@ GML_AVX512BF16 void pv_rows(const Packed& pk, const void* p, int64_t p_row, int6
 // p[j] = exp(x - max) (bf16: rounded; fp32: ``p`` may be ``sc`` itself), keys S..Sp-1 get 0; returns
 // 1 / sum_j exp(x - max) (the fp32 values), by which P·V's row is multiplied: O = (e V) / sum equals
 // (e / sum) V with the division moved after the matrix product (one multiply per output instead of
-// one per key). A row whose max is at or below -1e30 has every key masked (-FLT_MAX, or -inf for two
-// masks summed): at that magnitude a score no longer changes the sum (an fp32 ulp of 1e30 is 7e22),
-// so the row's values are equal and its weights uniform, as the primitive path gives for a fully
-// masked row.
+// one per key). A row whose every key is masked (attention_problem.h, zero_row) gets uniform
+// weights, and returns 0 where SDPA gives zeros (``zero_masked``: a bool mask, or an all -inf row).
 template <bool kF32>
 GML_AVX512BF16 inline float softmax_row(float* sc, int64_t S, int64_t sp, const float* prepared_max, float scale,
-                                        const float* const* mrow, const int64_t* mcol, int nmask, void* p) {
+                                        const float* const* mrow, const int64_t* mcol, int nmask, void* p,
+                                        bool zero_masked) {
   float mx;
   if (prepared_max) {
     mx = *prepared_max;
@@ -335,7 +334,8 @@ GML_AVX512BF16 inline float softmax_row(float* sc, int64_t S, int64_t sp, const 
     }
     mx = _mm512_reduce_max_ps(vmax);
   }
-  if (mx <= -1e30f) {  // every key masked (see above): uniform weights
+  const bool zero = zero_row(mx, zero_masked);
+  if (mx <= kFullyMasked) {  // every key masked (see above): uniform weights
     for (int64_t j = 0; j < S; ++j) sc[j] = 0.0f;
     mx = 0.0f;
   }
@@ -355,7 +355,7 @@ GML_AVX512BF16 inline float softmax_row(float* sc, int64_t S, int64_t sp, const 
     if constexpr (kF32) _mm512_storeu_ps(static_cast<float*>(p) + j, e);
     else store_bf16(static_cast<uint16_t*>(p) + j, e);
   }
-  return 1.0f / _mm512_reduce_add_ps(vsum);
+  return zero ? 0.0f : 1.0f / _mm512_reduce_add_ps(vsum);
 }
 
 // Per-thread work buffers (grown, never shrunk).
@@ -454,7 +454,7 @@ GML_AVX512BF16 inline void attend_one(const Problem& pb, const void* q, const vo
       for (int i = 0; i < nmask; ++i) mrow[i] = mask_base[i] + (r0 + r) * pb.masks[i].row;
       const float mx = ep.prepared ? _mm512_reduce_max_ps(ep.vmax[r]) : 0.0f;
       inv[r] = softmax_row<kF32>(w.sc.data() + r * sp, S, sp, ep.prepared ? &mx : nullptr, pb.scale, mrow.data(),
-                                 mcol.data(), nmask, static_cast<char*>(probs) + r * sp * item);
+                                 mcol.data(), nmask, static_cast<char*>(probs) + r * sp * item, pb.zero_masked_rows);
     }
     void* orow = static_cast<char*>(o) + r0 * pb.out.row * item;
     switch (nr) {

@@ -13,8 +13,8 @@
 // The math is the primitive path's: scores accumulated in fp32 (FMA), scale and masks added in fp32,
 // softmax with its max subtracted (exp: gml_avx2::exp_neg, ~1e-7 relative), O = (Σ_j e_j V_j) / Σ_j e_j
 // (the division after the product: one multiply per output, not one per key). A row whose every key
-// is masked (max <= -1e30: -FLT_MAX, or -inf for two masks summed) weighs its keys equally, as the
-// primitive path does. A NaN in a score makes its row NaN.
+// is masked weighs its keys equally, or comes out as zeros where SDPA gives zeros (attention_problem.h,
+// zero_row). A NaN in a score makes its row NaN.
 //
 // Layout: Kᵀ [E][Sp] is packed once per batch index (Sp: S rounded up to 8, the padding zero and never
 // read past S); Q rows are broadcast one element at a time, Kᵀ and V rows read as 8-float vectors.
@@ -131,7 +131,7 @@ GML_ATTN_AVX2 void pv_rows(const float* p, int64_t p_row, const float* v, int64_
 // One score row: x = scale * s + masks over its S keys (in place), then e = exp(x - max x) in place;
 // returns 1 / Σ e. ``mrow[i]`` is mask i's row for this query row, ``mcol[i]`` its column stride.
 GML_ATTN_AVX2 inline float softmax_row(float* sc, int64_t S, float scale, const float* const* mrow, const int64_t* mcol,
-                                       int nmask) {
+                                       int nmask, bool zero_masked) {
   const __m256 vs = _mm256_set1_ps(scale);
   const float inf = std::numeric_limits<float>::infinity();
   __m256 vmax = _mm256_set1_ps(-inf), vnan = _mm256_setzero_ps();
@@ -156,7 +156,8 @@ GML_ATTN_AVX2 inline float softmax_row(float* sc, int64_t S, float scale, const 
     vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // vmaxps drops a NaN operand
   }
   float mx = _mm256_movemask_ps(vnan) ? std::numeric_limits<float>::quiet_NaN() : gml_avx2::hmax(vmax);
-  if (mx <= -1e30f) {  // every key masked: uniform weights (attention.h's softmax_row says why)
+  const bool zero = gml_attention::zero_row(mx, zero_masked);
+  if (mx <= gml_attention::kFullyMasked) {  // every key masked: uniform weights (attention_problem.h)
     for (int64_t j = 0; j < S; ++j) sc[j] = 0.0f;
     mx = 0.0f;
   }
@@ -170,7 +171,7 @@ GML_ATTN_AVX2 inline float softmax_row(float* sc, int64_t S, float scale, const 
     vsum = _mm256_add_ps(vsum, e);
     _mm256_maskstore_ps(sc + j, lanes, e);
   }
-  return 1.0f / gml_avx2::hsum(vsum);
+  return zero ? 0.0f : 1.0f / gml_avx2::hsum(vsum);
 }
 
 // Per-thread work buffers (grown, never shrunk).
@@ -206,7 +207,7 @@ GML_ATTN_AVX2 inline void attend_one(const Problem& pb, const float* q, const fl
     float inv[kRows];
     for (int r = 0; r < nr; ++r) {
       for (int i = 0; i < nmask; ++i) mrow[i] = mask_base[i] + (r0 + r) * pb.masks[i].row;
-      inv[r] = softmax_row(sc + r * sp, S, pb.scale, mrow.data(), mcol.data(), nmask);
+      inv[r] = softmax_row(sc + r * sp, S, pb.scale, mrow.data(), mcol.data(), nmask, pb.zero_masked_rows);
     }
     float* orow = o + r0 * pb.out.row;
     switch (nr) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace gml_attention {
@@ -24,7 +25,21 @@ struct Problem {
   float scale = 1.0f;
   Operand q, k, v, out;
   std::vector<Operand> masks;  // fp32
+  bool zero_masked_rows = false;  // a fully masked row is zeros for every mask (a bool mask's rule)
 };
+
+// A query row whose every key is masked: its score max is at or below kFullyMasked (-FLT_MAX from a
+// bool mask, torch.finfo.min from a transformers float mask, -inf). At that magnitude a score no
+// longer changes the sum (an fp32 ulp of 1e30 is 7e22), so softmax's weights are uniform and P·V is
+// the mean of the values: what SDPA gives for a finite additive mask. SDPA (torch >= 2.5) gives
+// zeros for a row masked by a bool mask or by -inf: the kernels then scale the row's P·V by 0
+// (zero_row). The bool mask is converted to -FLT_MAX before the kernel sees it, so the step says so
+// (Problem::zero_masked_rows, set by the Python side for a bool mask).
+constexpr float kFullyMasked = -1e30f;
+
+inline bool zero_row(float row_max, bool zero_masked_rows) {
+  return row_max <= kFullyMasked && (zero_masked_rows || row_max == -std::numeric_limits<float>::infinity());
+}
 
 // Calls fn(q, k, v, o, masks) once per batch index with the pointers offset to it; the indices are
 // split over the OpenMP team when there are several and each is big enough to be worth a thread.

@@ -17,6 +17,7 @@ struct AttentionStep {
   int q = -1, k = -1, v = -1, dst = -1;
   std::vector<int> masks;
   float scale = 1.0f;
+  bool zero_masked_rows = false;  // a bool mask: a row with every key masked is zeros (attention_problem.h)
   std::string kernel = "avx512";
   std::string name;
 };
@@ -84,6 +85,7 @@ inline void build(Plan& plan, const AttentionStep& desc) {
   if (!avx2 && 16 * 4 * std::max<int64_t>(ko.row, 1) >= (int64_t{1} << 31))  // attention.h packs K by gathers with int32 offsets
     throw std::invalid_argument("gml engine: attention K rows too far apart for the fused kernel");
   pb.scale = scale;
+  pb.zero_masked_rows = desc.zero_masked_rows;
   pb.q = qo, pb.k = ko, pb.v = vo, pb.out = oo;
   for (int m : masks) {
     auto [mo, md] = operand(m, dt::f32, "mask");
@@ -110,6 +112,6 @@ inline void build(Plan& plan, const AttentionStep& desc) {
 }
 
 // Python bindings of this family's step descriptions (native/bind.h).
-GML_STEP(AttentionStep, q, k, v, dst, masks, scale, kernel, name)
+GML_STEP(AttentionStep, q, k, v, dst, masks, scale, zero_masked_rows, kernel, name)
 
 }  // namespace gml_engine

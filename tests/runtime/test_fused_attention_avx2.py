@@ -114,13 +114,14 @@ def test_masked_keys_weigh_exactly_zero(monkeypatch):
     assert torch.equal(first, second)
 
 
-def test_a_fully_masked_row_averages_the_values(monkeypatch):
-    """As the primitive path (gml.runtime.rules.attention's documented choice): uniform weights."""
+def test_a_fully_masked_row_is_zeros(monkeypatch):
+    """SDPA's answer for a bool mask (tests/runtime/test_masked_rows.py has every path and mask kind)."""
     q, k, v = qkv(1, 1, 3, 5, 16, 16, seed=5)
     mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
     mask[0, 0, 1] = False
     got, _ = run(attention_graph(4), q, k, v, mask, monkeypatch=monkeypatch)
-    torch.testing.assert_close(got[0, 0, 1], v.mean(dim=-2)[0, 0], rtol=1e-5, atol=1e-6)
+    assert float(got[0, 0, 1].abs().max()) == 0.0
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-6)
 
 
 def test_a_nan_reaches_its_row_only(monkeypatch):

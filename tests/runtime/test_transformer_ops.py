@@ -260,7 +260,7 @@ def test_causal_attention_and_a_constant_mask(lq, s):
     # a constant (get_attr) mask, as a model's buffer: bool, then float
     for mask in (torch.rand(lq, s) > 0.3, torch.randn(1, 1, lq, s)):
         if mask.dtype == torch.bool:
-            mask[:, 0] = True  # no fully masked row (SDPA gives NaN there, see the module docstring)
+            mask[:, 0] = True  # no fully masked row (tests/runtime/test_masked_rows.py has those)
         g = fx.Graph()
         xs = [g.placeholder(n) for n in "qkv"]
         root = nn.Module()

@@ -555,12 +555,22 @@ class Builder:
         self._step("softmax", [src], [dst], axis=axis)
 
     def attention(
-        self, q: Val, k: Val, v: Val, dst: Val, *, masks: list[Val], scale: float, kernel: str = "avx512"
+        self,
+        q: Val,
+        k: Val,
+        v: Val,
+        dst: Val,
+        *,
+        masks: list[Val],
+        scale: float,
+        kernel: str = "avx512",
+        zero_masked_rows: bool = False,
     ) -> None:
         """``dst = softmax(scale * q @ kᵀ + sum(masks)) @ v`` in one fused step: q / k / v / dst of
         one rank, unit last-dim strides; masks additive f32. ``kernel``: ``avx512`` (bf16 / fp32,
-        native/attention.h) or ``avx2`` (fp32, native/attention_avx2.h)."""
-        self._step("attention", [q, k, v, *masks], [dst], scale=scale, kernel=kernel)
+        native/attention.h) or ``avx2`` (fp32, native/attention_avx2.h). ``zero_masked_rows``: a
+        row whose every key is masked is zeros (a bool mask's rule in SDPA), else the values' mean."""
+        self._step("attention", [q, k, v, *masks], [dst], scale=scale, kernel=kernel, zero_masked_rows=zero_masked_rows)
 
     def layer_norm(
         self, src: Val, dst: Val, *, gamma: torch.Tensor | None, beta: torch.Tensor | None, eps: float

@@ -244,6 +244,7 @@ def attention(plan: Any, cx: EmitContext, s: Any) -> None:
         dst=cx.ids[s.writes[0]],
         masks=masks,
         scale=float(s.kwargs["scale"]),
+        zero_masked_rows=bool(s.kwargs.get("zero_masked_rows", False)),
         kernel=str(s.kwargs.get("kernel", "avx512")),
         name=s.name,
     )
