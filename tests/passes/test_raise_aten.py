@@ -42,3 +42,43 @@ def test_an_op_with_no_torch_level_form_stays_aten_and_is_counted():
     result = RaiseATen()(gm)
     assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == [aten.roll.default]
     assert any("1 left as ATen" in note for note in result.notes), result.notes
+
+
+class _Normalize(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, dim=-1) * 2
+
+
+def test_f_normalize_as_export_writes_it_is_raised_back():
+    """Before: ``linalg_vector_norm → clamp_min → expand_as → div`` (export's F.normalize, as a saved
+    XCiT holds it: 13 engine segments where the fresh model has 8); after: one ``F.normalize``,
+    the engine's L2NormStep. Bit-exact: F.normalize runs those very ops."""
+    x = torch.randn(2, 5, 16)
+    gm = torch.export.export(_Normalize(), (x,)).module()
+    assert any(n.target is aten.linalg_vector_norm.default for n in gm.graph.nodes)
+    want = gm(x)
+    result = RaiseATen()(gm)
+    targets = [n.target for n in result.graph_module.graph.nodes if n.op == "call_function"]
+    assert F.normalize in targets and aten.linalg_vector_norm.default not in targets
+    (call,) = [n for n in result.graph_module.graph.nodes if n.target is F.normalize]
+    assert call.kwargs == {"p": 2.0, "dim": -1, "eps": 1e-12}
+    assert torch.equal(result.graph_module(x), want)
+
+
+def test_a_norm_over_two_dims_is_not_a_normalize():
+    """Negative case: the same ops over dims [1, 2] are not F.normalize (which takes one dim)."""
+    from gml.passes.raise_aten import _written_normalize
+
+    def build(g, x):
+        norm = g.call_function(aten.linalg_vector_norm.default, (x, 2.0, [1, 2], True))
+        clamped = g.call_function(aten.clamp_min.default, (norm, 1e-12))
+        return g.call_function(aten.div.Tensor, (x, g.call_function(aten.expand_as.default, (clamped, x))))
+
+    gm = _graph(build)
+    div = next(n for n in gm.graph.nodes if n.target is aten.div.Tensor)
+    assert "over several dims" in _written_normalize(div)
+    x = torch.randn(2, 3, 4)
+    want = gm(x)
+    result = RaiseATen()(gm)
+    assert F.normalize not in [n.target for n in result.graph_module.graph.nodes]
+    assert torch.equal(result.graph_module(x), want)

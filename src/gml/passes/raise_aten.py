@@ -23,6 +23,10 @@ of the module that made the call, taken from export's ``nn_module_stack``, e.g.
     aten.view / reshape / permute / transpose / unsqueeze / expand / contiguous  →  x.view(...) etc.
     aten.add_ / sub_ / mul_ (Tensor), aten.relu_           →  x.add_(y) etc. (Normalize makes them out of place)
     aten.alias(x)                                         →  x (the same tensor: a view with x's sizes and strides)
+    div(x, expand_as(clamp_min(linalg_vector_norm(x, p, [d], True), eps), x))  →  F.normalize(x, p, d, eps)
+                                                             (F.normalize as export writes it out: the
+                                                             very ops F.normalize runs; XCiT, EdgeNeXt,
+                                                             embedding heads)
     aten._assert_tensor_metadata(...)                     →  removed (a check with no result; it would
                                                              count as a reader of its input and block fusions)
     pure calls whose result nobody reads                  →  removed (export keeps nn.MultiheadAttention's
@@ -314,6 +318,10 @@ class RaiseATen(GraphPass):
                 name = _install(gm, node, module, taken)
                 with graph.inserting_before(node):
                     new = graph.call_module(name, (x,))
+            elif target is aten.div.Tensor and isinstance(spelled := _written_normalize(node), tuple):
+                x, p, dim, eps = spelled
+                with graph.inserting_before(node):
+                    new = graph.call_function(F.normalize, (x,), {"p": p, "dim": dim, "eps": eps})
             elif target in FUNCTIONS:
                 with graph.inserting_before(node):
                     new = graph.call_function(FUNCTIONS[target], node.args, dict(node.kwargs))
@@ -340,6 +348,32 @@ class RaiseATen(GraphPass):
         left = sum(1 for n in graph.nodes if n.op == "call_function" and _is_aten(n.target))
         notes = [f"raised {matches} ATen call(s); {left} left as ATen (no module or torch-level form here)"]
         return PassResult(gm, matches > 0, matches, skips, notes)
+
+
+def _only_use(node: Any, target: Any) -> bool:
+    return isinstance(node, fx.Node) and node.target is target and len(node.users) == 1
+
+
+def _written_normalize(div: fx.Node) -> tuple[fx.Node, float, int, float] | str:
+    """``(x, p, dim, eps)`` where ``div`` ends ``F.normalize(x, p, dim, eps)`` written out by export —
+    ``div(x, expand_as(clamp_min(linalg_vector_norm(x, p, [dim], True), eps), x))``, each
+    intermediate read by the next only — else why not."""
+    if len(div.args) != 2 or div.kwargs:
+        return "not div(x, y)"
+    x, expanded = div.args
+    if not _only_use(expanded, aten.expand_as.default) or expanded.args[1:] != (x,):
+        return "the divisor is not a norm expanded as the dividend"
+    clamped = expanded.args[0]
+    if not _only_use(clamped, aten.clamp_min.default) or not isinstance(clamped.args[1], float | int):
+        return "the norm is not clamped from below by a number"
+    norm = clamped.args[0]
+    if not _only_use(norm, aten.linalg_vector_norm.default) or norm.kwargs:
+        return "not a vector norm (or one with a dtype)"
+    args = (*norm.args, *[None] * (4 - len(norm.args)))
+    src, p, dims, keepdim = args
+    if src is not x or keepdim is not True or not isinstance(dims, list | tuple) or len(dims) != 1:
+        return "a norm of another tensor, over several dims or without keepdim"
+    return x, float(2.0 if p is None else p), int(dims[0]), float(clamped.args[1])
 
 
 def _is_aten(target: Any) -> bool:
