@@ -97,3 +97,17 @@ def test_bf16_zeros_a_fully_masked_row(monkeypatch, path):
     got, _ = _run_kernels(monkeypatch, attention_graph(4), (q, k, v, m))
     assert float((got.float() - want).abs().max()) <= 2.0**-7 * 1.25 * float(v.float().abs().max())
     assert torch.equal(got[1].float(), torch.zeros_like(got[1].float()))
+
+
+def test_a_float_mask_of_finfo_min_is_a_finite_input():
+    """The segment's NaN / Inf check sums each input: a mask of ``torch.finfo.min`` values overflows
+    its sum, and read as non-finite it sent every padded call of a T5 encoder (2 of its 5 segments)
+    or an eager-attention BERT to the Python executor. A sum that is not finite is now checked
+    element by element; a real Inf or NaN is still found."""
+    from gml.kernels.fp32 import all_finite
+    from gml.runtime.compile import _finite_inputs
+
+    mask = _masks()["finfo.min"]
+    assert not torch.isfinite(mask.sum()) and all_finite(mask)
+    assert _finite_inputs([*_qkv(), mask])
+    assert not all_finite(_masks()["-inf"]) and not all_finite(torch.tensor([1.0, float("nan")]))

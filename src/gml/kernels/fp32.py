@@ -130,9 +130,11 @@ NONFINITE_UNSAFE_POST_OPS = frozenset({"relu", "hardtanh", "hardsigmoid", "gelu"
 
 def all_finite(*tensors: torch.Tensor) -> bool:
     """Whether no tensor holds a NaN or an Inf: one read of each (a sum, no allocation), so cheap
-    next to the conv/linear it guards. A finite tensor whose sum overflows reads as non-finite: it
-    then takes the exact ATen path, which is slower but gives the same numbers."""
-    return all(bool(torch.isfinite(t.sum())) for t in tensors)
+    next to the conv/linear it guards; only a tensor whose sum is not finite is read again element by
+    element. A finite tensor can overflow its sum: an additive attention mask of ``torch.finfo.min``
+    (transformers' eager and T5 masks) read as non-finite, and every padded call sent the engine
+    segments it feeds to the Python executor (a T5 encoder: 2 of 5 segments)."""
+    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 # Activations that are one oneDNN post-op with no arguments to read, in every spelling: the op
