@@ -193,6 +193,26 @@ def test_bf16_model_saves_and_loads_bit_exact(tmp_path):
         torch.testing.assert_close(on_engine(x), res.module(x), rtol=2e-2, atol=2e-2)
 
 
+def test_a_bf16_linear_with_a_gelu_saves(tmp_path):
+    """Bf16Linear checked its input for NaN / Inf (GELU maps them to numbers) before it knew it was
+    being exported: the data-dependent branch made torch.export refuse every bf16 model with a
+    fused Linear + GELU (torchvision ConvNeXt's MLPs). The trace now takes the export branch first."""
+    from gml.io import load
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(384, 1536), nn.GELU(), nn.Linear(1536, 4)).eval()  # ConvNeXt-T's first MLP
+    x = torch.randn(16, 384)
+    res = gml.optimize(model, x, precision="bf16", runtime="torch")
+    assert "gelu" in [str(getattr(m, "post_op", "")) for m in res.module.modules()]
+    res.save(str(tmp_path / "g.pt2"))
+    loaded = load(str(tmp_path / "g.pt2"), runtime="torch")
+    with torch.no_grad():
+        assert torch.equal(loaded(x), res.module(x))
+        nan = x.clone()
+        nan[0, 0] = float("nan")
+        assert loaded(nan)[0].isnan().all()  # the NaN check still runs outside a trace
+
+
 @needs_bf16
 def test_a_loaded_bf16_transformer_is_one_engine_plan_as_before_saving(tmp_path):
     """The bf16 casts are ATen ``to`` calls in the file: raised back to ``to_bf16`` / ``to_fp32`` on

@@ -234,10 +234,14 @@ class Bf16Linear(_Bf16Twin, k32.FusedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = to_bf16(x)
-        if self.backend == "aten" or (self.post_op.attr in k32.NONFINITE_UNSAFE_POST_OPS and not k32.all_finite(x)):
+        if self.backend == "aten":
             return self._reference(x)
         if torch.compiler.is_compiling():
+            # export / compile trace, before the NaN / Inf check: that check reads the data (a
+            # data-dependent branch torch.export refuses: a bf16 ConvNeXt, GELU MLPs, did not save)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, *self._attr)
+        if self.post_op.attr in k32.NONFINITE_UNSAFE_POST_OPS and not k32.all_finite(x):
+            return self._reference(x)
         w = self._packed if self._packed is not None else self.packed()
         return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, *self._attr)
 
