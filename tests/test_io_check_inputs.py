@@ -63,6 +63,7 @@ def _set_entry(i: int, **change):
     [
         (lambda h: h.__setitem__("check_inputs", "ids"), "not a list of 2"),
         (lambda h: h["check_inputs"].pop(), "not a list of 2"),
+        (lambda h: h["check_inputs"].__setitem__(0, None), "None for a tensor input"),
         (_set_entry(0, dtype="float32"), "dtype 'float32'"),
         (_set_entry(0, dtype=["int64"]), "dtype"),
         (_set_entry(0, module="os.system"), r"is not \{'shape', 'dtype'"),

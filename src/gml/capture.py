@@ -331,6 +331,32 @@ def _omitted_default_args(model: nn.Module, n_given: int) -> dict[str, Any]:
     return {p.name: p.default for p in params[n_given:] if p.kind in kinds and type(p.default) in plain}
 
 
+def _bound_as(model: nn.Module, example_inputs: Sequence[Any]) -> str:
+    """`` The example inputs were given to forward as input_ids=int64[2, 12], past_key_values=...``:
+    where both captures fail, the one fact the user may not have in mind — example inputs are
+    positional, and an HF decoder's second parameter is its cache, not the attention mask."""
+    import inspect
+
+    try:
+        params = [
+            p.name
+            for p in inspect.signature(model.forward).parameters.values()
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        return ""
+
+    def show(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
+        return type(x).__name__
+
+    bound = [f"{name}={show(x)}" for name, x in zip(params, example_inputs)]
+    if len(bound) < 2:  # one input: nothing to mistake
+        return ""
+    return f" The example inputs were given to forward positionally: {', '.join(bound)}."
+
+
 def trace(
     model: nn.Module,
     *,
@@ -811,7 +837,9 @@ def capture(
             try:
                 gm = export_capture(model, example_inputs, reason=f"torch.fx failed: {fx_error.message}")
             except TraceFailure as export_error:
-                raise TraceFailure(f"{fx_error.message} {export_error.message}", hint=fx_error.hint) from None
+                raise TraceFailure(
+                    f"{fx_error.message} {export_error.message}{_bound_as(model, example_inputs)}", hint=fx_error.hint
+                ) from None
         else:
             why = (
                 choose_export(gm, model, example_inputs)

@@ -87,7 +87,7 @@ class Lift:
 MAX_DECLARED_ELEMENTS = 1 << 27
 
 
-def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[torch.Tensor, ...]:
+def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[torch.Tensor | None, ...]:
     """Inputs shaped like ``gm``'s placeholders: ``meta["val"]`` (a ``torch.export`` program, where a
     dynamic dimension is symbolic and becomes 1) or ``meta["tensor_meta"]`` (a captured graph).
 
@@ -97,9 +97,12 @@ def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[
     :data:`MAX_DECLARED_ELEMENTS` elements in all.
     """
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    metas = []
+    metas: list[tuple[Any, tuple[int, ...]] | None] = []
     for node in gm.graph.nodes:
         if node.op != "placeholder":
+            continue
+        if "val" in node.meta and node.meta["val"] is None:  # an input the graph takes as None
+            metas.append(None)
             continue
         meta = node.meta.get("val")
         if not isinstance(meta, torch.Tensor):
@@ -110,16 +113,21 @@ def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[
                 hint="pass example_inputs=(x,) to gml.io.save, or capture the model with gml.capture(model, (x,))",
             )
         metas.append((meta, tuple(d if isinstance(d, int) else 1 for d in meta.shape)))
-    total = sum(math.prod(shape) for _, shape in metas)
+    tensors = [m for m in metas if m is not None]
+    total = sum(math.prod(shape) for _, shape in tensors)
     if total > MAX_DECLARED_ELEMENTS:  # before a byte is allocated: a file's shapes are the author's to choose
-        shapes = ", ".join(str(shape) for _, shape in metas)
+        shapes = ", ".join(str(shape) for _, shape in tensors)
         raise ModelLoadError(
             f"the graph declares inputs of shape {shapes}: {total:,} elements, more than the "
             f"{MAX_DECLARED_ELEMENTS:,} a saved model may declare",
             hint="gml.io.save writes the example inputs' shapes: save the model again with a smaller example",
         )
-    args = []
-    for meta, shape in metas:
+    args: list[torch.Tensor | None] = []
+    for spec in metas:
+        if spec is None:
+            args.append(None)
+            continue
+        meta, shape = spec
         if gen is not None and meta.dtype.is_floating_point:
             args.append(torch.randn(shape, generator=gen).to(meta.dtype))
         else:
@@ -146,15 +154,18 @@ _CHECK_DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.fl
 CHECK_INPUTS_META = "gml_check_inputs"
 
 
-def _check_inputs_json(example_inputs: Sequence[Any] | None) -> list[dict[str, Any]] | None:
+def _check_inputs_json(example_inputs: Sequence[Any] | None) -> list[dict[str, Any] | None] | None:
     """The example inputs as the header records them for the load check: each input's shape and dtype,
     and an integer input's values (token ids, attention masks). The load check ran on seeded random
     floats and integer zeros before — an attention mask of zeros masks every key, a case the model
     never meets, and a loaded MiniLM was refused the engine for it (the engine and torch differ there)."""
-    if example_inputs is None or not all(isinstance(t, torch.Tensor) for t in example_inputs):
+    if example_inputs is None or not all(t is None or isinstance(t, torch.Tensor) for t in example_inputs):
         return None
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, Any] | None] = []
     for t in example_inputs:
+        if t is None:  # a skipped positional parameter (an HF decoder's cache): null in the header
+            out.append(None)
+            continue
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in _CHECK_DTYPES:
             return None
@@ -167,7 +178,7 @@ def _check_inputs_json(example_inputs: Sequence[Any] | None) -> list[dict[str, A
     return out
 
 
-def _check_inputs_from_json(data: Any, gm: fx.GraphModule) -> tuple[torch.Tensor, ...]:
+def _check_inputs_from_json(data: Any, gm: fx.GraphModule) -> tuple[torch.Tensor | None, ...]:
     """The load check's inputs from the header (:func:`_check_inputs_json`). The header is untrusted:
     ValueError names the first field that is not what save writes (count, keys, dtypes and ranks
     against the graph's inputs, static dims, sizes, the values' count, type and range)."""
@@ -177,6 +188,11 @@ def _check_inputs_from_json(data: Any, gm: fx.GraphModule) -> tuple[torch.Tensor
     gen = torch.Generator().manual_seed(0)
     total, out = 0, []
     for i, (entry, meta) in enumerate(zip(data, metas)):
+        if entry is None or meta is None:  # an input the graph takes as None, and only such an input
+            if entry is not None or meta is not None:
+                raise ValueError(f"check_inputs[{i}] is None for a tensor input, or a tensor for a None one")
+            out.append(None)
+            continue
         if not isinstance(entry, dict) or not {"shape", "dtype"} <= set(entry) <= {"shape", "dtype", "values"}:
             raise ValueError(f"check_inputs[{i}] is not {{'shape', 'dtype'[, 'values']}}")
         shape, dtype = entry["shape"], _CHECK_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None

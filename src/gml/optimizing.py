@@ -27,10 +27,13 @@ verify = verify_pass
 
 
 def _inputs_of_batch(model: nn.Module, batch: Any) -> tuple:
-    """The model's inputs in calibration batch ``batch``: the tensor, or as many leading items of a
-    tuple as ``forward`` takes positionally (``(x, y)`` for ``forward(x, y)``; ``x`` of an
-    ``(x, label)`` pair for ``forward(x)``). It took ``batch[0]`` alone: a two-input model was
-    then captured with one input and failed with a bare "StopIteration" (issue #24)."""
+    """The model's inputs in calibration batch ``batch``: the tensor, or the leading items of a tuple
+    that ``forward`` takes positionally — every required parameter's, then the optional ones' (an
+    HF ``(input_ids, attention_mask)`` batch: both optional; ``(ids, None, mask)`` skips a decoder's
+    cache) — minus a trailing label: an integer tensor of rank <= 1 after an input of higher rank
+    (``(x, label)`` for ``forward(x, mask=None)``, ``(ids, mask, labels)``). It took the required
+    items only: an HF model was quantized without its attention mask (every parameter optional), and
+    before that ``batch[0]`` alone (a two-input model failed with a bare "StopIteration", issue #24)."""
     import inspect
 
     if isinstance(batch, torch.Tensor) or not isinstance(batch, list | tuple):
@@ -41,9 +44,20 @@ def _inputs_of_batch(model: nn.Module, batch: Any) -> tuple:
         return tuple(batch)
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
         return tuple(batch)
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = sum(p.kind in positional and p.default is inspect.Parameter.empty for p in params)
-    return tuple(batch[: max(required, 1)])
+    positional = [
+        p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    required = sum(p.default is inspect.Parameter.empty for p in positional)
+    items = list(batch[: max(len(positional), 1)])
+    first = items[0] if items and isinstance(items[0], torch.Tensor) else None
+
+    def label(x: Any) -> bool:
+        integer = isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex()
+        return integer and first is not None and x.dim() <= 1 < first.dim()
+
+    while len(items) > max(required, 1) and (label(items[-1]) or items[-1] is None):
+        items.pop()
+    return tuple(items)
 
 
 def _as_tuple(example_inputs: Any) -> tuple:

@@ -137,7 +137,10 @@ def quantize(
             :class:`gml.data.DataSource` (``gml.data.open_data(path, ...)``: image folder, text lines,
             tensor files; every sample, batches of 8; ``source.calibration(64)`` for a seeded subset),
             or an int N for N generated batches shaped like ``example_inputs`` (default 8 generated batches).
-        example_inputs: one input tuple; defaults to the first calibration batch.
+        example_inputs: one input tuple; defaults to the first calibration batch: the items its
+            ``forward`` takes positionally, optional ones included (an HF ``(input_ids,
+            attention_mask)`` batch), without a trailing integer label of rank <= 1 (``(x, label)``).
+            ``None`` skips a parameter (``(ids, None, mask)`` for GPT-2, whose second is its cache).
         backend: ``onednn`` (oneDNN INT8 kernels, VNNI) or ``fbgemm`` (``quantized::*`` ops).
         observer: ``minmax`` | ``moving_average`` | ``histogram`` | ``percentile``.
         eval_data / eval_labels: held-out batches for the accuracy report. Default: the last 2

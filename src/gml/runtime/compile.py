@@ -655,22 +655,29 @@ def _replace_run(gm: fx.GraphModule, run: list[fx.Node], name: str, report: Runt
         gm.graph.erase_node(n)
 
 
-#: ``(dtype, rank, channels or None)`` per input: what a model compiled for an example takes.
-Expected = list[tuple[torch.dtype, int, int | None]]
+#: ``(dtype, rank, channels or None)`` per input: what a model compiled for an example takes; an
+#: input the example gave as ``None`` (a skipped positional parameter) is ``None``: it must stay None.
+Expected = list[tuple[torch.dtype, int, int | None] | None]
 
 
-def expected_inputs(example: Sequence[torch.Tensor]) -> Expected:
+def expected_inputs(example: Sequence[Any]) -> Expected:
     """What a model compiled for ``example`` takes: each input's dtype and rank, and its channels
     (dim 1) for image / video inputs; other dims may change (a new plan), and for other ranks dim 1
-    may be a sequence length: the first call with a shape checks those (:func:`run_first_call`)."""
-    return [(t.dtype, t.dim(), t.shape[1] if t.dim() >= 4 else None) for t in example]
+    may be a sequence length: the first call with a shape checks those (:func:`run_first_call`).
+    ``None`` in the example (``(ids, None, mask)``: an HF decoder's cache skipped) stays ``None``."""
+    return [None if t is None else (t.dtype, t.dim(), t.shape[1] if t.dim() >= 4 else None) for t in example]
 
 
 def check_inputs(expect: Expected, inputs: Sequence[Any]) -> None:
     """:class:`InputError` unless ``inputs`` are what ``expect`` says (count, device, dtype, rank, channels)."""
     if len(inputs) != len(expect):
         raise InputError(f"the model takes {len(expect)} input(s), got {len(inputs)}.")
-    for i, (t, (dtype, rank, channels)) in enumerate(zip(inputs, expect)):
+    for i, (t, spec) in enumerate(zip(inputs, expect)):
+        if spec is None:
+            if t is not None:
+                raise InputError(f"input {i} was None in the example the model was built for; got {type(t).__name__}.")
+            continue
+        dtype, rank, channels = spec
         want = f"a {dtype} tensor of rank {rank}" + (f" with {channels} channels (dim 1)" if channels else "")
         if not isinstance(t, torch.Tensor):
             raise InputError(f"input {i} is a {type(t).__name__}; the model expects {want}.")
@@ -744,6 +751,9 @@ def placeholder_expectations(gm: fx.GraphModule) -> Expected | None:
     metas = []
     for node in gm.graph.nodes:
         if node.op != "placeholder":
+            continue
+        if "val" in node.meta and node.meta["val"] is None:  # an input the example gave as None
+            metas.append(None)
             continue
         meta = node.meta.get("val", node.meta.get("tensor_meta"))
         if meta is None or not hasattr(meta, "dtype") or not hasattr(meta, "shape"):

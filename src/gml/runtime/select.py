@@ -167,8 +167,8 @@ def attach_runtime(
     if engine.report.engine_nodes == 0:
         return None, RuntimeReport("torch", nodes=engine.report.nodes, note=engine.report.note, target=target)
     with torch.no_grad():
-        ref = gm(*[t.clone() for t in example_inputs])
-        got = engine(*[t.clone() for t in example_inputs])
+        ref = gm(*cloned(example_inputs))
+        got = engine(*cloned(example_inputs))
     problem = agreement_error(ref, got, tolerance)
     if problem and fp32_model is not None and _as_close_to_fp32(ref, got, fp32_model, example_inputs):
         engine.report.note = (

@@ -17,6 +17,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -75,14 +76,20 @@ def count_state(module: nn.Module) -> int:
     return total
 
 
-def random_inputs(like: Sequence[torch.Tensor], n: int, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
-    """``n`` seeded random input tuples with the shapes and dtypes of ``like``."""
+def random_inputs(like: Sequence[Any], n: int, seed: int = 0) -> list[tuple[Any, ...]]:
+    """``n`` seeded random input tuples with the shapes and dtypes of ``like``; an entry that is not a
+    tensor (``None`` for a skipped positional parameter: ``(ids, None, mask)`` for an HF decoder whose
+    second parameter is its cache) is passed as it is."""
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for _ in range(n):
-        args = []
+        args: list[Any] = []
         for t in like:
-            if t.is_floating_point():
+            if not isinstance(t, torch.Tensor):
+                args.append(t)
+            elif t.dtype == torch.bool:
+                args.append(torch.randint(0, 2, t.shape, generator=gen).bool())
+            elif t.is_floating_point():
                 args.append(torch.randn(t.shape, generator=gen, dtype=t.dtype))
             else:
                 hi = int(t.max()) + 1 if t.numel() else 2
