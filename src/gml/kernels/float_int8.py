@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gml.ir.library import SCHEMAS
 from gml.ir.values import PostOp
 from gml.kernels.dynamic_int8 import float_linear
 
@@ -136,22 +137,8 @@ def qcat(xs, x_scales, x_zero_points, dim, out_scale, out_zero_point, backend="o
     return _clamp(torch.cat(list(xs), dim), out_scale, out_zero_point)
 
 
-#: op name -> its float stand-in; the same keys as ``gml.kernels.int8_ops.IMPLEMENTATIONS``
+#: op name -> its float stand-in: the function of this module named after the op (the INT8 table of
+#: gml.ir.library), and ``float_linear`` for the dynamic GEMM (its math lives in gml.kernels.dynamic_int8)
 FLOAT: dict[str, Callable[..., Any]] = {
-    "quantize": quantize,
-    "dequantize": dequantize,
-    "requantize": requantize,
-    "qconv": qconv,
-    "qconv_add": qconv_add,
-    "qlinear": qlinear,
-    "qadd": qadd,
-    "qmul": qmul,
-    "qactivation": qactivation,
-    "qmax_pool": qmax_pool,
-    "qavg_pool2d": qavg_pool2d,
-    "qadaptive_avg_pool": qadaptive_avg_pool,
-    "qbatch_norm": qbatch_norm,
-    "qmean": qmean,
-    "qcat": qcat,
-    "dynamic_linear": float_linear,
+    name: float_linear if name == "dynamic_linear" else globals()[name] for name in SCHEMAS
 }
