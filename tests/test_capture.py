@@ -153,3 +153,32 @@ def test_a_dict_subclass_output_keeps_its_type() -> None:
     assert type(out) is OrderedDict and list(out) == ["y", "z"]
     assert "returns a plain dict where Out returns a OrderedDict" in capture_info(gm).reason
     torch.testing.assert_close(out["y"], model(x)["y"])
+
+
+class _SkippedParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cache=None, mask=None):
+        if cache is not None:
+            x = x + cache
+        if mask is not None:
+            x = x * mask
+        return self.lin(x)
+
+
+def test_none_in_the_example_is_traced_as_none():
+    """``(x, None, mask)``: the None parameter is traced as None (a placeholder took the
+    ``cache is not None`` branch: "Example inputs ... do not fit the model at node 'add'"); the
+    model then takes None there and refuses a tensor."""
+    import gml
+    from gml.errors import InputError
+
+    model, x, mask = _SkippedParameter().eval(), torch.randn(2, 8), torch.rand(2, 8)
+    for runtime in ("engine", "torch"):
+        result = gml.optimize(model, (x, None, mask), runtime=runtime)
+        with torch.no_grad():
+            torch.testing.assert_close(result.executable(x, None, mask), model(x, None, mask))
+        with pytest.raises(InputError, match="None"):  # the engine's check, or fx's guard as an InputError
+            result.executable(x, x, mask)

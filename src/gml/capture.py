@@ -331,6 +331,20 @@ def _omitted_default_args(model: nn.Module, n_given: int) -> dict[str, Any]:
     return {p.name: p.default for p in params[n_given:] if p.kind in kinds and type(p.default) in plain}
 
 
+def _none_args(model: nn.Module, example_inputs: Sequence[Any]) -> dict[str, None]:
+    """The positional parameters the example gives as ``None`` (``(ids, None, mask)``: a decoder's
+    cache skipped): traced as ``None`` — as a placeholder, ``if cache is not None:`` would take the
+    branch for a value that is None."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {p.name: None for p, x in zip((p for p in params if p.kind in kinds), example_inputs) if x is None}
+
+
 def _bound_as(model: nn.Module, example_inputs: Sequence[Any]) -> str:
     """`` The example inputs were given to forward as input_ids=int64[2, 12], past_key_values=...``:
     where both captures fail, the one fact the user may not have in mind — example inputs are
@@ -378,7 +392,8 @@ def trace(
         else _Tracer(types, names)
     )
     if example_inputs is not None and not concrete_args:
-        concrete_args = _omitted_default_args(model, len(example_inputs)) or None
+        concrete_args = {**_none_args(model, example_inputs), **_omitted_default_args(model, len(example_inputs))}
+        concrete_args = concrete_args or None
     model_name = type(model).__name__
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
