@@ -82,3 +82,26 @@ def test_a_norm_over_two_dims_is_not_a_normalize():
     result = RaiseATen()(gm)
     assert F.normalize not in [n.target for n in result.graph_module.graph.nodes]
     assert torch.equal(result.graph_module(x), want)
+
+
+class _Rotary(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)  # Llama's RMSNorm on an fp32 model: an identity
+        return torch.cat((-h[..., 4:], h[..., :4]), dim=-1).to(torch.bfloat16)  # rotate_half, then a real cast
+
+
+def test_neg_is_raised_and_an_identity_cast_is_the_tensor():
+    """Before: ``aten.to.dtype(x, float32)`` of an fp32 ``x`` and ``aten.neg`` (export's Llama); after:
+    no identity ``to`` (torch returns ``x`` itself) and ``torch.neg`` (Normalize's MulScalar(-1)). The
+    cast to bf16 is a real conversion: it stays (negative case)."""
+    x = torch.randn(2, 3, 8)
+    gm = torch.export.export(_Rotary(), (x,)).module()
+    casts = [n for n in gm.graph.nodes if n.target is aten.to.dtype]
+    assert len(casts) == 2
+    want = gm(x)
+    result = RaiseATen()(gm)
+    targets = [n.target for n in result.graph_module.graph.nodes if n.op == "call_function"]
+    assert torch.neg in targets and aten.neg.default not in targets
+    (cast,) = [n for n in result.graph_module.graph.nodes if n.target is aten.to.dtype]
+    assert cast.args[1] is torch.bfloat16
+    assert torch.equal(result.graph_module(x), want)

@@ -844,3 +844,34 @@ def test_another_normalize_stays_in_torch_with_its_reason(kw, reason):
     eng = compile_engine(gm, [t])
     assert eng.report.path == "torch"
     assert [n.reason for n in eng.report.torch_nodes] == [reason]
+
+
+class _RepeatKV(nn.Module):
+    """Grouped K / V heads (Llama's ``repeat_kv``): ``kv[:, :, None].expand(...).reshape(...)``."""
+
+    def __init__(self, add: bool = False) -> None:
+        super().__init__()
+        self.add = add
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        b, h, s, e = kv.shape
+        wide = kv[:, :, None].expand(b, h, 2, s, e)
+        if self.add:  # negative case: an expanded value read by arithmetic
+            return q + wide.reshape(b, 2 * h, s, e) + wide.sum()
+        return torch.nn.functional.scaled_dot_product_attention(q, *(wide.reshape(b, 2 * h, s, e),) * 2)
+
+
+def test_an_expand_copied_by_a_reshape_runs_on_the_engine():
+    """Before: "expand of a value that is not an attention mask": every ``repeat_kv`` ran in torch and
+    split a decoder's plan per layer. After: the expand is a stride-0 view, the reshape one copy."""
+    import gml
+
+    q, kv = torch.randn(2, 4, 6, 16), torch.randn(2, 2, 6, 16)
+    result = gml.optimize(_RepeatKV().eval(), (q, kv))
+    assert result.runtime.runtime == "engine", str(result.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(result.executable(q, kv), _RepeatKV()(q, kv), rtol=1e-5, atol=1e-5)
+    other = gml.optimize(_RepeatKV(add=True).eval(), (q, kv))
+    assert "expand of a value read by other than" in str(other.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(other.executable(q, kv), _RepeatKV(add=True)(q, kv), rtol=1e-5, atol=1e-5)

@@ -66,3 +66,32 @@ def test_vision_family_whose_export_is_redone_on_the_example(family: str) -> Non
         ref, got = model(x), r.executable(x)
     assert type(got) is type(ref)  # a ModelOutput, not the plain dict of fx
     torch.testing.assert_close(got.last_hidden_state, ref.last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
+DECODERS = {
+    "LlamaModel": ("LlamaConfig", {"num_key_value_heads": 2}),
+    "Qwen2Model": ("Qwen2Config", {"num_key_value_heads": 2}),
+    "PhiModel": ("PhiConfig", {}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(DECODERS))
+def test_a_decoder_with_left_padding_is_one_engine_plan(family: str) -> None:
+    """Rotary embeddings' ``neg`` (export's ``aten.neg``), RMSNorm's identity ``x.to(float32)`` and
+    ``repeat_kv``'s ``expand → reshape`` each ran in torch and split a Llama into 13 engine segments
+    (2 layers; 25 at 4 layers, GML fp32 0.994x eager, now 0.79x: docs/benchmarks.md, session 24).
+    Left padding gives the first query rows of the padded sequence no key at all: those rows are
+    SDPA's (ADR 009, session-24 amendment)."""
+    config_name, extra = DECODERS[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(vocab_size=1000, use_cache=False, **SMALL, **extra)
+    model = getattr(transformers, family)(config).eval()
+    ids = torch.randint(5, 900, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    result = gml.optimize(model, (ids, mask))
+    assert len(result.executable.segments()) == 1, str(result.runtime)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = result.executable(ids, mask)["last_hidden_state"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

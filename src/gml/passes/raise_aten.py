@@ -23,6 +23,7 @@ of the module that made the call, taken from export's ``nn_module_stack``, e.g.
     aten.view / reshape / permute / transpose / unsqueeze / expand / contiguous  →  x.view(...) etc.
     aten.add_ / sub_ / mul_ (Tensor), aten.relu_           →  x.add_(y) etc. (Normalize makes them out of place)
     aten.alias(x)                                         →  x (the same tensor: a view with x's sizes and strides)
+    aten.to.dtype(x, d) with x already of dtype d          →  x (torch returns x itself)
     div(x, expand_as(clamp_min(linalg_vector_norm(x, p, [d], True), eps), x))  →  F.normalize(x, p, d, eps)
                                                              (F.normalize as export writes it out: the
                                                              very ops F.normalize runs; XCiT, EdgeNeXt,
@@ -66,6 +67,7 @@ FUNCTIONS: dict[Any, Callable] = {
     aten.hardsigmoid.default: F.hardsigmoid,
     aten.hardtanh.default: F.hardtanh,  # ReLU6 (HF MobileNetV2): a conv's post-op once Normalize made it a module
     aten.leaky_relu.default: F.leaky_relu,
+    aten.neg.default: torch.neg,  # rotary embeddings' rotate_half (Llama, Qwen2, ...): Normalize makes it MulScalar(-1)
     aten.pad.default: F.pad,  # HF's tf_padding, fixed by export: FoldPad makes it the conv's padding
     aten.add.Tensor: torch.add,
     aten.sub.Tensor: torch.sub,
@@ -303,7 +305,7 @@ class RaiseATen(GraphPass):
                 graph.erase_node(node)
                 matches += 1
                 continue
-            if target in _ALIASES and node.args and isinstance(node.args[0], fx.Node):
+            if (target in _ALIASES or _identity_cast(node)) and node.args and isinstance(node.args[0], fx.Node):
                 node.replace_all_uses_with(node.args[0])  # the same tensor (storage, sizes, strides)
                 graph.erase_node(node)
                 matches += 1
@@ -348,6 +350,16 @@ class RaiseATen(GraphPass):
         left = sum(1 for n in graph.nodes if n.op == "call_function" and _is_aten(n.target))
         notes = [f"raised {matches} ATen call(s); {left} left as ATen (no module or torch-level form here)"]
         return PassResult(gm, matches > 0, matches, skips, notes)
+
+
+def _identity_cast(node: fx.Node) -> bool:
+    """``aten.to.dtype(x, d)`` where ``x`` already is ``d`` (Llama's RMSNorm ``x.to(torch.float32)`` on
+    an fp32 model): torch returns ``x`` itself, so the call is the tensor (it split a loaded or
+    exported Llama's plan at every norm: "a conversion to torch.float32")."""
+    if node.target is not aten.to.dtype or len(node.args) != 2 or node.kwargs:
+        return False
+    src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return isinstance(src, torch.Tensor) and src.dtype == node.args[1]
 
 
 def _only_use(node: Any, target: Any) -> bool:

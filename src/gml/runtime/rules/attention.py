@@ -390,14 +390,24 @@ def emit_mask_and(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     b.mask_op("and", [x, y], _dense_out(out), [_broadcast_strides(x, shape), _broadcast_strides(y, shape)])
 
 
+#: readers that copy an expanded value dense (``repeat_kv``: Llama / Qwen2 / Mistral / Gemma's grouped
+#: K / V heads, ``x[:, :, None].expand(...).reshape(...)``): the copy is one reorder of the stride-0
+#: view (shape.py's move rule), a plain fp32 / bf16 copy that reads stride 0 right
+_COPYING_READERS = frozenset({"reshape", "contiguous"})
+
+
 def check_expand_mask(c: Call) -> str | None:
     def reads_as_mask(u: fx.Node) -> bool:
         mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
         return is_attention(u) and mask is c.a.node and c.a.node not in u.args[:3]
 
+    def copies(u: fx.Node) -> bool:
+        name = u.target if u.op == "call_method" else getattr(u.target, "__name__", "")
+        return str(name).split(".")[0] in _COPYING_READERS and u.args[0] is c.a.node
+
     users = list(c.a.node.users)
-    if not users or not all(reads_as_mask(u) for u in users):
-        return "expand of a value that is not an attention mask (the engine reads expanded masks only)"
+    if not users or not all(reads_as_mask(u) or copies(u) for u in users):
+        return "expand of a value read by other than an attention (as its mask) or a reshape (a dense copy)"
     return None
 
 
