@@ -86,13 +86,14 @@ def test_a_norm_over_two_dims_is_not_a_normalize():
 
 class _Rotary(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)  # Llama's RMSNorm on an fp32 model: an identity
+        h = x.to(torch.float32).type_as(x)  # Llama's RMSNorm on an fp32 model, Gemma's type_as: identities
         return torch.cat((-h[..., 4:], h[..., :4]), dim=-1).to(torch.bfloat16)  # rotate_half, then a real cast
 
 
 def test_neg_is_raised_and_an_identity_cast_is_the_tensor():
-    """Before: ``aten.to.dtype(x, float32)`` of an fp32 ``x`` and ``aten.neg`` (export's Llama); after:
-    no identity ``to`` (torch returns ``x`` itself) and ``torch.neg`` (Normalize's MulScalar(-1)). The
+    """Before: ``aten.to.dtype(x, float32)`` / ``aten.type_as(x, x)`` of an fp32 ``x`` and ``aten.neg``
+    (export's Llama, Gemma); after: no identity cast (torch returns ``x`` itself) and ``torch.neg``
+    (Normalize's MulScalar(-1)). The
     cast to bf16 is a real conversion: it stays (negative case)."""
     x = torch.randn(2, 3, 8)
     gm = torch.export.export(_Rotary(), (x,)).module()
@@ -101,7 +102,7 @@ def test_neg_is_raised_and_an_identity_cast_is_the_tensor():
     want = gm(x)
     result = RaiseATen()(gm)
     targets = [n.target for n in result.graph_module.graph.nodes if n.op == "call_function"]
-    assert torch.neg in targets and aten.neg.default not in targets
+    assert torch.neg in targets and aten.neg.default not in targets and aten.type_as.default not in targets
     (cast,) = [n for n in result.graph_module.graph.nodes if n.target is aten.to.dtype]
     assert cast.args[1] is torch.bfloat16
     assert torch.equal(result.graph_module(x), want)

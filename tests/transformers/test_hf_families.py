@@ -72,6 +72,7 @@ DECODERS = {
     "LlamaModel": ("LlamaConfig", {"num_key_value_heads": 2}),
     "Qwen2Model": ("Qwen2Config", {"num_key_value_heads": 2}),
     "PhiModel": ("PhiConfig", {}),
+    "GemmaModel": ("GemmaConfig", {"num_key_value_heads": 2, "head_dim": 16}),  # its norms' type_as
 }
 
 

@@ -23,7 +23,7 @@ of the module that made the call, taken from export's ``nn_module_stack``, e.g.
     aten.view / reshape / permute / transpose / unsqueeze / expand / contiguous  →  x.view(...) etc.
     aten.add_ / sub_ / mul_ (Tensor), aten.relu_           →  x.add_(y) etc. (Normalize makes them out of place)
     aten.alias(x)                                         →  x (the same tensor: a view with x's sizes and strides)
-    aten.to.dtype(x, d) with x already of dtype d          →  x (torch returns x itself)
+    aten.to.dtype(x, d) / type_as(x, y), x already of d / y's dtype  →  x (torch returns x itself)
     div(x, expand_as(clamp_min(linalg_vector_norm(x, p, [d], True), eps), x))  →  F.normalize(x, p, d, eps)
                                                              (F.normalize as export writes it out: the
                                                              very ops F.normalize runs; XCiT, EdgeNeXt,
@@ -354,12 +354,15 @@ class RaiseATen(GraphPass):
 
 def _identity_cast(node: fx.Node) -> bool:
     """``aten.to.dtype(x, d)`` where ``x`` already is ``d`` (Llama's RMSNorm ``x.to(torch.float32)`` on
-    an fp32 model): torch returns ``x`` itself, so the call is the tensor (it split a loaded or
-    exported Llama's plan at every norm: "a conversion to torch.float32")."""
-    if node.target is not aten.to.dtype or len(node.args) != 2 or node.kwargs:
+    an fp32 model), or ``aten.type_as(x, y)`` of a ``y`` of ``x``'s dtype: torch returns ``x`` itself,
+    so the call is the tensor (it split an exported Llama's plan at every norm: "a conversion to
+    torch.float32", and Gemma's at every ``type_as``)."""
+    if node.target not in (aten.to.dtype, aten.type_as.default) or len(node.args) != 2 or node.kwargs:
         return False
-    src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-    return isinstance(src, torch.Tensor) and src.dtype == node.args[1]
+    src, to = (a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args)
+    if node.target is aten.type_as.default:  # x.type_as(y) (Gemma's norms): y's dtype
+        to = to.dtype if isinstance(to, torch.Tensor) else None
+    return isinstance(src, torch.Tensor) and src.dtype == to
 
 
 def _only_use(node: Any, target: Any) -> bool:
