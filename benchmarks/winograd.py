@@ -59,7 +59,7 @@ def interleaved(engines: dict[str, Any], x: torch.Tensor, rounds: int) -> dict[s
 
 def _winograd_convs(engine) -> int:
     """Convs run by GML's own kernels: Winograd, and the INT8 patch GEMM (an RGB stem)."""
-    return sum(impl.startswith(("gml:winograd_f2x3", "gml:im2col")) for _, impl in engine.step_impls())
+    return sum(impl.startswith(("gml:winograd_f", "gml:im2col")) for _, impl in engine.step_impls())
 
 
 def _conv_module(precision: str, c: int, stem: bool = False) -> nn.Module:
@@ -91,8 +91,11 @@ def per_conv(batches: list[int], rounds: int, precisions: list[str]) -> None:
     from gml.runtime import compile_engine
     from runtime.helpers import graph_of
 
-    print("\n| precision | batch | conv | direct µs | Winograd µs | Winograd / direct | kernel |")
-    print("|---|---:|---|---:|---:|---:|---|")
+    print(
+        "\n| precision | batch | conv | direct µs | Winograd µs | Winograd / direct | INT8 F(2x2) µs "
+        "| F(2x2) / direct | kernel |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
     for precision in precisions:
         if precision == "bf16" and not kb.bf16_available():
             print(f"| bf16 | - | skipped: {kb.bf16_unavailable_reason()} | | | | |")
@@ -106,16 +109,21 @@ def per_conv(batches: list[int], rounds: int, precisions: list[str]) -> None:
                 x = _conv_input(precision, n, c, hw)
                 with torch.no_grad():
                     eng = {}
-                    for m in ("0", "1"):
+                    # "1" forces the larger eligible tile (INT8: F(4x4, 3x3) where exact); "f2x3" F(2x2, 3x3)
+                    for m in ("0", "1") + (("f2x3",) if precision == "int8" and not stem else ()):
                         eng[m] = compile_engine(graph_of(mod), [x], options=winograd(m))
                     times = interleaved(eng, x, rounds)
                     same = ""
                     if precision == "int8":
-                        same = ", equal outputs" if torch.equal(eng["0"](x), eng["1"](x)) else ", outputs DIFFER"
+                        outs = [e(x) for e in eng.values()]
+                        same = ", equal outputs" if all(torch.equal(outs[0], o) for o in outs) else ", outputs DIFFER"
                 a, b = min(times["0"]) * 1e6, min(times["1"]) * 1e6
+                f2 = " | "
+                if "f2x3" in times:
+                    f2 = f"{min(times['f2x3']) * 1e6:.0f} | {min(times['f2x3']) * 1e6 / a:.2f}"
                 kernel = eng["1"].step_impls()[0][1] + same
                 conv = "3→64 7×7/2 @ 224² (stem)" if stem else f"{c}→{c} @ {hw}²"
-                print(f"| {precision} | {n} | {conv} | {a:.0f} | {b:.0f} | {b / a:.2f} | {kernel} |", flush=True)
+                print(f"| {precision} | {n} | {conv} | {a:.0f} | {b:.0f} | {b / a:.2f} | {f2} | {kernel} |", flush=True)
 
 
 def resnet18(batches: list[int], rounds: int, precisions: list[str]) -> None:

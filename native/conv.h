@@ -33,11 +33,12 @@ struct ConvStep {
   Eltwise eltwise;                 // fused post-ops after the sum
   std::string name;
   int nthreads = 0;                // the OpenMP team the Winograd choice is timed with (0: the current)
-  int winograd = 0;                // 0 never, 1 always (if eligible), 2 when timed faster (GML_WINOGRAD)
+  int winograd = 0;                // 0 never, 1 always (if eligible), 2 when timed faster, 3 always with
+                                   // F(2x2, 3x3) tiles only (GML_WINOGRAD=f2x3; gml.runtime.options)
   bool native_bf16 = false;        // the CPU has bf16 dot products (Winograd's bf16 matmul)
   // INT8 convs may take GML's own INT8 convs (winograd_int8.h for 3x3 stride 1, im2col_int8.h for
   // few input channels) when winograd == 2: the target has no VNNI-class dot product
-  // (gml.ir.target.Target.int8_winograd); winograd == 1 forces them on any CPU with AVX2
+  // (gml.ir.target.Target.int8_winograd); winograd == 1 or 3 forces them on any CPU with AVX2
   bool int8_winograd = false;
 };
 
@@ -77,25 +78,29 @@ inline void check_conv_geometry(const memory::desc& src, const memory::desc& dst
 // The measured choices, per process: problem key -> Winograd measured faster than the direct conv.
 struct WinogradChoices {
   std::mutex mu;
-  std::unordered_map<std::string, bool> faster;
+  std::unordered_map<std::string, int> chosen;
   static WinogradChoices& get() {
     static WinogradChoices c;
     return c;
   }
-  // The cached answer for ``key``: 1 faster, 0 not, -1 not measured yet.
+  // The cached answer for ``key``: -1 not measured yet, 0 the direct conv, else the caller's code
+  // for what was faster (1 for a yes / no question; the INT8 Winograd's output tile size).
   int known(const std::string& key) {
     std::lock_guard<std::mutex> lock(mu);
-    auto it = faster.find(key);
-    return it == faster.end() ? -1 : it->second;
+    auto it = chosen.find(key);
+    return it == chosen.end() ? -1 : it->second;
   }
   // The answer for ``key``, from ``measure()`` the first time (two plans built at once may both
   // measure; the first answer stays).
-  bool choose(const std::string& key, const std::function<bool()>& measure) {
+  int pick(const std::string& key, const std::function<int()>& measure) {
     const int k = known(key);
-    if (k >= 0) return k == 1;
-    const bool answer = measure();
+    if (k >= 0) return k;
+    const int answer = measure();
     std::lock_guard<std::mutex> lock(mu);
-    return faster.emplace(key, answer).first->second;
+    return chosen.emplace(key, answer).first->second;
+  }
+  bool choose(const std::string& key, const std::function<bool()>& measure) {
+    return pick(key, [&] { return measure() ? 1 : 0; }) == 1;
   }
 };
 
@@ -107,17 +112,16 @@ inline void flush_from_caches(const void* p, size_t bytes) {
 }
 
 // Times ``direct`` and ``conv`` (gml_winograd::Conv, or one of GML's own INT8 convs) alternately on
-// zero-filled dummy buffers (one warm-up call each, then the best of ``rounds``): whether ``conv``
-// takes at most ``ratio`` x the direct conv's time. ``cold_weights``: each call starts with its
+// zero-filled dummy buffers (one warm-up call each, then the best of ``rounds``): ``conv``'s time
+// over the direct conv's. ``cold_weights``: each call starts with its
 // weights evicted from the caches (the conv's ``weights()``, the direct conv's DNNL_ARG_WEIGHTS), as
 // in a model whose weights do not stay in cache between calls: timed with hot weights, ResNet18's
 // 512-channel INT8 Winograd at batch 1 (8.4 MB of transformed weights against 2.4 MB) measured
 // 0.83x the direct conv and ran 1.26x its time in the model.
 template <typename WinogradConv>
-inline bool winograd_faster(const WinogradConv& conv, const memory::desc& s, const memory::desc& d,
-                            const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
-                            const memory::desc& direct_scratch, int nthreads, double ratio = 0.9, int rounds = 3,
-                            bool cold_weights = false) {
+inline double winograd_ratio(const WinogradConv& conv, const memory::desc& s, const memory::desc& d,
+                             const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
+                             const memory::desc& direct_scratch, int nthreads, int rounds, bool cold_weights) {
   if (nthreads > 0) omp_set_num_threads(nthreads);
   auto src = aligned_buffer(s.get_size()), dst = aligned_buffer(d.get_size());
   const size_t scratch_bytes = std::max(conv.scratch_bytes(), direct_scratch.get_size());
@@ -157,7 +161,16 @@ inline bool winograd_faster(const WinogradConv& conv, const memory::desc& s, con
     best_direct = std::min(best_direct, std::chrono::duration<double>(t1 - t0).count());
     best_wino = std::min(best_wino, std::chrono::duration<double>(t3 - t2).count());
   }
-  return best_wino <= ratio * best_direct;
+  return best_wino / best_direct;
+}
+
+// Whether ``conv`` takes at most ``ratio`` x the direct conv's time (winograd_ratio).
+template <typename WinogradConv>
+inline bool winograd_faster(const WinogradConv& conv, const memory::desc& s, const memory::desc& d,
+                            const dnnl::primitive& direct, const std::vector<std::pair<int, memory>>& consts,
+                            const memory::desc& direct_scratch, int nthreads, double ratio = 0.9, int rounds = 3,
+                            bool cold_weights = false) {
+  return winograd_ratio(conv, s, d, direct, consts, direct_scratch, nthreads, rounds, cold_weights) <= ratio;
 }
 
 // An fp32 / bf16 conv as Winograd F(2x2, 3x3) (native/winograd.h, docs/adr/010-winograd-conv.md):
@@ -261,23 +274,24 @@ inline bool own_int8_conv_io(Plan& p, const ConvStep& desc, gml_winograd::Epilog
   return true;
 }
 
-// Pushes ``conv`` (an Int8Conv of winograd_int8.h or im2col_int8.h) as the step, unless timing says
-// otherwise: ``force`` (GML_WINOGRAD=1) takes it untimed; else it is timed against ``direct`` on
-// dummy buffers with cold weights, best of 7, and taken at <= 0.95x (winograd_faster), the answer
-// cached per ``key``.
+// The own-INT8-conv timing rule: cold weights, best of 7, taken at <= 0.95x the direct conv.
 // (fp32 Winograd asks for 0.9x: it rounds differently from the direct conv. These compute the same
 // integers as the direct conv, so only noise argues for a margin; with 0.9x and the best of 3, the
 // choice for ResNet18's stem flipped between runs on a shared VM: 2 of 6 processes took the direct
 // conv at a measured 0.83x.)
+constexpr double kOwnInt8Ratio = 0.95;
+constexpr int kOwnInt8Rounds = 7;
+
 template <typename Int8Conv>
-inline bool take_own_int8_conv(Plan& p, const ConvStep& desc, bool force, const std::string& key,
-                               const std::shared_ptr<const Int8Conv>& conv, const dnnl::primitive& direct,
-                               const std::function<Consts()>& direct_consts, const memory::desc& direct_scratch) {
-  const memory::desc s = p.md_in(desc.src), d = p.md_in(desc.dst);
-  if (!force && !WinogradChoices::get().choose(key, [&] {
-        return winograd_faster(*conv, s, d, direct, direct_consts(), direct_scratch, desc.nthreads, 0.95, 7, true);
-      }))
-    return false;
+inline double own_int8_ratio(Plan& p, const ConvStep& desc, const Int8Conv& conv, const dnnl::primitive& direct,
+                             const std::function<Consts()>& direct_consts, const memory::desc& direct_scratch) {
+  return winograd_ratio(conv, p.md_in(desc.src), p.md_in(desc.dst), direct, direct_consts(), direct_scratch,
+                        desc.nthreads, kOwnInt8Rounds, true);
+}
+
+// Pushes ``conv`` (one of GML's own INT8 convs) as the conv's step.
+template <typename Int8Conv>
+inline void push_own_int8_conv(Plan& p, const ConvStep& desc, const std::shared_ptr<const Int8Conv>& conv) {
   Kernel kernel = [conv](const std::unordered_map<int, memory>& args) {
     conv->run(args.at(DNNL_ARG_SRC).get_data_handle(), args.at(DNNL_ARG_DST).get_data_handle(),
               args.at(DNNL_ARG_SCRATCHPAD).get_data_handle());
@@ -286,14 +300,34 @@ inline bool take_own_int8_conv(Plan& p, const ConvStep& desc, bool force, const 
   p.push_kernel(std::move(kernel), {{DNNL_ARG_SRC, desc.src}, {DNNL_ARG_DST, desc.dst}},
                 memory::desc({static_cast<int64_t>(conv->scratch_bytes())}, dt::u8, memory::format_tag::a), desc.name,
                 conv->impl());
+}
+
+// Pushes ``conv`` (an Int8Conv of im2col_int8.h or dw_int8.h) as the step, unless timing says
+// otherwise: ``force`` (GML_WINOGRAD=1) takes it untimed; else it is timed against ``direct`` on
+// dummy buffers (own_int8_ratio), the answer cached per ``key``.
+template <typename Int8Conv>
+inline bool take_own_int8_conv(Plan& p, const ConvStep& desc, bool force, const std::string& key,
+                               const std::shared_ptr<const Int8Conv>& conv, const dnnl::primitive& direct,
+                               const std::function<Consts()>& direct_consts, const memory::desc& direct_scratch) {
+  if (!force && !WinogradChoices::get().choose(key, [&] {
+        return own_int8_ratio(p, desc, *conv, direct, direct_consts, direct_scratch) <= kOwnInt8Ratio;
+      }))
+    return false;
+  push_own_int8_conv(p, desc, conv);
   return true;
 }
 
 // An INT8 conv as GML's INT8 Winograd (native/winograd_int8.h: exact integer arithmetic in int16 /
-// int32, for CPUs without VNNI): own_int8_conv_io's eligibility, 3x3, stride 1, padding 1, at most
-// kMaxChannels input channels. ``force`` skips the timing (GML_WINOGRAD=1).
-inline bool try_winograd_int8(Plan& p, const ConvStep& desc, bool force, const dnnl::primitive& direct,
+// int32, for CPUs without VNNI): own_int8_conv_io's eligibility, 3x3, stride 1, padding 1. Two
+// tile sizes: F(4x4, 3x3) (2.25 products per output, transformed weights 8x the int8 bytes) where
+// its exactness bound holds for these weights and ``big_tiles``, and F(2x2, 3x3) (4 products per
+// output, 3.6x the bytes) up to kMaxChannels input channels. ``force`` (GML_WINOGRAD=1 / f2x3) takes
+// the larger eligible tile untimed; else each eligible one is timed against the direct conv and the
+// fastest under kOwnInt8Ratio is taken (at batch 1 a 14x14 map's F(4x4, 3x3) computes 16x16
+// outputs and reads 8x the weight bytes: the measurement decides, per problem, cached).
+inline bool try_winograd_int8(Plan& p, const ConvStep& desc, bool force, bool big_tiles, const dnnl::primitive& direct,
                               const std::function<Consts()>& direct_consts, const memory::desc& direct_scratch) {
+  using gml_winograd::Int8ConvT;
   gml_winograd::Epilogue epi;
   gml_winograd::QuantOut q;
   std::string key;
@@ -304,14 +338,39 @@ inline bool try_winograd_int8(Plan& p, const ConvStep& desc, bool force, const d
     return false;
   const memory::dims sd = p.md_in(desc.src).get_dims();
   const int64_t n = sd[0], c = sd[1], h = sd[2], w = sd[3], k = wdims[0];
-  if (p.md_in(desc.dst).get_dims() != memory::dims{n, k, h, w} || c > gml_winograd::kMaxChannels) return false;
-  key = "winograd:" + key;
-  if (!force && WinogradChoices::get().known(key) == 0) return false;
-  auto conv = std::make_shared<const gml_winograd::Int8Conv>(
-      n, c, h, w, k, p.md_in(desc.src).get_data_type(), desc.src_q->first, desc.src_q->second,
-      reinterpret_cast<const int8_t*>(desc.weight), desc.w_scales, reinterpret_cast<const float*>(desc.bias), epi, q,
-      desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads());
-  return take_own_int8_conv(p, desc, force, key, conv, direct, direct_consts, direct_scratch);
+  const dt st = p.md_in(desc.src).get_data_type();
+  const auto* weight = reinterpret_cast<const int8_t*>(desc.weight);
+  const int zp = desc.src_q->second;
+  if (p.md_in(desc.dst).get_dims() != memory::dims{n, k, h, w}) return false;
+  const bool f2 = Int8ConvT<2>::exact(weight, k, c, st, zp), f4 = big_tiles && Int8ConvT<4>::exact(weight, k, c, st, zp);
+  if (!f2 && !f4) return false;
+  // the answer depends on which tiles these weights allow
+  key = "winograd:" + key + (f2 ? ":f2" : "") + (f4 ? ":f4" : "");
+  const int known = force ? (f4 ? 4 : 2) : WinogradChoices::get().known(key);
+  if (known == 0) return false;
+  const int threads = desc.nthreads > 0 ? desc.nthreads : omp_get_max_threads();
+  const auto make = [&](auto tile) {
+    using Conv = Int8ConvT<decltype(tile)::value>;
+    return std::make_shared<const Conv>(n, c, h, w, k, st, desc.src_q->first, zp, weight, desc.w_scales,
+                                        reinterpret_cast<const float*>(desc.bias), epi, q, threads);
+  };
+  std::shared_ptr<const Int8ConvT<2>> conv2;
+  std::shared_ptr<const Int8ConvT<4>> conv4;
+  if (f2 && known != 4) conv2 = make(std::integral_constant<int, 2>());
+  if (f4 && known != 2) conv4 = make(std::integral_constant<int, 4>());
+  const int choice = known >= 0 ? known : WinogradChoices::get().pick(key, [&] {
+    double best = kOwnInt8Ratio;
+    int pick = 0;
+    if (conv4) {
+      const double r = own_int8_ratio(p, desc, *conv4, direct, direct_consts, direct_scratch);
+      if (r <= best) best = r, pick = 4;
+    }
+    if (conv2 && own_int8_ratio(p, desc, *conv2, direct, direct_consts, direct_scratch) < best) pick = 2;
+    return pick;
+  });
+  if (choice == 4) push_own_int8_conv(p, desc, conv4 ? conv4 : make(std::integral_constant<int, 4>()));
+  else if (choice == 2) push_own_int8_conv(p, desc, conv2 ? conv2 : make(std::integral_constant<int, 2>()));
+  return choice != 0;
 }
 
 // An INT8 conv with few input channels (an RGB stem) as GML's patch GEMM (native/im2col_int8.h:
@@ -449,18 +508,19 @@ inline void build(Plan& p, const ConvStep& desc) {
       return c;
     };
     if (try_winograd(p, src, dst, weight, wdims, wdtype, bias, strides, dilation, pad_l, pad_r, groups, sum,
-                     eltwise, name, nthreads, winograd == 1, native_bf16, prim, direct_consts, pd.scratchpad_desc()))
+                     eltwise, name, nthreads, winograd == 1 || winograd == 3, native_bf16, prim, direct_consts, pd.scratchpad_desc()))
       return;
   }
-  if (quant && (winograd == 1 || (winograd == 2 && desc.int8_winograd))) {
+  if (quant && (winograd == 1 || winograd == 3 || (winograd == 2 && desc.int8_winograd))) {
     auto direct_consts = [&]() {
       Consts c = consts;
       add_weights(c);
       return c;
     };
-    if (try_winograd_int8(p, desc, winograd == 1, prim, direct_consts, pd.scratchpad_desc())) return;
-    if (try_im2col_int8(p, desc, winograd == 1, prim, direct_consts, pd.scratchpad_desc())) return;
-    if (try_dw_int8(p, desc, winograd == 1, prim, direct_consts, pd.scratchpad_desc())) return;
+    const bool force = winograd == 1 || winograd == 3;
+    if (try_winograd_int8(p, desc, force, winograd != 3, prim, direct_consts, pd.scratchpad_desc())) return;
+    if (try_im2col_int8(p, desc, force, prim, direct_consts, pd.scratchpad_desc())) return;
+    if (try_dw_int8(p, desc, force, prim, direct_consts, pd.scratchpad_desc())) return;
   }
   add_weights(consts);
   p.push(prim, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}}, std::move(consts), pd.scratchpad_desc(), name);

@@ -147,30 +147,32 @@ inline bool native_bf16_cpu() {
 #endif
 }
 
-// ---------------------------------------------------------------- tile geometry (both convs)
-// Tile ``t`` of the batch's 2x2 output tiles (``tw`` per row, ``th`` per column; image t / (th tw)):
-// the 16 pixel rows (``c`` elements each, NHWC ``src`` of [N, H, W]) of its 4x4 input patch, ``zero``
-// for a pixel outside the image (the conv's padding).
-template <typename T>
+// ---------------------------------------------------------------- tile geometry (every Winograd conv)
+// Tile ``t`` of the batch's MxM output tiles (``tw`` per row, ``th`` per column; image t / (th tw);
+// M = 2 for F(2x2, 3x3), 4 for the INT8 F(4x4, 3x3)): the (M+2)^2 pixel rows (``c`` elements each,
+// NHWC ``src`` of [N, H, W]) of its (M+2)x(M+2) input patch, row-major, ``zero`` for a pixel outside
+// the image (the conv's padding).
+template <int M = 2, typename T>
 inline void patch_rows(const T* src, const T* zero, int64_t t, int64_t th, int64_t tw, int64_t h, int64_t w,
                        int64_t c, const T** p) {
+  constexpr int kA = M + 2;
   const int64_t img = t / (th * tw), ty = (t % (th * tw)) / tw, tx = t % tw;
-  for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 4; ++j) {
-      const int64_t y = 2 * ty - 1 + i, x = 2 * tx - 1 + j;
+  for (int i = 0; i < kA; ++i)
+    for (int j = 0; j < kA; ++j) {
+      const int64_t y = M * ty - 1 + i, x = M * tx - 1 + j;
       const bool in = y >= 0 && y < h && x >= 0 && x < w;
-      p[i * 4 + j] = in ? src + ((img * h + y) * w + x) * c : zero;
+      p[i * kA + j] = in ? src + ((img * h + y) * w + x) * c : zero;
     }
 }
 
-// ... and its up-to-4 output pixel rows (``row`` elements of T apart in NHWC ``dst``), null past an
-// odd edge (never written).
-template <typename T>
+// ... and its up-to-M^2 output pixel rows (``row`` elements of T apart in NHWC ``dst``), row-major,
+// null past the image's bottom / right edge (never written).
+template <int M = 2, typename T>
 inline void tile_outputs(T* dst, int64_t t, int64_t th, int64_t tw, int64_t h, int64_t w, int64_t row, T** o) {
-  const int64_t img = t / (th * tw), y = 2 * ((t % (th * tw)) / tw), x = 2 * (t % tw);
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 2; ++j)
-      o[i * 2 + j] = y + i < h && x + j < w ? dst + ((img * h + y + i) * w + x + j) * row : nullptr;
+  const int64_t img = t / (th * tw), y = M * ((t % (th * tw)) / tw), x = M * (t % tw);
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < M; ++j)
+      o[i * M + j] = y + i < h && x + j < w ? dst + ((img * h + y + i) * w + x + j) * row : nullptr;
 }
 
 // ---------------------------------------------------------------- the convolution

@@ -37,6 +37,24 @@
 // one channel pair and 16 output channels, two ymm of (k, c pair) int16 - vpmaddwd's operand. A
 // micro-kernel holds 6 tiles x 16 outputs in 12 accumulators; per channel pair it broadcasts each
 // tile's two V values (one 32-bit load) against the two U' vectors.
+//
+// F(4x4, 3x3) (Int8ConvT<4>): the same scheme on 6x6 patches, 36 GEMMs per 4x4 outputs (2.25 products
+// per output instead of F(2x2, 3x3)'s 4 and the direct conv's 9). With the points 0, +-1, +-2, inf:
+//
+//   V   = B^T d B     B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0;
+//                     0 4 0 -5 0 1]: row sums of |.| <= 10, so |V| <= 100 * 255 = 25,500 (int16)
+//   U'' = G'' g G''^T G'' = D G = [1 0 0; -1 -1 -1; -1 1 -1; 1 2 4; 1 -2 4; 0 0 1], D = diag(4, 6, 6,
+//                     24, 24, 1) (each row of G scaled to integers): |U''| <= 7 * 7 * 128 = 6,272 (int16)
+//   M'' = sum_c V U''  36 GEMMs, as above (a vpmaddwd pair <= 2 * 25,500 * 6,272 < 2^31)
+//   Y'  = A'^T M'' A' = 576 S   A'^T = A^T diag(e) = [6 4 4 1 1 0; 0 4 -4 2 -2 0; 0 4 4 4 4 0;
+//                     0 4 -4 8 -8 24], e = 24 / D (U = U'' / (D D^T), so 576 U = e e^T U'')
+//
+// Modulo 2^32, Y' times 9^-1 (954,437,177: 9 x it = 1 mod 2^32) is 64 S, which is 64 S itself while
+// |64 S| < 2^31; an arithmetic shift by 6 then gives S, the direct conv's sum, bit for bit. So F(4x4,
+// 3x3) is exact while |S| < 2^25 for every output: Int8ConvT<4>::exact checks max_k sum |w_k| times
+// the largest |x - zp| the source type allows against that bound (ResNet-like 3x3 convs: 64-512
+// channels of 7-bit weights, far inside it; conv.h keeps F(2x2, 3x3) or the direct conv otherwise).
+// Its transformed weights are 36 * 2 / 9 = 8x the int8 weight bytes (F(2x2, 3x3): 3.6x).
 #pragma once
 
 #include <omp.h>
@@ -335,22 +353,170 @@ GML_AVX2 inline void output_tile(const int32_t* m, int64_t stride, char* const* 
   _mm256_zeroupper();
 }
 
+// ---------------------------------------------------------------- F(4x4, 3x3) (file comment)
+// GCC vector types: + and - on them are AVX2's vpaddw / vpsubw (vpaddd / vpsubd), so each transform
+// below is one template for 16 (8) channels at once and for the scalar channel tail alike.
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));  // unsigned: wrapping arithmetic, defined in C++
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+template <typename X>
+GML_AVX2 inline X x4(X v) {
+  v = v + v;
+  return v + v;
+}
+
+// B^T of F(4, 3) on one line of 6 values x[i * xs], into o[i * os] (int16 or int).
+template <typename X>
+GML_AVX2 inline void bt4(const X* x, int xs, X* o, int os) {
+  const X a = x[4 * xs] - x[2 * xs];  // d4 - d2
+  X b = x[3 * xs] - x[xs];            // 2 (d3 - d1)
+  b = b + b;
+  o[0] = a + x4(x[0] - x[2 * xs]);                    // 4 d0 - 5 d2 + d4
+  o[os] = (x[3 * xs] + x[4 * xs]) - x4(x[xs] + x[2 * xs]);  // -4 d1 - 4 d2 + d3 + d4
+  o[2 * os] = (x[4 * xs] - x[3 * xs]) + x4(x[xs] - x[2 * xs]);  // 4 d1 - 4 d2 - d3 + d4
+  o[3 * os] = a + b;                                  // -2 d1 - d2 + 2 d3 + d4
+  o[4 * os] = a - b;                                  // 2 d1 - d2 - 2 d3 + d4
+  o[5 * os] = (x[5 * xs] - x[3 * xs]) + x4(x[xs] - x[3 * xs]);  // 4 d1 - 5 d3 + d5
+}
+
+// A'^T of F(4, 3) on one line of 6 int32 values (modulo 2^32), into 4.
+template <typename X>
+GML_AVX2 inline void at4(const X* x, int xs, X* o, int os) {
+  const X s = x[xs] + x[2 * xs], d = x[xs] - x[2 * xs], s2 = x[3 * xs] + x[4 * xs], d2 = x[3 * xs] - x[4 * xs];
+  o[0] = x[0] * 6u + s * 4u + s2;
+  o[os] = d * 4u + d2 * 2u;
+  o[2 * os] = (s + s2) * 4u;
+  o[3 * os] = d * 4u + d2 * 8u + x[5 * xs] * 24u;
+}
+
+// S from Y' = 576 S modulo 2^32 (exact while |S| < 2^25; file comment).
+constexpr uint32_t kInv9 = 954437177u;
+static_assert(static_cast<uint32_t>(9u * kInv9) == 1u);
+GML_AVX2 inline __m256i sum_of(u32x8 y) { return reinterpret_cast<__m256i>(reinterpret_cast<i32x8>(y * kInv9) >> 6); }
+inline int32_t sum_of(uint32_t y) {
+  const uint32_t s64 = y * kInv9;  // 64 S modulo 2^32, in int32's range
+  return static_cast<int32_t>(s64) >> 6;  // arithmetic (C++20; GCC's right shift of a negative value)
+}
+
+// V of one 6x6 patch (input_tile's contract, 36 positions).
+template <typename T>
+GML_AVX2 inline void input_tile4(const T* const* p, int16_t* v, int64_t stride, int64_t c, int zp) {
+  const i16x16 z = reinterpret_cast<i16x16>(_mm256_set1_epi16(static_cast<int16_t>(zp)));
+  int64_t i = 0;
+  for (; i + 16 <= c; i += 16) {
+    i16x16 d[36], t[36], o[36];
+    for (int j = 0; j < 36; ++j) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p[j] + i));
+      d[j] = reinterpret_cast<i16x16>(std::is_same_v<T, uint8_t> ? _mm256_cvtepu8_epi16(b) : _mm256_cvtepi8_epi16(b)) - z;
+    }
+    for (int j = 0; j < 6; ++j) bt4(d + j, 6, t + j, 6);  // t = B^T d (down each column)
+    for (int r = 0; r < 6; ++r) bt4(t + 6 * r, 1, o + 6 * r, 1);  // V = t B (along each row)
+    for (int j = 0; j < 36; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + j * stride + i), reinterpret_cast<__m256i>(o[j]));
+  }
+  for (; i < c; ++i) {  // the channels past the last 16, scalar
+    int d[36], t[36], o[36];
+    for (int j = 0; j < 36; ++j) d[j] = static_cast<int>(p[j][i]) - zp;
+    for (int j = 0; j < 6; ++j) bt4(d + j, 6, t + j, 6);
+    for (int r = 0; r < 6; ++r) bt4(t + 6 * r, 1, o + 6 * r, 1);
+    for (int j = 0; j < 36; ++j) v[j * stride + i] = static_cast<int16_t>(o[j]);
+  }
+  if (c % 2)
+    for (int xi = 0; xi < 36; ++xi) v[xi * stride + c] = 0;
+  _mm256_zeroupper();
+}
+
+// Y' = A'^T M'' A' for one tile, S recovered from it, and its up-to-16 output pixels (output_tile's
+// contract; ``scale`` is src_scale * w_scale: S is the direct conv's sum itself).
+GML_AVX2 inline void output_tile4(const int32_t* m, int64_t stride, char* const* o, const float* scale,
+                                  const float* bias, const Epilogue& e, const QuantOut& q, int64_t kc) {
+  int64_t k = 0;
+  for (; k + 8 <= kc; k += 8) {
+    u32x8 x[36], s[24], y[16];
+    for (int xi = 0; xi < 36; ++xi) x[xi] = reinterpret_cast<u32x8>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + xi * stride + k)));
+    for (int j = 0; j < 6; ++j) at4(x + j, 6, s + j, 6);  // s = A'^T M'' (4 x 6)
+    for (int r = 0; r < 4; ++r) at4(s + 6 * r, 1, y + 4 * r, 1);  // y = s A' (4 x 4)
+    for (int j = 0; j < 16; ++j)
+      if (o[j]) finish8(sum_of(y[j]), scale, bias, e, q, o[j], k);
+  }
+  for (; k < kc; ++k) {
+    uint32_t x[36], s[24], y[16];
+    for (int xi = 0; xi < 36; ++xi) x[xi] = static_cast<uint32_t>(m[xi * stride + k]);
+    for (int j = 0; j < 6; ++j) at4(x + j, 6, s + j, 6);
+    for (int r = 0; r < 4; ++r) at4(s + 6 * r, 1, y + 4 * r, 1);
+    for (int j = 0; j < 16; ++j)
+      if (o[j]) finish1(sum_of(y[j]), scale, bias, e, q, o[j], k);
+  }
+  _mm256_zeroupper();
+}
+
 #undef GML_AVX2
 }  // namespace int8_avx2
 
-class Int8Conv {
+// U'' of one 3x3 kernel g (row-major ints) into u[(M+2)^2]: G' g G'^T of F(2x2, 3x3) (= 4 U) or
+// G'' g G''^T of F(4x4, 3x3) (file comment).
+template <int M>
+inline void weight_tile(const int* g, int* u) {
+  if constexpr (M == 2) {
+    int t[12];
+    for (int j = 0; j < 3; ++j) {  // t = G' g (4 x 3)
+      t[0 + j] = 2 * g[j];
+      t[3 + j] = g[j] + g[3 + j] + g[6 + j];
+      t[6 + j] = g[j] - g[3 + j] + g[6 + j];
+      t[9 + j] = 2 * g[6 + j];
+    }
+    for (int r = 0; r < 4; ++r) {  // U' = t G'^T (4 x 4)
+      const int* tr = t + 3 * r;
+      const int row[4] = {2 * tr[0], tr[0] + tr[1] + tr[2], tr[0] - tr[1] + tr[2], 2 * tr[2]};
+      for (int j = 0; j < 4; ++j) u[r * 4 + j] = row[j];
+    }
+  } else {
+    static_assert(M == 4);
+    const auto line = [](int a, int b, int c, int* o, int os) {  // G'' on (a, b, c)
+      o[0] = a, o[os] = -a - b - c, o[2 * os] = -a + b - c, o[3 * os] = a + 2 * b + 4 * c,
+      o[4 * os] = a - 2 * b + 4 * c, o[5 * os] = c;
+    };
+    int t[18];
+    for (int j = 0; j < 3; ++j) line(g[j], g[3 + j], g[6 + j], t + j, 3);  // t = G'' g (6 x 3)
+    for (int r = 0; r < 6; ++r) line(t[3 * r], t[3 * r + 1], t[3 * r + 2], u + 6 * r, 1);  // U'' = t G''^T
+  }
+}
+
+// GML's INT8 Winograd F(MxM, 3x3), M = 2 or 4 (file comment); Int8Conv is F(2x2, 3x3).
+template <int M>
+class Int8ConvT {
+  static_assert(M == 2 || M == 4);
+  static constexpr int kA = M + 2, kP = kA * kA;  // patch side, transformed positions
+
  public:
+  // F(4x4, 3x3) is exact while |S| < 2^25 (file comment): whether max_k sum |w_k| times the largest
+  // |x - zp| of the source type keeps under it, for [K, C, 3, 3] s8 ``weight``. F(2x2, 3x3): C <=
+  // kMaxChannels.
+  static bool exact(const int8_t* weight, int64_t k, int64_t c, dt src_type, int src_zp) {
+    if (M == 2) return c <= kMaxChannels;
+    const int64_t d = src_type == dt::u8 ? std::max(src_zp, 255 - src_zp) : std::max(src_zp + 128, 127 - src_zp);
+    int64_t most = 0;
+    for (int64_t o = 0; o < k; ++o) {
+      int64_t sum = 0;
+      for (int64_t j = 0; j < c * 9; ++j) sum += std::abs(static_cast<int>(weight[o * c * 9 + j]));
+      most = std::max(most, sum);
+    }
+    return d * most < (int64_t{1} << 25);
+  }
+
   // src: [N, C, H, W] dense NHWC, u8 or s8 (``src_zp``, ``src_scale``); ``weight``: the caller's
   // contiguous [K, C, 3, 3] s8 tensor, ``w_scales`` one or K scales, ``bias`` K fp32 values or null
   // (all copied here, never kept); dst: [N, K, H, W] dense NHWC of q.dst_type; ``threads``: the
   // OpenMP team the plan runs with.
-  Int8Conv(int64_t n, int64_t c, int64_t h, int64_t w, int64_t k, dt src_type, float src_scale, int src_zp,
+  Int8ConvT(int64_t n, int64_t c, int64_t h, int64_t w, int64_t k, dt src_type, float src_scale, int src_zp,
            const int8_t* weight, const std::vector<float>& w_scales, const float* bias, const Epilogue& epi,
            const QuantOut& q, int threads)
       : n_(n), c_(c), h_(h), w_(w), k_(k), src_type_(src_type), src_zp_(src_zp), epi_(epi), q_(q) {
     if (n <= 0 || c <= 0 || h <= 0 || w <= 0 || k <= 0)
       throw std::invalid_argument("gml engine: winograd of an empty tensor");
-    if (c > kMaxChannels) throw std::invalid_argument("gml engine: INT8 winograd is exact up to 1,827 input channels");
+    if (!exact(weight, k, c, src_type, src_zp))
+      throw std::invalid_argument(M == 2 ? "gml engine: INT8 winograd is exact up to 1,827 input channels"
+                                         : "gml engine: these weights could leave INT8 winograd F(4x4, 3x3)'s exact range");
     if (src_type != dt::u8 && src_type != dt::s8) throw std::invalid_argument("gml engine: INT8 winograd of u8 / s8 sources");
     if (q.dst_type != dt::u8 && q.dst_type != dt::s8 && q.dst_type != dt::f32)
       throw std::invalid_argument("gml engine: INT8 winograd writes u8, s8 or f32");
@@ -358,8 +524,8 @@ class Int8Conv {
       throw std::invalid_argument("gml engine: INT8 winograd needs one or K weight scales");
     cp_ = (c + 1) / 2 * 2;
     kp_ = (k + 15) / 16 * 16;
-    th_ = (h + 1) / 2;
-    tw_ = (w + 1) / 2;
+    th_ = (h + M - 1) / M;
+    tw_ = (w + M - 1) / M;
     total_ = n * th_ * tw_;
     // Chunks as winograd.h's (V + M about kChunkBytes, at least kMinChunkTiles tiles), and at least
     // K tiles each: every chunk reads all of U' (32 C K bytes: 2 MB at 256 channels, more than a
@@ -369,7 +535,7 @@ class Int8Conv {
     // shares each chunk's three phases, each thread reading half of U'. Measured in ResNet18 INT8
     // under the AVX2 cap, 2 threads: 64 channels @ 56² 406 µs per-thread vs 411-426 shared; 256 @ 14²
     // 422 µs as one shared chunk vs 498 as one chunk per thread.
-    const int64_t per_tile = 16 * (cp_ * 2 + kp_ * 4);
+    const int64_t per_tile = kP * (cp_ * 2 + kp_ * 4);
     const int64_t want = std::max({kMinChunkTiles, kChunkBytes / per_tile, k});
     int64_t chunks = (total_ + want - 1) / want;
     threads_ = std::max(1, threads);
@@ -378,46 +544,36 @@ class Int8Conv {
     if (per_thread_) chunks = (chunks + threads_ - 1) / threads_ * threads_;  // as many per thread
     tiles_ = (total_ + chunks - 1) / chunks;
 
-    // U' = G' g G'^T (integers), packed [16][Kp/16][Cp/2][16][2]; padded channels 0
+    // U' (U''), integers, packed [kP][Kp/16][Cp/2][16][2]; padded channels 0
     const int64_t pairs = cp_ / 2, kb = kp_ / 16;
     // (its own pages, 64-byte aligned for the micro-kernel's loads; common.h aligned_buffer)
-    u_buf_ = gml_engine::aligned_buffer(static_cast<size_t>(16 * kp_ * cp_) * sizeof(int16_t));
+    u_buf_ = gml_engine::aligned_buffer(static_cast<size_t>(kP * kp_ * cp_) * sizeof(int16_t));
     int16_t* u = static_cast<int16_t*>(u_buf_.get());
-    std::memset(u, 0, static_cast<size_t>(16 * kp_ * cp_) * sizeof(int16_t));
+    std::memset(u, 0, static_cast<size_t>(kP * kp_ * cp_) * sizeof(int16_t));
     for (int64_t o = 0; o < k; ++o)
       for (int64_t i = 0; i < c; ++i) {
-        int g[9], t[12];
+        int g[9], ut[kP];
         for (int j = 0; j < 9; ++j) g[j] = weight[(o * c + i) * 9 + j];
-        for (int j = 0; j < 3; ++j) {  // t = G' g (4 x 3)
-          t[0 + j] = 2 * g[j];
-          t[3 + j] = g[j] + g[3 + j] + g[6 + j];
-          t[6 + j] = g[j] - g[3 + j] + g[6 + j];
-          t[9 + j] = 2 * g[6 + j];
-        }
-        for (int r = 0; r < 4; ++r) {  // U' = t G'^T (4 x 4)
-          const int* tr = t + 3 * r;
-          const int row[4] = {2 * tr[0], tr[0] + tr[1] + tr[2], tr[0] - tr[1] + tr[2], 2 * tr[2]};
-          for (int j = 0; j < 4; ++j) {
-            const int64_t xi = r * 4 + j;
-            u[static_cast<size_t>((((xi * kb + o / 16) * pairs + i / 2) * 16 + o % 16) * 2 + i % 2)] =
-                static_cast<int16_t>(row[j]);
-          }
-        }
+        weight_tile<M>(g, ut);
+        for (int64_t xi = 0; xi < kP; ++xi)
+          u[static_cast<size_t>((((xi * kb + o / 16) * pairs + i / 2) * 16 + o % 16) * 2 + i % 2)] =
+              static_cast<int16_t>(ut[xi]);
       }
-    scale4_.resize(static_cast<size_t>(k));
-    for (int64_t o = 0; o < k; ++o) scale4_[o] = src_scale * w_scales[w_scales.size() == 1 ? 0 : o] * 0.25f;
+    // the output stage's scale: F(2x2, 3x3) hands it 4 S (the / 4 is exact), F(4x4, 3x3) S itself
+    scale_.resize(static_cast<size_t>(k));
+    for (int64_t o = 0; o < k; ++o) scale_[o] = src_scale * w_scales[w_scales.size() == 1 ? 0 : o] * (M == 2 ? 0.25f : 1.0f);
     bias_.assign(static_cast<size_t>(k), 0.0f);
     if (bias) std::copy(bias, bias + k, bias_.begin());
     zp_row_.assign(static_cast<size_t>(c), static_cast<unsigned char>(static_cast<int8_t>(src_zp)));
-    v_bytes_ = align_up(static_cast<size_t>(16 * tiles_ * cp_ * 2));
-    slot_bytes_ = v_bytes_ + align_up(static_cast<size_t>(16 * tiles_ * kp_ * 4));
+    v_bytes_ = align_up(static_cast<size_t>(kP * tiles_ * cp_ * 2));
+    slot_bytes_ = v_bytes_ + align_up(static_cast<size_t>(kP * tiles_ * kp_ * 4));
     scratch_bytes_ = slot_bytes_ * static_cast<size_t>(per_thread_ ? threads_ : 1);
   }
 
   size_t scratch_bytes() const { return scratch_bytes_; }
   // U', the bytes every call reads (conv.h times calls with them out of the caches)
-  std::pair<const void*, size_t> weights() const { return {u_buf_.get(), static_cast<size_t>(16 * kp_ * cp_) * 2}; }
-  static std::string impl() { return "gml:winograd_f2x3+s16:avx2"; }
+  std::pair<const void*, size_t> weights() const { return {u_buf_.get(), static_cast<size_t>(kP * kp_ * cp_) * 2}; }
+  static std::string impl() { return M == 2 ? "gml:winograd_f2x3+s16:avx2" : "gml:winograd_f4x3+s16:avx2"; }
 
   // One call: src / dst as described at construction; ``scratch``: scratch_bytes() (64-byte aligned).
   void run(const void* src, void* dst, void* scratch) const {
@@ -436,7 +592,7 @@ class Int8Conv {
   }
 
  private:
-  // Tiles [t0, min(t0 + tiles_, total_)): input transform, the 16 GEMMs,
+  // Tiles [t0, min(t0 + tiles_, total_)): input transform, the kP GEMMs,
   // output transform, with ``slot``'s V and M; each phase on the OpenMP team when ``team``.
   void chunk(const void* src, void* dst, char* slot, int64_t t0, bool team) const {
     auto* v = reinterpret_cast<int16_t*>(slot);
@@ -454,18 +610,19 @@ class Int8Conv {
     const T* zero = reinterpret_cast<const T*>(zp_row_.data());
 #pragma omp parallel for schedule(static) if (team && count * c_ >= kParallelWork)
     for (int64_t t = 0; t < count; ++t) {
-      const T* p[16];
-      patch_rows(src, zero, t0 + t, th_, tw_, h_, w_, c_, p);
-      int8_avx2::input_tile(p, v + t * cp_, stride, c_, src_zp_);
+      const T* p[kP];
+      patch_rows<M>(src, zero, t0 + t, th_, tw_, h_, w_, c_, p);
+      if constexpr (M == 2) int8_avx2::input_tile(p, v + t * cp_, stride, c_, src_zp_);
+      else int8_avx2::input_tile4(p, v + t * cp_, stride, c_, src_zp_);
     }
   }
 
-  // The 16 GEMMs of one chunk: (position, 16-output block) pairs on the OpenMP team, each over the
+  // The kP GEMMs of one chunk: (position, 16-output block) pairs on the OpenMP team, each over the
   // chunk's tiles kTileRows at a time with the block's U' slab (Cp x 16 int16) hot in L1.
   void gemm(const int16_t* v, int32_t* m, int64_t count, bool team) const {
     const int64_t kb = kp_ / 16, pairs = cp_ / 2;
 #pragma omp parallel for schedule(static) collapse(2) if (team)
-    for (int64_t xi = 0; xi < 16; ++xi)
+    for (int64_t xi = 0; xi < kP; ++xi)
       for (int64_t b = 0; b < kb; ++b) {
         const int16_t* u = static_cast<const int16_t*>(u_buf_.get()) + (xi * kb + b) * pairs * 32;
         for (int64_t t = 0; t < count; t += kTileRows)
@@ -478,9 +635,10 @@ class Int8Conv {
     const int64_t es = q_.dst_type == dt::f32 ? 4 : 1;
 #pragma omp parallel for schedule(static) if (team && count * k_ >= kParallelWork)
     for (int64_t t = 0; t < count; ++t) {
-      char* o[4];
-      tile_outputs(dst, t0 + t, th_, tw_, h_, w_, k_ * es, o);
-      int8_avx2::output_tile(m + t * kp_, tiles_ * kp_, o, scale4_.data(), bias_.data(), epi_, q_, k_);
+      char* o[M * M];
+      tile_outputs<M>(dst, t0 + t, th_, tw_, h_, w_, k_ * es, o);
+      if constexpr (M == 2) int8_avx2::output_tile(m + t * kp_, tiles_ * kp_, o, scale_.data(), bias_.data(), epi_, q_, k_);
+      else int8_avx2::output_tile4(m + t * kp_, tiles_ * kp_, o, scale_.data(), bias_.data(), epi_, q_, k_);
     }
   }
 
@@ -491,11 +649,13 @@ class Int8Conv {
   QuantOut q_;
   int64_t cp_ = 0, kp_ = 0, th_ = 0, tw_ = 0, total_ = 0, tiles_ = 0;
   std::shared_ptr<void> u_buf_;  // U', packed
-  std::vector<float> scale4_, bias_;
+  std::vector<float> scale_, bias_;
   std::vector<unsigned char> zp_row_;
   int threads_ = 1;           // the OpenMP team a call runs with (the plan's)
   bool per_thread_ = false;   // each thread runs whole chunks (else the team shares each chunk)
   size_t v_bytes_ = 0, slot_bytes_ = 0, scratch_bytes_ = 0;
 };
+
+using Int8Conv = Int8ConvT<2>;
 
 }  // namespace gml_winograd

@@ -231,13 +231,15 @@ def check_forced_conv(
     taken: bool = True,
     n_inputs: int = 1,
     against_direct: bool = False,
+    mode: str = "1",
 ):
-    """``mod`` planned with GML's own convs forced (``GML_WINOGRAD=1``): its conv step is (``taken``) or
-    is not GML's kernel ``prefix``, and the output matches the Python executor within one rounding step
-    (and, ``against_direct``, the plan of oneDNN's direct conv). Returns the forced engine."""
+    """``mod`` planned with GML's own convs forced (``GML_WINOGRAD=mode``: ``1``, or ``f2x3`` for INT8
+    Winograd's small tiles): its conv step is (``taken``) or is not GML's kernel ``prefix``, and the
+    output matches the Python executor within one rounding step (and, ``against_direct``, the plan of
+    oneDNN's direct conv). Returns the forced engine."""
     with torch.no_grad():
         ref = mod(*[t.clone() for t in xs])
-    eng, got = engine_in_mode(monkeypatch, "1", mod, xs, n_inputs)
+    eng, got = engine_in_mode(monkeypatch, mode, mod, xs, n_inputs)
     assert bool(own_conv_steps(eng, prefix)) is taken, eng.step_impls()
     assert_close_int(ref, got)
     if against_direct:

@@ -76,8 +76,10 @@ class RuntimeReport:
     segments: int = 0
     note: str = ""
     shape_fallbacks: dict[str, str] = field(default_factory=dict)
-    #: convs the example input's plans run as Winograd F(2x2, 3x3) (docs/adr/010-winograd-conv.md)
+    #: convs the example input's plans run as Winograd (docs/adr/010-winograd-conv.md) ...
     winograd_convs: int = 0
+    #: ... of which INT8 ones with 4x4 output tiles, F(4x4, 3x3) (the rest F(2x2, 3x3))
+    winograd_4x4_convs: int = 0
     #: INT8 convs with few input channels the plans run as GML's patch GEMM (native/im2col_int8.h)
     im2col_convs: int = 0
     #: depthwise INT8 convs the plans run as GML's tap-pair kernel (native/dw_int8.h)
@@ -118,9 +120,10 @@ class RuntimeReport:
         if self.note:
             lines.append(f"  {self.note}")
         if self.winograd_convs:
-            n = self.winograd_convs
+            n, n4 = self.winograd_convs, self.winograd_4x4_convs
+            tiles = f"{n - n4} F(2x2, 3x3), {n4} INT8 F(4x4, 3x3)" if n4 else "F(2x2, 3x3)"
             lines.append(
-                f"  {n} 3x3 conv(s) run as Winograd F(2x2, 3x3) (winograd='0', GML_WINOGRAD=0: direct convs only)"
+                f"  {n} 3x3 conv(s) run as Winograd, {tiles} (winograd='0', GML_WINOGRAD=0: direct convs only)"
             )
         if self.im2col_convs:
             lines.append(
@@ -882,7 +885,8 @@ def compile_engine(
     with torch.no_grad():
         module(*example_inputs)  # compiles the plans for these shapes
     impls = [impl for _, impl in module.step_impls()]
-    report.winograd_convs = sum(impl.startswith("gml:winograd_f2x3") for impl in impls)
+    report.winograd_convs = sum(impl.startswith("gml:winograd_f") for impl in impls)
+    report.winograd_4x4_convs = sum(impl.startswith("gml:winograd_f4x3") for impl in impls)
     report.im2col_convs = sum(impl.startswith("gml:im2col") for impl in impls)
     report.dw_convs = sum(impl.startswith("gml:dw") for impl in impls)
     if report.engine_nodes == 0:

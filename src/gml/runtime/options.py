@@ -20,8 +20,10 @@ from gml.errors import InputError
 #: fp32 / bf16 3x3 stride-1 convs, and on targets without VNNI (``Target.int8_winograd``; ``1`` forces
 #: them on any AVX2 CPU) GML's own INT8 convs: Winograd for 3x3 stride-1 ones, a patch GEMM for
 #: few-channel ones (an RGB stem), a tap-pair kernel for depthwise ones; never, always, or when timed
-#: faster than the direct conv at plan build (the default; docs/adr/010-winograd-conv.md).
-WINOGRAD_MODES = {"0": 0, "1": 1, "auto": 2}
+#: faster than the direct conv at plan build (the default; docs/adr/010-winograd-conv.md). INT8
+#: Winograd has two tile sizes, F(4x4, 3x3) where its exactness bound holds and F(2x2, 3x3): ``1``
+#: forces the larger eligible one, ``f2x3`` forces the smaller one everywhere (tests, A/B runs).
+WINOGRAD_MODES = {"0": 0, "1": 1, "auto": 2, "f2x3": 3}
 #: ``attention`` values: which attention path the engine plans (docs/adr/009-fused-bf16-attention.md)
 ATTENTION_PATHS = ("auto", "fused", "primitives")
 #: ``cost_policy`` values (gml.quant.cost_policy.POLICIES): ``off`` times nothing
@@ -36,7 +38,8 @@ class EngineOptions:
     """How the engine plans and is chosen (all switches the runtime reads; defaults: the shipped ones).
 
     ``winograd``: ``"auto"`` (per conv, Winograd when timed faster at plan build), ``"1"`` (every
-    eligible 3x3 conv) or ``"0"`` (direct convs only). ``attention``: ``"auto"`` (GML's fused
+    eligible 3x3 conv), ``"f2x3"`` (the same with INT8 Winograd's 2x2 output tiles only) or ``"0"``
+    (direct convs only). ``attention``: ``"auto"`` (GML's fused
     kernels where ADR 009 measured them no slower: fp32 on AVX512-BF16 and on AVX2 without AVX-512,
     bf16 but not on AMX),
     ``"fused"`` or ``"primitives"``. ``cost_policy``:
@@ -50,7 +53,8 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         _check("winograd", self.winograd, tuple(WINOGRAD_MODES), "0 (direct convolutions only), 1 (Winograd for "
-               "every eligible 3x3 conv) or auto (the default)")  # fmt: skip
+               "every eligible 3x3 conv), f2x3 (the same, INT8 with 2x2 output tiles only) "
+               "or auto (the default)")  # fmt: skip
         _check("attention", self.attention, ATTENTION_PATHS, "auto, fused or primitives")
         _check("cost_policy", self.cost_policy, COST_POLICIES, "measure or off")
 
