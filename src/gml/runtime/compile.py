@@ -21,7 +21,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from gml.errors import InputError, UnsupportedError
 from gml.inference import refuse_grad_inputs, refuse_nonfinite_inputs
 from gml.ir.target import Target
 from gml.kernels.fp32 import all_finite
-from gml.runtime import native
+from gml.runtime import native, timing
 from gml.runtime.direct_call import DirectCall, specialise
 from gml.runtime.options import EngineOptions, resolve_options
 from gml.runtime.plan import Builder
@@ -90,6 +90,9 @@ class RuntimeReport:
     options: EngineOptions = field(default_factory=EngineOptions)
     #: what the plan changed for this target (e.g. a saved model's 8-bit weights requantized to 7 bits)
     changes: list[str] = field(default_factory=list)
+    #: plans built without GML's own convs because the whole plan timed faster without them
+    #: (EngineSegment._whole_plan_check), by plan key: the measurement
+    own_convs_dropped: dict[str, str] = field(default_factory=dict)
     #: steps of the built plans that run a oneDNN reference kernel (:func:`is_reference_impl`), by
     #: step name: a bug (a layout or formulation oneDNN has no jitted kernel for), never expected
     reference_steps: dict[str, str] = field(default_factory=dict)
@@ -135,6 +138,8 @@ class RuntimeReport:
                 f"  {self.dw_convs} depthwise INT8 conv(s) run as GML's exact tap-pair kernel "
                 "(winograd='0', GML_WINOGRAD=0: oneDNN's direct convs only)"
             )
+        for why in self.own_convs_dropped.values():
+            lines.append(f"  GML's own convs left out of a plan: {why} (winograd='1' forces them)")
         if self.reference_steps:
             steps = ", ".join(f"{name} ({impl})" for name, impl in self.reference_steps.items())
             lines.append(
@@ -144,6 +149,17 @@ class RuntimeReport:
         lines += [f"  torch: {n.name} ({n.op}): {n.reason}" for n in self.torch_nodes]
         lines += [f"  torch for shape {k}: {v}" for k, v in self.shape_fallbacks.items()]
         return "\n".join(lines)
+
+
+#: implementations of GML's own conv kernels (native/conv.h), each taken per conv when it timed
+#: faster than oneDNN's direct conv at plan build (``winograd="auto"``): Winograd (fp32 / bf16 /
+#: INT8), the INT8 patch GEMM and the INT8 depthwise tap-pair kernel
+OWN_CONV_IMPLS = ("gml:winograd_f", "gml:im2col", "gml:dw")
+
+
+def is_own_conv_impl(impl: str) -> bool:
+    """Whether a step's implementation is one of GML's own conv kernels (:data:`OWN_CONV_IMPLS`)."""
+    return impl.startswith(OWN_CONV_IMPLS)
 
 
 def is_reference_impl(impl: str) -> bool:
@@ -255,14 +271,54 @@ class EngineSegment(nn.Module):
         except (Unsupported, RuntimeError, ValueError) as e:
             self._report.shape_fallbacks[_key_str(key)] = str(e)
             return None, []
+        # 3. GML's own convs, each chosen alone, against the plan without any
+        plan = self._whole_plan_check(plan, outs, recorder.values, copies, key)
         for name, impl in zip(plan.step_names(), plan.step_impls()):
             if is_reference_impl(impl):
                 self._report.reference_steps[name] = impl
         return plan, outs
 
-    def _translate(self, env: dict[fx.Node, Any]) -> tuple[Any, list[tuple]]:
+    def _whole_plan_check(
+        self, plan: Any, outs: list[tuple], env: dict[fx.Node, Any], inputs: Sequence[Any], key: tuple
+    ) -> Any:
+        """``plan``, or the same plan with oneDNN's direct convs only where that one runs faster.
+
+        The plan build takes each of GML's own convs (:data:`OWN_CONV_IMPLS`) when it timed faster
+        than oneDNN's direct conv alone, on cold weights. Alone is not in the model: measured on an
+        Intel Xeon under the AVX2 mask (docs/benchmarks.md, session 26), a plan holding GML's
+        depthwise INT8 kernel runs every *other* step 5-13% slower — a scalar loop timed between
+        the steps slows down as much, one thread or two: the core's clock, not the kernels — so
+        MobileNetV2's depthwise convs that each broke even cost the whole call 3-6%. Only the
+        whole plan, timed on this CPU, says whether the convs pay; this times both (interleaved,
+        on the recorded inputs) and keeps the faster. Only where the plan build timed its choices
+        (``winograd="auto"``) and timing is allowed (``cost_policy="measure"``)."""
+        opts = self._report.options
+        own = sum(is_own_conv_impl(impl) for impl in plan.step_impls())
+        if not own or opts.winograd != "auto" or opts.cost_policy != "measure":
+            return plan
+        try:
+            direct, _ = self._translate(env, replace(opts, winograd="0"))
+        except (Unsupported, RuntimeError, ValueError):
+            return plan
+        tensors = [t.data_ptr() for t in inputs if isinstance(t, torch.Tensor)]
+        results = [torch.empty_strided(*o[:2], dtype=o[2]) for o in outs if not isinstance(o, _Size)]
+        written = [r.data_ptr() for r in results]
+
+        def run(p: Any) -> Any:
+            return lambda: p.run(tensors, written, torch.get_num_threads())
+
+        own_ms, direct_ms = timing.median_ms_interleaved([run(plan), run(direct)], rounds=9)
+        if direct_ms < own_ms:
+            self._report.own_convs_dropped[_key_str(key)] = (
+                f"{own} conv(s) as GML's kernels made the whole plan {own_ms / direct_ms:.2f}x as slow "
+                f"as oneDNN's direct convs ({own_ms:.2f} vs {direct_ms:.2f} ms)"
+            )
+            return direct
+        return plan
+
+    def _translate(self, env: dict[fx.Node, Any], options: EngineOptions | None = None) -> tuple[Any, list[tuple]]:
         graph = self.reference.graph
-        b = Builder(_last_use(graph), self._report.target, self._report.options)
+        b = Builder(_last_use(graph), self._report.target, options or self._report.options)
         free = free_values(self.reference, env)
         vals: dict[fx.Node, Any] = {}
         sizes: set[fx.Node] = set()

@@ -37,7 +37,8 @@ WINOGRAD_ENV, ATTENTION_ENV, COST_POLICY_ENV = "GML_WINOGRAD", "GML_ATTENTION", 
 class EngineOptions:
     """How the engine plans and is chosen (all switches the runtime reads; defaults: the shipped ones).
 
-    ``winograd``: ``"auto"`` (per conv, Winograd when timed faster at plan build), ``"1"`` (every
+    ``winograd``: ``"auto"`` (per conv, Winograd when timed faster at plan build; then the whole
+    plan against the direct-only one, the faster kept, where ``cost_policy`` allows), ``"1"`` (every
     eligible 3x3 conv), ``"f2x3"`` (the same with INT8 Winograd's 2x2 output tiles only) or ``"0"``
     (direct convs only). ``attention``: ``"auto"`` (GML's fused
     kernels where ADR 009 measured them no slower: fp32 on AVX512-BF16 and on AVX2 without AVX-512,
