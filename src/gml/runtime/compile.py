@@ -17,6 +17,7 @@ from __future__ import annotations
 import operator
 import statistics
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -307,7 +308,13 @@ class EngineSegment(nn.Module):
         def run(p: Any) -> Any:
             return lambda: p.run(tensors, written, torch.get_num_threads())
 
-        own_ms, direct_ms = timing.median_ms_interleaved([run(plan), run(direct)], rounds=9)
+        # ~1 s of timed calls at most past the warm-up (a large batch's first call must not take
+        # minutes): 9 rounds for calls up to ~50 ms, down to 3 for long ones
+        t0 = time.perf_counter()
+        run(plan)()
+        once_ms = (time.perf_counter() - t0) * 1e3
+        rounds = max(3, min(9, int(500 / max(once_ms, 1e-3))))
+        own_ms, direct_ms = timing.median_ms_interleaved([run(plan), run(direct)], rounds=rounds)
         if direct_ms < own_ms:
             self._report.own_convs_dropped[_key_str(key)] = (
                 f"{own} conv(s) as GML's kernels made the whole plan {own_ms / direct_ms:.2f}x as slow "
