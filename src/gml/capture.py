@@ -24,7 +24,7 @@ from torch.fx.passes.shape_prop import ShapeProp, _extract_tensor_metadata
 from gml.errors import InputError, TraceFailure, UnsupportedError, did_you_mean, first_few
 from gml.ir.alias import MUTATES
 from gml.ir.layers import torch_layer_base
-from gml.ir.values import cloned
+from gml.ir.values import INPUT_NAME, cloned
 from gml.models import child_names
 from gml.outputs import same_outputs
 
@@ -428,6 +428,8 @@ def trace(
                 "branch without Python control flow on tensors (torch.where, masking)."
             ),
         ) from None
+    _name_inputs(graph, model)
+    _own_none_guards(graph, model)
     name = model_name if isinstance(model, nn.Module) else "GraphModule"
     gm = fx.GraphModule(tracer.root, graph, name)
     # not .train(): the leaves are the caller's own modules; fx's fresh containers start in training mode
@@ -440,6 +442,54 @@ def trace(
         _drop_dead_shape_arithmetic(gm)
         _guard_inputs(gm, example_inputs or (), tracer.specialized, free)
     return gm
+
+
+def _name_inputs(graph: fx.Graph, model: Any) -> None:
+    """Tag each placeholder with the ``forward`` parameter it stands for (:data:`INPUT_NAME`)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    positional = [p.name for p in params if p.kind in kinds]
+    if len(placeholders) <= len(positional):
+        for node, param in zip(placeholders, positional):
+            node.meta[INPUT_NAME] = param
+
+
+def input_is_none(value: Any, name: str) -> None:
+    """The guard of an input traced as None (``(ids, None, mask)``): it must stay None."""
+    if value is not None:
+        raise InputError(
+            f"input {name!r} was None in the example the model was built for; got {type(value).__name__}.",
+            hint="pass None there (the graph was traced with it), or build the model again with that input given.",
+        )
+
+
+torch.fx.wrap("input_is_none")  # a leaf call in any later trace, named plainly in generated code
+
+
+def _own_none_guards(graph: fx.Graph, model: Any) -> None:
+    """fx's ``_assert_is_none(input, msg)`` guards of the inputs traced as None, as GML's
+    :func:`input_is_none`.
+
+    ``_assert_is_none`` is a ``torch.fx.wrap``-ed torch function: traced again (torch.ao's
+    ``prepare_fx`` re-traces the captured graph), its call is marked wrapped, and the generated code
+    runs ``wrap("torch.fx._symbolic_trace._assert_is_none")`` in the module's own globals, where
+    that dotted name is no key — every later ``symbolic_trace`` in the process then failed with a
+    ``KeyError`` on it (the second ``gml.quantize`` of a model given a None input). GML's guard is
+    wrapped under its plain name, and says which input in an :class:`InputError`."""
+    from torch.fx._symbolic_trace import _assert_is_none
+
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _assert_is_none and node.args:
+            value = node.args[0]
+            name = value.meta.get(INPUT_NAME, value.name) if isinstance(value, fx.Node) else "?"
+            node.target, node.args, node.kwargs = input_is_none, (value, str(name)), {}
+            node.meta["is_wrapped"] = True  # the generated code registers it: a re-trace keeps the call
 
 
 def _batch_free_inputs(

@@ -10,18 +10,42 @@ checked.
 
 INT8 models add one rule: a NaN or Inf input is refused (:func:`refuse_nonfinite_inputs`), since INT8
 has no code for either and would answer with finite numbers.
+
+Inputs by name (:func:`inputs_by_name`): every executor also takes its inputs as keywords, named as
+the model's ``forward`` names them (``model(**tokenizer(text, return_tensors="pt"))``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from gml.errors import InputError
+
+
+def inputs_by_name(names: Sequence[str], args: Sequence[Any], named: Mapping[str, Any]) -> tuple:
+    """``args`` then ``named`` as one positional tuple over ``names`` (the graph's inputs, in order:
+    the model's ``forward`` parameters it was captured with), up to the last input given. One given
+    neither way before it is None — an optional input left out (HF's ``token_type_ids``); the
+    executor's input check then says what the model takes if it needs a tensor there."""
+    unknown = [k for k in named if k not in names]
+    if unknown:
+        raise InputError(
+            f"the model takes no input named {unknown[0]!r}.",
+            hint=f"its inputs, in order: {', '.join(names) or '(none)'}.",
+        )
+    twice = [k for k in named if list(names).index(k) < len(args)]
+    if twice:
+        raise InputError(
+            f"input {twice[0]!r} was given both by position and by name.",
+            hint=f"give it once; the inputs, in order: {', '.join(names)}.",
+        )
+    last = max(list(names).index(k) for k in named)
+    return (*args, *(named.get(n) for n in names[len(args) : last + 1]))
 
 
 def refuse_grad_inputs(args: Any) -> None:

@@ -7,13 +7,14 @@ which ``gml.quantize``'s whole-model guard continues from). Public names are re-
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from gml.capture import capture, check_deterministic, check_eval_mode, check_finite_parameters
+from gml.errors import InputError
 from gml.inference import refuse_autograd
 from gml.ir.target import Target
 from gml.memory import returns_memory
@@ -36,6 +37,8 @@ def _inputs_of_batch(model: nn.Module, batch: Any) -> tuple:
     before that ``batch[0]`` alone (a two-input model failed with a bare "StopIteration", issue #24)."""
     import inspect
 
+    if isinstance(batch, Mapping):
+        return forward_inputs(model, batch)
     if isinstance(batch, torch.Tensor) or not isinstance(batch, list | tuple):
         return (batch,)
     try:
@@ -60,8 +63,76 @@ def _inputs_of_batch(model: nn.Module, batch: Any) -> tuple:
     return tuple(items)
 
 
-def _as_tuple(example_inputs: Any) -> tuple:
+def forward_inputs(model: nn.Module, named: Mapping[str, Any]) -> tuple:
+    """Inputs given by name (a tokenizer's ``BatchEncoding``, ``{"input_ids": ..., "attention_mask":
+    ...}``) as the positional tuple GML captures with: ``forward``'s parameters in order up to the
+    last one given, None for an optional one left out (HF's ``token_type_ids``: its default). A
+    parameter left out whose default is not None is refused (passing None would change what the
+    model computes), as are names ``forward`` does not take positionally."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError) as e:
+        raise InputError(
+            f"inputs given by name, but {type(model).__name__}.forward has no signature to place them by.",
+            hint="pass the inputs as a tuple, in forward's order.",
+        ) from e
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = [p for p in params if p.kind in kinds]
+    names = [p.name for p in positional]
+    for key in named:
+        if key not in names:
+            raise InputError(
+                f"{type(model).__name__}.forward takes no input {key!r} that GML can pass positionally.",
+                hint=f"its positional inputs: {', '.join(names) or '(none)'}.",
+            )
+    last = max((names.index(k) for k in named), default=-1)
+    out: list[Any] = []
+    for p in positional[: last + 1]:
+        if p.name in named:
+            out.append(named[p.name])
+        elif p.default is None:
+            out.append(None)
+        else:
+            missing = "required" if p.default is inspect.Parameter.empty else f"defaults to {p.default!r}"
+            raise InputError(
+                f"input {p.name!r} of {type(model).__name__}.forward ({missing}) was not given, "
+                "but an input after it was.",
+                hint=f"give {p.name!r} too, or pass the inputs as a tuple in forward's order.",
+            )
+    return tuple(out)
+
+
+def _as_tuple(example_inputs: Any, model: nn.Module) -> tuple:
+    if isinstance(example_inputs, list | tuple) and len(example_inputs) == 1 and isinstance(example_inputs[0], Mapping):
+        example_inputs = example_inputs[0]  # ``(tokenizer(...),)``: the inputs by name, wrapped
+    if isinstance(example_inputs, Mapping):
+        return forward_inputs(model, example_inputs)
     return tuple(example_inputs) if isinstance(example_inputs, list | tuple) else (example_inputs,)
+
+
+def positional_batches(model: nn.Module, data: Any) -> Any:
+    """Calibration / evaluation ``data`` with every batch given by name (a dict) made positional
+    (:func:`forward_inputs`); a list stays a list, another iterable is mapped as it is read."""
+    if data is None or isinstance(data, int | torch.Tensor | Mapping):
+        return forward_inputs(model, data) if isinstance(data, Mapping) else data
+    if isinstance(data, list | tuple):
+        return [forward_inputs(model, b) if isinstance(b, Mapping) else b for b in data]
+    return _PositionalBatches(model, data)
+
+
+class _PositionalBatches:
+    """An iterable of batches read through :func:`forward_inputs` (``len`` where the source has one)."""
+
+    def __init__(self, model: nn.Module, data: Any) -> None:
+        self.model, self.data = model, data
+
+    def __iter__(self) -> Any:
+        return (forward_inputs(self.model, b) if isinstance(b, Mapping) else b for b in self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
 
 
 @returns_memory
@@ -104,7 +175,7 @@ def optimize(
     check_precision(precision)
     check_runtime(runtime)
     target, options = resolve(target), resolve_options(options)
-    inputs = _as_tuple(example_inputs)
+    inputs = _as_tuple(example_inputs, model)
     check_eval_mode(model)
     check_finite_parameters(model)
     check_deterministic(model, inputs)

@@ -21,7 +21,14 @@ from gml.inference import refuse_autograd, refuse_nonfinite
 from gml.ir.target import Target
 from gml.kernels.packs import drop_packed
 from gml.memory import release, returns_memory, shared_copy, trim_malloc
-from gml.optimizing import _as_tuple, _bf16_refusal, _inputs_of_batch, check_precision, optimize_graph
+from gml.optimizing import (
+    _as_tuple,
+    _bf16_refusal,
+    _inputs_of_batch,
+    check_precision,
+    optimize_graph,
+    positional_batches,
+)
 from gml.passes.base import GraphPass
 from gml.passes.manager import PassManager, run_outputs
 from gml.quant.calibrate import KeepLast
@@ -208,6 +215,8 @@ def quantize(
     check_policy(cost_policy)
     check_eval_mode(model, what="INT8 quantization")
     check_finite_parameters(model, what="INT8 quantization")
+    # batches given by name (a tokenizer's dicts) become forward's positional inputs, here once
+    calib_data, eval_data = positional_batches(model, calib_data), positional_batches(model, eval_data)
     if example_inputs is None:
         if calib_data is None or isinstance(calib_data, int):
             raise InputError(
@@ -218,7 +227,7 @@ def quantize(
         if not calib_data:
             raise InputError("calib_data is empty.", hint="give at least one calibration batch.")
         example_inputs = _inputs_of_batch(model, calib_data[0])
-    inputs = _as_tuple(example_inputs)
+    inputs = _as_tuple(example_inputs, model)
     check_deterministic(model, inputs, what="INT8 quantization")
     if eval_data is None and calib_data is not None and not isinstance(calib_data, int | torch.Tensor):
         # the accuracy report measures on the user's own data, not on generated N(0, 1) batches

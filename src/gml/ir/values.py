@@ -26,6 +26,11 @@ _NO_SCALARS = {
     "hardsigmoid": torch.nn.functional.hardsigmoid,
 }
 
+#: a graph input's (placeholder's) meta key: the ``forward`` parameter it stands for — fx renames an
+#: input traced as a constant (``bias`` -> ``bias_1``); set by gml.capture, read by the executors
+#: that take inputs by name (gml.inference.inputs_by_name)
+INPUT_NAME = "gml_input_name"
+
 
 @dataclass(frozen=True)
 class QParams:

@@ -29,8 +29,9 @@ import torch
 from torch import fx, nn
 
 from gml.errors import InputError, UnsupportedError
-from gml.inference import refuse_grad_inputs, refuse_nonfinite_inputs
+from gml.inference import inputs_by_name, refuse_grad_inputs, refuse_nonfinite_inputs
 from gml.ir.target import Target
+from gml.ir.values import INPUT_NAME
 from gml.kernels.fp32 import all_finite
 from gml.runtime import native, timing
 from gml.runtime.direct_call import DirectCall, specialise
@@ -471,6 +472,12 @@ class Recorder(fx.Interpreter):
         return out
 
 
+def _input_names(gm: fx.GraphModule) -> list[str]:
+    """The graph's inputs by name: the captured ``forward``'s parameter names (gml.capture tags its
+    placeholders; a loaded or exported graph's placeholders carry the names themselves)."""
+    return [n.meta.get(INPUT_NAME, n.name) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 @dataclass(frozen=True)
 class _Size:
     """A segment output that is a size (``x.shape`` read by torch after the segment): fixed for the
@@ -792,7 +799,9 @@ class PythonExecutor(nn.Module):
         self._expect = expect
         self._seen: set[tuple] = set()
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **named: Any) -> Any:
+        if named:
+            inputs = inputs_by_name(_input_names(self.graph_module), inputs, named)
         try:
             key: tuple | None = tuple(_input_key(t) for t in inputs)
             seen = key in self._seen
@@ -860,10 +869,13 @@ class EngineModule(nn.Module):
         self.__dict__.setdefault("_direct", {})
         self.__dict__.setdefault("refuses_nonfinite", False)
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **named: Any) -> Any:
         """The model's outputs. The first call with a layout of the inputs checks them against the
         example (:meth:`_check`), runs the partitioned graph and keeps its direct call
-        (:func:`~gml.runtime.direct_call.specialise`); later calls with that layout run it."""
+        (:func:`~gml.runtime.direct_call.specialise`); later calls with that layout run it. Inputs
+        may be given by name too, as the model's ``forward`` names them (:func:`inputs_by_name`)."""
+        if named:
+            inputs = inputs_by_name(_input_names(self.graph_module), inputs, named)
         refuse_grad_inputs(inputs)  # the engine's outputs carry no autograd graph (gml.inference)
         key = tuple(_input_key(t) for t in inputs)
         try:
