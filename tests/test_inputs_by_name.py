@@ -128,3 +128,30 @@ def test_a_none_input_does_not_break_later_captures_in_the_process():
     result = gml.optimize(m, batches[0])
     with pytest.raises(InputError, match="was None in the example"):
         result.executable(named["x"], named["scale"], named["scale"])
+
+
+class NoneBetween(nn.Module):
+    """``forward(x, bias=None, scale=None)``: given as ``(x, None, scale)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x, bias=None, scale=None):
+        y = torch.relu(self.conv(x))
+        return y if scale is None else y * scale
+
+
+def test_an_int8_model_given_a_none_input_saves_loads_and_is_called_by_name(tmp_path):
+    """The INT8 lowering drops the None input's metadata and its guard: the saved program's
+    stand-in inputs give an input no node reads None (it was "input 'bias_1' has no shape
+    metadata")."""
+    m, named = NoneBetween().eval(), _inputs()
+    q = gml.quantize(m, [named] * 3, cost_policy="off")
+    assert q.precision == "int8", q.precision_reason
+    q.save(str(tmp_path / "m.pt2"))
+    loaded = gml.load(str(tmp_path / "m.pt2"))
+    with torch.no_grad():
+        want = q.executable(**named)
+        torch.testing.assert_close(loaded(**named), want)
+        torch.testing.assert_close(loaded(named["x"], None, named["scale"]), want)

@@ -87,6 +87,20 @@ class Lift:
 MAX_DECLARED_ELEMENTS = 1 << 27
 
 
+def _taken_as_none(node: fx.Node) -> bool:
+    """An input no node reads — traced as a constant (None, or an omitted ``flag=True``) and left
+    without its ``val`` by the INT8 lowering, its guard gone with dead code: a graph that never
+    reads an input runs alike on None — or one only capture's guard reads
+    (gml.capture.input_is_none) with no shape to give it."""
+    from gml.capture import input_is_none
+
+    if not node.users:
+        return True
+    if "val" in node.meta or "tensor_meta" in node.meta:
+        return False
+    return all(u.op == "call_function" and u.target is input_is_none for u in node.users)
+
+
 def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[torch.Tensor | None, ...]:
     """Inputs shaped like ``gm``'s placeholders: ``meta["val"]`` (a ``torch.export`` program, where a
     dynamic dimension is symbolic and becomes 1) or ``meta["tensor_meta"]`` (a captured graph).
@@ -101,8 +115,8 @@ def placeholder_inputs(gm: fx.GraphModule, *, seed: int | None = None) -> tuple[
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        if "val" in node.meta and node.meta["val"] is None:  # an input the graph takes as None
-            metas.append(None)
+        if ("val" in node.meta and node.meta["val"] is None) or _taken_as_none(node):
+            metas.append(None)  # an input the graph takes as None
             continue
         meta = node.meta.get("val")
         if not isinstance(meta, torch.Tensor):
