@@ -142,11 +142,13 @@ class NoneBetween(nn.Module):
         return y if scale is None else y * scale
 
 
-def test_an_int8_model_given_a_none_input_saves_loads_and_is_called_by_name(tmp_path):
+@pytest.mark.parametrize("model", [NoneBetween, TwoInputs], ids=["none-between", "omitted-flag"])
+def test_an_int8_model_given_a_none_input_saves_loads_and_is_called_by_name(tmp_path, model):
     """The INT8 lowering drops the None input's metadata and its guard: the saved program's
     stand-in inputs give an input no node reads None (it was "input 'bias_1' has no shape
-    metadata")."""
-    m, named = NoneBetween().eval(), _inputs()
+    metadata"). ``flag=True``, left out of the example, is no input of the graph at all (its
+    equality guard kept it read: "input 'flag_1' has no shape metadata")."""
+    m, named = model().eval(), _inputs()
     q = gml.quantize(m, [named] * 3, cost_policy="off")
     assert q.precision == "int8", q.precision_reason
     q.save(str(tmp_path / "m.pt2"))

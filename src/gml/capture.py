@@ -430,6 +430,8 @@ def trace(
         ) from None
     _name_inputs(graph, model)
     _own_none_guards(graph, model)
+    if example_inputs is not None:
+        _drop_omitted_inputs(graph, len(example_inputs))
     name = model_name if isinstance(model, nn.Module) else "GraphModule"
     gm = fx.GraphModule(tracer.root, graph, name)
     # not .train(): the leaves are the caller's own modules; fx's fresh containers start in training mode
@@ -470,6 +472,32 @@ def input_is_none(value: Any, name: str) -> None:
 
 
 torch.fx.wrap("input_is_none")  # a leaf call in any later trace, named plainly in generated code
+
+
+def _drop_omitted_inputs(graph: fx.Graph, n_given: int) -> None:
+    """Remove the inputs after the ``n_given`` the example gave — ``forward`` defaults traced as
+    constants (:func:`_omitted_default_args`) — that nothing but their guards reads (fx's
+    ``_assert(flag_1 == True, ...)``, :func:`input_is_none`): the graph takes what the example gave.
+    Kept as inputs, the INT8 lowering dropped their metadata but not the guard that reads them, and
+    the model could not be saved ("input 'flag_1' has no shape metadata")."""
+    import operator
+
+    guards = {operator.eq, torch._assert, input_is_none}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for ph in reversed(placeholders[n_given:]):
+        chain: list[fx.Node] = []
+        todo = list(ph.users)
+        while todo:
+            node = todo.pop()
+            if node in chain:
+                continue
+            if node.op != "call_function" or node.target not in guards:
+                return  # read by the model itself: keep it (and every input before it)
+            chain.append(node)
+            todo.extend(node.users)
+        for node in sorted(chain, key=lambda n: -list(graph.nodes).index(n)):
+            graph.erase_node(node)
+        graph.erase_node(ph)
 
 
 def _own_none_guards(graph: fx.Graph, model: Any) -> None:
