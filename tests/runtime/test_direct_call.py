@@ -29,7 +29,7 @@ def _engine(gm: fx.GraphModule, x: torch.Tensor):
 
 
 def _direct(eng, x: torch.Tensor):
-    (entry,) = [d for k, (_, d) in eng._direct.items() if k[0][0] == tuple(x.shape)]
+    (entry,) = [d for k, (_, d, _) in eng._direct.items() if k[0][0] == tuple(x.shape)]
     return entry
 
 
@@ -100,6 +100,70 @@ def test_a_hook_registered_after_the_first_call_runs() -> None:
         eng.graph_module.register_forward_hook(lambda mod, args, out: seen.append(-1))
         eng(x)
     assert seen == [seen[0], -1]
+
+
+@needs_engine
+def test_the_engine_model_skips_module_dispatch_only_while_nothing_needs_it(monkeypatch) -> None:
+    """``EngineModule.__call__`` runs ``forward`` itself, and gives way to ``nn.Module.__call__``
+    for a hook on the model (forward, pre-forward, one that changes the output), a hook for every
+    module, and torch.fx's tracer (which patches ``nn.Module.__call__``): each is seen."""
+    gm = _pos_graph()
+    x = torch.randn(2, 5, 8)
+    eng = _engine(gm, x)
+    want = gm(x)
+    dispatched: list[str] = []
+    module_call = nn.Module.__call__
+
+    def counting_call(self, *args, **kwargs):
+        dispatched.append(type(self).__name__)
+        return module_call(self, *args, **kwargs)
+
+    with torch.no_grad():
+        eng(x)
+        monkeypatch.setattr(nn.Module, "__call__", counting_call)
+        got = eng(x)  # fx's condition: nn.Module.__call__ replaced -> taken
+        monkeypatch.undo()
+        assert dispatched and dispatched[0] == "EngineModule"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        seen: list[str] = []
+        handle = eng.register_forward_pre_hook(lambda mod, args: seen.append("pre"))
+        eng(x)
+        handle.remove()
+        handle = eng.register_forward_hook(lambda mod, args, out: out * 2)
+        torch.testing.assert_close(eng(x), want * 2, rtol=1e-5, atol=1e-5)
+        handle.remove()
+        handle = nn.modules.module.register_module_forward_hook(lambda mod, args, out: seen.append(type(mod).__name__))
+        try:
+            eng(x)
+        finally:
+            handle.remove()
+        assert seen[0] == "pre" and "EngineModule" in seen[1:]
+        n = len(seen)
+        torch.testing.assert_close(eng(x), want, rtol=1e-5, atol=1e-5)  # no hook left: forward itself
+        assert len(seen) == n
+
+
+def test_an_fx_trace_through_an_engine_model_sees_it_as_a_module() -> None:
+    """A model holding an engine model, traced by torch.fx with the engine model as a leaf, records a
+    ``call_module`` node (the tracer's patched ``nn.Module.__call__`` is honoured)."""
+    from gml.runtime.compile import EngineModule, RuntimeReport
+
+    inner = EngineModule(fx.symbolic_trace(nn.ReLU()), RuntimeReport("torch"), [torch.randn(2, 3)])
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) + 1
+
+    class Leaf(fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, name: str) -> bool:
+            return isinstance(m, EngineModule) or super().is_leaf_module(m, name)
+
+    graph = Leaf().trace(Outer())
+    assert [n.target for n in graph.nodes if n.op == "call_module"] == ["inner"]
 
 
 @needs_engine
@@ -195,6 +259,6 @@ def test_an_argument_traced_as_its_default_is_a_kept_value() -> None:
         for rows in (2, 2, 5, 5):
             x = torch.randn(rows, 8)
             torch.testing.assert_close(eng(x), model(x), rtol=1e-5, atol=1e-5)
-    directs = [d for _, d in eng._direct.values()]
+    directs = [layout.direct for layout in eng._direct.values()]
     assert len(directs) == 2 and all(d is not None for d in directs), eng.graph_module.code
     assert "cumsum" in directs[0].nodes, directs[0].code

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -34,7 +34,7 @@ from gml.ir.target import Target
 from gml.ir.values import INPUT_NAME
 from gml.kernels.fp32 import all_finite
 from gml.runtime import native, timing
-from gml.runtime.direct_call import DirectCall, specialise
+from gml.runtime.direct_call import DirectCall, any_global_hooks, specialise
 from gml.runtime.options import EngineOptions, resolve_options
 from gml.runtime.plan import Builder
 from gml.runtime.rules import Unsupported, read_call, rule_for
@@ -222,7 +222,8 @@ class EngineSegment(nn.Module):
         #: token-type embeddings, masks): their NaN / Inf check runs once per plan, not per call
         self.per_shape = tuple(per_shape)
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
-        self._finite_per_shape: dict[tuple, bool] = {}
+        #: per plan key: (the per-shape inputs are finite, the positions of the other float inputs)
+        self._finite_per_shape: dict[tuple, tuple[bool, tuple[int, ...]]] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -420,20 +421,22 @@ class EngineSegment(nn.Module):
 
     def _finite(self, inputs: Sequence[Any], key: tuple) -> bool:
         """No NaN / Inf in ``inputs``. The per-shape ones (:attr:`per_shape`) are the same values
-        for every call with these shapes, so they are checked once per ``key``: a torch reduction
-        per call costs little when warm, but 1–3 ms on a call after 100 ms idle (a cold CPU), more
-        than the engine's own share of an 11-token MiniLM sentence."""
-        if not self.per_shape:
-            return _finite_inputs(inputs)
-        if not _finite_inputs([t for i, t in enumerate(inputs) if i not in self.per_shape]):
-            return False
-        ok = self._finite_per_shape.get(key)
-        if ok is None:
-            ok = _finite_inputs([inputs[i] for i in self.per_shape])
+        for every call with these shapes, so they are checked once per ``key``, and which of the
+        others are floating point follows from ``key`` (their dtypes): a call whose other inputs are
+        integers (token ids, masks) checks nothing. A torch reduction per call costs little when
+        warm, but 1–3 ms on a call after 100 ms idle (a cold CPU), more than the engine's own share
+        of an 11-token MiniLM sentence."""
+        memo = self._finite_per_shape.get(key)
+        if memo is None:
+            floats = tuple(i for i, k in enumerate(key) if isinstance(k[2], torch.dtype) and k[2].is_floating_point)
+            # (the per-shape inputs' answer holds for every call with this key)
+            ok = _finite_inputs([inputs[i] for i in floats if i in self.per_shape])
+            memo = (ok, tuple(i for i in floats if i not in self.per_shape))
             if len(self._finite_per_shape) >= MAX_PLANS:
                 self._finite_per_shape.clear()
-            self._finite_per_shape[key] = ok
-        return ok
+            self._finite_per_shape[key] = memo
+        ok, others = memo
+        return ok and (not others or _finite_inputs([inputs[i] for i in others]))
 
 
 def _finite_inputs(inputs: Sequence[Any]) -> bool:
@@ -491,6 +494,29 @@ def _is_size_value(v: Any) -> bool:
     if isinstance(v, list | tuple):
         return all(isinstance(i, int) and not isinstance(i, bool) for i in v)
     return isinstance(v, int | float | bool)
+
+
+#: ``nn.Module.__call__`` as torch defines it (:meth:`EngineModule.__call__`)
+_MODULE_CALL = nn.Module.__call__
+
+
+class _Layout(NamedTuple):
+    """What :class:`EngineModule` keeps per input layout: the graph's code it was made for, its
+    direct call (None where :func:`specialise` declined) and whether a float tensor is among the
+    inputs (an INT8 model's NaN / Inf check has nothing to read otherwise)."""
+
+    code: str
+    direct: DirectCall | None
+    floats: bool
+
+
+def _inputs_key(inputs: Sequence[Any]) -> tuple:
+    """The layout key of a call's inputs: :func:`_input_key` of each, a tensor's written inline (a
+    loop rather than a generator: fewer frames on every call)."""
+    key = []
+    for t in inputs:
+        key.append((tuple(t.shape), tuple(t.stride()), t.dtype) if isinstance(t, torch.Tensor) else _input_key(t))
+    return tuple(key)
 
 
 def _input_key(t: Any) -> tuple:
@@ -857,7 +883,7 @@ class EngineModule(nn.Module):
         #: checked here rather than by a forward pre-hook, which would slow every ``__call__``)
         self.refuses_nonfinite = False
         #: per input layout, the graph's call with its glue evaluated (:mod:`gml.runtime.direct_call`)
-        self._direct: dict[tuple, tuple[str, DirectCall | None]] = {}
+        self._direct: dict[tuple, _Layout] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -869,32 +895,54 @@ class EngineModule(nn.Module):
         self.__dict__.setdefault("_direct", {})
         self.__dict__.setdefault("refuses_nonfinite", False)
 
+    def __call__(self, *inputs: Any, **named: Any) -> Any:
+        """:meth:`forward`, without ``nn.Module.__call__``'s dispatch where nothing needs it: no hook
+        on this module or for every module, no fx or TorchScript trace, no ``module.compile()``. Its
+        answer is the same; a call after 100 ms idle skips code the CPU would read again from memory
+        (0.6–2 ms of a cold 11-token MiniLM call on the VM of docs/benchmarks.md, session 27)."""
+        if (
+            self._forward_hooks
+            or self._forward_pre_hooks
+            or self._backward_hooks
+            or self._backward_pre_hooks
+            or self._compiled_call_impl is not None
+            or any_global_hooks()
+            or nn.Module.__call__ is not _MODULE_CALL  # torch.fx's tracer patches it while it traces
+            or torch._C._get_tracing_state()
+        ):
+            return super().__call__(*inputs, **named)
+        return self.forward(*inputs, **named)
+
     def forward(self, *inputs: Any, **named: Any) -> Any:
         """The model's outputs. The first call with a layout of the inputs checks them against the
         example (:meth:`_check`), runs the partitioned graph and keeps its direct call
         (:func:`~gml.runtime.direct_call.specialise`); later calls with that layout run it. Inputs
-        may be given by name too, as the model's ``forward`` names them (:func:`inputs_by_name`)."""
+        may be given by name too, as the model's ``forward`` names them (:func:`inputs_by_name`).
+        Per call, only what the layout does not settle is checked: inputs that require grad (when
+        autograd is on) and NaN / Inf in float inputs of an INT8 model."""
         if named:
             inputs = inputs_by_name(_input_names(self.graph_module), inputs, named)
-        refuse_grad_inputs(inputs)  # the engine's outputs carry no autograd graph (gml.inference)
-        key = tuple(_input_key(t) for t in inputs)
+        if torch.is_grad_enabled():
+            refuse_grad_inputs(inputs)  # the engine's outputs carry no autograd graph (gml.inference)
+        key = _inputs_key(inputs)
         try:
             hit = self._direct.get(key)
         except TypeError:  # an unhashable input (a dict): _check says what the model takes
             hit = None
         gm = self.graph_module
-        if hit is None or hit[0] is not gm.code:  # a new layout (or a graph changed since)
+        if hit is None or hit.code is not gm.code:  # a new layout (or a graph changed since)
             self._check(inputs)
             if self.refuses_nonfinite:
                 refuse_nonfinite_inputs(inputs)
             out = run_first_call(gm, inputs)
             if len(self._direct) >= MAX_PLANS:
                 self._direct.clear()
-            self._direct[key] = (gm.code, specialise(gm, inputs))
+            floats = any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs)
+            self._direct[key] = _Layout(gm.code, specialise(gm, inputs), floats)
             return out
-        if self.refuses_nonfinite:
+        if self.refuses_nonfinite and hit.floats:
             refuse_nonfinite_inputs(inputs)
-        return gm(*inputs) if hit[1] is None else hit[1](*inputs)
+        return gm(*inputs) if hit.direct is None else hit.direct(*inputs)
 
     def _check(self, inputs: Sequence[Any]) -> None:
         check_inputs(self._expect, inputs)

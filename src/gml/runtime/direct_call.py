@@ -49,6 +49,9 @@ _SIZE_FUNCTIONS = {
 }
 #: torch's hooks for every module (``nn.modules.module.register_module_forward_hook``)
 _GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called")
+#: and every global hook ``nn.Module.__call__`` honours (the backward ones too)
+_ALL_GLOBAL_HOOKS = (*_GLOBAL_HOOKS, "_global_backward_pre_hooks", "_global_backward_hooks")
+_GLOBAL_HOOK_DICTS = tuple(getattr(torch.nn.modules.module, h) for h in _ALL_GLOBAL_HOOKS)
 _SIZE_METHODS = {"size", "dim", "stride", "numel"}
 #: pure functions of Python numbers (and of sizes: a ``torch.Size`` is a tuple)
 _SCALAR_FUNCTIONS = {
@@ -62,6 +65,13 @@ _SCALAR_FUNCTIONS = {
     min,
     len,
 }
+
+
+def any_global_hooks() -> bool:
+    """Whether a hook is registered for every module (``nn.modules.module.register_module_*``:
+    forward, forward-pre and backward ones): then a module's call must go through its ``__call__``.
+    (torch registers into these dicts in place: bound once.)"""
+    return any(_GLOBAL_HOOK_DICTS)  # (a dict is true when it holds a hook)
 
 
 @runtime_checkable
