@@ -41,6 +41,15 @@ MOVES = frozenset(
         "select",
         "slice",
         "getitem",  # x[:, :c] in a traced graph (basic indexing: a view; ghostnet, rexnet)
+        # always views, with int arguments only: nn.MultiheadAttention's packed in-projection is
+        # ``proj.unflatten(-1, (3, E))`` (in torch, it left every attention of nn.TransformerEncoder
+        # and the views after it in torch)
+        "unflatten",
+        "narrow",
+        "movedim",
+        "swapaxes",
+        "t",
+        "detach",
     }
 )
 
