@@ -40,10 +40,9 @@ def _masks() -> dict[str, torch.Tensor]:
 
 
 def _run_kernels(monkeypatch, gm, inputs, target=None) -> tuple[torch.Tensor, list[str]]:
-    """The engine's output and step implementations. A mask holding ``finfo.min`` or ``-inf`` reads
-    as non-finite to the segment's input check (its sum overflows), which would send the call to the
-    Python executor: the check is skipped to reach the kernels, as a mask computed inside a segment
-    (transformers' masks are) does."""
+    """The engine's output and step implementations, the segment's input check skipped (a mask
+    computed inside a segment, as transformers' are, reaches the kernels without it; the check of a
+    mask input is :func:`test_an_infinite_mask_input_runs_the_plan_and_a_nan_one_does_not`'s)."""
     with torch.no_grad():
         eng = compile_engine(gm, inputs, target=target)
         (seg,) = eng.segments()
@@ -62,12 +61,8 @@ def test_a_fully_masked_row_is_what_sdpa_gives(monkeypatch, target, path, mask):
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
     got, impls = _run_kernels(monkeypatch, attention_graph(4), (q, k, v, m), TARGETS[target])
     assert any(("attention" in i) == (path == "fused") for i in impls), impls
-    if mask == "-inf" and path == "primitives":
-        # the gap left (rules/attention.py's docstring): oneDNN's softmax of an all -inf row is NaN
-        # and nothing in the plan tells a float mask's -inf row from its finite ones
-        assert got[1].isnan().all() and torch.equal(got[0], got[0])
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-        return
+    # (the primitive path's -inf row: oneDNN's softmax of it is NaN; the scores are clipped to
+    # -FLT_MAX and P·V multiplied by the row's "has a key above -inf" factor)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if mask in ("bool padding", "-inf"):
         assert torch.equal(got[1], torch.zeros_like(got[1]))
@@ -111,3 +106,74 @@ def test_a_float_mask_of_finfo_min_is_a_finite_input():
     assert not torch.isfinite(mask.sum()) and all_finite(mask)
     assert _finite_inputs([*_qkv(), mask])
     assert not all_finite(_masks()["-inf"]) and not all_finite(torch.tensor([1.0, float("nan")]))
+
+
+@pytest.mark.parametrize("path", ["fused", "primitives"])
+def test_a_constant_float_mask_with_an_all_minus_inf_row(monkeypatch, path):
+    """A model's float buffer with a row that is ``-inf`` everywhere (and one partly ``-inf``): zeros
+    for the first row, as SDPA; no NaN on the primitive path (its ``-inf`` is ``-FLT_MAX`` there)."""
+    monkeypatch.setenv(ATTENTION_ENV, path)
+    q, k, v = _qkv(4)
+    const = torch.zeros(5, 5)
+    const[3] = -torch.inf
+    const[1, 2:] = -torch.inf
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=const)
+    got, impls = _run_kernels(monkeypatch, attention_graph(3, mask_buffer=const), (q, k, v))
+    assert any(("attention" in i) == (path == "fused") for i in impls), impls
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert float(got[..., 3, :].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("path", ["fused", "primitives"])
+def test_an_infinite_mask_input_runs_the_plan_and_a_nan_one_does_not(monkeypatch, path):
+    """A segment input read only as an attention mask may hold ``-inf`` (nn.MultiheadAttention's
+    padding masks): the segment checks it for NaN only, so the plan runs it (before, every such call
+    ran on the Python executor); a NaN in it still sends the call there (NaN out, as SDPA)."""
+    from gml.runtime.compile import _inputs_key
+
+    monkeypatch.setenv(ATTENTION_ENV, path)
+    q, k, v = _qkv(5)
+    m = _masks()["-inf"]
+    with torch.no_grad():
+        eng = compile_engine(attention_graph(4), (q, k, v, m))
+        (seg,) = eng.segments()
+        assert seg.mask_only == (3,)
+        ran: list[str] = []
+        seg.reference.register_forward_pre_hook(lambda mod, args: ran.append("python"))
+        got = eng(q, k, v, m)
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=m), rtol=1e-5, atol=1e-5)
+        assert ran == [] and seg._finite((q, k, v, m), _inputs_key((q, k, v, m)))
+        nan = m.clone()
+        nan[0, 0, 0, 1] = torch.nan
+        assert eng(q, k, v, nan)[0].isnan().any() and ran == ["python"]
+        inf_q = q.clone()
+        inf_q[0, 0, 0, 0] = torch.inf  # q is no mask: an Inf there is still non-finite
+        assert not seg._finite((inf_q, k, v, m), _inputs_key((inf_q, k, v, m)))
+
+
+def test_which_inputs_are_masks_only():
+    """Golden: through views, casts and adds of masks to ``attn_mask``: a mask; a value that is also
+    read as q, or added into the scores' other operand, is not."""
+    from torch import fx
+
+    from gml.ir.attention import attention_op
+    from gml.runtime.rules.attention import mask_only_inputs
+
+    g = fx.Graph()
+    q, k, v, m, pad, other = (g.placeholder(n) for n in ("q", "k", "v", "m", "pad", "other"))
+    both = g.call_function(
+        torch.ops.aten.add.Tensor, (g.call_method("unsqueeze", (m, 0)), g.call_method("view", (pad, 2, 1, 1, 5)))
+    )
+    a1 = g.call_function(attention_op(), (q, k, v, g.call_method("expand", (both, 2, 2, 5, 5))))
+    a2 = g.call_function(attention_op(), (other, k, v, other))  # `other` is q too
+    g.output((a1, a2))
+    assert mask_only_inputs(fx.GraphModule(torch.nn.Module(), g)) == (3, 4)
+
+
+def test_no_nan_allows_inf():
+    from gml.kernels.fp32 import no_nan
+
+    assert no_nan(_masks()["-inf"], torch.tensor([torch.inf, 1.0]))
+    assert not no_nan(torch.tensor([1.0, torch.nan]))
+    assert not no_nan(torch.tensor([torch.inf, -torch.inf, torch.nan]))
+    assert no_nan(torch.tensor([torch.inf, -torch.inf]))  # (the sum is NaN: read again, none)

@@ -137,6 +137,12 @@ def all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def no_nan(*tensors: torch.Tensor) -> bool:
+    """Whether no tensor holds a NaN (an Inf is allowed: an attention mask's ``-inf``): one sum each,
+    NaN only for a NaN or for Infs of both signs; only then read again element by element."""
+    return all(not bool(torch.isnan(t.sum())) or not bool(torch.isnan(t).any()) for t in tensors)
+
+
 # Activations that are one oneDNN post-op with no arguments to read, in every spelling: the op
 # table's ``post_op`` field (gml.ir.ops), not a list of its own.
 _SIMPLE_MODULES: dict[type[nn.Module], str] = {m: o.post_op for o in OPS if o.post_op for m in o.modules}

@@ -32,12 +32,13 @@ from gml.errors import InputError, UnsupportedError
 from gml.inference import inputs_by_name, refuse_grad_inputs, refuse_nonfinite_inputs
 from gml.ir.target import Target
 from gml.ir.values import INPUT_NAME
-from gml.kernels.fp32 import all_finite
+from gml.kernels.fp32 import all_finite, no_nan
 from gml.runtime import native, timing
 from gml.runtime.direct_call import DirectCall, any_global_hooks, specialise
 from gml.runtime.options import EngineOptions, resolve_options
 from gml.runtime.plan import Builder
 from gml.runtime.rules import Unsupported, read_call, rule_for
+from gml.runtime.rules.attention import mask_only_inputs
 from gml.runtime.rules.shape import SIZE_INPUT, is_size, read_size
 from gml.runtime.shape_values import cache_guards, cache_shape_values, schedule_for_engine
 
@@ -214,13 +215,22 @@ def _last_use(graph: fx.Graph) -> dict[fx.Node, float]:
 class EngineSegment(nn.Module):
     """A run of engine nodes: ``forward(*tensors) -> tuple`` through a plan for the inputs' layout."""
 
-    def __init__(self, reference: fx.GraphModule, report: RuntimeReport, per_shape: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        reference: fx.GraphModule,
+        report: RuntimeReport,
+        per_shape: Sequence[int] = (),
+        mask_only: Sequence[int] = (),
+    ) -> None:
         super().__init__()
         self.reference = reference
         self._report = report
         #: positions of inputs computed once per input shape (ShapeValues items: HF's position and
         #: token-type embeddings, masks): their NaN / Inf check runs once per plan, not per call
         self.per_shape = tuple(per_shape)
+        #: positions of inputs read only as attention masks (:func:`mask_only_inputs`): ``-inf`` is a
+        #: mask's value there, so they are checked for NaN only
+        self.mask_only = tuple(mask_only)
         self._plans: OrderedDict[tuple, Any] = OrderedDict()
         #: per plan key: (the per-shape inputs are finite, the positions of the other float inputs)
         self._finite_per_shape: dict[tuple, tuple[bool, tuple[int, ...]]] = {}
@@ -234,12 +244,13 @@ class EngineSegment(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("mask_only", ())
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> EngineSegment:
         import copy
 
-        return EngineSegment(copy.deepcopy(self.reference, memo), self._report, self.per_shape)
+        return EngineSegment(copy.deepcopy(self.reference, memo), self._report, self.per_shape, self.mask_only)
 
     @property
     def num_plans(self) -> int:
@@ -430,13 +441,19 @@ class EngineSegment(nn.Module):
         if memo is None:
             floats = tuple(i for i, k in enumerate(key) if isinstance(k[2], torch.dtype) and k[2].is_floating_point)
             # (the per-shape inputs' answer holds for every call with this key)
-            ok = _finite_inputs([inputs[i] for i in floats if i in self.per_shape])
+            ok = self._inputs_ok(inputs, [i for i in floats if i in self.per_shape])
             memo = (ok, tuple(i for i in floats if i not in self.per_shape))
             if len(self._finite_per_shape) >= MAX_PLANS:
                 self._finite_per_shape.clear()
             self._finite_per_shape[key] = memo
         ok, others = memo
-        return ok and (not others or _finite_inputs([inputs[i] for i in others]))
+        return ok and (not others or self._inputs_ok(inputs, others))
+
+    def _inputs_ok(self, inputs: Sequence[Any], positions: Sequence[int]) -> bool:
+        """No NaN / Inf in the inputs at ``positions``; no NaN in an attention mask (:attr:`mask_only`)."""
+        masks = [inputs[i] for i in positions if i in self.mask_only]
+        others = [inputs[i] for i in positions if i not in self.mask_only]
+        return _finite_inputs(others) and (not masks or no_nan(*masks))
 
 
 def _finite_inputs(inputs: Sequence[Any]) -> bool:
@@ -742,7 +759,7 @@ def _replace_run(gm: fx.GraphModule, run: list[fx.Node], name: str, report: Runt
     sub.output(tuple(env[o] for o in outputs))
     reference = fx.GraphModule(gm, sub)
     per_shape = [i for i, a in enumerate(inputs) if _is_shape_value(a)]
-    gm.add_submodule(name, EngineSegment(reference, report, per_shape))
+    gm.add_submodule(name, EngineSegment(reference, report, per_shape, mask_only_inputs(reference)))
     with gm.graph.inserting_before(run[0]):
         call = gm.graph.call_module(name, tuple(inputs))
         for i, o in enumerate(outputs):

@@ -28,12 +28,14 @@ point), not ``-inf``: ``0 * inf`` would be NaN. A masked score becomes ``-FLT_MA
 weight exactly 0, as with ``-inf``. A query row whose keys are *all* masked is what SDPA (torch >= 2.5)
 gives: zeros for a bool mask or an all ``-inf`` row, the values' mean for a finite float mask
 (``torch.finfo.min``: softmax of equal scores). The fused kernels scale such a row's P·V by 0
-(native/attention_problem.h, ``zero_row``; the step is told the mask was bool); the primitive path
-multiplies P·V by the rows' "attends to a key" factor of a bool mask (computed once per plan from
-the mask; one binary step per attention). Left: on the primitive path a *float* mask whose row is
-all ``-inf`` gives NaN (oneDNN's softmax), where SDPA gives zeros; such a mask given as a segment's
-input runs on the Python executor (the segment's non-finite check), so only one computed inside a
-segment reaches it. A padded batch masks every key of a row for a sequence that is all padding (an
+(native/attention_problem.h, ``zero_row``: a row whose largest score is ``-inf``, or any fully
+masked row where the step is told the mask was bool). The primitive path (oneDNN's softmax, NaN for
+a row that is ``-inf`` everywhere) clips the scores to ``-FLT_MAX`` after a float mask computed at
+run time is added and multiplies P·V by a per-row factor computed once per plan: "attends to a key"
+of a bool mask, "has a key above ``-inf``" of a float mask; a constant float mask's ``-inf`` is
+``-FLT_MAX`` and its all ``-inf`` rows a constant factor. A mask that is a segment's input may hold
+``-inf`` (``nn.MultiheadAttention``'s padding masks do): the segment checks it for NaN only
+(:func:`mask_only_inputs`). A padded batch masks every key of a row for a sequence that is all padding (an
 all-zero attention mask).
 Dimensions a mask has by broadcasting (``expand``: stride 0) are described with size 1, so the
 ``[B, 1, L, S]`` boolean masks transformers builds are read without materializing them.
@@ -48,6 +50,7 @@ computed at run time, LayerNorm over more than the last dim.
 from __future__ import annotations
 
 import math
+import operator
 from types import SimpleNamespace
 
 import torch
@@ -55,8 +58,10 @@ from torch import fx
 
 from gml.ir.attention import is_attention
 from gml.ir.target import Target
+from gml.kernels import bf16
+from gml.nn import Add as GmlAdd
 from gml.runtime import native
-from gml.runtime.rules import base
+from gml.runtime.rules import base, shape
 from gml.runtime.rules.base import Builder, Call, TranslationRule, Unsupported, Val
 
 
@@ -106,9 +111,11 @@ def _additive_mask(b: Builder, m: Val, rank: int, keys: int) -> Val:
 
 
 def _additive_constant(m: torch.Tensor, rank: int) -> torch.Tensor:
-    """A constant mask as the fp32 tensor added to the scores, with leading 1s up to ``rank``."""
+    """A constant mask as the fp32 tensor added to the scores, with leading 1s up to ``rank``: a bool
+    mask's False and a float mask's -inf as ``-FLT_MAX`` (the same softmax weight, 0, and no NaN from
+    a row that is -inf everywhere: that row's zeros come from :func:`_inf_rows_kept`)."""
     m = m.detach()
-    add = torch.zeros(m.shape).masked_fill(~m, -MASKED) if m.dtype == torch.bool else m.float()
+    add = torch.zeros(m.shape).masked_fill(~m, -MASKED) if m.dtype == torch.bool else m.float().clamp_min(-MASKED)
     return add.reshape((1,) * (rank - add.dim()) + tuple(add.shape)).contiguous()
 
 
@@ -136,16 +143,19 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     if a.is_causal:  # SDPA's: query i sees keys j <= i (top-left aligned)
         keep = torch.ones(L, S, dtype=torch.bool).tril()
         masks.append(b.constant(_additive_constant(keep, rank)))
-    # SDPA's answer for a query row whose every key a bool mask masks is zeros (torch >= 2.5); a
-    # finite float mask gives the values' mean (softmax of equal scores): the module docstring
+    # SDPA's answer for a query row whose every key a bool mask masks is zeros (torch >= 2.5), and
+    # for a row a float mask sets to -inf everywhere; a finite float mask gives the values' mean
+    # (softmax of equal scores): the module docstring
     bool_mask: Val | torch.Tensor | None = None
+    float_mask: Val | None = None  # a float mask known only at run time: it may hold such rows
     if isinstance(a.attn_mask, torch.Tensor):
-        bool_mask = a.attn_mask if a.attn_mask.dtype == torch.bool else None
-    elif len(ins) > 3 and ins[3].dtype_name == "u8":
-        bool_mask = ins[3]
+        bool_mask = a.attn_mask if a.attn_mask.dtype == torch.bool else _inf_rows_kept(a.attn_mask)
+    elif len(ins) > 3:
+        bool_mask, float_mask = (ins[3], None) if ins[3].dtype_name == "u8" else (None, ins[3])
     kernel = fused_attention_kernel(q, k, v, out, b.target, b.options.attention)
     if kernel is not None:
         masks32 = [_f32(b, m) for m in masks]
+        # (the fused kernels zero an all -inf row themselves: attention_problem.h, zero_row)
         b.attention(q, k, v, out, masks=masks32, scale=scale, kernel=kernel, zero_masked_rows=bool_mask is not None)
         return
     # dense copies of strided heads (pieces of the merged QKV output): oneDNN's brgemm matmul
@@ -160,19 +170,23 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     # a binary add step after it (a post-op it has none for made the whole matmul ref:any: MaxViT's
     # relative-position bias, 100 ms per attention under the AVX2 cap)
     fused = [m for m in masks if _mask_post_op_ok(m.shape, scores_shape, b.target)]
-    b.matmul(q, kt, scores, post=[*post, *(("binary_add", 0.0, 0.0, m) for m in fused)])
-    for m in masks:
-        if not any(m is f for f in fused):
-            summed = b.temp(scores_shape, base.contiguous_strides(scores_shape), "f32")
-            b.binary(scores, m, summed, "add", scale0=None, scale1=None, eltwise=[])
-            scores = summed
+    # oneDNN's softmax of a row that is -inf everywhere is NaN: a float mask's -inf becomes -FLT_MAX
+    # (its softmax weight is still exactly 0), after the last mask is added
+    clip = [("clip", -MASKED, MASKED, None)] if float_mask is not None else []
+    unfused = [m for m in masks if not any(m is f for f in fused)]
+    b.matmul(q, kt, scores, post=[*post, *(("binary_add", 0.0, 0.0, m) for m in fused), *([] if unfused else clip)])
+    for i, m in enumerate(unfused):
+        summed = b.temp(scores_shape, base.contiguous_strides(scores_shape), "f32")
+        last = clip if i == len(unfused) - 1 else []
+        b.binary(scores, m, summed, "add", scale0=None, scale1=None, eltwise=[e[:3] for e in last])
+        scores = summed
     probs = b.temp(scores_shape, base.contiguous_strides(scores_shape), q.dtype_name)
     b.softmax(scores, probs, rank - 1)
-    if bool_mask is None:
+    if bool_mask is None and float_mask is None:
         b.matmul(probs, v, out)
         return
-    # P·V times 1 where the row attends to a key, 0 where the bool mask masks every key (softmax
-    # gave it uniform weights), the factor once per plan. A binary step in fp32 (GML's strided loop:
+    # P·V times 1 where the row attends to a key, 0 where the mask masks every key (softmax gave it
+    # uniform weights), the factor once per plan. A binary step in fp32 (GML's strided loop:
     # oneDNN 3.2 has only its reference binary for this broadcast; its matmul has no binary post-op
     # broadcast along the heads and values, [B, 1, L, 1], and only ref:any for [B, 1, 1, 1]), then
     # bf16 by a reorder where the output is bf16. Measured: real MiniLM bf16, 128 tokens, 1 thread,
@@ -181,9 +195,17 @@ def emit_attention(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
     pv = b.temp(out.shape, dense, "f32")
     b.matmul(probs, v, pv)
     zeroed = out if out.dtype_name == "f32" else b.temp(out.shape, dense, "f32")
-    b.binary(pv, _attended_rows(b, bool_mask, rank), zeroed, "mul", scale0=None, scale1=None, eltwise=[])
+    rows = _attended_rows(b, bool_mask, rank) if bool_mask is not None else _finite_rows(b, float_mask, rank)
+    b.binary(pv, rows, zeroed, "mul", scale0=None, scale1=None, eltwise=[])
     if zeroed is not out:
         b.reorder(zeroed, out, src_q=None, dst_q=None)
+
+
+def _inf_rows_kept(m: torch.Tensor) -> torch.Tensor | None:
+    """For a constant float mask with a row that is -inf everywhere: which keys it keeps (bool,
+    ``m > -inf``), so that such a row comes out zeros as SDPA gives it; None for any other."""
+    keep = m.detach() > float("-inf")
+    return keep if bool((~keep.any(-1)).any()) else None
 
 
 def _attended_rows(b: Builder, m: Val | torch.Tensor, rank: int) -> Val:
@@ -193,19 +215,80 @@ def _attended_rows(b: Builder, m: Val | torch.Tensor, rank: int) -> Val:
     if isinstance(m, torch.Tensor):
         keep = m.detach().any(-1, keepdim=True).float()
         return b.constant(keep.reshape((1,) * (rank - keep.dim()) + tuple(keep.shape)).contiguous())
-    memo = b.memo.setdefault("attended_rows", {})
+    return _row_factor(b, m, rank, "attended_rows", [], [("clip", 0.0, 1.0, None)])
+
+
+def _finite_rows(b: Builder, m: Val, rank: int) -> Val:
+    """f32 ``[..., L or 1, 1]``: 1 where float mask ``m``'s row has a key above -inf, 0 where the row is
+    -inf everywhere, once per plan. ``sigmoid(m / FLT_MAX)`` is 0 for -inf and at least
+    ``sigmoid(-1) = 0.27`` for any finite value, so the row's sum times 4, clipped to [0, 1], is the
+    factor (a NaN stays NaN: the segment checks mask inputs for NaN, ``EngineSegment._finite``)."""
+    to_unit = [("linear", 1.0 / MASKED, 0.0), ("logistic", 0.0, 0.0)]
+    return _row_factor(b, m, rank, "finite_rows", to_unit, [("linear", 4.0, 0.0, None), ("clip", 0.0, 1.0, None)])
+
+
+def _row_factor(b: Builder, m: Val, rank: int, memo_key: str, per_key: list, per_row: list) -> Val:
+    """``per_row(sum over the keys of per_key(m))`` as f32 ``[..., L or 1, 1]``, once per plan and mask:
+    ``m`` as f32 (one reorder; ``per_key`` as the eltwise of a binary add of 0 where given), then a
+    matmul with a ones column whose post-ops are ``per_row``."""
+    memo = b.memo.setdefault(memo_key, {})
     if id(m) not in memo:
         view = base.broadcast_view(b, m, rank)
-        as_f32 = b.temp(view.shape, base.contiguous_strides(view.shape), "f32")
+        dense = base.contiguous_strides(view.shape)
+        as_f32 = b.temp(view.shape, dense, "f32")
         b.reorder(view, as_f32, src_q=None, dst_q=None)
+        if per_key:
+            mapped = b.temp(view.shape, dense, "f32")
+            zero = b.constant(torch.zeros((1,) * len(view.shape)))
+            b.binary(as_f32, zero, mapped, "add", scale0=None, scale1=None, eltwise=per_key)
+            as_f32 = mapped
         rows = (*view.shape[:-1], 1)
-        keep = b.temp(rows, base.contiguous_strides(rows), "f32")
+        factor = b.temp(rows, base.contiguous_strides(rows), "f32")
         n, keys = math.prod(rows), view.shape[-1]  # as 2-D rows: the constant-weight matmul's operands
-        clip = [("clip", 0.0, 1.0, None)]
-        src, dst = b.view(as_f32, (n, keys), (keys, 1)), b.view(keep, (n, 1), (1, 1))
-        b.matmul(src, None, dst, weight=torch.ones(keys, 1), post=clip)
-        memo[id(m)] = keep
+        src, dst = b.view(as_f32, (n, keys), (keys, 1)), b.view(factor, (n, 1), (1, 1))
+        b.matmul(src, None, dst, weight=torch.ones(keys, 1), post=per_row)
+        memo[id(m)] = factor
     return memo[id(m)]
+
+
+def mask_only_inputs(gm: fx.GraphModule) -> tuple[int, ...]:
+    """Positions of ``gm``'s placeholders read only as attention masks: through views (reshape,
+    unsqueeze, expand, ...), dtype casts and float adds of masks into ``gml.attention``'s ``attn_mask``. Such an
+    input may hold ``-inf`` (``nn.MultiheadAttention`` turns a bool padding mask into ``-inf`` before
+    its attention): every attention path adds it and gives SDPA's answer, so its segment checks it
+    for NaN only (the module docstring), instead of running an infinite mask on the Python executor
+    on every call (``nn.TransformerEncoder`` with ``src_key_padding_mask``: 1.5-2.5x slower than eager)."""
+    modules = dict(gm.named_modules())
+    seen: dict[fx.Node, bool] = {}
+
+    def only_mask(n: fx.Node) -> bool:
+        if n not in seen:
+            seen[n] = False  # (a cycle cannot happen in a graph; this guards the recursion all the same)
+            seen[n] = bool(n.users) and all(_mask_use(u, n) for u in n.users)
+        return seen[n]
+
+    def _mask_use(u: fx.Node, n: fx.Node) -> bool:
+        if is_attention(u):
+            mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
+            return mask is n and n not in u.args[:3]
+        through = (
+            shape.move_name(u) is not None
+            or u.target in shape.FLATTENS
+            or u.target in _EXPAND_OPS
+            or (u.op == "call_method" and u.target == "expand")
+            or u.target in (bf16.to_bf16, bf16.to_fp32)  # a bf16 model's mask cast (-inf stays -inf)
+        )
+        if through:
+            return u.args[0] is n and only_mask(u)
+        is_add = u.target in _FLOAT_ADDS or (u.op == "call_module" and isinstance(modules.get(str(u.target)), GmlAdd))
+        return is_add and only_mask(u)
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(i for i, n in enumerate(placeholders) if only_mask(n))
+
+
+#: float additions of two masks (an attention mask and a padding mask: nn.MultiheadAttention)
+_FLOAT_ADDS = (operator.add, torch.add, torch.ops.aten.add.Tensor)
 
 
 def _mask_post_op_ok(mask: tuple[int, ...], scores: tuple[int, ...], target: Target) -> bool:

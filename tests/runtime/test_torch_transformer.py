@@ -1,0 +1,60 @@
+"""torch's own transformer modules on the engine: ``nn.TransformerEncoder`` / ``nn.MultiheadAttention``
+split their packed in-projection with ``unflatten`` (a view the engine now takes) and turn a bool
+``src_key_padding_mask`` into a float mask of ``-inf`` before the attention (an input the segment
+now checks for NaN only). Before, the attention and the views around it ran in torch, and a padded
+call ran the whole segment on the Python executor: 1.5-2.5x slower than eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gml
+from gml.runtime import unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.enc(x, mask=mask, src_key_padding_mask=pad, is_causal=False)
+
+
+def _inputs(length: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(2, length, 32, generator=torch.Generator().manual_seed(0))
+    pad = torch.zeros(2, length, dtype=torch.bool)
+    pad[1, length - 3 :] = True
+    return x, nn.Transformer.generate_square_subsequent_mask(length), pad
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_padded_transformer_encoder_runs_its_plan(precision: str) -> None:
+    torch.manual_seed(0)
+    model = Encoder().eval()
+    x, mask, pad = _inputs()
+    res = gml.optimize(model, (x, mask, pad), precision=precision)
+    eng = res.engine
+    assert eng is not None, res.runtime
+    (seg,) = eng.segments()
+    assert seg.mask_only, "the float masks are inputs of the segment read only as masks"
+    lines = str(res.runtime).splitlines()
+    in_torch = [r for r in lines if r.strip().startswith("torch:") and ("unflatten" in r or "attention" in r)]
+    assert in_torch == [], in_torch
+    ran: list[int] = []
+    seg.reference.register_forward_pre_hook(lambda mod, args: ran.append(1))
+    for length in (10, 7):  # the example's shape and another
+        x2, mask2, pad2 = _inputs(length)
+        with torch.enable_grad():  # eager's slow path (SDPA), not its fused fast path
+            want = model(x2, mask2, pad2).detach()
+        with torch.no_grad():
+            got = eng(x2, mask2, pad2)
+        tol = 1e-4 if precision == "fp32" else 0.05
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    assert ran == [], "a call ran on the Python executor"
+    assert not seg._report.shape_fallbacks
