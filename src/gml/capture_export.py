@@ -196,8 +196,33 @@ def _quiet() -> Iterator[None]:
 
 def _export(model: nn.Module, inputs: tuple, dynamic: bool) -> torch.export.ExportedProgram:
     shapes = _dynamic_shapes(inputs) if dynamic else None
-    with _quiet():
+    with _quiet(), _masks_as_given():
         return torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+
+
+def _as_given(mask: torch.Tensor | None, is_causal: bool | None = None, size: int | None = None) -> bool:
+    return is_causal is True
+
+
+@contextlib.contextmanager
+def _masks_as_given() -> Iterator[None]:
+    """``nn.TransformerEncoder`` / ``nn.TransformerDecoder`` given a mask and no ``is_causal`` compare
+    the mask's values with a causal mask (``_detect_is_causal_mask``: ``bool((mask == causal).all())``)
+    to pass SDPA its ``is_causal`` hint instead: a branch on data that torch.export cannot trace, so
+    the whole encoder stayed one opaque torch node (slower than eager). The hint selects how the same
+    mask is applied, not what it computes: during the export the mask is taken as given (the flag is
+    the caller's ``is_causal``), and the graph adds it as it is."""
+    from torch.nn.modules import transformer
+
+    detect = getattr(transformer, "_detect_is_causal_mask", None)
+    if detect is None:  # another torch: nothing to do
+        yield
+        return
+    transformer._detect_is_causal_mask = _as_given
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
 
 
 def _serves(ep: torch.export.ExportedProgram, inputs: tuple) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import fx
@@ -106,3 +108,36 @@ def test_neg_is_raised_and_an_identity_cast_is_the_tensor():
     (cast,) = [n for n in result.graph_module.graph.nodes if n.target is aten.to.dtype]
     assert cast.args[1] is torch.bfloat16
     assert torch.equal(result.graph_module(x), want)
+
+
+def test_a_linear_on_a_piece_of_a_packed_weight_is_an_nn_linear_sharing_it():
+    """Before: ``w_q, w_kv = split_with_sizes(W, [4, 8]); linear(x, w_kv, b_kv)`` (nn.MultiheadAttention's
+    cross-attention, in a torch.export graph); after: an ``nn.Linear`` whose weight is a view of W
+    (no copy) and the same numbers. Negative: a piece of a computed tensor stays a call."""
+    owner = torch.nn.Module()
+    owner.w = torch.nn.Parameter(torch.randn(12, 6), requires_grad=False)
+    owner.b = torch.nn.Parameter(torch.randn(12), requires_grad=False)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w, b = g.get_attr("w"), g.get_attr("b")
+    ws = g.call_function(aten.split_with_sizes.default, (w, [4, 8]))
+    bs = g.call_function(aten.split_with_sizes.default, (b, [4, 8]))
+    kv = g.call_function(
+        aten.linear.default, (x, g.call_function(operator.getitem, (ws, 1)), g.call_function(operator.getitem, (bs, 1)))
+    )
+    doubled = g.call_function(aten.mul.Tensor, (w, 2.0))  # computed: its piece is no constant
+    other = g.call_function(
+        aten.linear.default,
+        (x, g.call_function(operator.getitem, (g.call_function(aten.split_with_sizes.default, (doubled, [4, 8])), 0))),
+    )
+    g.output((kv, other))
+    gm = fx.GraphModule(owner, g)
+    x_val = torch.randn(3, 6)
+    want = gm(x_val)
+    result = RaiseATen()(gm)
+    out = result.graph_module
+    linears = [m for m in out.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 1 and linears[0].weight.untyped_storage().data_ptr() == owner.w.untyped_storage().data_ptr()
+    assert sum(n.target is aten.linear.default for n in out.graph.nodes) == 1  # the computed one
+    got = out(x_val)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -2,7 +2,10 @@
 split their packed in-projection with ``unflatten`` (a view the engine now takes) and turn a bool
 ``src_key_padding_mask`` into a float mask of ``-inf`` before the attention (an input the segment
 now checks for NaN only). Before, the attention and the views around it ran in torch, and a padded
-call ran the whole segment on the Python executor: 1.5-2.5x slower than eager."""
+call ran the whole segment on the Python executor: 1.5-2.5x slower than eager. An encoder given a
+mask and no ``is_causal`` compares the mask's values with a causal one (export could not trace it:
+the whole encoder was one torch node); a decoder's cross-attention splits its packed weight
+(its linears stayed in torch)."""
 
 from __future__ import annotations
 
@@ -58,3 +61,50 @@ def test_a_padded_transformer_encoder_runs_its_plan(precision: str) -> None:
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     assert ran == [], "a call ran on the Python executor"
     assert not seg._report.shape_fallbacks
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = Encoder().enc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.enc(x)
+
+
+class MaskOnly(Plain):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.enc(x, mask=mask)  # is_causal left out: torch sniffs the mask's values
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerDecoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+        self.dec = nn.TransformerDecoder(layer, 2)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return self.dec(x, memory)
+
+
+@pytest.mark.parametrize("form", ["plain", "mask only", "decoder"])
+def test_torch_transformer_modules_are_one_engine_segment(form: str) -> None:
+    torch.manual_seed(0)
+    x, mask, _ = _inputs()
+    model, args = {
+        "plain": (Plain(), (x,)),
+        "mask only": (MaskOnly(), (x, mask)),
+        "decoder": (Decoder(), (x, x[:, :6].contiguous())),
+    }[form]
+    model.eval()
+    detect = nn.modules.transformer._detect_is_causal_mask
+    res = gml.optimize(model, args)
+    assert nn.modules.transformer._detect_is_causal_mask is detect  # torch's own, again after the export
+    assert res.engine is not None, res.runtime
+    assert len(res.engine.segments()) == 1, res.runtime
+    kept = [r.strip() for r in str(res.runtime).splitlines() if r.strip().startswith("torch:")]
+    assert not [r for r in kept if any(w in r for w in ("linear", "attention", "unflatten", "Transformer"))], kept
+    with torch.enable_grad():
+        want = model(*args).detach()
+    with torch.no_grad():
+        torch.testing.assert_close(res.engine(*args), want, rtol=1e-4, atol=1e-4)

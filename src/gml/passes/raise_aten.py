@@ -44,6 +44,7 @@ statistics, an embedding with training options. Ops with no entry here (``aten.s
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -119,13 +120,35 @@ _CONVS = {
 
 
 def _const(gm: fx.GraphModule, node: Any) -> torch.Tensor | None:
-    """The tensor a ``get_attr`` node reads; ``None`` for anything computed (or ``None`` itself)."""
-    if not isinstance(node, fx.Node) or node.op != "get_attr":
+    """The tensor a ``get_attr`` node reads, or a piece of one a split or a slice takes (a view of
+    it: ``nn.MultiheadAttention``'s cross-attention splits its packed ``in_proj_weight`` into the query
+    and key / value weights); ``None`` for anything computed (or ``None`` itself)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
+        src = node.args[0]
+        if isinstance(src, fx.Node) and src.op == "call_function" and src.target in _SPLITS:
+            whole = _const(gm, src.args[0])
+            if whole is None or any(isinstance(a, fx.Node) for a in (*src.args[1:], *src.kwargs.values())):
+                return None
+            pieces = src.target(whole, *src.args[1:], **src.kwargs)
+            return pieces[node.args[1]] if -len(pieces) <= node.args[1] < len(pieces) else None
+        return None
+    if node.op == "call_function" and node.target is aten.slice.Tensor:
+        whole = _const(gm, node.args[0])
+        if whole is None or any(isinstance(a, fx.Node) for a in (*node.args[1:], *node.kwargs.values())):
+            return None
+        return node.target(whole, *node.args[1:], **node.kwargs)
+    if node.op != "get_attr":
         return None
     value = gm
     for part in str(node.target).split("."):
         value = getattr(value, part, None)
     return value if isinstance(value, torch.Tensor) else None
+
+
+#: ATen splits whose pieces are views of their input
+_SPLITS = (aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default, aten.unbind.int)
 
 
 def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
