@@ -77,20 +77,23 @@ def _check_inputs(check: Callable[[tuple], None], module: nn.Module, args: tuple
     check(args)
 
 
-def refuse_nonfinite_inputs(args: Any) -> None:
+def refuse_nonfinite_inputs(args: Any, masks: tuple[int, ...] = ()) -> None:
     """Raise :class:`InputError` if a floating-point tensor in ``args`` holds a NaN or an Inf: an
     INT8 model cannot represent them (quantization clamps an Inf to the range's end and a NaN to
     some code), so its answer would be finite numbers that look valid (issue #24). One sum per
-    input when every value is finite (:func:`gml.kernels.fp32.all_finite`)."""
-    from gml.kernels.fp32 import all_finite
+    input when every value is finite (:func:`gml.kernels.fp32.all_finite`). The inputs at ``masks``
+    are read only as attention masks (never quantized): ``-inf`` is a value there, a NaN is not."""
+    from gml.kernels.fp32 import all_finite, no_nan
 
     floats = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-    if not floats or all_finite(*(a for _, a in floats)):
+    checked = [a for i, a in floats if i not in masks]
+    given = [a for i, a in floats if i in masks]
+    if not floats or (all_finite(*checked) and no_nan(*given)):
         return
     for i, a in floats:
-        bad = int((~torch.isfinite(a)).sum())
+        nan = int(torch.isnan(a).sum())
+        bad = nan if i in masks else int((~torch.isfinite(a)).sum())
         if bad:
-            nan = int(torch.isnan(a).sum())
             raise InputError(
                 f"This INT8 model cannot represent NaN or Inf, and input {i} holds {nan} NaN and {bad - nan} Inf "
                 "value(s): INT8 would turn them into finite numbers that look valid.",
@@ -99,11 +102,14 @@ def refuse_nonfinite_inputs(args: Any) -> None:
             )
 
 
-def refuse_nonfinite(module: nn.Module) -> None:
-    """Make INT8 ``module`` apply :func:`refuse_nonfinite_inputs` on every call (once per module).
-    A module with a ``refuses_nonfinite`` flag (the engine's) checks its inputs itself: a hook would
-    take every call through ``nn.Module``'s slow path."""
+def refuse_nonfinite(module: nn.Module, masks: tuple[int, ...] = ()) -> None:
+    """Make INT8 ``module`` apply :func:`refuse_nonfinite_inputs` on every call (once per module);
+    ``masks``: the positions of inputs read only as attention masks
+    (:func:`gml.runtime.rules.attention.mask_only_inputs`). A module with a ``refuses_nonfinite``
+    flag (the engine's) checks its inputs itself: a hook would take every call through
+    ``nn.Module``'s slow path."""
     if isinstance(getattr(module, "refuses_nonfinite", None), bool):
         module.refuses_nonfinite = True
+        module.nonfinite_masks = tuple(masks)
         return
-    _check_every_call(module, refuse_nonfinite_inputs, "_gml_refuses_nonfinite")
+    _check_every_call(module, functools.partial(refuse_nonfinite_inputs, masks=tuple(masks)), "_gml_refuses_nonfinite")

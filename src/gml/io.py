@@ -56,6 +56,7 @@ from gml.memory import MappedFile, returns_memory
 from gml.nn import InputGuard, install_input_guard
 from gml.passes.utils import replace_module
 from gml.runtime.options import EngineOptions, resolve_options
+from gml.runtime.rules.attention import mask_only_inputs
 
 # v2: sealed (every member's SHA-256 in the manifest, gml.archive) and no pickled sample inputs.
 FORMAT_EXPORT = "gml-export-v2"
@@ -668,9 +669,10 @@ def attach_loaded_runtime(
     module: nn.Module = engine if engine is not None else gm
     refuse_autograd(gm)  # the engine applies the same rule itself (gml.inference)
     if any(gml_op_name(n) in INT8_SCHEMAS for n in gm.graph.nodes):  # an INT8 graph: no NaN / Inf inputs
-        refuse_nonfinite(gm)
+        masks = mask_only_inputs(gm)  # (an attention mask's -inf is a value)
+        refuse_nonfinite(gm, masks)
         if engine is not None:
-            refuse_nonfinite(engine)
+            refuse_nonfinite(engine, masks)
     module.runtime = report
     return module
 

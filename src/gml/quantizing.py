@@ -35,6 +35,7 @@ from gml.quant.calibrate import KeepLast
 from gml.quant.transformer import DEFAULT_MIN_SQNR_DB as _DEFAULT_MIN_SQNR_DB
 from gml.results import OptimizeResult, QuantizeResult
 from gml.runtime.options import EngineOptions, resolve_options
+from gml.runtime.rules.attention import mask_only_inputs
 
 
 @dataclass(frozen=True)
@@ -546,9 +547,10 @@ class StaticScheme:
         if engine is not None:  # the report ran the Python executor, which packed its weights again (#28)
             drop_packed(result.graph_module)
         refuse_autograd(result.graph_module)
+        masks = mask_only_inputs(result.graph_module)  # (an attention mask's -inf is a value)
         for int8_model in (result.graph_module, engine):  # INT8 has no NaN / Inf (gml.inference)
             if int8_model is not None:
-                refuse_nonfinite(int8_model)
+                refuse_nonfinite(int8_model, masks)
 
         from gml.quant.precision import precision_table
 
@@ -619,7 +621,8 @@ class TransformerScheme:
                 coverage.kept_fp32.append(CoverageEntry([p.node], p.op, p.precision, p.why))
         acc = _accuracy(job, res.module, res.fp32_module, seconds, per_layer=job.per_layer)
         refuse_autograd(res.module)
-        refuse_nonfinite(res.module)
+        masks = mask_only_inputs(res.module)  # (an attention mask's -inf is a value)
+        refuse_nonfinite(res.module, masks)
         # the native engine runs the gml.dynamic_linear GEMMs (and what else it covers), checked against
         # the Python executor on the example first (gml.runtime.select)
         t0 = time.perf_counter()
@@ -661,7 +664,7 @@ class TransformerScheme:
                     job, opt, ref, cost, seconds, fallback="fp32", refusal=None, scheme="transformer"
                 )
         if engine is not None:
-            refuse_nonfinite(engine)
+            refuse_nonfinite(engine, masks)
         reference = res.fp32_module
         if not job.keep_intermediates:
             res.fp32_module = reference = None

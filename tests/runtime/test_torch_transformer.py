@@ -108,3 +108,30 @@ def test_torch_transformer_modules_are_one_engine_segment(form: str) -> None:
         want = model(*args).detach()
     with torch.no_grad():
         torch.testing.assert_close(res.engine(*args), want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_int8_encoder_takes_an_infinite_mask_and_refuses_nan() -> None:
+    """An INT8 model refuses NaN / Inf inputs (INT8 cannot represent them), except ``-inf`` in an
+    input read only as an attention mask (never quantized): a causal mask of ``-inf`` is a value
+    there; a NaN in it is still refused, with the input named."""
+    from gml.errors import InputError
+
+    torch.manual_seed(0)
+    model = MaskOnly().eval()
+    x, mask, _ = _inputs()
+    calib = [(torch.randn(2, 10, 32), mask) for _ in range(3)]
+    q = gml.quantize(model, calib, example_inputs=(x, mask), cost_policy="off")
+    assert q.precision == "int8"
+    with torch.enable_grad():
+        want = model(x, mask).detach()
+    with torch.no_grad():
+        got = q.executable(x, mask)
+        assert float(torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)) > 0.999
+        bad = mask.clone()
+        bad[0, 0] = torch.nan
+        with pytest.raises(InputError, match="input 1 holds 1 NaN"):
+            q.executable(x, bad)
+        x_inf = x.clone()
+        x_inf[0, 0, 0] = torch.inf
+        with pytest.raises(InputError, match="input 0 holds 0 NaN and 1 Inf"):
+            q.executable(x_inf, mask)

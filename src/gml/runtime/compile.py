@@ -899,6 +899,8 @@ class EngineModule(nn.Module):
         #: an INT8 model refuses NaN / Inf inputs (:func:`gml.inference.refuse_nonfinite` sets it:
         #: checked here rather than by a forward pre-hook, which would slow every ``__call__``)
         self.refuses_nonfinite = False
+        #: positions of inputs read only as attention masks: ``-inf`` allowed, NaN refused
+        self.nonfinite_masks: tuple[int, ...] = ()
         #: per input layout, the graph's call with its glue evaluated (:mod:`gml.runtime.direct_call`)
         self._direct: dict[tuple, _Layout] = {}
 
@@ -911,6 +913,7 @@ class EngineModule(nn.Module):
         super().__setstate__(state)
         self.__dict__.setdefault("_direct", {})
         self.__dict__.setdefault("refuses_nonfinite", False)
+        self.__dict__.setdefault("nonfinite_masks", ())
 
     def __call__(self, *inputs: Any, **named: Any) -> Any:
         """:meth:`forward`, without ``nn.Module.__call__``'s dispatch where nothing needs it: no hook
@@ -950,7 +953,7 @@ class EngineModule(nn.Module):
         if hit is None or hit.code is not gm.code:  # a new layout (or a graph changed since)
             self._check(inputs)
             if self.refuses_nonfinite:
-                refuse_nonfinite_inputs(inputs)
+                refuse_nonfinite_inputs(inputs, self.nonfinite_masks)
             out = run_first_call(gm, inputs)
             if len(self._direct) >= MAX_PLANS:
                 self._direct.clear()
@@ -958,7 +961,7 @@ class EngineModule(nn.Module):
             self._direct[key] = _Layout(gm.code, specialise(gm, inputs), floats)
             return out
         if self.refuses_nonfinite and hit.floats:
-            refuse_nonfinite_inputs(inputs)
+            refuse_nonfinite_inputs(inputs, self.nonfinite_masks)
         return gm(*inputs) if hit.direct is None else hit.direct(*inputs)
 
     def _check(self, inputs: Sequence[Any]) -> None:

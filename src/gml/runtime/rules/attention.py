@@ -268,6 +268,8 @@ def mask_only_inputs(gm: fx.GraphModule) -> tuple[int, ...]:
         return seen[n]
 
     def _mask_use(u: fx.Node, n: fx.Node) -> bool:
+        if u.op == "call_module" and u.target == "_guards_fn":  # torch.export's input guards: sizes only
+            return True
         if is_attention(u):
             mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
             return mask is n and n not in u.args[:3]
