@@ -177,3 +177,19 @@ def test_no_nan_allows_inf():
     assert not no_nan(torch.tensor([1.0, torch.nan]))
     assert not no_nan(torch.tensor([torch.inf, -torch.inf, torch.nan]))
     assert no_nan(torch.tensor([torch.inf, -torch.inf]))  # (the sum is NaN: read again, none)
+
+
+def test_a_long_chain_of_views_is_read_without_recursion():
+    """A loaded file is hostile: 5,000 views between a mask input and the attention are followed by
+    a loop, not a recursion (no RecursionError at load)."""
+    from torch import fx
+
+    from gml.ir.attention import attention_op
+    from gml.runtime.rules.attention import mask_only_inputs
+
+    g = fx.Graph()
+    q, k, v, m = (g.placeholder(n) for n in ("q", "k", "v", "m"))
+    for _ in range(5000):
+        m = g.call_method("view", (m, 2, 1, 1, 5))
+    g.output(g.call_function(attention_op(), (q, k, v, m)))
+    assert mask_only_inputs(fx.GraphModule(torch.nn.Module(), g)) == (3,)

@@ -259,15 +259,9 @@ def mask_only_inputs(gm: fx.GraphModule) -> tuple[int, ...]:
     for NaN only (the module docstring), instead of running an infinite mask on the Python executor
     on every call (``nn.TransformerEncoder`` with ``src_key_padding_mask``: 1.5-2.5x slower than eager)."""
     modules = dict(gm.named_modules())
-    seen: dict[fx.Node, bool] = {}
+    only_mask: dict[fx.Node, bool] = {}
 
-    def only_mask(n: fx.Node) -> bool:
-        if n not in seen:
-            seen[n] = False  # (a cycle cannot happen in a graph; this guards the recursion all the same)
-            seen[n] = bool(n.users) and all(_mask_use(u, n) for u in n.users)
-        return seen[n]
-
-    def _mask_use(u: fx.Node, n: fx.Node) -> bool:
+    def mask_use(u: fx.Node, n: fx.Node) -> bool:
         if u.op == "call_module" and u.target == "_guards_fn":  # torch.export's input guards: sizes only
             return True
         if is_attention(u):
@@ -281,12 +275,16 @@ def mask_only_inputs(gm: fx.GraphModule) -> tuple[int, ...]:
             or u.target in (bf16.to_bf16, bf16.to_fp32)  # a bf16 model's mask cast (-inf stays -inf)
         )
         if through:
-            return u.args[0] is n and only_mask(u)
+            return u.args[0] is n and only_mask.get(u, False)
         is_add = u.target in _FLOAT_ADDS or (u.op == "call_module" and isinstance(modules.get(str(u.target)), GmlAdd))
-        return is_add and only_mask(u)
+        return is_add and only_mask.get(u, False)
 
+    # readers come after what they read: from the last node back, each node's readers are settled
+    # (a loop, not a recursion: a long chain of views in a loaded file cannot exhaust the stack)
+    for n in reversed(gm.graph.nodes):
+        only_mask[n] = bool(n.users) and all(mask_use(u, n) for u in n.users)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return tuple(i for i, n in enumerate(placeholders) if only_mask(n))
+    return tuple(i for i, n in enumerate(placeholders) if only_mask[n])
 
 
 #: float additions of two masks (an attention mask and a padding mask: nn.MultiheadAttention)
