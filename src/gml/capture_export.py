@@ -162,6 +162,17 @@ def _where(exc: BaseException) -> str:
     return f" at {path}:{frame.lineno} in {frame.name}(){code}"
 
 
+def _dense(x: Any) -> Any:
+    """A tensor the example gives as a view with gaps (``x[:, :6]``) as a dense copy: exported on it,
+    torch.export kept a guard that the input is *not* dense (``memory.stride()[0] != memory.size(1) *
+    memory.size(2)``: an ``nn.TransformerDecoder``'s memory), so the graph refused every dense input
+    (its own check on a copy of the example too, and the decoder stayed one opaque torch node). The
+    graph does not depend on the example's strides; the engine reads each call's own."""
+    if isinstance(x, torch.Tensor) and not x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last):
+        return x.contiguous()
+    return x
+
+
 def _batch2(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == 1:
         return torch.cat([x, x])
@@ -287,7 +298,7 @@ def export_capture(model: nn.Module, example_inputs: Sequence[Any], *, reason: s
     """
     from gml.passes.raise_aten import RaiseATen
 
-    inputs = tuple(example_inputs)
+    inputs = tuple(_dense(x) for x in example_inputs)
     name = type(model).__name__
     notes: list[str] = []
     ep = None

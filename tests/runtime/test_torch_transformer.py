@@ -87,6 +87,24 @@ class Decoder(nn.Module):
         return self.dec(x, memory)
 
 
+def test_a_decoder_given_a_view_with_gaps_as_its_example() -> None:
+    """``memory = x[:, :6]`` (not dense) as the example: exported on it, torch.export kept a guard
+    that the input is not dense and the graph refused dense inputs (the decoder stayed one torch
+    node); exported on a dense copy, it runs either."""
+    torch.manual_seed(0)
+    model = Decoder().eval()
+    x, _, _ = _inputs()
+    memory = x[:, :6]
+    assert not memory.is_contiguous()
+    res = gml.optimize(model, (x, memory))
+    assert res.engine is not None and len(res.engine.segments()) == 1, res.runtime
+    for m in (memory, memory.contiguous(), torch.randn(2, 4, 32)):
+        with torch.enable_grad():
+            want = model(x, m).detach()
+        with torch.no_grad():
+            torch.testing.assert_close(res.engine(x, m), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("form", ["plain", "mask only", "decoder"])
 def test_torch_transformer_modules_are_one_engine_segment(form: str) -> None:
     torch.manual_seed(0)
