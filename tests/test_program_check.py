@@ -164,6 +164,21 @@ def test_a_qconv_stride_of_zero_is_refused_before_any_kernel_sees_it(saved, tmp_
         gml.load(ae.with_program(saved["cnn_int8"], tmp_path / "m.pt2", program))
 
 
+@pytest.mark.parametrize("key", ["cnn_fp32", "cnn_int8"])
+@pytest.mark.parametrize("runtime", ["engine", "torch"])
+def test_a_program_edited_so_it_no_longer_runs_on_its_example_is_refused_at_load(saved, tmp_path, key, runtime):
+    """Every field passes its own check (a flatten's start dim is any dim), but the program no longer
+    runs on the inputs it was saved (exported) with: the file was altered. Before, it loaded on the
+    torch path and its first call raised torch's ``mat1 and mat2 shapes cannot be multiplied`` (an
+    INT8 file was also saved without its example: it ran on batch 1, where that edit still runs)."""
+    program = ae.program(saved[key])
+    flatten = next(n for n in _nodes(program) if n["target"] == "torch.ops.aten.flatten.using_ints")
+    next(a for a in flatten["inputs"] if a["name"] == "start_dim")["arg"]["as_int"] = 0
+    refused = r"does not run on the inputs it was saved with: .* of shape \(2, 3, 12, 12\)"
+    with pytest.raises(ModelLoadError, match=refused):
+        gml.load(ae.with_program(saved[key], tmp_path / "m.pt2", program), runtime=runtime)
+
+
 def test_a_tensor_reaching_past_its_member_is_refused(saved, tmp_path):
     _, members = ae.members(saved["cnn_fp32"])
     name = next(n for n in members if n.endswith("_weights_config.json"))
@@ -336,10 +351,13 @@ def test_mutating_any_field_gives_a_gml_error_or_a_model_never_code(saved, tmp_p
                 model = gml.load(dst, runtime="engine" if i % 4 == 0 else "torch")
                 outcomes["loaded"] += 1
                 # a call at another batch than the load check's, where the engine runs it (a program
-                # can fail there; the graph itself, on the torch path, raises what torch raises)
-                if i % 8 == 0 and not isinstance(model, torch.fx.GraphModule):
-                    with torch.no_grad():
+                # can fail there; the graph itself, on the torch path, raises what torch raises), and
+                # one at the example's shape on either path
+                with torch.no_grad():
+                    if i % 8 == 0 and not isinstance(model, torch.fx.GraphModule):
                         model(torch.randn(3, 3, 12, 12))
+                    elif i % 8 == 1:  # at the saved example's shape, it runs on either path (load checked it)
+                        model(torch.randn(2, 3, 12, 12))
             except GMLError:
                 outcomes["refused"] += 1
             except Exception as e:  # a raw error: a check is missing

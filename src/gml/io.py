@@ -44,7 +44,7 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from gml import archive
-from gml.errors import GMLError, ModelLoadError
+from gml.errors import GMLError, InputError, ModelLoadError
 from gml.files import check_writable, write_atomically
 from gml.inference import refuse_autograd, refuse_nonfinite
 from gml.ir.library import SCHEMAS as INT8_SCHEMAS
@@ -666,6 +666,8 @@ def attach_loaded_runtime(
         fp32 = _float_proxy(gm)
         engine, report = attach_runtime(gm, inputs, runtime, target=target, options=options, fp32_model=fp32)
     report.changes = changes
+    if engine is None and gm.meta.get(CHECK_INPUTS_META):
+        _runs_on_its_example(gm, gm.meta[CHECK_INPUTS_META])
     module: nn.Module = engine if engine is not None else gm
     refuse_autograd(gm)  # the engine applies the same rule itself (gml.inference)
     if any(gml_op_name(n) in INT8_SCHEMAS for n in gm.graph.nodes):  # an INT8 graph: no NaN / Inf inputs
@@ -675,6 +677,27 @@ def attach_loaded_runtime(
             refuse_nonfinite(engine, masks)
     module.runtime = report
     return module
+
+
+def _runs_on_its_example(gm: fx.GraphModule, example: Sequence[Any]) -> None:
+    """:class:`ModelLoadError` unless the loaded program runs on the example it was saved with (the
+    header's shapes and integer values, seeded floats). ``save`` exported it on that example, so a
+    failure there means the file was edited (a conv's padding changed, the example's shapes
+    rewritten) with the manifest re-sealed: before, such a file loaded on the torch path and the
+    first call raised torch's own error (``The size of tensor a (8) must match ...``). Checked where
+    no engine was built: the engine's build runs the program on the same inputs."""
+    from gml.ir.values import cloned
+    from gml.runtime.compile import run_first_call
+
+    try:
+        with torch.no_grad():
+            run_first_call(gm, cloned(example))
+    except InputError as e:
+        raise ModelLoadError(
+            f"the saved program does not run on the inputs it was saved with: {e.message}",
+            hint="gml.io.save exports the program on those inputs: the file was altered after saving; "
+            "save the model again",
+        ) from e
 
 
 def _float_proxy(gm: fx.GraphModule) -> fx.GraphModule | None:

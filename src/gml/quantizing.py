@@ -304,7 +304,7 @@ def _gml_fp32_instead(
     return QuantizeResult(
         opt.module, opt.report, ref.report, coverage, acc, reference, seconds, opt.engine, opt.runtime,
         scheme=scheme, scheme_reason=job.reason, precisions=table, cost=cost, precision=fallback,
-        fallback_precision=fallback, precision_reason=why, target=job.target,
+        fallback_precision=fallback, precision_reason=why, target=job.target, example_inputs=job.inputs,
     )  # fmt: skip
 
 
@@ -575,6 +575,7 @@ class StaticScheme:
             cost=cost,
             fallback_precision=job.fallback,
             target=job.target,
+            example_inputs=job.inputs,
         )
 
 

@@ -108,6 +108,9 @@ class QuantizeResult:
     rejected_int8_accuracy: Any = None
     #: the CPU the model was quantized and planned for, and its INT8 arithmetic (``target.describe()``)
     target: Any = None
+    #: the example inputs the model was captured with: ``save`` exports on them and records them for
+    #: the load check (a file saved without them is checked on generated inputs of its shapes)
+    example_inputs: tuple = ()
 
     @property
     def executable(self) -> Any:
@@ -127,7 +130,7 @@ class QuantizeResult:
             # example's batch and sequence length stay dynamic where the graph allows
             save(self.module, path, self.frontend.example_inputs, dynamic_dims="all")
             return
-        save(self.module, path)
+        save(self.module, path, self.example_inputs or None)
 
 
 __all__ = ["OptimizeResult", "QuantizeResult"]
