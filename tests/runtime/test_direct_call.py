@@ -4,6 +4,7 @@ the glue around MiniLM's plan was a quarter of an 11-token call after 100 ms idl
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -262,3 +263,49 @@ def test_an_argument_traced_as_its_default_is_a_kept_value() -> None:
     directs = [layout.direct for layout in eng._direct.values()]
     assert len(directs) == 2 and all(d is not None for d in directs), eng.graph_module.code
     assert "cumsum" in directs[0].nodes, directs[0].code
+
+
+@needs_engine
+def test_a_hugging_face_output_is_built_directly_and_is_the_same_object() -> None:
+    """A ``ModelOutput`` of tensors comes back as the same object its own ``__init__`` would build (type,
+    items in order, attributes, None fields), from a builder that skips the dataclass machinery; a
+    ``transformers`` that built it otherwise would keep the pytree path (:func:`output_builder`)."""
+    transformers = pytest.importorskip("transformers")
+    import gml
+    from gml.runtime.direct_call import output_builder
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100
+    )
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(1, 100, (1, 7))
+    mask = torch.ones(1, 7, dtype=torch.long)
+    eng = gml.optimize(model, (ids, mask)).engine
+    assert eng is not None
+    with torch.no_grad():
+        want = model(ids, mask)
+        first, again = eng(ids, mask), eng(ids, mask)  # the graph's path, then the direct call
+    (layout,) = eng._direct.values()
+    builder = layout.direct._fn.__globals__["_unflatten"]
+    assert builder != eng.graph_module.graph._codegen.process_outputs, "the direct build was not taken"
+    for got in (first, again):
+        assert type(got) is type(want) and list(got.keys()) == list(want.keys())
+        assert got.hidden_states is None and got.attentions is None
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got["pooler_output"], want.pooler_output, rtol=1e-4, atol=1e-4)
+        assert got.to_tuple()[1] is got.pooler_output
+    assert again is not first and again.last_hidden_state is not first.last_hidden_state
+
+    # an output whose own build differs from the direct one keeps the pytree path
+    class Odd(type(want)):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            object.__setattr__(self, "extra", 1)
+
+    Odd = dataclasses.dataclass(Odd)
+    odd = Odd(last_hidden_state=want.last_hidden_state, pooler_output=want.pooler_output)
+    codegen = torch.fx.graph._PyTreeCodeGen(
+        torch.fx.graph._PyTreeInfo([], None, torch.utils._pytree.tree_flatten(odd)[1])
+    )
+    assert output_builder(codegen, odd) == codegen.process_outputs

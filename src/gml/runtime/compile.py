@@ -958,7 +958,7 @@ class EngineModule(nn.Module):
             if len(self._direct) >= MAX_PLANS:
                 self._direct.clear()
             floats = any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs)
-            self._direct[key] = _Layout(gm.code, specialise(gm, inputs), floats)
+            self._direct[key] = _Layout(gm.code, specialise(gm, inputs, out), floats)
             return out
         if self.refuses_nonfinite and hit.floats:
             refuse_nonfinite_inputs(inputs, self.nonfinite_masks)
