@@ -843,7 +843,6 @@ API_CASES += [
 ]
 
 
-
 # ---------------------------------------------------------------- saved models (gml.io.load, #11)
 #: A fixed folder, so the catalog shows the same path on every run.
 _SAVED_DIR = os.path.join(__import__("tempfile").gettempdir(), "gml-catalog-saved")
@@ -908,6 +907,7 @@ API_CASES += [
     ),
 ]
 
+
 def _load_edited_program(edit: Callable[[dict], None], *, int8: bool = False) -> object:
     """Save a SmallCNN (fp32, or INT8), edit its ``model.json`` with ``edit`` and re-seal the file as an
     attacker would (a consistent manifest), then load it (#24: every field is checked first)."""
@@ -942,6 +942,11 @@ def _zero_stride(program: dict) -> None:
     next(a for a in qconv["inputs"] if a["name"] == "stride")["arg"]["as_ints"] = [0, 0]
 
 
+def _conv_groups(program: dict) -> None:
+    conv = next(n for n in program["graph_module"]["graph"]["nodes"] if "convolution" in n["target"])
+    next(a for a in conv["inputs"] if a["name"] == "groups")["arg"]["as_int"] = 3
+
+
 API_CASES += [
     ApiCase(
         "saved model whose call names code (#24)",
@@ -966,6 +971,14 @@ API_CASES += [
         _model,
         ModelLoadError,
         "stride must hold integers in [1, ",
+    ),
+    ApiCase(
+        "saved model edited so it no longer runs on its own example",
+        "gml.load(path), the first conv's groups set to 3 in model.json, re-sealed",
+        lambda m: _load_edited_program(_conv_groups),
+        _model,
+        ModelLoadError,
+        "does not run on the inputs it was saved with",
     ),
 ]
 
