@@ -402,3 +402,49 @@ def test_a_sum_over_a_long_dim_runs_in_torch_with_its_reason():
     assert "a sum over 16 values (the engine adds up to 8 slices)" in str(res.runtime.shape_fallbacks), str(res.runtime)
     with torch.no_grad():
         torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class _Affine(nn.Module):
+    """timm's ResMLP ``Affine`` (``addcmul(beta, alpha, x)``) between two linears, or ``x.addcmul``
+    with a scale and a broadcast second operand (ConvNeXt-V2's GRN: ``addcmul(bias, weight, x * g)``)."""
+
+    def __init__(self, spelling: str, value: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.alpha, self.beta = nn.Parameter(torch.randn(1, 1, 8)), nn.Parameter(torch.randn(1, 1, 8))
+        self.spelling, self.value = spelling, value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)
+        if self.spelling == "function":
+            y = torch.addcmul(self.beta, self.alpha, y)
+        else:  # a method, a run-time gate of the broadcast shape (N, 1, C), a value
+            y = y.addcmul(torch.sigmoid(y[:, :1]), self.alpha, value=self.value)
+        return self.fc2(y)
+
+
+@pytest.mark.parametrize(("spelling", "value"), [("function", 1.0), ("method", 1.0), ("method", -0.5)])
+def test_addcmul_runs_in_the_plan(spelling, value):
+    """Before, each ``torch.addcmul`` ran in torch and cut the plan there (timm ResMLP-12: 26 segments, 2 after)."""
+    model, x = _Affine(spelling, value).eval(), torch.randn(2, 5, 8)
+    res = gml.optimize(model, x, runtime="engine")
+    assert res.runtime.segments == 1 and not res.runtime.shape_fallbacks, str(res.runtime)
+    assert not [n for n in res.runtime.torch_nodes if "addcmul" in n.name], str(res.runtime)
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_addcmul_the_engine_cannot_take_stays_in_torch_with_its_reason():
+    from torch import fx
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    g = fx.Graph()
+    x, t = g.placeholder("x"), g.placeholder("t")
+    g.output(g.call_function(torch.addcmul, (x, t, t), {"value": float("inf")}))
+    gm = fx.GraphModule(nn.Module(), g)
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    ShapeProp(gm).propagate(a, b)
+    eng = compile_engine(gm, [a, b])
+    assert eng.report.path == "torch"
+    assert [n.reason for n in eng.report.torch_nodes] == ["addcmul with value=inf (the engine takes a finite number)"]

@@ -17,6 +17,7 @@ READER_OPS = {
     "softmax",
     "interpolate",
     "normalize",
+    "addcmul",
     "sum",
     "flatten",
     "split",

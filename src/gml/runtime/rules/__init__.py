@@ -105,7 +105,7 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
     cat = shape.read_cat(node)  # torch.cat of float values (the INT8 graph's is gml.qcat)
     if cat is not None:
         return _with_table(cat)
-    # float F.pad / roll / interpolate / mean / sum / softmax / normalize
+    # float F.pad / roll / interpolate / mean / sum / softmax / normalize / addcmul
     moved = (
         shape.read_pad(node)
         or shape.read_roll(node)
@@ -114,6 +114,7 @@ def read_call(gm: fx.GraphModule, node: fx.Node) -> Call | None:
         or pool.read_sum(node)
         or eltwise.read_softmax(node)
         or eltwise.read_normalize(node)
+        or eltwise.read_addcmul(node)
     )
     if moved is not None:
         return _with_table(moved)

@@ -8,6 +8,7 @@ linear that made its operand becomes that linear's post-op (gml.runtime.rules.li
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -337,6 +338,53 @@ def _softmax_not_last(b: Builder, x: Val, out: Val, axis: int) -> None:
     b.reorder(y, out, src_q=None, dst_q=None)
 
 
+def read_addcmul(node: fx.Node) -> Call | None:
+    """``torch.addcmul(input, t1, t2, value=v)`` / ``input.addcmul(t1, t2)`` (``input + v · t1 · t2``) as an
+    ``"addcmul"`` :class:`Call`: timm's ResMLP ``Affine`` (``addcmul(beta, alpha, x)``) and ConvNeXt-V2's
+    global response norm (``addcmul(bias, weight, x * nx)``). In torch they cut the engine's plan at every
+    block (ResMLP-12: 26 segments)."""
+    function = node.op == "call_function" and node.target is torch.addcmul
+    if not (function or (node.op == "call_method" and node.target == "addcmul")):
+        return None
+    args = list(node.args)
+    kwargs = dict(node.kwargs)
+    names = ("input", "tensor1", "tensor2", "value")
+    got = dict(zip(names, args, strict=False))
+    if len(args) > len(names) or any(k not in names or k in got for k in kwargs):
+        return None  # (``out=``, or arguments given twice: torch's own error)
+    got.update(kwargs)
+    tensors = [got.get(k) for k in names[:3]]
+    if not all(isinstance(t, fx.Node) for t in tensors):
+        return None
+    return Call("addcmul", SimpleNamespace(value=got.get("value", 1)), tuple(tensors))
+
+
+def check_addcmul(c: Call) -> str | None:
+    value = c.a.value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return f"addcmul with value={value!r} (the engine takes a finite number)"
+    if all(n.op == "get_attr" for n in c.inputs):
+        return "addcmul of three constants"
+    dtypes = [base.meta_dtype(n) for n in c.inputs]
+    if any(d is not None and d not in base.FLOATS for d in dtypes):
+        return f"addcmul of {', '.join(str(d) for d in dtypes)} tensors (the engine multiplies fp32 / bf16)"
+    return None
+
+
+def emit_addcmul(b: Builder, c: Call, ins: list[Val], out: Val) -> None:
+    """``input + value · (t1 · t2)``: one binary mul into a temporary of the product's broadcast shape
+    (``value`` as its linear post-op unless 1), then one binary add into ``out``. torch computes
+    ``(value · t1) · t2``: equal for ``value`` 1 (and any power of two), else a rounding apart."""
+    x, t1, t2 = ins
+    shape = tuple(torch.broadcast_shapes(t1.shape, t2.shape))
+    if torch.broadcast_shapes(shape, x.shape) != torch.Size(out.shape):
+        raise Unsupported(f"addcmul of {x.shape}, {t1.shape} and {t2.shape} into {out.shape}")
+    product = b.temp(shape, base.contiguous_strides(shape), out.dtype_name)
+    value = float(c.a.value)
+    float_binary(b, t1, t2, product, "mul", eltwise=None if value == 1.0 else [("linear", value, 0.0)])
+    float_binary(b, x, product, out, "add")
+
+
 def read_normalize(node: fx.Node) -> Call | None:
     """``F.normalize(x, p, dim, eps)`` as a ``"normalize"`` :class:`Call` (XCiT's and EdgeNeXt's q / k)."""
     if node.op != "call_function" or node.target is not F.normalize:
@@ -471,5 +519,6 @@ RULES: dict[object, TranslationRule] = {
     nn.Softmax: TranslationRule(check_softmax, emit_softmax),
     "softmax": TranslationRule(check_softmax, emit_softmax),  # F.softmax / x.softmax (read_softmax)
     "normalize": TranslationRule(check_normalize, emit_normalize),  # F.normalize (read_normalize)
+    "addcmul": TranslationRule(check_addcmul, emit_addcmul, 3),  # torch.addcmul (read_addcmul)
     "group_norm": TranslationRule(check_group_norm, emit_group_norm, writes_free=True, reads_free=True),
 }
