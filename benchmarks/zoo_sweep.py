@@ -220,6 +220,8 @@ def _live_head(model: Any) -> bool:
     from torch import nn
 
     head = model.get_classifier() if hasattr(model, "get_classifier") else None
+    if isinstance(head, nn.Module) and not isinstance(head, nn.Linear):  # timm's ClassifierHead: its fc
+        head = next((m for m in reversed(list(head.modules())) if isinstance(m, nn.Linear)), None)
     if not isinstance(head, nn.Linear):
         return False
     with torch.no_grad():
